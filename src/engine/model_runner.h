@@ -1,0 +1,54 @@
+// The contract between the engine loop (host-only scheduling) and a loaded model on some backend.
+//
+// The engine owns the bookkeeping: which sequences run, which KV pages and recurrent-state slots they
+// hold. A ModelRunner owns the memory those ids refer to (the KV page pool and the state slots, on
+// the CPU or a GPU) and runs forward passes over a batch of sequence chunks.
+//
+// Paged KV: the pool has `kv_pages` pages of `page_size` tokens (all full-attention layers of one token
+// position live in the same page slot). A sequence's KV for position p lives in page
+// page_table[p / page_size], row p % page_size. Linear-attention (Gated DeltaNet) layers keep a fixed
+// per-sequence state in `state_slot`.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kiln::engine {
+
+struct RunnerCapacity {
+  int64_t kv_pages = 0;        // pages in the KV pool
+  int page_size = 16;          // tokens per page
+  int state_slots = 0;         // recurrent-state slots (max sequences alive at once)
+  int64_t max_context = 0;     // longest sequence the model supports (tokens)
+  int64_t kv_bytes_per_token = 0;
+  int64_t state_bytes_per_slot = 0;
+};
+
+// One sequence's piece of work in a forward step: `tokens` at positions
+// [start_pos, start_pos + tokens.size()). start_pos == 0 means a fresh sequence: the runner
+// resets the state slot before use. A decode step is a chunk of one token.
+struct SeqChunk {
+  int state_slot = -1;
+  std::span<const int32_t> tokens;
+  int64_t start_pos = 0;
+  std::span<const int32_t> page_table;  // pages covering [0, start_pos + tokens.size())
+  bool want_logits = true;              // logits for the chunk's last token
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  virtual RunnerCapacity capacity() const = 0;
+  virtual int64_t vocab_size() const = 0;
+
+  // Runs all chunks as one step. For each chunk with want_logits, writes vocab_size() floats (fp32
+  // logits of its last token) into `logits`, in chunk order. Throws kiln::Error on failure.
+  virtual void forward(std::span<const SeqChunk> chunks, std::span<float> logits) = 0;
+
+  // Human-readable description for the startup summary (backend, kernels, memory plan).
+  virtual std::string describe() const = 0;
+};
+
+}  // namespace kiln::engine

@@ -1,0 +1,52 @@
+// What a client asks the engine for, and what comes back. Plain host types: no HTTP, no JSON.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kiln::engine {
+
+struct SamplingParams {
+  float temperature = 1.0f;      // 0 = greedy
+  float top_p = 1.0f;
+  int top_k = 0;                 // 0 = off
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  std::optional<uint64_t> seed;  // same seed, same output
+};
+
+enum class FinishReason { none, stop, length, abort, error };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort", "error"
+
+struct GenerateRequest {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int64_t max_tokens = 256;
+  bool ignore_eos = false;
+  std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
+  int top_logprobs = 0;                 // >0: report that many alternatives per token
+  bool want_logprobs = false;
+};
+
+struct TokenLogprob {
+  int32_t token;
+  float logprob;
+};
+
+// One generated token (or the end of the stream).
+struct TokenEvent {
+  int32_t token = -1;                  // -1 on the final event when nothing new was generated
+  float logprob = 0.0f;
+  std::vector<TokenLogprob> top;       // when top_logprobs > 0
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::none;
+  std::string error;                   // when finish_reason == error
+  // Filled on the first event: timing in the engine.
+  double queue_ms = 0.0;
+};
+
+}  // namespace kiln::engine

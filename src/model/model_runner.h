@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace kiln::engine {
+namespace kiln::model {
 
 struct RunnerCapacity {
   int64_t kv_pages = 0;        // pages in the KV pool
@@ -51,4 +51,4 @@ class ModelRunner {
   virtual std::string describe() const = 0;
 };
 
-}  // namespace kiln::engine
+}  // namespace kiln::model

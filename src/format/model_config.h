@@ -1,0 +1,97 @@
+// The typed model configuration, parsed from a Hugging Face config.json (+ generation_config.json).
+//
+// Supported model_type values: qwen3_5_moe (settings under text_config, or at top level for a text-only
+// Qwen3_5MoeForCausalLM checkpoint), qwen3_5 (dense hybrid), qwen3_next, qwen3_moe, qwen3. Missing keys
+// take the defaults of the matching transformers configuration_*.py.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "format/model_dir.h"
+
+namespace kiln::format {
+
+enum class Arch { qwen3, qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe };
+const char* arch_name(Arch a);  // the model_type spelling: "qwen3_5_moe"
+
+enum class LayerType { linear_attention, full_attention };
+const char* layer_type_name(LayerType t);  // "linear_attention" / "full_attention"
+
+struct ModelConfig {
+  Arch arch = Arch::qwen3;
+  std::string model_type;    // as written at the top level of config.json ("qwen3_5_moe")
+  std::string architecture;  // architectures[0] ("Qwen3_5MoeForConditionalGeneration"), may be empty
+  bool has_vision_config = false;  // a vision_config block is present (VL checkpoint)
+
+  int64_t hidden_size = 0;
+  int num_layers = 0;
+  std::vector<LayerType> layer_types;  // [num_layers]
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+
+  // Full (softmax) attention.
+  int num_attention_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  bool attn_output_gate = false;  // q_proj emits [q | gate] per head (qwen3_5*, qwen3_next)
+  bool attention_bias = false;    // q/k/v/o projections have biases
+
+  // Linear attention (Gated DeltaNet); zero for qwen3/qwen3_moe.
+  int linear_num_key_heads = 0;
+  int linear_num_value_heads = 0;
+  int linear_key_head_dim = 0;
+  int linear_value_head_dim = 0;
+  int linear_conv_kernel = 0;
+
+  // Feed-forward. num_experts == 0: dense MLP of intermediate_size in every layer.
+  int num_experts = 0;
+  int experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert
+  int64_t intermediate_size = 0;                // dense MLP size (dense models, qwen3_moe mlp_only layers)
+  bool norm_topk_prob = true;                   // renormalise the top-k routing weights
+  int decoder_sparse_step = 1;                  // qwen3_moe / qwen3_next: MoE in layers (i+1) % step == 0
+  std::vector<int> mlp_only_layers;             // qwen3_moe / qwen3_next: dense MLP in these layers
+
+  // Rotary embedding.
+  std::string rope_type = "default";
+  double rope_theta = 10000.0;
+  double partial_rotary_factor = 1.0;  // fraction of head_dim that is rotated
+  std::vector<int> mrope_section;      // M-RoPE sections (qwen3_5*), empty otherwise
+  bool mrope_interleaved = false;
+
+  double rms_norm_eps = 1e-6;
+  bool norm_zero_centred = false;  // RMSNorm computes x * (1 + w) (qwen3_5*, qwen3_next)
+  bool tie_word_embeddings = false;
+
+  std::vector<int64_t> eos_token_ids;  // union of config.json and generation_config.json, sorted
+  std::optional<int64_t> bos_token_id;
+  std::optional<int64_t> pad_token_id;
+  std::string torch_dtype;  // "bfloat16", ... ("" when absent)
+
+  // Prefix of the language model's tensors: "model.language_model." (VL checkpoint) or "model.".
+  // Set from the architecture; weight_map's detect_tensor_prefix() refines it from the checkpoint.
+  std::string tensor_prefix = "model.";
+
+  // Helpers.
+  bool is_moe() const { return num_experts > 0; }
+  bool layer_is_full_attention(int layer) const { return layer_types[layer] == LayerType::full_attention; }
+  bool layer_is_moe(int layer) const;  // this layer's FFN is the sparse MoE block
+  int num_full_attention_layers() const;
+  int num_linear_attention_layers() const;
+  int rotary_dim() const;  // head_dim * partial_rotary_factor (even)
+  // "15 x [linear, linear, linear, full]" or "28 x [full]" or the full list when there is no period.
+  std::string layer_pattern() const;
+};
+
+// Parses config.json text (and optionally generation_config.json text; empty = absent).
+// `source` names the config in error messages.
+ModelConfig parse_model_config(std::string_view config_json, std::string_view generation_config_json = {},
+                               std::string_view source = "config.json");
+// config.json (+ generation_config.json if present) of a model directory.
+ModelConfig load_model_config(const ModelDir& dir);
+
+}  // namespace kiln::format

@@ -16,9 +16,16 @@ ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
 std::unique_ptr<ChatTemplate> ChatTemplate::from_model_files(std::optional<std::string>, std::string_view) {
   fail("chat templates are not implemented yet");
 }
-std::string ChatTemplate::render(const nlohmann::json&) const { fail("chat templates are not implemented yet"); }
+std::string ChatTemplate::render(const nlohmann::ordered_json&) const {
+  fail("chat templates are not implemented yet");
+}
+std::string ChatTemplate::render_json_text(std::string_view) const {
+  fail("chat templates are not implemented yet");
+}
 bool ChatTemplate::injects_think() const { return false; }
-const std::string& ChatTemplate::source() const { return source_; }
-const std::string& ChatTemplate::bos_token() const { return bos_token_; }
-const std::string& ChatTemplate::eos_token() const { return eos_token_; }
+bool ChatTemplate::prompt_ends_inside_think(std::string_view prompt) {
+  auto open = prompt.rfind("<think>");
+  auto close = prompt.rfind("</think>");
+  return open != std::string_view::npos && (close == std::string_view::npos || open > close);
+}
 }  // namespace kiln::tmpl

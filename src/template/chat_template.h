@@ -1,7 +1,7 @@
 // Chat templates: renders an OpenAI-style chat request into a prompt string with the model's Jinja
-// chat template, byte-identical to what Hugging Face transformers' apply_chat_template produces
-// (same Jinja environment settings: trim_blocks, lstrip_blocks, loop controls, HF's tojson,
-// raise_exception, strftime_now). The Jinja interpreter behind it lives in src/template/jinja/.
+// chat template, byte-identical to Hugging Face transformers' apply_chat_template (same Jinja
+// environment: trim_blocks, lstrip_blocks, loop controls, HF's tojson, raise_exception,
+// strftime_now, {% generation %}). The Jinja interpreter behind it lives in src/template/jinja/.
 #pragma once
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -17,8 +17,9 @@ class Template;
 
 class ChatTemplate {
  public:
-  // source: the Jinja text. bos/eos token strings are exposed to the template as bos_token/eos_token.
-  // Throws kiln::Error (with line:column) when the template does not parse.
+  // source: the Jinja text. bos/eos token strings are exposed to the template as bos_token/eos_token
+  // (an empty string leaves the variable undefined, as HF does for a tokenizer without that token).
+  // Throws kiln::Error with line:column when the template does not parse.
   ChatTemplate(std::string source, std::string bos_token = "", std::string eos_token = "");
   ~ChatTemplate();
   ChatTemplate(ChatTemplate&&) noexcept;
@@ -30,21 +31,28 @@ class ChatTemplate {
   static std::unique_ptr<ChatTemplate> from_model_files(std::optional<std::string> chat_template_jinja,
                                                         std::string_view tokenizer_config_json);
 
-  // Renders an OpenAI-style chat request: request["messages"] (required), optional "tools",
-  // "add_generation_prompt" (default true), "chat_template_kwargs" (object: each key becomes a
-  // template variable, e.g. enable_thinking). Tool-call `arguments` given as a JSON string are parsed
-  // into an object (kept as the raw string when not valid JSON), as SGLang/vLLM do.
-  // Throws kiln::Error for a bad request or when the template calls raise_exception(msg) (the
-  // message is the template's).
-  std::string render(const nlohmann::json& request) const;
+  // Renders an OpenAI-style chat request: request["messages"] (required), optional "tools" (passed
+  // as given; absent/null -> none), "add_generation_prompt" (default true), "chat_template_kwargs"
+  // (object: each key becomes a template variable, e.g. enable_thinking). Tool-call `arguments` given
+  // as a JSON string are parsed (kept as the raw string when not valid JSON), as SGLang/vLLM do.
+  // Takes ordered_json because key order is visible in the prompt (tool schemas go through tojson,
+  // Python dicts keep insertion order); parse requests with nlohmann::ordered_json::parse.
+  // Throws kiln::Error for a bad request, a template runtime error (with line:column), or when the
+  // template calls raise_exception(msg) (then the message is exactly the template's msg).
+  std::string render(const nlohmann::ordered_json& request) const;
+  // Same, from the request's JSON text.
+  std::string render_json_text(std::string_view request_json) const;
 
-  // Whether the generation prompt of this template starts with "<think>" (renders a tiny request
-  // with default kwargs and looks at what add_generation_prompt appends).
+  // Whether this template's generation prompt (default kwargs) leaves the model inside a think block,
+  // i.e. the prompt ends with "<think>" (trailing whitespace ignored), as Qwen3.5's does.
   bool injects_think() const;
+  // The same question for an already rendered prompt: the last "<think>" comes after the last
+  // "</think>". Use this per request (enable_thinking=false closes the block).
+  static bool prompt_ends_inside_think(std::string_view rendered_prompt);
 
-  const std::string& source() const;
-  const std::string& bos_token() const;
-  const std::string& eos_token() const;
+  const std::string& source() const { return source_; }
+  const std::string& bos_token() const { return bos_token_; }
+  const std::string& eos_token() const { return eos_token_; }
 
  private:
   std::string source_;

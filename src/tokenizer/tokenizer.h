@@ -43,7 +43,8 @@ class Tokenizer {
   // tokens are always matched. Invalid UTF-8 in the input is a kiln::Error.
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
   // Token ids -> UTF-8 text. skip_special drops special added tokens. Byte sequences that are not
-  // valid UTF-8 become U+FFFD (as HF decode does). An id outside the vocabulary is a kiln::Error.
+  // valid UTF-8 become U+FFFD (as HF decode does). Ids outside the vocabulary (a model's padded
+  // embedding rows) are skipped, as HF decode does.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
 
   int32_t token_to_id(std::string_view token) const;  // -1 if absent
@@ -54,6 +55,7 @@ class Tokenizer {
   std::optional<std::string> eos_token() const;       // from tokenizer_config.json
 
  private:
+  friend class StreamDecoder;
   explicit Tokenizer(std::unique_ptr<TokenizerImpl> impl);
   std::unique_ptr<TokenizerImpl> impl_;
 };

@@ -1,0 +1,236 @@
+#include "tokenizer/bpe.h"
+
+#include <algorithm>
+#include <climits>
+#include <queue>
+
+#include "core/error.h"
+#include "tokenizer/utf8.h"
+
+namespace kiln::tok {
+namespace {
+
+// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves; the other 68 bytes (controls,
+// space, DEL, NBSP, soft hyphen) map in order to U+0100 onwards.
+struct ByteLevelAlphabet {
+  char32_t byte_to_char[256];
+  int16_t char_to_byte[512];
+  ByteLevelAlphabet() {
+    std::fill(std::begin(char_to_byte), std::end(char_to_byte), int16_t{-1});
+    int next = 0;
+    for (int b = 0; b < 256; ++b) {
+      bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      byte_to_char[b] = printable ? char32_t(b) : char32_t(256 + next++);
+      char_to_byte[byte_to_char[b]] = static_cast<int16_t>(b);
+    }
+  }
+};
+
+const ByteLevelAlphabet& alphabet() {
+  static const ByteLevelAlphabet table;
+  return table;
+}
+
+}  // namespace
+
+bool byte_level_to_bytes(std::string_view token, std::string& out) {
+  out.clear();
+  const auto& table = alphabet();
+  for (size_t i = 0; i < token.size();) {
+    size_t n = utf8::valid_sequence_length(token, i);
+    if (n == 0) return false;
+    size_t len;
+    char32_t cp = utf8::decode(token, i, len);
+    if (cp >= 512 || table.char_to_byte[cp] < 0) return false;
+    out.push_back(static_cast<char>(table.char_to_byte[cp]));
+    i += len;
+  }
+  return true;
+}
+
+std::string bytes_to_byte_level(std::string_view bytes) {
+  std::string out;
+  for (unsigned char b : bytes) utf8::append(out, alphabet().byte_to_char[b]);
+  return out;
+}
+
+void BpeModel::MergeTable::build(const std::vector<std::pair<uint64_t, Merge>>& entries) {
+  size_t capacity = 16;
+  while (capacity < entries.size() * 2) capacity *= 2;
+  keys.assign(capacity, 0);
+  values.assign(capacity, Merge{0, 0});
+  mask = capacity - 1;
+  for (const auto& [pair, merge] : entries) {
+    uint64_t key = pair + 1;
+    uint64_t slot = hash(key) & mask;
+    while (keys[slot] != 0 && keys[slot] != key) slot = (slot + 1) & mask;
+    keys[slot] = key;  // a repeated merge keeps the last rank, as HF's merge map does
+    values[slot] = merge;
+  }
+}
+
+BpeModel::BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
+                   const std::vector<std::pair<std::string, std::string>>& merges, bool ignore_merges)
+    : ignore_merges_(ignore_merges) {
+  std::unordered_map<std::string_view, int32_t> by_token;  // byte-level string -> id
+  by_token.reserve(vocab.size());
+  bytes_to_id_.reserve(vocab.size());
+  std::string bytes;
+  for (const auto& [token, id] : vocab) {
+    by_token.emplace(token, id);
+    if (!byte_level_to_bytes(token, bytes))
+      fail("tokenizer.json: vocabulary token {:?} (id {}) is not in the byte-level alphabet; only byte-level "
+           "BPE tokenizers are supported", token, id);
+    bytes_to_id_.emplace(bytes, id);
+  }
+  for (int b = 0; b < 256; ++b) {
+    auto it = bytes_to_id_.find(std::string(1, static_cast<char>(b)));
+    if (it == bytes_to_id_.end())
+      fail("tokenizer.json: the BPE vocabulary has no token for byte 0x{:02X}; only complete byte-level "
+           "vocabularies are supported", b);
+    byte_ids_[b] = it->second;
+  }
+
+  std::vector<std::pair<uint64_t, Merge>> entries;
+  entries.reserve(merges.size());
+  std::string joined;
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& [left, right] = merges[rank];
+    auto l = by_token.find(left);
+    auto r = by_token.find(right);
+    if (l == by_token.end() || r == by_token.end())
+      fail("tokenizer.json: merge {} ({:?} {:?}) uses a token missing from the vocabulary", rank, left, right);
+    joined = left + right;
+    auto m = by_token.find(joined);
+    if (m == by_token.end())
+      fail("tokenizer.json: merge {} ({:?} {:?}) produces {:?}, which is missing from the vocabulary", rank,
+           left, right, joined);
+    uint64_t pair = (static_cast<uint64_t>(static_cast<uint32_t>(l->second)) << 32) | static_cast<uint32_t>(r->second);
+    entries.push_back({pair, Merge{static_cast<int32_t>(rank), m->second}});
+  }
+  merges_.build(entries);
+}
+
+int32_t BpeModel::bytes_to_id(std::string_view bytes) const {
+  auto it = bytes_to_id_.find(std::string(bytes));
+  return it == bytes_to_id_.end() ? -1 : it->second;
+}
+
+void BpeModel::merge_quadratic(std::string_view word, std::vector<int32_t>& out) const {
+  // symbols[i] and the rank of the pair (symbols[i], symbols[i + 1]) in ranks[i].
+  constexpr size_t kStack = 128;
+  int32_t symbols_stack[kStack], ranks_stack[kStack], merged_stack[kStack];
+  std::vector<int32_t> heap_storage;
+  int32_t *symbols = symbols_stack, *ranks = ranks_stack, *merged = merged_stack;
+  size_t n = word.size();
+  if (n > kStack) {
+    heap_storage.resize(3 * n);
+    symbols = heap_storage.data();
+    ranks = symbols + n;
+    merged = ranks + n;
+  }
+  for (size_t i = 0; i < n; ++i) symbols[i] = byte_ids_[static_cast<uint8_t>(word[i])];
+  auto rank_pair = [&](size_t i) {
+    const Merge* m = merges_.find(symbols[i], symbols[i + 1]);
+    ranks[i] = m ? m->rank : INT32_MAX;
+    merged[i] = m ? m->merged_id : -1;
+  };
+  for (size_t i = 0; i + 1 < n; ++i) rank_pair(i);
+  while (n > 1) {
+    size_t best = 0;
+    for (size_t i = 1; i + 1 < n; ++i)
+      if (ranks[i] < ranks[best]) best = i;
+    if (ranks[best] == INT32_MAX) break;
+    symbols[best] = merged[best];
+    for (size_t i = best + 1; i + 1 < n; ++i) {
+      symbols[i] = symbols[i + 1];
+      ranks[i] = ranks[i + 1];
+      merged[i] = merged[i + 1];
+    }
+    --n;
+    if (best + 1 < n) rank_pair(best);
+    else ranks[best] = INT32_MAX;
+    if (best > 0) rank_pair(best - 1);
+  }
+  out.insert(out.end(), symbols, symbols + n);
+}
+
+void BpeModel::merge_with_heap(std::string_view word, std::vector<int32_t>& out) const {
+  struct Symbol {
+    int32_t id;
+    int32_t prev;
+    int32_t next;  // -1 at the ends
+    bool alive;
+  };
+  struct Candidate {
+    int32_t rank;
+    int32_t pos;  // index of the left symbol
+    int32_t merged_id;
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  const int32_t n = static_cast<int32_t>(word.size());
+  std::vector<Symbol> symbols(n);
+  for (int32_t i = 0; i < n; ++i)
+    symbols[i] = {byte_ids_[static_cast<uint8_t>(word[i])], i - 1, i + 1 < n ? i + 1 : -1, true};
+  std::vector<Candidate> storage;
+  storage.reserve(n);
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue(std::greater<Candidate>{},
+                                                                                         std::move(storage));
+  auto push_pair = [&](int32_t left) {
+    int32_t right = symbols[left].next;
+    if (right < 0) return;
+    if (const Merge* m = merges_.find(symbols[left].id, symbols[right].id))
+      queue.push({m->rank, left, m->merged_id});
+  };
+  for (int32_t i = 0; i + 1 < n; ++i) push_pair(i);
+  while (!queue.empty()) {
+    Candidate top = queue.top();
+    queue.pop();
+    Symbol& left = symbols[top.pos];
+    if (!left.alive || left.next < 0) continue;
+    // Stale if either side changed since the candidate was queued.
+    const Merge* m = merges_.find(left.id, symbols[left.next].id);
+    if (m == nullptr || m->merged_id != top.merged_id) continue;
+    Symbol& right = symbols[left.next];
+    left.id = top.merged_id;
+    right.alive = false;
+    left.next = right.next;
+    if (right.next >= 0) symbols[right.next].prev = top.pos;
+    if (left.prev >= 0) push_pair(left.prev);
+    push_pair(top.pos);
+  }
+  for (int32_t i = 0; i >= 0 && i < n; i = symbols[i].next) out.push_back(symbols[i].id);
+}
+
+void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {
+  if (word.size() == 1) {
+    out.push_back(byte_ids_[static_cast<uint8_t>(word[0])]);
+    return;
+  }
+  if (ignore_merges_) {
+    auto it = bytes_to_id_.find(std::string(word));
+    if (it != bytes_to_id_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  if (word.size() > kCacheMaxWordBytes) {
+    merge_with_heap(word, out);
+    return;
+  }
+  {
+    std::lock_guard lock(cache_mutex_);
+    auto it = cache_.find(std::string(word));
+    if (it != cache_.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  size_t first = out.size();
+  merge_quadratic(word, out);
+  std::lock_guard lock(cache_mutex_);
+  if (cache_.size() >= kCacheMaxEntries) cache_.clear();
+  cache_.emplace(std::string(word), std::vector<int32_t>(out.begin() + first, out.end()));
+}
+
+}  // namespace kiln::tok

@@ -1,0 +1,79 @@
+// Byte-level BPE model: a vocabulary of byte strings and ranked merges.
+//
+// Words (pre-tokens) are raw UTF-8 bytes; the byte-level alphabet of tokenizer.json (GPT-2's
+// bytes_to_unicode) is undone when the vocabulary is loaded, so no per-word mapping is needed.
+// Merging applies the lowest-ranked adjacent pair first (leftmost on ties), as HF tokenizers does.
+#pragma once
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace kiln::tok {
+
+// Maps a byte-level token string (each char stands for one byte) to raw bytes; false if a char is
+// outside the byte-level alphabet (out is then unspecified).
+bool byte_level_to_bytes(std::string_view token, std::string& out);
+// Maps raw bytes to the byte-level alphabet.
+std::string bytes_to_byte_level(std::string_view bytes);
+
+class BpeModel {
+ public:
+  // vocab: byte-level token string -> id. merges: pairs of byte-level token strings, in rank order.
+  BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
+           const std::vector<std::pair<std::string, std::string>>& merges, bool ignore_merges);
+
+  // Appends the ids of one word (raw bytes, non-empty).
+  void encode_word(std::string_view word, std::vector<int32_t>& out) const;
+
+  // The two merge loops, exposed so tests can check they agree: quadratic for short words,
+  // heap + linked list for long ones.
+  void merge_quadratic(std::string_view word, std::vector<int32_t>& out) const;
+  void merge_with_heap(std::string_view word, std::vector<int32_t>& out) const;
+
+  int32_t byte_id(uint8_t b) const { return byte_ids_[b]; }
+  // Id of a token given as raw bytes; -1 if absent.
+  int32_t bytes_to_id(std::string_view bytes) const;
+
+ private:
+  struct Merge {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  // Open-addressing hash table (pair of ids -> merge), built once; lookups are the hot path.
+  struct MergeTable {
+    std::vector<uint64_t> keys;  // (left << 32 | right) + 1; 0 = empty slot
+    std::vector<Merge> values;
+    uint64_t mask = 0;
+    void build(const std::vector<std::pair<uint64_t, Merge>>& entries);
+    const Merge* find(int32_t left, int32_t right) const {
+      uint64_t key = ((static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right)) + 1;
+      for (uint64_t slot = hash(key) & mask;; slot = (slot + 1) & mask) {
+        if (keys[slot] == key) return &values[slot];
+        if (keys[slot] == 0) return nullptr;
+      }
+    }
+    static uint64_t hash(uint64_t k) {
+      k ^= k >> 33;
+      k *= 0xff51afd7ed558ccdull;
+      k ^= k >> 33;
+      return k;
+    }
+  };
+
+  MergeTable merges_;
+  std::unordered_map<std::string, int32_t> bytes_to_id_;  // raw bytes -> id
+  int32_t byte_ids_[256];
+  bool ignore_merges_;
+
+  // Cache of encoded words (most text repeats a small set of words). Bounded: cleared when full.
+  static constexpr size_t kCacheMaxWordBytes = 64;
+  static constexpr size_t kCacheMaxEntries = 1 << 17;
+  mutable std::mutex cache_mutex_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
+};
+
+}  // namespace kiln::tok

@@ -1,0 +1,306 @@
+// Unit tests on small hand-made tokenizers: BPE merge order, added-token options (HF semantics),
+// pre-tokenizer behaviours, streaming decode, lossy UTF-8, NFC, and errors for unsupported pieces.
+#include <nlohmann/json.hpp>
+
+#include <random>
+
+#include "core/error.h"
+#include "test_support.h"
+#include "tokenizer/bpe.h"
+#include "tokenizer/normalizer.h"
+#include "tokenizer/pre_tokenizer.h"
+#include "tokenizer/utf8.h"
+
+namespace kiln::tok {
+namespace {
+
+using nlohmann::json;
+
+// GPT-2's bytes_to_unicode, written out again here so the tests do not rely on the code under test.
+std::string byte_level(std::string_view bytes) {
+  std::string out;
+  for (unsigned char b : bytes) {
+    bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+    unsigned cp = b;
+    if (!printable) {
+      unsigned n = 0;
+      for (unsigned x = 0; x < b; ++x)
+        if (!((x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE))) ++n;
+      cp = 256 + n;
+    }
+    utf8::append(out, cp);
+  }
+  return out;
+}
+
+// A byte-level BPE whose ids 0..255 are the bytes themselves, plus a few merges.
+json tiny_tokenizer_json() {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_level(std::string(1, static_cast<char>(b)))] = b;
+  const std::vector<std::pair<std::string, std::string>> merges = {
+      {"l", "l"}, {"h", "e"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}, {"o", "r"}, {" w", "or"}, {"l", "d"}, {" wor", "ld"}};
+  json merge_list = json::array();
+  int next_id = 256;
+  for (const auto& [a, b] : merges) {
+    merge_list.push_back(byte_level(a) + " " + byte_level(b));
+    vocab[byte_level(a + b)] = next_id++;  // ll=256 he=257 hell=258 hello=259 " w"=260 or=261 " wor"=262 ld=263 " world"=264
+  }
+  json added = json::array();
+  added.push_back({{"id", 300}, {"content", "<s>"}, {"special", true}, {"normalized", false}});
+  added.push_back({{"id", 301}, {"content", "[MASK]"}, {"special", true}, {"normalized", false}, {"lstrip", true},
+                   {"rstrip", true}});
+  added.push_back({{"id", 302}, {"content", "<w>"}, {"special", false}, {"normalized", false}, {"single_word", true}});
+  return {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", added},
+      {"normalizer", {{"type", "NFC"}}},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merge_list}, {"ignore_merges", false}}},
+  };
+}
+
+std::unique_ptr<Tokenizer> tiny(const json& j = tiny_tokenizer_json()) {
+  return Tokenizer::from_json(j.dump(), R"({"bos_token": {"content": "<s>"}, "eos_token": null})");
+}
+
+using Ids = std::vector<int32_t>;
+
+TEST(TokenizerBpe, MergesByRankThenLeftmost) {
+  auto t = tiny();
+  EXPECT_EQ(t->encode("hello world"), (Ids{259, 264}));
+  EXPECT_EQ(t->encode("lld"), (Ids{256, 'd'}));  // (l,l) ranks before (l,d)
+  EXPECT_EQ(t->encode("lll"), (Ids{256, 'l'}));  // equal ranks: leftmost first
+  EXPECT_EQ(t->encode("hellod"), (Ids{259, 'd'}));
+  EXPECT_EQ(t->decode(Ids{259, 264}), "hello world");
+  EXPECT_EQ(t->vocab_size(), 303);
+  EXPECT_EQ(t->bos_token(), std::optional<std::string>("<s>"));
+  EXPECT_EQ(t->eos_token(), std::nullopt);
+}
+
+TEST(TokenizerBpe, MergesAsPairsAndIgnoreMerges) {
+  json j = tiny_tokenizer_json();
+  json pairs = json::array();
+  for (const auto& m : j["model"]["merges"]) {
+    std::string s = m;
+    pairs.push_back({s.substr(0, s.find(' ')), s.substr(s.find(' ') + 1)});
+  }
+  j["model"]["merges"] = pairs;
+  EXPECT_EQ(tiny(j)->encode("hello world"), (Ids{259, 264}));
+  // ignore_merges: a word found whole in the vocabulary is one token even if merges would not reach it.
+  j["model"]["vocab"][byte_level("xyz")] = 280;
+  EXPECT_EQ(tiny(j)->encode("xyz"), (Ids{'x', 'y', 'z'}));
+  j["model"]["ignore_merges"] = true;
+  EXPECT_EQ(tiny(j)->encode("xyz"), (Ids{280}));
+}
+
+TEST(TokenizerBpe, QuadraticAndHeapMergeLoopsAgree) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  json j = json::parse(testing::read_file(testing::qwen3_tokenizer_dir() + "/tokenizer.json"));
+  std::vector<std::pair<std::string, int32_t>> vocab;
+  for (const auto& [token, id] : j["model"]["vocab"].items()) vocab.emplace_back(token, id.get<int32_t>());
+  std::vector<std::pair<std::string, std::string>> merges;
+  for (const auto& m : j["model"]["merges"]) merges.emplace_back(m[0], m[1]);
+  BpeModel model(vocab, merges, false);
+  std::mt19937 rng(7);
+  const std::vector<std::string> pieces = {"the", "ing", " ", "é", "中文", "😀", "ab", "\n", "0", "tion", "ll", "  "};
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::string word;
+    int n = 1 + rng() % 60;
+    for (int i = 0; i < n; ++i) {
+      if (rng() % 4 == 0) {
+        word.push_back(static_cast<char>(rng() % 256));
+      } else {
+        word += pieces[rng() % pieces.size()];
+      }
+    }
+    Ids a, b;
+    model.merge_quadratic(word, a);
+    model.merge_with_heap(word, b);
+    ASSERT_EQ(a, b) << "word " << json(byte_level(word)).dump();
+  }
+}
+
+TEST(TokenizerAddedTokens, SpecialTokensAndParseSpecial) {
+  auto t = tiny();
+  EXPECT_EQ(t->encode("a<s>b"), (Ids{'a', 300, 'b'}));
+  EXPECT_EQ(t->encode("a<s>b", /*parse_special=*/false), (Ids{'a', '<', 's', '>', 'b'}));
+  EXPECT_EQ(t->decode(Ids{'a', 300, 'b'}), "a<s>b");
+  EXPECT_EQ(t->decode(Ids{'a', 300, 'b'}, /*skip_special=*/true), "ab");
+  EXPECT_TRUE(t->is_special(300));
+  EXPECT_FALSE(t->is_special(302));
+  EXPECT_EQ(t->token_to_id("<s>"), 300);
+  EXPECT_EQ(t->id_to_token(301), "[MASK]");
+}
+
+TEST(TokenizerAddedTokens, LstripAndRstripSwallowWhitespace) {
+  auto t = tiny();
+  // HF: lstrip / rstrip make the token take the (Unicode) whitespace around it.
+  EXPECT_EQ(t->encode("x  [MASK]  y"), (Ids{'x', 301, 'y'}));
+  EXPECT_EQ(t->encode("x\t[MASK]\xE2\x80\x80y"), (Ids{'x', 301, 'y'}));  // tab and U+2000
+  EXPECT_EQ(t->encode("[MASK] [MASK]"), (Ids{301, 301}));
+  EXPECT_EQ(t->decode(Ids{'x', 301, 'y'}), "x[MASK]y");
+}
+
+TEST(TokenizerAddedTokens, SingleWordNeedsNoWordCharactersAround) {
+  auto t = tiny();
+  EXPECT_EQ(t->encode("a <w> b"), (Ids{'a', ' ', 302, ' ', 'b'}));
+  EXPECT_EQ(t->encode("<w>"), (Ids{302}));
+  EXPECT_EQ(t->encode("a<w>b"), (Ids{'a', '<', 'w', '>', 'b'}));
+  // Punctuation is not a word character, a combining mark is (HF's \w).
+  EXPECT_EQ(t->encode(",<w>-"), (Ids{',', 302, '-'}));
+  Ids mark = t->encode("\xCC\x81<w>");  // U+0301 before it
+  EXPECT_EQ(std::find(mark.begin(), mark.end(), 302), mark.end());
+}
+
+TEST(TokenizerErrors, UnsupportedPiecesAreNamed) {
+  auto expect_error = [](json j, const std::string& needle) {
+    try {
+      Tokenizer::from_json(j.dump(), "");
+      ADD_FAILURE() << "no error; expected one naming " << needle;
+    } catch (const kiln::InternalError& e) {
+      ADD_FAILURE() << "internal error instead of a user error: " << e.what();
+    } catch (const kiln::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  json j = tiny_tokenizer_json();
+  j["model"]["type"] = "Unigram";
+  expect_error(j, "Unigram");
+  j = tiny_tokenizer_json();
+  j["model"]["type"] = "WordPiece";
+  expect_error(j, "WordPiece");
+  j = tiny_tokenizer_json();
+  j["normalizer"] = {{"type", "Lowercase"}};
+  expect_error(j, "Lowercase");
+  j = tiny_tokenizer_json();
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", {{{"type", "Whitespace"}}}}};
+  expect_error(j, "Whitespace");
+  j = tiny_tokenizer_json();
+  j["decoder"] = {{"type", "WordPiece"}};
+  expect_error(j, "WordPiece");
+  j = tiny_tokenizer_json();
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
+  expect_error(j, "<s>");
+  j = tiny_tokenizer_json();
+  j["model"]["merges"].push_back(byte_level("q") + " " + byte_level("zz"));
+  expect_error(j, "zz");
+  j = tiny_tokenizer_json();
+  j["pre_tokenizer"] = nullptr;
+  expect_error(j, "pre_tokenizer");
+  expect_error(json::array(), "model");
+  EXPECT_THROW(Tokenizer::from_json("{not json", ""), kiln::Error);
+  EXPECT_THROW(Tokenizer::load_dir("/nonexistent-folder"), kiln::Error);
+}
+
+TEST(TokenizerPreTokenizer, SplitBehaviorsMatchHfDocs) {
+  // The example of HF's SplitDelimiterBehavior documentation: "the-final--countdown" split on "-".
+  auto run = [](SplitBehavior behavior, bool invert = false) {
+    SplitPreTokenizer split("-", /*is_regex=*/false, behavior, invert);
+    std::vector<std::string> pieces;
+    auto sink = [&](std::string_view p) { pieces.emplace_back(p); };
+    split.split("the-final--countdown", PieceSink(sink));
+    return pieces;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(run(SplitBehavior::kRemoved), (V{"the", "final", "countdown"}));
+  EXPECT_EQ(run(SplitBehavior::kIsolated), (V{"the", "-", "final", "-", "-", "countdown"}));
+  EXPECT_EQ(run(SplitBehavior::kMergedWithPrevious), (V{"the-", "final-", "-", "countdown"}));
+  EXPECT_EQ(run(SplitBehavior::kMergedWithNext), (V{"the", "-final", "-", "-countdown"}));
+  EXPECT_EQ(run(SplitBehavior::kContiguous), (V{"the", "-", "final", "--", "countdown"}));
+  EXPECT_EQ(run(SplitBehavior::kRemoved, /*invert=*/true), (V{"-", "-", "-"}));
+}
+
+TEST(TokenizerPreTokenizer, WhitespaceIsUnicodeWhiteSpace) {
+  // \s follows Oniguruma (Unicode White_Space): U+3000 and U+0085 are spaces, U+180E is not.
+  Regex spaces(R"(\s+)");
+  auto matches = [&](std::string_view text) {
+    int n = 0;
+    spaces.for_each_match(text, [&](size_t, size_t) { ++n; });
+    return n;
+  };
+  EXPECT_EQ(matches("a\xE3\x80\x80" "b"), 1);
+  EXPECT_EQ(matches("a\xC2\x85" "b"), 1);
+  EXPECT_EQ(matches("a\xE1\xA0\x8E" "b"), 0);
+  EXPECT_EQ(translate_regex_for_pcre2(R"([^\s\p{L}])"),
+            R"([^\t-\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\p{L}])");
+  EXPECT_EQ(translate_regex_for_pcre2(R"(\\s[\]\s])"),
+            R"(\\s[\]\t-\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}])");
+  EXPECT_THROW(Regex("(unclosed"), kiln::Error);
+}
+
+TEST(TokenizerStream, CharactersSpanningTokensComeOutWhole) {
+  auto t = tiny();
+  StreamDecoder stream(*t, /*skip_special=*/false);
+  // U+1F600 as four byte tokens.
+  EXPECT_EQ(stream.push(0xF0), "");
+  EXPECT_EQ(stream.push(0x9F), "");
+  EXPECT_EQ(stream.push(0x98), "");
+  EXPECT_EQ(stream.push(0x80), "\xF0\x9F\x98\x80");
+  EXPECT_EQ(stream.push(259), "hello");
+  EXPECT_EQ(stream.push(0xC3), "");
+  EXPECT_EQ(stream.push(0xA9), "\xC3\xA9");
+  EXPECT_EQ(stream.flush(), "");
+}
+
+TEST(TokenizerStream, InvalidBytesBecomeReplacementCharacters) {
+  auto t = tiny();
+  const std::string kReplacement = "\xEF\xBF\xBD";
+  StreamDecoder stream(*t, /*skip_special=*/true);
+  EXPECT_EQ(stream.push(0xFF), kReplacement);               // never valid: out at once
+  EXPECT_EQ(stream.push(0xF0), "");
+  EXPECT_EQ(stream.push(0x9F), "");
+  EXPECT_EQ(stream.push('a'), kReplacement + "a");          // F0 9F cut short: one U+FFFD
+  EXPECT_EQ(stream.push(300), "");                          // special, skipped
+  EXPECT_EQ(stream.push(0xE2), "");
+  EXPECT_EQ(stream.flush(), kReplacement);                  // incomplete at the end
+  EXPECT_EQ(stream.flush(), "");
+
+  // Whole-sequence decode gives the same text as the stream.
+  Ids ids{0xFF, 0xF0, 0x9F, 'a', 300, 0xE2};
+  EXPECT_EQ(t->decode(ids, /*skip_special=*/true), kReplacement + kReplacement + "a" + kReplacement);
+}
+
+TEST(TokenizerUtf8, LossyDecodingReplacesMaximalSubparts) {
+  auto lossy = [](std::string_view s) {
+    std::string out;
+    utf8::append_lossy(s, out);
+    return out;
+  };
+  const std::string r = "\xEF\xBF\xBD";
+  EXPECT_EQ(lossy("abc"), "abc");
+  EXPECT_EQ(lossy("\xC0\x80"), r + r);                 // overlong lead byte
+  EXPECT_EQ(lossy("\xED\xA0\x80"), r + r + r);         // surrogate: ED then two lone continuations
+  EXPECT_EQ(lossy("\xE2\x82x"), r + "x");              // truncated 3-byte sequence
+  EXPECT_EQ(lossy("\xF4\x90\x80\x80"), r + r + r + r); // past U+10FFFF
+  EXPECT_EQ(lossy("\xF0\x9F\x98"), r);
+  EXPECT_TRUE(utf8::is_valid("\xF0\x9F\x98\x80"));
+  EXPECT_FALSE(utf8::is_valid("\xF0\x9F\x98"));
+}
+
+TEST(TokenizerNfc, MatchesPythonUnicodedata) {
+  // tests/fixtures/tokenizer/nfc_cases.jsonl: [input, NFC(input)] from Python's unicodedata
+  // (tools/unicode/gen_nfc_cases.py).
+  std::ifstream in(testing::source_path("tests/fixtures/tokenizer/nfc_cases.jsonl"));
+  ASSERT_TRUE(in) << "missing nfc_cases.jsonl";
+  std::string line;
+  size_t n = 0, failures = 0;
+  while (std::getline(in, line)) {
+    json j = json::parse(line);
+    std::string input = j[0], expected = j[1];
+    ++n;
+    if (nfc(input) != expected && ++failures <= 10)
+      ADD_FAILURE() << "NFC of " << json(input).dump(-1, ' ', true) << " is " << json(nfc(input)).dump(-1, ' ', true)
+                    << ", expected " << json(expected).dump(-1, ' ', true);
+  }
+  EXPECT_GT(n, 4000u);
+  EXPECT_EQ(failures, 0u);
+  EXPECT_EQ(nfc("plain ascii stays"), "plain ascii stays");
+}
+
+}  // namespace
+}  // namespace kiln::tok

@@ -18,6 +18,10 @@ enum class Arch { qwen3, qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe };
 const char* arch_name(Arch a);  // the model_type spelling: "qwen3_5_moe"
 
 enum class LayerType { linear_attention, full_attention };
+// How BF16 routed experts are stored: fused 3-D tensors (mlp.experts.gate_up_proj [E, 2I, H],
+// mlp.experts.down_proj [E, H, I]) or one set of linears per expert (mlp.experts.{e}.{gate,up,down}_proj).
+// Quantised (ModelOpt) experts are always per expert.
+enum class ExpertLayout { fused, per_expert };
 const char* layer_type_name(LayerType t);  // "linear_attention" / "full_attention"
 
 struct ModelConfig {
@@ -75,6 +79,9 @@ struct ModelConfig {
   // Prefix of the language model's tensors: "model.language_model." (VL checkpoint) or "model.".
   // Set from the architecture; weight_map's detect_tensor_prefix() refines it from the checkpoint.
   std::string tensor_prefix = "model.";
+  // BF16 expert layout: fused for qwen3_5_moe, per expert for qwen3_moe / qwen3_next (their released
+  // checkpoints); weight_map's verify_checkpoint() refines it from the checkpoint.
+  ExpertLayout expert_layout = ExpertLayout::fused;
 
   // Helpers.
   bool is_moe() const { return num_experts > 0; }

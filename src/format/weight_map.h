@@ -53,6 +53,7 @@ struct ExpectedTensor {
   int layer = -1;             // decoder layer, -1 for embeddings / final norm / lm_head
   int expert = -1;            // routed expert index when stored per expert, else -1
   bool optional = false;      // may be absent (kv scales)
+  int64_t params = 0;         // logical parameters it holds (FP4 weight: 2 per byte; scales: 0)
 
   uint64_t nbytes() const;  // shape x dtype_size(dtypes[0]) (U8 FP4 packed: already halved in shape)
 };
@@ -65,7 +66,9 @@ std::string layer_prefix(const ModelConfig& config, int layer);
 // would have quantised a router.
 QuantScheme effective_scheme(const ModelConfig& config, const QuantConfig& quant, const std::string& module);
 
-// Every tensor the language model needs, in layer order.
+// Every tensor the language model needs, in layer order. Scalars (shape []) also match a stored [1].
+// Uses config.tensor_prefix and config.expert_layout as they are (verify_checkpoint() sets both from
+// the checkpoint).
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& config, const QuantConfig& quant);
 
 // "model.language_model." or "model.", whichever the checkpoint's embed_tokens uses; kiln::Error if

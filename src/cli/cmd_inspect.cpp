@@ -1,0 +1,226 @@
+// kiln inspect: what a model is and what it needs. Reads config.json (+ quantisation config); when weights
+// are present, verifies them against the config and uses their real sizes. Plans memory for --tp GPUs.
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "format/capacity.h"
+#include "format/model_config.h"
+#include "format/model_dir.h"
+#include "format/quant_config.h"
+#include "format/safetensors.h"
+#include "format/weight_map.h"
+
+namespace {
+
+using namespace kiln;
+using namespace kiln::format;
+
+struct InspectOptions {
+  std::string model_path;
+  int tp = 1;
+  double gpu_mem_gib = 0;
+  std::string kv_cache_dtype = "bf16";
+  double mem_fraction_static = 0.90;
+  double activation_reserve_gib = 2.0;
+  bool json = false;
+};
+
+std::string gb(uint64_t bytes) { return fmt::format("{:.2f} GB", bytes / 1e9); }
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
+std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1024.0 * 1024.0)); }
+std::string billions(int64_t n) { return fmt::format("{:.2f} B", n / 1e9); }
+std::string with_commas(int64_t n) {
+  std::string s = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return (n < 0 ? "-" : "") + out;
+}
+
+bool has_weights(const ModelDir& dir) {
+  for (const auto& f : dir.files())
+    if (f.ends_with(".safetensors") || f == "model.safetensors.index.json") return true;
+  return false;
+}
+
+// Per role, in reading order.
+const char* kRoleOrder[] = {role::kRoutedExpert, role::kSharedExpert, role::kDenseMlp, role::kRouter,
+                            role::kLinearAttention, role::kAttention, role::kEmbedding, role::kLmHead,
+                            role::kNorm, role::kKvScale};
+
+int run_inspect(const InspectOptions& o) {
+  ModelDir dir = o.model_path.empty() ? ModelDir::embedded() : ModelDir::open(o.model_path);
+  ModelConfig cfg = load_model_config(dir);
+  QuantConfig quant = load_quant_config(dir);
+
+  CapacityOptions copt;
+  copt.tp = o.tp;
+  copt.gpu_mem_gib = o.gpu_mem_gib;
+  copt.mem_fraction_static = o.mem_fraction_static;
+  copt.activation_reserve_gib = o.activation_reserve_gib;
+  if (o.kv_cache_dtype == "bf16" || o.kv_cache_dtype == "auto") copt.kv_dtype = DType::BF16;
+  else if (o.kv_cache_dtype == "fp8_e4m3" || o.kv_cache_dtype == "fp8") copt.kv_dtype = DType::F8_E4M3;
+  else fail("--kv-cache-dtype '{}' is not supported (use bf16 or fp8_e4m3)", o.kv_cache_dtype);
+
+  std::unique_ptr<Checkpoint> ckpt;
+  VerifyReport report;
+  if (has_weights(dir)) {
+    ckpt = std::make_unique<Checkpoint>(Checkpoint::open(dir));
+    report = verify_checkpoint(*ckpt, cfg, quant);
+  }
+  const std::vector<ExpectedTensor> tensors = expected_tensors(cfg, quant);
+  const CapacityPlan p = plan_capacity(cfg, tensors, copt, ckpt.get());
+
+  // Which scheme each kind of linear uses (first tensor of each role).
+  std::map<std::string, std::set<std::string>> schemes_by_role;
+  for (const auto& t : tensors) {
+    if (!t.name.ends_with(".weight") && !t.name.ends_with("gate_up_proj") && !t.name.ends_with("experts.down_proj")) continue;
+    std::string scheme = t.dtypes.front() == DType::U8 ? "nvfp4" : t.dtypes.front() == DType::F8_E4M3 ? "fp8" : "bf16";
+    schemes_by_role[t.role].insert(scheme);
+  }
+
+  if (o.json) {
+    nlohmann::ordered_json j;
+    j["model"] = dir.display_path();
+    j["model_type"] = cfg.model_type;
+    j["architecture"] = cfg.architecture;
+    j["tensor_prefix"] = cfg.tensor_prefix;
+    j["num_layers"] = cfg.num_layers;
+    j["num_full_attention_layers"] = cfg.num_full_attention_layers();
+    j["num_linear_attention_layers"] = cfg.num_linear_attention_layers();
+    j["layer_pattern"] = cfg.layer_pattern();
+    j["quant_algo"] = quant.quant_algo;
+    j["kv_cache_dtype"] = dtype_name(copt.kv_dtype);
+    j["params_total"] = p.params_total;
+    j["params_active"] = p.params_active;
+    j["weight_bytes"] = p.weight_bytes;
+    nlohmann::ordered_json by_dtype = nlohmann::ordered_json::object();
+    for (auto& [d, b] : p.weight_bytes_by_dtype) by_dtype[dtype_name(d)] = b;
+    j["weight_bytes_by_dtype"] = by_dtype;
+    nlohmann::ordered_json by_role = nlohmann::ordered_json::object(), dec_role = nlohmann::ordered_json::object();
+    for (auto& [r, b] : p.weight_bytes_by_role) by_role[r] = b;
+    for (auto& [r, b] : p.decode_bytes_by_role) dec_role[r] = b;
+    j["weight_bytes_by_role"] = by_role;
+    j["sizes_from_checkpoint"] = p.sizes_from_checkpoint;
+    j["decode_bytes_per_token"] = p.decode_bytes_per_token;
+    j["decode_bytes_by_role"] = dec_role;
+    j["kv_bytes_per_token"] = p.kv_bytes_per_token;
+    j["recurrent_state_bytes_per_layer"] = p.recurrent_state_bytes_per_layer;
+    j["conv_state_bytes_per_layer"] = p.conv_state_bytes_per_layer;
+    j["state_bytes_per_sequence"] = p.state_bytes_per_sequence;
+    j["tp"] = p.tp;
+    j["gpu_mem_gib"] = o.gpu_mem_gib;
+    j["mem_fraction_static"] = o.mem_fraction_static;
+    j["activation_reserve_bytes"] = p.activation_reserve_bytes;
+    j["weight_bytes_per_gpu"] = p.weight_bytes_per_gpu;
+    j["decode_bytes_per_token_per_gpu"] = p.decode_bytes_per_token_per_gpu;
+    j["kv_bytes_per_token_per_gpu"] = p.kv_bytes_per_token_per_gpu;
+    j["state_bytes_per_sequence_per_gpu"] = p.state_bytes_per_sequence_per_gpu;
+    j["kv_budget_bytes_per_gpu"] = p.kv_budget_bytes;
+    if (o.gpu_mem_gib > 0) j["max_kv_tokens"] = p.max_kv_tokens;
+    else j["max_kv_tokens"] = nullptr;
+    j["notes"] = p.notes;
+    if (ckpt) {
+      j["checkpoint_tensors"] = ckpt->size();
+      j["ignored_vision_tensors"] = report.ignored_vision;
+      j["ignored_mtp_tensors"] = report.ignored_mtp;
+      j["unused_tensors"] = report.unexpected;
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+
+  auto line = [](const char* key, const std::string& value) { std::printf("%-22s %s\n", key, value.c_str()); };
+  line("model", dir.display_path());
+  line("architecture", fmt::format("{}{}", cfg.model_type, cfg.architecture.empty() ? "" : " (" + cfg.architecture + ")"));
+  line("layers", fmt::format("{} = {} ({} linear-attention, {} full-attention)", cfg.num_layers, cfg.layer_pattern(),
+                             cfg.num_linear_attention_layers(), cfg.num_full_attention_layers()));
+  line("hidden / vocab", fmt::format("{} / {}, max context {}, tied embeddings: {}", cfg.hidden_size, cfg.vocab_size,
+                                     cfg.max_position_embeddings, cfg.tie_word_embeddings ? "yes" : "no"));
+  line("attention", fmt::format("{} heads / {} KV heads x {}{}, rotary {} dims, theta {:g}{}", cfg.num_attention_heads,
+                                cfg.num_kv_heads, cfg.head_dim, cfg.attn_output_gate ? ", output gate" : "",
+                                cfg.rotary_dim(), cfg.rope_theta,
+                                cfg.mrope_section.empty() ? "" : fmt::format(", mrope {}", fmt::join(cfg.mrope_section, "/"))));
+  if (cfg.num_linear_attention_layers())
+    line("linear attention", fmt::format("{} key / {} value heads x {}/{}, conv kernel {}", cfg.linear_num_key_heads,
+                                         cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                         cfg.linear_conv_kernel));
+  if (cfg.num_experts)
+    line("MoE", fmt::format("{} experts, top-{}{}, expert intermediate {}, shared expert {}", cfg.num_experts,
+                            cfg.experts_per_tok, cfg.norm_topk_prob ? " (renormalised)" : "", cfg.moe_intermediate_size,
+                            cfg.shared_expert_intermediate_size ? std::to_string(cfg.shared_expert_intermediate_size) : "none"));
+  if (cfg.intermediate_size && (cfg.num_experts == 0 || !cfg.mlp_only_layers.empty()))
+    line("dense MLP", fmt::format("intermediate {}", cfg.intermediate_size));
+  std::string qdesc = quant.is_quantized() ? fmt::format("{} (from {})", quant.quant_algo, quant.source) : "none (BF16)";
+  std::string per_role;
+  for (const char* r : kRoleOrder) {
+    auto it = schemes_by_role.find(r);
+    if (it == schemes_by_role.end()) continue;
+    per_role += fmt::format("{}{}: {}", per_role.empty() ? "" : ", ", r, fmt::join(it->second, "+"));
+  }
+  line("quantisation", qdesc);
+  line("", per_role);
+  if (ckpt)
+    line("checkpoint", fmt::format("verified: {} tensors match ({} vision + {} MTP ignored, {} unused); real sizes used",
+                                   report.matched, report.ignored_vision, report.ignored_mtp, report.unexpected));
+  else
+    line("checkpoint", "no weights in the folder: sizes computed from the config");
+  line("params", fmt::format("{} total, {} active per token", billions(p.params_total), billions(p.params_active)));
+  std::string dt;
+  for (auto& [d, b] : p.weight_bytes_by_dtype) dt += fmt::format("{}{} {}", dt.empty() ? "" : ", ", dtype_name(d), gb(b));
+  line("weights", fmt::format("{} ({})", gb(p.weight_bytes), dt));
+  std::string dr;
+  for (const char* r : kRoleOrder) {
+    auto it = p.decode_bytes_by_role.find(r);
+    if (it == p.decode_bytes_by_role.end() || it->second == 0) continue;
+    dr += fmt::format("{}{} {}", dr.empty() ? "" : ", ", r, gb(it->second));
+  }
+  line("decode reads/token", fmt::format("{} at batch 1 ({})", gb(p.decode_bytes_per_token), dr));
+  line("KV cache/token", fmt::format("{} bytes ({}; {} full layers x 2 x {} KV heads x {})",
+                                     with_commas(p.kv_bytes_per_token), dtype_name(copt.kv_dtype),
+                                     cfg.num_full_attention_layers(), cfg.num_kv_heads, cfg.head_dim));
+  if (p.state_bytes_per_sequence)
+    line("state/sequence", fmt::format("{} ({} linear layers x ({} fp32 recurrent + {} conv))",
+                                       mib(p.state_bytes_per_sequence), cfg.num_linear_attention_layers(),
+                                       mib(p.recurrent_state_bytes_per_layer), mib(p.conv_state_bytes_per_layer)));
+  std::printf("\nplan for tp %d%s:\n", p.tp,
+              o.gpu_mem_gib > 0 ? fmt::format(" x {:g} GiB (mem fraction {:g}, activation reserve {:g} GiB)",
+                                              o.gpu_mem_gib, o.mem_fraction_static, o.activation_reserve_gib).c_str()
+                                : " (pass --gpu-mem-gib for a KV budget)");
+  line("  weights/GPU", fmt::format("{} ({})", gib(p.weight_bytes_per_gpu), gb(p.weight_bytes_per_gpu)));
+  line("  decode reads/GPU", gb(p.decode_bytes_per_token_per_gpu) + " per token at batch 1");
+  line("  KV cache/token/GPU", with_commas(p.kv_bytes_per_token_per_gpu) + " bytes");
+  if (p.state_bytes_per_sequence) line("  state/sequence/GPU", mib(p.state_bytes_per_sequence_per_gpu) + " (not in the KV budget)");
+  if (o.gpu_mem_gib > 0) {
+    line("  KV budget/GPU", fmt::format("{} = {} x {:g} - {} weights - {} reserve", gib(p.kv_budget_bytes),
+                                        gib(p.gpu_bytes), o.mem_fraction_static, gib(p.weight_bytes_per_gpu),
+                                        gib(p.activation_reserve_bytes)));
+    line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
+                                                : "0: the weights do not fit; use more GPUs or more memory");
+  }
+  for (const auto& n : p.notes) line("  note", n);
+  return 0;
+}
+
+kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weights, KV cache, state)", [](CLI::App& app) {
+  auto o = std::make_shared<InspectOptions>();
+  app.add_option("--model-path", o->model_path, "Model folder (default: the embedded model, if built in)");
+  app.add_option("--tp", o->tp, "GPUs to split the model over (tensor parallel)")->check(CLI::Range(1, 1024));
+  app.add_option("--gpu-mem-gib", o->gpu_mem_gib, "Memory per GPU in GiB (enables the KV-token budget)")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--kv-cache-dtype", o->kv_cache_dtype, "bf16 or fp8_e4m3");
+  app.add_option("--mem-fraction-static", o->mem_fraction_static, "Share of GPU memory for weights + KV cache")
+      ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--activation-reserve-gib", o->activation_reserve_gib, "Per-GPU reserve for activations")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_flag("--json", o->json, "Machine-readable output");
+  return [o]() -> int { return run_inspect(*o); };
+}};
+
+}  // namespace

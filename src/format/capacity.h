@@ -1,0 +1,71 @@
+// Memory and bandwidth planning for a model on N GPUs (kiln inspect; the engine's startup summary).
+//
+// Definitions (all bytes as stored, language model only; vision tower and MTP head excluded):
+//  - params_total: logical parameters (an FP4 byte holds 2; scale tensors hold none).
+//  - params_active: everything except routed experts, plus experts_per_tok / num_experts of them.
+//  - decode_bytes_per_token: what one decode step at batch 1 reads: all non-expert weights, top-k
+//    routed experts (k/E of the routed bytes), shared experts, lm_head; the embedding counts one row.
+//  - kv_bytes_per_token: full-attention layers x 2 (K, V) x kv_heads x head_dim x KV dtype size.
+//  - state_bytes_per_sequence: per linear-attention layer, the fp32 recurrent state
+//    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes).
+//  - Tensor parallel over tp GPUs: routed experts, attention heads, linear-attention heads, shared expert /
+//    dense MLP rows, embedding and lm_head (vocab-parallel) split by tp; norms, routers and kv scales are
+//    replicated; KV projections are replicated once tp exceeds the KV heads (each GPU keeps one KV head);
+//    anything whose head/row count tp does not divide is replicated (listed in notes).
+//  - max_kv_tokens = (gpu_mem x mem_fraction_static - weights per GPU - activation reserve)
+//                    / kv_bytes_per_token_per_gpu  (recurrent state for live sequences not included).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "format/model_config.h"
+#include "format/safetensors.h"
+#include "format/weight_map.h"
+
+namespace kiln::format {
+
+struct CapacityOptions {
+  int tp = 1;                          // GPUs the model is split over
+  double gpu_mem_gib = 0;              // memory per GPU; 0: skip the per-GPU budget (max_kv_tokens = -1)
+  double mem_fraction_static = 0.90;   // share of GPU memory for weights + KV cache (rest: runtime)
+  double activation_reserve_gib = 2.0; // per GPU, for activations / workspaces
+  DType kv_dtype = DType::BF16;        // BF16 or F8_E4M3
+  int conv_state_bytes = 2;            // element size of the conv state (bf16)
+};
+
+struct CapacityPlan {
+  int64_t params_total = 0;
+  int64_t params_active = 0;
+  uint64_t weight_bytes = 0;
+  std::map<DType, uint64_t> weight_bytes_by_dtype;
+  std::map<std::string, uint64_t> weight_bytes_by_role;
+  uint64_t decode_bytes_per_token = 0;
+  std::map<std::string, uint64_t> decode_bytes_by_role;
+  uint64_t kv_bytes_per_token = 0;
+  uint64_t recurrent_state_bytes_per_layer = 0;  // fp32 S
+  uint64_t conv_state_bytes_per_layer = 0;
+  uint64_t state_bytes_per_sequence = 0;
+  bool sizes_from_checkpoint = false;  // real tensor sizes were used
+
+  // Per GPU (tp).
+  int tp = 1;
+  uint64_t weight_bytes_per_gpu = 0;
+  uint64_t decode_bytes_per_token_per_gpu = 0;  // average over GPUs (routed experts spread evenly)
+  uint64_t kv_bytes_per_token_per_gpu = 0;
+  uint64_t state_bytes_per_sequence_per_gpu = 0;
+  uint64_t gpu_bytes = 0;                // gpu_mem_gib in bytes
+  uint64_t static_budget_bytes = 0;      // gpu_bytes x mem_fraction_static
+  uint64_t activation_reserve_bytes = 0;
+  int64_t kv_budget_bytes = 0;           // may be negative: weights do not fit
+  int64_t max_kv_tokens = -1;            // -1 when gpu_mem_gib is 0; 0 when nothing fits
+  std::vector<std::string> notes;        // replication and other caveats
+};
+
+// `ckpt` (optional): use the real stored size of each expected tensor found in it.
+CapacityPlan plan_capacity(const ModelConfig& config, const std::vector<ExpectedTensor>& tensors,
+                           const CapacityOptions& options, const Checkpoint* ckpt = nullptr);
+
+}  // namespace kiln::format

@@ -1,0 +1,280 @@
+#include "format/weight_map.h"
+
+#include <atomic>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace kiln::format {
+namespace {
+
+const std::vector<DType> kFloat = {DType::BF16, DType::F16, DType::F32};
+const std::vector<DType> kF32 = {DType::F32};
+
+bool is_router(const std::string& module) {
+  return module.ends_with(".mlp.gate") || module.ends_with(".mlp.shared_expert_gate");
+}
+
+class Builder {
+ public:
+  Builder(const ModelConfig& c, const QuantConfig& q) : c_(c), q_(q) {}
+
+  void plain(const std::string& name, Shape shape, const char* role, int layer, const std::vector<DType>& dtypes = kFloat) {
+    ExpectedTensor t;
+    t.name = name;
+    t.dtypes = dtypes;
+    t.shape = shape;
+    t.role = role;
+    t.layer = layer;
+    t.params = shape.numel();
+    out.push_back(std::move(t));
+  }
+
+  // A linear `module` with weight [n_out, k_in], stored per its quantisation scheme.
+  void linear(const std::string& module, int64_t n_out, int64_t k_in, const char* role, int layer, int expert = -1,
+              bool bias = false) {
+    const QuantScheme s = effective_scheme(c_, q_, module);
+    auto add = [&](std::string suffix, std::vector<DType> dtypes, Shape shape, int64_t params) {
+      ExpectedTensor t;
+      t.name = module + suffix;
+      t.dtypes = std::move(dtypes);
+      t.shape = shape;
+      t.role = role;
+      t.layer = layer;
+      t.expert = expert;
+      t.params = params;
+      out.push_back(std::move(t));
+    };
+    switch (s) {
+      case QuantScheme::none:
+        add(".weight", kFloat, Shape{n_out, k_in}, n_out * k_in);
+        break;
+      case QuantScheme::nvfp4:
+        if (k_in % q_.group_size)
+          fail("{} has {} inputs, not a multiple of the NVFP4 group size {}: it cannot be NVFP4", module, k_in, q_.group_size);
+        add(".weight", {DType::U8}, Shape{n_out, k_in / 2}, n_out * k_in);
+        add(".weight_scale", {DType::F8_E4M3}, Shape{n_out, k_in / q_.group_size}, 0);
+        add(".weight_scale_2", kF32, Shape{}, 0);
+        add(".input_scale", kF32, Shape{}, 0);
+        break;
+      case QuantScheme::fp8:
+        add(".weight", {DType::F8_E4M3}, Shape{n_out, k_in}, n_out * k_in);
+        add(".weight_scale", kF32, Shape{}, 0);
+        add(".input_scale", kF32, Shape{}, 0);
+        break;
+    }
+    if (bias) add(".bias", kFloat, Shape{n_out}, n_out);
+  }
+
+  std::vector<ExpectedTensor> out;
+
+ private:
+  const ModelConfig& c_;
+  const QuantConfig& q_;
+};
+
+}  // namespace
+
+uint64_t ExpectedTensor::nbytes() const {
+  return static_cast<uint64_t>(shape.numel()) * dtype_size(dtypes.front());
+}
+
+std::string layer_prefix(const ModelConfig& config, int layer) {
+  return config.tensor_prefix + "layers." + std::to_string(layer) + ".";
+}
+
+QuantScheme effective_scheme(const ModelConfig& config, const QuantConfig& quant, const std::string& module) {
+  const QuantScheme s = quant.scheme_for(module);
+  if (s != QuantScheme::none && is_router(module)) {
+    static std::once_flag noted;
+    std::call_once(noted, [&] {
+      KILN_LOG_INFO("note: the quantisation config would quantise router '{}' ({}); routers are kept BF16 "
+                    "(the exclude list probably forgot mlp.gate)", module, quant_scheme_name(s));
+    });
+    return QuantScheme::none;
+  }
+  return s;
+}
+
+std::vector<ExpectedTensor> expected_tensors(const ModelConfig& c, const QuantConfig& q) {
+  Builder b(c, q);
+  const std::string& P = c.tensor_prefix;
+  const int64_t H = c.hidden_size;
+  b.plain(P + "embed_tokens.weight", Shape{c.vocab_size, H}, role::kEmbedding, -1);
+
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string L = layer_prefix(c, l);
+    b.plain(L + "input_layernorm.weight", Shape{H}, role::kNorm, l);
+    b.plain(L + "post_attention_layernorm.weight", Shape{H}, role::kNorm, l);
+
+    if (c.layer_types[l] == LayerType::full_attention) {
+      const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
+      const std::string A = L + "self_attn.";
+      b.linear(A + "q_proj", nq * D * (c.attn_output_gate ? 2 : 1), H, role::kAttention, l, -1, c.attention_bias);
+      b.linear(A + "k_proj", nkv * D, H, role::kAttention, l, -1, c.attention_bias);
+      b.linear(A + "v_proj", nkv * D, H, role::kAttention, l, -1, c.attention_bias);
+      b.linear(A + "o_proj", H, nq * D, role::kAttention, l, -1, c.attention_bias);
+      b.plain(A + "q_norm.weight", Shape{D}, role::kNorm, l);
+      b.plain(A + "k_norm.weight", Shape{D}, role::kNorm, l);
+      if (q.kv_cache_fp8()) {
+        b.plain(A + "k_proj.k_scale", Shape{}, role::kKvScale, l, kF32);
+        b.out.back().optional = true;
+        b.out.back().params = 0;
+        b.plain(A + "v_proj.v_scale", Shape{}, role::kKvScale, l, kF32);
+        b.out.back().optional = true;
+        b.out.back().params = 0;
+      }
+    } else {
+      const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+      const int64_t key_dim = hk * c.linear_key_head_dim, value_dim = hv * c.linear_value_head_dim;
+      const int64_t conv_dim = 2 * key_dim + value_dim;
+      const std::string G = L + "linear_attn.";
+      if (c.arch == Arch::qwen3_next) {
+        // Fused projections, rows interleaved per key-head group: [q | k | v(group) | z(group)] and [b | a].
+        b.linear(G + "in_proj_qkvz", 2 * key_dim + 2 * value_dim, H, role::kLinearAttention, l);
+        b.linear(G + "in_proj_ba", 2 * hv, H, role::kLinearAttention, l);
+      } else {
+        b.linear(G + "in_proj_qkv", conv_dim, H, role::kLinearAttention, l);
+        b.linear(G + "in_proj_z", value_dim, H, role::kLinearAttention, l);
+        b.linear(G + "in_proj_b", hv, H, role::kLinearAttention, l);
+        b.linear(G + "in_proj_a", hv, H, role::kLinearAttention, l);
+      }
+      b.plain(G + "conv1d.weight", Shape{conv_dim, 1, c.linear_conv_kernel}, role::kLinearAttention, l);
+      b.plain(G + "A_log", Shape{hv}, role::kLinearAttention, l);
+      b.plain(G + "dt_bias", Shape{hv}, role::kLinearAttention, l);
+      b.plain(G + "norm.weight", Shape{c.linear_value_head_dim}, role::kNorm, l);
+      b.linear(G + "out_proj", H, value_dim, role::kLinearAttention, l);
+    }
+
+    const std::string M = L + "mlp.";
+    if (c.layer_is_moe(l)) {
+      const int64_t E = c.num_experts, I = c.moe_intermediate_size;
+      b.linear(M + "gate", E, H, role::kRouter, l);
+      // Quantised experts are stored per expert whatever the BF16 layout would be.
+      const bool experts_quantised = effective_scheme(c, q, M + "experts.0.gate_proj") != QuantScheme::none;
+      if (experts_quantised || c.expert_layout == ExpertLayout::per_expert) {
+        for (int e = 0; e < E; ++e) {
+          const std::string X = M + "experts." + std::to_string(e) + ".";
+          b.linear(X + "gate_proj", I, H, role::kRoutedExpert, l, e);
+          b.linear(X + "up_proj", I, H, role::kRoutedExpert, l, e);
+          b.linear(X + "down_proj", H, I, role::kRoutedExpert, l, e);
+        }
+      } else {
+        b.plain(M + "experts.gate_up_proj", Shape{E, 2 * I, H}, role::kRoutedExpert, l);
+        b.plain(M + "experts.down_proj", Shape{E, H, I}, role::kRoutedExpert, l);
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        const int64_t S = c.shared_expert_intermediate_size;
+        b.linear(M + "shared_expert.gate_proj", S, H, role::kSharedExpert, l);
+        b.linear(M + "shared_expert.up_proj", S, H, role::kSharedExpert, l);
+        b.linear(M + "shared_expert.down_proj", H, S, role::kSharedExpert, l);
+        b.linear(M + "shared_expert_gate", 1, H, role::kRouter, l);
+      }
+    } else {
+      const int64_t I = c.intermediate_size;
+      b.linear(M + "gate_proj", I, H, role::kDenseMlp, l);
+      b.linear(M + "up_proj", I, H, role::kDenseMlp, l);
+      b.linear(M + "down_proj", H, I, role::kDenseMlp, l);
+    }
+  }
+  b.plain(P + "norm.weight", Shape{H}, role::kNorm, -1);
+  if (!c.tie_word_embeddings) b.linear("lm_head", c.vocab_size, H, role::kLmHead, -1);
+  return std::move(b.out);
+}
+
+std::string detect_tensor_prefix(const Checkpoint& ckpt) {
+  for (const char* p : {"model.language_model.", "model."})
+    if (ckpt.has(std::string(p) + "embed_tokens.weight")) return p;
+  for (const char* p : {"model.language_model.", "model."}) {
+    const std::string layers = std::string(p) + "layers.";
+    auto it = ckpt.tensors().lower_bound(layers);
+    if (it != ckpt.tensors().end() && it->first.starts_with(layers)) return p;
+  }
+  fail("{}: cannot tell the tensor prefix: no model.language_model.embed_tokens.weight or "
+       "model.embed_tokens.weight (is this a Qwen checkpoint?)", ckpt.dir().display_path());
+}
+
+VerifyReport verify_checkpoint(const Checkpoint& ckpt, ModelConfig& config, const QuantConfig& quant) {
+  config.tensor_prefix = detect_tensor_prefix(ckpt);
+  for (int l = 0; l < config.num_layers; ++l) {
+    if (!config.layer_is_moe(l)) continue;
+    const std::string M = layer_prefix(config, l) + "mlp.experts.";
+    if (ckpt.has(M + "gate_up_proj")) config.expert_layout = ExpertLayout::fused;
+    else if (ckpt.has(M + "0.gate_proj.weight")) config.expert_layout = ExpertLayout::per_expert;
+    break;
+  }
+
+  const std::vector<ExpectedTensor> expected = expected_tensors(config, quant);
+  VerifyReport report;
+  std::vector<std::string> problems;
+  auto shape_matches = [](const Shape& want, const Shape& got) {
+    if (want.ndim == 0) return got.numel() == 1 && got.ndim <= 1;  // scalar: [] or [1]
+    return want == got;
+  };
+  std::unordered_map<std::string_view, const ExpectedTensor*> by_name;
+  by_name.reserve(expected.size());
+  for (const auto& t : expected) {
+    by_name.emplace(t.name, &t);
+    const TensorInfo* got = ckpt.find(t.name);
+    if (!got) {
+      if (t.optional) ++report.optional_missing;
+      else problems.push_back(fmt::format("missing {} ({} {})", t.name, dtype_name(t.dtypes[0]), t.shape.str()));
+      continue;
+    }
+    bool ok = true;
+    if (std::find(t.dtypes.begin(), t.dtypes.end(), got->dtype) == t.dtypes.end()) {
+      std::string want;
+      for (DType d : t.dtypes) want += (want.empty() ? "" : " or ") + std::string(dtype_name(d));
+      problems.push_back(fmt::format("{}: dtype {}, expected {}", t.name, dtype_name(got->dtype), want));
+      ok = false;
+    }
+    if (!shape_matches(t.shape, got->shape)) {
+      problems.push_back(fmt::format("{}: shape {}, expected {}", t.name, got->shape.str(), t.shape.str()));
+      ok = false;
+    }
+    if (ok) ++report.matched;
+  }
+
+  std::vector<std::string> unexpected;
+  const std::string layers = config.tensor_prefix + "layers.";
+  for (const auto& [name, info] : ckpt.tensors()) {
+    if (by_name.count(name)) continue;
+    if (name.starts_with("model.visual.") || name.starts_with("visual.")) {
+      ++report.ignored_vision;
+    } else if (name.starts_with("mtp.") || name.starts_with("model.mtp.")) {
+      ++report.ignored_mtp;
+    } else {
+      ++report.unexpected;
+      if (name.starts_with(layers)) {
+        const long layer = std::strtol(name.c_str() + layers.size(), nullptr, 10);
+        if (layer >= config.num_layers) {
+          problems.push_back(fmt::format("{}: layer {} but the config has {} layers (num_hidden_layers)", name, layer,
+                                         config.num_layers));
+          continue;
+        }
+      }
+      unexpected.push_back(name);
+    }
+  }
+  if (report.ignored_vision) KILN_LOG_INFO("ignoring {} vision-tower tensors (model.visual.*)", report.ignored_vision);
+  if (report.ignored_mtp) KILN_LOG_INFO("ignoring {} MTP-head tensors (mtp.*)", report.ignored_mtp);
+  for (size_t i = 0; i < unexpected.size() && i < 5; ++i) KILN_LOG_WARN("unused tensor in checkpoint: {}", unexpected[i]);
+  if (unexpected.size() > 5) KILN_LOG_WARN("... and {} more unused tensors", unexpected.size() - 5);
+
+  if (!problems.empty()) {
+    std::string msg = fmt::format("{}: checkpoint does not match config.json ({}{}{}): {} problem{}",
+                                  ckpt.dir().display_path(), arch_name(config.arch),
+                                  quant.is_quantized() ? ", " : "", quant.quant_algo, problems.size(),
+                                  problems.size() == 1 ? "" : "s");
+    const size_t shown = std::min<size_t>(problems.size(), 20);
+    for (size_t i = 0; i < shown; ++i) msg += "\n  - " + problems[i];
+    if (problems.size() > shown) msg += fmt::format("\n  ... and {} more", problems.size() - shown);
+    throw Error(msg);
+  }
+  return report;
+}
+
+}  // namespace kiln::format

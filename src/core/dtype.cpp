@@ -125,7 +125,7 @@ uint8_t f32_to_e5m2(float f, bool saturate) {
 
 uint8_t f32_to_e2m1(float f) {
   const uint8_t sign = std::signbit(f) ? 0x8 : 0;
-  if (std::isnan(f)) return sign | 0x7;  // no NaN in e2m1: saturate
+  if (std::isnan(f) || std::isinf(f)) return sign | 0x7;  // no NaN or inf in e2m1: saturate
   int m = encode_magnitude(std::fabs(static_cast<double>(f)), 1, 1, 6.0);
   if (m < 0) return sign | 0x7;
   return sign | static_cast<uint8_t>(m);

@@ -39,12 +39,16 @@ struct TokenLogprob {
 
 // One generated token (or the end of the stream).
 struct TokenEvent {
+  int index = 0;                       // which sequence of the submission (0..n-1, for n > 1)
   int32_t token = -1;                  // -1 on the final event when nothing new was generated
   float logprob = 0.0f;
   std::vector<TokenLogprob> top;       // when top_logprobs > 0
   bool finished = false;
   FinishReason finish_reason = FinishReason::none;
   std::string error;                   // when finish_reason == error
+  // The token ended the sequence as an eos / stop_token_ids match: counted as generated, but it is
+  // not part of the visible text.
+  bool is_stop_token = false;
   // Filled on the first event: timing in the engine.
   double queue_ms = 0.0;
 };

@@ -1,0 +1,122 @@
+// The engine loop: one thread owns the ModelRunner (and so its KV pool and state slots) and runs
+// continuous-batching steps; client threads submit requests and read their tokens through a
+// RequestChannel. No HTTP, no JSON.
+//
+//   Engine engine(std::move(runner), opts);
+//   engine.start();
+//   SubmitResult r = engine.submit({request});          // n requests = n choices of one channel
+//   if (r.status != SubmitStatus::ok) ... r.message
+//   std::vector<TokenEvent> events; r.channel->wait(events, 100ms); ...
+//
+// A bad request never stops the loop: errors in the runner or the sampler end the affected
+// sequences with FinishReason::error (and a message); the loop goes on.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/channel.h"
+#include "engine/metrics.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "model/model_runner.h"
+
+namespace kiln::engine {
+
+class SequenceSampler;
+
+struct EngineOptions {
+  int max_running_requests = 64;
+  int max_queued_requests = 256;
+  int64_t chunked_prefill_size = 2048;
+  int64_t context_length = 0;          // 0: the runner's max_context; never more than it
+  std::vector<int32_t> eos_token_ids;  // end a sequence unless ignore_eos
+};
+
+enum class SubmitStatus { ok, queue_full, invalid, draining };
+
+struct SubmitResult {
+  SubmitStatus status = SubmitStatus::ok;
+  std::string message;                      // why, when status != ok
+  std::shared_ptr<RequestChannel> channel;  // when ok
+};
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void start();
+
+  // Queues the sequences (the n choices of one client request) as one unit: all or none. Thread-safe.
+  // invalid: a sequence can never run (too long, empty, token ids out of range): the message has the
+  // numbers. queue_full: the waiting queue has no room now (retry later). draining: shutting down.
+  SubmitResult submit(std::vector<GenerateRequest> sequences);
+
+  // Why a sequence of this size can never run here (empty when it can). Thread-safe.
+  std::string check_fits(int64_t prompt_len, int64_t max_tokens) const;
+
+  // Stops taking requests, lets running and queued ones finish for up to `timeout`, then aborts the
+  // rest (their clients get FinishReason::abort). Returns true when everything finished in time.
+  bool drain(std::chrono::milliseconds timeout);
+  // Aborts everything and joins the loop thread. Called by the destructor.
+  void stop();
+
+  EngineMetricsSnapshot metrics() const;
+  const EngineOptions& options() const { return opts_; }
+  int64_t context_length() const { return opts_.context_length; }
+  int64_t vocab_size() const { return vocab_size_; }
+  const model::RunnerCapacity& capacity() const { return capacity_; }
+  std::string describe() const { return runner_->describe(); }
+  bool draining() const { return draining_.load(); }
+
+ private:
+  void loop();
+  void run_step(const StepPlan& plan);
+  // Sends the final event, records metrics and forgets the sequence's sampler.
+  void finish(Sequence& seq, FinishReason reason, const std::string& error = {});
+  void publish_gauges();  // engine thread, takes mu_
+  void flush_outbox();    // engine thread: delivers the step's events
+
+  std::unique_ptr<model::ModelRunner> runner_;
+  EngineOptions opts_;
+  model::RunnerCapacity capacity_;
+  int64_t vocab_size_ = 0;
+  Scheduler scheduler_;  // engine thread only (check_fits is const and reads immutable options)
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;       // new work / stop
+  std::condition_variable cv_idle_;  // drain waits on it
+  std::vector<std::unique_ptr<Sequence>> incoming_;
+  int published_waiting_ = 0;  // scheduler's waiting queue size after the last step
+  bool published_idle_ = true;
+  bool stop_requested_ = false;
+  bool abort_all_ = false;
+  std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> next_uid_{1};
+  uint64_t seed_base_ = 0;
+  std::thread thread_;
+
+  // Engine-thread state.
+  std::unordered_map<uint64_t, std::unique_ptr<SequenceSampler>> samplers_;
+  std::vector<float> logits_;            // [n_logits, vocab]
+  std::vector<model::SeqChunk> chunks_;  // reused per step
+  std::vector<std::pair<std::shared_ptr<RequestChannel>, TokenEvent>> outbox_;  // events of this step
+
+  // Metrics (gauges published under mu_, counters atomic, histograms have their own locks).
+  EngineMetricsSnapshot gauges_;
+  std::atomic<uint64_t> prompt_tokens_{0}, generation_tokens_{0}, steps_{0};
+  std::atomic<uint64_t> finished_[5] = {};
+  std::atomic<uint64_t> rejected_queue_full_{0}, rejected_too_long_{0};
+  Histogram ttft_, itl_, e2e_, queue_time_;
+};
+
+}  // namespace kiln::engine

@@ -1,0 +1,84 @@
+// The HTTP front end: OpenAI-compatible API (chat and text completions, streamed over SSE or not),
+// SGLang-style operational endpoints (/health, /health_generate, /get_model_info, /get_server_info,
+// /metrics, /tokenize, /detokenize), API-key check, request logging.
+//
+// The server can listen before the model is loaded: until attach() every endpoint but /health
+// answers 503 (and /health does too). set_draining() turns health and new generations to 503 while
+// in-flight requests finish.
+#pragma once
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/request.h"
+
+namespace kiln::engine {
+class Engine;
+}
+namespace kiln::tok {
+class Tokenizer;
+}
+namespace kiln::tmpl {
+class ChatTemplate;
+}
+
+namespace kiln::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 30000;
+  std::string served_model_name = "default";
+  std::string api_key;                   // empty: no authentication
+  std::string reasoning_parser = "auto";  // auto (on when the template opens <think>), qwen3, none
+  std::string tool_call_parser = "auto";  // auto (on for Qwen3.5 / Qwen3-Coder templates), qwen3_coder, none
+  size_t max_request_bytes = 32u << 20;
+  int http_threads = 0;  // 0: enough for every running and queued request plus headroom
+  int read_timeout_s = 30;
+  int write_timeout_s = 60;
+  int keep_alive_timeout_s = 5;
+  int retry_after_s = 1;  // Retry-After of 503 answers
+
+  // Model facts for /get_model_info and /v1/models.
+  std::string model_path;
+  std::string tokenizer_path;
+  std::string model_type;
+  std::vector<std::string> architectures;
+  std::string weight_version = "default";
+  engine::SamplingParams default_sampling;  // applied to fields a request leaves out
+  std::vector<int32_t> eos_token_ids;       // for /get_model_info
+  nlohmann::json server_args;               // echoed by /get_server_info
+};
+
+// What the server needs once the model is loaded. The pointers must outlive the server.
+struct ModelContext {
+  engine::Engine* engine = nullptr;
+  const tok::Tokenizer* tokenizer = nullptr;
+  const tmpl::ChatTemplate* chat_template = nullptr;  // null: /v1/chat/completions answers 400
+};
+
+class HttpServer {
+ public:
+  explicit HttpServer(ServerOptions options);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds the port (kiln::Error when it cannot). port 0 picks a free one; port() tells which.
+  void bind();
+  int port() const;
+  // Serves until stop(). Call bind() first.
+  void run();
+  void stop();
+
+  void attach(const ModelContext& model);
+  void set_draining();
+  bool reasoning_parser_on() const;
+  bool tool_call_parser_on() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::server

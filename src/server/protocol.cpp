@@ -1,0 +1,349 @@
+#include "server/protocol.h"
+
+#include <cmath>
+#include <limits>
+
+#include "server/api_error.h"
+
+namespace kiln::server {
+
+namespace {
+
+std::string json_type_name(const ojson& v) {
+  switch (v.type()) {
+    case ojson::value_t::null: return "null";
+    case ojson::value_t::boolean: return "a boolean";
+    case ojson::value_t::string: return "a string";
+    case ojson::value_t::array: return "an array";
+    case ojson::value_t::object: return "an object";
+    case ojson::value_t::number_float: return "a number";
+    default: return "an integer";
+  }
+}
+
+// Typed access to the fields of a request object; absent and null both mean "not given".
+class Fields {
+ public:
+  explicit Fields(const ojson& obj) : obj_(obj) {}
+
+  const ojson* get(const char* name) const {
+    auto it = obj_.find(name);
+    if (it == obj_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  std::optional<double> number(const char* name, double lo, double hi, bool lo_open = false) const {
+    const ojson* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_number()) throw bad_param(name, fmt_msg(name, "must be a number", *v));
+    double x = v->get<double>();
+    if (!std::isfinite(x) || x < lo || x > hi || (lo_open && x == lo))
+      throw bad_param(name, std::string("'") + name + "' must be " + (lo_open ? "greater than " : "at least ") +
+                                num(lo) + " and at most " + num(hi) + ", got " + num(x));
+    return x;
+  }
+
+  std::optional<int64_t> integer(const char* name, int64_t lo, int64_t hi) const {
+    const ojson* v = get(name);
+    if (!v) return std::nullopt;
+    int64_t x;
+    if (v->is_number_integer()) {
+      if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+        throw bad_param(name, std::string("'") + name + "' is too large");
+      x = v->get<int64_t>();
+    } else if (v->is_number_float() && std::isfinite(v->get<double>()) &&
+               v->get<double>() == std::floor(v->get<double>()) && std::fabs(v->get<double>()) < 9e15) {
+      x = static_cast<int64_t>(v->get<double>());  // 3.0 is accepted as 3, like pydantic
+    } else {
+      throw bad_param(name, fmt_msg(name, "must be an integer", *v));
+    }
+    if (x < lo || x > hi)
+      throw bad_param(name, std::string("'") + name + "' must be between " + std::to_string(lo) + " and " +
+                                std::to_string(hi) + ", got " + std::to_string(x));
+    return x;
+  }
+
+  std::optional<bool> boolean(const char* name) const {
+    const ojson* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_boolean()) throw bad_param(name, fmt_msg(name, "must be a boolean", *v));
+    return v->get<bool>();
+  }
+
+  std::optional<std::string> string(const char* name) const {
+    const ojson* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) throw bad_param(name, fmt_msg(name, "must be a string", *v));
+    return v->get<std::string>();
+  }
+
+  static std::string fmt_msg(const char* name, const char* what, const ojson& v) {
+    return std::string("'") + name + "' " + what + ", got " + json_type_name(v);
+  }
+  static std::string num(double x) {
+    if (x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
+    std::string s = std::to_string(x);
+    while (s.size() > 1 && s.back() == '0') s.pop_back();
+    return s;
+  }
+
+ private:
+  const ojson& obj_;
+};
+
+void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bool is_chat, GenerationFields& out) {
+  Fields f(body);
+  out.model = f.string("model");
+  engine::SamplingParams& s = out.sampling;
+  s = limits.default_sampling;
+  if (auto v = f.number("temperature", 0.0, 2.0)) s.temperature = static_cast<float>(*v);
+  if (auto v = f.number("top_p", 0.0, 1.0, /*lo_open=*/true)) s.top_p = static_cast<float>(*v);
+  if (auto v = f.integer("top_k", -1, 1 << 30)) s.top_k = *v <= 0 ? 0 : static_cast<int>(*v);  // -1, 0: off
+  if (auto v = f.number("min_p", 0.0, 1.0)) s.min_p = static_cast<float>(*v);
+  if (auto v = f.number("presence_penalty", -2.0, 2.0)) s.presence_penalty = static_cast<float>(*v);
+  if (auto v = f.number("frequency_penalty", -2.0, 2.0)) s.frequency_penalty = static_cast<float>(*v);
+  if (auto v = f.number("repetition_penalty", 0.0, 2.0, /*lo_open=*/true)) s.repetition_penalty = static_cast<float>(*v);
+  if (const ojson* seed = f.get("seed")) {
+    if (!seed->is_number_integer()) throw bad_param("seed", Fields::fmt_msg("seed", "must be an integer", *seed));
+    s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : static_cast<uint64_t>(seed->get<int64_t>());
+  }
+
+  std::optional<int64_t> max_tokens = f.integer("max_tokens", 1, INT32_MAX);
+  if (auto mct = f.integer("max_completion_tokens", 1, INT32_MAX)) max_tokens = mct;
+  out.max_tokens = max_tokens;
+  if (auto n = f.integer("n", 1, limits.max_n)) out.n = static_cast<int>(*n);
+
+  if (const ojson* stop = f.get("stop")) {
+    if (stop->is_string()) {
+      out.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (static_cast<int>(stop->size()) > limits.max_stop_strings)
+        throw bad_param("stop", "'stop' may hold at most " + std::to_string(limits.max_stop_strings) + " strings");
+      for (const auto& x : *stop) {
+        if (!x.is_string()) throw bad_param("stop", "'stop' must be a string or a list of strings");
+        out.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      throw bad_param("stop", Fields::fmt_msg("stop", "must be a string or a list of strings", *stop));
+    }
+    for (const auto& x : out.stop)
+      if (x.empty()) throw bad_param("stop", "'stop' strings must not be empty");
+  }
+  if (const ojson* ids = f.get("stop_token_ids")) {
+    if (!ids->is_array()) throw bad_param("stop_token_ids", "'stop_token_ids' must be a list of token ids");
+    for (const auto& x : *ids) {
+      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= limits.vocab_size)
+        throw bad_param("stop_token_ids", "'stop_token_ids' must hold token ids in [0, " +
+                                              std::to_string(limits.vocab_size) + ")");
+      out.stop_token_ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
+    }
+  }
+  out.ignore_eos = f.boolean("ignore_eos").value_or(false);
+  out.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
+  out.stream = f.boolean("stream").value_or(false);
+  if (const ojson* so = f.get("stream_options")) {
+    if (!so->is_object()) throw bad_param("stream_options", "'stream_options' must be an object");
+    Fields sf(*so);
+    out.include_usage = sf.boolean("include_usage").value_or(false);
+    out.continuous_usage_stats = sf.boolean("continuous_usage_stats").value_or(false);
+    if (!out.stream) throw bad_param("stream_options", "'stream_options' is only allowed when 'stream' is true");
+  }
+
+  if (is_chat) {
+    out.logprobs = f.boolean("logprobs").value_or(false);
+    if (auto t = f.integer("top_logprobs", 0, limits.max_top_logprobs)) {
+      if (*t > 0 && !out.logprobs)
+        throw bad_param("top_logprobs", "'top_logprobs' needs 'logprobs' set to true");
+      out.top_logprobs = static_cast<int>(*t);
+    }
+  } else {
+    // Completions: logprobs is the number of alternatives (0..max) per token.
+    const ojson* lp = f.get("logprobs");
+    if (lp && lp->is_boolean()) {
+      out.logprobs = lp->get<bool>();
+    } else if (auto t = f.integer("logprobs", 0, limits.max_top_logprobs)) {
+      out.logprobs = true;
+      out.top_logprobs = static_cast<int>(*t);
+    }
+  }
+}
+
+// Message content: a string, null, or a list of text parts (joined with newlines).
+ojson normalise_content(const ojson& content, size_t index, const std::string& role) {
+  std::string where = "messages[" + std::to_string(index) + "].content";
+  if (content.is_null() || content.is_string()) return content;
+  if (!content.is_array())
+    throw bad_param(where, "'" + where + "' must be a string or a list of content parts, got " + json_type_name(content));
+  std::string text;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const ojson& part = content[i];
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+      throw bad_param(where, "'" + where + "' parts must be objects with a 'type'");
+    std::string type = part["type"].get<std::string>();
+    if (type != "text")
+      throw bad_param(where, "content parts of type '" + type + "' are not supported (this model reads text only)");
+    if (!part.contains("text") || !part["text"].is_string())
+      throw bad_param(where, "'" + where + "' text parts need a string 'text'");
+    if (!text.empty()) text += "\n";
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+ojson validate_messages(const ojson& body) {
+  auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) throw bad_param("messages", "'messages' is required");
+  if (!it->is_array()) throw bad_param("messages", "'messages' must be a list, got " + json_type_name(*it));
+  if (it->empty()) throw bad_param("messages", "'messages' must not be empty");
+  ojson out = ojson::array();
+  for (size_t i = 0; i < it->size(); ++i) {
+    const ojson& m = (*it)[i];
+    std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) throw bad_param(where, "'" + where + "' must be an object, got " + json_type_name(m));
+    auto role_it = m.find("role");
+    if (role_it == m.end() || !role_it->is_string())
+      throw bad_param(where + ".role", "'" + where + ".role' is required and must be a string");
+    std::string role = role_it->get<std::string>();
+    if (role != "system" && role != "developer" && role != "user" && role != "assistant" && role != "tool")
+      throw bad_param(where + ".role", "unknown role '" + role + "' in " + where +
+                                           " (use system, developer, user, assistant or tool)");
+    ojson msg = m;
+    auto content_it = m.find("content");
+    bool has_tool_calls = m.contains("tool_calls") && !m["tool_calls"].is_null();
+    if (content_it == m.end() || content_it->is_null()) {
+      // Only an assistant turn (typically one that called tools) may come without content.
+      if (role != "assistant") throw bad_param(where + ".content", "'" + where + ".content' is required");
+      msg["content"] = "";
+    } else {
+      msg["content"] = normalise_content(*content_it, i, role);
+    }
+    if (has_tool_calls) {
+      const ojson& calls = m["tool_calls"];
+      if (!calls.is_array()) throw bad_param(where + ".tool_calls", "'" + where + ".tool_calls' must be a list");
+      for (const auto& c : calls)
+        if (!c.is_object() || !c.contains("function") || !c["function"].is_object() ||
+            !c["function"].contains("name") || !c["function"]["name"].is_string())
+          throw bad_param(where + ".tool_calls", "each tool call in '" + where +
+                                                     ".tool_calls' needs function.name (a string)");
+    }
+    for (const char* key : {"name", "tool_call_id", "reasoning_content"})
+      if (m.contains(key) && !m[key].is_null() && !m[key].is_string())
+        throw bad_param(where + "." + key, "'" + where + "." + key + "' must be a string");
+    // The template only understands "system"; "developer" is OpenAI's newer name for it.
+    if (role == "developer") msg["role"] = "system";
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
+void validate_tools(const ojson& body, ChatRequest& out) {
+  Fields f(body);
+  if (const ojson* tools = f.get("tools")) {
+    if (!tools->is_array()) throw bad_param("tools", "'tools' must be a list");
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const ojson& t = (*tools)[i];
+      std::string where = "tools[" + std::to_string(i) + "]";
+      if (!t.is_object()) throw bad_param(where, "'" + where + "' must be an object");
+      if (t.contains("type") && (!t["type"].is_string() || t["type"].get<std::string>() != "function"))
+        throw bad_param(where + ".type", "only tools of type 'function' are supported");
+      if (!t.contains("function") || !t["function"].is_object())
+        throw bad_param(where + ".function", "'" + where + ".function' is required");
+      const ojson& fn = t["function"];
+      if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty())
+        throw bad_param(where + ".function.name", "'" + where + ".function.name' must be a non-empty string");
+      if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object())
+        throw bad_param(where + ".function.parameters", "'" + where + ".function.parameters' must be an object");
+    }
+    if (!tools->empty()) out.tools = *tools;
+  }
+  if (const ojson* choice = f.get("tool_choice")) {
+    if (choice->is_string()) {
+      std::string c = choice->get<std::string>();
+      if (c != "none" && c != "auto" && c != "required")
+        throw bad_param("tool_choice", "'tool_choice' must be none, auto, required or a function");
+      out.tool_choice_none = c == "none";
+    } else if (choice->is_object()) {
+      if (!choice->contains("function") || !(*choice)["function"].is_object() ||
+          !(*choice)["function"].contains("name") || !(*choice)["function"]["name"].is_string())
+        throw bad_param("tool_choice", "'tool_choice' object needs function.name");
+    } else {
+      throw bad_param("tool_choice", "'tool_choice' must be a string or an object");
+    }
+  }
+}
+
+}  // namespace
+
+ojson parse_json_object(std::string_view body) {
+  ojson j = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) throw ApiError(400, "the request body is not valid JSON", "", "invalid_json");
+  if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_json");
+  return j;
+}
+
+ChatRequest parse_chat_request(std::string_view body_text, const ProtocolLimits& limits) {
+  ojson body = parse_json_object(body_text);
+  ChatRequest r;
+  ojson messages = validate_messages(body);
+  parse_generation_fields(body, limits, /*is_chat=*/true, r);
+  validate_tools(body, r);
+  Fields f(body);
+  r.separate_reasoning = f.boolean("separate_reasoning").value_or(true);
+  if (const ojson* rf = f.get("response_format")) {
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+      throw bad_param("response_format", "'response_format' must be an object with a 'type'");
+    if ((*rf)["type"].get<std::string>() != "text")
+      throw bad_param("response_format", "response_format type '" + (*rf)["type"].get<std::string>() +
+                                             "' is not supported (only 'text')");
+  }
+  r.template_input = ojson::object();
+  r.template_input["messages"] = std::move(messages);
+  if (!r.tools.is_null() && !r.tool_choice_none) r.template_input["tools"] = r.tools;
+  if (auto agp = f.boolean("add_generation_prompt")) r.template_input["add_generation_prompt"] = *agp;
+  if (const ojson* kw = f.get("chat_template_kwargs")) {
+    if (!kw->is_object()) throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    if (kw->contains("enable_thinking") && !(*kw)["enable_thinking"].is_null()) {
+      if (!(*kw)["enable_thinking"].is_boolean())
+        throw bad_param("chat_template_kwargs", "'chat_template_kwargs.enable_thinking' must be a boolean");
+      r.enable_thinking = (*kw)["enable_thinking"].get<bool>();
+    }
+    r.template_input["chat_template_kwargs"] = *kw;
+  }
+  return r;
+}
+
+CompletionRequest parse_completion_request(std::string_view body_text, const ProtocolLimits& limits) {
+  ojson body = parse_json_object(body_text);
+  CompletionRequest r;
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) throw bad_param("prompt", "'prompt' is required");
+  const ojson* p = &*it;
+  // A list of one prompt is the same as the prompt.
+  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
+  if (p->is_string()) {
+    if (p->get<std::string>().empty()) throw bad_param("prompt", "'prompt' must not be empty");
+    r.prompt = p->get<std::string>();
+  } else if (p->is_array()) {
+    if (p->empty()) throw bad_param("prompt", "'prompt' must not be empty");
+    std::vector<int32_t> ids;
+    for (const auto& x : *p) {
+      if (x.is_string()) throw bad_param("prompt", "batched prompts (a list of several) are not supported; send one per request");
+      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= limits.vocab_size)
+        throw bad_param("prompt", "'prompt' token ids must be integers in [0, " + std::to_string(limits.vocab_size) + ")");
+      ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
+    }
+    r.prompt = std::move(ids);
+  } else {
+    throw bad_param("prompt", "'prompt' must be a string or a list of token ids, got " + json_type_name(*p));
+  }
+  parse_generation_fields(body, limits, /*is_chat=*/false, r);
+  Fields f(body);
+  r.echo = f.boolean("echo").value_or(false);
+  if (auto suffix = f.string("suffix"); suffix && !suffix->empty())
+    throw bad_param("suffix", "'suffix' is not supported");
+  if (auto best_of = f.integer("best_of", 1, limits.max_n); best_of && *best_of != r.n)
+    throw bad_param("best_of", "'best_of' is not supported (other than equal to n)");
+  return r;
+}
+
+}  // namespace kiln::server

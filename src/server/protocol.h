@@ -1,0 +1,62 @@
+// OpenAI request bodies -> validated kiln requests. Every wrong value throws ApiError (400) naming the
+// parameter, so nothing malformed reaches the engine.
+#pragma once
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "engine/request.h"
+
+namespace kiln::server {
+
+using ojson = nlohmann::ordered_json;
+
+// Limits and defaults the validation needs from the running server.
+struct ProtocolLimits {
+  int64_t vocab_size = 0;
+  int max_n = 64;
+  int max_top_logprobs = 20;
+  int max_stop_strings = 16;
+  engine::SamplingParams default_sampling;  // from the model's generation_config.json, else OpenAI's
+};
+
+// What chat and text completions share.
+struct GenerationFields {
+  std::optional<std::string> model;
+  engine::SamplingParams sampling;
+  std::optional<int64_t> max_tokens;  // absent: up to the context length
+  int n = 1;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool stream = false;
+  bool include_usage = false;           // stream_options.include_usage
+  bool continuous_usage_stats = false;  // stream_options.continuous_usage_stats
+  bool logprobs = false;
+  int top_logprobs = 0;
+  bool skip_special_tokens = true;
+};
+
+struct ChatRequest : GenerationFields {
+  ojson template_input;  // messages (text parts joined), tools, chat_template_kwargs, add_generation_prompt
+  ojson tools;           // null when none
+  bool tool_choice_none = false;
+  bool separate_reasoning = true;
+  std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking
+};
+
+struct CompletionRequest : GenerationFields {
+  std::variant<std::string, std::vector<int32_t>> prompt;
+  bool echo = false;
+};
+
+// Parses the body (malformed JSON is a 400 too).
+ChatRequest parse_chat_request(std::string_view body, const ProtocolLimits& limits);
+CompletionRequest parse_completion_request(std::string_view body, const ProtocolLimits& limits);
+
+// Parses a JSON body that must be an object (400 otherwise).
+ojson parse_json_object(std::string_view body);
+
+}  // namespace kiln::server

@@ -1,0 +1,30 @@
+// Loading a model on the CPU backend.
+#pragma once
+#include <memory>
+
+#include "backend/backend.h"
+#include "format/model_dir.h"
+#include "model/model_runner.h"
+
+namespace kiln::backend {
+
+struct CpuLoadOptions {
+  DType kv_dtype = DType::BF16;  // KV cache: BF16 (default), F32, or F8_E4M3 (checkpoint k/v scales, else from
+                                 // the first prompt chunk; logged either way)
+  int64_t max_context = 0;       // longest sequence; 0: min(max_position_embeddings, 8192)
+  int64_t kv_pages = 0;          // KV pool pages; 0: state_slots * ceil(max_context / page_size)
+  int page_size = 16;            // tokens per KV page
+  int state_slots = 4;           // sequences alive at once (recurrent / conv state slots)
+  int threads = 0;               // worker threads (0: KILN_THREADS or all cores); only before the pool starts
+  int64_t prefill_chunk = 512;   // most tokens per forward pass
+  DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // recurrent: token by token everywhere
+};
+
+// The CPU backend's Ops (for tests and tools that drive ops directly).
+std::unique_ptr<Backend> make_cpu_backend();
+
+// Loads `dir` (config, quantisation config, checkpoint verified against the config: a mismatch is a kiln::Error
+// listing every problem) and returns a ready runner (a model::Runner).
+std::unique_ptr<model::ModelRunner> load_cpu_model(const format::ModelDir& dir, const CpuLoadOptions& options);
+
+}  // namespace kiln::backend

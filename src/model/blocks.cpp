@@ -1,0 +1,240 @@
+#include "model/blocks.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace kiln::model {
+
+using format::LayerType;
+
+TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides) {
+  KILN_CHECK(static_cast<int>(strides.size()) == shape.ndim, "strides {} for shape {}", strides.size(), shape.str());
+  TensorView v;
+  v.data = static_cast<char*>(base.data) + offset * static_cast<int64_t>(dtype_size(base.dtype));
+  v.dtype = base.dtype;
+  v.shape = shape;
+  int i = 0;
+  for (int64_t s : strides) v.strides[i++] = s;
+  return v;
+}
+
+TensorView reshaped(const TensorView& base, Shape shape) {
+  KILN_CHECK(base.numel() == shape.numel(), "reshape {} -> {}", base.shape.str(), shape.str());
+  KILN_CHECK(base.is_contiguous(), "reshape of a strided view");
+  return TensorView(base.data, base.dtype, shape);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Binding
+
+void bind_layer_norms(WeightBinder& b, int layer, LayerWeights& w) {
+  const std::string L = b.layer_prefix(layer);
+  const int64_t H = b.config().hidden_size;
+  w.input_norm = b.tensor(L + "input_layernorm.weight", Shape{H});
+  w.post_attention_norm = b.tensor(L + "post_attention_layernorm.weight", Shape{H});
+}
+
+void bind_full_attention(WeightBinder& b, int layer, AttentionWeights& w) {
+  const auto& c = b.config();
+  const std::string A = b.layer_prefix(layer) + "self_attn.";
+  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_attention_heads, Hkv = c.num_kv_heads;
+  w.q_proj = b.linear(A + "q_proj", Hq * D * (c.attn_output_gate ? 2 : 1), H);
+  w.k_proj = b.linear(A + "k_proj", Hkv * D, H);
+  w.v_proj = b.linear(A + "v_proj", Hkv * D, H);
+  w.o_proj = b.linear(A + "o_proj", H, Hq * D);
+  w.q_norm = b.tensor(A + "q_norm.weight", Shape{D});
+  w.k_norm = b.tensor(A + "k_norm.weight", Shape{D});
+  if (b.has(A + "k_proj.k_scale")) w.k_scale = b.scalar(A + "k_proj.k_scale");
+  if (b.has(A + "v_proj.v_scale")) w.v_scale = b.scalar(A + "v_proj.v_scale");
+}
+
+void bind_gated_deltanet(WeightBinder& b, int layer, LinearAttentionWeights& w, bool fused_qkvz) {
+  const auto& c = b.config();
+  const std::string P = b.layer_prefix(layer) + "linear_attn.";
+  const int64_t H = c.hidden_size, Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
+  const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim, Kc = c.linear_conv_kernel;
+  if (Hk <= 0 || Hv % Hk) fail("linear attention: {} value heads is not a multiple of {} key heads", Hv, Hk);
+  const int64_t C = 2 * Hk * Dk + Hv * Dv;
+  if (fused_qkvz) {
+    w.in_proj_qkvz = b.linear(P + "in_proj_qkvz", 2 * Hk * Dk + 2 * Hv * Dv, H);
+    w.in_proj_ba = b.linear(P + "in_proj_ba", 2 * Hv, H);
+  } else {
+    w.in_proj_qkv = b.linear(P + "in_proj_qkv", C, H);
+    w.in_proj_z = b.linear(P + "in_proj_z", Hv * Dv, H);
+    w.in_proj_b = b.linear(P + "in_proj_b", Hv, H);
+    w.in_proj_a = b.linear(P + "in_proj_a", Hv, H);
+  }
+  w.conv1d = b.tensor(P + "conv1d.weight", Shape{C, Kc});
+  w.A_log = b.tensor(P + "A_log", Shape{Hv});
+  w.dt_bias = b.tensor(P + "dt_bias", Shape{Hv});
+  w.norm = b.tensor(P + "norm.weight", Shape{Dv});
+  w.out_proj = b.linear(P + "out_proj", H, Hv * Dv);
+}
+
+void bind_mlp(WeightBinder& b, const std::string& prefix, int64_t inter, MlpWeights& w) {
+  const int64_t H = b.config().hidden_size;
+  w.gate_proj = b.linear(prefix + "gate_proj", inter, H);
+  w.up_proj = b.linear(prefix + "up_proj", inter, H);
+  w.down_proj = b.linear(prefix + "down_proj", H, inter);
+}
+
+void bind_moe(WeightBinder& b, int layer, MoeWeights& w, bool shared_expert) {
+  const auto& c = b.config();
+  const std::string M = b.layer_prefix(layer) + "mlp.";
+  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
+  w.router = b.linear(M + "gate", E, H);
+  w.experts.resize(E);
+  if (b.has(M + "experts.gate_up_proj")) {
+    // BF16 fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    for (int64_t e = 0; e < E; ++e) {
+      w.experts[e].gate = b.dense_slice(M + "experts.gate_up_proj", e, 0, I);
+      w.experts[e].up = b.dense_slice(M + "experts.gate_up_proj", e, I, I);
+      w.experts[e].down = b.dense_slice(M + "experts.down_proj", e, 0, H);
+    }
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string X = M + "experts." + std::to_string(e) + ".";
+      w.experts[e].gate = b.linear(X + "gate_proj", I, H);
+      w.experts[e].up = b.linear(X + "up_proj", I, H);
+      w.experts[e].down = b.linear(X + "down_proj", H, I);
+    }
+  }
+  w.has_shared_expert = shared_expert && c.shared_expert_intermediate_size > 0;
+  if (w.has_shared_expert) {
+    bind_mlp(b, M + "shared_expert.", c.shared_expert_intermediate_size, w.shared_expert);
+    w.shared_expert_gate = b.linear(M + "shared_expert_gate", 1, H);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Forward
+
+TensorView rms_norm(Forward& f, const TensorView& x, const TensorView& weight, NormKind kind) {
+  TensorView out = f.f32(x.shape);
+  f.ops.rms_norm(x, weight, static_cast<float>(f.config.rms_norm_eps), kind, out);
+  return out;
+}
+
+void residual_add(Forward& f, TensorView hidden, const TensorView& y) { f.ops.add(hidden, y, hidden); }
+
+static TensorView linear(Forward& f, const TensorView& x, const LinearWeight& w) {
+  TensorView out = f.f32(Shape{x.dim(0), w.out_features});
+  f.ops.linear(x, w, out);
+  return out;
+}
+
+TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, const TensorView& x, bool output_gate,
+                          NormKind qk_norm) {
+  const auto& c = f.config;
+  const int64_t T = x.dim(0), Hq = c.num_attention_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  const int kv_layer = f.kv_index[layer];
+  KILN_CHECK(kv_layer >= 0, "layer {} has no KV cache", layer);
+
+  TensorView q_proj = linear(f, x, w.q_proj);  // [T, Hq * D * (gate ? 2 : 1)]
+  TensorView q = f.f32(Shape{T, Hq, D});
+  TensorView gate;
+  if (output_gate) {
+    // Per head [q (D) | gate (D)] (Qwen3_5Attention: view(..., -1, 2D).chunk(2)).
+    f.ops.copy(strided_view(q_proj, 0, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), q);
+    gate = f.f32(Shape{T, Hq * D});
+    f.ops.copy(strided_view(q_proj, D, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), reshaped(gate, Shape{T, Hq, D}));
+  } else {
+    q = reshaped(q_proj, Shape{T, Hq, D});
+  }
+  TensorView k = linear(f, x, w.k_proj);  // [T, Hkv * D]
+  TensorView v = linear(f, x, w.v_proj);
+
+  TensorView qn = rms_norm(f, reshaped(q, Shape{T * Hq, D}), w.q_norm, qk_norm);
+  TensorView kn = rms_norm(f, reshaped(k, Shape{T * Hkv, D}), w.k_norm, qk_norm);
+  qn = reshaped(qn, Shape{T, Hq, D});
+  kn = reshaped(kn, Shape{T, Hkv, D});
+  f.ops.rope(qn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
+  f.ops.rope(kn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
+  f.name("q_rope", layer, qn);
+  f.name("k_rope", layer, kn);
+
+  KvLayerView& cache = f.kv[kv_layer];
+  TensorView v3 = reshaped(v, Shape{T, Hkv, D});
+  if (cache.k.dtype == DType::F8_E4M3 && (cache.k_scale <= 0.0f || cache.v_scale <= 0.0f)) {
+    // No checkpoint scales: take them from the first chunk stored in this layer (amax / 448).
+    const float k_amax = f.ops.max_abs(kn), v_amax = f.ops.max_abs(v3);
+    cache.k_scale = k_amax > 0 ? k_amax / 448.0f : 1.0f;
+    cache.v_scale = v_amax > 0 ? v_amax / 448.0f : 1.0f;
+    KILN_LOG_INFO("layer {}: FP8 KV cache scales from the first prompt chunk (no k_scale/v_scale in the "
+                  "checkpoint): k_scale {:.4g}, v_scale {:.4g}", layer, cache.k_scale, cache.v_scale);
+  }
+  f.ops.kv_store(kn, v3, cache, f.step);
+
+  TensorView attn = f.f32(Shape{T, Hq, D});
+  f.ops.attention(qn, cache, f.step, 1.0f / std::sqrt(static_cast<float>(D)), attn);
+  TensorView attn2 = reshaped(attn, Shape{T, Hq * D});
+  if (output_gate) f.ops.sigmoid_mul(attn2, gate, attn2);
+  f.name("attn_out", layer, attn2);
+  return linear(f, attn2, w.o_proj);
+}
+
+TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& mixed_qkv,
+                               const TensorView& z, const TensorView& b, const TensorView& a) {
+  const auto& c = f.config;
+  const int64_t T = mixed_qkv.dim(0), Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
+  const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
+  const int64_t C = 2 * Hk * Dk + Hv * Dv;
+  const int li = f.linear_index[layer];
+  KILN_CHECK(li >= 0, "layer {} has no recurrent state", layer);
+
+  TensorView conv = f.f32(Shape{T, C});
+  f.ops.causal_conv1d_silu(mixed_qkv, w.conv1d, f.conv_state[li], f.step, conv);
+  f.name("conv_out", layer, conv);
+  TensorView q = f.f32(Shape{T, Hk, Dk}), k = f.f32(Shape{T, Hk, Dk}), v = f.f32(Shape{T, Hv, Dv});
+  f.ops.copy(strided_view(conv, 0, Shape{T, Hk, Dk}, {C, Dk, 1}), q);
+  f.ops.copy(strided_view(conv, Hk * Dk, Shape{T, Hk, Dk}, {C, Dk, 1}), k);
+  f.ops.copy(strided_view(conv, 2 * Hk * Dk, Shape{T, Hv, Dv}, {C, Dv, 1}), v);
+
+  TensorView g = f.f32(Shape{T, Hv}), beta = f.f32(Shape{T, Hv});
+  f.ops.delta_rule_gates(a, b, w.A_log, w.dt_bias, g, beta);
+  TensorView core = f.f32(Shape{T, Hv, Dv});
+  f.ops.gated_delta_rule(q, k, v, g, beta, f.recurrent_state[li], f.step, f.delta_mode, core);
+  f.name("delta_out", layer, core);
+
+  TensorView normed = f.f32(Shape{T * Hv, Dv});
+  f.ops.gated_rms_norm(reshaped(core, Shape{T * Hv, Dv}), reshaped(z, Shape{T * Hv, Dv}), w.norm,
+                       static_cast<float>(c.rms_norm_eps), normed);
+  return linear(f, reshaped(normed, Shape{T, Hv * Dv}), w.out_proj);
+}
+
+TensorView gated_deltanet(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& x) {
+  TensorView mixed = linear(f, x, w.in_proj_qkv);
+  TensorView z = linear(f, x, w.in_proj_z);
+  TensorView b = linear(f, x, w.in_proj_b);
+  TensorView a = linear(f, x, w.in_proj_a);
+  return gated_deltanet_core(f, layer, w, mixed, z, b, a);
+}
+
+TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
+  TensorView g = linear(f, x, w.gate_proj);
+  TensorView u = linear(f, x, w.up_proj);
+  f.ops.silu_mul(g, u, g);
+  return linear(f, g, w.down_proj);
+}
+
+TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
+  const int64_t T = x.dim(0);
+  TensorView logits = linear(f, x, w.router);  // [T, E]
+  TensorView ids = f.ops.scratch(DType::I32, Shape{T, top_k});
+  TensorView weights = f.f32(Shape{T, top_k});
+  f.ops.moe_route(logits, top_k, renormalise, ids, weights);
+  TensorView out = f.f32(x.shape);
+  f.ops.moe_experts(x, ids, weights, w.experts, out);
+  f.name("moe_routed", layer, out);
+  if (w.has_shared_expert) {
+    TensorView shared = mlp(f, w.shared_expert, x);
+    TensorView gate = linear(f, x, w.shared_expert_gate);  // [T, 1]
+    f.ops.sigmoid_mul(shared, gate, shared);
+    f.ops.add(out, shared, out);
+  }
+  return out;
+}
+
+}  // namespace kiln::model

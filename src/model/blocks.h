@@ -1,0 +1,52 @@
+// Shared building blocks of the Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 families: weight binding and the
+// forward maths of each sub-block, over the Ops interface. Each follows the transformers 5.17 module of the
+// same name (cited per function); activations are F32 [T, ...] with T the step's tokens.
+#pragma once
+#include <initializer_list>
+#include <string>
+
+#include "model/forward.h"
+#include "model/weights.h"
+
+namespace kiln::model {
+
+// A view of `base`'s memory (same dtype) starting `offset` elements in, with explicit strides (elements).
+TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides);
+// The same memory viewed with another contiguous shape (numel must match).
+TensorView reshaped(const TensorView& base, Shape shape);
+
+// ---- binding
+// L self_attn.{q,k,v,o}_proj, q_norm, k_norm (+ optional k_proj.k_scale / v_proj.v_scale).
+void bind_full_attention(WeightBinder& b, int layer, AttentionWeights& w);
+// L linear_attn.*: fused_qkvz selects qwen3_next's in_proj_qkvz / in_proj_ba.
+void bind_gated_deltanet(WeightBinder& b, int layer, LinearAttentionWeights& w, bool fused_qkvz);
+// prefix + {gate,up,down}_proj, intermediate size `inter`.
+void bind_mlp(WeightBinder& b, const std::string& prefix, int64_t inter, MlpWeights& w);
+// L mlp.gate, experts (fused BF16 [E, 2I, H] / [E, H, I] or per expert), optional shared expert + gate.
+void bind_moe(WeightBinder& b, int layer, MoeWeights& w, bool shared_expert);
+// L input_layernorm, post_attention_layernorm.
+void bind_layer_norms(WeightBinder& b, int layer, LayerWeights& w);
+
+// ---- forward
+// RMSNorm over the last dim of x [R, D] -> [R, D].
+TensorView rms_norm(Forward& f, const TensorView& x, const TensorView& weight, NormKind kind);
+// Qwen3*Attention: q/k/v projections, per-head q_norm/k_norm, RoPE on the first rotary_dim dims, causal
+// GQA over the paged cache, optional sigmoid output gate (q_proj emits [q | gate] per head), o_proj.
+// x [T, H] -> [T, H].
+TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, const TensorView& x,
+                          bool output_gate, NormKind qk_norm);
+// The Gated DeltaNet after its input projections (Qwen3_5GatedDeltaNet.forward from the conv on):
+// mixed_qkv [T, 2 Hk Dk + Hv Dv] (rows q | k | v), z [T, Hv * Dv], b, a [T, Hv] -> [T, H].
+TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& mixed_qkv,
+                               const TensorView& z, const TensorView& b, const TensorView& a);
+// Qwen3_5GatedDeltaNet: separate in_proj_qkv / z / b / a. x [T, H] -> [T, H].
+TensorView gated_deltanet(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& x);
+// SwiGLU MLP: down(silu(gate x) * up x). x [T, H] -> [T, H].
+TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x);
+// Sparse MoE block: fp32 softmax router, top-k, optional renormalisation, experts, plus (when present) the
+// shared expert scaled by sigmoid(shared_expert_gate x). x [T, H] -> [T, H].
+TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise);
+// hidden += y (both [T, H]).
+void residual_add(Forward& f, TensorView hidden, const TensorView& y);
+
+}  // namespace kiln::model

@@ -1,0 +1,49 @@
+#include "model/model.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace kiln::model {
+
+std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops) {
+  auto m = std::make_unique<LoadedModel>();
+  m->dir = dir;
+  m->config = format::load_model_config(dir);
+  m->quant = format::load_quant_config(dir);
+  m->family = &family_for(m->config.arch);
+  const auto& c = m->config;
+  if (c.rope_type != "default")
+    fail("{}: rope type '{}' is not supported (only 'default', with partial_rotary_factor / text M-RoPE)",
+         dir.display_path(), c.rope_type);
+  if (c.head_dim <= 0 || c.rotary_dim() % 2 || c.rotary_dim() > c.head_dim)
+    fail("{}: bad rotary setup: head_dim {}, rotary dim {}", dir.display_path(), c.head_dim, c.rotary_dim());
+  m->checkpoint = std::make_unique<format::Checkpoint>(format::Checkpoint::open(dir));
+  // Lists every missing / mis-typed / mis-shaped tensor in one kiln::Error.
+  m->report = format::verify_checkpoint(*m->checkpoint, m->config, m->quant);
+
+  WeightBinder b(*m->checkpoint, m->config, m->quant, ops, m->weights);
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const std::string& P = c.tensor_prefix;
+  m->weights.embed_tokens = b.tensor(P + "embed_tokens.weight", Shape{V, H});
+  m->weights.final_norm = b.tensor(P + "norm.weight", Shape{H});
+  if (b.has("lm_head.weight")) {
+    m->weights.lm_head = b.linear("lm_head", V, H);
+  } else if (c.tie_word_embeddings) {
+    m->weights.lm_head.out_features = V;
+    m->weights.lm_head.in_features = H;
+    m->weights.lm_head.weight = m->weights.embed_tokens;
+  } else {
+    fail("{}: lm_head.weight is missing and tie_word_embeddings is false", dir.display_path());
+  }
+  m->weights.layers.resize(c.num_layers);
+  for (int l = 0; l < c.num_layers; ++l) {
+    m->weights.layers[l].type = c.layer_types[l];
+    m->family->bind_layer(b, l, m->weights.layers[l]);
+  }
+  KILN_LOG_INFO("loaded {} ({}, {} layers: {}), {} tensors matched{}", dir.display_path(),
+                format::arch_name(c.arch), c.num_layers, c.layer_pattern(), m->report.matched,
+                m->quant.is_quantized() ? ", quantisation " + m->quant.quant_algo : std::string());
+  return m;
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,29 @@
+// Loading a model directory into backend weight views: config + quantisation config, checkpoint verification
+// (every mismatch listed in one error), the family chosen by architecture, and the weights bound.
+#pragma once
+#include <memory>
+
+#include "format/model_config.h"
+#include "format/model_dir.h"
+#include "format/quant_config.h"
+#include "format/safetensors.h"
+#include "format/weight_map.h"
+#include "model/family.h"
+#include "model/weights.h"
+
+namespace kiln::model {
+
+struct LoadedModel {
+  format::ModelDir dir;
+  format::ModelConfig config;
+  format::QuantConfig quant;
+  std::unique_ptr<format::Checkpoint> checkpoint;  // keeps the mapped bytes alive
+  format::VerifyReport report;
+  const Family* family = nullptr;
+  ModelWeights weights;
+};
+
+// Throws kiln::Error when the config is unsupported or the checkpoint does not match it.
+std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops);
+
+}  // namespace kiln::model

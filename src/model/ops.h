@@ -1,0 +1,184 @@
+// The operations a forward pass needs from a backend: a table of virtual functions over TensorViews.
+//
+// The model layer (blocks, families, the generic runner) is written against this interface; each
+// backend implements it (src/backend/cpu: the oracle; src/backend/cuda). src/backend/backend.h re-exports
+// it as kiln::backend::Backend. It lives here, in the model layer, because layers point one way
+// (model -> backend): the model says what it needs, backends provide it.
+//
+// Conventions
+//  - Shapes in comments: T = tokens in the step (all sequences concatenated, in chunk order), S = sequences
+//    in the step, H = hidden size, V = vocab, E = experts, k = experts per token.
+//  - Activations are F32 on the CPU backend; a GPU backend may use BF16 activations internally but takes
+//    and returns the same shapes. Weights are read as stored (BF16 / FP8 / NVFP4), never dequantised into
+//    a full copy.
+//  - Unless a comment says otherwise, views are contiguous (row-major) and `out` never aliases an input.
+//  - Every op may run asynchronously on its device; download() synchronises.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+
+namespace kiln::model {
+
+// How a linear layer's weight is stored.
+enum class WeightFormat : uint8_t {
+  dense,       // BF16 / F16 / F32 [N, K]
+  fp8_tensor,  // F8_E4M3 [N, K] x one F32 scale: W = float(w) * scale
+  nvfp4,       // U8 [N, K/2] E2M1 pairs (element 2i in the low nibble) + F8_E4M3 block scales [N, K/16]
+               // + F32 scale_2: W[n,k] = (e2m1(code) * float(block_scale[n, k/16])) * scale_2
+};
+const char* weight_format_name(WeightFormat f);
+
+// One linear layer, y = x W^T (+ bias), W [N out, K in].
+struct LinearWeight {
+  WeightFormat format = WeightFormat::dense;
+  int64_t out_features = 0;  // N
+  int64_t in_features = 0;   // K
+  TensorView weight;         // dense [N, K]; fp8_tensor F8_E4M3 [N, K]; nvfp4 U8 [N, K/2]
+  TensorView block_scale;    // nvfp4 only: F8_E4M3 [N, K/16]
+  float scale = 1.0f;        // fp8_tensor: weight_scale; nvfp4: weight_scale_2
+  TensorView bias;           // optional [N] (data == nullptr: none)
+
+  bool present() const { return weight.data != nullptr; }
+  int64_t weight_bytes() const;  // bytes read per full pass over W (incl. scales)
+};
+
+enum class NormKind : uint8_t {
+  plain,         // x_hat * w            (qwen3, qwen3_moe)
+  zero_centred,  // x_hat * (1 + w)      (qwen3_5, qwen3_5_moe, qwen3_next)
+};
+
+// One full-attention layer's slice of the paged KV pool.
+struct KvLayerView {
+  TensorView k;  // [num_pages, page_size, kv_heads, head_dim]; F32, BF16 or F8_E4M3
+  TensorView v;  // same
+  float k_scale = 1.0f;  // F8_E4M3 pools: stored = round(value / scale)
+  float v_scale = 1.0f;
+};
+
+// The layout of one forward step, as device-visible I32 arrays (flashinfer-style CSR) plus the host copies
+// the CPU backend reads directly. Built by the runner with Ops::upload().
+struct StepLayout {
+  int64_t num_tokens = 0;  // T
+  int num_seqs = 0;        // S
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  TensorView token_pos;        // I32 [T]      absolute position of each token
+  TensorView seq_token_begin;  // I32 [S + 1]  token range of sequence s: [begin[s], begin[s+1])
+  TensorView seq_start_pos;    // I32 [S]      position of the first token of the sequence in this step
+  TensorView seq_state_slot;   // I32 [S]      recurrent/conv state slot
+  TensorView page_table;       // I32 [S, max_pages_per_seq] KV pages (unused entries -1)
+  // Host mirrors (same content; always valid).
+  std::vector<int32_t> host_token_pos, host_seq_token_begin, host_seq_start_pos, host_seq_state_slot,
+      host_page_table;
+};
+
+// Routed experts of one MoE layer: expert e computes down(silu(gate x) * up x).
+struct ExpertWeights {
+  LinearWeight gate;  // [I, H]
+  LinearWeight up;    // [I, H]
+  LinearWeight down;  // [H, I]
+};
+
+enum class DeltaRuleMode : uint8_t {
+  recurrent,  // token by token (decode, and the definition)
+  chunked,    // UT-transform chunks of 64 tokens (prefill); equals the recurrence up to rounding
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual std::string name() const = 0;        // "cpu", "cuda"
+  virtual std::string describe() const = 0;    // kernels / threads, for the startup summary
+
+  // ---- memory
+  // Long-lived device memory owned by the Ops (KV pool, state slots), zero-filled.
+  virtual TensorView allocate(DType dtype, Shape shape) = 0;
+  // A weight tensor as the backend will read it: the CPU returns the (mmapped) view itself; a GPU copies it
+  // to device memory it owns.
+  virtual TensorView place_weight(const TensorView& host) = 0;
+  // Per-step scratch, valid until reset_scratch() (called by the runner at the start of each step).
+  virtual TensorView scratch(DType dtype, Shape shape) = 0;
+  virtual void reset_scratch() = 0;
+  // Host -> device copy into scratch.
+  virtual TensorView upload(const void* host, DType dtype, Shape shape) = 0;
+  // Device -> host (contiguous src); synchronises.
+  virtual void download(const TensorView& src, void* host) = 0;
+  virtual void fill_zero(TensorView t) = 0;
+  // dst = src elementwise over arbitrary strides (same shape, F32). Used to split / interleave views.
+  virtual void copy(const TensorView& src, TensorView dst) = 0;
+  // max |x| over a view (F32), synchronises. Used to pick FP8 KV scales.
+  virtual float max_abs(const TensorView& x) = 0;
+
+  // ---- dense maths
+  // out[t] = table[ids[t]]. table [V, H] (BF16 / F32), ids I32 [T], out F32 [T, H].
+  virtual void embedding(const TensorView& table, const TensorView& ids, TensorView out) = 0;
+  // out = x W^T (+ bias). x F32 [T, K], out F32 [T, N]. fp32 accumulation.
+  virtual void linear(const TensorView& x, const LinearWeight& w, TensorView out) = 0;
+  // Row-wise RMSNorm over the last dim in fp32: x_hat = x * rsqrt(mean(x^2) + eps), then * w or * (1 + w).
+  // x [R, D] (rows may be strided: strides[0] >= D), weight [D] (BF16 / F32), out [R, D] contiguous.
+  virtual void rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind,
+                        TensorView out) = 0;
+  // Gated DeltaNet output norm: out = w * rmsnorm(x) * silu(z), per row, fp32. x, z, out [R, D]; w [D].
+  virtual void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
+                              TensorView out) = 0;
+  // In-place rotary embedding on the first rotary_dim dims of every head (rotate_half pairing i <-> i +
+  // rotary_dim/2), inv_freq[i] = theta^(-2i/rotary_dim), angle = pos * inv_freq (fp32).
+  // x [T, heads, head_dim] contiguous, positions I32 [T].
+  virtual void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) = 0;
+  // out = a + b (same shape, F32). out may alias a.
+  virtual void add(const TensorView& a, const TensorView& b, TensorView out) = 0;
+  // out = silu(gate) * up. gate, up, out [T, I]. out may alias gate.
+  virtual void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) = 0;
+  // out = x * sigmoid(g). x, out [T, N]; g [T, N] or [T, 1] (broadcast over N). out may alias x.
+  virtual void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) = 0;
+  // out[r] = x[rows[r]]. x [T, H], rows I32 [R], out [R, H].
+  virtual void gather_rows(const TensorView& x, const TensorView& rows, TensorView out) = 0;
+
+  // ---- full attention over the paged KV cache
+  // Writes each token's k, v at its position: page page_table[s][pos / page_size], row pos % page_size.
+  // k, v F32 [T, kv_heads, head_dim].
+  virtual void kv_store(const TensorView& k, const TensorView& v, KvLayerView cache, const StepLayout& step) = 0;
+  // Causal softmax attention (GQA: q head h reads kv head h / (q_heads / kv_heads)); token t of sequence s
+  // at position p attends to positions [0, p] of its sequence (kv_store for this step must have run).
+  // scores = q.k * scale in fp32, softmax in fp32. q F32 [T, q_heads, head_dim], out F32 [T, q_heads, head_dim].
+  virtual void attention(const TensorView& q, KvLayerView cache, const StepLayout& step, float scale,
+                         TensorView out) = 0;
+
+  // ---- Gated DeltaNet (linear attention)
+  // Depthwise causal conv1d with kernel Kc over each sequence's tokens, continuing from its conv state (the
+  // previous Kc-1 inputs, oldest first; zeros for a fresh sequence, as reset by the runner), then SiLU.
+  // Updates the state to the last Kc-1 inputs.
+  // x F32 [T, C], weight [C, Kc] (BF16 / F32; the checkpoint's [C, 1, Kc] viewed 2-D),
+  // conv_state F32 [slots, C, Kc - 1], out F32 [T, C].
+  virtual void causal_conv1d_silu(const TensorView& x, const TensorView& weight, TensorView conv_state,
+                                  const StepLayout& step, TensorView out) = 0;
+  // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), fp32. a, b, g, beta [T, Hv]; A_log, dt_bias [Hv].
+  virtual void delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& A_log,
+                                const TensorView& dt_bias, TensorView g, TensorView beta) = 0;
+  // The gated delta rule per value head with an fp32 state S [Dk, Dv] per sequence slot:
+  //   q, k L2-normalised per head (x * rsqrt(sum x^2 + 1e-6)), q *= 1/sqrt(Dk); value head h reads key head
+  //   h / (Hv / Hk); per token: S *= exp(g); delta = (v - k^T S) * beta; S += k (outer) delta; o = q^T S.
+  // q, k F32 [T, Hk, Dk]; v F32 [T, Hv, Dv]; g, beta F32 [T, Hv]; state F32 [slots, Hv, Dk, Dv] (read and
+  // updated); out F32 [T, Hv, Dv].
+  virtual void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& g, const TensorView& beta, TensorView state,
+                                const StepLayout& step, DeltaRuleMode mode, TensorView out) = 0;
+
+  // ---- mixture of experts
+  // softmax over E in fp32, top-k (ties: lower expert id first), optionally renormalised to sum 1.
+  // logits F32 [T, E]; expert_ids I32 [T, k]; weights F32 [T, k].
+  virtual void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
+                         TensorView weights) = 0;
+  // out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), experts applied in ascending expert id.
+  // x F32 [T, H], out F32 [T, H], experts [E].
+  virtual void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                           std::span<const ExpertWeights> experts, TensorView out) = 0;
+};
+
+}  // namespace kiln::model

@@ -1,0 +1,218 @@
+#include "model/runner.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "model/blocks.h"
+
+namespace kiln::model {
+
+Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const RunnerOptions& options)
+    : ops_(std::move(ops)), options_(options) {
+  model_ = load_model(dir, *ops_);
+  const auto& c = model_->config;
+  if (options_.kv_dtype != DType::BF16 && options_.kv_dtype != DType::F32 && options_.kv_dtype != DType::F8_E4M3)
+    fail("KV cache dtype {} is not supported (BF16, F32 or F8_E4M3)", dtype_name(options_.kv_dtype));
+  if (options_.page_size <= 0 || options_.state_slots <= 0 || options_.prefill_chunk <= 0)
+    fail("runner options: page_size, state_slots and prefill_chunk must be positive");
+  if (options_.max_context <= 0) options_.max_context = std::min<int64_t>(c.max_position_embeddings, 8192);
+  if (options_.kv_pages <= 0)
+    options_.kv_pages = options_.state_slots * ((options_.max_context + options_.page_size - 1) / options_.page_size);
+
+  const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
+  const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
+  const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim, Kc = c.linear_conv_kernel;
+  const int64_t C = 2 * Hk * Dk + Hv * Dv;
+  kv_index_.assign(c.num_layers, -1);
+  linear_index_.assign(c.num_layers, -1);
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (c.layer_is_full_attention(l)) {
+      kv_index_[l] = static_cast<int>(kv_.size());
+      KvLayerView v;
+      v.k = ops_->allocate(options_.kv_dtype, Shape{options_.kv_pages, options_.page_size, Hkv, D});
+      v.v = ops_->allocate(options_.kv_dtype, Shape{options_.kv_pages, options_.page_size, Hkv, D});
+      const AttentionWeights& aw = model_->weights.layers[l].attn;
+      if (options_.kv_dtype == DType::F8_E4M3) {
+        // 0 = not known yet: taken from the first chunk stored in this layer (full_attention()).
+        v.k_scale = aw.k_scale;
+        v.v_scale = aw.v_scale;
+      }
+      kv_.push_back(v);
+    } else {
+      linear_index_[l] = static_cast<int>(conv_state_.size());
+      conv_state_.push_back(ops_->allocate(DType::F32, Shape{options_.state_slots, C, Kc - 1}));
+      recurrent_state_.push_back(ops_->allocate(DType::F32, Shape{options_.state_slots, Hv, Dk, Dv}));
+    }
+  }
+  if (options_.kv_dtype == DType::F8_E4M3 && !kv_.empty()) {
+    const bool from_ckpt = kv_.front().k_scale > 0 && kv_.front().v_scale > 0;
+    if (from_ckpt)
+      KILN_LOG_INFO("FP8 KV cache: using the checkpoint's k_scale / v_scale");
+    else
+      KILN_LOG_WARN("FP8 KV cache: the checkpoint has no k_scale / v_scale; scales will be computed from the "
+                    "first prompt chunk of each layer (use a BF16 KV cache for full accuracy)");
+  }
+  capacity_.kv_pages = options_.kv_pages;
+  capacity_.page_size = options_.page_size;
+  capacity_.state_slots = options_.state_slots;
+  capacity_.max_context = options_.max_context;
+  capacity_.kv_bytes_per_token =
+      static_cast<int64_t>(kv_.size()) * 2 * Hkv * D * static_cast<int64_t>(dtype_size(options_.kv_dtype));
+  capacity_.state_bytes_per_slot = static_cast<int64_t>(conv_state_.size()) * (C * (Kc - 1) + Hv * Dk * Dv) * 4;
+}
+
+Runner::~Runner() = default;
+
+std::string Runner::describe() const {
+  const auto& w = model_->weights;
+  return fmt::format(
+      "{} | {} ({} layers) | weights: dense {:.1f} MB, fp8 {:.1f} MB, nvfp4 {:.1f} MB | KV {} x {} pages of {} "
+      "tokens ({} B/token) | {} state slots ({:.2f} MB each) | prefill chunk {}",
+      ops_->describe(), format::arch_name(model_->config.arch), model_->config.num_layers, w.bytes_by_format[0] / 1e6,
+      w.bytes_by_format[1] / 1e6, w.bytes_by_format[2] / 1e6, dtype_name(options_.kv_dtype), capacity_.kv_pages,
+      capacity_.page_size, capacity_.kv_bytes_per_token, capacity_.state_slots, capacity_.state_bytes_per_slot / 1e6,
+      options_.prefill_chunk);
+}
+
+std::vector<std::pair<float, float>> Runner::kv_scales() const {
+  std::vector<std::pair<float, float>> out;
+  for (const auto& v : kv_) out.emplace_back(v.k_scale, v.v_scale);
+  return out;
+}
+
+void Runner::reset_slot(int slot) {
+  for (size_t i = 0; i < conv_state_.size(); ++i) {
+    ops_->fill_zero(conv_state_[i].row(slot));
+    ops_->fill_zero(recurrent_state_[i].row(slot));
+  }
+}
+
+void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
+  const int64_t V = model_->config.vocab_size;
+  int64_t rows = 0;
+  std::vector<int> slots;
+  for (const SeqChunk& ch : chunks) {
+    if (ch.tokens.empty()) fail("forward: a chunk has no tokens");
+    if (ch.state_slot < 0 || ch.state_slot >= options_.state_slots)
+      fail("forward: state slot {} out of range [0, {})", ch.state_slot, options_.state_slots);
+    if (std::find(slots.begin(), slots.end(), ch.state_slot) != slots.end())
+      fail("forward: two chunks use state slot {} in one step", ch.state_slot);
+    slots.push_back(ch.state_slot);
+    const int64_t end = ch.start_pos + static_cast<int64_t>(ch.tokens.size());
+    if (ch.start_pos < 0 || end > options_.max_context)
+      fail("forward: positions [{}, {}) exceed the context limit {}", ch.start_pos, end, options_.max_context);
+    const int64_t pages_needed = (end + options_.page_size - 1) / options_.page_size;
+    if (!kv_.empty() && static_cast<int64_t>(ch.page_table.size()) < pages_needed)
+      fail("forward: page table has {} pages, positions up to {} need {}", ch.page_table.size(), end, pages_needed);
+    for (int64_t p = 0; p < pages_needed && !kv_.empty(); ++p)
+      if (ch.page_table[p] < 0 || ch.page_table[p] >= options_.kv_pages)
+        fail("forward: page id {} out of range [0, {})", ch.page_table[p], options_.kv_pages);
+    for (int32_t t : ch.tokens)
+      if (t < 0 || t >= V) fail("forward: token id {} outside the vocabulary [0, {})", t, V);
+    if (ch.want_logits) ++rows;
+  }
+  if (static_cast<int64_t>(logits.size()) < rows * V)
+    fail("forward: logits buffer holds {} floats, {} rows of {} needed", logits.size(), rows, V);
+
+  // Passes of at most prefill_chunk tokens; a chunk longer than the budget continues in the next pass.
+  std::vector<int64_t> done(chunks.size(), 0), logits_row(chunks.size(), -1);
+  int64_t r = 0;
+  for (size_t i = 0; i < chunks.size(); ++i)
+    if (chunks[i].want_logits) logits_row[i] = r++;
+  for (;;) {
+    std::vector<Piece> pieces;
+    int64_t budget = options_.prefill_chunk;
+    for (size_t i = 0; i < chunks.size() && budget > 0; ++i) {
+      const int64_t left = static_cast<int64_t>(chunks[i].tokens.size()) - done[i];
+      if (left <= 0) continue;
+      const int64_t n = std::min(left, budget);
+      budget -= n;
+      pieces.push_back({i, done[i], n, n == left ? logits_row[i] : -1});
+    }
+    if (pieces.empty()) break;
+    run_pass(chunks, pieces, logits);
+    for (const Piece& p : pieces) done[p.chunk] += p.n_tokens;
+  }
+}
+
+void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces, std::span<float> logits) {
+  const auto& c = model_->config;
+  Ops& ops = *ops_;
+  ops.reset_scratch();
+  for (const Piece& p : pieces) {
+    const SeqChunk& ch = chunks[p.chunk];
+    if (p.offset == 0 && ch.start_pos == 0) reset_slot(ch.state_slot);
+  }
+
+  StepLayout step;
+  step.num_seqs = static_cast<int>(pieces.size());
+  step.page_size = options_.page_size;
+  std::vector<int32_t> ids;
+  step.host_seq_token_begin.push_back(0);
+  for (const Piece& p : pieces) {
+    const SeqChunk& ch = chunks[p.chunk];
+    const int64_t start = ch.start_pos + p.offset;
+    for (int64_t t = 0; t < p.n_tokens; ++t) {
+      ids.push_back(ch.tokens[p.offset + t]);
+      step.host_token_pos.push_back(static_cast<int32_t>(start + t));
+    }
+    step.host_seq_token_begin.push_back(static_cast<int32_t>(ids.size()));
+    step.host_seq_start_pos.push_back(static_cast<int32_t>(start));
+    step.host_seq_state_slot.push_back(ch.state_slot);
+    const int64_t pages = (start + p.n_tokens + options_.page_size - 1) / options_.page_size;
+    step.max_pages_per_seq = std::max<int>(step.max_pages_per_seq, static_cast<int>(pages));
+  }
+  step.max_pages_per_seq = std::max(step.max_pages_per_seq, 1);
+  step.host_page_table.assign(static_cast<size_t>(step.num_seqs) * step.max_pages_per_seq, -1);
+  if (!kv_.empty()) {
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const SeqChunk& ch = chunks[pieces[s].chunk];
+      const int64_t end = ch.start_pos + pieces[s].offset + pieces[s].n_tokens;
+      const int64_t pages = (end + options_.page_size - 1) / options_.page_size;
+      for (int64_t p = 0; p < pages; ++p) step.host_page_table[s * step.max_pages_per_seq + p] = ch.page_table[p];
+    }
+  }
+  step.num_tokens = static_cast<int64_t>(ids.size());
+  const int64_t T = step.num_tokens, S = step.num_seqs;
+  step.token_pos = ops.upload(step.host_token_pos.data(), DType::I32, Shape{T});
+  step.seq_token_begin = ops.upload(step.host_seq_token_begin.data(), DType::I32, Shape{S + 1});
+  step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
+  step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
+  step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
+
+  Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
+            options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
+  TensorView id_view = ops.upload(ids.data(), DType::I32, Shape{T});
+  TensorView hidden = f.f32(Shape{T, c.hidden_size});
+  ops.embedding(model_->weights.embed_tokens, id_view, hidden);
+  f.name("embed", -1, hidden);
+  for (int l = 0; l < c.num_layers; ++l) {
+    model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
+    f.name("layer_out", l, hidden);
+  }
+
+  std::vector<int32_t> rows;
+  std::vector<int64_t> out_rows;
+  for (size_t s = 0; s < pieces.size(); ++s) {
+    if (pieces[s].logits_row < 0) continue;
+    rows.push_back(step.host_seq_token_begin[s + 1] - 1);
+    out_rows.push_back(pieces[s].logits_row);
+  }
+  if (rows.empty()) return;
+  const int64_t R = static_cast<int64_t>(rows.size()), V = c.vocab_size;
+  TensorView row_ids = ops.upload(rows.data(), DType::I32, Shape{R});
+  TensorView last = f.f32(Shape{R, c.hidden_size});
+  ops.gather_rows(hidden, row_ids, last);
+  TensorView normed = rms_norm(f, last, model_->weights.final_norm, model_->family->norm_kind());
+  f.name("final_norm", -1, normed);
+  TensorView out = f.f32(Shape{R, V});
+  ops.linear(normed, model_->weights.lm_head, out);
+  std::vector<float> host(static_cast<size_t>(R * V));
+  ops.download(out, host.data());
+  for (int64_t i = 0; i < R; ++i)
+    std::memcpy(logits.data() + out_rows[i] * V, host.data() + i * V, static_cast<size_t>(V) * sizeof(float));
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,67 @@
+// The generic ModelRunner: any backend's Ops + a loaded model + the per-sequence memory (paged KV pool for the
+// full-attention layers, conv + recurrent state slots for the linear-attention layers). Splits a step's
+// chunks into forward passes of at most `prefill_chunk` tokens, builds each pass's StepLayout, runs the
+// family's layers and writes the requested logits. Backends only provide the Ops (and the load options).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "core/dtype.h"
+#include "format/model_dir.h"
+#include "model/forward.h"
+#include "model/model.h"
+#include "model/model_runner.h"
+#include "model/ops.h"
+
+namespace kiln::model {
+
+struct RunnerOptions {
+  DType kv_dtype = DType::BF16;  // BF16 (default), F32 (exact reference checks) or F8_E4M3 (scaled)
+  int64_t max_context = 0;       // 0: min(max_position_embeddings, 8192)
+  int page_size = 16;
+  int state_slots = 4;           // sequences alive at once
+  int64_t kv_pages = 0;          // 0: state_slots * ceil(max_context / page_size)
+  int64_t prefill_chunk = 512;   // most tokens in one forward pass (longer chunks are split)
+  DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // sequences with > 1 token in a pass
+};
+
+class Runner : public ModelRunner {
+ public:
+  Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const RunnerOptions& options);
+  ~Runner() override;
+
+  RunnerCapacity capacity() const override { return capacity_; }
+  int64_t vocab_size() const override { return model_->config.vocab_size; }
+  void forward(std::span<const SeqChunk> chunks, std::span<float> logits) override;
+  std::string describe() const override;
+
+  const format::ModelConfig& config() const { return model_->config; }
+  const LoadedModel& model() const { return *model_; }
+  const RunnerOptions& options() const { return options_; }
+  Ops& ops() { return *ops_; }
+  // Called with every named intermediate of later forward passes (debugging against a reference dump).
+  void set_trace(TraceFn trace) { trace_ = std::move(trace); }
+  // The KV-cache scales in use per full-attention layer (FP8 pools; 1 otherwise).
+  std::vector<std::pair<float, float>> kv_scales() const;
+
+ private:
+  struct Piece {
+    size_t chunk;
+    int64_t offset;    // first token of the chunk in this pass
+    int64_t n_tokens;
+    int64_t logits_row;  // -1: no logits
+  };
+  void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces, std::span<float> logits);
+  void reset_slot(int slot);
+
+  std::unique_ptr<Ops> ops_;
+  std::unique_ptr<LoadedModel> model_;
+  RunnerOptions options_;
+  RunnerCapacity capacity_;
+  std::vector<KvLayerView> kv_;             // per full-attention layer
+  std::vector<int> kv_index_, linear_index_;  // per layer
+  std::vector<TensorView> conv_state_, recurrent_state_;  // per linear layer
+  TraceFn trace_;
+};
+
+}  // namespace kiln::model

@@ -1,0 +1,117 @@
+#include "model/weights.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "format/weight_map.h"
+
+namespace kiln::model {
+
+const char* weight_format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::dense: return "dense";
+    case WeightFormat::fp8_tensor: return "fp8";
+    case WeightFormat::nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+
+int64_t LinearWeight::weight_bytes() const {
+  int64_t n = weight.data ? static_cast<int64_t>(weight.nbytes()) : 0;
+  if (block_scale.data) n += static_cast<int64_t>(block_scale.nbytes());
+  if (bias.data) n += static_cast<int64_t>(bias.nbytes());
+  return n;
+}
+
+TensorView WeightBinder::place(const format::TensorInfo& t) const {
+  auto it = placed_.find(t.name);
+  if (it != placed_.end()) return it->second;
+  TensorView v = ops_.place_weight(t.view());
+  placed_.emplace(t.name, v);
+  return v;
+}
+
+std::string WeightBinder::layer_prefix(int layer) const { return format::layer_prefix(config_, layer); }
+
+TensorView WeightBinder::tensor(const std::string& name, Shape shape) const {
+  const format::TensorInfo& t = ckpt_.get(name);
+  if (t.shape.numel() != shape.numel())
+    fail("{}: shape {} does not match the config (expected {} elements as {})", name, t.shape.str(),
+         shape.numel(), shape.str());
+  TensorView v = place(t);
+  v.shape = shape;
+  v.set_contiguous_strides();
+  return v;
+}
+
+float WeightBinder::scalar(const std::string& name) const {
+  const format::TensorInfo& t = ckpt_.get(name);
+  if (t.shape.numel() != 1 || !dtype_is_float(t.dtype))
+    fail("{}: expected a float scalar, found {} {}", name, dtype_name(t.dtype), t.shape.str());
+  return load_as_f32(t.dtype, t.data);
+}
+
+LinearWeight WeightBinder::linear(const std::string& module, int64_t out_features, int64_t in_features) const {
+  LinearWeight w;
+  w.out_features = out_features;
+  w.in_features = in_features;
+  const format::TensorInfo& t = ckpt_.get(module + ".weight");
+  const format::QuantScheme scheme = format::effective_scheme(config_, quant_, module);
+  auto expect = [&](const format::TensorInfo& ti, DType dtype, Shape shape) {
+    if (ti.dtype != dtype || !(ti.shape == shape))
+      fail("{}: {} {} in the checkpoint, expected {} {} ({} storage)", ti.name, dtype_name(ti.dtype), ti.shape.str(),
+           dtype_name(dtype), shape.str(), format::quant_scheme_name(scheme));
+  };
+  switch (scheme) {
+    case format::QuantScheme::none:
+      if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32)
+        fail("{}: dtype {}, expected BF16, F16 or F32 (not quantised according to the quantisation config)", t.name,
+             dtype_name(t.dtype));
+      expect(t, t.dtype, Shape{out_features, in_features});
+      w.format = WeightFormat::dense;
+      w.weight = place(t);
+      break;
+    case format::QuantScheme::nvfp4: {
+      if (in_features % 16) fail("{}: {} inputs is not a multiple of 16: cannot be NVFP4", module, in_features);
+      expect(t, DType::U8, Shape{out_features, in_features / 2});
+      const format::TensorInfo& s = ckpt_.get(module + ".weight_scale");
+      expect(s, DType::F8_E4M3, Shape{out_features, in_features / 16});
+      w.format = WeightFormat::nvfp4;
+      w.weight = place(t);
+      w.block_scale = place(s);
+      w.scale = scalar(module + ".weight_scale_2");
+      break;
+    }
+    case format::QuantScheme::fp8:
+      expect(t, DType::F8_E4M3, Shape{out_features, in_features});
+      w.format = WeightFormat::fp8_tensor;
+      w.weight = place(t);
+      w.scale = scalar(module + ".weight_scale");
+      break;
+  }
+  if (ckpt_.has(module + ".bias")) w.bias = tensor(module + ".bias", Shape{out_features});
+  model_.bytes_by_format[static_cast<int>(w.format)] += w.weight_bytes();
+  return w;
+}
+
+LinearWeight WeightBinder::dense_slice(const std::string& name, int64_t expert, int64_t row_begin,
+                                       int64_t rows) const {
+  const format::TensorInfo& t = ckpt_.get(name);
+  if (t.shape.ndim != 3 || expert >= t.shape[0] || row_begin + rows > t.shape[1])
+    fail("{}: shape {} cannot hold expert {} rows [{}, {})", name, t.shape.str(), expert, row_begin, row_begin + rows);
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32)
+    fail("{}: dtype {}, expected BF16, F16 or F32", name, dtype_name(t.dtype));
+  // Placed once as a whole tensor (a GPU backend copies it once), then sliced.
+  TensorView whole = place(t);
+  const int64_t k = t.shape[2];
+  LinearWeight w;
+  w.format = WeightFormat::dense;
+  w.out_features = rows;
+  w.in_features = k;
+  w.weight = TensorView(static_cast<char*>(whole.data) + ((expert * t.shape[1] + row_begin) * k) * dtype_size(t.dtype),
+                        t.dtype, Shape{rows, k});
+  model_.bytes_by_format[0] += static_cast<int64_t>(w.weight.nbytes());
+  return w;
+}
+
+}  // namespace kiln::model

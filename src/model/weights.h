@@ -1,0 +1,109 @@
+// The weights of a loaded language model, as views the backend reads (mmapped checkpoint bytes on the
+// CPU; device copies on a GPU). Built by a family's bind_layer() through a WeightBinder.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "format/model_config.h"
+#include "format/quant_config.h"
+#include "format/safetensors.h"
+#include "model/ops.h"
+
+namespace kiln::model {
+
+struct AttentionWeights {
+  LinearWeight q_proj;  // [q_heads * D * (output gate ? 2 : 1), H]; with the gate, per head [q(D) | gate(D)]
+  LinearWeight k_proj;  // [kv_heads * D, H]
+  LinearWeight v_proj;  // [kv_heads * D, H]
+  LinearWeight o_proj;  // [H, q_heads * D]
+  TensorView q_norm;    // [D]
+  TensorView k_norm;    // [D]
+  float k_scale = 0.0f;  // FP8 KV-cache scales from the checkpoint (k_proj.k_scale); 0 = absent
+  float v_scale = 0.0f;
+};
+
+struct LinearAttentionWeights {
+  // qwen3_5 / qwen3_5_moe: separate projections.
+  LinearWeight in_proj_qkv;  // [2 * Hk * Dk + Hv * Dv, H]   rows q | k | v
+  LinearWeight in_proj_z;    // [Hv * Dv, H]
+  LinearWeight in_proj_b;    // [Hv, H]
+  LinearWeight in_proj_a;    // [Hv, H]
+  // qwen3_next: fused, interleaved per key-head group g: [q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)] and
+  // [b_g (r) | a_g (r)], r = Hv / Hk.
+  LinearWeight in_proj_qkvz;  // [Hk * (2 Dk + 2 r Dv), H]
+  LinearWeight in_proj_ba;    // [Hk * 2 r, H]
+  TensorView conv1d;   // [C, Kc] (the checkpoint's [C, 1, Kc]), C = 2 Hk Dk + Hv Dv
+  TensorView A_log;    // [Hv]
+  TensorView dt_bias;  // [Hv]
+  TensorView norm;     // [Dv] gated RMSNorm weight (plain w)
+  LinearWeight out_proj;  // [H, Hv * Dv]
+};
+
+struct MlpWeights {
+  LinearWeight gate_proj;  // [I, H]
+  LinearWeight up_proj;    // [I, H]
+  LinearWeight down_proj;  // [H, I]
+};
+
+struct MoeWeights {
+  LinearWeight router;  // [E, H], never quantised
+  std::vector<ExpertWeights> experts;  // [E]
+  bool has_shared_expert = false;
+  MlpWeights shared_expert;
+  LinearWeight shared_expert_gate;  // [1, H]
+};
+
+struct LayerWeights {
+  format::LayerType type = format::LayerType::full_attention;
+  TensorView input_norm;           // [H]
+  TensorView post_attention_norm;  // [H]
+  AttentionWeights attn;           // full-attention layers
+  LinearAttentionWeights linear;   // linear-attention layers
+  bool is_moe = false;
+  MoeWeights moe;   // is_moe
+  MlpWeights mlp;   // !is_moe
+};
+
+struct ModelWeights {
+  TensorView embed_tokens;  // [V, H]
+  TensorView final_norm;    // [H]
+  LinearWeight lm_head;     // [V, H] (the embedding when tied)
+  std::vector<LayerWeights> layers;
+  int64_t bytes_by_format[3] = {0, 0, 0};  // linear weight bytes per WeightFormat
+};
+
+// Looks tensors up by name and turns them into backend views (Ops::place_weight), choosing each linear's
+// storage from the quantisation config (format::effective_scheme) and checking shapes.
+class WeightBinder {
+ public:
+  WeightBinder(const format::Checkpoint& ckpt, const format::ModelConfig& config, const format::QuantConfig& quant,
+               Ops& ops, ModelWeights& model)
+      : ckpt_(ckpt), config_(config), quant_(quant), ops_(ops), model_(model) {}
+
+  const format::ModelConfig& config() const { return config_; }
+  // config.tensor_prefix + "layers.{layer}."
+  std::string layer_prefix(int layer) const;
+  // A plain tensor (norm weights, conv, A_log, ...), viewed with `shape` (numel must match).
+  TensorView tensor(const std::string& name, Shape shape) const;
+  bool has(const std::string& name) const { return ckpt_.has(name); }
+  // The linear module `module` (no ".weight"), W [out_features, in_features].
+  LinearWeight linear(const std::string& module, int64_t out_features, int64_t in_features) const;
+  // A view of rows [row_begin, row_begin + rows) of a dense 3-D tensor [E, R, K], as a dense LinearWeight.
+  LinearWeight dense_slice(const std::string& name, int64_t expert, int64_t row_begin, int64_t rows) const;
+  float scalar(const std::string& name) const;
+
+ private:
+  // Ops::place_weight once per checkpoint tensor (slices of one tensor share the placement).
+  TensorView place(const format::TensorInfo& t) const;
+
+  const format::Checkpoint& ckpt_;
+  const format::ModelConfig& config_;
+  const format::QuantConfig& quant_;
+  Ops& ops_;
+  ModelWeights& model_;
+  mutable std::map<std::string, TensorView, std::less<>> placed_;
+};
+
+}  // namespace kiln::model

@@ -1,0 +1,96 @@
+// kiln bench: a serving benchmark against any OpenAI-compatible server (see clients/bench.h).
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+
+#include "cli/command.h"
+#include "clients/bench.h"
+#include "core/error.h"
+
+namespace {
+
+struct BenchArgs {
+  std::string url = "http://127.0.0.1:30000";
+  std::string api_key;
+  std::string model;
+  std::string endpoint = "completions";
+  size_t input_len = 1024;
+  size_t output_len = 128;
+  size_t num_prompts = 0;
+  std::string max_concurrency;
+  std::string request_rate = "inf";
+  uint64_t seed = 1;
+  std::string tokenizer_dir;
+  std::string json_path;
+  double timeout_s = 600;
+  double max_failed_fraction = 0.05;
+  bool no_progress = false;
+};
+
+kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughput) against any OpenAI-compatible server",
+                         [](CLI::App& app) {
+  auto args = std::make_shared<BenchArgs>();
+  app.add_option("--url", args->url, "Server base URL")->capture_default_str();
+  app.add_option("--api-key", args->api_key, "Bearer token (default: $OPENAI_API_KEY)");
+  app.add_option("--model", args->model, "Model name to send (default: the first of GET /v1/models)");
+  app.add_option("--endpoint", args->endpoint, "completions (raw prompt) or chat")
+      ->check(CLI::IsMember({"completions", "chat"}))
+      ->capture_default_str();
+  app.add_option("--input-len", args->input_len, "Prompt length in tokens (exact)")->capture_default_str();
+  app.add_option("--output-len", args->output_len, "Output tokens per request (sent with ignore_eos)")
+      ->capture_default_str();
+  app.add_option("--num-prompts", args->num_prompts,
+                 "Requests per concurrency level (default: max(16, 4 x concurrency); 64 when unlimited)");
+  app.add_option("--max-concurrency", args->max_concurrency,
+                 "Comma list of concurrency limits to sweep, e.g. 1,4,16 (default: unlimited)");
+  app.add_option("--request-rate", args->request_rate, "Requests per second, Poisson arrivals; inf = all at once")
+      ->capture_default_str();
+  app.add_option("--seed", args->seed, "Seed of the random prompts and arrival times")->capture_default_str();
+  app.add_option("--tokenizer", args->tokenizer_dir,
+                 "Folder with the model's tokenizer.json: count prompt tokens locally, not with the server's /tokenize");
+  app.add_option("--json", args->json_path, "Also write the results to FILE");
+  app.add_option("--timeout", args->timeout_s, "Seconds to wait for the next byte of any response")
+      ->capture_default_str();
+  app.add_option("--max-failed-fraction", args->max_failed_fraction,
+                 "Fail the run when a level has more failed requests than this fraction")
+      ->capture_default_str();
+  app.add_flag("--no-progress", args->no_progress, "No live progress bar");
+  return [args]() -> int {
+    using namespace kiln::clients;
+    std::string api_key = args->api_key;
+    if (api_key.empty())
+      if (const char* env = std::getenv("OPENAI_API_KEY")) api_key = env;
+    BenchOptions options;
+    options.server = parse_server_url(args->url, api_key, args->timeout_s);
+    options.model = args->model;
+    options.endpoint = args->endpoint == "chat" ? BenchEndpoint::chat : BenchEndpoint::completions;
+    options.input_len = args->input_len;
+    options.output_len = args->output_len;
+    if (args->num_prompts > 0) options.num_prompts = args->num_prompts;
+    if (!args->max_concurrency.empty()) options.max_concurrency = parse_concurrency_list(args->max_concurrency);
+    options.request_rate = parse_request_rate(args->request_rate);
+    options.seed = args->seed;
+    options.tokenizer_dir = args->tokenizer_dir;
+    options.max_failed_fraction = args->max_failed_fraction;
+    options.progress = !args->no_progress;
+    std::ofstream json_file;
+    if (!args->json_path.empty()) {
+      json_file.open(args->json_path);
+      if (!json_file) kiln::fail("cannot write the --json results to '{}'", args->json_path);
+    }
+    BenchReport report = run_bench(options, stdout);
+    if (json_file.is_open()) {
+      json_file << report.to_json().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+      if (!json_file) kiln::fail("writing the --json results to '{}' failed", args->json_path);
+    }
+    if (!report.passed) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "error: benchmark failed: %s\n", report.failure.c_str());
+      return 1;
+    }
+    return 0;
+  };
+}};
+
+}  // namespace

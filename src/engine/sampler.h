@@ -1,0 +1,60 @@
+// Per-request token sampling over one step's fp32 logits.
+//
+// Order of operations (HF / vLLM conventions):
+//   1. penalties on the raw logits: repetition_penalty over prompt + generated ids (HF / vLLM: a positive
+//      logit is divided by the penalty, a negative one multiplied); frequency_penalty * count and
+//      presence_penalty * [count > 0] subtracted over generated ids only (OpenAI semantics);
+//   2. temperature 0: greedy argmax (ties: lowest id); otherwise logits / temperature;
+//   3. top-k (keeps every token whose logit ties the k-th largest), top-p (smallest prefix of the sorted
+//      distribution whose mass reaches p; the crossing token is kept), min-p (drops tokens whose probability is
+//      below min_p x the largest), each on the temperature-scaled distribution, in that order (HF's warpers);
+//   4. one draw from the renormalised survivors with the sequence's own xoshiro256** generator (seeded by
+//      splitmix64 from `seed`; uniform doubles from the top 53 bits), walking tokens in ascending id.
+// Reported logprobs (the chosen token's and the top-N alternatives) are the log-softmax of the penalised,
+// temperature-scaled logits BEFORE top-k / top-p / min-p (vLLM's "processed" logprobs; temperature 0 counts as
+
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "engine/request.h"
+
+namespace kiln::engine {
+
+struct SampleResult {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<TokenLogprob> top;  // top_logprobs entries, highest first (ties: lower id first)
+};
+
+// xoshiro256** (Blackman & Vigna), seeded through splitmix64: same seed, same stream on every platform.
+class Xoshiro256 {
+ public:
+  explicit Xoshiro256(uint64_t seed);
+  uint64_t next();
+  double uniform();  // [0, 1), 53 random bits
+
+ private:
+  uint64_t s_[4];
+};
+
+class SequenceSampler {
+ public:
+  SequenceSampler(const SamplingParams& params, uint64_t seed);  // seed: params.seed or a random one from the caller
+  // logits: [vocab] fp32 (modified in place). history: prompt + generated ids; generated ids start at
+  // generated_begin. top_logprobs: how many alternatives to report (0: none).
+  SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t generated_begin,
+                      int top_logprobs);
+
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  SamplingParams params_;
+  Xoshiro256 rng_;
+  std::vector<int32_t> order_;   // scratch: token ids sorted by logit
+  std::vector<double> probs_;    // scratch
+  std::vector<int32_t> counts_;  // scratch: generated-token counts
+};
+
+}  // namespace kiln::engine

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <functional>
 #include <thread>
@@ -99,8 +101,25 @@ void guard_answer(Problems& problems, const Generation& g, std::string_view labe
   problems.add_if(check_output(g.reasoning, prefix + "reasoning", /*allow_empty=*/true));
 }
 
-Generation chat(Context& ctx, const std::string& prompt, const GenerationParams& params) {
-  return run_generation(ctx.client, kChatPath, chat_request(ctx.model, prompt, params));
+bool rejects_length(const Generation& g) {
+  if (g.ok || !g.error.starts_with("HTTP 400")) return false;
+  std::string lower = g.error;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return lower.find("max_tokens") != std::string::npos || lower.find("context") != std::string::npos;
+}
+
+// A chat request. A server with a short context rejects a large max_tokens (HTTP 400): then it is
+// halved, down to 256, and the evidence says so.
+Generation chat(Context& ctx, CheckResult& result, const std::string& prompt, GenerationParams params) {
+  Generation g = run_generation(ctx.client, kChatPath, chat_request(ctx.model, prompt, params));
+  while (rejects_length(g) && params.max_tokens > 256) {
+    params.max_tokens = std::max(256, params.max_tokens / 2);
+    std::string note = fmt::format("max_tokens lowered to {} ({})", params.max_tokens, g.error);
+    if (std::find(result.evidence.begin(), result.evidence.end(), note) == result.evidence.end())
+      result.evidence.push_back(note);
+    g = run_generation(ctx.client, kChatPath, chat_request(ctx.model, prompt, params));
+  }
+  return g;
 }
 
 void check_model_info(Context& ctx, CheckResult& result, Problems& problems) {
@@ -145,7 +164,7 @@ void check_model_info(Context& ctx, CheckResult& result, Problems& problems) {
 void check_simple(Context& ctx, CheckResult& result, Problems& problems) {
   GenerationParams params;
   params.max_tokens = 1024;  // room for reasoning when the server thinks by default
-  Generation g = chat(ctx, kSimplePrompt, params);
+  Generation g = chat(ctx, result, kSimplePrompt, params);
   add_answer_evidence(result, g);
   result.details["answer"] = answer_json(g);
   guard_answer(problems, g);
@@ -157,7 +176,7 @@ void check_math_no_think(Context& ctx, CheckResult& result, Problems& problems) 
   GenerationParams params;
   params.max_tokens = 256;
   params.enable_thinking = false;
-  Generation g = chat(ctx, kMathPrompt, params);
+  Generation g = chat(ctx, result, kMathPrompt, params);
   add_answer_evidence(result, g);
   result.details["answer"] = answer_json(g);
   guard_answer(problems, g);
@@ -183,9 +202,9 @@ void check_math_think(Context& ctx, CheckResult& result, Problems& problems) {
   GenerationParams params;
   params.max_tokens = 4096;
   params.enable_thinking = true;
-  Generation plain = chat(ctx, kMathPrompt, params);
+  Generation plain = chat(ctx, result, kMathPrompt, params);
   params.stream = true;
-  Generation streamed = chat(ctx, kMathPrompt, params);
+  Generation streamed = chat(ctx, result, kMathPrompt, params);
   add_answer_evidence(result, plain, "non-streamed");
   add_answer_evidence(result, streamed, "streamed");
   result.details["non_streamed"] = answer_json(plain);
@@ -275,14 +294,14 @@ void check_throughput(Context& ctx, CheckResult& result, Problems& problems) {
   params.enable_thinking = false;
   params.ignore_eos = true;
   params.stream = true;
-  Generation g = chat(ctx, kThroughputPrompt, params);
+  Generation g = chat(ctx, result, kThroughputPrompt, params);
   bool ignore_eos_rejected = false;
   if (!g.ok && (g.error.starts_with("HTTP 400") || g.error.starts_with("HTTP 422"))) {
     // Servers that reject the ignore_eos extension: rely on the prompt asking for a long text.
     ignore_eos_rejected = true;
     result.evidence.push_back("ignore_eos rejected (" + g.error + "); retried without it");
     params.ignore_eos = false;
-    g = chat(ctx, kThroughputPrompt, params);
+    g = chat(ctx, result, kThroughputPrompt, params);
   }
   guard_answer(problems, g);
   if (!g.ok) {

@@ -1,7 +1,7 @@
 // A deliberately broken OpenAI-compatible server for testing `kiln smoke` and `kiln bench`.
 //
 //   kiln-fake-openai-server --mode MODE [--port 0] [--first-token-delay-ms MS] [--token-delay-ms MS]
-//                           [--no-usage] [--no-tokenize] [--fail-every N]
+//                           [--no-usage] [--no-tokenize] [--fail-every N] [--context-length N]
 //
 // Prints "PORT <n>" on its first stdout line once listening (--port 0 picks a free port).
 // Modes:
@@ -15,7 +15,8 @@
 //   wrong             324 instead of 323
 //   nondeterministic  long outputs and reasoning differ from request to request
 // Options: --no-usage leaves usage out of streams; --no-tokenize has no /tokenize; --fail-every N
-// answers every Nth generation request with HTTP 500.
+// answers every Nth generation request with HTTP 500; --context-length N rejects prompt + max_tokens
+// above N with HTTP 400 (as vLLM and SGLang do).
 //
 // Tokens are words (a leading space + letters/digits) or single other characters; /tokenize and
 // usage count them the same way, so prompt lengths can be checked exactly.
@@ -48,6 +49,7 @@ struct Config {
   bool usage = true;
   bool tokenize = true;
   int fail_every = 0;
+  int context_length = 0;  // 0: no limit
 };
 
 Config g_config;
@@ -239,6 +241,13 @@ void handle_generation(const httplib::Request& req, httplib::Response& res, bool
   const bool stream = body.value("stream", false);
   const bool include_usage =
       g_config.usage && body.contains("stream_options") && body["stream_options"].value("include_usage", false);
+  if (g_config.context_length > 0) {
+    auto prompt_tokens = static_cast<int>(g_vocab.encode(prompt).size());
+    if (prompt_tokens + max_tokens > g_config.context_length)
+      return send_error(res, 400, "This model's maximum context length is " + std::to_string(g_config.context_length) +
+                                      " tokens. However, you requested " + std::to_string(prompt_tokens + max_tokens) +
+                                      " tokens.");
+  }
   auto answer = std::make_shared<Answer>(make_answer(prompt, thinking, max_tokens, ignore_eos));
   json usage = {{"prompt_tokens", answer->prompt_tokens},
                 {"completion_tokens", answer->completion_tokens},
@@ -329,6 +338,7 @@ int main(int argc, char** argv) {
     else if (arg == "--first-token-delay-ms") g_config.first_token_delay_ms = parse_int("--first-token-delay-ms", value());
     else if (arg == "--token-delay-ms") g_config.token_delay_ms = parse_int("--token-delay-ms", value());
     else if (arg == "--fail-every") g_config.fail_every = parse_int("--fail-every", value());
+    else if (arg == "--context-length") g_config.context_length = parse_int("--context-length", value());
     else if (arg == "--no-usage") g_config.usage = false;
     else if (arg == "--no-tokenize") g_config.tokenize = false;
     else {

@@ -103,6 +103,19 @@ for case in "${cases[@]}"; do
   echo "ok: mode $mode (failed: ${expected:-none})"
 done
 
+# A short context: requests with a large max_tokens get HTTP 400; smoke retries with less and says so.
+start_fake --mode good --context-length 3000
+set +e
+"$KILN" smoke --url "http://127.0.0.1:$PORT" --json "$WORK/context.json" > "$WORK/context.txt" 2>&1
+rc=$?
+set -e
+stop_fake
+if [ "$rc" = 0 ] && check_report "$WORK/context.json" "" "" && grep -q "max_tokens lowered to 2048 (HTTP 400: This model's maximum context length is 3000" "$WORK/context.txt"; then
+  echo "ok: short context -> max_tokens lowered"
+else
+  echo "FAIL: short context (exit $rc)"; cat "$WORK/context.txt"; failures=$((failures + 1))
+fi
+
 # --tests selects checks; --baseline prints a ratio.
 start_fake --mode wrong
 set +e

@@ -1,0 +1,151 @@
+// kiln generate: one prompt through the CPU engine, text streamed to stdout as it is generated, speeds on stderr.
+//
+//   kiln generate [--model-path DIR] --prompt TEXT [--chat] [--no-think] [--max-tokens N] [--temperature T]
+//                 [--seed S] [--threads N]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+
+#include "backend/cpu/cpu_backend.h"
+#include "cli/command.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/sampler.h"
+#include "format/model_dir.h"
+#include "model/runner.h"
+#include "template/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace {
+
+struct GenerateOptions {
+  std::string model_path;
+  std::string prompt;
+  bool chat = false;
+  bool no_think = false;
+  int64_t max_tokens = 128;
+  float temperature = 0.0f;
+  std::optional<uint64_t> seed;
+  int threads = 0;
+  std::string kv_dtype = "bf16";
+};
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+int run_generate(const GenerateOptions& o) {
+  using namespace kiln;
+  format::ModelDir dir;
+  if (!o.model_path.empty()) {
+    dir = format::ModelDir::open(o.model_path);
+  } else if (format::ModelDir::has_embedded()) {
+    dir = format::ModelDir::embedded();
+  } else {
+    fail("no --model-path given and this kiln binary has no embedded model: pass --model-path DIR");
+  }
+  if (o.max_tokens <= 0) fail("--max-tokens must be positive, got {}", o.max_tokens);
+
+  const std::string tok_config = dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "";
+  if (!dir.has("tokenizer.json")) fail("{} has no tokenizer.json", dir.display_path());
+  auto tokenizer = tok::Tokenizer::from_json(dir.read_text("tokenizer.json"), tok_config);
+
+  std::string text = o.prompt;
+  if (o.chat) {
+    std::optional<std::string> jinja;
+    if (dir.has("chat_template.jinja")) jinja = dir.read_text("chat_template.jinja");
+    auto tmpl = tmpl::ChatTemplate::from_model_files(jinja, tok_config);
+    nlohmann::ordered_json req;
+    req["messages"] = nlohmann::ordered_json::array({{{"role", "user"}, {"content", o.prompt}}});
+    req["add_generation_prompt"] = true;
+    if (o.no_think) req["chat_template_kwargs"] = {{"enable_thinking", false}};
+    text = tmpl->render(req);
+  } else if (o.no_think) {
+    fail("--no-think only applies with --chat");
+  }
+  const std::vector<int32_t> prompt = tokenizer->encode(text);
+  if (prompt.empty()) fail("the prompt encodes to no tokens");
+
+  backend::CpuLoadOptions lo;
+  lo.threads = o.threads;
+  lo.state_slots = 1;
+  lo.max_context = static_cast<int64_t>(prompt.size()) + o.max_tokens;
+  if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
+  else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
+  else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
+  else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
+  auto runner = backend::load_cpu_model(dir, lo);
+  const auto& config = dynamic_cast<model::Runner&>(*runner).config();
+  if (tokenizer->vocab_size() > runner->vocab_size())
+    KILN_LOG_WARN("tokenizer has {} ids but the model only {}", tokenizer->vocab_size(), runner->vocab_size());
+
+  engine::SamplingParams sp;
+  sp.temperature = o.temperature;
+  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+  engine::SequenceSampler sampler(sp, seed);
+
+  const auto cap = runner->capacity();
+  std::vector<int32_t> pages((lo.max_context + cap.page_size - 1) / cap.page_size);
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<int32_t>(i);
+  std::vector<float> logits(runner->vocab_size());
+  auto step = [&](std::span<const int32_t> tokens, int64_t start) {
+    model::SeqChunk c;
+    c.state_slot = 0;
+    c.tokens = tokens;
+    c.start_pos = start;
+    c.page_table = pages;
+    runner->forward({&c, 1}, logits);
+  };
+
+  std::vector<int32_t> history = prompt;
+  tok::StreamDecoder stream(*tokenizer, /*skip_special=*/true);
+  const auto t0 = Clock::now();
+  step(prompt, 0);
+  const double prefill_s = seconds_since(t0);
+  const auto t1 = Clock::now();
+  int64_t generated = 0;
+  bool hit_eos = false;
+  for (;;) {
+    const engine::SampleResult r = sampler.sample(logits, history, prompt.size(), 0);
+    history.push_back(r.token);
+    ++generated;
+    if (std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), r.token) != config.eos_token_ids.end()) {
+      hit_eos = true;
+      break;
+    }
+    const std::string piece = r.token < tokenizer->vocab_size() ? stream.push(r.token) : std::string();
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+    if (generated >= o.max_tokens) break;
+    step(std::span(&history.back(), 1), static_cast<int64_t>(history.size()) - 1);
+  }
+  const std::string rest = stream.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  std::printf("\n");
+  const double decode_s = seconds_since(t1);
+  // Decode speed: the forward passes after the prefill (the first token comes from the prefill's logits).
+  std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generated: %lld tokens%s, decode %.1f tok/s\n",
+               prompt.size(), prompt.size() / std::max(prefill_s, 1e-9), static_cast<long long>(generated),
+               hit_eos ? " (eos)" : "", generated > 1 ? (generated - 1) / std::max(decode_s, 1e-9) : 0.0);
+  return 0;
+}
+
+kiln::cli::Registrar reg{"generate", "Generate text from a prompt on the CPU engine", [](CLI::App& app) {
+  auto o = std::make_shared<GenerateOptions>();
+  app.add_option("--model-path", o->model_path, "Model folder (default: the embedded model)");
+  app.add_option("--prompt", o->prompt, "Prompt text")->required();
+  app.add_flag("--chat", o->chat, "Apply the model's chat template (one user message)");
+  app.add_flag("--no-think", o->no_think, "With --chat: enable_thinking=false");
+  app.add_option("--max-tokens", o->max_tokens, "Most tokens to generate (default 128)");
+  app.add_option("--temperature", o->temperature, "Sampling temperature (default 0: greedy)");
+  app.add_option("--seed", o->seed, "Sampling seed (default: random)");
+  app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
+  app.add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: bf16 (default), fp8, f32");
+  return [o]() -> int { return run_generate(*o); };
+}};
+
+}  // namespace

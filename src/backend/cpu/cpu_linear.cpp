@@ -16,6 +16,33 @@ namespace {
 using model::WeightFormat;
 
 typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+// E2M1 magnitude+sign codes (0..15 in u32 lanes) -> fp32 values, by building the float bits: magnitude code
+// (e, m) = (c >> 1 & 3, c & 1) is (1 + m/2) * 2^(e-1) for e > 0 and m/2 for e == 0. Uniform shifts only.
+__attribute__((always_inline)) inline void e2m1_values(const v8u32& c, v8f& out) {
+  const v8u32 e = (c >> 1) & 3u, m = c & 1u;
+  const v8i32 normal = (v8i32)(((e + 126u) << 23) | (m << 22));
+  const v8i32 sub = (v8i32)(m * (126u << 23));  // 0.5 or 0
+  const v8i32 is_normal = (v8i32)(e != 0u);       // -1 / 0 lanes
+  const v8i32 bits = (normal & is_normal) | (sub & ~is_normal) | (v8i32)((c & 8u) << 28);
+  std::memcpy(&out, &bits, sizeof(out));
+}
+
+// 8 packed bytes = 16 codes (element 2i in the low nibble of byte i) -> lo = elements 0..7, hi = 8..15.
+__attribute__((always_inline)) inline void e2m1x16(const uint8_t* bytes, v8f& lo, v8f& hi) {
+  v8u8 b;
+  std::memcpy(&b, bytes, 8);
+  const v8u32 x = __builtin_convertvector(b, v8u32);
+  v8f even, odd;
+  e2m1_values(x & 15u, even);
+  e2m1_values(x >> 4, odd);
+  lo = __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11);
+  hi = __builtin_shufflevector(even, odd, 4, 12, 5, 13, 6, 14, 7, 15);
+}
 
 constexpr int kRowBlock = 4;     // output rows per task unit
 constexpr int kColChunk = 256;   // K columns decoded at a time (multiple of 16: NVFP4 blocks)
@@ -43,7 +70,14 @@ __attribute__((always_inline)) inline void decode_row_inline(const LinearWeight&
       switch (w.weight.dtype) {
         case DType::BF16: {
           const uint16_t* src = static_cast<const uint16_t*>(w.weight.data) + row * K + k0;
-          for (int64_t i = 0; i < n; ++i) {
+          int64_t i = 0;
+          for (; i + 8 <= n; i += 8) {  // bf16 -> f32 is a 16-bit shift: 8 at a time
+            v8u16 h;
+            std::memcpy(&h, src + i, sizeof(h));
+            const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+            std::memcpy(dst + i, &u, sizeof(u));
+          }
+          for (; i < n; ++i) {
             const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
             std::memcpy(dst + i, &u, 4);
           }
@@ -75,14 +109,14 @@ __attribute__((always_inline)) inline void decode_row_inline(const LinearWeight&
       const float s2 = w.scale;
       for (int64_t b = 0; b < n / 16; ++b) {
         const float bs = detail::kE4M3.v[scales[b]];
-        float lut[16];
-        for (int c = 0; c < 16; ++c) lut[c] = (kE2M1ToF32[c] * bs) * s2;
         const uint8_t* p = packed + b * 8;
         float* d = dst + b * 16;
-        for (int j = 0; j < 8; ++j) {
-          d[2 * j] = lut[p[j] & 0xf];
-          d[2 * j + 1] = lut[p[j] >> 4];
-        }
+        v8f lo, hi;
+        e2m1x16(p, lo, hi);
+        lo = (lo * bs) * s2;
+        hi = (hi * bs) * s2;
+        std::memcpy(d, &lo, sizeof(lo));
+        std::memcpy(d + 8, &hi, sizeof(hi));
       }
       return;
     }
@@ -124,6 +158,23 @@ __attribute__((always_inline)) inline void dot_tile(const float (*wbuf)[kColChun
   }
   for (; t < tb; ++t) {
     const float* x0 = x + t * K;
+    if (nr == kRowBlock) {  // one token, four rows: x loaded once per 4 FMAs
+      v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t i = 0; i < kv; i += 8) {
+        v8f xa, w0, w1, w2, w3;
+        load8(xa, x0 + i);
+        load8(w0, wbuf[0] + i);
+        load8(w1, wbuf[1] + i);
+        load8(w2, wbuf[2] + i);
+        load8(w3, wbuf[3] + i);
+        a0 += w0 * xa; a1 += w1 * xa; a2 += w2 * xa; a3 += w3 * xa;
+      }
+      float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+      for (int64_t i = kv; i < kc; ++i)
+        for (int r = 0; r < 4; ++r) s[r] += wbuf[r][i] * x0[i];
+      for (int r = 0; r < 4; ++r) acc[t][r] += s[r];
+      continue;
+    }
     for (int r = 0; r < nr; ++r) {
       v8f a = {};
       for (int64_t i = 0; i < kv; i += 8) {

@@ -22,6 +22,30 @@ class Parser {
   size_t i_ = 0;
   std::vector<Stmt*> macro_stack_;  // macros / call blocks being parsed (for caller/varargs/kwargs use)
   std::vector<std::vector<std::string>> end_token_stack_;
+  int depth_ = 0;  // nesting of expressions / statements being parsed
+
+  // Bounds recursion so that a pathological template fails cleanly instead of exhausting the stack.
+  struct DepthGuard {
+    Parser& p;
+    explicit DepthGuard(Parser& parser) : p(parser) {
+      if (++p.depth_ > kMaxNesting) p.fail(p.cur(), fmt::format("template nests deeper than {} levels", kMaxNesting));
+    }
+    ~DepthGuard() { --p.depth_; }
+  };
+  static constexpr int kMaxNesting = 256;
+
+  // Left-associative chains (a + b + c, a.b.c, x|f|g, elif ...) nest the tree one level per link:
+  // they count against the same limit while the chain is being parsed.
+  struct ChainGuard {
+    Parser& p;
+    int links = 0;
+    explicit ChainGuard(Parser& parser) : p(parser) {}
+    void link() {
+      ++links;
+      if (++p.depth_ > kMaxNesting) p.fail(p.cur(), fmt::format("template nests deeper than {} levels", kMaxNesting));
+    }
+    ~ChainGuard() { p.depth_ -= links; }
+  };
 
   const Token& cur() const { return toks_[i_]; }
   const Token& look() const { return toks_[std::min(i_ + 1, toks_.size() - 1)]; }
@@ -115,6 +139,7 @@ class Parser {
   }
 
   StmtPtr parse_statement() {
+    DepthGuard guard(*this);
     const Token& t = cur();
     if (t.type != Tok::Name) fail(t, "tag name expected");
     const std::string& w = t.text;
@@ -170,7 +195,9 @@ class Parser {
   StmtPtr parse_if() {
     auto s = std::make_unique<Stmt>(StmtKind::If, expect_name("if").pos);
     Stmt* node = s.get();
+    ChainGuard chain(*this);
     while (true) {
+      chain.link();
       node->expr = parse_tuple(false, false, {}, false);
       node->body = parse_statements({"elif", "else", "endif"}, false);
       const Token& t = next();
@@ -331,7 +358,9 @@ class Parser {
   ExprPtr parse_condexpr() {
     SourcePos pos = cur().pos;
     ExprPtr expr1 = parse_or();
+    ChainGuard chain(*this);
     while (skip_if_name("if")) {
+      chain.link();
       auto e = std::make_unique<Expr>(ExprKind::CondExpr, pos);
       e->b = parse_or();
       e->a = std::move(expr1);
@@ -352,7 +381,9 @@ class Parser {
   ExprPtr parse_or() {
     SourcePos pos = cur().pos;
     ExprPtr left = parse_and();
+    ChainGuard chain(*this);
     while (skip_if_name("or")) {
+      chain.link();
       left = binary(ExprKind::Or, pos, std::move(left), parse_and());
       pos = cur().pos;
     }
@@ -362,7 +393,9 @@ class Parser {
   ExprPtr parse_and() {
     SourcePos pos = cur().pos;
     ExprPtr left = parse_not();
+    ChainGuard chain(*this);
     while (skip_if_name("and")) {
+      chain.link();
       left = binary(ExprKind::And, pos, std::move(left), parse_not());
       pos = cur().pos;
     }
@@ -370,6 +403,7 @@ class Parser {
   }
 
   ExprPtr parse_not() {
+    DepthGuard guard(*this);
     if (is_name(cur(), "not")) {
       auto e = std::make_unique<Expr>(ExprKind::Not, next().pos);
       e->a = parse_not();
@@ -415,7 +449,9 @@ class Parser {
   ExprPtr parse_math1() {
     SourcePos pos = cur().pos;
     ExprPtr left = parse_concat();
+    ChainGuard chain(*this);
     while (cur().type == Tok::Add || cur().type == Tok::Sub) {
+      chain.link();
       BinOp op = next().type == Tok::Add ? BinOp::Add : BinOp::Sub;
       left = binop(op, pos, std::move(left), parse_concat());
       pos = cur().pos;
@@ -437,7 +473,9 @@ class Parser {
   ExprPtr parse_math2() {
     SourcePos pos = cur().pos;
     ExprPtr left = parse_pow();
+    ChainGuard chain(*this);
     while (true) {
+      chain.link();
       Tok t = cur().type;
       BinOp op;
       if (t == Tok::Mul) op = BinOp::Mul;
@@ -455,7 +493,9 @@ class Parser {
   ExprPtr parse_pow() {
     SourcePos pos = cur().pos;
     ExprPtr left = parse_unary(true);
+    ChainGuard chain(*this);
     while (skip_if(Tok::Pow)) {
+      chain.link();
       left = binop(BinOp::Pow, pos, std::move(left), parse_unary(true));
       pos = cur().pos;
     }
@@ -463,6 +503,7 @@ class Parser {
   }
 
   ExprPtr parse_unary(bool with_filter) {
+    DepthGuard guard(*this);
     Tok t = cur().type;
     ExprPtr node;
     if (t == Tok::Sub || t == Tok::Add) {
@@ -545,7 +586,9 @@ class Parser {
   }
 
   ExprPtr parse_postfix(ExprPtr node) {
+    ChainGuard chain(*this);
     while (true) {
+      chain.link();
       Tok t = cur().type;
       if (t == Tok::Dot || t == Tok::LBracket) node = parse_subscript(std::move(node));
       else if (t == Tok::LParen) node = parse_call(std::move(node));
@@ -555,7 +598,9 @@ class Parser {
   }
 
   ExprPtr parse_filter_expr(ExprPtr node) {
+    ChainGuard chain(*this);
     while (true) {
+      chain.link();
       Tok t = cur().type;
       if (t == Tok::Pipe) node = parse_filter(std::move(node), false);
       else if (is_name(cur(), "is")) node = parse_test(std::move(node));
@@ -660,7 +705,9 @@ class Parser {
   }
 
   ExprPtr parse_filter(ExprPtr node, bool start_inline) {
+    ChainGuard chain(*this);
     while (cur().type == Tok::Pipe || start_inline) {
+      chain.link();
       if (!start_inline) next();
       const Token& name = expect(Tok::Name);
       auto e = std::make_unique<Expr>(ExprKind::Filter, name.pos);

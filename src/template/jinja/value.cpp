@@ -9,22 +9,52 @@
 
 namespace kiln::tmpl::jinja {
 
+namespace {
+
+int nesting_of(const Value& v) {
+  if (v.is_list()) return v.list().nesting;
+  if (v.is_dict()) return v.dict().nesting;
+  return 0;
+}
+
+void check_nesting(int nesting) {
+  if (nesting > kMaxValueNesting) runtime_fail("value nested deeper than {} levels", kMaxValueNesting);
+}
+
+// Counts recursion depth in repr/str, which can loop through namespaces that contain themselves.
+struct ReprDepth {
+  static inline thread_local int depth = 0;
+  ReprDepth() {
+    if (++depth > kMaxValueNesting) {
+      depth = 0;
+      runtime_fail("value refers to itself or nests deeper than {} levels", kMaxValueNesting);
+    }
+  }
+  ~ReprDepth() {
+    if (depth > 0) --depth;
+  }
+};
+
+}  // namespace
+
 Value Value::make_list(std::vector<Value> items) {
   auto l = std::make_shared<List>();
+  for (const auto& item : items) l->nesting = std::max(l->nesting, 1 + nesting_of(item));
+  check_nesting(l->nesting);
   l->items = std::move(items);
   return Value(std::move(l));
 }
 
 Value Value::make_tuple(std::vector<Value> items) {
-  auto l = std::make_shared<List>();
-  l->items = std::move(items);
-  l->is_tuple = true;
-  return Value(std::move(l));
+  Value v = make_list(std::move(items));
+  v.list().is_tuple = true;
+  return v;
 }
 
 Value Value::make_dict() { return Value(std::make_shared<Dict>()); }
 
-Value Value::from_json(const nlohmann::ordered_json& j) {
+Value Value::from_json(const nlohmann::ordered_json& j, int depth) {
+  if (depth > kMaxValueNesting) runtime_fail("input JSON nests deeper than {} levels", kMaxValueNesting);
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return Value::none();
     case nlohmann::ordered_json::value_t::boolean: return Value(j.get<bool>());
@@ -39,12 +69,12 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       items.reserve(j.size());
-      for (const auto& e : j) items.push_back(from_json(e));
+      for (const auto& e : j) items.push_back(from_json(e, depth + 1));
       return Value::make_list(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
       auto d = std::make_shared<Dict>();
-      for (const auto& [k, v] : j.items()) d->set(Value(k), from_json(v));
+      for (const auto& [k, v] : j.items()) d->set(Value(k), from_json(v, depth + 1));
       return Value(std::move(d));
     }
     default: runtime_fail("unsupported JSON value (binary) in template input");
@@ -101,6 +131,8 @@ const Value* Dict::find(const Value& key) const {
 }
 
 void Dict::set(Value key, Value value) {
+  nesting = std::max({nesting, 1 + nesting_of(key), 1 + nesting_of(value)});
+  check_nesting(nesting);
   if (key.is_string()) {
     auto [it, inserted] = string_index_.try_emplace(key.str(), entries.size());
     if (inserted) entries.emplace_back(std::move(key), std::move(value));
@@ -132,6 +164,7 @@ Value Namespace::get_attr(std::string_view name) {
 }
 
 std::string Namespace::repr() const {
+  ReprDepth guard;
   std::string s = "<Namespace {";
   bool first = true;
   for (const auto& [k, v] : attrs.entries) {
@@ -297,6 +330,7 @@ std::string py_string_repr(std::string_view s) {
 }
 
 std::string py_repr(const Value& v) {
+  ReprDepth guard;
   switch (v.kind()) {
     case Kind::Undefined: return "Undefined";
     case Kind::String: return py_string_repr(v.str());

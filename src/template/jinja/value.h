@@ -67,7 +67,8 @@ class Value {
   static Value make_list(std::vector<Value> items = {});
   static Value make_tuple(std::vector<Value> items);
   static Value make_dict();
-  static Value from_json(const nlohmann::ordered_json& j);
+  // RuntimeError when the JSON nests deeper than kMaxValueNesting.
+  static Value from_json(const nlohmann::ordered_json& j, int depth = 0);
 
   Kind kind() const { return static_cast<Kind>(v_.index()); }
   bool is_undefined() const { return kind() == Kind::Undefined; }
@@ -114,9 +115,14 @@ class Value {
       v_;
 };
 
+// Lists and dicts record how deeply they nest, so that no value gets deep enough to overflow the
+// stack when it is printed, compared or destroyed.
+constexpr int kMaxValueNesting = 512;
+
 struct List {
   std::vector<Value> items;
   bool is_tuple = false;
+  int nesting = 1;
 };
 
 // Insertion-ordered mapping with Python key equality (1 == 1.0 == True).
@@ -126,6 +132,7 @@ struct Dict {
   const Value* find(std::string_view key) const;
   void set(Value key, Value value);
   size_t size() const { return entries.size(); }
+  int nesting = 1;
 
  private:
   std::unordered_map<std::string, size_t> string_index_;

@@ -85,6 +85,17 @@ int run_inspect(const InspectOptions& o) {
     schemes_by_role[t.role].insert(scheme);
   }
 
+  // Routers stay BF16 whatever the quantisation config says (REFERENCE: a known checkpoint trap).
+  int64_t routers_overridden = 0;
+  for (const auto& t : tensors)
+    if (t.role == role::kRouter && t.name.ends_with(".weight") &&
+        quant.scheme_for(t.name.substr(0, t.name.size() - 7)) != QuantScheme::none)
+      ++routers_overridden;
+  std::vector<std::string> notes = p.notes;
+  if (routers_overridden)
+    notes.insert(notes.begin(), fmt::format("{} router linears are kept BF16 although {} would quantise them "
+                                            "(its exclude list misses them)", routers_overridden, quant.source));
+
   if (o.json) {
     nlohmann::ordered_json j;
     j["model"] = dir.display_path();
@@ -125,7 +136,7 @@ int run_inspect(const InspectOptions& o) {
     j["kv_budget_bytes_per_gpu"] = p.kv_budget_bytes;
     if (o.gpu_mem_gib > 0) j["max_kv_tokens"] = p.max_kv_tokens;
     else j["max_kv_tokens"] = nullptr;
-    j["notes"] = p.notes;
+    j["notes"] = notes;
     if (ckpt) {
       j["checkpoint_tensors"] = ckpt->size();
       j["ignored_vision_tensors"] = report.ignored_vision;
@@ -204,7 +215,7 @@ int run_inspect(const InspectOptions& o) {
     line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
                                                 : "0: the weights do not fit; use more GPUs or more memory");
   }
-  for (const auto& n : p.notes) line("  note", n);
+  for (const auto& n : notes) line("  note", n);
   return 0;
 }
 

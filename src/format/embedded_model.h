@@ -14,5 +14,6 @@ struct EmbeddedFile {
 
 extern const EmbeddedFile kFiles[];
 extern const size_t kNumFiles;
+extern const char* const kSourceDir;  // the folder embedded at build time (for tests)
 
 }  // namespace kiln::format::embedded

@@ -207,6 +207,8 @@ Checkpoint Checkpoint::open(const ModelDir& dir) {
     if (ckpt.file_names_.empty()) fail("{}: no *.safetensors weight files found", where);
   }
 
+  int64_t unindexed = 0;
+  std::string first_unindexed;
   for (const auto& file : ckpt.file_names_) {
     SafetensorsFile sf(dir.map(file), file);
     for (const auto& t : sf.tensors()) {
@@ -214,13 +216,16 @@ Checkpoint Checkpoint::open(const ModelDir& dir) {
       if (!inserted) fail("{}: tensor '{}' is stored twice (in '{}' and '{}')", where, t.name, it->second.file, file);
       if (!indexed.empty()) {
         auto ix = indexed.find(t.name);
-        if (ix == indexed.end())
-          KILN_LOG_WARN("{}: tensor '{}' in '{}' is not listed in {} (loaded anyway)", where, t.name, file, index_name);
-        else if (ix->second != file)
+        if (ix == indexed.end()) {
+          if (unindexed++ == 0) first_unindexed = t.name + "' in '" + file;
+        } else if (ix->second != file)
           fail("{}: tensor '{}' is indexed to '{}' but stored in '{}'", where, t.name, ix->second, file);
       }
     }
   }
+  if (unindexed)
+    KILN_LOG_WARN("{}: {} tensors are not listed in {} (loaded anyway), e.g. '{}'", where, unindexed, index_name,
+                  first_unindexed);
   for (const auto& [tensor, file] : indexed)
     if (!ckpt.tensors_.count(tensor))
       fail("{}: tensor '{}' is indexed to shard '{}' but that shard does not contain it", where, tensor, file);

@@ -28,7 +28,9 @@ struct TensorInfo {
   std::string name;
   DType dtype = DType::F32;
   Shape shape;
-  const uint8_t* data = nullptr;  // points into the mapped file (valid while the owner lives)
+  // Points into the mapped file (valid while the owner lives). 8-byte aligned when the writer padded the
+  // header as Hugging Face's library does (and kiln's writer does); not guaranteed for arbitrary files.
+  const uint8_t* data = nullptr;
   size_t nbytes = 0;
   std::string file;               // display name of the file holding it
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "fixture_util.h"
+#include "format/embedded_model.h"
 
 namespace kiln::format {
 namespace {
@@ -248,7 +249,7 @@ TEST(ModelDir, OpenErrorsAndFiles) {
 
 TEST(ModelDir, EmbeddedModelMatchesTheRepoFolder) {
   namespace fs = std::filesystem;
-  const fs::path folder = fs::path(KILN_SOURCE_DIR) / "models" / "kiln-tiny";
+  const fs::path folder = embedded::kSourceDir;  // models/kiln-tiny unless KILN_EMBED_MODEL_DIR says otherwise
   if (!ModelDir::has_embedded()) {
     EXPECT_FALSE(fs::exists(folder / "config.json")) << "models/kiln-tiny exists but was not embedded";
     try {

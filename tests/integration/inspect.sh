@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# kiln inspect on the bundled Qwen3.5-397B-A17B NVFP4 config: JSON keys and values against hand
+# arithmetic (see tests/unit/format/capacity_test.cpp for the derivations).
+# Args: $1 = kiln binary, $2 = repo root.
+set -euo pipefail
+KILN=$1
+ROOT=$2
+CFG="$ROOT/configs/qwen3.5-397b-a17b-nvfp4"
+
+out=$("$KILN" inspect --model-path "$CFG" --tp 8 --gpu-mem-gib 96 --json)
+python3 - "$out" <<'PY'
+import json, math, sys
+j = json.loads(sys.argv[1])
+def check(cond, what):
+    if not cond:
+        print("FAIL:", what, file=sys.stderr)
+        sys.exit(1)
+for key in ["params_total", "params_active", "weight_bytes", "decode_bytes_per_token", "kv_bytes_per_token",
+            "state_bytes_per_sequence", "max_kv_tokens", "weight_bytes_per_gpu", "kv_bytes_per_token_per_gpu"]:
+    check(key in j, "missing key " + key)
+check(j["model_type"] == "qwen3_5_moe", "model_type")
+check(j["layer_pattern"] == "15 x [linear, linear, linear, full]", "layer pattern " + j["layer_pattern"])
+check(abs(j["params_total"] / 1e9 - 397) < 1.0, "params_total %d" % j["params_total"])
+check(abs(j["params_active"] / 1e9 - 17) < 0.5, "params_active %d" % j["params_active"])
+check(abs(j["decode_bytes_per_token"] / 1e9 - 22) < 0.5, "decode bytes %d" % j["decode_bytes_per_token"])
+# 15 full layers x 2 KV heads x 256 dims x (K, V) x 2 bytes.
+check(j["kv_bytes_per_token"] == 15 * 2 * 256 * 2 * 2 == 30720, "kv bytes %d" % j["kv_bytes_per_token"])
+# 45 linear layers x (64 x 128 x 128 fp32 state + 12288 conv channels x 3 taps x 2 bytes).
+check(j["state_bytes_per_sequence"] == 45 * (64 * 128 * 128 * 4 + 12288 * 3 * 2), "state bytes")
+check(j["kv_bytes_per_token_per_gpu"] == 15360, "kv per gpu (one KV head per GPU at tp 8)")
+gib = 1024 ** 3
+budget = 96 * gib * 0.90 - j["weight_bytes_per_gpu"] - 2 * gib
+check(abs(j["max_kv_tokens"] - math.floor(budget / 15360)) <= 1, "max_kv_tokens %d" % j["max_kv_tokens"])
+check(j["weight_bytes_by_dtype"]["U8"] == 60 * 512 * 3 * 1024 * 4096 // 2, "FP4 expert bytes")
+print("inspect 397B tp8/96GiB: ok, max_kv_tokens", j["max_kv_tokens"])
+PY
+
+# Text output and the errors users will hit.
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+"$KILN" inspect --model-path "$CFG" --tp 2 --gpu-mem-gib 141 | grep -q "15 x \[linear, linear, linear, full\]"
+if "$KILN" inspect --model-path "$ROOT/does-not-exist" 2>"$err"; then echo "FAIL: missing dir accepted"; exit 1; fi
+grep -q "does not exist" "$err"
+if "$KILN" inspect --model-path "$CFG" --kv-cache-dtype int4 2>"$err"; then echo "FAIL: bad kv dtype accepted"; exit 1; fi
+grep -q "kv-cache-dtype 'int4' is not supported" "$err"
+echo "inspect: all checks passed"

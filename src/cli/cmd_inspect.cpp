@@ -30,10 +30,19 @@ struct InspectOptions {
   bool json = false;
 };
 
-std::string gb(uint64_t bytes) { return fmt::format("{:.2f} GB", bytes / 1e9); }
+// Decimal units, scaled to the size (a tiny test model shows MB/KB, not 0.00 GB).
+std::string gb(uint64_t bytes) {
+  if (bytes >= 100'000'000 || bytes == 0) return fmt::format("{:.2f} GB", bytes / 1e9);
+  if (bytes >= 100'000) return fmt::format("{:.2f} MB", bytes / 1e6);
+  return fmt::format("{:.2f} KB", bytes / 1e3);
+}
 std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
 std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1024.0 * 1024.0)); }
-std::string billions(int64_t n) { return fmt::format("{:.2f} B", n / 1e9); }
+std::string billions(int64_t n) {
+  if (n >= 100'000'000) return fmt::format("{:.2f} B", n / 1e9);
+  if (n >= 100'000) return fmt::format("{:.2f} M", n / 1e6);
+  return fmt::format("{}", n);
+}
 std::string with_commas(int64_t n) {
   std::string s = std::to_string(n < 0 ? -n : n), out;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -213,7 +222,7 @@ int run_inspect(const InspectOptions& o) {
                                         gib(p.gpu_bytes), o.mem_fraction_static, gib(p.weight_bytes_per_gpu),
                                         gib(p.activation_reserve_bytes)));
     line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
-                                                : "0: the weights do not fit; use more GPUs or more memory");
+                                                : "0: weights + reserve exceed the budget; use more GPUs, more memory or a larger --mem-fraction-static");
   }
   for (const auto& n : notes) line("  note", n);
   return 0;

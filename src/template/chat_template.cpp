@@ -11,7 +11,8 @@ using nlohmann::ordered_json;
 
 std::string token_string(const nlohmann::json& j) {
   if (j.is_string()) return j.get<std::string>();
-  if (j.is_object() && j.contains("content") && j["content"].is_string()) return j["content"].get<std::string>();
+  if (j.is_object() && j.contains("content") && j["content"].is_string())
+    return j["content"].get<std::string>();
   return "";
 }
 
@@ -67,8 +68,10 @@ std::unique_ptr<ChatTemplate> ChatTemplate::from_model_files(std::optional<std::
   if (chat_template_jinja) return std::make_unique<ChatTemplate>(std::move(*chat_template_jinja), bos, eos);
   auto it = config.find("chat_template");
   if (it == config.end() || it->is_null())
-    fail("the model has no chat template: no chat_template.jinja and no chat_template in tokenizer_config.json "
-         "(pass one with --chat-template FILE)");
+    fail(
+        "the model has no chat template: no chat_template.jinja and no chat_template in "
+        "tokenizer_config.json "
+        "(pass one with --chat-template FILE)");
   if (it->is_string()) return std::make_unique<ChatTemplate>(it->get<std::string>(), bos, eos);
   if (it->is_array()) {
     for (const auto& entry : *it) {
@@ -90,7 +93,8 @@ std::string ChatTemplate::render(const ordered_json& request) const {
   std::unordered_map<std::string, jinja::Value> vars;
   vars["messages"] = jinja::Value::from_json(normalize_messages(*messages));
   auto tools = request.find("tools");
-  vars["tools"] = (tools == request.end() || tools->is_null()) ? jinja::Value::none() : jinja::Value::from_json(*tools);
+  vars["tools"] =
+      (tools == request.end() || tools->is_null()) ? jinja::Value::none() : jinja::Value::from_json(*tools);
   vars["documents"] = jinja::Value::none();
   bool add_generation_prompt = true;
   if (auto agp = request.find("add_generation_prompt"); agp != request.end() && !agp->is_null()) {

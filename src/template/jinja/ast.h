@@ -11,23 +11,27 @@
 namespace kiln::tmpl::jinja {
 
 enum class ExprKind {
-  Const,      // constant
-  Name,       // name
-  NSRef,      // name.attr as an assignment target
-  Getattr,    // a.attr
-  Getitem,    // a[b]
-  Slice,      // a:b:c inside [] (each may be null)
-  Call,       // a(items..., kwargs...)
-  Filter,     // a|name(items..., kwargs...); a is null inside {% filter %} / {% set %} blocks
-  Test,       // a is name(items...)
-  Neg, Pos, Not,  // unary on a
-  BinOp,      // a op b
-  And, Or,    // a and/or b
-  Concat,     // items joined with ~
-  Compare,    // a op1 x1 op2 x2 ...
-  CondExpr,   // a if b else c (c may be null)
-  List, Tuple,  // items
-  Dict,       // items (keys), values
+  Const,    // constant
+  Name,     // name
+  NSRef,    // name.attr as an assignment target
+  Getattr,  // a.attr
+  Getitem,  // a[b]
+  Slice,    // a:b:c inside [] (each may be null)
+  Call,     // a(items..., kwargs...)
+  Filter,   // a|name(items..., kwargs...); a is null inside {% filter %} / {% set %} blocks
+  Test,     // a is name(items...)
+  Neg,
+  Pos,
+  Not,    // unary on a
+  BinOp,  // a op b
+  And,
+  Or,        // a and/or b
+  Concat,    // items joined with ~
+  Compare,   // a op1 x1 op2 x2 ...
+  CondExpr,  // a if b else c (c may be null)
+  List,
+  Tuple,  // items
+  Dict,   // items (keys), values
 };
 
 enum class BinOp { Add, Sub, Mul, Div, FloorDiv, Mod, Pow };

@@ -21,8 +21,8 @@ struct Param {
   std::optional<Value> def;
 };
 
-std::vector<Value> bind_args(std::string_view fname, const CallArgs& args, std::initializer_list<Param> params,
-                        size_t skip_positional = 0) {
+std::vector<Value> bind_args(std::string_view fname, const CallArgs& args,
+                             std::initializer_list<Param> params, size_t skip_positional = 0) {
   std::vector<std::optional<Value>> out(params.size());
   const auto* p = params.begin();
   size_t n_pos = args.positional.size() - std::min(skip_positional, args.positional.size());
@@ -40,9 +40,12 @@ std::vector<Value> bind_args(std::string_view fname, const CallArgs& args, std::
   std::vector<Value> result;
   result.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    if (out[i]) result.push_back(std::move(*out[i]));
-    else if (p[i].def) result.push_back(*p[i].def);
-    else runtime_fail("{}() missing required argument '{}'", fname, p[i].name);
+    if (out[i])
+      result.push_back(std::move(*out[i]));
+    else if (p[i].def)
+      result.push_back(*p[i].def);
+    else
+      runtime_fail("{}() missing required argument '{}'", fname, p[i].name);
   }
   return result;
 }
@@ -57,7 +60,9 @@ std::string require_str(const Value& v, std::string_view what) {
   runtime_fail("{} must be str, not {}", what, type_name(v));
 }
 
-std::u32string cps(std::string_view s) { return unicode::decode(s); }
+std::u32string cps(std::string_view s) {
+  return unicode::decode(s);
+}
 
 // ---- Python str helpers (code point semantics)
 
@@ -156,8 +161,8 @@ std::vector<std::string> py_rsplit(const std::string& s, const Value& sep, int64
 }
 
 bool is_line_break(char32_t c) {
-  return c == '\n' || c == '\r' || c == '\v' || c == '\f' || c == 0x1C || c == 0x1D || c == 0x1E || c == 0x85 ||
-         c == 0x2028 || c == 0x2029;
+  return c == '\n' || c == '\r' || c == '\v' || c == '\f' || c == 0x1C || c == 0x1D || c == 0x1E ||
+         c == 0x85 || c == 0x2028 || c == 0x2029;
 }
 
 std::vector<std::string> py_splitlines(const std::string& s, bool keepends) {
@@ -210,11 +215,14 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
 std::string py_capitalize(const std::string& s) {
   auto c = cps(s);
   std::string out;
-  for (size_t i = 0; i < c.size(); ++i) unicode::append_utf8(out, i == 0 ? unicode::to_upper(c[i]) : unicode::to_lower(c[i]));
+  for (size_t i = 0; i < c.size(); ++i)
+    unicode::append_utf8(out, i == 0 ? unicode::to_upper(c[i]) : unicode::to_lower(c[i]));
   return out;
 }
 
-bool is_cased(char32_t c) { return unicode::to_lower(c) != c || unicode::to_upper(c) != c; }
+bool is_cased(char32_t c) {
+  return unicode::to_lower(c) != c || unicode::to_upper(c) != c;
+}
 
 std::string py_str_title(const std::string& s) {
   std::string out;
@@ -257,7 +265,8 @@ std::pair<size_t, size_t> slice_bounds(size_t n, const Value& start, const Value
 }
 
 // find/rfind/count over code points; returns code point index or -1.
-int64_t py_find(const std::string& s, const std::string& sub, const Value& start, const Value& end, bool reverse) {
+int64_t py_find(const std::string& s, const std::string& sub, const Value& start, const Value& end,
+                bool reverse) {
   auto offsets = unicode::code_point_offsets(s);
   size_t n = offsets.size() - 1;
   auto [b, e] = slice_bounds(n, start, end);
@@ -268,7 +277,8 @@ int64_t py_find(const std::string& s, const std::string& sub, const Value& start
   return static_cast<int64_t>(std::lower_bound(offsets.begin(), offsets.end(), byte) - offsets.begin());
 }
 
-std::string pad(const std::string& s, int64_t width, const std::string& fill, int align /*-1 left,0 center,1 right*/) {
+std::string pad(const std::string& s, int64_t width, const std::string& fill,
+                int align /*-1 left,0 center,1 right*/) {
   int64_t len = static_cast<int64_t>(unicode::length(s));
   if (width <= len) return s;
   int64_t total = width - len;
@@ -301,8 +311,9 @@ bool py_parse_int(std::string text, int base, int64_t& out) {
       continue;
     }
     int d = std::isdigit(static_cast<unsigned char>(ch)) ? ch - '0'
-            : std::isalpha(static_cast<unsigned char>(ch)) ? std::tolower(static_cast<unsigned char>(ch)) - 'a' + 10
-                                                            : 99;
+            : std::isalpha(static_cast<unsigned char>(ch))
+                ? std::tolower(static_cast<unsigned char>(ch)) - 'a' + 10
+                : 99;
     if (d >= base) return false;
     if (__builtin_mul_overflow(v, base, &v) || __builtin_add_overflow(v, d, &v)) return false;
     prev_digit = true;
@@ -330,7 +341,8 @@ bool py_parse_float(std::string text, double& out) {
     return true;
   }
   for (char ch : body)
-    if (!(std::isdigit(static_cast<unsigned char>(ch)) || ch == '.' || ch == 'e' || ch == '+' || ch == '-' || ch == '_'))
+    if (!(std::isdigit(static_cast<unsigned char>(ch)) || ch == '.' || ch == 'e' || ch == '+' || ch == '-' ||
+          ch == '_'))
       return false;
   text.erase(std::remove(text.begin(), text.end(), '_'), text.end());
   char* end = nullptr;
@@ -357,19 +369,22 @@ Value str_format(Interpreter& in, const std::string& fmt_str, const CallArgs& ar
 // ---- methods of str / list / dict
 
 const std::set<std::string, std::less<>> kStrMethods = {
-    "capitalize", "casefold", "center", "count", "encode", "endswith", "expandtabs", "find", "format", "format_map",
-    "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower", "isnumeric",
-    "isprintable", "isspace", "istitle", "isupper", "join", "ljust", "lower", "lstrip", "maketrans", "partition",
-    "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rjust", "rpartition", "rsplit", "rstrip",
-    "split", "splitlines", "startswith", "strip", "swapcase", "title", "translate", "upper", "zfill"};
-const std::set<std::string, std::less<>> kListMethods = {"append", "clear",   "copy", "count", "extend", "index",
-                                                          "insert", "pop",    "remove", "reverse", "sort"};
+    "capitalize", "casefold",     "center",       "count",   "encode",     "endswith",    "expandtabs",
+    "find",       "format",       "format_map",   "index",   "isalnum",    "isalpha",     "isascii",
+    "isdecimal",  "isdigit",      "isidentifier", "islower", "isnumeric",  "isprintable", "isspace",
+    "istitle",    "isupper",      "join",         "ljust",   "lower",      "lstrip",      "maketrans",
+    "partition",  "removeprefix", "removesuffix", "replace", "rfind",      "rindex",      "rjust",
+    "rpartition", "rsplit",       "rstrip",       "split",   "splitlines", "startswith",  "strip",
+    "swapcase",   "title",        "translate",    "upper",   "zfill"};
+const std::set<std::string, std::less<>> kListMethods = {
+    "append", "clear", "copy", "count", "extend", "index", "insert", "pop", "remove", "reverse", "sort"};
 const std::set<std::string, std::less<>> kTupleMethods = {"count", "index"};
-const std::set<std::string, std::less<>> kDictMethods = {"clear", "copy",    "fromkeys",   "get",    "items", "keys",
-                                                          "pop",   "popitem", "setdefault", "update", "values"};
+const std::set<std::string, std::less<>> kDictMethods = {
+    "clear", "copy", "fromkeys", "get", "items", "keys", "pop", "popitem", "setdefault", "update", "values"};
 // ImmutableSandboxedEnvironment refuses methods that modify lists and dicts.
-const std::set<std::string, std::less<>> kMutating = {"append", "clear", "extend", "insert", "pop",     "remove",
-                                                       "reverse", "sort", "popitem", "setdefault", "update"};
+const std::set<std::string, std::less<>> kMutating = {"append",  "clear",      "extend",  "insert",
+                                                      "pop",     "remove",     "reverse", "sort",
+                                                      "popitem", "setdefault", "update"};
 
 Value call_str_method(Interpreter& in, const Value& self, const std::string& name, CallArgs& args) {
   const std::string& s = self.str();
@@ -381,7 +396,8 @@ Value call_str_method(Interpreter& in, const Value& self, const std::string& nam
   if (name == "split" || name == "rsplit") {
     auto a = b({{"sep", Value::none()}, {"maxsplit", Value(-1)}});
     int64_t maxsplit = to_index(a[1], "maxsplit");
-    return Value::make_list(strings_to_values(name == "split" ? py_split(s, a[0], maxsplit) : py_rsplit(s, a[0], maxsplit)));
+    return Value::make_list(
+        strings_to_values(name == "split" ? py_split(s, a[0], maxsplit) : py_rsplit(s, a[0], maxsplit)));
   }
   if (name == "splitlines") {
     auto a = b({{"keepends", Value(false)}});
@@ -416,7 +432,8 @@ Value call_str_method(Interpreter& in, const Value& self, const std::string& nam
   }
   if (name == "replace") {
     auto a = b({{"old", std::nullopt}, {"new", std::nullopt}, {"count", Value(-1)}});
-    return Value(py_replace(s, require_str(a[0], "replace arg 1"), require_str(a[1], "replace arg 2"), to_index(a[2], "count")));
+    return Value(py_replace(s, require_str(a[0], "replace arg 1"), require_str(a[1], "replace arg 2"),
+                            to_index(a[2], "count")));
   }
   if (name == "find" || name == "rfind" || name == "index" || name == "rindex") {
     auto a = b({{"sub", std::nullopt}, {"start", Value::none()}, {"end", Value::none()}});
@@ -471,14 +488,17 @@ Value call_str_method(Interpreter& in, const Value& self, const std::string& nam
     if (sep.empty()) runtime_fail("empty separator");
     size_t k = name == "partition" ? s.find(sep) : s.rfind(sep);
     if (k == std::string::npos)
-      return name == "partition" ? Value::make_tuple({Value(s), Value(""), Value("")}) : Value::make_tuple({Value(""), Value(""), Value(s)});
+      return name == "partition" ? Value::make_tuple({Value(s), Value(""), Value("")})
+                                 : Value::make_tuple({Value(""), Value(""), Value(s)});
     return Value::make_tuple({Value(s.substr(0, k)), Value(sep), Value(s.substr(k + sep.size()))});
   }
   if (name == "removeprefix" || name == "removesuffix") {
     auto a = b({{"affix", std::nullopt}});
     std::string x = require_str(a[0], name + " arg");
     if (name == "removeprefix") return Value(s.rfind(x, 0) == 0 ? s.substr(x.size()) : s);
-    return Value(s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0 ? s.substr(0, s.size() - x.size()) : s);
+    return Value(s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0
+                     ? s.substr(0, s.size() - x.size())
+                     : s);
   }
   if (name == "format") return str_format(in, s, args);
   auto all_of = [&](auto pred) {
@@ -486,7 +506,8 @@ Value call_str_method(Interpreter& in, const Value& self, const std::string& nam
     if (c.empty()) return false;
     return std::all_of(c.begin(), c.end(), pred);
   };
-  if (name == "isdigit" || name == "isdecimal" || name == "isnumeric") return b({}), Value(all_of(unicode::is_digit));
+  if (name == "isdigit" || name == "isdecimal" || name == "isnumeric")
+    return b({}), Value(all_of(unicode::is_digit));
   if (name == "isalpha") return b({}), Value(all_of(unicode::is_alpha));
   if (name == "isalnum") return b({}), Value(all_of(unicode::is_alnum));
   if (name == "isspace") return b({}), Value(all_of(unicode::is_space));
@@ -506,11 +527,13 @@ Value call_str_method(Interpreter& in, const Value& self, const std::string& nam
 
 Value call_list_method(Interpreter&, const Value& self, const std::string& name, CallArgs& args) {
   if (kMutating.count(name))
-    runtime_fail("access to attribute '{}' of '{}' object is unsafe (templates may not modify data)", name, type_name(self));
+    runtime_fail("access to attribute '{}' of '{}' object is unsafe (templates may not modify data)", name,
+                 type_name(self));
   const auto& items = self.list().items;
   if (name == "count") {
     auto a = bind_args("count", args, {{"value", std::nullopt}});
-    return Value(static_cast<int64_t>(std::count_if(items.begin(), items.end(), [&](const Value& v) { return py_equal(v, a[0]); })));
+    return Value(static_cast<int64_t>(
+        std::count_if(items.begin(), items.end(), [&](const Value& v) { return py_equal(v, a[0]); })));
   }
   if (name == "index") {
     auto a = bind_args("index", args, {{"value", std::nullopt}});
@@ -534,8 +557,10 @@ Value call_dict_method(Interpreter&, const Value& self, const std::string& name,
     std::vector<Value> out;
     out.reserve(d.size());
     for (const auto& [k, v] : d.entries) {
-      if (name == "items") out.push_back(Value::make_tuple({k, v}));
-      else out.push_back(name == "keys" ? k : v);
+      if (name == "items")
+        out.push_back(Value::make_tuple({k, v}));
+      else
+        out.push_back(name == "keys" ? k : v);
     }
     return Value::make_list(std::move(out));
   }
@@ -577,12 +602,14 @@ std::string apply_format_spec(const Value& v, const std::string& spec) {
     ++i;
   }
   int64_t width = 0;
-  while (i < spec.size() && std::isdigit(static_cast<unsigned char>(spec[i]))) width = width * 10 + (spec[i++] - '0');
+  while (i < spec.size() && std::isdigit(static_cast<unsigned char>(spec[i])))
+    width = width * 10 + (spec[i++] - '0');
   int precision = -1;
   if (i < spec.size() && spec[i] == '.') {
     ++i;
     precision = 0;
-    while (i < spec.size() && std::isdigit(static_cast<unsigned char>(spec[i]))) precision = precision * 10 + (spec[i++] - '0');
+    while (i < spec.size() && std::isdigit(static_cast<unsigned char>(spec[i])))
+      precision = precision * 10 + (spec[i++] - '0');
   }
   char type = i < spec.size() ? spec[i++] : 0;
   if (i != spec.size()) runtime_fail("unsupported format specifier '{}'", spec);
@@ -595,12 +622,17 @@ std::string apply_format_spec(const Value& v, const std::string& spec) {
     if (!v.is_number()) runtime_fail("Unknown format code '{}' for object of type '{}'", type, type_name(v));
     double x = v.as_double() * (type == '%' ? 100 : 1);
     int p = precision < 0 ? 6 : precision;
-    body = type == 'e' ? fmt::format("{:.{}e}", x, p) : type == 'g' ? fmt::format("{:.{}g}", x, p) : fmt::format("{:.{}f}", x, p);
+    body = type == 'e'   ? fmt::format("{:.{}e}", x, p)
+           : type == 'g' ? fmt::format("{:.{}g}", x, p)
+                         : fmt::format("{:.{}f}", x, p);
     if (type == '%') body += "%";
   } else if (type == 0 || type == 's') {
-    if (type == 's' && !v.is_string()) runtime_fail("Unknown format code 's' for object of type '{}'", type_name(v));
-    if (v.is_float() && precision >= 0) body = fmt::format("{:.{}g}", v.as_double(), precision);
-    else body = py_str(v);
+    if (type == 's' && !v.is_string())
+      runtime_fail("Unknown format code 's' for object of type '{}'", type_name(v));
+    if (v.is_float() && precision >= 0)
+      body = fmt::format("{:.{}g}", v.as_double(), precision);
+    else
+      body = py_str(v);
     if (v.is_string() && precision >= 0) {
       auto c = cps(body);
       body = unicode::encode(std::u32string_view(c).substr(0, std::min<size_t>(c.size(), precision)));
@@ -669,11 +701,14 @@ Value str_format(Interpreter& in, const std::string& f, const CallArgs& args) {
     std::string head = field.substr(0, end);
     Value v;
     if (head.empty()) {
-      if (auto_index >= args.positional.size()) runtime_fail("Replacement index {} out of range for positional args tuple", auto_index);
+      if (auto_index >= args.positional.size())
+        runtime_fail("Replacement index {} out of range for positional args tuple", auto_index);
       v = args.positional[auto_index++];
-    } else if (std::all_of(head.begin(), head.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); })) {
+    } else if (std::all_of(head.begin(), head.end(),
+                           [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); })) {
       size_t idx = std::stoul(head);
-      if (idx >= args.positional.size()) runtime_fail("Replacement index {} out of range for positional args tuple", idx);
+      if (idx >= args.positional.size())
+        runtime_fail("Replacement index {} out of range for positional args tuple", idx);
       v = args.positional[idx];
     } else {
       bool found = false;
@@ -687,20 +722,26 @@ Value str_format(Interpreter& in, const std::string& f, const CallArgs& args) {
     while (end != std::string::npos && end < field.size()) {
       if (field[end] == '.') {
         size_t next = field.find_first_of(".[", end + 1);
-        v = in.getattr(v, field.substr(end + 1, next == std::string::npos ? std::string::npos : next - end - 1));
+        v = in.getattr(v,
+                       field.substr(end + 1, next == std::string::npos ? std::string::npos : next - end - 1));
         end = next;
       } else {
         size_t rb = field.find(']', end);
         if (rb == std::string::npos) runtime_fail("Missing ']' in format string");
         std::string key = field.substr(end + 1, rb - end - 1);
-        bool numeric = !key.empty() && std::all_of(key.begin(), key.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
+        bool numeric = !key.empty() && std::all_of(key.begin(), key.end(), [](char ch) {
+          return std::isdigit(static_cast<unsigned char>(ch));
+        });
         v = in.getitem(v, numeric ? Value(static_cast<int64_t>(std::stoll(key))) : Value(key));
         end = rb + 1 < field.size() ? rb + 1 : std::string::npos;
       }
     }
-    if (conversion == "r") v = Value(py_repr(v));
-    else if (conversion == "s") v = Value(py_str(v));
-    else if (!conversion.empty()) runtime_fail("Unknown conversion specifier {}", conversion);
+    if (conversion == "r")
+      v = Value(py_repr(v));
+    else if (conversion == "s")
+      v = Value(py_str(v));
+    else if (!conversion.empty())
+      runtime_fail("Unknown conversion specifier {}", conversion);
     out += apply_format_spec(v, spec);
   }
   return Value(out);
@@ -713,11 +754,16 @@ using TestFn = std::function<bool(Interpreter&, const Value&, CallArgs&)>;
 
 Value length_of(const Value& v) {
   switch (v.kind()) {
-    case Kind::Undefined: return Value(0);
-    case Kind::String: return Value(static_cast<int64_t>(unicode::length(v.str())));
-    case Kind::List: return Value(static_cast<int64_t>(v.list().items.size()));
-    case Kind::Dict: return Value(static_cast<int64_t>(v.dict().size()));
-    default: runtime_fail("object of type '{}' has no len()", type_name(v));
+    case Kind::Undefined:
+      return Value(0);
+    case Kind::String:
+      return Value(static_cast<int64_t>(unicode::length(v.str())));
+    case Kind::List:
+      return Value(static_cast<int64_t>(v.list().items.size()));
+    case Kind::Dict:
+      return Value(static_cast<int64_t>(v.dict().size()));
+    default:
+      runtime_fail("object of type '{}' has no len()", type_name(v));
   }
 }
 
@@ -728,7 +774,8 @@ Value sort_key(Interpreter& in, const Value& item, const Value& attribute, bool 
   return k;
 }
 
-std::vector<Value> sorted_values(std::vector<Value> items, const std::function<Value(const Value&)>& key, bool reverse) {
+std::vector<Value> sorted_values(std::vector<Value> items, const std::function<Value(const Value&)>& key,
+                                 bool reverse) {
   std::vector<std::pair<Value, Value>> keyed;
   keyed.reserve(items.size());
   for (auto& it : items) keyed.emplace_back(key(it), std::move(it));
@@ -741,7 +788,9 @@ std::vector<Value> sorted_values(std::vector<Value> items, const std::function<V
   return out;
 }
 
-std::string py_round_str(double x, int precision) { return fmt::format("{:.{}f}", x, precision); }
+std::string py_round_str(double x, int precision) {
+  return fmt::format("{:.{}f}", x, precision);
+}
 
 Value do_round(const Value& value, int64_t precision, const std::string& method) {
   if (!value.is_number()) runtime_fail("type {} doesn't define __round__ method", type_name(value));
@@ -758,7 +807,8 @@ Value do_round(const Value& value, int64_t precision, const std::string& method)
     }
     double x = value.as_double();
     if (!std::isfinite(x)) return Value(x);
-    if (precision >= 0 && precision <= 300) return Value(std::strtod(py_round_str(x, static_cast<int>(precision)).c_str(), nullptr));
+    if (precision >= 0 && precision <= 300)
+      return Value(std::strtod(py_round_str(x, static_cast<int>(precision)).c_str(), nullptr));
     double scale = std::pow(10.0, static_cast<double>(-precision));
     return Value(std::nearbyint(x / scale) * scale);
   }
@@ -800,7 +850,8 @@ Value do_float(const Value& value, const Value& def) {
 }
 
 std::string do_indent(std::string s, const Value& width, bool first, bool blank) {
-  std::string indention = width.is_string() ? width.str() : std::string(std::max<int64_t>(0, to_index(width, "width")), ' ');
+  std::string indention =
+      width.is_string() ? width.str() : std::string(std::max<int64_t>(0, to_index(width, "width")), ' ');
   s += "\n";
   auto lines = py_splitlines(s, false);
   std::string rv;
@@ -814,7 +865,8 @@ std::string do_indent(std::string s, const Value& width, bool first, bool blank)
   return rv;
 }
 
-std::string do_truncate(const std::string& s, int64_t length, bool killwords, const std::string& end, int64_t leeway) {
+std::string do_truncate(const std::string& s, int64_t length, bool killwords, const std::string& end,
+                        int64_t leeway) {
   int64_t end_len = static_cast<int64_t>(unicode::length(end));
   if (length < end_len) runtime_fail("expected length >= {}, got {}", end_len, length);
   if (leeway < 0) runtime_fail("expected leeway >= 0, got {}", leeway);
@@ -882,7 +934,8 @@ Value do_map(Interpreter& in, const Value& seq, CallArgs& args) {
 }
 
 Value min_max(Interpreter& in, const Value& seq, CallArgs& args, bool want_max) {
-  auto a = bind_args(want_max ? "max" : "min", args, {{"case_sensitive", Value(false)}, {"attribute", Value::none()}});
+  auto a = bind_args(want_max ? "max" : "min", args,
+                     {{"case_sensitive", Value(false)}, {"attribute", Value::none()}});
   auto items = in.iterate(seq);
   if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
   size_t best = 0;
@@ -901,12 +954,16 @@ Value min_max(Interpreter& in, const Value& seq, CallArgs& args, bool want_max) 
 JsonDumpOptions tojson_options(const std::vector<Value>& a) {
   JsonDumpOptions o;
   o.ensure_ascii = truthy(a[0]);
-  if (a[1].is_string()) o.indent = a[1].str();
-  else if (a[1].is_integral()) o.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, a[1].as_int())), ' ');
-  else if (!a[1].is_none()) runtime_fail("tojson: indent must be an int or a string");
+  if (a[1].is_string())
+    o.indent = a[1].str();
+  else if (a[1].is_integral())
+    o.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, a[1].as_int())), ' ');
+  else if (!a[1].is_none())
+    runtime_fail("tojson: indent must be an int or a string");
   if (a[2].is_list()) {
     const auto& s = a[2].list().items;
-    if (s.size() != 2 || !s[0].is_string() || !s[1].is_string()) runtime_fail("tojson: separators must be two strings");
+    if (s.size() != 2 || !s[0].is_string() || !s[1].is_string())
+      runtime_fail("tojson: separators must be two strings");
     o.separators = std::make_pair(s[0].str(), s[1].str());
   } else if (!a[2].is_none()) {
     runtime_fail("tojson: separators must be a (item, key) pair");
@@ -967,7 +1024,8 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
     };
     f["d"] = f["default"];
     f["dictsort"] = [](Interpreter&, const Value& v, CallArgs& args) {
-      auto a = bind_args("dictsort", args, {{"case_sensitive", Value(false)}, {"by", Value("key")}, {"reverse", Value(false)}});
+      auto a = bind_args("dictsort", args,
+                         {{"case_sensitive", Value(false)}, {"by", Value("key")}, {"reverse", Value(false)}});
       if (!v.is_dict()) runtime_fail("dictsort: value is not a mapping");
       std::string by = require_str(a[1], "by");
       if (by != "key" && by != "value") runtime_fail("You can only sort by either 'key' or 'value'");
@@ -975,10 +1033,13 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       for (const auto& [k, val] : v.dict().entries) pairs.push_back(Value::make_tuple({k, val}));
       bool cs = truthy(a[0]);
       size_t pos = by == "key" ? 0 : 1;
-      return Value::make_list(sorted_values(std::move(pairs), [&](const Value& p) {
-        Value k = p.list().items[pos];
-        return (!cs && k.is_string()) ? Value(unicode::lower(k.str())) : k;
-      }, truthy(a[2])));
+      return Value::make_list(sorted_values(
+          std::move(pairs),
+          [&](const Value& p) {
+            Value k = p.list().items[pos];
+            return (!cs && k.is_string()) ? Value(unicode::lower(k.str())) : k;
+          },
+          truthy(a[2])));
     };
     f["escape"] = [](Interpreter&, const Value& v, CallArgs& args) {
       bind_args("escape", args, {});
@@ -1017,7 +1078,8 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       return Value(py_percent_format(py_str(v), Value::make_tuple(args.positional)));
     };
     f["indent"] = [](Interpreter&, const Value& v, CallArgs& args) {
-      auto a = bind_args("indent", args, {{"width", Value(4)}, {"first", Value(false)}, {"blank", Value(false)}});
+      auto a =
+          bind_args("indent", args, {{"width", Value(4)}, {"first", Value(false)}, {"blank", Value(false)}});
       return Value(do_indent(py_str(v), a[0], truthy(a[1]), truthy(a[2])));
     };
     f["int"] = [](Interpreter&, const Value& v, CallArgs& args) {
@@ -1068,12 +1130,21 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       bind_args("pprint", args, {});
       return Value(py_repr(v));
     };
-    f["reject"] = [](Interpreter& in, const Value& v, CallArgs& args) { return select_or_reject(in, v, args, false, false); };
-    f["rejectattr"] = [](Interpreter& in, const Value& v, CallArgs& args) { return select_or_reject(in, v, args, true, false); };
-    f["select"] = [](Interpreter& in, const Value& v, CallArgs& args) { return select_or_reject(in, v, args, false, true); };
-    f["selectattr"] = [](Interpreter& in, const Value& v, CallArgs& args) { return select_or_reject(in, v, args, true, true); };
+    f["reject"] = [](Interpreter& in, const Value& v, CallArgs& args) {
+      return select_or_reject(in, v, args, false, false);
+    };
+    f["rejectattr"] = [](Interpreter& in, const Value& v, CallArgs& args) {
+      return select_or_reject(in, v, args, true, false);
+    };
+    f["select"] = [](Interpreter& in, const Value& v, CallArgs& args) {
+      return select_or_reject(in, v, args, false, true);
+    };
+    f["selectattr"] = [](Interpreter& in, const Value& v, CallArgs& args) {
+      return select_or_reject(in, v, args, true, true);
+    };
     f["replace"] = [](Interpreter&, const Value& v, CallArgs& args) {
-      auto a = bind_args("replace", args, {{"old", std::nullopt}, {"new", std::nullopt}, {"count", Value::none()}});
+      auto a = bind_args("replace", args,
+                         {{"old", std::nullopt}, {"new", std::nullopt}, {"count", Value::none()}});
       int64_t count = a[2].is_none() ? -1 : to_index(a[2], "count");
       return Value(py_replace(py_str(v), py_str(a[0]), py_str(a[1]), count));
     };
@@ -1116,9 +1187,12 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       return Value::make_list(std::move(out));
     };
     f["sort"] = [](Interpreter& in, const Value& v, CallArgs& args) {
-      auto a = bind_args("sort", args, {{"reverse", Value(false)}, {"case_sensitive", Value(false)}, {"attribute", Value::none()}});
+      auto a = bind_args(
+          "sort", args,
+          {{"reverse", Value(false)}, {"case_sensitive", Value(false)}, {"attribute", Value::none()}});
       bool cs = truthy(a[1]);
-      return Value::make_list(sorted_values(in.iterate(v), [&](const Value& item) { return sort_key(in, item, a[2], cs); }, truthy(a[0])));
+      return Value::make_list(sorted_values(
+          in.iterate(v), [&](const Value& item) { return sort_key(in, item, a[2], cs); }, truthy(a[0])));
     };
     f["string"] = [](Interpreter&, const Value& v, CallArgs& args) {
       bind_args("string", args, {});
@@ -1136,10 +1210,14 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       bind_args("title", args, {});
       return Value(jinja_title(py_str(v)));
     };
-    // Hugging Face's tojson: json.dumps(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False).
+    // Hugging Face's tojson: json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+    // sort_keys=False).
     f["tojson"] = [](Interpreter&, const Value& v, CallArgs& args) {
-      auto a = bind_args("tojson", args, {{"ensure_ascii", Value(false)}, {"indent", Value::none()},
-                                     {"separators", Value::none()}, {"sort_keys", Value(false)}});
+      auto a = bind_args("tojson", args,
+                         {{"ensure_ascii", Value(false)},
+                          {"indent", Value::none()},
+                          {"separators", Value::none()},
+                          {"sort_keys", Value(false)}});
       return Value(json_dumps(v, tojson_options(a)));
     };
     f["trim"] = [](Interpreter&, const Value& v, CallArgs& args) {
@@ -1147,7 +1225,11 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       return Value(py_strip(py_str(v), a[0], true, true));
     };
     f["truncate"] = [](Interpreter&, const Value& v, CallArgs& args) {
-      auto a = bind_args("truncate", args, {{"length", Value(255)}, {"killwords", Value(false)}, {"end", Value("...")}, {"leeway", Value::none()}});
+      auto a = bind_args("truncate", args,
+                         {{"length", Value(255)},
+                          {"killwords", Value(false)},
+                          {"end", Value("...")},
+                          {"leeway", Value::none()}});
       int64_t leeway = a[3].is_none() ? 5 : to_index(a[3], "leeway");
       return Value(do_truncate(py_str(v), to_index(a[0], "length"), truthy(a[1]), py_str(a[2]), leeway));
     };
@@ -1169,7 +1251,8 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       int64_t n = 0;
       bool in_word = false;
       for (char32_t c : cps(py_str(v))) {
-        bool w = unicode::is_alnum(c) || c == '_' || (c >= 0x80 && !unicode::is_space(c) && unicode::is_printable(c));
+        bool w = unicode::is_alnum(c) || c == '_' ||
+                 (c >= 0x80 && !unicode::is_space(c) && unicode::is_printable(c));
         if (w && !in_word) ++n;
         in_word = w;
       }
@@ -1190,28 +1273,69 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
   static const std::map<std::string, TestFn, std::less<>> table = [] {
     std::map<std::string, TestFn, std::less<>> t;
     auto no_args = [](std::string_view name, CallArgs& args) { bind_args(name, args, {}); };
-    auto one_arg = [](std::string_view name, CallArgs& args) { return bind_args(name, args, {{"other", std::nullopt}})[0]; };
-    t["boolean"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("boolean", a); return v.is_bool(); };
+    auto one_arg = [](std::string_view name, CallArgs& args) {
+      return bind_args(name, args, {{"other", std::nullopt}})[0];
+    };
+    t["boolean"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("boolean", a);
+      return v.is_bool();
+    };
     t["callable"] = [=](Interpreter&, const Value& v, CallArgs& a) {
       no_args("callable", a);
       return v.is_callable() || v.is_undefined() || (v.is_object() && v.object().is_callable());
     };
-    t["defined"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("defined", a); return !v.is_undefined(); };
-    t["undefined"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("undefined", a); return v.is_undefined(); };
-    t["none"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("none", a); return v.is_none(); };
-    t["true"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("true", a); return v.is_bool() && v.as_bool(); };
-    t["false"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("false", a); return v.is_bool() && !v.as_bool(); };
-    t["integer"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("integer", a); return v.is_int(); };
-    t["float"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("float", a); return v.is_float(); };
-    t["number"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("number", a); return v.is_number(); };
-    t["string"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("string", a); return v.is_string(); };
-    t["mapping"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("mapping", a); return v.is_dict(); };
+    t["defined"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("defined", a);
+      return !v.is_undefined();
+    };
+    t["undefined"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("undefined", a);
+      return v.is_undefined();
+    };
+    t["none"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("none", a);
+      return v.is_none();
+    };
+    t["true"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("true", a);
+      return v.is_bool() && v.as_bool();
+    };
+    t["false"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("false", a);
+      return v.is_bool() && !v.as_bool();
+    };
+    t["integer"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("integer", a);
+      return v.is_int();
+    };
+    t["float"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("float", a);
+      return v.is_float();
+    };
+    t["number"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("number", a);
+      return v.is_number();
+    };
+    t["string"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("string", a);
+      return v.is_string();
+    };
+    t["mapping"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("mapping", a);
+      return v.is_dict();
+    };
     t["iterable"] = [=](Interpreter&, const Value& v, CallArgs& a) {
       no_args("iterable", a);
       return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
     };
-    t["sequence"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("sequence", a); return is_sequence(v); };
-    t["escaped"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("escaped", a); return v.is_safe(); };
+    t["sequence"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("sequence", a);
+      return is_sequence(v);
+    };
+    t["escaped"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("escaped", a);
+      return v.is_safe();
+    };
     t["lower"] = [=](Interpreter&, const Value& v, CallArgs& a) {
       no_args("lower", a);
       std::string s = py_str(v);
@@ -1228,8 +1352,14 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
       int64_t r = v.as_int() % m;
       return r < 0 ? r + m : r;
     };
-    t["odd"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("odd", a); return int_mod(v, 2) == 1; };
-    t["even"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("even", a); return int_mod(v, 2) == 0; };
+    t["odd"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("odd", a);
+      return int_mod(v, 2) == 1;
+    };
+    t["even"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("even", a);
+      return int_mod(v, 2) == 0;
+    };
     t["divisibleby"] = [=](Interpreter&, const Value& v, CallArgs& a) {
       Value num = bind_args("divisibleby", a, {{"num", std::nullopt}})[0];
       int64_t n = to_index(num, "num");
@@ -1256,14 +1386,24 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
       if (v.kind() != o.kind()) return false;
       switch (v.kind()) {
         case Kind::None:
-        case Kind::Undefined: return true;
-        case Kind::Bool: return v.as_bool() == o.as_bool();
-        case Kind::Int: return v.as_int() == o.as_int() && v.as_int() >= -5 && v.as_int() <= 256;  // CPython small ints
-        default: return v.identity() != nullptr && v.identity() == o.identity();
+        case Kind::Undefined:
+          return true;
+        case Kind::Bool:
+          return v.as_bool() == o.as_bool();
+        case Kind::Int:
+          return v.as_int() == o.as_int() && v.as_int() >= -5 && v.as_int() <= 256;  // CPython small ints
+        default:
+          return v.identity() != nullptr && v.identity() == o.identity();
       }
     };
-    t["filter"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("filter", a); return v.is_string() && has_filter(v.str()); };
-    t["test"] = [=](Interpreter&, const Value& v, CallArgs& a) { no_args("test", a); return v.is_string() && has_test(v.str()); };
+    t["filter"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("filter", a);
+      return v.is_string() && has_filter(v.str());
+    };
+    t["test"] = [=](Interpreter&, const Value& v, CallArgs& a) {
+      no_args("test", a);
+      return v.is_string() && has_test(v.str());
+    };
     return t;
   }();
   return table;
@@ -1326,8 +1466,12 @@ class Joiner : public Object {
 
 // ---- public helpers
 
-bool has_filter(const std::string& name) { return filters().count(name) > 0; }
-bool has_test(const std::string& name) { return tests().count(name) > 0; }
+bool has_filter(const std::string& name) {
+  return filters().count(name) > 0;
+}
+bool has_test(const std::string& name) {
+  return tests().count(name) > 0;
+}
 
 Value call_filter(Interpreter& in, const std::string& name, const Value& input, CallArgs& args) {
   auto it = filters().find(name);
@@ -1344,10 +1488,14 @@ bool call_test(Interpreter& in, const std::string& name, const Value& input, Cal
 std::optional<Value> bound_method(const Value& self, const std::string& name) {
   using Method = Value (*)(Interpreter&, const Value&, const std::string&, CallArgs&);
   Method m = nullptr;
-  if (self.is_string() && kStrMethods.count(name)) m = call_str_method;
-  else if (self.is_tuple() && kTupleMethods.count(name)) m = call_list_method;
-  else if (self.is_list() && !self.is_tuple() && kListMethods.count(name)) m = call_list_method;
-  else if (self.is_dict() && kDictMethods.count(name)) m = call_dict_method;
+  if (self.is_string() && kStrMethods.count(name))
+    m = call_str_method;
+  else if (self.is_tuple() && kTupleMethods.count(name))
+    m = call_list_method;
+  else if (self.is_list() && !self.is_tuple() && kListMethods.count(name))
+    m = call_list_method;
+  else if (self.is_dict() && kDictMethods.count(name))
+    m = call_dict_method;
   if (!m) return std::nullopt;
   return make_callable(std::string(type_name(self)) + "." + name,
                        [self, name, m](Interpreter& in, CallArgs& args) { return m(in, self, name, args); });
@@ -1370,7 +1518,8 @@ void add_globals(Scope& scope) {
     int64_t count = step > 0 ? (stop > start ? (stop - start + step - 1) / step : 0)
                              : (start > stop ? (start - stop - step - 1) / -step : 0);
     if (count > in.limits().max_range)
-      runtime_fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE ({}).", in.limits().max_range);
+      runtime_fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE ({}).",
+                   in.limits().max_range);
     std::vector<Value> out;
     out.reserve(static_cast<size_t>(count));
     for (int64_t i = 0; i < count; ++i) out.emplace_back(start + i * step);
@@ -1378,7 +1527,8 @@ void add_globals(Scope& scope) {
   });
   scope.vars["dict"] = make_callable("dict", [](Interpreter& in, CallArgs& args) -> Value {
     auto d = Value::make_dict();
-    if (args.positional.size() > 1) runtime_fail("dict expected at most 1 argument, got {}", args.positional.size());
+    if (args.positional.size() > 1)
+      runtime_fail("dict expected at most 1 argument, got {}", args.positional.size());
     if (!args.positional.empty()) {
       const Value& src = args.positional[0];
       if (src.is_dict()) {
@@ -1386,7 +1536,8 @@ void add_globals(Scope& scope) {
       } else {
         for (auto& pair : in.iterate(src)) {
           auto kv = in.iterate(pair);
-          if (kv.size() != 2) runtime_fail("dictionary update sequence element has length {}; 2 is required", kv.size());
+          if (kv.size() != 2)
+            runtime_fail("dictionary update sequence element has length {}; 2 is required", kv.size());
           d.dict().set(kv[0], kv[1]);
         }
       }
@@ -1453,12 +1604,23 @@ std::string html_escape(std::string_view s) {
   out.reserve(s.size());
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out.push_back(c);
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;
@@ -1546,7 +1708,8 @@ Value py_arith(BinOp op, const Value& a, const Value& b, const RenderLimits& lim
       return Value(a.as_double() / b.as_double());
     case BinOp::FloorDiv:
     case BinOp::Mod: {
-      if (b.as_double() == 0) runtime_fail("{}", op == BinOp::Mod ? "modulo by zero" : "integer division or modulo by zero");
+      if (b.as_double() == 0)
+        runtime_fail("{}", op == BinOp::Mod ? "modulo by zero" : "integer division or modulo by zero");
       if (!floating) {
         int64_t x = a.as_int(), y = b.as_int();
         if (x == INT64_MIN && y == -1) runtime_fail("integer overflow");
@@ -1577,14 +1740,16 @@ Value py_arith(BinOp op, const Value& a, const Value& b, const RenderLimits& lim
       if (a.as_double() == 0 && b.as_double() < 0) runtime_fail("0.0 cannot be raised to a negative power");
       return Value(std::pow(a.as_double(), b.as_double()));
     }
-    default: break;
+    default:
+      break;
   }
   runtime_fail("unsupported operator");
 }
 
 bool py_contains(const Value& container, const Value& item) {
   switch (container.kind()) {
-    case Kind::Undefined: return false;
+    case Kind::Undefined:
+      return false;
     case Kind::String:
       if (item.is_undefined()) fail_undefined(item);
       if (!item.is_string())
@@ -1598,7 +1763,8 @@ bool py_contains(const Value& container, const Value& item) {
       if (item.is_list() && !item.is_tuple()) runtime_fail("unhashable type: 'list'");
       if (item.is_dict()) runtime_fail("unhashable type: 'dict'");
       return container.dict().find(item) != nullptr;
-    default: runtime_fail("argument of type '{}' is not iterable", type_name(container));
+    default:
+      runtime_fail("argument of type '{}' is not iterable", type_name(container));
   }
 }
 
@@ -1617,7 +1783,8 @@ Value py_slice(const Value& obj, const Value& start_v, const Value& stop_v, cons
   } catch (const RuntimeError&) {
     return Value::undefined("slice indices must be integers or None");
   }
-  if (!obj.is_string() && !obj.is_list()) return Value::undefined(fmt::format("'{}' object is not subscriptable", type_name(obj)));
+  if (!obj.is_string() && !obj.is_list())
+    return Value::undefined(fmt::format("'{}' object is not subscriptable", type_name(obj)));
   int64_t st = step.value_or(1);
   if (st == 0) runtime_fail("slice step cannot be zero");
   std::vector<size_t> offsets;
@@ -1648,7 +1815,8 @@ Value py_slice(const Value& obj, const Value& start_v, const Value& stop_v, cons
   if (obj.is_string()) {
     const std::string& s = obj.str();
     std::string out;
-    if (st == 1 && !idx.empty()) return Value(s.substr(offsets[idx.front()], offsets[idx.back() + 1] - offsets[idx.front()]));
+    if (st == 1 && !idx.empty())
+      return Value(s.substr(offsets[idx.front()], offsets[idx.back() + 1] - offsets[idx.front()]));
     for (int64_t i : idx) out.append(s, offsets[i], offsets[i + 1] - offsets[i]);
     return Value(out);
   }
@@ -1662,9 +1830,12 @@ Value py_slice(const Value& obj, const Value& start_v, const Value& stop_v, cons
 std::string py_percent_format(const std::string& f, const Value& args) {
   std::vector<Value> positional;
   const Dict* mapping = nullptr;
-  if (args.is_tuple()) positional = args.list().items;
-  else if (args.is_dict()) mapping = &args.dict();
-  else positional = {args};
+  if (args.is_tuple())
+    positional = args.list().items;
+  else if (args.is_dict())
+    mapping = &args.dict();
+  else
+    positional = {args};
   size_t next_arg = 0;
   std::string out;
   for (size_t i = 0; i < f.size(); ++i) {
@@ -1688,12 +1859,14 @@ std::string py_percent_format(const std::string& f, const Value& args) {
     std::string flags;
     while (i < f.size() && std::strchr("-+ 0#", f[i])) flags.push_back(f[i++]);
     int64_t width = 0;
-    while (i < f.size() && std::isdigit(static_cast<unsigned char>(f[i]))) width = width * 10 + (f[i++] - '0');
+    while (i < f.size() && std::isdigit(static_cast<unsigned char>(f[i])))
+      width = width * 10 + (f[i++] - '0');
     int precision = -1;
     if (i < f.size() && f[i] == '.') {
       ++i;
       precision = 0;
-      while (i < f.size() && std::isdigit(static_cast<unsigned char>(f[i]))) precision = precision * 10 + (f[i++] - '0');
+      while (i < f.size() && std::isdigit(static_cast<unsigned char>(f[i])))
+        precision = precision * 10 + (f[i++] - '0');
     }
     if (i >= f.size()) runtime_fail("incomplete format");
     char conv = f[i];
@@ -1702,15 +1875,22 @@ std::string py_percent_format(const std::string& f, const Value& args) {
       continue;
     }
     if (!have_value) {
-      if (mapping && positional.empty()) v = args;
-      else if (next_arg < positional.size()) v = positional[next_arg++];
-      else runtime_fail("not enough arguments for format string");
+      if (mapping && positional.empty())
+        v = args;
+      else if (next_arg < positional.size())
+        v = positional[next_arg++];
+      else
+        runtime_fail("not enough arguments for format string");
     }
     std::string body;
     switch (conv) {
-      case 's': body = py_str(v); break;
+      case 's':
+        body = py_str(v);
+        break;
       case 'r':
-      case 'a': body = py_repr(v); break;
+      case 'a':
+        body = py_repr(v);
+        break;
       case 'd':
       case 'i':
       case 'u':
@@ -1722,7 +1902,7 @@ std::string py_percent_format(const std::string& f, const Value& args) {
       case 'e':
       case 'g':
         if (!v.is_number()) runtime_fail("must be real number, not {}", type_name(v));
-        body = conv == 'e' ? fmt::format("{:.{}e}", v.as_double(), precision < 0 ? 6 : precision)
+        body = conv == 'e'   ? fmt::format("{:.{}e}", v.as_double(), precision < 0 ? 6 : precision)
                : conv == 'g' ? fmt::format("{:.{}g}", v.as_double(), precision < 0 ? 6 : precision)
                              : fmt::format("{:.{}f}", v.as_double(), precision < 0 ? 6 : precision);
         break;
@@ -1730,29 +1910,39 @@ std::string py_percent_format(const std::string& f, const Value& args) {
       case 'X':
       case 'o':
         if (!v.is_integral()) runtime_fail("%{} format: an integer is required, not {}", conv, type_name(v));
-        body = conv == 'o' ? fmt::format("{:o}", v.as_int()) : conv == 'x' ? fmt::format("{:x}", v.as_int()) : fmt::format("{:X}", v.as_int());
+        body = conv == 'o'   ? fmt::format("{:o}", v.as_int())
+               : conv == 'x' ? fmt::format("{:x}", v.as_int())
+                             : fmt::format("{:X}", v.as_int());
         break;
       case 'c':
-        if (v.is_string()) body = v.str();
-        else if (v.is_integral()) unicode::append_utf8(body, static_cast<char32_t>(v.as_int()));
-        else runtime_fail("%c requires int or char");
+        if (v.is_string())
+          body = v.str();
+        else if (v.is_integral())
+          unicode::append_utf8(body, static_cast<char32_t>(v.as_int()));
+        else
+          runtime_fail("%c requires int or char");
         break;
-      default: runtime_fail("unsupported format character '{}'", conv);
+      default:
+        runtime_fail("unsupported format character '{}'", conv);
     }
     if ((conv == 's' || conv == 'r' || conv == 'a') && precision >= 0) {
       auto c = unicode::decode(body);
       body = unicode::encode(std::u32string_view(c).substr(0, std::min<size_t>(c.size(), precision)));
     }
     bool numeric = std::strchr("diufFegxXo", conv) != nullptr;
-    if (numeric && flags.find('+') != std::string::npos && body[0] != '-') body = "+" + body;
-    else if (numeric && flags.find(' ') != std::string::npos && body[0] != '-') body = " " + body;
+    if (numeric && flags.find('+') != std::string::npos && body[0] != '-')
+      body = "+" + body;
+    else if (numeric && flags.find(' ') != std::string::npos && body[0] != '-')
+      body = " " + body;
     int64_t len = static_cast<int64_t>(unicode::length(body));
     if (width > len) {
-      if (flags.find('-') != std::string::npos) body += std::string(width - len, ' ');
+      if (flags.find('-') != std::string::npos)
+        body += std::string(width - len, ' ');
       else if (numeric && flags.find('0') != std::string::npos) {
         size_t sign = (body[0] == '-' || body[0] == '+' || body[0] == ' ') ? 1 : 0;
         body.insert(sign, std::string(width - len, '0'));
-      } else body = std::string(width - len, ' ') + body;
+      } else
+        body = std::string(width - len, ' ') + body;
     }
     out += body;
   }

@@ -20,7 +20,8 @@ struct Restore {
 // `loop` inside a for body (jinja2.runtime.LoopContext).
 class LoopObject : public Object {
  public:
-  LoopObject(std::shared_ptr<const std::vector<Value>> items, int depth0) : items_(std::move(items)), depth0_(depth0) {}
+  LoopObject(std::shared_ptr<const std::vector<Value>> items, int depth0)
+      : items_(std::move(items)), depth0_(depth0) {}
   std::string_view type_name() const override { return "LoopContext"; }
   bool is_callable() const override { return true; }
 
@@ -61,7 +62,8 @@ class LoopObject : public Object {
 
   Value call(Interpreter& in, CallArgs& args) override {
     if (!recurse_) runtime_fail("the loop must have the 'recursive' marker to be called recursively");
-    if (args.positional.size() != 1 || !args.keyword.empty()) runtime_fail("loop() takes exactly one argument");
+    if (args.positional.size() != 1 || !args.keyword.empty())
+      runtime_fail("loop() takes exactly one argument");
     return recurse_(in, args.positional[0], depth0_ + 1);
   }
 
@@ -83,11 +85,13 @@ Interpreter::Interpreter(const RenderLimits& limits, std::shared_ptr<Scope> root
 void Interpreter::render(const Body& body, std::string& out) {
   out_ = &out;
   Flow f = exec_body(body);
-  if (f != Flow::Normal) throw PositionedError("chat template error: 'break' or 'continue' outside of a loop");
+  if (f != Flow::Normal)
+    throw PositionedError("chat template error: 'break' or 'continue' outside of a loop");
 }
 
 void Interpreter::fail_at(SourcePos pos, const std::string& msg) {
-  throw PositionedError(fmt::format("chat template error at line {}, column {}: {}", pos.line, pos.column, msg));
+  throw PositionedError(
+      fmt::format("chat template error at line {}, column {}: {}", pos.line, pos.column, msg));
 }
 
 void Interpreter::count_step() {
@@ -126,7 +130,9 @@ Flow Interpreter::exec(const Stmt& s) {
   try {
     count_step();
     switch (s.kind) {
-      case StmtKind::Text: write(s.text); return Flow::Normal;
+      case StmtKind::Text:
+        write(s.text);
+        return Flow::Normal;
       case StmtKind::Output: {
         Value v = eval(*s.expr);
         write(py_str(v));
@@ -135,15 +141,20 @@ Flow Interpreter::exec(const Stmt& s) {
       case StmtKind::If:
         if (truthy(eval(*s.expr))) return exec_body(s.body);
         return exec_body(s.else_body);
-      case StmtKind::For: return exec_for(s);
-      case StmtKind::Assign: assign(*s.target, eval(*s.expr)); return Flow::Normal;
+      case StmtKind::For:
+        return exec_for(s);
+      case StmtKind::Assign:
+        assign(*s.target, eval(*s.expr));
+        return Flow::Normal;
       case StmtKind::AssignBlock: {
         Value v(capture(s.body, std::make_shared<Scope>(scope_)));
         if (s.expr) v = eval_filter(*s.expr, &v);
         assign(*s.target, v);
         return Flow::Normal;
       }
-      case StmtKind::Macro: scope_->vars[s.name] = make_macro(s, false); return Flow::Normal;
+      case StmtKind::Macro:
+        scope_->vars[s.name] = make_macro(s, false);
+        return Flow::Normal;
       case StmtKind::CallBlock: {
         Value caller = make_macro(s, true);
         write(py_str(eval_call(*s.expr, &caller)));
@@ -162,14 +173,18 @@ Flow Interpreter::exec(const Stmt& s) {
         for (size_t i = 0; i < s.targets.size(); ++i) assign(*s.targets[i], values[i]);
         return exec_body(s.body);
       }
-      case StmtKind::Scope: write(capture(s.body, std::make_shared<Scope>(scope_))); return Flow::Normal;
+      case StmtKind::Scope:
+        write(capture(s.body, std::make_shared<Scope>(scope_)));
+        return Flow::Normal;
       case StmtKind::Block: {
         Restore<std::shared_ptr<Scope>> keep_scope(scope_);
         scope_ = std::make_shared<Scope>(scope_);
         return exec_body(s.body);
       }
-      case StmtKind::Break: return Flow::Break;
-      case StmtKind::Continue: return Flow::Continue;
+      case StmtKind::Break:
+        return Flow::Break;
+      case StmtKind::Continue:
+        return Flow::Continue;
     }
   } catch (const RuntimeError& e) {
     fail_at(s.pos, e.what());
@@ -238,7 +253,8 @@ Flow Interpreter::exec_for(const Stmt& s) {
     }
     return Flow::Normal;
   };
-  if (++depth_ > limits_.max_call_depth) runtime_fail("template recursion deeper than {}", limits_.max_call_depth);
+  if (++depth_ > limits_.max_call_depth)
+    runtime_fail("template recursion deeper than {}", limits_.max_call_depth);
   Flow f = run(std::move(items), 0);
   --depth_;
   return f;
@@ -246,7 +262,9 @@ Flow Interpreter::exec_for(const Stmt& s) {
 
 void Interpreter::assign(const Expr& target, const Value& value) {
   switch (target.kind) {
-    case ExprKind::Name: scope_->vars[target.name] = value; return;
+    case ExprKind::Name:
+      scope_->vars[target.name] = value;
+      return;
     case ExprKind::NSRef: {
       const Value* ns = scope_->lookup(target.name);
       if (!ns || !ns->is_object() || !ns->object().is_namespace())
@@ -269,7 +287,8 @@ void Interpreter::assign(const Expr& target, const Value& value) {
       for (size_t i = 0; i < items.size(); ++i) assign(*target.items[i], items[i]);
       return;
     }
-    default: fail_at(target.pos, "cannot assign to this expression");
+    default:
+      fail_at(target.pos, "cannot assign to this expression");
   }
 }
 
@@ -281,7 +300,8 @@ Value Interpreter::make_macro(const Stmt& s, bool is_caller) {
   c->name = is_caller ? "caller" : s.name;
   c->fn = [m, closure, is_caller](Interpreter& in, CallArgs& args) -> Value {
     const std::string& name = is_caller ? std::string("caller") : m->name;
-    if (++in.depth_ > in.limits_.max_call_depth) runtime_fail("template recursion deeper than {}", in.limits_.max_call_depth);
+    if (++in.depth_ > in.limits_.max_call_depth)
+      runtime_fail("template recursion deeper than {}", in.limits_.max_call_depth);
     struct DepthGuard {
       int& d;
       ~DepthGuard() { --d; }
@@ -330,8 +350,11 @@ Value Interpreter::make_macro(const Stmt& s, bool is_caller) {
     const size_t first_default = n_params - m->defaults.size();
     for (size_t i = 0; i < n_params; ++i) {
       if (bound[i]) continue;
-      if (i >= first_default) scope->vars[m->params[i]] = in.eval(*m->defaults[i - first_default]);
-      else scope->vars[m->params[i]] = Value::undefined(fmt::format("parameter '{}' was not provided", m->params[i]));
+      if (i >= first_default)
+        scope->vars[m->params[i]] = in.eval(*m->defaults[i - first_default]);
+      else
+        scope->vars[m->params[i]] =
+            Value::undefined(fmt::format("parameter '{}' was not provided", m->params[i]));
     }
     if (m->uses_caller) scope->vars["caller"] = caller;
     if (m->uses_varargs) scope->vars["varargs"] = Value::make_tuple(std::move(extra_positional));
@@ -377,21 +400,27 @@ Value Interpreter::eval_call(const Expr& e, const Value* caller) {
 
 Value Interpreter::call(const Value& callee, CallArgs& args) {
   switch (callee.kind()) {
-    case Kind::Callable: return callee.callable().fn(*this, args);
+    case Kind::Callable:
+      return callee.callable().fn(*this, args);
     case Kind::Object:
       if (callee.object().is_callable()) return callee.object().call(*this, args);
       break;
-    case Kind::Undefined: fail_undefined(callee);
-    default: break;
+    case Kind::Undefined:
+      fail_undefined(callee);
+    default:
+      break;
   }
   runtime_fail("'{}' object is not callable", type_name(callee));
 }
 
 Value Interpreter::eval_filter(const Expr& f, const Value* block_input) {
   Value input;
-  if (!f.a) input = *block_input;
-  else if (f.a->kind == ExprKind::Filter && block_input) input = eval_filter(*f.a, block_input);
-  else input = eval(*f.a);
+  if (!f.a)
+    input = *block_input;
+  else if (f.a->kind == ExprKind::Filter && block_input)
+    input = eval_filter(*f.a, block_input);
+  else
+    input = eval(*f.a);
   CallArgs args;
   try {
     collect_args(f, args);
@@ -411,13 +440,16 @@ bool Interpreter::apply_test(const std::string& name, const Value& input, CallAr
 
 Value Interpreter::eval_inner(const Expr& e) {
   switch (e.kind) {
-    case ExprKind::Const: return e.constant;
+    case ExprKind::Const:
+      return e.constant;
     case ExprKind::Name: {
       if (const Value* v = scope_->lookup(e.name)) return *v;
       return Value::undefined(fmt::format("'{}' is undefined", e.name));
     }
-    case ExprKind::NSRef: runtime_fail("namespace references can only be assigned to");
-    case ExprKind::Getattr: return getattr(eval(*e.a), e.attr);
+    case ExprKind::NSRef:
+      runtime_fail("namespace references can only be assigned to");
+    case ExprKind::Getattr:
+      return getattr(eval(*e.a), e.attr);
     case ExprKind::Getitem: {
       Value obj = eval(*e.a);
       if (e.b->kind == ExprKind::Slice) {
@@ -429,9 +461,12 @@ Value Interpreter::eval_inner(const Expr& e) {
       }
       return getitem(obj, eval(*e.b));
     }
-    case ExprKind::Slice: runtime_fail("slice outside of a subscript");
-    case ExprKind::Call: return eval_call(e, nullptr);
-    case ExprKind::Filter: return eval_filter(e, nullptr);
+    case ExprKind::Slice:
+      runtime_fail("slice outside of a subscript");
+    case ExprKind::Call:
+      return eval_call(e, nullptr);
+    case ExprKind::Filter:
+      return eval_filter(e, nullptr);
     case ExprKind::Test: {
       Value input = eval(*e.a);
       CallArgs args;
@@ -450,7 +485,8 @@ Value Interpreter::eval_inner(const Expr& e) {
       }
       runtime_fail("bad operand type for unary {}: '{}'", e.kind == ExprKind::Neg ? "-" : "+", type_name(v));
     }
-    case ExprKind::Not: return Value(!truthy(eval(*e.a)));
+    case ExprKind::Not:
+      return Value(!truthy(eval(*e.a)));
     case ExprKind::BinOp: {
       Value a = eval(*e.a);
       Value b = eval(*e.b);
@@ -467,7 +503,8 @@ Value Interpreter::eval_inner(const Expr& e) {
     case ExprKind::Concat: {
       std::string s;
       for (const auto& item : e.items) s += py_str(eval(*item));
-      if (s.size() > limits_.max_output_bytes) runtime_fail("string exceeds {} bytes", limits_.max_output_bytes);
+      if (s.size() > limits_.max_output_bytes)
+        runtime_fail("string exceeds {} bytes", limits_.max_output_bytes);
       return Value(std::move(s));
     }
     case ExprKind::Compare: {
@@ -476,14 +513,30 @@ Value Interpreter::eval_inner(const Expr& e) {
         Value right = eval(*rhs);
         bool ok = false;
         switch (op) {
-          case CmpOp::Eq: ok = py_equal(left, right); break;
-          case CmpOp::Ne: ok = !py_equal(left, right); break;
-          case CmpOp::Lt: ok = py_compare(left, right) < 0; break;
-          case CmpOp::LtEq: ok = py_compare(left, right) <= 0; break;
-          case CmpOp::Gt: ok = py_compare(left, right) > 0; break;
-          case CmpOp::GtEq: ok = py_compare(left, right) >= 0; break;
-          case CmpOp::In: ok = py_contains(right, left); break;
-          case CmpOp::NotIn: ok = !py_contains(right, left); break;
+          case CmpOp::Eq:
+            ok = py_equal(left, right);
+            break;
+          case CmpOp::Ne:
+            ok = !py_equal(left, right);
+            break;
+          case CmpOp::Lt:
+            ok = py_compare(left, right) < 0;
+            break;
+          case CmpOp::LtEq:
+            ok = py_compare(left, right) <= 0;
+            break;
+          case CmpOp::Gt:
+            ok = py_compare(left, right) > 0;
+            break;
+          case CmpOp::GtEq:
+            ok = py_compare(left, right) >= 0;
+            break;
+          case CmpOp::In:
+            ok = py_contains(right, left);
+            break;
+          case CmpOp::NotIn:
+            ok = !py_contains(right, left);
+            break;
         }
         if (!ok) return Value(false);
         left = std::move(right);
@@ -494,14 +547,16 @@ Value Interpreter::eval_inner(const Expr& e) {
       if (truthy(eval(*e.b))) return eval(*e.a);
       if (e.c) return eval(*e.c);
       return Value::undefined(fmt::format(
-          "the inline if-expression on line {} evaluated to false and no else section was defined.", e.pos.line));
+          "the inline if-expression on line {} evaluated to false and no else section was defined.",
+          e.pos.line));
     }
     case ExprKind::List:
     case ExprKind::Tuple: {
       std::vector<Value> items;
       items.reserve(e.items.size());
       for (const auto& item : e.items) items.push_back(eval(*item));
-      return e.kind == ExprKind::List ? Value::make_list(std::move(items)) : Value::make_tuple(std::move(items));
+      return e.kind == ExprKind::List ? Value::make_list(std::move(items))
+                                      : Value::make_tuple(std::move(items));
     }
     case ExprKind::Dict: {
       Value d = Value::make_dict();
@@ -521,9 +576,12 @@ Value Interpreter::eval_inner(const Expr& e) {
 
 static std::string object_description(const Value& v) {
   switch (v.kind()) {
-    case Kind::None: return "None";
-    case Kind::Object: return std::string(v.object().type_name()) + " object";
-    default: return std::string(type_name(v)) + " object";
+    case Kind::None:
+      return "None";
+    case Kind::Object:
+      return std::string(v.object().type_name()) + " object";
+    default:
+      return std::string(type_name(v)) + " object";
   }
 }
 
@@ -568,7 +626,8 @@ Value Interpreter::getitem(const Value& obj, const Value& key) {
     case Kind::Object:
       if (key.is_string()) return obj.object().get_attr(key.str());
       break;
-    default: break;
+    default:
+      break;
   }
   if (key.is_string()) {
     if (auto m = bound_method(obj, key.str())) return *m;
@@ -580,8 +639,10 @@ Value Interpreter::getitem(const Value& obj, const Value& key) {
 
 std::vector<Value> Interpreter::iterate(const Value& v) {
   switch (v.kind()) {
-    case Kind::Undefined: return {};
-    case Kind::List: return v.list().items;
+    case Kind::Undefined:
+      return {};
+    case Kind::List:
+      return v.list().items;
     case Kind::Dict: {
       std::vector<Value> keys;
       keys.reserve(v.dict().size());
@@ -593,10 +654,12 @@ std::vector<Value> Interpreter::iterate(const Value& v) {
       const std::string& s = v.str();
       auto offsets = unicode::code_point_offsets(s);
       chars.reserve(offsets.size());
-      for (size_t i = 0; i + 1 < offsets.size(); ++i) chars.emplace_back(s.substr(offsets[i], offsets[i + 1] - offsets[i]));
+      for (size_t i = 0; i + 1 < offsets.size(); ++i)
+        chars.emplace_back(s.substr(offsets[i], offsets[i + 1] - offsets[i]));
       return chars;
     }
-    default: runtime_fail("'{}' object is not iterable", type_name(v));
+    default:
+      runtime_fail("'{}' object is not iterable", type_name(v));
   }
 }
 
@@ -608,7 +671,9 @@ Value Interpreter::get_attribute_path(const Value& item, const Value& attribute)
   while (true) {
     size_t dot = path.find('.', start);
     std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+      return std::isdigit(static_cast<unsigned char>(c));
+    });
     cur = numeric ? getitem(cur, Value(static_cast<int64_t>(std::stoll(part)))) : getitem(cur, Value(part));
     if (dot == std::string::npos) break;
     start = dot + 1;
@@ -625,9 +690,11 @@ Template::Template(std::string_view source, const LexerOptions& options) {
   std::function<void(const Expr&, bool)> check_expr = [&](const Expr& e, bool soft) {
     if (e.kind == ExprKind::CondExpr) soft = true;
     if (!soft && e.kind == ExprKind::Filter && !has_filter(e.name))
-      kiln::fail("chat template error at line {}, column {}: no filter named '{}'", e.pos.line, e.pos.column, e.name);
+      kiln::fail("chat template error at line {}, column {}: no filter named '{}'", e.pos.line, e.pos.column,
+                 e.name);
     if (!soft && e.kind == ExprKind::Test && !has_test(e.name))
-      kiln::fail("chat template error at line {}, column {}: no test named '{}'", e.pos.line, e.pos.column, e.name);
+      kiln::fail("chat template error at line {}, column {}: no test named '{}'", e.pos.line, e.pos.column,
+                 e.name);
     for (const Expr* child : {e.a.get(), e.b.get(), e.c.get(), e.dyn_args.get(), e.dyn_kwargs.get()})
       if (child) check_expr(*child, soft);
     for (const auto& x : e.items) check_expr(*x, soft);
@@ -638,7 +705,9 @@ Template::Template(std::string_view source, const LexerOptions& options) {
   std::function<void(const Body&, bool)> check_body = [&](const Body& body, bool soft) {
     for (const auto& s : body) {
       // An if makes its test and branches soft; other blocks open a new frame, which is not soft.
-      bool inner_soft = s->kind == StmtKind::If ? true : (s->kind == StmtKind::Output || s->kind == StmtKind::Assign) && soft;
+      bool inner_soft = s->kind == StmtKind::If
+                            ? true
+                            : (s->kind == StmtKind::Output || s->kind == StmtKind::Assign) && soft;
       for (const Expr* x : {s->expr.get(), s->target.get()})
         if (x) check_expr(*x, s->kind == StmtKind::If ? true : soft);
       if (s->test) check_expr(*s->test, false);
@@ -651,7 +720,8 @@ Template::Template(std::string_view source, const LexerOptions& options) {
   check_body(body_, false);
 }
 
-std::string Template::render(const std::unordered_map<std::string, Value>& vars, const RenderLimits& limits) const {
+std::string Template::render(const std::unordered_map<std::string, Value>& vars,
+                             const RenderLimits& limits) const {
   auto globals = std::make_shared<Scope>();
   add_globals(*globals);
   for (const auto& [k, v] : vars) globals->vars[k] = v;

@@ -9,42 +9,78 @@ namespace kiln::tmpl::jinja {
 
 std::string_view describe(Tok t) {
   switch (t) {
-    case Tok::Data: return "template data";
-    case Tok::VariableBegin: return "'{{'";
-    case Tok::VariableEnd: return "end of print statement";
-    case Tok::BlockBegin: return "'{%'";
-    case Tok::BlockEnd: return "end of statement block";
-    case Tok::Name: return "name";
-    case Tok::String: return "string";
-    case Tok::Integer: return "integer";
-    case Tok::Float: return "float";
-    case Tok::Add: return "'+'";
-    case Tok::Sub: return "'-'";
-    case Tok::Div: return "'/'";
-    case Tok::FloorDiv: return "'//'";
-    case Tok::Mul: return "'*'";
-    case Tok::Mod: return "'%'";
-    case Tok::Pow: return "'**'";
-    case Tok::Tilde: return "'~'";
-    case Tok::LBracket: return "'['";
-    case Tok::RBracket: return "']'";
-    case Tok::LParen: return "'('";
-    case Tok::RParen: return "')'";
-    case Tok::LBrace: return "'{'";
-    case Tok::RBrace: return "'}'";
-    case Tok::Eq: return "'=='";
-    case Tok::Ne: return "'!='";
-    case Tok::Gt: return "'>'";
-    case Tok::GtEq: return "'>='";
-    case Tok::Lt: return "'<'";
-    case Tok::LtEq: return "'<='";
-    case Tok::Assign: return "'='";
-    case Tok::Dot: return "'.'";
-    case Tok::Colon: return "':'";
-    case Tok::Pipe: return "'|'";
-    case Tok::Comma: return "','";
-    case Tok::Semicolon: return "';'";
-    case Tok::Eof: return "end of template";
+    case Tok::Data:
+      return "template data";
+    case Tok::VariableBegin:
+      return "'{{'";
+    case Tok::VariableEnd:
+      return "end of print statement";
+    case Tok::BlockBegin:
+      return "'{%'";
+    case Tok::BlockEnd:
+      return "end of statement block";
+    case Tok::Name:
+      return "name";
+    case Tok::String:
+      return "string";
+    case Tok::Integer:
+      return "integer";
+    case Tok::Float:
+      return "float";
+    case Tok::Add:
+      return "'+'";
+    case Tok::Sub:
+      return "'-'";
+    case Tok::Div:
+      return "'/'";
+    case Tok::FloorDiv:
+      return "'//'";
+    case Tok::Mul:
+      return "'*'";
+    case Tok::Mod:
+      return "'%'";
+    case Tok::Pow:
+      return "'**'";
+    case Tok::Tilde:
+      return "'~'";
+    case Tok::LBracket:
+      return "'['";
+    case Tok::RBracket:
+      return "']'";
+    case Tok::LParen:
+      return "'('";
+    case Tok::RParen:
+      return "')'";
+    case Tok::LBrace:
+      return "'{'";
+    case Tok::RBrace:
+      return "'}'";
+    case Tok::Eq:
+      return "'=='";
+    case Tok::Ne:
+      return "'!='";
+    case Tok::Gt:
+      return "'>'";
+    case Tok::GtEq:
+      return "'>='";
+    case Tok::Lt:
+      return "'<'";
+    case Tok::LtEq:
+      return "'<='";
+    case Tok::Assign:
+      return "'='";
+    case Tok::Dot:
+      return "'.'";
+    case Tok::Colon:
+      return "':'";
+    case Tok::Pipe:
+      return "'|'";
+    case Tok::Comma:
+      return "','";
+    case Tok::Semicolon:
+      return "';'";
+    case Tok::Eof:
+      return "end of template";
   }
   return "token";
 }
@@ -68,8 +104,12 @@ std::string normalize_newlines(std::string_view src, bool keep_trailing_newline)
   return out;
 }
 
-bool is_ident_start(unsigned char c) { return c == '_' || std::isalpha(c) || c >= 0x80; }
-bool is_ident_char(unsigned char c) { return c == '_' || std::isalnum(c) || c >= 0x80; }
+bool is_ident_start(unsigned char c) {
+  return c == '_' || std::isalpha(c) || c >= 0x80;
+}
+bool is_ident_char(unsigned char c) {
+  return c == '_' || std::isalnum(c) || c >= 0x80;
+}
 
 class Lexer {
  public:
@@ -151,7 +191,8 @@ class Lexer {
   }
 
   size_t find_tag_start(size_t pos) const {
-    for (size_t i = src_.find('{', pos); i != std::string::npos && i + 1 < src_.size(); i = src_.find('{', i + 1)) {
+    for (size_t i = src_.find('{', pos); i != std::string::npos && i + 1 < src_.size();
+         i = src_.find('{', i + 1)) {
       char c = src_[i + 1];
       if (c == '{' || c == '%' || c == '#') return i;
     }
@@ -209,10 +250,14 @@ class Lexer {
       if (src_.compare(p, 6, "endraw") != 0) continue;
       p = skip_spaces(p + 6);
       size_t end;
-      if (src_.compare(p, 3, "+%}") == 0) end = p + 3;
-      else if (src_.compare(p, 3, "-%}") == 0) end = skip_spaces(p + 3);
-      else if (src_.compare(p, 2, "%}") == 0) end = p + 2 + ((opt_.trim_blocks && p + 2 < src_.size() && src_[p + 2] == '\n') ? 1 : 0);
-      else continue;
+      if (src_.compare(p, 3, "+%}") == 0)
+        end = p + 3;
+      else if (src_.compare(p, 3, "-%}") == 0)
+        end = skip_spaces(p + 3);
+      else if (src_.compare(p, 2, "%}") == 0)
+        end = p + 2 + ((opt_.trim_blocks && p + 2 < src_.size() && src_[p + 2] == '\n') ? 1 : 0);
+      else
+        continue;
       std::string text = src_.substr(body, i - body);
       apply_strip(text, sign, true, line_starting);
       emit_data(body, std::move(text));
@@ -242,7 +287,9 @@ class Lexer {
     const char end_char = block ? '%' : '}';
     const size_t n = src_.size();
     while (true) {
-      if (p >= n) fail_at(start, block ? "unexpected end of template, expected '%}'" : "unexpected end of template, expected '}}'");
+      if (p >= n)
+        fail_at(start, block ? "unexpected end of template, expected '%}'"
+                             : "unexpected end of template, expected '}}'");
       if (balance.empty()) {
         if (block && src_.compare(p, 3, "+%}") == 0) {
           push(Tok::BlockEnd, p);
@@ -333,14 +380,16 @@ class Lexer {
           ch = src_[e];
         }
         int d = std::isdigit(static_cast<unsigned char>(ch)) ? ch - '0'
-                : std::isxdigit(static_cast<unsigned char>(ch)) ? std::tolower(static_cast<unsigned char>(ch)) - 'a' + 10
-                                                                 : 99;
+                : std::isxdigit(static_cast<unsigned char>(ch))
+                    ? std::tolower(static_cast<unsigned char>(ch)) - 'a' + 10
+                    : 99;
         if (d >= base) break;
         digits_only.push_back(ch);
         ++e;
       }
       if (!digits_only.empty()) {
-        Token t{Tok::Integer, {}, static_cast<int64_t>(std::stoull(digits_only, nullptr, base)), 0, pos_of(p)};
+        Token t{
+            Tok::Integer, {}, static_cast<int64_t>(std::stoull(digits_only, nullptr, base)), 0, pos_of(p)};
         tokens_.push_back(std::move(t));
         return e;
       }
@@ -391,30 +440,57 @@ class Lexer {
         return v;
       };
       switch (e) {
-        case '\n': break;
-        case '\\': value.push_back('\\'); break;
-        case '\'': value.push_back('\''); break;
-        case '"': value.push_back('"'); break;
-        case 'a': value.push_back('\a'); break;
-        case 'b': value.push_back('\b'); break;
-        case 'f': value.push_back('\f'); break;
-        case 'n': value.push_back('\n'); break;
-        case 'r': value.push_back('\r'); break;
-        case 't': value.push_back('\t'); break;
-        case 'v': value.push_back('\v'); break;
-        case 'x': unicode::append_utf8(value, hex(2)); break;
-        case 'u': unicode::append_utf8(value, hex(4)); break;
+        case '\n':
+          break;
+        case '\\':
+          value.push_back('\\');
+          break;
+        case '\'':
+          value.push_back('\'');
+          break;
+        case '"':
+          value.push_back('"');
+          break;
+        case 'a':
+          value.push_back('\a');
+          break;
+        case 'b':
+          value.push_back('\b');
+          break;
+        case 'f':
+          value.push_back('\f');
+          break;
+        case 'n':
+          value.push_back('\n');
+          break;
+        case 'r':
+          value.push_back('\r');
+          break;
+        case 't':
+          value.push_back('\t');
+          break;
+        case 'v':
+          value.push_back('\v');
+          break;
+        case 'x':
+          unicode::append_utf8(value, hex(2));
+          break;
+        case 'u':
+          unicode::append_utf8(value, hex(4));
+          break;
         case 'U': {
           char32_t cp = hex(8);
           if (cp > 0x10FFFF) fail_at(p, "illegal Unicode character in string literal");
           unicode::append_utf8(value, cp);
           break;
         }
-        case 'N': fail_at(p, "\\N{...} escapes are not supported");
+        case 'N':
+          fail_at(p, "\\N{...} escapes are not supported");
         default:
           if (e >= '0' && e <= '7') {
             char32_t v = e - '0';
-            for (int k = 0; k < 2 && i < n && src_[i] >= '0' && src_[i] <= '7'; ++k) v = v * 8 + (src_[i++] - '0');
+            for (int k = 0; k < 2 && i < n && src_[i] >= '0' && src_[i] <= '7'; ++k)
+              v = v * 8 + (src_[i++] - '0');
             unicode::append_utf8(value, v);
           } else {
             value.push_back('\\');
@@ -427,8 +503,9 @@ class Lexer {
   }
 
   size_t lex_operator(size_t p, std::vector<char>& balance) {
-    static const std::pair<const char*, Tok> two[] = {{"**", Tok::Pow}, {"//", Tok::FloorDiv}, {"==", Tok::Eq},
-                                                      {"!=", Tok::Ne},  {">=", Tok::GtEq},     {"<=", Tok::LtEq}};
+    static const std::pair<const char*, Tok> two[] = {{"**", Tok::Pow},  {"//", Tok::FloorDiv},
+                                                      {"==", Tok::Eq},   {"!=", Tok::Ne},
+                                                      {">=", Tok::GtEq}, {"<=", Tok::LtEq}};
     for (const auto& [s, t] : two) {
       if (src_.compare(p, 2, s) == 0) {
         push(t, p);
@@ -438,26 +515,66 @@ class Lexer {
     Tok t;
     char c = src_[p];
     switch (c) {
-      case '+': t = Tok::Add; break;
-      case '-': t = Tok::Sub; break;
-      case '/': t = Tok::Div; break;
-      case '*': t = Tok::Mul; break;
-      case '%': t = Tok::Mod; break;
-      case '~': t = Tok::Tilde; break;
-      case '[': t = Tok::LBracket; break;
-      case ']': t = Tok::RBracket; break;
-      case '(': t = Tok::LParen; break;
-      case ')': t = Tok::RParen; break;
-      case '{': t = Tok::LBrace; break;
-      case '}': t = Tok::RBrace; break;
-      case '>': t = Tok::Gt; break;
-      case '<': t = Tok::Lt; break;
-      case '=': t = Tok::Assign; break;
-      case '.': t = Tok::Dot; break;
-      case ':': t = Tok::Colon; break;
-      case '|': t = Tok::Pipe; break;
-      case ',': t = Tok::Comma; break;
-      case ';': t = Tok::Semicolon; break;
+      case '+':
+        t = Tok::Add;
+        break;
+      case '-':
+        t = Tok::Sub;
+        break;
+      case '/':
+        t = Tok::Div;
+        break;
+      case '*':
+        t = Tok::Mul;
+        break;
+      case '%':
+        t = Tok::Mod;
+        break;
+      case '~':
+        t = Tok::Tilde;
+        break;
+      case '[':
+        t = Tok::LBracket;
+        break;
+      case ']':
+        t = Tok::RBracket;
+        break;
+      case '(':
+        t = Tok::LParen;
+        break;
+      case ')':
+        t = Tok::RParen;
+        break;
+      case '{':
+        t = Tok::LBrace;
+        break;
+      case '}':
+        t = Tok::RBrace;
+        break;
+      case '>':
+        t = Tok::Gt;
+        break;
+      case '<':
+        t = Tok::Lt;
+        break;
+      case '=':
+        t = Tok::Assign;
+        break;
+      case '.':
+        t = Tok::Dot;
+        break;
+      case ':':
+        t = Tok::Colon;
+        break;
+      case '|':
+        t = Tok::Pipe;
+        break;
+      case ',':
+        t = Tok::Comma;
+        break;
+      case ';':
+        t = Tok::Semicolon;
+        break;
       default: {
         std::string shown = py_char(p);
         fail_at(p, "unexpected char " + shown);

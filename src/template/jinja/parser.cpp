@@ -28,7 +28,8 @@ class Parser {
   struct DepthGuard {
     Parser& p;
     explicit DepthGuard(Parser& parser) : p(parser) {
-      if (++p.depth_ > kMaxNesting) p.fail(p.cur(), fmt::format("template nests deeper than {} levels", kMaxNesting));
+      if (++p.depth_ > kMaxNesting)
+        p.fail(p.cur(), fmt::format("template nests deeper than {} levels", kMaxNesting));
     }
     ~DepthGuard() { --p.depth_; }
   };
@@ -42,7 +43,8 @@ class Parser {
     explicit ChainGuard(Parser& parser) : p(parser) {}
     void link() {
       ++links;
-      if (++p.depth_ > kMaxNesting) p.fail(p.cur(), fmt::format("template nests deeper than {} levels", kMaxNesting));
+      if (++p.depth_ > kMaxNesting)
+        p.fail(p.cur(), fmt::format("template nests deeper than {} levels", kMaxNesting));
     }
     ~ChainGuard() { p.depth_ -= links; }
   };
@@ -77,7 +79,8 @@ class Parser {
 
   const Token& expect(Tok t) {
     if (cur().type != t) {
-      if (cur().type == Tok::Eof) fail(cur(), fmt::format("unexpected end of template, expected {}", describe(t)));
+      if (cur().type == Tok::Eof)
+        fail(cur(), fmt::format("unexpected end of template, expected {}", describe(t)));
       fail(cur(), fmt::format("expected token {}, got {}", describe(t), describe_token(cur())));
     }
     return next();
@@ -305,11 +308,11 @@ class Parser {
       target->name = expect(Tok::Name).text;
       return target;
     }
-    if (with_tuple) target = parse_tuple(true, true, extra_end, false, with_namespace);
-    else target = parse_primary(with_namespace);
-    auto assignable = [](const Expr& e) {
-      return e.kind == ExprKind::Name || e.kind == ExprKind::NSRef;
-    };
+    if (with_tuple)
+      target = parse_tuple(true, true, extra_end, false, with_namespace);
+    else
+      target = parse_primary(with_namespace);
+    auto assignable = [](const Expr& e) { return e.kind == ExprKind::Name || e.kind == ExprKind::NSRef; };
     bool ok = assignable(*target);
     if (target->kind == ExprKind::Tuple) {
       ok = true;
@@ -341,12 +344,15 @@ class Parser {
       if (!args.empty()) expect(Tok::Comma);
       if (is_tuple_end(extra_end)) break;
       args.push_back(simplified ? parse_primary(with_namespace) : parse_expression(with_condexpr));
-      if (cur().type == Tok::Comma) is_tuple = true;
-      else break;
+      if (cur().type == Tok::Comma)
+        is_tuple = true;
+      else
+        break;
     }
     if (!is_tuple) {
       if (!args.empty()) return std::move(args[0]);
-      if (!explicit_parentheses) fail(cur(), fmt::format("expected an expression, got {}", describe_token(cur())));
+      if (!explicit_parentheses)
+        fail(cur(), fmt::format("expected an expression, got {}", describe_token(cur())));
     }
     auto t = std::make_unique<Expr>(ExprKind::Tuple, pos);
     t->items = std::move(args);
@@ -419,17 +425,25 @@ class Parser {
     while (true) {
       Tok t = cur().type;
       CmpOp op;
-      if (t == Tok::Eq) op = CmpOp::Eq;
-      else if (t == Tok::Ne) op = CmpOp::Ne;
-      else if (t == Tok::Lt) op = CmpOp::Lt;
-      else if (t == Tok::LtEq) op = CmpOp::LtEq;
-      else if (t == Tok::Gt) op = CmpOp::Gt;
-      else if (t == Tok::GtEq) op = CmpOp::GtEq;
-      else if (is_name(cur(), "in")) op = CmpOp::In;
+      if (t == Tok::Eq)
+        op = CmpOp::Eq;
+      else if (t == Tok::Ne)
+        op = CmpOp::Ne;
+      else if (t == Tok::Lt)
+        op = CmpOp::Lt;
+      else if (t == Tok::LtEq)
+        op = CmpOp::LtEq;
+      else if (t == Tok::Gt)
+        op = CmpOp::Gt;
+      else if (t == Tok::GtEq)
+        op = CmpOp::GtEq;
+      else if (is_name(cur(), "in"))
+        op = CmpOp::In;
       else if (is_name(cur(), "not") && is_name(look(), "in")) {
         next();
         op = CmpOp::NotIn;
-      } else break;
+      } else
+        break;
       next();
       ops.emplace_back(op, parse_math1());
     }
@@ -478,11 +492,16 @@ class Parser {
       chain.link();
       Tok t = cur().type;
       BinOp op;
-      if (t == Tok::Mul) op = BinOp::Mul;
-      else if (t == Tok::Div) op = BinOp::Div;
-      else if (t == Tok::FloorDiv) op = BinOp::FloorDiv;
-      else if (t == Tok::Mod) op = BinOp::Mod;
-      else break;
+      if (t == Tok::Mul)
+        op = BinOp::Mul;
+      else if (t == Tok::Div)
+        op = BinOp::Div;
+      else if (t == Tok::FloorDiv)
+        op = BinOp::FloorDiv;
+      else if (t == Tok::Mod)
+        op = BinOp::Mod;
+      else
+        break;
       next();
       left = binop(op, pos, std::move(left), parse_pow());
       pos = cur().pos;
@@ -590,9 +609,12 @@ class Parser {
     while (true) {
       chain.link();
       Tok t = cur().type;
-      if (t == Tok::Dot || t == Tok::LBracket) node = parse_subscript(std::move(node));
-      else if (t == Tok::LParen) node = parse_call(std::move(node));
-      else break;
+      if (t == Tok::Dot || t == Tok::LBracket)
+        node = parse_subscript(std::move(node));
+      else if (t == Tok::LParen)
+        node = parse_call(std::move(node));
+      else
+        break;
     }
     return node;
   }
@@ -602,10 +624,14 @@ class Parser {
     while (true) {
       chain.link();
       Tok t = cur().type;
-      if (t == Tok::Pipe) node = parse_filter(std::move(node), false);
-      else if (is_name(cur(), "is")) node = parse_test(std::move(node));
-      else if (t == Tok::LParen) node = parse_call(std::move(node));
-      else break;
+      if (t == Tok::Pipe)
+        node = parse_filter(std::move(node), false);
+      else if (is_name(cur(), "is"))
+        node = parse_test(std::move(node));
+      else if (t == Tok::LParen)
+        node = parse_call(std::move(node));
+      else
+        break;
     }
     return node;
   }
@@ -736,8 +762,8 @@ class Parser {
     Tok t = cur().type;
     if (t == Tok::LParen) {
       parse_call_args(*e);
-    } else if ((t == Tok::Name || t == Tok::String || t == Tok::Integer || t == Tok::Float || t == Tok::LBracket ||
-                t == Tok::LBrace) &&
+    } else if ((t == Tok::Name || t == Tok::String || t == Tok::Integer || t == Tok::Float ||
+                t == Tok::LBracket || t == Tok::LBrace) &&
                !is_name(cur(), "else") && !is_name(cur(), "or") && !is_name(cur(), "and")) {
       if (is_name(cur(), "is")) fail(cur(), "You cannot chain multiple tests with is");
       e->items.push_back(parse_postfix(parse_primary(false)));
@@ -752,6 +778,8 @@ class Parser {
 
 }  // namespace
 
-Body parse(const std::vector<Token>& tokens) { return Parser(tokens).parse_template(); }
+Body parse(const std::vector<Token>& tokens) {
+  return Parser(tokens).parse_template();
+}
 
 }  // namespace kiln::tmpl::jinja

@@ -15,10 +15,10 @@ namespace kiln::tmpl::jinja {
 
 // Guards against runaway templates (recursion, endless loops, huge outputs).
 struct RenderLimits {
-  int max_call_depth = 200;            // nested macro calls / recursive loops
-  uint64_t max_steps = 20'000'000;     // loop iterations + macro calls + expressions
+  int max_call_depth = 200;         // nested macro calls / recursive loops
+  uint64_t max_steps = 20'000'000;  // loop iterations + macro calls + expressions
   size_t max_output_bytes = 256u << 20;
-  int64_t max_range = 100'000;         // as jinja2.sandbox.MAX_RANGE
+  int64_t max_range = 100'000;  // as jinja2.sandbox.MAX_RANGE
 };
 
 class Template {
@@ -29,7 +29,8 @@ class Template {
   // vars: template variables. The globals (range, dict, namespace, cycler, joiner, raise_exception,
   // strftime_now) are available unless vars shadows them.
   // Throws TemplateRaised (raise_exception) or kiln::Error "chat template error at line L, column C: ...".
-  std::string render(const std::unordered_map<std::string, Value>& vars, const RenderLimits& limits = {}) const;
+  std::string render(const std::unordered_map<std::string, Value>& vars,
+                     const RenderLimits& limits = {}) const;
 
  private:
   Body body_;

@@ -25,7 +25,8 @@ std::u32string decode(std::string_view s) {
     }
     if (ok) {
       // Reject overlong forms, surrogates and out-of-range values.
-      if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+      if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+          (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
         ok = false;
     }
     if (!ok) {
@@ -97,9 +98,24 @@ std::vector<size_t> code_point_offsets(std::string_view s) {
 
 bool is_space(char32_t c) {
   switch (c) {
-    case ' ': case '\t': case '\n': case '\v': case '\f': case '\r':
-    case 0x1C: case 0x1D: case 0x1E: case 0x1F: case 0x85: case 0xA0: case 0x1680:
-    case 0x2028: case 0x2029: case 0x202F: case 0x205F: case 0x3000:
+    case ' ':
+    case '\t':
+    case '\n':
+    case '\v':
+    case '\f':
+    case '\r':
+    case 0x1C:
+    case 0x1D:
+    case 0x1E:
+    case 0x1F:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
+    case 0x3000:
       return true;
     default:
       return c >= 0x2000 && c <= 0x200A;
@@ -171,8 +187,12 @@ bool is_alpha(char32_t c) {
   return false;
 }
 
-bool is_digit(char32_t c) { return c >= '0' && c <= '9'; }
-bool is_alnum(char32_t c) { return is_alpha(c) || is_digit(c); }
+bool is_digit(char32_t c) {
+  return c >= '0' && c <= '9';
+}
+bool is_alnum(char32_t c) {
+  return is_alpha(c) || is_digit(c);
+}
 
 std::string lower(std::string_view s) {
   if (is_ascii(s)) {

@@ -17,7 +17,7 @@ bool is_ascii(std::string_view s);
 // Byte offset of each code point, plus s.size() at the end.
 std::vector<size_t> code_point_offsets(std::string_view s);
 
-bool is_space(char32_t c);  // Python's str.isspace
+bool is_space(char32_t c);      // Python's str.isspace
 bool is_printable(char32_t c);  // approximation of Python's str.isprintable, for repr()
 char32_t to_lower(char32_t c);
 char32_t to_upper(char32_t c);

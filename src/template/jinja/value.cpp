@@ -51,21 +51,28 @@ Value Value::make_tuple(std::vector<Value> items) {
   return v;
 }
 
-Value Value::make_dict() { return Value(std::make_shared<Dict>()); }
+Value Value::make_dict() {
+  return Value(std::make_shared<Dict>());
+}
 
 Value Value::from_json(const nlohmann::ordered_json& j, int depth) {
   if (depth > kMaxValueNesting) runtime_fail("input JSON nests deeper than {} levels", kMaxValueNesting);
   switch (j.type()) {
-    case nlohmann::ordered_json::value_t::null: return Value::none();
-    case nlohmann::ordered_json::value_t::boolean: return Value(j.get<bool>());
-    case nlohmann::ordered_json::value_t::number_integer: return Value(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::null:
+      return Value::none();
+    case nlohmann::ordered_json::value_t::boolean:
+      return Value(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer:
+      return Value(j.get<int64_t>());
     case nlohmann::ordered_json::value_t::number_unsigned: {
       auto u = j.get<uint64_t>();
       if (u > static_cast<uint64_t>(INT64_MAX)) return Value(static_cast<double>(u));
       return Value(static_cast<int64_t>(u));
     }
-    case nlohmann::ordered_json::value_t::number_float: return Value(j.get<double>());
-    case nlohmann::ordered_json::value_t::string: return Value(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::number_float:
+      return Value(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return Value(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       items.reserve(j.size());
@@ -77,11 +84,14 @@ Value Value::from_json(const nlohmann::ordered_json& j, int depth) {
       for (const auto& [k, v] : j.items()) d->set(Value(k), from_json(v, depth + 1));
       return Value(std::move(d));
     }
-    default: runtime_fail("unsupported JSON value (binary) in template input");
+    default:
+      runtime_fail("unsupported JSON value (binary) in template input");
   }
 }
 
-bool Value::is_tuple() const { return is_list() && list().is_tuple; }
+bool Value::is_tuple() const {
+  return is_list() && list().is_tuple;
+}
 
 int64_t Value::as_int() const {
   if (is_bool()) return as_bool() ? 1 : 0;
@@ -95,12 +105,18 @@ double Value::as_double() const {
 
 const void* Value::identity() const {
   switch (kind()) {
-    case Kind::List: return std::get<std::shared_ptr<List>>(v_).get();
-    case Kind::Dict: return std::get<std::shared_ptr<Dict>>(v_).get();
-    case Kind::Callable: return std::get<std::shared_ptr<Callable>>(v_).get();
-    case Kind::Object: return std::get<std::shared_ptr<Object>>(v_).get();
-    case Kind::String: return std::get<Str>(v_).s.get();
-    default: return nullptr;
+    case Kind::List:
+      return std::get<std::shared_ptr<List>>(v_).get();
+    case Kind::Dict:
+      return std::get<std::shared_ptr<Dict>>(v_).get();
+    case Kind::Callable:
+      return std::get<std::shared_ptr<Callable>>(v_).get();
+    case Kind::Object:
+      return std::get<std::shared_ptr<Object>>(v_).get();
+    case Kind::String:
+      return std::get<Str>(v_).s.get();
+    default:
+      return nullptr;
   }
 }
 
@@ -135,8 +151,10 @@ void Dict::set(Value key, Value value) {
   check_nesting(nesting);
   if (key.is_string()) {
     auto [it, inserted] = string_index_.try_emplace(key.str(), entries.size());
-    if (inserted) entries.emplace_back(std::move(key), std::move(value));
-    else entries[it->second].second = std::move(value);
+    if (inserted)
+      entries.emplace_back(std::move(key), std::move(value));
+    else
+      entries[it->second].second = std::move(value);
     return;
   }
   for (auto& [k, v] : entries) {
@@ -154,9 +172,13 @@ void Object::set_attr(const std::string& name, Value) {
   runtime_fail("cannot assign attribute '{}' on a {} object", name, type_name());
 }
 
-Value Object::call(Interpreter&, CallArgs&) { runtime_fail("'{}' object is not callable", type_name()); }
+Value Object::call(Interpreter&, CallArgs&) {
+  runtime_fail("'{}' object is not callable", type_name());
+}
 
-std::string Object::repr() const { return fmt::format("<{} object>", type_name()); }
+std::string Object::repr() const {
+  return fmt::format("<{} object>", type_name());
+}
 
 Value Namespace::get_attr(std::string_view name) {
   if (const Value* v = attrs.find(name)) return *v;
@@ -179,31 +201,50 @@ std::string Namespace::repr() const {
 
 std::string_view type_name(const Value& v) {
   switch (v.kind()) {
-    case Kind::Undefined: return "Undefined";
-    case Kind::None: return "NoneType";
-    case Kind::Bool: return "bool";
-    case Kind::Int: return "int";
-    case Kind::Float: return "float";
-    case Kind::String: return v.is_safe() ? "Markup" : "str";
-    case Kind::List: return v.is_tuple() ? "tuple" : "list";
-    case Kind::Dict: return "dict";
-    case Kind::Callable: return "function";
-    case Kind::Object: return v.object().type_name();
+    case Kind::Undefined:
+      return "Undefined";
+    case Kind::None:
+      return "NoneType";
+    case Kind::Bool:
+      return "bool";
+    case Kind::Int:
+      return "int";
+    case Kind::Float:
+      return "float";
+    case Kind::String:
+      return v.is_safe() ? "Markup" : "str";
+    case Kind::List:
+      return v.is_tuple() ? "tuple" : "list";
+    case Kind::Dict:
+      return "dict";
+    case Kind::Callable:
+      return "function";
+    case Kind::Object:
+      return v.object().type_name();
   }
   return "object";
 }
 
 bool truthy(const Value& v) {
   switch (v.kind()) {
-    case Kind::Undefined: return false;
-    case Kind::None: return false;
-    case Kind::Bool: return v.as_bool();
-    case Kind::Int: return v.as_int() != 0;
-    case Kind::Float: return v.as_double() != 0.0;
-    case Kind::String: return !v.str().empty();
-    case Kind::List: return !v.list().items.empty();
-    case Kind::Dict: return v.dict().size() != 0;
-    default: return true;
+    case Kind::Undefined:
+      return false;
+    case Kind::None:
+      return false;
+    case Kind::Bool:
+      return v.as_bool();
+    case Kind::Int:
+      return v.as_int() != 0;
+    case Kind::Float:
+      return v.as_double() != 0.0;
+    case Kind::String:
+      return !v.str().empty();
+    case Kind::List:
+      return !v.list().items.empty();
+    case Kind::Dict:
+      return v.dict().size() != 0;
+    default:
+      return true;
   }
 }
 
@@ -215,8 +256,10 @@ bool py_equal(const Value& a, const Value& b) {
   if (a.kind() != b.kind()) return false;
   switch (a.kind()) {
     case Kind::Undefined:
-    case Kind::None: return true;
-    case Kind::String: return a.str() == b.str();
+    case Kind::None:
+      return true;
+    case Kind::String:
+      return a.str() == b.str();
     case Kind::List: {
       if (a.is_tuple() != b.is_tuple()) return false;
       const auto& x = a.list().items;
@@ -236,7 +279,8 @@ bool py_equal(const Value& a, const Value& b) {
       }
       return true;
     }
-    default: return a.identity() == b.identity();
+    default:
+      return a.identity() == b.identity();
   }
 }
 
@@ -318,9 +362,12 @@ std::string py_string_repr(std::string_view s) {
     } else if (c == '\t') {
       out += "\\t";
     } else if (!unicode::is_printable(c)) {
-      if (c < 0x100) out += fmt::format("\\x{:02x}", static_cast<unsigned>(c));
-      else if (c < 0x10000) out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
-      else out += fmt::format("\\U{:08x}", static_cast<unsigned>(c));
+      if (c < 0x100)
+        out += fmt::format("\\x{:02x}", static_cast<unsigned>(c));
+      else if (c < 0x10000)
+        out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
+      else
+        out += fmt::format("\\U{:08x}", static_cast<unsigned>(c));
     } else {
       unicode::append_utf8(out, c);
     }
@@ -332,8 +379,10 @@ std::string py_string_repr(std::string_view s) {
 std::string py_repr(const Value& v) {
   ReprDepth guard;
   switch (v.kind()) {
-    case Kind::Undefined: return "Undefined";
-    case Kind::String: return py_string_repr(v.str());
+    case Kind::Undefined:
+      return "Undefined";
+    case Kind::String:
+      return py_string_repr(v.str());
     case Kind::List: {
       const auto& items = v.list().items;
       std::string s = v.is_tuple() ? "(" : "[";
@@ -354,22 +403,32 @@ std::string py_repr(const Value& v) {
       }
       return s + "}";
     }
-    default: return py_str(v);
+    default:
+      return py_str(v);
   }
 }
 
 std::string py_str(const Value& v) {
   switch (v.kind()) {
-    case Kind::Undefined: return "";
-    case Kind::None: return "None";
-    case Kind::Bool: return v.as_bool() ? "True" : "False";
-    case Kind::Int: return std::to_string(v.as_int());
-    case Kind::Float: return py_float_repr(v.as_double());
-    case Kind::String: return v.str();
+    case Kind::Undefined:
+      return "";
+    case Kind::None:
+      return "None";
+    case Kind::Bool:
+      return v.as_bool() ? "True" : "False";
+    case Kind::Int:
+      return std::to_string(v.as_int());
+    case Kind::Float:
+      return py_float_repr(v.as_double());
+    case Kind::String:
+      return v.str();
     case Kind::List:
-    case Kind::Dict: return py_repr(v);
-    case Kind::Callable: return fmt::format("<function {}>", v.callable().name);
-    case Kind::Object: return v.object().repr();
+    case Kind::Dict:
+      return py_repr(v);
+    case Kind::Callable:
+      return fmt::format("<function {}>", v.callable().name);
+    case Kind::Object:
+      return v.object().repr();
   }
   return "";
 }
@@ -382,22 +441,39 @@ void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
   out.push_back('"');
   auto escape_simple = [&](char32_t c) -> bool {
     switch (c) {
-      case '"': out += "\\\""; return true;
-      case '\\': out += "\\\\"; return true;
-      case '\n': out += "\\n"; return true;
-      case '\r': out += "\\r"; return true;
-      case '\t': out += "\\t"; return true;
-      case '\b': out += "\\b"; return true;
-      case '\f': out += "\\f"; return true;
-      default: return false;
+      case '"':
+        out += "\\\"";
+        return true;
+      case '\\':
+        out += "\\\\";
+        return true;
+      case '\n':
+        out += "\\n";
+        return true;
+      case '\r':
+        out += "\\r";
+        return true;
+      case '\t':
+        out += "\\t";
+        return true;
+      case '\b':
+        out += "\\b";
+        return true;
+      case '\f':
+        out += "\\f";
+        return true;
+      default:
+        return false;
     }
   };
   if (!ensure_ascii) {
     for (char ch : s) {
       auto c = static_cast<unsigned char>(ch);
       if (escape_simple(c)) continue;
-      if (c < 0x20) out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
-      else out.push_back(ch);
+      if (c < 0x20)
+        out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
+      else
+        out.push_back(ch);
     }
   } else {
     for (char32_t c : unicode::decode(s)) {
@@ -436,23 +512,39 @@ struct JsonWriter {
 
   std::string key_string(const Value& k) {
     switch (k.kind()) {
-      case Kind::String: return k.str();
-      case Kind::Bool: return k.as_bool() ? "true" : "false";
-      case Kind::None: return "null";
-      case Kind::Int: return std::to_string(k.as_int());
-      case Kind::Float: return json_float(k.as_double());
-      default: runtime_fail("keys must be str, int, float, bool or None, not {}", type_name(k));
+      case Kind::String:
+        return k.str();
+      case Kind::Bool:
+        return k.as_bool() ? "true" : "false";
+      case Kind::None:
+        return "null";
+      case Kind::Int:
+        return std::to_string(k.as_int());
+      case Kind::Float:
+        return json_float(k.as_double());
+      default:
+        runtime_fail("keys must be str, int, float, bool or None, not {}", type_name(k));
     }
   }
 
   void write(const Value& v) {
     if (++depth > 512) runtime_fail("tojson: value nested too deeply");
     switch (v.kind()) {
-      case Kind::None: out += "null"; break;
-      case Kind::Bool: out += v.as_bool() ? "true" : "false"; break;
-      case Kind::Int: out += std::to_string(v.as_int()); break;
-      case Kind::Float: out += json_float(v.as_double()); break;
-      case Kind::String: json_string(out, v.str(), opt.ensure_ascii); break;
+      case Kind::None:
+        out += "null";
+        break;
+      case Kind::Bool:
+        out += v.as_bool() ? "true" : "false";
+        break;
+      case Kind::Int:
+        out += std::to_string(v.as_int());
+        break;
+      case Kind::Float:
+        out += json_float(v.as_double());
+        break;
+      case Kind::String:
+        json_string(out, v.str(), opt.ensure_ascii);
+        break;
       case Kind::List: {
         const auto& items = v.list().items;
         if (items.empty()) {
@@ -493,7 +585,8 @@ struct JsonWriter {
         out.push_back('}');
         break;
       }
-      default: runtime_fail("Object of type {} is not JSON serializable", type_name(v));
+      default:
+        runtime_fail("Object of type {} is not JSON serializable", type_name(v));
     }
     --depth;
   }

@@ -54,7 +54,8 @@ class Value {
   Value(int i) : v_(int64_t{i}) {}
   Value(int64_t i) : v_(i) {}
   Value(double d) : v_(d) {}
-  Value(std::string s, bool safe = false) : v_(Str{std::make_shared<const std::string>(std::move(s)), safe}) {}
+  Value(std::string s, bool safe = false)
+      : v_(Str{std::make_shared<const std::string>(std::move(s)), safe}) {}
   Value(const char* s) : Value(std::string(s)) {}
   Value(std::string_view s) : Value(std::string(s)) {}
   Value(std::shared_ptr<List> l) : v_(std::move(l)) {}
@@ -62,7 +63,9 @@ class Value {
   Value(std::shared_ptr<Callable> c) : v_(std::move(c)) {}
   Value(std::shared_ptr<Object> o) : v_(std::move(o)) {}
 
-  static Value undefined(std::string hint) { return Value(Undef{std::make_shared<const std::string>(std::move(hint))}); }
+  static Value undefined(std::string hint) {
+    return Value(Undef{std::make_shared<const std::string>(std::move(hint))});
+  }
   static Value none() { return Value(nullptr); }
   static Value make_list(std::vector<Value> items = {});
   static Value make_tuple(std::vector<Value> items);
@@ -77,7 +80,7 @@ class Value {
   bool is_int() const { return kind() == Kind::Int; }
   bool is_float() const { return kind() == Kind::Float; }
   bool is_number() const { return is_bool() || is_int() || is_float(); }  // Python's numbers.Number
-  bool is_integral() const { return is_bool() || is_int(); }               // Python's int (bool included)
+  bool is_integral() const { return is_bool() || is_int(); }              // Python's int (bool included)
   bool is_string() const { return kind() == Kind::String; }
   bool is_list() const { return kind() == Kind::List; }  // list or tuple
   bool is_tuple() const;
@@ -87,7 +90,7 @@ class Value {
   bool is_safe() const { return is_string() && std::get<Str>(v_).safe; }  // markupsafe.Markup
 
   bool as_bool() const { return std::get<bool>(v_); }
-  int64_t as_int() const;  // Int or Bool
+  int64_t as_int() const;    // Int or Bool
   double as_double() const;  // any number
   const std::string& str() const { return *std::get<Str>(v_).s; }
   List& list() const { return *std::get<std::shared_ptr<List>>(v_); }
@@ -178,8 +181,8 @@ std::string_view type_name(const Value& v);  // Python's type name: 'str', 'None
 bool truthy(const Value& v);
 bool py_equal(const Value& a, const Value& b);
 int py_compare(const Value& a, const Value& b);  // <0, 0, >0; RuntimeError when not orderable
-std::string py_str(const Value& v);   // str(v)
-std::string py_repr(const Value& v);  // repr(v)
+std::string py_str(const Value& v);              // str(v)
+std::string py_repr(const Value& v);             // repr(v)
 std::string py_float_repr(double d);
 std::string py_string_repr(std::string_view s);
 

@@ -44,26 +44,37 @@ TEST(JinjaErrors, RuntimeErrorsCarryLineAndColumn) {
   EXPECT_EQ(error_of("line one\n  {{ x + 1 }}"), "chat template error at line 2, column 6: 'x' is undefined");
   EXPECT_EQ(error_of("{% set d = {'a': 1} %}\n\n{{ d.a.b.c }}"),
             "chat template error at line 3, column 9: 'int object' has no attribute 'b'");
-  EXPECT_EQ(error_of("{{ 'a' + 1 }}"), "chat template error at line 1, column 4: can only concatenate str (not \"int\") to str");
-  EXPECT_EQ(error_of("{% for x in 5 %}{% endfor %}"), "chat template error at line 1, column 13: 'int' object is not iterable");
-  EXPECT_EQ(error_of("{{ [1].append(2) }}"),
-            "chat template error at line 1, column 14: access to attribute 'append' of 'list' object is unsafe "
-            "(templates may not modify data)");
+  EXPECT_EQ(error_of("{{ 'a' + 1 }}"),
+            "chat template error at line 1, column 4: can only concatenate str (not \"int\") to str");
+  EXPECT_EQ(error_of("{% for x in 5 %}{% endfor %}"),
+            "chat template error at line 1, column 13: 'int' object is not iterable");
+  EXPECT_EQ(
+      error_of("{{ [1].append(2) }}"),
+      "chat template error at line 1, column 14: access to attribute 'append' of 'list' object is unsafe "
+      "(templates may not modify data)");
 }
 
 TEST(JinjaErrors, SyntaxErrorsCarryLineAndColumn) {
   EXPECT_EQ(error_of("{% if true %}\n  {% endfor %}"),
             "chat template syntax error at line 2, column 6: unexpected 'endfor': no block to close");
-  EXPECT_EQ(error_of("{{ 1 + }}"), "chat template syntax error at line 1, column 8: unexpected end of print statement");
+  EXPECT_EQ(error_of("{{ 1 + }}"),
+            "chat template syntax error at line 1, column 8: unexpected end of print statement");
   EXPECT_EQ(error_of("ok\n{% if x %}never closed"),
-            "chat template syntax error at line 2, column 23: unexpected end of template, expected 'elif' or 'else' or 'endif'");
-  EXPECT_EQ(error_of("{{ (1 ]}}"), "chat template syntax error at line 1, column 7: unexpected ']', expected ')'");
-  EXPECT_EQ(error_of("{# open comment"), "chat template syntax error at line 1, column 1: missing end of comment tag");
-  EXPECT_EQ(error_of("{{ x | nosuch }}"), "chat template error at line 1, column 8: no filter named 'nosuch'");
+            "chat template syntax error at line 2, column 23: unexpected end of template, expected 'elif' or "
+            "'else' or 'endif'");
+  EXPECT_EQ(error_of("{{ (1 ]}}"),
+            "chat template syntax error at line 1, column 7: unexpected ']', expected ')'");
+  EXPECT_EQ(error_of("{# open comment"),
+            "chat template syntax error at line 1, column 1: missing end of comment tag");
+  EXPECT_EQ(error_of("{{ x | nosuch }}"),
+            "chat template error at line 1, column 8: no filter named 'nosuch'");
   EXPECT_EQ(error_of("{% include 'x' %}"),
-            "chat template syntax error at line 1, column 4: 'include' is not supported in chat templates (they are single files)");
+            "chat template syntax error at line 1, column 4: 'include' is not supported in chat templates "
+            "(they are single files)");
   // Column counts code points, not bytes.
-  EXPECT_EQ(error_of("é😀 {{ }}"), "chat template syntax error at line 1, column 7: expected an expression, got end of print statement");
+  EXPECT_EQ(
+      error_of("é😀 {{ }}"),
+      "chat template syntax error at line 1, column 7: expected an expression, got end of print statement");
 }
 
 TEST(JinjaErrors, RaiseExceptionKeepsTheTemplatesMessage) {
@@ -76,28 +87,34 @@ TEST(JinjaErrors, RaiseExceptionKeepsTheTemplatesMessage) {
 }
 
 TEST(JinjaLimits, RunawayTemplatesFailCleanly) {
-  EXPECT_NE(error_of("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("recursion deeper than 200"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("recursion deeper than 200"),
+      std::string::npos);
   EXPECT_NE(error_of("{{ range(100001) | length }}").find("Range too big"), std::string::npos);
   jinja::RenderLimits small;
   small.max_steps = 10'000;
-  EXPECT_NE(error_of("{% for a in range(1000) %}{% for b in range(1000) %}{% endfor %}{% endfor %}", {}, small)
-                .find("steps"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of("{% for a in range(1000) %}{% for b in range(1000) %}{% endfor %}{% endfor %}", {}, small)
+          .find("steps"),
+      std::string::npos);
   small.max_output_bytes = 1000;
-  EXPECT_NE(error_of("{% for a in range(100) %}0123456789abcdef{% endfor %}", {}, small).find("output exceeds"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of("{% for a in range(100) %}0123456789abcdef{% endfor %}", {}, small).find("output exceeds"),
+      std::string::npos);
   EXPECT_NE(error_of("{{ 'x' * 1000000 }}", {}, small).find("exceeds"), std::string::npos);
   // Deep nesting in the source, in values and through self-reference.
-  EXPECT_NE(error_of("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}").find("deeper than"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}").find("deeper than"),
+      std::string::npos);
   std::string chain = "{{ 1";
   for (int i = 0; i < 20000; ++i) chain += " + 1";
   EXPECT_NE(error_of(chain + " }}").find("deeper than"), std::string::npos);
-  EXPECT_NE(error_of("{% set ns = namespace(x=0) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}")
-                .find("nested deeper than"),
-            std::string::npos);
-  EXPECT_NE(error_of("{% set ns = namespace() %}{% set l = [ns] %}{% set ns.l = l %}{{ l }}").find("refers to itself"),
+  EXPECT_NE(
+      error_of("{% set ns = namespace(x=0) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}")
+          .find("nested deeper than"),
+      std::string::npos);
+  EXPECT_NE(error_of("{% set ns = namespace() %}{% set l = [ns] %}{% set ns.l = l %}{{ l }}")
+                .find("refers to itself"),
             std::string::npos);
   ordered_json deep = 1;
   for (int i = 0; i < 2000; ++i) deep = ordered_json::array({deep});
@@ -118,11 +135,13 @@ TEST(JinjaValues, PythonNumberFormatting) {
 }
 
 TEST(JinjaValues, TojsonIsPythonJsonDumps) {
-  auto v = jinja::Value::from_json(ordered_json::parse(R"({"b": [1, 2.5, null], "a": "é\n\u0001", "c": {}})"));
+  auto v =
+      jinja::Value::from_json(ordered_json::parse(R"({"b": [1, 2.5, null], "a": "é\n\u0001", "c": {}})"));
   EXPECT_EQ(jinja::json_dumps(v, {}), R"({"b": [1, 2.5, null], "a": "é\n\u0001", "c": {}})");
   jinja::JsonDumpOptions indented;
   indented.indent = "  ";
-  EXPECT_EQ(jinja::json_dumps(v, indented), "{\n  \"b\": [\n    1,\n    2.5,\n    null\n  ],\n  \"a\": \"é\\n\\u0001\",\n  \"c\": {}\n}");
+  EXPECT_EQ(jinja::json_dumps(v, indented),
+            "{\n  \"b\": [\n    1,\n    2.5,\n    null\n  ],\n  \"a\": \"é\\n\\u0001\",\n  \"c\": {}\n}");
   jinja::JsonDumpOptions ascii;
   ascii.ensure_ascii = true;
   ascii.sort_keys = true;
@@ -140,16 +159,19 @@ TEST(JinjaWhitespace, HuggingFaceSettings) {
 // ---- ChatTemplate
 
 TEST(ChatTemplate, LoadsFromModelFiles) {
-  auto from_jinja = ChatTemplate::from_model_files("J{{ bos_token }}", R"({"chat_template": "C", "bos_token": "<s>"})");
+  auto from_jinja =
+      ChatTemplate::from_model_files("J{{ bos_token }}", R"({"chat_template": "C", "bos_token": "<s>"})");
   EXPECT_EQ(from_jinja->render(ordered_json::parse(R"({"messages": []})")), "J<s>");
   auto from_config = ChatTemplate::from_model_files(std::nullopt, R"({"chat_template": "C{{ eos_token }}",
       "eos_token": {"content": "</s>", "lstrip": false}})");
   EXPECT_EQ(from_config->render(ordered_json::parse(R"({"messages": []})")), "C</s>");
   auto from_list = ChatTemplate::from_model_files(
-      std::nullopt, R"({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})");
+      std::nullopt,
+      R"({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})");
   EXPECT_EQ(from_list->render(ordered_json::parse(R"({"messages": []})")), "D");
-  EXPECT_THROW(ChatTemplate::from_model_files(std::nullopt, R"({"chat_template": [{"name": "x", "template": "T"}]})"),
-               kiln::Error);
+  EXPECT_THROW(
+      ChatTemplate::from_model_files(std::nullopt, R"({"chat_template": [{"name": "x", "template": "T"}]})"),
+      kiln::Error);
   try {
     ChatTemplate::from_model_files(std::nullopt, R"({"eos_token": "</s>"})");
     FAIL();
@@ -158,7 +180,8 @@ TEST(ChatTemplate, LoadsFromModelFiles) {
   }
   EXPECT_THROW(ChatTemplate::from_model_files(std::nullopt, "{not json"), kiln::Error);
   // bos_token undefined when the tokenizer has none (HF leaves it out of the variables).
-  EXPECT_EQ(ChatTemplate("{{ bos_token is defined }}").render(ordered_json::parse(R"({"messages": []})")), "False");
+  EXPECT_EQ(ChatTemplate("{{ bos_token is defined }}").render(ordered_json::parse(R"({"messages": []})")),
+            "False");
 }
 
 TEST(ChatTemplate, RequestHandling) {
@@ -171,7 +194,8 @@ TEST(ChatTemplate, RequestHandling) {
       {"type": "function", "function": {"name": "g", "arguments": "not json"}},
       {"type": "function", "function": {"name": "h", "arguments": {"already": "object"}}}]}],
       "chat_template_kwargs": {"enable_thinking": false}})");
-  EXPECT_EQ(t.render(req), "True|None|False|True:{'city': 'Paris', 'n': 2};False:not json;True:{'already': 'object'};");
+  EXPECT_EQ(t.render(req),
+            "True|None|False|True:{'city': 'Paris', 'n': 2};False:not json;True:{'already': 'object'};");
   req["add_generation_prompt"] = false;
   req["tools"] = ordered_json::array();
   EXPECT_EQ(t.render(req).substr(0, 9), "False|[]|");
@@ -179,7 +203,8 @@ TEST(ChatTemplate, RequestHandling) {
   EXPECT_THROW(t.render(ordered_json::parse(R"({"prompt": "x"})")), kiln::Error);
   EXPECT_THROW(t.render(ordered_json::parse(R"({"messages": [], "chat_template_kwargs": {"messages": []}})")),
                kiln::Error);
-  EXPECT_THROW(t.render(ordered_json::parse(R"({"messages": [], "add_generation_prompt": "yes"})")), kiln::Error);
+  EXPECT_THROW(t.render(ordered_json::parse(R"({"messages": [], "add_generation_prompt": "yes"})")),
+               kiln::Error);
   EXPECT_THROW(t.render_json_text("{\"messages\": ["), kiln::Error);
   EXPECT_EQ(t.render_json_text(R"({"messages": []})"), "True|None||");
 }
@@ -201,10 +226,12 @@ TEST(ChatTemplate, ThinkInjection) {
 TEST(ChatTemplate, ReferencePromptQwen35) {
   // REFERENCE.md section 4: turns are <|im_start|>{role}\n...<|im_end|>\n, generation prompt opens <think>.
   ChatTemplate t(fixture("Qwen3.5-4B.jinja"), "", "<|im_end|>");
-  EXPECT_EQ(t.render(ordered_json::parse(R"({"messages": [{"role": "system", "content": "S"},
+  EXPECT_EQ(
+      t.render(ordered_json::parse(R"({"messages": [{"role": "system", "content": "S"},
                                                         {"role": "user", "content": "U"}]})")),
-            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n<think>\n");
-  EXPECT_THROW(t.render(ordered_json::parse(R"({"messages": [{"role": "system", "content": "S"}]})")), kiln::Error);
+      "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n<think>\n");
+  EXPECT_THROW(t.render(ordered_json::parse(R"({"messages": [{"role": "system", "content": "S"}]})")),
+               kiln::Error);
 }
 
 }  // namespace

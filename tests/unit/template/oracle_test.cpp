@@ -88,12 +88,14 @@ TEST(TemplateOracle, AllTemplatesAllConversationsMatchJinja2) {
                         << nlohmann::json(got.substr(0, 200)).dump();
         } catch (const kiln::Error& e) {
           const std::string prefix = "TemplateError: ";
-          if (error.rfind(prefix, 0) == 0) EXPECT_EQ(std::string(e.what()), error.substr(prefix.size())) << label;
+          if (error.rfind(prefix, 0) == 0)
+            EXPECT_EQ(std::string(e.what()), error.substr(prefix.size())) << label;
         }
       }
     }
   }
-  std::printf("compared %d conversation x template renders with jinja2 (%d raise in both)\n", compared, raised);
+  std::printf("compared %d conversation x template renders with jinja2 (%d raise in both)\n", compared,
+              raised);
   EXPECT_GE(compared, 150);
 }
 

@@ -29,8 +29,9 @@ std::string run_command(const std::string& cmd) {
 }
 
 TEST(TemplateSnippets, MatchJinja2) {
-  std::string oracle_text = run_command("python3 '" + std::string(KILN_SOURCE_DIR) +
-                                        "/tools/template_oracle.py' --snippets '" + kFixtures + "/snippets.json'");
+  std::string oracle_text =
+      run_command("python3 '" + std::string(KILN_SOURCE_DIR) + "/tools/template_oracle.py' --snippets '" +
+                  kFixtures + "/snippets.json'");
   ASSERT_FALSE(oracle_text.empty())
       << "tools/template_oracle.py failed: python3 with jinja2 is required (scripts/setup.sh installs "
          "python3-jinja2)";
@@ -60,7 +61,8 @@ TEST(TemplateSnippets, MatchJinja2) {
       EXPECT_TRUE(error.empty()) << name << ": kiln failed (" << error << ") but jinja2 rendered "
                                  << nlohmann::json(want["output"]).dump();
       if (error.empty())
-        EXPECT_EQ(got, want["output"].get<std::string>()) << name << "\n  template: " << snip["template"].dump();
+        EXPECT_EQ(got, want["output"].get<std::string>())
+            << name << "\n  template: " << snip["template"].dump();
     } else {
       ++raised;
       EXPECT_FALSE(error.empty()) << name << ": jinja2 failed (" << want["error"].get<std::string>()

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <queue>
+
+#include <xxhash.h>
 
 #include "core/error.h"
 #include "tokenizer/utf8.h"
@@ -202,6 +205,40 @@ void BpeModel::merge_with_heap(std::string_view word, std::vector<int32_t>& out)
   for (int32_t i = 0; i >= 0 && i < n; i = symbols[i].next) out.push_back(symbols[i].id);
 }
 
+BpeModel::WordCache::WordCache() : slots_(kSlots, Slot{}) {}
+
+bool BpeModel::WordCache::find(std::string_view word, uint64_t hash, std::vector<int32_t>& out) const {
+  for (size_t i = hash & (kSlots - 1);; i = (i + 1) & (kSlots - 1)) {
+    const Slot& slot = slots_[i];
+    if (slot.hash == 0) return false;
+    if (slot.hash == hash && slot.word_bytes == word.size() && std::memcmp(slot.word, word.data(), word.size()) == 0) {
+      out.insert(out.end(), slot.ids, slot.ids + slot.n_ids);
+      return true;
+    }
+  }
+}
+
+void BpeModel::WordCache::insert(std::string_view word, uint64_t hash, const int32_t* ids, size_t n_ids) {
+  if (word.size() > kMaxWordBytes || n_ids > kMaxIds) return;
+  if (n_used_ >= kSlots / 2) {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    n_used_ = 0;
+  }
+  size_t i = hash & (kSlots - 1);
+  for (; slots_[i].hash != 0; i = (i + 1) & (kSlots - 1)) {
+    if (slots_[i].hash == hash && slots_[i].word_bytes == word.size() &&
+        std::memcmp(slots_[i].word, word.data(), word.size()) == 0)
+      return;  // another thread inserted it meanwhile
+  }
+  Slot& slot = slots_[i];
+  slot.hash = hash;
+  slot.word_bytes = static_cast<uint32_t>(word.size());
+  slot.n_ids = static_cast<uint32_t>(n_ids);
+  std::memcpy(slot.word, word.data(), word.size());
+  std::copy(ids, ids + n_ids, slot.ids);
+  ++n_used_;
+}
+
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {
   if (word.size() == 1) {
     out.push_back(byte_ids_[static_cast<uint8_t>(word[0])]);
@@ -214,23 +251,24 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) con
       return;
     }
   }
-  if (word.size() > kCacheMaxWordBytes) {
-    merge_with_heap(word, out);
+  if (word.size() > WordCache::kMaxWordBytes) {
+    // Long words are rare and seldom repeat: not cached. The quadratic loop wins while short.
+    if (word.size() <= kQuadraticMaxBytes) {
+      merge_quadratic(word, out);
+    } else {
+      merge_with_heap(word, out);
+    }
     return;
   }
+  uint64_t hash = XXH3_64bits(word.data(), word.size()) | 1;  // never 0 (the empty-slot mark)
   {
     std::lock_guard lock(cache_mutex_);
-    auto it = cache_.find(std::string(word));
-    if (it != cache_.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-      return;
-    }
+    if (cache_.find(word, hash, out)) return;
   }
   size_t first = out.size();
   merge_quadratic(word, out);
   std::lock_guard lock(cache_mutex_);
-  if (cache_.size() >= kCacheMaxEntries) cache_.clear();
-  cache_.emplace(std::string(word), std::vector<int32_t>(out.begin() + first, out.end()));
+  cache_.insert(word, hash, out.data() + first, out.size() - first);
 }
 
 }  // namespace kiln::tok

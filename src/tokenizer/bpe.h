@@ -64,16 +64,39 @@ class BpeModel {
     }
   };
 
+  static constexpr size_t kQuadraticMaxBytes = 64;
   MergeTable merges_;
   std::unordered_map<std::string, int32_t> bytes_to_id_;  // raw bytes -> id
   int32_t byte_ids_[256];
   bool ignore_merges_;
 
-  // Cache of encoded words (most text repeats a small set of words). Bounded: cleared when full.
-  static constexpr size_t kCacheMaxWordBytes = 64;
-  static constexpr size_t kCacheMaxEntries = 1 << 17;
+  // Cache of encoded words (most text repeats a small set of words): open addressing with each entry
+  // (word bytes and ids inline) in one 64-byte cache line, so a lookup touches one line. Short words
+  // only; bounded: emptied when half full.
+  class WordCache {
+   public:
+    static constexpr size_t kMaxWordBytes = 24;
+    static constexpr size_t kMaxIds = 6;
+    WordCache();
+    // Appends the cached ids of word to out; false if absent.
+    bool find(std::string_view word, uint64_t hash, std::vector<int32_t>& out) const;
+    void insert(std::string_view word, uint64_t hash, const int32_t* ids, size_t n_ids);
+
+   private:
+    struct alignas(64) Slot {
+      uint64_t hash;  // 0: empty
+      uint32_t word_bytes;
+      uint32_t n_ids;
+      char word[kMaxWordBytes];
+      int32_t ids[kMaxIds];
+    };
+    static_assert(sizeof(Slot) == 64);
+    static constexpr size_t kSlots = size_t{1} << 16;
+    std::vector<Slot> slots_;
+    size_t n_used_ = 0;
+  };
   mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
+  mutable WordCache cache_;
 };
 
 }  // namespace kiln::tok

@@ -155,6 +155,31 @@ std::string nfc(std::string_view text) {
   return out;
 }
 
+bool is_nfc_quick(std::string_view text) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(text.data());
+  uint8_t last_ccc = 0;
+  for (size_t i = 0; i < text.size();) {
+    if (bytes[i] < 0x80) {
+      last_ccc = 0;
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint16_t p = props(utf8::decode(text, i, len));
+    uint8_t cls = combining_class(p);
+    if (unicode::nfc_quick_check(p) != unicode::QuickCheck::kYes || (cls != 0 && last_ccc > cls)) return false;
+    last_ccc = cls;
+    i += len;
+  }
+  return true;
+}
+
+bool SequenceNormalizer::is_normalized(std::string_view text) const {
+  for (const auto& step : steps_)
+    if (!step->is_normalized(text)) return false;
+  return true;
+}
+
 void SequenceNormalizer::normalize(std::string_view text, std::string& out) const {
   std::string current(text);
   std::string next;

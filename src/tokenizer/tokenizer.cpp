@@ -185,7 +185,7 @@ void TokenizerImpl::encode_normalized(std::string_view text, std::vector<int32_t
 void TokenizerImpl::encode_plain(std::string_view text, std::vector<int32_t>& out) const {
   std::string normalized_storage;
   std::string_view normalized = text;
-  if (normalizer) {
+  if (normalizer && !normalizer->is_normalized(text)) {
     normalized_storage.reserve(text.size());
     normalizer->normalize(text, normalized_storage);
     normalized = normalized_storage;

@@ -1,6 +1,8 @@
 // Qwen2/Qwen3 vocabulary goldens from llama.cpp (tests/fixtures/tokenizer/qwen2.inp/.out, copied from
 // the shared test data), run with Qwen3's real tokenizer.json.
+#include <atomic>
 #include <sstream>
+#include <thread>
 
 #include "test_support.h"
 
@@ -84,6 +86,27 @@ TEST(TokenizerGolden, RejectsInvalidUtf8) {
   KILN_REQUIRE_QWEN3_TOKENIZER();
   EXPECT_THROW(qwen3().encode("ok \xFF bad"), kiln::Error);
   EXPECT_THROW(qwen3().encode("\xED\xA0\x80"), kiln::Error);  // a surrogate
+}
+
+TEST(TokenizerGolden, ConcurrentEncodesAgree) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  // The word cache is shared: encodes from several threads must give the single-thread result.
+  std::vector<std::string> texts;
+  for (int i = 0; i < 200; ++i)
+    texts.push_back("word" + std::to_string(i * 7919) + " caf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD " + std::string(i % 9, ' ') + "end");
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& t : texts) expected.push_back(qwen3().encode(t));
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round)
+        for (size_t i = (t * 37) % texts.size(), n = 0; n < texts.size(); ++n, i = (i + 1) % texts.size())
+          if (qwen3().encode(texts[i]) != expected[i]) ++mismatches;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches.load(), 0);
 }
 
 }  // namespace

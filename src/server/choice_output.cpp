@@ -76,7 +76,8 @@ void ChoiceOutput::on_event(const engine::TokenEvent& ev, ChoiceDelta& delta) {
   if (finished_) return;  // e.g. tokens that raced with a stop-string cancel
   if (ev.token >= 0) {
     ++completion_tokens_;
-    if (reasoning_ && reasoning_->in_reasoning()) ++reasoning_tokens_;
+    // A reasoning token: generated inside the think block, or the one that opened or closed it.
+    bool was_reasoning = reasoning_ && reasoning_->in_reasoning();
     if (opts_.want_logprobs) delta.logprobs.push_back({ev.token, ev.logprob, ev.top});
     if (!ev.is_stop_token) {
       std::string text;
@@ -87,6 +88,7 @@ void ChoiceOutput::on_event(const engine::TokenEvent& ev, ChoiceDelta& delta) {
       }
       feed(text, delta);
     }
+    if (was_reasoning || (reasoning_ && reasoning_->in_reasoning())) ++reasoning_tokens_;
   }
   if (ev.finished && !finished_) {
     reason_ = ev.finish_reason;

@@ -54,7 +54,7 @@ class ChoiceOutput {
   // "stop", "length", "tool_calls", "abort" or "error"; null while running.
   nlohmann::json finish_reason_json() const;
   // The matched stop: the eos / stop token id or the stop string; null otherwise.
-  nlohmann::json matched_stop_json() const { return matched_stop_; }
+  nlohmann::json matched_stop_json() const { return num_tool_calls() > 0 ? nlohmann::json() : matched_stop_; }
   const std::string& error() const { return error_; }
   engine::FinishReason engine_reason() const { return reason_; }
   int64_t completion_tokens() const { return completion_tokens_; }

@@ -36,7 +36,9 @@ bool addr_of(const sockaddr_storage& ss, std::string* addr, int* port) {
 }  // namespace
 
 ConnectionProbe::ConnectionProbe(std::string remote_addr, int remote_port, int local_port)
-    : remote_addr_(std::move(remote_addr)), remote_port_(remote_port), local_port_(local_port) {}
+    : remote_addr_(std::move(remote_addr)), remote_port_(remote_port), local_port_(local_port) {
+  locate();
+}
 
 bool ConnectionProbe::matches(int fd) const {
   sockaddr_storage peer{}, local{};
@@ -49,24 +51,24 @@ bool ConnectionProbe::matches(int fd) const {
   return pport == remote_port_ && lport == local_port_ && paddr == remote_addr_;
 }
 
-bool ConnectionProbe::peer_gone() {
-  if (remote_port_ < 0) return false;
-  if (!searched_) {
-    searched_ = true;
-    DIR* dir = opendir("/proc/self/fd");
-    if (!dir) return false;
-    while (dirent* e = readdir(dir)) {
-      if (e->d_name[0] == '.') continue;
-      int fd = std::atoi(e->d_name);
-      struct stat st;
-      if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-      if (matches(fd)) {
-        fd_ = fd;
-        break;
-      }
+void ConnectionProbe::locate() {
+  if (remote_port_ < 0) return;
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    int fd = std::atoi(e->d_name);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    if (matches(fd)) {
+      fd_ = fd;
+      break;
     }
-    closedir(dir);
   }
+  closedir(dir);
+}
+
+bool ConnectionProbe::peer_gone() {
   if (fd_ < 0) return false;  // not found: cannot tell, assume present
   if (!matches(fd_)) return true;  // the socket was closed (and its number maybe reused)
   pollfd p{fd_, static_cast<short>(POLLIN | POLLRDHUP), 0};

@@ -12,17 +12,18 @@ namespace kiln::server {
 class ConnectionProbe {
  public:
   ConnectionProbe() = default;
+  // Finds the socket now, while the connection is surely open (a reset socket has no peer address).
   ConnectionProbe(std::string remote_addr, int remote_port, int local_port);
   // True when the peer closed or reset the connection (or it is no longer there).
   bool peer_gone();
 
  private:
   bool matches(int fd) const;
+  void locate();
   std::string remote_addr_;
   int remote_port_ = -1;
   int local_port_ = -1;
   int fd_ = -1;
-  bool searched_ = false;
 };
 
 }  // namespace kiln::server

@@ -1,6 +1,7 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
@@ -75,6 +76,12 @@ const char* status_reason(int status) {
 // One generation request in flight: its engine channel, per-choice outputs and response state.
 // Shared by the handler and, for streamed responses, the chunked content provider that outlives it.
 struct GenerationJob {
+  std::atomic<int>* active = nullptr;  // the server's count of requests in flight
+  ~GenerationJob() {
+    if (channel) channel->cancel();  // no reader left: the engine may drop whatever still runs
+    if (active) active->fetch_sub(1);
+  }
+
   bool chat = true;
   std::string id;
   std::string endpoint;
@@ -105,6 +112,14 @@ struct GenerationJob {
   bool got_first_token = false;
   double queue_ms = 0.0;
   ConnectionProbe probe;
+  Clock::time_point last_probe = Clock::now();
+  // Whether it is time to look at the client's socket again (a few times a second).
+  bool probe_due() {
+    auto now = Clock::now();
+    if (now - last_probe < kWaitSlice) return false;
+    last_probe = now;
+    return true;
+  }
   bool started = false;
   bool done = false;
   bool client_gone = false;
@@ -396,9 +411,20 @@ struct GenerationJob {
   }
 };
 
+// cpp-httplib listens with a backlog of 5 (a compile-time constant of the system library): a burst of
+// clients would see dropped or reset connections. This subclass reaches the listening socket to
+// raise it.
+class ListeningServer : public httplib::Server {
+ public:
+  void raise_backlog(int backlog) {
+    socket_t fd = svr_sock_;
+    if (fd != INVALID_SOCKET) ::listen(fd, backlog);
+  }
+};
+
 struct HttpServer::Impl {
   ServerOptions opts;
-  httplib::Server svr;
+  ListeningServer svr;
   int bound_port = -1;
   std::atomic<bool> ready{false};
   std::atomic<bool> draining{false};
@@ -409,6 +435,7 @@ struct HttpServer::Impl {
   int64_t created_at = unix_now();
   std::mutex stats_mu;
   HttpCounts http_counts;
+  std::atomic<int> active_jobs{0};
 
   explicit Impl(ServerOptions o) : opts(std::move(o)) {}
 
@@ -530,7 +557,9 @@ struct HttpServer::Impl {
             if (!events.empty()) {
               auto deltas = job->absorb(events);
               out += job->stream_events(deltas);
-            } else if (job->probe.peer_gone()) {
+            }
+            // Tokens that show no text (held back, special) write nothing: look at the socket too.
+            if (!job->done && job->probe_due() && job->probe.peer_gone()) {
               job->client_gone = true;
               job->channel->cancel();
               return false;
@@ -558,9 +587,8 @@ struct HttpServer::Impl {
     while (!job->all_finished()) {
       std::vector<engine::TokenEvent> events;
       job->channel->wait(events, kWaitSlice);
-      if (!events.empty()) {
-        job->accumulate_text(job->absorb(events));
-      } else if (job->probe.peer_gone()) {
+      if (!events.empty()) job->accumulate_text(job->absorb(events));
+      if (!job->all_finished() && job->probe_due() && job->probe.peer_gone()) {
         job->client_gone = true;
         job->channel->cancel();
         job->status = 499;
@@ -581,6 +609,8 @@ struct HttpServer::Impl {
 
   std::shared_ptr<GenerationJob> new_job(bool chat, const char* endpoint, const GenerationFields& f) {
     auto job = std::make_shared<GenerationJob>();
+    active_jobs.fetch_add(1);
+    job->active = &active_jobs;
     job->chat = chat;
     job->id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
     job->endpoint = endpoint;
@@ -941,6 +971,7 @@ void HttpServer::bind() {
            o.host, o.port);
     impl_->bound_port = o.port;
   }
+  impl_->svr.raise_backlog(4096);  // the kernel caps it at net.core.somaxconn
 }
 
 int HttpServer::port() const { return impl_->bound_port; }
@@ -969,6 +1000,7 @@ void HttpServer::attach(const ModelContext& model) {
 }
 
 void HttpServer::set_draining() { impl_->draining.store(true); }
+int HttpServer::active_requests() const { return impl_->active_jobs.load(); }
 bool HttpServer::reasoning_parser_on() const { return impl_->reasoning_on; }
 bool HttpServer::tool_call_parser_on() const { return impl_->tools_on; }
 

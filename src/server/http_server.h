@@ -73,6 +73,8 @@ class HttpServer {
 
   void attach(const ModelContext& model);
   void set_draining();
+  // Generation requests still being answered (streams included).
+  int active_requests() const;
   bool reasoning_parser_on() const;
   bool tool_call_parser_on() const;
 

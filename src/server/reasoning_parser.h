@@ -32,8 +32,8 @@ class ReasoningParser {
   };
   Delta push(std::string_view text);
   Delta finish();
-  // Whether the text pushed so far leaves the parser inside the think block (or still deciding).
-  bool in_reasoning() const { return state_ == State::reasoning || state_ == State::start; }
+  // Whether the text pushed so far leaves the parser inside the think block.
+  bool in_reasoning() const { return state_ == State::reasoning; }
 
   // One-shot form of the same rules.
   static Delta parse(std::string_view text, bool start_in_reasoning);

@@ -1,0 +1,367 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <random>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/sampler.h"
+
+namespace kiln::engine {
+
+namespace {
+
+std::vector<double> latency_buckets_s() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+          1.0,   2.5,    5.0,   7.5,  10.0,  20.0,  40.0,  80.0, 160.0};
+}
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCapacity& cap) {
+  SchedulerOptions s;
+  s.max_running_requests = o.max_running_requests;
+  s.max_queued_requests = o.max_queued_requests;
+  s.chunked_prefill_size = o.chunked_prefill_size;
+  s.context_length = o.context_length;
+  s.kv_pages = cap.kv_pages;
+  s.page_size = cap.page_size;
+  s.state_slots = cap.state_slots;
+  return s;
+}
+
+EngineOptions resolve_options(EngineOptions o, const model::RunnerCapacity& cap) {
+  if (o.context_length <= 0 || (cap.max_context > 0 && o.context_length > cap.max_context))
+    o.context_length = cap.max_context;
+  if (o.max_running_requests <= 0) fail("--max-running-requests must be at least 1");
+  if (o.max_queued_requests < 0) fail("--max-queued-requests must be 0 or more");
+  if (o.context_length <= 1) fail("the context length must be at least 2 tokens (got {})", o.context_length);
+  if (cap.kv_pages <= 0 || cap.page_size <= 0 || cap.state_slots <= 0)
+    fail("the model runner reports no KV capacity (kv_pages {}, page_size {}, state_slots {})", cap.kv_pages,
+         cap.page_size, cap.state_slots);
+  return o;
+}
+
+}  // namespace
+
+Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options)
+    : runner_(std::move(runner)),
+      opts_(resolve_options(std::move(options), runner_->capacity())),
+      capacity_(runner_->capacity()),
+      vocab_size_(runner_->vocab_size()),
+      scheduler_(scheduler_options(opts_, capacity_)),
+      ttft_(latency_buckets_s()),
+      itl_(latency_buckets_s()),
+      e2e_(latency_buckets_s()),
+      queue_time_(latency_buckets_s()) {
+  seed_base_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  std::sort(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
+  gauges_.kv_pages_total = capacity_.kv_pages;
+  gauges_.page_size = capacity_.page_size;
+  gauges_.state_slots_total = capacity_.state_slots;
+}
+
+Engine::~Engine() { stop(); }
+
+void Engine::start() {
+  KILN_CHECK(!thread_.joinable(), "engine started twice");
+  thread_ = std::thread([this] { loop(); });
+}
+
+std::string Engine::check_fits(int64_t prompt_len, int64_t max_tokens) const {
+  return scheduler_.check_fits(prompt_len, max_tokens);
+}
+
+SubmitResult Engine::submit(std::vector<GenerateRequest> sequences) {
+  SubmitResult result;
+  if (sequences.empty()) {
+    result.status = SubmitStatus::invalid;
+    result.message = "no sequences to generate";
+    return result;
+  }
+  for (const auto& r : sequences) {
+    std::string why = check_fits(static_cast<int64_t>(r.prompt.size()), r.max_tokens);
+    if (why.empty()) {
+      for (int32_t t : r.prompt)
+        if (t < 0 || t >= vocab_size_) {
+          why = fmt::format("prompt token id {} is outside the vocabulary [0, {})", t, vocab_size_);
+          break;
+        }
+    }
+    if (!why.empty()) {
+      rejected_too_long_.fetch_add(1);
+      result.status = SubmitStatus::invalid;
+      result.message = why;
+      return result;
+    }
+  }
+  auto channel = std::make_shared<RequestChannel>(static_cast<int>(sequences.size()));
+  auto now = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_.load() || stop_requested_) {
+      result.status = SubmitStatus::draining;
+      result.message = "the server is shutting down";
+      return result;
+    }
+    int64_t queued = published_waiting_ + static_cast<int64_t>(incoming_.size());
+    if (queued + static_cast<int64_t>(sequences.size()) > opts_.max_queued_requests) {
+      rejected_queue_full_.fetch_add(1);
+      result.status = SubmitStatus::queue_full;
+      result.message = fmt::format("the request queue is full ({} waiting, limit {}); retry later", queued,
+                                   opts_.max_queued_requests);
+      return result;
+    }
+    for (size_t i = 0; i < sequences.size(); ++i) {
+      auto seq = std::make_unique<Sequence>();
+      seq->uid = next_uid_.fetch_add(1);
+      seq->index = static_cast<int>(i);
+      seq->request = std::move(sequences[i]);
+      seq->channel = channel;
+      seq->tokens = seq->request.prompt;
+      seq->prompt_len = static_cast<int64_t>(seq->tokens.size());
+      seq->seed = seq->request.sampling.seed ? *seq->request.sampling.seed
+                                             : seed_base_ ^ (seq->uid * 0x9E3779B97F4A7C15ull);
+      seq->submitted_at = now;
+      incoming_.push_back(std::move(seq));
+    }
+    published_idle_ = false;
+  }
+  cv_.notify_all();
+  result.channel = std::move(channel);
+  return result;
+}
+
+bool Engine::drain(std::chrono::milliseconds timeout) {
+  draining_.store(true);
+  std::unique_lock<std::mutex> lock(mu_);
+  bool done = cv_idle_.wait_for(lock, timeout, [&] { return published_idle_ && incoming_.empty(); });
+  if (!done) {
+    abort_all_ = true;
+    cv_.notify_all();
+    cv_idle_.wait_for(lock, std::chrono::seconds(30), [&] { return published_idle_ && incoming_.empty(); });
+  }
+  return done;
+}
+
+void Engine::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_requested_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Engine::publish_gauges() {
+  std::lock_guard<std::mutex> lock(mu_);
+  published_waiting_ = scheduler_.num_waiting();
+  gauges_.num_waiting = scheduler_.num_waiting() + static_cast<int>(incoming_.size());
+  gauges_.num_running = scheduler_.num_running();
+  gauges_.kv_pages_used = scheduler_.kv_pages_used();
+  gauges_.state_slots_used = scheduler_.state_slots_used();
+  bool idle = scheduler_.idle() && incoming_.empty();
+  if (idle != published_idle_) {
+    published_idle_ = idle;
+    if (idle) cv_idle_.notify_all();
+  }
+}
+
+EngineMetricsSnapshot Engine::metrics() const {
+  EngineMetricsSnapshot s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = gauges_;
+    s.num_waiting = published_waiting_ + static_cast<int>(incoming_.size());
+  }
+  s.prompt_tokens_total = prompt_tokens_.load();
+  s.generation_tokens_total = generation_tokens_.load();
+  s.steps_total = steps_.load();
+  s.finished_stop = finished_[static_cast<int>(FinishReason::stop)].load();
+  s.finished_length = finished_[static_cast<int>(FinishReason::length)].load();
+  s.finished_abort = finished_[static_cast<int>(FinishReason::abort)].load();
+  s.finished_error = finished_[static_cast<int>(FinishReason::error)].load();
+  s.rejected_queue_full = rejected_queue_full_.load();
+  s.rejected_too_long = rejected_too_long_.load();
+  s.time_to_first_token_s = ttft_.snapshot();
+  s.inter_token_latency_s = itl_.snapshot();
+  s.e2e_latency_s = e2e_.snapshot();
+  s.queue_time_s = queue_time_.snapshot();
+  return s;
+}
+
+void Engine::finish(Sequence& seq, FinishReason reason, const std::string& error) {
+  TokenEvent ev;
+  ev.index = seq.index;
+  ev.finished = true;
+  ev.finish_reason = reason;
+  ev.error = error;
+  if (seq.channel) outbox_.push_back({seq.channel, std::move(ev)});
+  finished_[static_cast<int>(reason)].fetch_add(1);
+  e2e_.observe(seconds_between(seq.submitted_at, Clock::now()));
+  samplers_.erase(seq.uid);
+}
+
+void Engine::loop() {
+  for (;;) {
+    bool stopping = false, abort_all = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (;;) {
+        for (auto& s : incoming_) scheduler_.enqueue(std::move(s));
+        incoming_.clear();
+        if (stop_requested_ || !scheduler_.idle()) break;
+        abort_all_ = false;  // nothing left to abort
+        cv_.wait(lock);
+      }
+      stopping = stop_requested_;
+      abort_all = abort_all_ || stopping;
+    }
+    // Cancellations (client gone, stop string matched, shutdown) leave before the step.
+    scheduler_.for_each_sequence([&](Sequence& s) {
+      if (abort_all || (s.channel && s.channel->sequence_cancelled(s.index))) s.abort_requested = true;
+    });
+    for (auto& s : scheduler_.take_aborted()) finish(*s, FinishReason::abort);
+    if (stopping) {
+      publish_gauges();
+      flush_outbox();
+      return;
+    }
+    StepPlan plan = scheduler_.plan_step();
+    publish_gauges();
+    flush_outbox();
+    if (plan.empty()) {
+      // Only reachable when queued sequences wait for capacity held by nobody (a bug elsewhere); do
+      // not spin.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(5));
+      continue;
+    }
+    try {
+      run_step(plan);
+    } catch (const std::exception& e) {
+      // A broken invariant: fail everything in flight rather than die; the loop keeps serving.
+      KILN_LOG_ERROR("engine step failed: {}", e.what());
+      for (auto& s : scheduler_.release_all()) finish(*s, FinishReason::error, fmt::format("engine error: {}", e.what()));
+    }
+    // Gauges first, then the events: a client that sees its final event also sees its pages freed.
+    publish_gauges();
+    flush_outbox();
+  }
+}
+
+void Engine::flush_outbox() {
+  for (auto& [channel, ev] : outbox_) channel->push(std::move(ev));
+  outbox_.clear();
+}
+
+void Engine::run_step(const StepPlan& plan) {
+  const int page_size = capacity_.page_size;
+  chunks_.clear();
+  int64_t num_logits = 0;
+  for (const auto& c : plan.chunks) {
+    model::SeqChunk ch;
+    ch.state_slot = c.seq->state_slot;
+    ch.tokens = std::span<const int32_t>(c.seq->tokens.data() + c.start_pos, static_cast<size_t>(c.num_tokens));
+    ch.start_pos = c.start_pos;
+    int64_t end = c.start_pos + c.num_tokens;
+    size_t pages = static_cast<size_t>((end + page_size - 1) / page_size);
+    KILN_CHECK(pages <= c.seq->pages.size(), "sequence {} needs {} pages, holds {}", c.seq->uid, pages,
+               c.seq->pages.size());
+    ch.page_table = std::span<const int32_t>(c.seq->pages.data(), pages);
+    ch.want_logits = c.want_logits;
+    if (c.want_logits) ++num_logits;
+    chunks_.push_back(ch);
+  }
+  logits_.resize(static_cast<size_t>(num_logits * vocab_size_));
+  try {
+    runner_->forward(chunks_, logits_);
+  } catch (const std::exception& e) {
+    // The step failed as a whole: end its sequences with the error, keep serving the others.
+    KILN_LOG_ERROR("forward step failed ({} sequences): {}", plan.chunks.size(), e.what());
+    for (const auto& c : plan.chunks) {
+      auto seq = scheduler_.release(c.seq);
+      finish(*seq, FinishReason::error, fmt::format("model step failed: {}", e.what()));
+    }
+    return;
+  }
+  steps_.fetch_add(1);
+  scheduler_.commit_step(plan);
+
+  auto now = Clock::now();
+  int64_t row = 0;
+  std::vector<Sequence*> done;
+  for (const auto& c : plan.chunks) {
+    if (!c.want_logits) continue;
+    Sequence& seq = *c.seq;
+    std::span<float> logits(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
+    ++row;
+    if (c.start_pos + c.num_tokens == seq.prompt_len) prompt_tokens_.fetch_add(static_cast<uint64_t>(seq.prompt_len));
+    TokenEvent ev;
+    ev.index = seq.index;
+    try {
+      auto it = samplers_.find(seq.uid);
+      if (it == samplers_.end())
+        it = samplers_.emplace(seq.uid, std::make_unique<SequenceSampler>(seq.request.sampling, seq.seed)).first;
+      int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
+      SampleResult r = it->second->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n);
+      KILN_CHECK(r.token >= 0 && r.token < vocab_size_, "sampled token {} outside the vocabulary", r.token);
+      ev.token = r.token;
+      ev.logprob = r.logprob;
+      if (seq.request.want_logprobs) ev.top = std::move(r.top);
+    } catch (const std::exception& e) {
+      KILN_LOG_ERROR("sampling failed for request {}: {}", seq.request.id, e.what());
+      seq.abort_requested = true;  // released below
+      TokenEvent err;
+      err.index = seq.index;
+      err.finished = true;
+      err.finish_reason = FinishReason::error;
+      err.error = fmt::format("sampling failed: {}", e.what());
+      if (seq.channel) outbox_.push_back({seq.channel, std::move(err)});
+      finished_[static_cast<int>(FinishReason::error)].fetch_add(1);
+      samplers_.erase(seq.uid);
+      done.push_back(&seq);
+      continue;
+    }
+    seq.tokens.push_back(ev.token);
+    ++seq.num_generated;
+    generation_tokens_.fetch_add(1);
+    if (!seq.has_first_token) {
+      seq.has_first_token = true;
+      ttft_.observe(seconds_between(seq.submitted_at, now));
+      queue_time_.observe(seconds_between(seq.submitted_at, seq.admitted_at));
+      ev.queue_ms = seconds_between(seq.submitted_at, seq.admitted_at) * 1e3;
+    } else {
+      itl_.observe(seconds_between(seq.last_token_at, now));
+    }
+    seq.last_token_at = now;
+
+    const auto& req = seq.request;
+    bool is_eos = !req.ignore_eos && std::binary_search(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end(), ev.token);
+    bool is_stop = is_eos || std::find(req.stop_token_ids.begin(), req.stop_token_ids.end(), ev.token) !=
+                                 req.stop_token_ids.end();
+    if (is_stop) {
+      ev.finished = true;
+      ev.finish_reason = FinishReason::stop;
+      ev.is_stop_token = true;
+    } else if (seq.num_generated >= req.max_tokens ||
+               static_cast<int64_t>(seq.tokens.size()) >= opts_.context_length) {
+      ev.finished = true;
+      ev.finish_reason = FinishReason::length;
+    }
+    bool finished = ev.finished;
+    FinishReason reason = ev.finish_reason;
+    if (seq.channel) outbox_.push_back({seq.channel, std::move(ev)});
+    if (finished) {
+      finished_[static_cast<int>(reason)].fetch_add(1);
+      e2e_.observe(seconds_between(seq.submitted_at, now));
+      samplers_.erase(seq.uid);
+      done.push_back(&seq);
+    }
+  }
+  for (Sequence* s : done) scheduler_.release(s);
+}
+
+}  // namespace kiln::engine

@@ -1,0 +1,340 @@
+// The engine loop with a fake model: batching never mixes sequences, capacity is freed, limits hold,
+// failures stay contained.
+#include "engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <thread>
+
+#include "engine/dummy_runner.h"
+
+namespace kiln::engine {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Outcome {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<FinishReason> reasons;
+  std::vector<std::string> errors;
+};
+
+Outcome collect(const std::shared_ptr<RequestChannel>& ch, std::chrono::milliseconds limit = 20s) {
+  Outcome o;
+  o.tokens.resize(ch->num_sequences());
+  o.reasons.resize(ch->num_sequences(), FinishReason::none);
+  o.errors.resize(ch->num_sequences());
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!(ch->all_finished() && !ch->has_events())) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ADD_FAILURE() << "timed out waiting for the engine";
+      break;
+    }
+    std::vector<TokenEvent> evs;
+    ch->wait(evs, 100ms);
+    for (auto& e : evs) {
+      if (e.token >= 0) o.tokens[e.index].push_back(e.token);
+      if (e.finished) {
+        o.reasons[e.index] = e.finish_reason;
+        o.errors[e.index] = e.error;
+      }
+    }
+  }
+  return o;
+}
+
+GenerateRequest greedy(std::vector<int32_t> prompt, int64_t max_tokens) {
+  GenerateRequest r;
+  r.prompt = std::move(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0.0f;
+  return r;
+}
+
+std::vector<std::vector<int32_t>> test_prompts(int count, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0; i < count; ++i) {
+    std::vector<int32_t> p(1 + rng() % 45);
+    for (auto& t : p) t = static_cast<int32_t>(1 + rng() % (vocab - 1));
+    out.push_back(p);
+  }
+  return out;
+}
+
+EngineOptions options(int max_running, int64_t chunk, int max_queued = 256) {
+  EngineOptions o;
+  o.max_running_requests = max_running;
+  o.max_queued_requests = max_queued;
+  o.chunked_prefill_size = chunk;
+  o.eos_token_ids = {0};
+  return o;
+}
+
+TEST(Engine, GreedyOutputDoesNotDependOnTheBatch) {
+  DummyRunner::Options ro;
+  auto prompts = test_prompts(24, ro.vocab, 7);
+  // Alone: one request at a time.
+  std::vector<std::vector<int32_t>> alone;
+  {
+    Engine e(std::make_unique<DummyRunner>(ro), options(8, 16));
+    e.start();
+    for (const auto& p : prompts) alone.push_back(collect(e.submit({greedy(p, 24)}).channel).tokens[0]);
+  }
+  int stopped_early = 0;
+  for (const auto& a : alone) {
+    ASSERT_FALSE(a.empty());
+    stopped_early += a.size() < 24;
+  }
+  EXPECT_GT(stopped_early, 0) << "some sequences should end on eos, to vary batch membership";
+  // Together, with different batch limits and prefill chunk sizes: the same tokens.
+  for (auto [max_running, chunk] : {std::pair{24, 7}, {5, 3}, {3, 0}, {16, 1}}) {
+    auto runner = std::make_unique<DummyRunner>(ro);
+    DummyRunner* raw = runner.get();
+    Engine e(std::move(runner), options(max_running, chunk));
+    e.start();
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (const auto& p : prompts) chans.push_back(e.submit({greedy(p, 24)}).channel);
+    for (size_t i = 0; i < prompts.size(); ++i)
+      EXPECT_EQ(collect(chans[i]).tokens[0], alone[i]) << "prompt " << i << " max_running " << max_running
+                                                       << " chunk " << chunk;
+    EXPECT_GT(raw->max_batch(), 1);
+    EXPECT_LE(raw->max_batch(), max_running);
+    auto m = e.metrics();
+    EXPECT_EQ(m.kv_pages_used, 0);
+    EXPECT_EQ(m.num_running, 0);
+  }
+}
+
+TEST(Engine, StaggeredArrivalsMatchAlone) {
+  DummyRunner::Options ro;
+  ro.step_delay_us = 200;
+  auto prompts = test_prompts(12, ro.vocab, 99);
+  std::vector<std::vector<int32_t>> alone;
+  {
+    Engine e(std::make_unique<DummyRunner>(ro), options(4, 5));
+    e.start();
+    for (const auto& p : prompts) alone.push_back(collect(e.submit({greedy(p, 16)}).channel).tokens[0]);
+  }
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 5));
+  e.start();
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  std::mt19937 rng(3);
+  for (const auto& p : prompts) {
+    chans.push_back(e.submit({greedy(p, 16)}).channel);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 2000));
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(collect(chans[i]).tokens[0], alone[i]) << i;
+}
+
+TEST(Engine, StopsOnEosStopTokensAndLength) {
+  DummyRunner::Options ro;
+  ro.favourite_token = 5;  // greedy picks 5 once the sequence has 6 tokens
+  ro.favourite_after = 6;
+  EngineOptions eo = options(4, 8);
+  eo.eos_token_ids = {5};
+  Engine e(std::make_unique<DummyRunner>(ro), eo);
+  e.start();
+  // Prompt of 6: the first generated token is 5 = eos.
+  auto o = collect(e.submit({greedy({1, 2, 3, 4, 6, 7}, 10)}).channel);
+  EXPECT_EQ(o.tokens[0], std::vector<int32_t>{5});
+  EXPECT_EQ(o.reasons[0], FinishReason::stop);
+  // ignore_eos: runs to max_tokens.
+  auto r = greedy({1, 2, 3, 4, 6, 7}, 4);
+  r.ignore_eos = true;
+  o = collect(e.submit({r}).channel);
+  EXPECT_EQ(o.tokens[0].size(), 4u);
+  EXPECT_EQ(o.reasons[0], FinishReason::length);
+  // stop_token_ids other than eos.
+  EngineOptions no_eos = options(4, 8);
+  no_eos.eos_token_ids = {};
+  Engine e2(std::make_unique<DummyRunner>(ro), no_eos);
+  e2.start();
+  r = greedy({1, 2, 3, 4, 6, 7}, 9);
+  r.stop_token_ids = {5};
+  o = collect(e2.submit({r}).channel);
+  EXPECT_EQ(o.tokens[0], std::vector<int32_t>{5});
+  EXPECT_EQ(o.reasons[0], FinishReason::stop);
+}
+
+TEST(Engine, RejectsWhatCanNeverFitWithNumbers) {
+  DummyRunner::Options ro;
+  ro.max_context = 100;
+  ro.kv_pages = 10;  // 40 tokens
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
+  e.start();
+  auto r = e.submit({greedy(std::vector<int32_t>(90, 1), 20)});
+  EXPECT_EQ(r.status, SubmitStatus::invalid);
+  EXPECT_NE(r.message.find("90"), std::string::npos) << r.message;
+  EXPECT_NE(r.message.find("100"), std::string::npos) << r.message;
+  r = e.submit({greedy(std::vector<int32_t>(30, 1), 20)});  // fits the context, not the pool
+  EXPECT_EQ(r.status, SubmitStatus::invalid);
+  EXPECT_NE(r.message.find("KV"), std::string::npos) << r.message;
+  r = e.submit({greedy({}, 20)});
+  EXPECT_EQ(r.status, SubmitStatus::invalid);
+  r = e.submit({greedy({1, 1000}, 2)});
+  EXPECT_EQ(r.status, SubmitStatus::invalid);
+  EXPECT_NE(r.message.find("1000"), std::string::npos);
+  // Still serving.
+  auto ok = e.submit({greedy({1, 2}, 3)});
+  ASSERT_EQ(ok.status, SubmitStatus::ok);
+  EXPECT_FALSE(collect(ok.channel).tokens[0].empty());
+  EXPECT_EQ(e.metrics().rejected_too_long, 4u);
+}
+
+TEST(Engine, QueueFullThenRoomAgain) {
+  DummyRunner::Options ro;
+  ro.step_delay_us = 2000;
+  Engine e(std::make_unique<DummyRunner>(ro), options(1, 8, /*max_queued=*/2));
+  e.start();
+  auto slow = [&] {
+    auto r = greedy({1, 2, 3}, 50);
+    r.ignore_eos = true;
+    return r;
+  };
+  auto a = e.submit({slow()});
+  ASSERT_EQ(a.status, SubmitStatus::ok);
+  std::this_thread::sleep_for(20ms);  // a is admitted
+  auto b = e.submit({slow()});
+  auto c = e.submit({slow()});
+  ASSERT_EQ(b.status, SubmitStatus::ok);
+  ASSERT_EQ(c.status, SubmitStatus::ok);
+  auto d = e.submit({slow()});
+  EXPECT_EQ(d.status, SubmitStatus::queue_full);
+  EXPECT_NE(d.message.find("queue"), std::string::npos);
+  // n = 2 does not fit either; all-or-nothing.
+  auto pair = e.submit({slow(), slow()});
+  EXPECT_EQ(pair.status, SubmitStatus::queue_full);
+  EXPECT_EQ(e.metrics().num_waiting, 2);
+  a.channel->cancel();
+  b.channel->cancel();
+  c.channel->cancel();
+  collect(a.channel);
+  collect(b.channel);
+  collect(c.channel);
+  auto again = e.submit({greedy({1}, 1)});
+  EXPECT_EQ(again.status, SubmitStatus::ok);
+  collect(again.channel);
+}
+
+TEST(Engine, CancelFreesCapacityAtTheNextStep) {
+  DummyRunner::Options ro;
+  ro.step_delay_us = 1000;
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
+  e.start();
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  for (int i = 0; i < 6; ++i) {  // 4 run, 2 wait
+    auto r = greedy({1, 2, 3, static_cast<int32_t>(i + 4)}, 100);
+    r.ignore_eos = true;
+    chans.push_back(e.submit({r}).channel);
+  }
+  std::this_thread::sleep_for(30ms);
+  auto m = e.metrics();
+  EXPECT_EQ(m.num_running, 4);
+  EXPECT_EQ(m.num_waiting, 2);
+  EXPECT_GT(m.kv_pages_used, 0);
+  for (auto& c : chans) c->cancel();
+  for (auto& c : chans) {
+    auto o = collect(c);
+    EXPECT_EQ(o.reasons[0], FinishReason::abort);
+  }
+  for (int i = 0; i < 100 && e.metrics().kv_pages_used != 0; ++i) std::this_thread::sleep_for(5ms);
+  m = e.metrics();
+  EXPECT_EQ(m.kv_pages_used, 0);
+  EXPECT_EQ(m.state_slots_used, 0);
+  EXPECT_EQ(m.num_running, 0);
+  EXPECT_EQ(m.num_waiting, 0);
+  EXPECT_EQ(m.finished_abort, 6u);
+}
+
+TEST(Engine, RunnerFailureEndsOnlyThatStepsSequences) {
+  DummyRunner::Options ro;
+  ro.fail_on_token = 63;
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
+  e.start();
+  auto bad = collect(e.submit({greedy({1, 63, 2}, 5)}).channel);
+  EXPECT_EQ(bad.reasons[0], FinishReason::error);
+  EXPECT_NE(bad.errors[0].find("injected failure"), std::string::npos);
+  auto good = collect(e.submit({greedy({1, 2}, 5)}).channel);
+  EXPECT_NE(good.reasons[0], FinishReason::error);
+  EXPECT_EQ(e.metrics().kv_pages_used, 0);
+}
+
+TEST(Engine, SeveralSequencesPerSubmission) {
+  DummyRunner::Options ro;
+  Engine e(std::make_unique<DummyRunner>(ro), options(8, 8));
+  e.start();
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 3; ++i) {
+    GenerateRequest r = greedy({3, 4, 5}, 6);
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = 100 + i;
+    r.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  auto first = collect(e.submit(reqs).channel);
+  auto again = collect(e.submit(reqs).channel);
+  EXPECT_EQ(first.tokens, again.tokens) << "same seeds, same samples";
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(first.tokens[i].size(), 6u);
+  EXPECT_TRUE(first.tokens[0] != first.tokens[1] || first.tokens[1] != first.tokens[2]);
+}
+
+TEST(Engine, LogprobsAndMetrics) {
+  DummyRunner::Options ro;
+  Engine e(std::make_unique<DummyRunner>(ro), options(8, 8));
+  e.start();
+  auto r = greedy({1, 2, 3}, 4);
+  r.ignore_eos = true;
+  r.want_logprobs = true;
+  r.top_logprobs = 3;
+  auto sub = e.submit({r});
+  std::vector<TokenEvent> evs;
+  while (!sub.channel->all_finished() || sub.channel->has_events()) sub.channel->wait(evs, 100ms);
+  int tokens = 0;
+  for (const auto& ev : evs)
+    if (ev.token >= 0) {
+      ++tokens;
+      ASSERT_EQ(ev.top.size(), 3u);
+      EXPECT_EQ(ev.top[0].token, ev.token);  // greedy picks the top one
+      EXPECT_LE(ev.logprob, 0.0f);
+    }
+  EXPECT_EQ(tokens, 4);
+  auto m = e.metrics();
+  EXPECT_EQ(m.generation_tokens_total, 4u);
+  EXPECT_EQ(m.prompt_tokens_total, 3u);
+  EXPECT_EQ(m.time_to_first_token_s.count, 1u);
+  EXPECT_EQ(m.inter_token_latency_s.count, 3u);
+  EXPECT_EQ(m.finished_length, 1u);
+}
+
+TEST(Engine, DrainFinishesInFlightThenRefuses) {
+  DummyRunner::Options ro;
+  ro.step_delay_us = 500;
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
+  e.start();
+  auto r = greedy({1, 2}, 20);
+  r.ignore_eos = true;
+  auto sub = e.submit({r});
+  EXPECT_TRUE(e.drain(5s));
+  auto o = collect(sub.channel);
+  EXPECT_EQ(o.tokens[0].size(), 20u);
+  EXPECT_EQ(e.submit({greedy({1}, 1)}).status, SubmitStatus::draining);
+}
+
+TEST(Engine, DrainTimeoutAbortsTheRest) {
+  DummyRunner::Options ro;
+  ro.step_delay_us = 2000;
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
+  e.start();
+  auto r = greedy({1, 2}, 400);
+  r.ignore_eos = true;
+  auto sub = e.submit({r});
+  EXPECT_FALSE(e.drain(50ms));
+  auto o = collect(sub.channel);
+  EXPECT_EQ(o.reasons[0], FinishReason::abort);
+  EXPECT_EQ(e.metrics().kv_pages_used, 0);
+}
+
+}  // namespace
+}  // namespace kiln::engine

@@ -233,6 +233,23 @@ TEST(TokenizerPreTokenizer, WhitespaceIsUnicodeWhiteSpace) {
   EXPECT_THROW(Regex("(unclosed"), kiln::Error);
 }
 
+TEST(TokenizerPreTokenizer, Qwen35PatternKeepsMarksWithLetters) {
+  // Qwen3.5's pattern adds \p{M} to the letter runs (REFERENCE.md section 4); Qwen3's does not.
+  const char* qwen35 = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const char* qwen3 = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  auto pieces = [](const char* pattern, std::string_view text) {
+    SplitPreTokenizer split(pattern, /*is_regex=*/true, SplitBehavior::kIsolated, false);
+    std::vector<std::string> out;
+    auto sink = [&](std::string_view p) { out.emplace_back(p); };
+    split.split(text, PieceSink(sink));
+    return out;
+  };
+  using V = std::vector<std::string>;
+  const std::string text = "cafe\xCC\x81s 12 it'S\n\n  x";  // e + U+0301
+  EXPECT_EQ(pieces(qwen35, text), (V{"cafe\xCC\x81s", " ", "1", "2", " it", "'S", "\n\n", " ", " x"}));
+  EXPECT_EQ(pieces(qwen3, text), (V{"cafe", "\xCC\x81s", " ", "1", "2", " it", "'S", "\n\n", " ", " x"}));
+}
+
 TEST(TokenizerStream, CharactersSpanningTokensComeOutWhole) {
   auto t = tiny();
   StreamDecoder stream(*t, /*skip_special=*/false);

@@ -133,10 +133,10 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
   KILN_CHECK(kv_layer >= 0, "layer {} has no KV cache", layer);
 
   TensorView q_proj = linear(f, x, w.q_proj);  // [T, Hq * D * (gate ? 2 : 1)]
-  TensorView q = f.f32(Shape{T, Hq, D});
-  TensorView gate;
+  TensorView q, gate;
   if (output_gate) {
     // Per head [q (D) | gate (D)] (Qwen3_5Attention: view(..., -1, 2D).chunk(2)).
+    q = f.f32(Shape{T, Hq, D});
     f.ops.copy(strided_view(q_proj, 0, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), q);
     gate = f.f32(Shape{T, Hq * D});
     f.ops.copy(strided_view(q_proj, D, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), reshaped(gate, Shape{T, Hq, D}));

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <regex>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "reference_fixture.h"

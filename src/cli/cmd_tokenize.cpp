@@ -41,7 +41,8 @@ std::vector<int32_t> parse_ids(const std::string& text, size_t line_number) {
     kiln::fail("--decode expects a JSON array of token ids (input line {}), e.g. [9707, 1879]", line_number);
   std::vector<int32_t> ids;
   for (const auto& v : j) {
-    if (!v.is_number_integer()) kiln::fail("--decode: token ids must be integers (input line {})", line_number);
+    if (!v.is_number_integer())
+      kiln::fail("--decode: token ids must be integers (input line {})", line_number);
     ids.push_back(v.get<int32_t>());
   }
   return ids;
@@ -75,8 +76,9 @@ int run_bench(const kiln::tok::Tokenizer& tokenizer, const TokenizeOptions& opts
     lines.push_back(std::string_view(text).substr(pos, end - pos));
     pos = end + 1;
   }
-  std::printf("kiln: tokenizer loaded in %.2f s; %s: %zu bytes, %zu lines; %d runs each (after one cold run)\n",
-              load_seconds, opts.bench_file.c_str(), text.size(), lines.size(), opts.bench_reps);
+  std::printf(
+      "kiln: tokenizer loaded in %.2f s; %s: %zu bytes, %zu lines; %d runs each (after one cold run)\n",
+      load_seconds, opts.bench_file.c_str(), text.size(), lines.size(), opts.bench_reps);
   auto measure = [&](const char* what, auto&& encode_all) {
     std::vector<double> wall, cpu;
     size_t tokens = 0;
@@ -95,9 +97,11 @@ int run_bench(const kiln::tok::Tokenizer& tokenizer, const TokenizeOptions& opts
     }
     std::sort(wall.begin(), wall.end());
     std::sort(cpu.begin(), cpu.end());
-    std::printf("kiln %s: %zu tokens; best %.2f MB/s (%.3f M tokens/s), median %.2f MB/s; thread CPU time: best %.2f MB/s\n",
-                what, tokens, text.size() / wall[0] / 1e6, tokens / wall[0] / 1e6,
-                text.size() / wall[wall.size() / 2] / 1e6, text.size() / cpu[0] / 1e6);
+    std::printf(
+        "kiln %s: %zu tokens; best %.2f MB/s (%.3f M tokens/s), median %.2f MB/s; thread CPU time: best %.2f "
+        "MB/s\n",
+        what, tokens, text.size() / wall[0] / 1e6, tokens / wall[0] / 1e6,
+        text.size() / wall[wall.size() / 2] / 1e6, text.size() / cpu[0] / 1e6);
   };
   measure("per line", [&] {
     size_t n = 0;
@@ -112,7 +116,8 @@ int run_tokenize(const TokenizeOptions& opts) {
   auto load_start = std::chrono::steady_clock::now();
   auto tokenizer = kiln::tok::Tokenizer::load_dir(opts.model_path);
   if (!opts.bench_file.empty()) {
-    double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+    double load_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
     return run_bench(*tokenizer, opts, load_seconds);
   }
   bool parse_special = !opts.no_parse_special;
@@ -148,20 +153,24 @@ int run_tokenize(const TokenizeOptions& opts) {
   return 0;
 }
 
-kiln::cli::Registrar reg{"tokenize", "Encode text from stdin to token ids (or decode ids with --decode)",
-                         [](CLI::App& app) {
-  auto opts = std::make_shared<TokenizeOptions>();
-  app.add_option("--model-path", opts->model_path, "Folder with tokenizer.json (and tokenizer_config.json)")
-      ->required();
-  app.add_flag("--decode", opts->decode, "Read a JSON array of ids and print the text");
-  app.add_flag("--jsonl", opts->jsonl,
-               "One item per line: JSON strings in, id arrays out (or, with --decode, id arrays in, JSON strings out)");
-  app.add_flag("--no-parse-special", opts->no_parse_special,
-               "Encode special-token strings in the text as plain text");
-  app.add_flag("--skip-special", opts->skip_special, "With --decode: drop special tokens");
-  app.add_option("--bench", opts->bench_file, "Measure single-thread encode throughput on this text file");
-  app.add_option("--bench-reps", opts->bench_reps, "Timed runs for --bench (default 5)")->check(CLI::Range(1, 1000));
-  return [opts]() -> int { return run_tokenize(*opts); };
-}};
+kiln::cli::Registrar reg{
+    "tokenize", "Encode text from stdin to token ids (or decode ids with --decode)", [](CLI::App& app) {
+      auto opts = std::make_shared<TokenizeOptions>();
+      app.add_option("--model-path", opts->model_path,
+                     "Folder with tokenizer.json (and tokenizer_config.json)")
+          ->required();
+      app.add_flag("--decode", opts->decode, "Read a JSON array of ids and print the text");
+      app.add_flag("--jsonl", opts->jsonl,
+                   "One item per line: JSON strings in, id arrays out (or, with --decode, id arrays in, JSON "
+                   "strings out)");
+      app.add_flag("--no-parse-special", opts->no_parse_special,
+                   "Encode special-token strings in the text as plain text");
+      app.add_flag("--skip-special", opts->skip_special, "With --decode: drop special tokens");
+      app.add_option("--bench", opts->bench_file,
+                     "Measure single-thread encode throughput on this text file");
+      app.add_option("--bench-reps", opts->bench_reps, "Timed runs for --bench (default 5)")
+          ->check(CLI::Range(1, 1000));
+      return [opts]() -> int { return run_tokenize(*opts); };
+    }};
 
 }  // namespace

@@ -1,11 +1,11 @@
 #include "tokenizer/bpe.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
 #include <queue>
-
-#include <xxhash.h>
 
 #include "core/error.h"
 #include "tokenizer/utf8.h"
@@ -82,15 +82,19 @@ BpeModel::BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
   for (const auto& [token, id] : vocab) {
     by_token.emplace(token, id);
     if (!byte_level_to_bytes(token, bytes))
-      fail("tokenizer.json: vocabulary token {:?} (id {}) is not in the byte-level alphabet; only byte-level "
-           "BPE tokenizers are supported", token, id);
+      fail(
+          "tokenizer.json: vocabulary token {:?} (id {}) is not in the byte-level alphabet; only byte-level "
+          "BPE tokenizers are supported",
+          token, id);
     bytes_to_id_.emplace(bytes, id);
   }
   for (int b = 0; b < 256; ++b) {
     auto it = bytes_to_id_.find(std::string(1, static_cast<char>(b)));
     if (it == bytes_to_id_.end())
-      fail("tokenizer.json: the BPE vocabulary has no token for byte 0x{:02X}; only complete byte-level "
-           "vocabularies are supported", b);
+      fail(
+          "tokenizer.json: the BPE vocabulary has no token for byte 0x{:02X}; only complete byte-level "
+          "vocabularies are supported",
+          b);
     byte_ids_[b] = it->second;
   }
 
@@ -102,13 +106,15 @@ BpeModel::BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
     auto l = by_token.find(left);
     auto r = by_token.find(right);
     if (l == by_token.end() || r == by_token.end())
-      fail("tokenizer.json: merge {} ({:?} {:?}) uses a token missing from the vocabulary", rank, left, right);
+      fail("tokenizer.json: merge {} ({:?} {:?}) uses a token missing from the vocabulary", rank, left,
+           right);
     joined = left + right;
     auto m = by_token.find(joined);
     if (m == by_token.end())
       fail("tokenizer.json: merge {} ({:?} {:?}) produces {:?}, which is missing from the vocabulary", rank,
            left, right, joined);
-    uint64_t pair = (static_cast<uint64_t>(static_cast<uint32_t>(l->second)) << 32) | static_cast<uint32_t>(r->second);
+    uint64_t pair =
+        (static_cast<uint64_t>(static_cast<uint32_t>(l->second)) << 32) | static_cast<uint32_t>(r->second);
     entries.push_back({pair, Merge{static_cast<int32_t>(rank), m->second}});
   }
   merges_.build(entries);
@@ -151,8 +157,10 @@ void BpeModel::merge_quadratic(std::string_view word, std::vector<int32_t>& out)
       merged[i] = merged[i + 1];
     }
     --n;
-    if (best + 1 < n) rank_pair(best);
-    else ranks[best] = INT32_MAX;
+    if (best + 1 < n)
+      rank_pair(best);
+    else
+      ranks[best] = INT32_MAX;
     if (best > 0) rank_pair(best - 1);
   }
   out.insert(out.end(), symbols, symbols + n);
@@ -177,8 +185,8 @@ void BpeModel::merge_with_heap(std::string_view word, std::vector<int32_t>& out)
     symbols[i] = {byte_ids_[static_cast<uint8_t>(word[i])], i - 1, i + 1 < n ? i + 1 : -1, true};
   std::vector<Candidate> storage;
   storage.reserve(n);
-  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue(std::greater<Candidate>{},
-                                                                                         std::move(storage));
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue(
+      std::greater<Candidate>{}, std::move(storage));
   auto push_pair = [&](int32_t left) {
     int32_t right = symbols[left].next;
     if (right < 0) return;
@@ -211,7 +219,8 @@ bool BpeModel::WordCache::find(std::string_view word, uint64_t hash, std::vector
   for (size_t i = hash & (kSlots - 1);; i = (i + 1) & (kSlots - 1)) {
     const Slot& slot = slots_[i];
     if (slot.hash == 0) return false;
-    if (slot.hash == hash && slot.word_bytes == word.size() && std::memcmp(slot.word, word.data(), word.size()) == 0) {
+    if (slot.hash == hash && slot.word_bytes == word.size() &&
+        std::memcmp(slot.word, word.data(), word.size()) == 0) {
       out.insert(out.end(), slot.ids, slot.ids + slot.n_ids);
       return true;
     }

@@ -50,7 +50,8 @@ class BpeModel {
     uint64_t mask = 0;
     void build(const std::vector<std::pair<uint64_t, Merge>>& entries);
     const Merge* find(int32_t left, int32_t right) const {
-      uint64_t key = ((static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right)) + 1;
+      uint64_t key =
+          ((static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right)) + 1;
       for (uint64_t slot = hash(key) & mask;; slot = (slot + 1) & mask) {
         if (keys[slot] == key) return &values[slot];
         if (keys[slot] == 0) return nullptr;

@@ -167,7 +167,8 @@ bool is_nfc_quick(std::string_view text) {
     size_t len;
     uint16_t p = props(utf8::decode(text, i, len));
     uint8_t cls = combining_class(p);
-    if (unicode::nfc_quick_check(p) != unicode::QuickCheck::kYes || (cls != 0 && last_ccc > cls)) return false;
+    if (unicode::nfc_quick_check(p) != unicode::QuickCheck::kYes || (cls != 0 && last_ccc > cls))
+      return false;
     last_ccc = cls;
     i += len;
   }

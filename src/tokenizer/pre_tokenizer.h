@@ -49,7 +49,8 @@ void Regex::for_each_match(std::string_view text, F&& on_match) const {
       // An empty match: step over one character so the search makes progress.
       if (match_start >= text.size()) break;
       size_t step = 1;
-      while (match_start + step < text.size() && (static_cast<unsigned char>(text[match_start + step]) & 0xC0) == 0x80)
+      while (match_start + step < text.size() &&
+             (static_cast<unsigned char>(text[match_start + step]) & 0xC0) == 0x80)
         ++step;
       pos = match_start + step;
       continue;
@@ -95,7 +96,8 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
 
 class SequencePreTokenizer final : public PreTokenizer {
  public:
-  explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps) : steps_(std::move(steps)) {}
+  explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps)
+      : steps_(std::move(steps)) {}
   void split(std::string_view piece, PieceSink sink) const override { run(0, piece, sink); }
 
  private:

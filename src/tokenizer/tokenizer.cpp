@@ -19,8 +19,8 @@ using json = nlohmann::json;
 class TokenizerImpl {
  public:
   std::vector<AddedToken> added_tokens;
-  AddedTokenMatcher raw_matcher;         // added tokens with normalized = false
-  AddedTokenMatcher normalized_matcher;  // added tokens with normalized = true
+  AddedTokenMatcher raw_matcher;           // added tokens with normalized = false
+  AddedTokenMatcher normalized_matcher;    // added tokens with normalized = true
   std::unique_ptr<Normalizer> normalizer;  // null: none
   std::unique_ptr<PreTokenizer> pre_tokenizer;
   std::unique_ptr<BpeModel> model;
@@ -85,10 +85,12 @@ SplitBehavior parse_behavior(const std::string& name) {
 }
 
 // Flattens nested Sequences into steps.
-void parse_pre_tokenizer(const json& j, std::vector<std::unique_ptr<PreTokenizer>>& steps, bool& saw_byte_level) {
+void parse_pre_tokenizer(const json& j, std::vector<std::unique_ptr<PreTokenizer>>& steps,
+                         bool& saw_byte_level) {
   std::string type = type_of(j, "the pre_tokenizer");
   if (saw_byte_level)
-    fail("tokenizer.json: pre-tokenizer {:?} after ByteLevel is not supported (ByteLevel must come last)", type);
+    fail("tokenizer.json: pre-tokenizer {:?} after ByteLevel is not supported (ByteLevel must come last)",
+         type);
   if (type == "Sequence") {
     for (const auto& step : j.at("pretokenizers")) parse_pre_tokenizer(step, steps, saw_byte_level);
     return;
@@ -106,16 +108,18 @@ void parse_pre_tokenizer(const json& j, std::vector<std::unique_ptr<PreTokenizer
     } else {
       fail("tokenizer.json: Split pattern must be {{\"Regex\": ...}} or {{\"String\": ...}}");
     }
-    steps.push_back(std::make_unique<SplitPreTokenizer>(text, is_regex, parse_behavior(j.at("behavior").get<std::string>()),
-                                                        flag(j, "invert", false)));
+    steps.push_back(std::make_unique<SplitPreTokenizer>(
+        text, is_regex, parse_behavior(j.at("behavior").get<std::string>()), flag(j, "invert", false)));
     return;
   }
   if (type == "ByteLevel") {
-    steps.push_back(std::make_unique<ByteLevelPreTokenizer>(flag(j, "add_prefix_space", true), flag(j, "use_regex", true)));
+    steps.push_back(std::make_unique<ByteLevelPreTokenizer>(flag(j, "add_prefix_space", true),
+                                                            flag(j, "use_regex", true)));
     saw_byte_level = true;
     return;
   }
-  fail("tokenizer.json: pre-tokenizer type {:?} is not supported (kiln supports Split, ByteLevel, Sequence)", type);
+  fail("tokenizer.json: pre-tokenizer type {:?} is not supported (kiln supports Split, ByteLevel, Sequence)",
+       type);
 }
 
 void check_decoder(const json& j) {
@@ -141,8 +145,10 @@ void check_post_processor(const json& j) {
   if (type == "TemplateProcessing") {
     for (const auto& piece : j.at("single")) {
       if (piece.contains("SpecialToken"))
-        fail("tokenizer.json: a TemplateProcessing post-processor that adds special tokens ({}) is not supported",
-             piece["SpecialToken"].value("id", std::string("?")));
+        fail(
+            "tokenizer.json: a TemplateProcessing post-processor that adds special tokens ({}) is not "
+            "supported",
+            piece["SpecialToken"].value("id", std::string("?")));
     }
     return;
   }
@@ -273,8 +279,8 @@ std::unique_ptr<Tokenizer> Tokenizer::from_json(std::string_view tokenizer_json,
     parse_pre_tokenizer(root["pre_tokenizer"], steps, saw_byte_level);
     if (!saw_byte_level)
       fail("tokenizer.json: the pre-tokenizer has no ByteLevel step; only byte-level BPE is supported");
-    impl->pre_tokenizer = steps.size() == 1 ? std::move(steps[0])
-                                            : std::make_unique<SequencePreTokenizer>(std::move(steps));
+    impl->pre_tokenizer =
+        steps.size() == 1 ? std::move(steps[0]) : std::make_unique<SequencePreTokenizer>(std::move(steps));
     check_decoder(root.value("decoder", json()));
     check_post_processor(root.value("post_processor", json()));
 

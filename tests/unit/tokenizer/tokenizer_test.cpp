@@ -1,7 +1,6 @@
 // Unit tests on small hand-made tokenizers: BPE merge order, added-token options (HF semantics),
 // pre-tokenizer behaviours, streaming decode, lossy UTF-8, NFC, and errors for unsupported pieces.
 #include <nlohmann/json.hpp>
-
 #include <random>
 
 #include "core/error.h"
@@ -37,28 +36,37 @@ std::string byte_level(std::string_view bytes) {
 json tiny_tokenizer_json() {
   json vocab = json::object();
   for (int b = 0; b < 256; ++b) vocab[byte_level(std::string(1, static_cast<char>(b)))] = b;
-  const std::vector<std::pair<std::string, std::string>> merges = {
-      {"l", "l"}, {"h", "e"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}, {"o", "r"}, {" w", "or"}, {"l", "d"}, {" wor", "ld"}};
+  const std::vector<std::pair<std::string, std::string>> merges = {{"l", "l"},    {"h", "e"}, {"he", "ll"},
+                                                                   {"hell", "o"}, {" ", "w"}, {"o", "r"},
+                                                                   {" w", "or"},  {"l", "d"}, {" wor", "ld"}};
   json merge_list = json::array();
   int next_id = 256;
   for (const auto& [a, b] : merges) {
     merge_list.push_back(byte_level(a) + " " + byte_level(b));
-    vocab[byte_level(a + b)] = next_id++;  // ll=256 he=257 hell=258 hello=259 " w"=260 or=261 " wor"=262 ld=263 " world"=264
+    vocab[byte_level(a + b)] =
+        next_id++;  // ll=256 he=257 hell=258 hello=259 " w"=260 or=261 " wor"=262 ld=263 " world"=264
   }
   json added = json::array();
   added.push_back({{"id", 300}, {"content", "<s>"}, {"special", true}, {"normalized", false}});
-  added.push_back({{"id", 301}, {"content", "[MASK]"}, {"special", true}, {"normalized", false}, {"lstrip", true},
+  added.push_back({{"id", 301},
+                   {"content", "[MASK]"},
+                   {"special", true},
+                   {"normalized", false},
+                   {"lstrip", true},
                    {"rstrip", true}});
-  added.push_back({{"id", 302}, {"content", "<w>"}, {"special", false}, {"normalized", false}, {"single_word", true}});
+  added.push_back(
+      {{"id", 302}, {"content", "<w>"}, {"special", false}, {"normalized", false}, {"single_word", true}});
   return {
       {"version", "1.0"},
       {"truncation", nullptr},
       {"padding", nullptr},
       {"added_tokens", added},
       {"normalizer", {{"type", "NFC"}}},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}},
       {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}},
+      {"decoder",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merge_list}, {"ignore_merges", false}}},
   };
 }
@@ -106,7 +114,8 @@ TEST(TokenizerBpe, QuadraticAndHeapMergeLoopsAgree) {
   for (const auto& m : j["model"]["merges"]) merges.emplace_back(m[0], m[1]);
   BpeModel model(vocab, merges, false);
   std::mt19937 rng(7);
-  const std::vector<std::string> pieces = {"the", "ing", " ", "é", "中文", "😀", "ab", "\n", "0", "tion", "ll", "  "};
+  const std::vector<std::string> pieces = {"the", "ing", " ", "é",    "中文", "😀",
+                                           "ab",  "\n",  "0", "tion", "ll",   "  "};
   for (int trial = 0; trial < 3000; ++trial) {
     std::string word;
     int n = 1 + rng() % 60;
@@ -183,8 +192,10 @@ TEST(TokenizerErrors, UnsupportedPiecesAreNamed) {
   j["decoder"] = {{"type", "WordPiece"}};
   expect_error(j, "WordPiece");
   j = tiny_tokenizer_json();
-  j["post_processor"] = {{"type", "TemplateProcessing"},
-                         {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
+  j["post_processor"] = {
+      {"type", "TemplateProcessing"},
+      {"single",
+       {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
   expect_error(j, "<s>");
   j = tiny_tokenizer_json();
   j["model"]["merges"].push_back(byte_level("q") + " " + byte_level("zz"));
@@ -223,9 +234,15 @@ TEST(TokenizerPreTokenizer, WhitespaceIsUnicodeWhiteSpace) {
     spaces.for_each_match(text, [&](size_t, size_t) { ++n; });
     return n;
   };
-  EXPECT_EQ(matches("a\xE3\x80\x80" "b"), 1);
-  EXPECT_EQ(matches("a\xC2\x85" "b"), 1);
-  EXPECT_EQ(matches("a\xE1\xA0\x8E" "b"), 0);
+  EXPECT_EQ(matches("a\xE3\x80\x80"
+                    "b"),
+            1);
+  EXPECT_EQ(matches("a\xC2\x85"
+                    "b"),
+            1);
+  EXPECT_EQ(matches("a\xE1\xA0\x8E"
+                    "b"),
+            0);
   EXPECT_EQ(translate_regex_for_pcre2(R"([^\s\p{L}])"),
             R"([^\t-\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\p{L}])");
   EXPECT_EQ(translate_regex_for_pcre2(R"(\\s[\]\s])"),
@@ -235,8 +252,10 @@ TEST(TokenizerPreTokenizer, WhitespaceIsUnicodeWhiteSpace) {
 
 TEST(TokenizerPreTokenizer, Qwen35PatternKeepsMarksWithLetters) {
   // Qwen3.5's pattern adds \p{M} to the letter runs (REFERENCE.md section 4); Qwen3's does not.
-  const char* qwen35 = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  const char* qwen3 = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const char* qwen35 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const char* qwen3 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
   auto pieces = [](const char* pattern, std::string_view text) {
     SplitPreTokenizer split(pattern, /*is_regex=*/true, SplitBehavior::kIsolated, false);
     std::vector<std::string> out;
@@ -268,13 +287,13 @@ TEST(TokenizerStream, InvalidBytesBecomeReplacementCharacters) {
   auto t = tiny();
   const std::string kReplacement = "\xEF\xBF\xBD";
   StreamDecoder stream(*t, /*skip_special=*/true);
-  EXPECT_EQ(stream.push(0xFF), kReplacement);               // never valid: out at once
+  EXPECT_EQ(stream.push(0xFF), kReplacement);  // never valid: out at once
   EXPECT_EQ(stream.push(0xF0), "");
   EXPECT_EQ(stream.push(0x9F), "");
-  EXPECT_EQ(stream.push('a'), kReplacement + "a");          // F0 9F cut short: one U+FFFD
-  EXPECT_EQ(stream.push(300), "");                          // special, skipped
+  EXPECT_EQ(stream.push('a'), kReplacement + "a");  // F0 9F cut short: one U+FFFD
+  EXPECT_EQ(stream.push(300), "");                  // special, skipped
   EXPECT_EQ(stream.push(0xE2), "");
-  EXPECT_EQ(stream.flush(), kReplacement);                  // incomplete at the end
+  EXPECT_EQ(stream.flush(), kReplacement);  // incomplete at the end
   EXPECT_EQ(stream.flush(), "");
 
   // Whole-sequence decode gives the same text as the stream.
@@ -290,10 +309,10 @@ TEST(TokenizerUtf8, LossyDecodingReplacesMaximalSubparts) {
   };
   const std::string r = "\xEF\xBF\xBD";
   EXPECT_EQ(lossy("abc"), "abc");
-  EXPECT_EQ(lossy("\xC0\x80"), r + r);                 // overlong lead byte
-  EXPECT_EQ(lossy("\xED\xA0\x80"), r + r + r);         // surrogate: ED then two lone continuations
-  EXPECT_EQ(lossy("\xE2\x82x"), r + "x");              // truncated 3-byte sequence
-  EXPECT_EQ(lossy("\xF4\x90\x80\x80"), r + r + r + r); // past U+10FFFF
+  EXPECT_EQ(lossy("\xC0\x80"), r + r);                  // overlong lead byte
+  EXPECT_EQ(lossy("\xED\xA0\x80"), r + r + r);          // surrogate: ED then two lone continuations
+  EXPECT_EQ(lossy("\xE2\x82x"), r + "x");               // truncated 3-byte sequence
+  EXPECT_EQ(lossy("\xF4\x90\x80\x80"), r + r + r + r);  // past U+10FFFF
   EXPECT_EQ(lossy("\xF0\x9F\x98"), r);
   EXPECT_TRUE(utf8::is_valid("\xF0\x9F\x98\x80"));
   EXPECT_FALSE(utf8::is_valid("\xF0\x9F\x98"));
@@ -311,8 +330,9 @@ TEST(TokenizerNfc, MatchesPythonUnicodedata) {
     std::string input = j[0], expected = j[1];
     ++n;
     if (nfc(input) != expected && ++failures <= 10)
-      ADD_FAILURE() << "NFC of " << json(input).dump(-1, ' ', true) << " is " << json(nfc(input)).dump(-1, ' ', true)
-                    << ", expected " << json(expected).dump(-1, ' ', true);
+      ADD_FAILURE() << "NFC of " << json(input).dump(-1, ' ', true) << " is "
+                    << json(nfc(input)).dump(-1, ' ', true) << ", expected "
+                    << json(expected).dump(-1, ' ', true);
   }
   EXPECT_GT(n, 4000u);
   EXPECT_EQ(failures, 0u);

@@ -38,7 +38,7 @@ class TokenizerImpl {
   }
   bool special(int32_t id) const { return exists(id) && (id_flags[id] & kSpecial); }
 
-  void encode_plain(std::string_view text, std::vector<int32_t>& out) const;
+  void encode_plain(std::string_view text, bool parse_special, std::vector<int32_t>& out) const;
   void encode_normalized(std::string_view text, std::vector<int32_t>& out) const;
 };
 
@@ -188,7 +188,7 @@ void TokenizerImpl::encode_normalized(std::string_view text, std::vector<int32_t
   pre_tokenizer->split(text, PieceSink(encode_word));
 }
 
-void TokenizerImpl::encode_plain(std::string_view text, std::vector<int32_t>& out) const {
+void TokenizerImpl::encode_plain(std::string_view text, bool parse_special, std::vector<int32_t>& out) const {
   std::string normalized_storage;
   std::string_view normalized = text;
   if (normalizer && !normalizer->is_normalized(text)) {
@@ -201,7 +201,7 @@ void TokenizerImpl::encode_plain(std::string_view text, std::vector<int32_t>& ou
     return;
   }
   std::vector<AddedSplit> splits;
-  normalized_matcher.split(normalized, /*match_special=*/true, splits);
+  normalized_matcher.split(normalized, parse_special, splits);
   for (const auto& s : splits) {
     if (s.id >= 0) {
       out.push_back(s.id);
@@ -370,7 +370,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
   ids.reserve(text.size() / 3 + 4);
   const TokenizerImpl& t = *impl_;
   if (t.raw_matcher.empty()) {
-    t.encode_plain(text, ids);
+    t.encode_plain(text, parse_special, ids);
     return ids;
   }
   std::vector<AddedSplit> splits;
@@ -379,7 +379,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
     if (s.id >= 0) {
       ids.push_back(s.id);
     } else {
-      t.encode_plain(text.substr(s.begin, s.end - s.begin), ids);
+      t.encode_plain(text.substr(s.begin, s.end - s.begin), parse_special, ids);
     }
   }
   return ids;

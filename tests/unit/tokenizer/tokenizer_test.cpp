@@ -165,6 +165,19 @@ TEST(TokenizerAddedTokens, SingleWordNeedsNoWordCharactersAround) {
   EXPECT_EQ(std::find(mark.begin(), mark.end(), 302), mark.end());
 }
 
+TEST(TokenizerAddedTokens, NormalizedTokensMatchTheNormalizedText) {
+  json j = tiny_tokenizer_json();
+  // normalized = true: matched after NFC, against the NFC form of the content.
+  j["added_tokens"].push_back(
+      {{"id", 303}, {"content", "cafe\xCC\x81"}, {"special", false}, {"normalized", true}});
+  j["added_tokens"].push_back({{"id", 304}, {"content", "<n>"}, {"special", true}, {"normalized", true}});
+  auto t = tiny(j);
+  EXPECT_EQ(t->encode("caf\xC3\xA9"), (Ids{303}));         // precomposed
+  EXPECT_EQ(t->encode("cafe\xCC\x81!"), (Ids{303, '!'}));  // decomposed
+  EXPECT_EQ(t->encode("a<n>"), (Ids{'a', 304}));
+  EXPECT_EQ(t->encode("a<n>", /*parse_special=*/false), (Ids{'a', '<', 'n', '>'}));
+}
+
 TEST(TokenizerErrors, UnsupportedPiecesAreNamed) {
   auto expect_error = [](json j, const std::string& needle) {
     try {

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/device.h"
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -51,6 +52,7 @@ struct ServeArgs {
   int64_t max_total_tokens = 0;
   int threads = 0;
   std::string device = "auto";
+  bool skip_self_check = false;
   double shutdown_timeout_s = 30;
   int64_t max_request_bytes = 32 << 20;
   std::string dummy_runner;  // "", hash or echo
@@ -137,9 +139,9 @@ int run_serve(const ServeArgs& a) {
     kv_dtype = DType::F8_E4M3;
   else if (a.kv_cache_dtype != "auto" && a.kv_cache_dtype != "bf16")
     fail("unknown --kv-cache-dtype '{}' (use auto, bf16 or fp8_e4m3)", a.kv_cache_dtype);
-  if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")
-    fail("unknown --device '{}' (use auto, cpu or cuda)", a.device);
-  if (a.device == "cuda") fail("CUDA backend not available in this build (use --device cpu)");
+  // auto / cpu / cuda -> the backend (an unknown name, or cuda without a usable GPU, fails here before loading)
+  const backend::DeviceChoice device_choice = backend::resolve_device(a.device);
+  const std::string device = a.dummy_runner.empty() ? device_choice.device : "dummy-" + a.dummy_runner;
   if (!a.dummy_runner.empty() && a.dummy_runner != "hash" && a.dummy_runner != "echo")
     fail("unknown --dummy-runner '{}' (use hash or echo)", a.dummy_runner);
 
@@ -175,7 +177,7 @@ int run_serve(const ServeArgs& a) {
                               {"chat_template", a.chat_template},
                               {"max_total_tokens", a.max_total_tokens},
                               {"threads", a.threads},
-                              {"device", a.dummy_runner.empty() ? "cpu" : "dummy-" + a.dummy_runner},
+                              {"device", device},
                               {"shutdown_timeout", a.shutdown_timeout_s},
                               {"max_request_bytes", a.max_request_bytes}};
 
@@ -274,7 +276,7 @@ int run_serve(const ServeArgs& a) {
       lo.state_slots = a.max_running_requests;
       lo.threads = a.threads;
       if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
-      runner = backend::load_cpu_model(dir, lo);
+      runner = backend::load_model(dir, device, lo, !a.skip_self_check);
     }
   } catch (...) {
     stop_http();
@@ -293,7 +295,7 @@ int run_serve(const ServeArgs& a) {
   std::printf("kiln serve\n");
   std::printf("  model:     %s (%s%s%s)\n", dir.display_path().c_str(), config.model_type.c_str(),
               config.architecture.empty() ? "" : ", ", config.architecture.c_str());
-  std::printf("  weights:   %s\n", !a.dummy_runner.empty() ? "none (--dummy-runner, for testing)" : description.c_str());
+  if (!a.dummy_runner.empty()) std::printf("  weights:   none (--dummy-runner %s, for testing)\n", a.dummy_runner.c_str());
   std::printf("  tokenizer: %lld tokens; eos ids", static_cast<long long>(tokenizer->vocab_size()));
   for (int32_t id : eo.eos_token_ids) std::printf(" %d", id);
   std::printf("\n  template:  %s\n", chat_template ? template_source.c_str() : "none (chat completions disabled)");
@@ -310,7 +312,7 @@ int run_serve(const ServeArgs& a) {
                                                                   : ("from generation_config.json: " + sampling_desc).c_str());
   std::printf("  parsers:   reasoning %s, tool calls %s\n", http.reasoning_parser_on() ? "qwen3" : "off",
               http.tool_call_parser_on() ? "qwen3_coder" : "off");
-  std::printf("  backend:   %s\n", description.c_str());
+  std::printf("  runner:    %s\n", description.c_str());
   std::printf("  api key:   %s\n", a.api_key.empty() ? "none (open)" : "required (Authorization: Bearer ...)");
   std::printf("ready: http://%s:%d (model \"%s\")\n", a.host.c_str(), http.port(), so.served_model_name.c_str());
   std::fflush(stdout);
@@ -362,6 +364,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "KV cache size in tokens (default: a full context for every running request)");
   app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)");
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();
+  app.add_flag("--skip-self-check", a->skip_self_check,
+               "cuda: start without the numerical self-check against the CPU backend");
   app.add_option("--shutdown-timeout", a->shutdown_timeout_s,
                  "Seconds to let in-flight requests finish on SIGTERM / SIGINT")
       ->capture_default_str();

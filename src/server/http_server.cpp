@@ -868,6 +868,12 @@ struct HttpServer::Impl {
     svr.set_keep_alive_timeout(opts.keep_alive_timeout_s);
     svr.set_keep_alive_max_count(1000);
     svr.set_tcp_nodelay(true);
+    // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port and
+    // silently share its traffic. Keep only SO_REUSEADDR (quick restarts).
+    svr.set_socket_options([](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
 
     svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (opts.api_key.empty()) return httplib::Server::HandlerResponse::Unhandled;

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Graceful shutdown of `kiln serve`: on SIGTERM /health turns 503 and new requests get 503 while an
+# in-flight stream runs to its end; then the server exits 0. With a short --shutdown-timeout the
+# stream is cut (finish_reason "abort") and the exit is still 0. A port in use fails at startup.
+# $1 = kiln binary, $2 = repo root.
+set -euo pipefail
+ROOT=${2:-$(cd "$(dirname "$0")/../.." && pwd)}
+source "$ROOT/tests/integration/lib/serve_lib.sh"
+serve_init "$1" "$ROOT"
+pick_real_model
+fail() { echo "FAIL: $*"; exit 1; }
+BODY='{"messages": [{"role": "user", "content": "go"}], "max_tokens": 1000, "ignore_eos": true, "temperature": 0, "stream": true}'
+
+# 1. Drain: the stream finishes.
+start_server drain "${REAL_MODEL_ARGS[@]}"
+curl -sN "$URL_drain/v1/chat/completions" -H 'Content-Type: application/json' -d "$BODY" > "$SERVE_WORK/stream1.txt" &
+CURL=$!
+for _ in $(seq 100); do [ -s "$SERVE_WORK/stream1.txt" ] && break; sleep 0.02; done
+[ -s "$SERVE_WORK/stream1.txt" ] || fail "the stream did not start"
+kill -TERM "$PID_drain"
+sleep 0.1
+code=$(curl -s -o /dev/null -w '%{http_code}' "$URL_drain/health" || true)
+if kill -0 "$PID_drain" 2>/dev/null; then
+  [ "$code" = 503 ] || fail "/health answered $code while draining (want 503)"
+  code=$(curl -s -o "$SERVE_WORK/refused.json" -w '%{http_code}' "$URL_drain/v1/chat/completions" \
+           -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "x"}]}' || true)
+  if kill -0 "$PID_drain" 2>/dev/null; then
+    [ "$code" = 503 ] || fail "a new request got $code while draining (want 503)"
+  fi
+else
+  echo "note: the server finished draining before the checks (a fast machine)"
+fi
+wait "$CURL" || true
+wait_server drain
+[ "$RC_drain" = 0 ] || fail "exit status $RC_drain after SIGTERM (want 0)"
+tail -c 200 "$SERVE_WORK/stream1.txt" | grep -q 'data: \[DONE\]' || fail "the in-flight stream did not end with [DONE]"
+grep -q '"finish_reason":"length"' "$SERVE_WORK/stream1.txt" || fail "the in-flight stream did not run to max_tokens"
+echo "ok: drain lets the in-flight stream finish, exit 0"
+
+# 2. Timeout: the stream is aborted, exit still 0.
+start_server cut "${REAL_MODEL_ARGS[@]}" --shutdown-timeout 0
+BIG='{"messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "ignore_eos": true, "stream": true}'
+curl -sN "$URL_cut/v1/chat/completions" -H 'Content-Type: application/json' -d "$BIG" > "$SERVE_WORK/stream2.txt" &
+CURL=$!
+for _ in $(seq 100); do [ -s "$SERVE_WORK/stream2.txt" ] && break; sleep 0.02; done
+stop_server cut TERM
+wait "$CURL" || true
+[ "$RC_cut" = 0 ] || fail "exit status $RC_cut after SIGTERM with --shutdown-timeout 0"
+if ! grep -q '"finish_reason":"length"' "$SERVE_WORK/stream2.txt"; then
+  grep -q '"finish_reason":"abort"' "$SERVE_WORK/stream2.txt" || fail "the cut stream has no finish_reason abort"
+fi
+echo "ok: shutdown timeout aborts the stream, exit 0"
+
+# 3. A port that is taken fails at once with a clear error.
+start_server first "${REAL_MODEL_ARGS[@]}"
+port=${URL_first##*:}
+if "$KILN" serve --port "$port" "${REAL_MODEL_ARGS[@]}" > "$SERVE_WORK/second.log" 2>&1; then
+  fail "a second server on the same port started"
+fi
+grep -q "cannot listen on" "$SERVE_WORK/second.log" || fail "no clear error for a taken port: $(cat "$SERVE_WORK/second.log")"
+echo "ok: a taken port is a one-line error"
+echo "PASS: serve_shutdown"

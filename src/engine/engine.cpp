@@ -106,8 +106,10 @@ SubmitResult Engine::submit(std::vector<GenerateRequest> sequences) {
       result.message = "the server is shutting down";
       return result;
     }
+    // Sequences that will start at once (free running places) do not count as waiting.
     int64_t queued = published_waiting_ + static_cast<int64_t>(incoming_.size());
-    if (queued + static_cast<int64_t>(sequences.size()) > opts_.max_queued_requests) {
+    int64_t free_running = std::max<int64_t>(0, opts_.max_running_requests - gauges_.num_running);
+    if (queued + static_cast<int64_t>(sequences.size()) - free_running > opts_.max_queued_requests) {
       rejected_queue_full_.fetch_add(1);
       result.status = SubmitStatus::queue_full;
       result.message = fmt::format("the request queue is full ({} waiting, limit {}); retry later", queued,

@@ -218,6 +218,26 @@ TEST(Engine, QueueFullThenRoomAgain) {
   collect(again.channel);
 }
 
+TEST(Engine, NoQueueMeansRunOrRefuse) {
+  DummyRunner::Options ro;
+  ro.step_delay_us = 2000;
+  Engine e(std::make_unique<DummyRunner>(ro), options(2, 8, /*max_queued=*/0));
+  e.start();
+  auto r = greedy({1, 2, 3}, 50);
+  r.ignore_eos = true;
+  auto a = e.submit({r});
+  auto b = e.submit({r});
+  EXPECT_EQ(a.status, SubmitStatus::ok);
+  EXPECT_EQ(b.status, SubmitStatus::ok);
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(e.submit({r}).status, SubmitStatus::queue_full);
+  a.channel->cancel();
+  b.channel->cancel();
+  collect(a.channel);
+  collect(b.channel);
+  EXPECT_EQ(collect(e.submit({greedy({1}, 1)}).channel).tokens[0].size(), 1u);
+}
+
 TEST(Engine, CancelFreesCapacityAtTheNextStep) {
   DummyRunner::Options ro;
   ro.step_delay_us = 1000;
@@ -229,7 +249,8 @@ TEST(Engine, CancelFreesCapacityAtTheNextStep) {
     r.ignore_eos = true;
     chans.push_back(e.submit({r}).channel);
   }
-  std::this_thread::sleep_for(30ms);
+  for (int i = 0; i < 500 && (e.metrics().num_running < 4 || e.metrics().num_waiting < 2); ++i)
+    std::this_thread::sleep_for(2ms);
   auto m = e.metrics();
   EXPECT_EQ(m.num_running, 4);
   EXPECT_EQ(m.num_waiting, 2);

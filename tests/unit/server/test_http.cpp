@@ -712,6 +712,32 @@ TEST(Http, DisconnectsFreeCapacity) {
   EXPECT_EQ(s.http().active_requests(), 0);
 }
 
+TEST(Http, ManyIdleStreamsDoNotStarveOtherClients) {
+  ServerConfig cfg;
+  cfg.echo = false;
+  cfg.step_delay_us = 2000;
+  TestServer s(cfg);  // 96 HTTP threads, 8 running, 64 queued
+  json b = chat_body("x", {{"max_tokens", 1000}, {"ignore_eos", true}, {"stream", true}});
+  std::vector<int> fds;
+  for (int i = 0; i < 60; ++i) {  // clients that start a stream and never read it
+    int fd = connect_to(s.port());
+    ASSERT_GE(fd, 0);
+    send_request(fd, "/v1/chat/completions", b.dump());
+    fds.push_back(fd);
+  }
+  std::this_thread::sleep_for(200ms);
+  for (int i = 0; i < 10; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(get(s, "/health").status, 200);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  }
+  EXPECT_EQ(metric(s, "kiln:num_running_reqs"), 8);
+  EXPECT_EQ(metric(s, "kiln:num_queue_reqs"), 52);
+  for (int fd : fds) close(fd);
+  EXPECT_TRUE(wait_for_zero(s, "kiln:num_queue_reqs", 5000ms));
+  EXPECT_TRUE(wait_for_zero(s, "kiln:kv_pages_used", 5000ms));
+}
+
 TEST(Http, GarbageAndTruncatedRequestsDoNotHurt) {
   TestServer s;
   // Random bytes, a truncated body (then hang up), a header-only request, a slow trickle.

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -235,6 +236,11 @@ int run_serve(const ServeArgs& a) {
     http.stop();
     if (http_thread.joinable()) http_thread.join();
   };
+  // Whatever fails from here on (loading, engine setup), the HTTP thread is stopped and joined.
+  struct OnExit {
+    std::function<void()> fn;
+    ~OnExit() { fn(); }
+  } join_http{stop_http};
   signals.start([&](int sig) {
     std::lock_guard<std::mutex> lock(mu);
     ++signals_seen;
@@ -251,7 +257,7 @@ int run_serve(const ServeArgs& a) {
   KILN_LOG_INFO("listening on http://{}:{} (loading the model; /health answers 503 until ready)", a.host, http.port());
 
   std::unique_ptr<model::ModelRunner> runner;
-  try {
+  {
     int64_t context = a.context_length;
     if (!a.dummy_runner.empty()) {
       engine::DummyRunner::Options d;
@@ -278,9 +284,6 @@ int run_serve(const ServeArgs& a) {
       if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
       runner = backend::load_model(dir, device, lo, !a.skip_self_check);
     }
-  } catch (...) {
-    stop_http();
-    throw;
   }
   std::string description = runner->describe();
   engine::Engine engine(std::move(runner), eo);

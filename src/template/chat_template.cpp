@@ -125,6 +125,25 @@ std::string ChatTemplate::render_json_text(std::string_view request_json) const 
   return render(request);
 }
 
+ordered_json ChatTemplate::sglang_tools(const ordered_json& openai_tools) {
+  if (!openai_tools.is_array()) fail("request.tools must be a list of tools");
+  ordered_json out = ordered_json::array();
+  for (const auto& tool : openai_tools) {
+    if (!tool.is_object() || !tool.contains("function") || !tool["function"].is_object())
+      fail("request.tools: every tool must be {{\"type\": \"function\", \"function\": {{...}}}}");
+    const auto& fn = tool["function"];
+    if (!fn.contains("name") || !fn["name"].is_string())
+      fail("request.tools: every function needs a \"name\"");
+    ordered_json flat = ordered_json::object();
+    flat["description"] = fn.contains("description") ? fn["description"] : ordered_json(nullptr);
+    flat["name"] = fn["name"];
+    flat["parameters"] = fn.contains("parameters") ? fn["parameters"] : ordered_json(nullptr);
+    flat["strict"] = fn.contains("strict") && fn["strict"].is_boolean() ? fn["strict"] : ordered_json(false);
+    out.push_back(std::move(flat));
+  }
+  return out;
+}
+
 bool ChatTemplate::injects_think() const {
   ordered_json request = {{"messages", ordered_json::array({{{"role", "user"}, {"content", "hi"}}})},
                           {"add_generation_prompt", true}};

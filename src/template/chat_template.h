@@ -43,6 +43,14 @@ class ChatTemplate {
   // Same, from the request's JSON text.
   std::string render_json_text(std::string_view request_json) const;
 
+  // SGLang hands chat templates the tools in its own shape: the `function` object of each OpenAI tool
+  // as its pydantic model dumps it, {"description", "name", "parameters", "strict"} in that order
+  // (description/parameters null and strict false when absent). Current SGLang keeps the OpenAI
+  // {"type", "function"} wrapping only for templates that read `tool.function` (Qwen3-Coder does,
+  // Qwen3.5 does not), so a Qwen3.5 prompt under SGLang shows this flat shape through `tool | tojson`.
+  // Use it on request["tools"] to reproduce SGLang's prompts exactly.
+  static nlohmann::ordered_json sglang_tools(const nlohmann::ordered_json& openai_tools);
+
   // Whether this template's generation prompt (default kwargs) leaves the model inside a think block,
   // i.e. the prompt ends with "<think>" (trailing whitespace ignored), as Qwen3.5's does.
   bool injects_think() const;

@@ -706,7 +706,7 @@ Value str_format(Interpreter& in, const std::string& f, const CallArgs& args) {
       v = args.positional[auto_index++];
     } else if (std::all_of(head.begin(), head.end(),
                            [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); })) {
-      size_t idx = std::stoul(head);
+      size_t idx = head.size() > 9 ? SIZE_MAX : std::stoul(head);
       if (idx >= args.positional.size())
         runtime_fail("Replacement index {} out of range for positional args tuple", idx);
       v = args.positional[idx];
@@ -732,7 +732,8 @@ Value str_format(Interpreter& in, const std::string& f, const CallArgs& args) {
         bool numeric = !key.empty() && std::all_of(key.begin(), key.end(), [](char ch) {
           return std::isdigit(static_cast<unsigned char>(ch));
         });
-        v = in.getitem(v, numeric ? Value(static_cast<int64_t>(std::stoll(key))) : Value(key));
+        v = in.getitem(
+            v, numeric && key.size() <= 18 ? Value(static_cast<int64_t>(std::stoll(key))) : Value(key));
         end = rb + 1 < field.size() ? rb + 1 : std::string::npos;
       }
     }
@@ -1547,6 +1548,7 @@ void add_globals(Scope& scope) {
   });
   scope.vars["namespace"] = make_callable("namespace", [](Interpreter& in, CallArgs& args) -> Value {
     auto ns = std::make_shared<Namespace>();
+    in.track_namespace(ns);
     if (args.positional.size() > 1) runtime_fail("namespace expected at most 1 positional argument");
     if (!args.positional.empty()) {
       const Value& src = args.positional[0];

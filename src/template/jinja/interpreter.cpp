@@ -82,6 +82,14 @@ class LoopObject : public Object {
 Interpreter::Interpreter(const RenderLimits& limits, std::shared_ptr<Scope> root)
     : limits_(limits), scope_(std::move(root)) {}
 
+Interpreter::~Interpreter() {
+  for (auto& weak : closure_scopes_)
+    if (auto scope = weak.lock()) scope->vars.clear();
+  for (auto& weak : namespaces_)
+    if (auto ns = weak.lock()) ns->attrs = Dict();
+  if (scope_) scope_->vars.clear();
+}
+
 void Interpreter::render(const Body& body, std::string& out) {
   out_ = &out;
   Flow f = exec_body(body);
@@ -295,6 +303,7 @@ void Interpreter::assign(const Expr& target, const Value& value) {
 // Macros are closures over the scope they are defined in (Python closures: late binding).
 Value Interpreter::make_macro(const Stmt& s, bool is_caller) {
   auto closure = scope_;
+  closure_scopes_.push_back(closure);
   const Stmt* m = &s;
   auto c = std::make_shared<Callable>();
   c->name = is_caller ? "caller" : s.name;
@@ -671,7 +680,7 @@ Value Interpreter::get_attribute_path(const Value& item, const Value& attribute)
   while (true) {
     size_t dot = path.find('.', start);
     std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+    bool numeric = !part.empty() && part.size() <= 18 && std::all_of(part.begin(), part.end(), [](char c) {
       return std::isdigit(static_cast<unsigned char>(c));
     });
     cur = numeric ? getitem(cur, Value(static_cast<int64_t>(std::stoll(part)))) : getitem(cur, Value(part));

@@ -36,6 +36,13 @@ enum class Flow { Normal, Break, Continue };
 class Interpreter {
  public:
   Interpreter(const RenderLimits& limits, std::shared_ptr<Scope> root);
+  // Breaks the reference cycles a render can build (a macro stored in the scope it closes over, a
+  // namespace holding itself) so that everything the render allocated is freed.
+  ~Interpreter();
+  Interpreter(const Interpreter&) = delete;
+  Interpreter& operator=(const Interpreter&) = delete;
+
+  void track_namespace(const std::shared_ptr<Namespace>& ns) { namespaces_.push_back(ns); }
 
   void render(const Body& body, std::string& out);
 
@@ -62,6 +69,8 @@ class Interpreter {
   std::string* out_ = nullptr;
   int depth_ = 0;
   uint64_t steps_ = 0;
+  std::vector<std::weak_ptr<Scope>> closure_scopes_;
+  std::vector<std::weak_ptr<Namespace>> namespaces_;
 
   Value eval_inner(const Expr& e);
   Value eval_filter(const Expr& f, const Value* block_input);

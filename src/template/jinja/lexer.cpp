@@ -1,6 +1,9 @@
 #include "template/jinja/lexer.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/error.h"
 #include "template/jinja/unicode.h"
@@ -362,7 +365,11 @@ class Lexer {
       }
       if (exp_end != std::string::npos) e = exp_end;
       if (has_frac || exp_end != std::string::npos) {
-        Token t{Tok::Float, {}, 0, std::stod(strip_underscores(src_.substr(p, e - p))), pos_of(p)};
+        Token t{Tok::Float,
+                {},
+                0,
+                std::strtod(strip_underscores(src_.substr(p, e - p)).c_str(), nullptr),
+                pos_of(p)};
         tokens_.push_back(std::move(t));
         return e;
       }
@@ -388,8 +395,11 @@ class Lexer {
         ++e;
       }
       if (!digits_only.empty()) {
-        Token t{
-            Tok::Integer, {}, static_cast<int64_t>(std::stoull(digits_only, nullptr, base)), 0, pos_of(p)};
+        errno = 0;
+        unsigned long long v = std::strtoull(digits_only.c_str(), nullptr, base);
+        if (errno == ERANGE || v > static_cast<unsigned long long>(INT64_MAX))
+          fail_at(p, "integer literal too large: " + src_.substr(p, e - p));
+        Token t{Tok::Integer, {}, static_cast<int64_t>(v), 0, pos_of(p)};
         tokens_.push_back(std::move(t));
         return e;
       }

@@ -223,6 +223,19 @@ TEST(ChatTemplate, ThinkInjection) {
   EXPECT_FALSE(ChatTemplate::prompt_ends_inside_think("plain"));
 }
 
+TEST(ChatTemplate, SglangToolShape) {
+  auto tools = ordered_json::parse(R"([{"type": "function", "function": {"name": "f", "parameters":
+      {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}}},
+      {"type": "function", "function": {"description": "D", "name": "g", "strict": true}}])");
+  ChatTemplate t("{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}");
+  ordered_json req = {{"messages", ordered_json::array()}, {"tools", ChatTemplate::sglang_tools(tools)}};
+  EXPECT_EQ(t.render(req),
+            "{\"description\": null, \"name\": \"f\", \"parameters\": {\"type\": \"object\", \"properties\": "
+            "{\"z\": {\"type\": \"string\"}, \"a\": {\"type\": \"integer\"}}}, \"strict\": false}\n"
+            "{\"description\": \"D\", \"name\": \"g\", \"parameters\": null, \"strict\": true}\n");
+  EXPECT_THROW(ChatTemplate::sglang_tools(ordered_json::parse(R"([{"type": "function"}])")), kiln::Error);
+}
+
 TEST(ChatTemplate, ReferencePromptQwen35) {
   // REFERENCE.md section 4: turns are <|im_start|>{role}\n...<|im_end|>\n, generation prompt opens <think>.
   ChatTemplate t(fixture("Qwen3.5-4B.jinja"), "", "<|im_end|>");

@@ -9,6 +9,9 @@
 #include <string>
 #include <string_view>
 
+// Rendering is const and thread-safe: one ChatTemplate can serve concurrent requests. A render is
+// bounded (call depth, steps, output size; see jinja::RenderLimits) and never crashes on a bad template
+// or request: every failure is a kiln::Error.
 namespace kiln::tmpl {
 
 namespace jinja {

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "core/error.h"
 #include "template/chat_template.h"
@@ -234,6 +236,24 @@ TEST(ChatTemplate, SglangToolShape) {
             "{\"z\": {\"type\": \"string\"}, \"a\": {\"type\": \"integer\"}}}, \"strict\": false}\n"
             "{\"description\": \"D\", \"name\": \"g\", \"parameters\": null, \"strict\": true}\n");
   EXPECT_THROW(ChatTemplate::sglang_tools(ordered_json::parse(R"([{"type": "function"}])")), kiln::Error);
+}
+
+TEST(ChatTemplate, ConcurrentRendersAgree) {
+  ChatTemplate t(fixture("Qwen3.5-4B.jinja"), "", "<|im_end|>");
+  auto req = ordered_json::parse(R"({"messages": [{"role": "user", "content": "Weather?"},
+      {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w",
+       "arguments": "{\"city\": \"Oslo\"}"}}]}, {"role": "tool", "content": "cold"}],
+      "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]})");
+  const std::string expected = t.render(req);
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&, i] {
+      for (int k = 0; k < 50; ++k)
+        if (t.render(req) != expected) ++mismatches[i];
+    });
+  for (auto& th : threads) th.join();
+  for (int m : mismatches) EXPECT_EQ(m, 0);
 }
 
 TEST(ChatTemplate, ReferencePromptQwen35) {

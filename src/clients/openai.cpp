@@ -13,6 +13,7 @@ void add_sampling(nlohmann::json& body, const GenerationParams& params) {
   body["temperature"] = params.temperature;
   if (params.ignore_eos) body["ignore_eos"] = true;
   if (params.seed) body["seed"] = *params.seed;
+  if (params.skip_special_tokens) body["skip_special_tokens"] = *params.skip_special_tokens;
   body["stream"] = params.stream;
   if (params.stream) body["stream_options"] = {{"include_usage", true}};
 }

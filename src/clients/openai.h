@@ -21,6 +21,9 @@ struct GenerationParams {
   bool ignore_eos = false;              // sent only when true
   bool stream = false;                  // streamed requests also ask for usage (stream_options)
   std::optional<int64_t> seed;
+  // Sent as skip_special_tokens when set (SGLang / vLLM / kiln extension): false keeps end-of-turn
+  // tokens in the text, so a client can tell the answer from what ignore_eos generated after it.
+  std::optional<bool> skip_special_tokens;
 };
 
 // POST /v1/chat/completions body with one user message.

@@ -18,8 +18,9 @@ namespace kiln::clients {
 namespace {
 
 constexpr const char* kChatPath = "/v1/chat/completions";
-constexpr const char* kSimplePrompt = "Reply with just OK. Do not add anything else, not even punctuation.";
-constexpr const char* kMathPrompt = "What is 17 x 19? Give the final answer as a number.";
+// The prompts of the seed deployment's smoke script: short, so that small models are judged on the skill.
+constexpr const char* kSimplePrompt = "Reply with just OK";
+constexpr const char* kMathPrompt = "What is 17 x 19?";
 constexpr const char* kDeterminismPrompt =
     "Write one paragraph of about 80 words about the history of the number zero.";
 constexpr const char* kThroughputPrompt =
@@ -99,6 +100,15 @@ void guard_answer(Problems& problems, const Generation& g, std::string_view labe
       problems.add(*why);
   }
   problems.add_if(check_output(g.reasoning, prefix + "reasoning", /*allow_empty=*/true));
+}
+
+// Splits text at the first end-of-turn marker of the common chat formats (ChatML, Llama 3, Mistral, ...).
+std::pair<std::string_view, std::string_view> split_at_end_of_turn(std::string_view text) {
+  size_t cut = std::string_view::npos;
+  for (std::string_view marker : {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>"})
+    cut = std::min(cut, text.find(marker));
+  if (cut == std::string_view::npos) return {text, {}};
+  return {text.substr(0, cut), text.substr(cut)};
 }
 
 bool rejects_length(const Generation& g) {
@@ -293,6 +303,7 @@ void check_throughput(Context& ctx, CheckResult& result, Problems& problems) {
   params.max_tokens = kThroughputTokens;
   params.enable_thinking = false;
   params.ignore_eos = true;
+  params.skip_special_tokens = false;
   params.stream = true;
   Generation g = chat(ctx, result, kThroughputPrompt, params);
   bool ignore_eos_rejected = false;
@@ -303,7 +314,18 @@ void check_throughput(Context& ctx, CheckResult& result, Problems& problems) {
     params.ignore_eos = false;
     g = chat(ctx, result, kThroughputPrompt, params);
   }
-  guard_answer(problems, g);
+  if (params.ignore_eos) {
+    // The answer is the text up to the model's end-of-turn token (kept in the text by
+    // skip_special_tokens=false); what ignore_eos generated after it is not an answer, so only the
+    // character guards apply there. A server that drops the marker gets the whole text judged.
+    auto [answer, past] = split_at_end_of_turn(g.content);
+    Generation head = g;
+    head.content = std::string(answer);
+    guard_answer(problems, head);
+    if (auto why = check_bad_characters(past)) problems.add("content after the end of the answer: " + *why);
+  } else {
+    guard_answer(problems, g);
+  }
   if (!g.ok) {
     add_answer_evidence(result, g);
     return;

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The real thing: `kiln serve` (the embedded kiln-tiny model) checked by `kiln smoke` and measured by
-# `kiln bench`. Prints "SKIP: ..." and passes while `kiln serve` does not exist yet or the binary has
-# no embedded model.
+# `kiln bench`. Strict: every smoke check must pass.
 # Usage: smoke_kiln.sh KILN_BINARY [REPO_ROOT]
 # Environment: KILN_SMOKE_TESTS (comma list for kiln smoke --tests; default: all checks),
 #              KILN_SERVE_ARGS (extra arguments for kiln serve), KILN_SERVE_WAIT_S (default 600).
@@ -21,13 +20,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# (CLI11 answers `kiln serve --help` with the top-level help when serve is unknown: read the list.)
-"$KILN" --help > "$WORK/help.txt" 2>&1 || true
-if ! grep -qE '^ +serve( |$)' "$WORK/help.txt"; then
-  echo "SKIP: 'kiln serve' is not a subcommand of this kiln binary yet"
-  exit 0
-fi
-
 PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL="http://127.0.0.1:$PORT"
 # shellcheck disable=SC2086
@@ -40,10 +32,6 @@ for _ in $(seq $((WAIT_S * 5))); do
   if ! kill -0 "$SERVER_PID" 2>/dev/null; then
     wait "$SERVER_PID" 2>/dev/null && rc=0 || rc=$?
     SERVER_PID=""
-    if grep -qi "no embedded model" "$WORK/serve.log"; then
-      echo "SKIP: this kiln binary has no embedded model: $(grep -i -m1 "no embedded model" "$WORK/serve.log")"
-      exit 0
-    fi
     echo "FAIL: kiln serve exited (status $rc) before becoming healthy:"
     tail -30 "$WORK/serve.log"
     exit 1

@@ -1,0 +1,90 @@
+// The CUDA backend's model::Ops: the same interface as the CPU oracle (cpu/cpu_ops.h), with every tensor in
+// device memory and F32 activations on the device. Weights are copied to the device once (place_weight) and read
+// as stored (BF16 / F16 / F32, per-tensor FP8, NVFP4) by kernels that decode them in registers; accumulation is
+// fp32 everywhere, so results match the CPU backend to rounding (rel ~1e-6), not to a BF16 tolerance.
+// Kernels: cuda_ops_{elementwise,attention,linear}.cu (launchers in cuda_ops_kernels.h). All work runs on one
+// stream owned by the Ops; download() and max_abs() synchronise it, and CUDA errors surface there (or at the
+// launch) as kiln::Error with the CUDA error string.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "model/ops.h"
+
+namespace kiln::backend::cuda {
+
+// The GPU kiln would run on. kiln's kernels are built for sm_90a (Hopper) and sm_120a (Blackwell workstation).
+struct CudaDeviceProbe {
+  bool usable = false;
+  int index = -1;             // CUDA device index (the first supported one)
+  std::string name;           // e.g. "NVIDIA H200"
+  int major = 0, minor = 0;   // compute capability
+  int multiprocessors = 0;
+  size_t memory_bytes = 0;
+  std::string reason;         // why not usable: "no CUDA device ...", "compute capability 8.0 not supported ..."
+};
+// Never throws: a machine without a driver or GPU gives usable = false and a reason.
+CudaDeviceProbe probe_cuda_device();
+
+class CudaOps final : public model::Ops {
+ public:
+  // Uses probe_cuda_device()'s device; throws kiln::Error with the probe's reason when there is none.
+  CudaOps();
+  ~CudaOps() override;
+  CudaOps(const CudaOps&) = delete;
+  CudaOps& operator=(const CudaOps&) = delete;
+
+  std::string name() const override { return "cuda"; }
+  std::string describe() const override;
+
+  TensorView allocate(DType dtype, Shape shape) override;
+  TensorView place_weight(const TensorView& host) override;
+  TensorView scratch(DType dtype, Shape shape) override;
+  void reset_scratch() override;
+  TensorView upload(const void* host, DType dtype, Shape shape) override;
+  void download(const TensorView& src, void* host) override;
+  void fill_zero(TensorView t) override;
+  void copy(const TensorView& src, TensorView dst) override;
+  float max_abs(const TensorView& x) override;
+
+  void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
+  void linear(const TensorView& x, const model::LinearWeight& w, TensorView out) override;
+  void rms_norm(const TensorView& x, const TensorView& weight, float eps, model::NormKind kind,
+                TensorView out) override;
+  void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
+                      TensorView out) override;
+  void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) override;
+  void add(const TensorView& a, const TensorView& b, TensorView out) override;
+  void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) override;
+  void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) override;
+  void gather_rows(const TensorView& x, const TensorView& rows, TensorView out) override;
+
+  void kv_store(const TensorView& k, const TensorView& v, model::KvLayerView cache,
+                const model::StepLayout& step) override;
+  void attention(const TensorView& q, model::KvLayerView cache, const model::StepLayout& step, float scale,
+                 TensorView out) override;
+
+  void causal_conv1d_silu(const TensorView& x, const TensorView& weight, TensorView conv_state,
+                          const model::StepLayout& step, TensorView out) override;
+  void delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& A_log,
+                        const TensorView& dt_bias, TensorView g, TensorView beta) override;
+  void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                        const TensorView& beta, TensorView state, const model::StepLayout& step,
+                        model::DeltaRuleMode mode, TensorView out) override;
+
+  void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
+                 TensorView weights) override;
+  void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                   std::span<const model::ExpertWeights> experts, TensorView out) override;
+
+  // Waits for all queued work (and reports any CUDA error it raised).
+  void synchronize();
+  const CudaDeviceProbe& device() const;
+  size_t weight_bytes() const;  // device memory held by placed weights
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::backend::cuda

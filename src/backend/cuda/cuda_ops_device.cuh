@@ -1,0 +1,156 @@
+// Device helpers of the CudaOps kernels (cuda_ops_*.cu): element loads as fp32, FP8 / FP4 decoding, one weight
+// element or eight of them as the CPU backend decodes them, reductions. fp32 maths with the accurate expf /
+// cosf (no fast-math intrinsics): these kernels are checked against the CPU backend at ~1e-5.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_ops_kernels.h"
+
+namespace kiln::cuda::ops::dev {
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+__device__ __forceinline__ float f16_to_f32(uint16_t v) { return __half2float(__ushort_as_half(v)); }
+
+// OCP E4M3 (e4m3fn): bias 7, S.1111.111 is NaN, subnormals m * 2^-9. Exact.
+__device__ __forceinline__ float e4m3_to_f32(uint32_t b) {
+  const uint32_t e = (b >> 3) & 0xf, m = b & 0x7;
+  float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : float(m) * 0.001953125f;
+  if (e == 0xf && m == 0x7) mag = __int_as_float(0x7fc00000);
+  return (b & 0x80) ? -mag : mag;
+}
+
+// E2M1 code (bit 3 sign, bits 0-2 magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}). Exact.
+__device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * float(m);
+  return (c & 8u) ? -mag : mag;
+}
+
+// Element i of a float tensor of type `t`.
+__device__ __forceinline__ float load_elem(const void* p, ElemType t, int64_t i) {
+  switch (t) {
+    case ElemType::f32: return static_cast<const float*>(p)[i];
+    case ElemType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case ElemType::f16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case ElemType::e4m3: return e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+
+// W[n, k] as the CPU backend decodes it: dense as stored; fp8 e4m3 * scale; nvfp4 (e2m1 * block) * scale_2.
+__device__ __forceinline__ float weight_at(const WeightDesc& w, int64_t n, int64_t k) {
+  switch (w.kind) {
+    case WeightKind::dense: return load_elem(w.data, w.elem, n * w.k + k);
+    case WeightKind::fp8_tensor: return e4m3_to_f32(static_cast<const uint8_t*>(w.data)[n * w.k + k]) * w.scale;
+    case WeightKind::nvfp4: {
+      const uint8_t byte = static_cast<const uint8_t*>(w.data)[n * (w.k / 2) + k / 2];
+      const float bs = e4m3_to_f32(w.block_scale[n * (w.k / 16) + k / 16]);
+      return (e2m1_to_f32((k & 1) ? (byte >> 4) : (byte & 0xf)) * bs) * w.scale;
+    }
+  }
+  return 0.0f;
+}
+
+// W[n, k0 .. k0 + 8) with one vector load. Needs k % 8 == 0, k0 % 8 == 0 and a 16-byte aligned base (dense f32
+// loads two 16-byte vectors; fp8 8 bytes; nvfp4 4 bytes of codes: 8 elements inside one 16-element block).
+__device__ __forceinline__ void weight_at8(const WeightDesc& w, int64_t n, int64_t k0, float (&out)[8]) {
+  switch (w.kind) {
+    case WeightKind::dense:
+      if (w.elem == ElemType::f32) {
+        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(w.data) + n * w.k + k0);
+        const float4 a = p[0], b = p[1];
+        out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+        out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+      } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w.data) + n * w.k + k0);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t lo = uint16_t(words[i] & 0xffffu), hi = uint16_t(words[i] >> 16);
+          out[2 * i] = w.elem == ElemType::bf16 ? bf16_to_f32(lo) : f16_to_f32(lo);
+          out[2 * i + 1] = w.elem == ElemType::bf16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+        }
+      }
+      return;
+    case WeightKind::fp8_tensor: {
+      const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(w.data) + n * w.k + k0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        out[i] = e4m3_to_f32((v.x >> (8 * i)) & 0xffu) * w.scale;
+        out[4 + i] = e4m3_to_f32((v.y >> (8 * i)) & 0xffu) * w.scale;
+      }
+      return;
+    }
+    case WeightKind::nvfp4: {
+      const uint32_t codes = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.data) + n * (w.k / 2) + k0 / 2);
+      const float bs = e4m3_to_f32(w.block_scale[n * (w.k / 16) + k0 / 16]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = (e2m1_to_f32((codes >> (4 * i)) & 0xfu) * bs) * w.scale;
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum / max over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red` holds
+// 32 floats of shared memory; the call synchronises the block twice.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < warps; ++i) total += red[i];  // same order in every thread
+  __syncthreads();
+  return total;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int i = 0; i < warps; ++i) m = fmaxf(m, red[i]);
+  __syncthreads();
+  return m;
+}
+
+// The sequence of token t: the s with seq_token_begin[s] <= t < seq_token_begin[s + 1].
+__device__ __forceinline__ int seq_of_token(const StepArgs& step, int t) {
+  int lo = 0, hi = step.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (step.seq_token_begin[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Pool row of position pos of sequence s (page * page_size + pos % page_size), or -1 without a page.
+__device__ __forceinline__ int64_t kv_pool_row(const StepArgs& step, int s, int pos) {
+  const int page_index = pos / step.page_size;
+  if (page_index >= step.max_pages) return -1;
+  const int32_t page = step.page_table[int64_t(s) * step.max_pages + page_index];
+  if (page < 0) return -1;
+  return int64_t(page) * step.page_size + pos % step.page_size;
+}
+
+inline unsigned grid_for(int64_t n, int block) { return static_cast<unsigned>((n + block - 1) / block); }
+
+}  // namespace kiln::cuda::ops::dev

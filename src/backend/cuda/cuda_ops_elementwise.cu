@@ -1,0 +1,304 @@
+// CudaOps kernels over rows and elements: strided copy, max |x|, embedding, RMSNorm (plain / zero-centred /
+// gated), RoPE, add, SiLU-mul, sigmoid-mul, row gather, the causal conv of Gated DeltaNet and its gates.
+// One thread per element or a warp per row; fp32 maths in the CPU backend's order where it matters.
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_device.cuh"
+#include "backend/cuda/cuda_ops_kernels.h"
+
+namespace kiln::cuda::ops {
+namespace {
+
+using namespace dev;
+
+constexpr int kBlock = 256;
+
+// ---- copy
+
+struct CopyShape {
+  int64_t shape[4], ss[4], ds[4];
+};
+
+template <typename T>
+__global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, CopyShape c, int64_t total) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rem = i, so = 0, dof = 0;
+#pragma unroll
+    for (int d = 3; d >= 0; --d) {
+      const int64_t idx = rem % c.shape[d];
+      rem /= c.shape[d];
+      so += idx * c.ss[d];
+      dof += idx * c.ds[d];
+    }
+    dst[dof] = src[so];
+  }
+}
+
+unsigned capped_grid(int64_t n) {
+  const int64_t g = (n + kBlock - 1) / kBlock;
+  return static_cast<unsigned>(g < 65536 ? (g > 0 ? g : 1) : 65536);
+}
+
+// ---- max |x|
+
+__global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned* result) {
+  float m = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    m = fmaxf(m, fabsf(x[i]));
+  m = warp_max(m);
+  // Non-negative floats order like their bit patterns.
+  if ((threadIdx.x & 31) == 0) atomicMax(result, __float_as_uint(m));
+}
+
+// ---- embedding / gather
+
+__global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
+                                 const int32_t* __restrict__ ids, int64_t T, float* __restrict__ out) {
+  const int64_t total = T * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / H, h = i % H;
+    const int32_t id = ids[t];
+    out[i] = (id >= 0 && id < V) ? load_elem(table, elem, int64_t(id) * H + h) : 0.0f;
+  }
+}
+
+__global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, int64_t H,
+                                   const int32_t* __restrict__ rows, int64_t R, float* __restrict__ out) {
+  const int64_t total = R * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / H, h = i % H;
+    const int32_t src = rows[r];
+    out[i] = (src >= 0 && src < x_rows) ? x[int64_t(src) * H + h] : 0.0f;
+  }
+}
+
+// ---- norms: a warp per row
+
+constexpr int kRowsPerBlock = 8;  // warps per block
+
+__global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
+                                ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
+  const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= R) return;
+  const float* xr = x + r * ldx;
+  float ss = 0.0f;
+  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float one = zero_centred ? 1.0f : 0.0f;
+  for (int64_t i = lane; i < D; i += 32) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
+}
+
+__global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
+                                      const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
+  const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= R) return;
+  const float* xr = x + r * D;
+  float ss = 0.0f;
+  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  for (int64_t i = lane; i < D; i += 32)
+    out[r * D + i] = (load_elem(w, w_elem, i) * (xr[i] * inv)) * silu(z[r * D + i]);
+}
+
+// ---- RoPE: a thread per (token, head, pair)
+
+__global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
+                            const int32_t* __restrict__ positions, int rotary_dim, double theta) {
+  const int half = rotary_dim / 2;
+  const int64_t total = T * heads * half;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int p = static_cast<int>(i % half);
+    const int64_t th = i / half, t = th / heads;
+    // Same as the CPU: inv_freq in double rounded to float, angle = float(pos) * inv_freq in fp32.
+    const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
+    const float angle = static_cast<float>(positions[t]) * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    float* v = x + th * D;
+    const float a = v[p], b = v[p + half];
+    v[p] = a * c - b * s;
+    v[p + half] = b * c + a * s;
+  }
+}
+
+// ---- elementwise
+
+__global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = a[i] + b[i];
+}
+
+__global__ void silu_mul_kernel(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = silu(g[i]) * u[i];
+}
+
+__global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols) {
+  const int64_t total = T * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / N, c = i % N;
+    out[i] = x[i] * sigmoid(g[t * g_cols + (g_cols == 1 ? 0 : c)]);
+  }
+}
+
+// ---- Gated DeltaNet: causal conv (a thread per (sequence, channel), tokens in order) and gates
+
+template <int KC>
+__global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const void* w, ElemType w_elem,
+                                   float* __restrict__ conv_state, StepArgs step, float* __restrict__ out) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int s = blockIdx.y;
+  if (c >= C || s >= step.num_seqs) return;
+  float wk[KC];
+#pragma unroll
+  for (int j = 0; j < KC; ++j) wk[j] = load_elem(w, w_elem, c * KC + j);
+  float* state = conv_state + (int64_t(step.seq_state_slot[s]) * C + c) * (KC - 1);
+  float win[KC];  // win[0 .. KC-2]: the previous inputs, oldest first; win[KC-1]: the current one
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) win[j] = state[j];
+  const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
+  for (int t = b; t < e; ++t) {
+    win[KC - 1] = x[int64_t(t) * C + c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KC; ++j) acc += wk[j] * win[j];
+    out[int64_t(t) * C + c] = silu(acc);
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) win[j] = win[j + 1];
+  }
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) state[j] = win[j];
+}
+
+__global__ void delta_rule_gates_kernel(const float* a, const float* b, const void* A_log, ElemType A_log_elem,
+                                        const void* dt_bias, ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g,
+                                        float* beta) {
+  const int64_t total = T * Hv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = i % Hv;
+    const float neg_a = -expf(load_elem(A_log, A_log_elem, h));
+    const float xv = a[i] + load_elem(dt_bias, dt_bias_elem, h);
+    const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));  // torch softplus(beta=1, threshold=20)
+    g[i] = neg_a * softplus;
+    beta[i] = 1.0f / (1.0f + expf(-b[i]));
+  }
+}
+
+}  // namespace
+
+void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
+                  const int64_t dst_strides[4], Stream stream) {
+  CopyShape c;
+  int64_t total = 1;
+  for (int d = 0; d < 4; ++d) {
+    c.shape[d] = shape[d];
+    c.ss[d] = src_strides[d];
+    c.ds[d] = dst_strides[d];
+    total *= shape[d];
+  }
+  if (total == 0) return;
+  const unsigned grid = capped_grid(total);
+  switch (elem_bytes) {
+    case 1: copy_kernel<uint8_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), c, total); break;
+    case 2: copy_kernel<uint16_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), c, total); break;
+    case 4: copy_kernel<uint32_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), c, total); break;
+    case 8: copy_kernel<uint64_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), c, total); break;
+    default: cuda_fail("copy: element size {} is not supported (1, 2, 4 or 8 bytes)", {elem_bytes});
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void max_abs(const float* x, int64_t n, float* result, Stream stream) {
+  KILN_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(float), stream));
+  if (n == 0) return;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  max_abs_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), kBlock, 0, stream>>>(
+      x, n, reinterpret_cast<unsigned*>(result));
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
+               Stream stream) {
+  if (T * H == 0) return;
+  embedding_kernel<<<capped_grid(T * H), kBlock, 0, stream>>>(table, elem, V, H, ids, T, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void gather_rows(const float* x, int64_t x_rows, int64_t H, const int32_t* rows, int64_t R, float* out,
+                 Stream stream) {
+  if (R * H == 0) return;
+  gather_rows_kernel<<<capped_grid(R * H), kBlock, 0, stream>>>(x, x_rows, H, rows, R, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+              bool zero_centred, float* out, Stream stream) {
+  if (R == 0) return;
+  rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, ldx, R, D, w, w_elem, eps,
+                                                                                zero_centred, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                    float* out, Stream stream) {
+  if (R == 0) return;
+  gated_rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, z, R, D, w, w_elem, eps,
+                                                                                      out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, int rotary_dim, double theta,
+          Stream stream) {
+  const int64_t total = T * heads * (rotary_dim / 2);
+  if (total == 0) return;
+  rope_kernel<<<capped_grid(total), kBlock, 0, stream>>>(x, T, heads, D, positions, rotary_dim, theta);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void add(const float* a, const float* b, float* out, int64_t n, Stream stream) {
+  if (n == 0) return;
+  add_kernel<<<capped_grid(n), kBlock, 0, stream>>>(a, b, out, n);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, Stream stream) {
+  if (n == 0) return;
+  silu_mul_kernel<<<capped_grid(n), kBlock, 0, stream>>>(gate, up, out, n);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_mul(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols, Stream stream) {
+  if (T * N == 0) return;
+  sigmoid_mul_kernel<<<capped_grid(T * N), kBlock, 0, stream>>>(x, g, out, T, N, g_cols);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_elem, int Kc, float* conv_state,
+                        const StepArgs& step, float* out, Stream stream) {
+  if (step.num_seqs == 0 || C == 0) return;
+  const dim3 grid(grid_for(C, 128), static_cast<unsigned>(step.num_seqs));
+  switch (Kc) {
+    case 2: conv1d_silu_kernel<2><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 3: conv1d_silu_kernel<3><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 4: conv1d_silu_kernel<4><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 5: conv1d_silu_kernel<5><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 6: conv1d_silu_kernel<6><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 7: conv1d_silu_kernel<7><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 8: conv1d_silu_kernel<8><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    default: cuda_fail("causal conv1d: kernel size {} is not supported (2 to 8)", {Kc});
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
+                      ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream) {
+  if (T * Hv == 0) return;
+  delta_rule_gates_kernel<<<capped_grid(T * Hv), kBlock, 0, stream>>>(a, b, A_log, A_log_elem, dt_bias, dt_bias_elem,
+                                                                      T, Hv, g, beta);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda::ops

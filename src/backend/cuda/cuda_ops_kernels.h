@@ -1,0 +1,119 @@
+// Launchers of the kernels behind CudaOps (cuda_ops.h): F32 activations on the device, weights read as
+// stored. Plain C++ (no CUDA syntax, no fmt) so that both nvcc (the cuda_ops_*.cu files) and g++
+// (cuda_ops.cpp, which validates shapes and turns them into these calls) can include it.
+//
+// Pointers are device pointers. Element types of float tensors the kernels read (weights, norms, pools)
+// are passed as ElemType. Launchers only check the launch (KILN_CUDA_CHECK_LAUNCH); shapes are checked by
+// the caller. Nothing here synchronises the stream.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kiln::cuda::ops {
+
+using Stream = cudaStream_t;
+
+enum class ElemType : int32_t { f32 = 0, bf16 = 1, f16 = 2, e4m3 = 3 };
+enum class WeightKind : int32_t { dense = 0, fp8_tensor = 1, nvfp4 = 2 };
+
+// One linear weight W [n, k] as the kernels read it (see model::LinearWeight).
+struct WeightDesc {
+  const void* data = nullptr;            // dense [n, k] (elem); fp8 [n, k] bytes; nvfp4 [n, k/2] code pairs
+  const uint8_t* block_scale = nullptr;  // nvfp4: F8_E4M3 [n, k/16]
+  const void* bias = nullptr;            // [n] (bias_elem) or null
+  float scale = 1.0f;                    // fp8: weight_scale; nvfp4: weight_scale_2
+  WeightKind kind = WeightKind::dense;
+  ElemType elem = ElemType::bf16;        // dense element type
+  ElemType bias_elem = ElemType::f32;
+  int32_t n = 0, k = 0;
+};
+
+// The step layout (model::StepLayout) as device arrays.
+struct StepArgs {
+  const int32_t* token_pos = nullptr;        // [T]
+  const int32_t* seq_token_begin = nullptr;  // [S + 1]
+  const int32_t* seq_state_slot = nullptr;   // [S]
+  const int32_t* page_table = nullptr;       // [S, max_pages]
+  int32_t num_tokens = 0, num_seqs = 0, max_pages = 0, page_size = 0;
+  int32_t max_seq_tokens = 0;  // longest sequence of the step (host-known)
+};
+
+// One layer's paged KV pool: [pages, page_size, kv_heads, head_dim] each.
+struct KvPoolArgs {
+  void* k = nullptr;
+  void* v = nullptr;
+  ElemType elem = ElemType::bf16;  // f32, bf16 or e4m3 (value = code * scale)
+  float k_scale = 1.0f, v_scale = 1.0f;
+  int32_t kv_heads = 0, head_dim = 0;
+};
+
+// ---- memory-shaped ops (cuda_ops_elementwise.cu)
+// dst = src over up to 4 dims (shape / strides in elements, leading dims padded with 1 / 0); elem_bytes 1..8.
+void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
+                  const int64_t dst_strides[4], Stream stream);
+// *result = max |x| (result: one device float, overwritten).
+void max_abs(const float* x, int64_t n, float* result, Stream stream);
+
+// ---- dense maths (cuda_ops_elementwise.cu)
+// out[t] = table[ids[t]] (ids outside [0, V) give a zero row). table [V, H], out [T, H].
+void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
+               Stream stream);
+// x [R, D] with row stride ldx; w [D]; out [R, D] contiguous. out = x_hat * (w or 1 + w).
+void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+              bool zero_centred, float* out, Stream stream);
+// out = (w * x_hat) * silu(z); x, z, out [R, D].
+void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                    float* out, Stream stream);
+// In place on x [T, heads, D]: rotate_half RoPE over the first rotary_dim dims.
+void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, int rotary_dim, double theta,
+          Stream stream);
+void add(const float* a, const float* b, float* out, int64_t n, Stream stream);
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, Stream stream);
+// out[t, i] = x[t, i] * sigmoid(g[t, g_cols == 1 ? 0 : i]); x, out [T, N], g [T, g_cols].
+void sigmoid_mul(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols, Stream stream);
+// out[r] = x[rows[r]] (rows outside [0, x_rows) give a zero row). x [x_rows, H], out [R, H].
+void gather_rows(const float* x, int64_t x_rows, int64_t H, const int32_t* rows, int64_t R, float* out,
+                 Stream stream);
+
+// ---- Gated DeltaNet pieces (cuda_ops_elementwise.cu, cuda_ops_attention.cu)
+// Depthwise causal conv (kernel Kc <= 8) + SiLU per sequence, continuing from / updating conv_state
+// [slots, C, Kc - 1]. x, out [T, C]; w [C, Kc].
+void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_elem, int Kc, float* conv_state,
+                        const StepArgs& step, float* out, Stream stream);
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). a, b, g, beta [T, Hv].
+void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
+                      ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream);
+// The gated delta rule, token by token, state [slots, Hv, Dk, Dv] fp32. q, k [T, Hk, Dk]; v, out [T, Hv, Dv];
+// g, beta [T, Hv]. qk_work: 2 * T * Hk * Dk floats (the normalised q and k). Dk <= 256.
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
+                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step, float* out,
+                      float* qk_work, Stream stream);
+
+// ---- paged attention (cuda_ops_attention.cu)
+// k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
+void kv_store(const float* k, const float* v, const KvPoolArgs& pool, const StepArgs& step, Stream stream);
+// Causal GQA softmax attention over the pool. q, out [T, q_heads, head_dim]; head_dim <= 512.
+void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale, float* out,
+               Stream stream);
+
+// ---- linear layers and experts (cuda_ops_linear.cu)
+// out[t, n] = sum_k x[t, k] W[n, k] (+ bias[n]); x [T, K] row stride ldx, out [T, N] row stride ldo. fp32 FMA.
+void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream);
+// Name of the linear path linear() picks for T tokens (for describe()).
+const char* linear_path_name(int64_t T);
+
+// softmax over E (fp32), top-k (ties: lower id first), optionally renormalised. logits [T, E]; ids, weights [T, k].
+void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renormalise, int32_t* ids, float* weights,
+               Stream stream);
+
+// Routed experts: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]), summed in ascending expert id.
+// experts: device table [E][3] of {gate [I, H], up [I, H], down [H, I]}; experts_vec_ok: every one of them has
+// k % 8 == 0 and 16-byte aligned data (the 8-wide load path). workspace: moe_workspace_bytes() bytes, 256-aligned.
+size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
+void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
+                 const WeightDesc* experts, bool experts_vec_ok, int64_t E, int64_t I, void* workspace, float* out,
+                 Stream stream);
+
+}  // namespace kiln::cuda::ops

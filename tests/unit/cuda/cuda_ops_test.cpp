@@ -1,0 +1,414 @@
+// CudaOps against the CPU oracle (skipped without a usable GPU: CI has none).
+//  - Every op on random inputs at several shapes (backend/cuda/self_check.h's compare_ops: tiny, odd sizes, the
+//    397B's head / state sizes), fp32 paths at rel-L2 <= 1e-5; the startup self-check itself.
+//  - Whole models through the generic Runner on both backends: every transformers reference fixture and kiln-tiny,
+//    prefill + 20 greedy decode steps (identical greedy tokens, logits within 2e-4; also against transformers'
+//    own logits), a batch of mixed lengths against each sequence alone, and batches of 1..64 copies of one
+//    request giving identical greedy output.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../model/reference_fixture.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/self_check.h"
+#include "backend/device.h"
+#include "format/model_dir.h"
+#include "model/runner.h"
+
+namespace kiln::backend::cuda {
+namespace {
+
+#define KILN_REQUIRE_CUDA_DEVICE()                                                        \
+  do {                                                                                    \
+    const CudaDeviceProbe probe_ = probe_cuda_device();                                   \
+    if (!probe_.usable) GTEST_SKIP() << "no usable CUDA device: " << probe_.reason;       \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------------
+// Ops
+
+void expect_all_pass(const std::vector<OpCheck>& results, const std::string& label) {
+  double worst = 0;
+  for (const OpCheck& r : results) {
+    std::printf("[ op       ] %s | %s%s\n", label.c_str(), r.str().c_str(), r.passed() ? "" : "  <-- FAIL");
+    EXPECT_TRUE(r.passed()) << label << ": " << r.str();
+    worst = std::max(worst, r.rel_err);
+  }
+  std::printf("[ ops      ] %s: %zu checks, worst rel error %.2e\n", label.c_str(), results.size(), worst);
+}
+
+// The comparison harness itself, without a GPU: the CPU backend against a second CPU backend is exact.
+TEST(OpCompare, CpuAgainstCpuIsExact) {
+  auto a = make_cpu_backend(), b = make_cpu_backend();
+  for (bool chunked : {false, true}) {
+    OpCheckConfig c;
+    c.seed = 9;
+    c.chunked_reference = chunked;
+    const std::vector<OpCheck> results = compare_ops(*a, *b, c);
+    EXPECT_GT(results.size(), 50u);
+    for (const OpCheck& r : results) {
+      EXPECT_TRUE(r.passed()) << r.str();
+      EXPECT_EQ(r.rel_err, 0.0) << r.str();
+    }
+  }
+}
+
+TEST(CudaOps, EveryOpMatchesCpuSmall) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  OpCheckConfig c;
+  c.seed = 1;
+  expect_all_pass(compare_ops(gpu, *cpu, c), "small");
+}
+
+TEST(CudaOps, EveryOpMatchesCpuOddShapes) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  OpCheckConfig c;
+  c.seed = 2;
+  c.hidden = 48;        // K % 8 == 0 but not a multiple of 32 lanes * 8
+  c.out_features = 50;  // N not a multiple of the 8 / 64 column tiles
+  c.linear_rows = {1, 2, 7, 8, 9, 16, 17, 65, 130};
+  c.prefill_lens = {2, 65, 1, 33, 129};
+  c.q_heads = 6;
+  c.kv_heads = 3;
+  c.head_dim = 16;
+  c.rotary_dim = 4;
+  c.k_heads = 3;
+  c.v_heads = 6;
+  c.k_dim = 8;
+  c.v_dim = 40;  // not a multiple of the 32 value columns of a block
+  c.conv_kernel = 3;
+  c.experts = 5;
+  c.top_k = 3;
+  c.expert_inter = 48;
+  c.vocab = 77;
+  c.page_size = 3;
+  expect_all_pass(compare_ops(gpu, *cpu, c), "odd shapes");
+}
+
+TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  OpCheckConfig c;  // 397B-A17B head / state sizes, fewer heads and a smaller hidden size
+  c.seed = 3;
+  c.hidden = 1024;
+  c.out_features = 512;
+  c.linear_rows = {1, 4, 24, 200};
+  c.prefill_lens = {1, 70, 150};
+  c.q_heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 256;
+  c.rotary_dim = 64;
+  c.k_heads = 2;
+  c.v_heads = 4;
+  c.k_dim = 128;
+  c.v_dim = 128;
+  c.experts = 64;
+  c.top_k = 10;
+  c.expert_inter = 128;
+  c.vocab = 1000;
+  c.page_size = 16;
+  expect_all_pass(compare_ops(gpu, *cpu, c), "qwen3.5 head sizes");
+}
+
+TEST(CudaOps, RecurrentDeltaRuleMatchesCpuChunkedPrefill) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  OpCheckConfig c;
+  c.seed = 4;
+  c.k_dim = 64;
+  c.v_dim = 64;
+  c.prefill_lens = {3, 64, 100};
+  c.chunked_reference = true;
+  c.delta_rule_tol = 1e-4;
+  expect_all_pass(compare_ops(gpu, *cpu, c), "chunked reference");
+}
+
+TEST(CudaOps, SelfCheckPasses) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  EXPECT_NO_THROW(self_check(gpu, *cpu));
+  // The factory path (resolve + self-check) too.
+  const DeviceChoice choice = resolve_device("auto");
+  EXPECT_EQ(choice.device, "cuda") << choice.reason;
+  EXPECT_NO_THROW(make_ops("cuda", true));
+}
+
+TEST(CudaOps, DescribesTheDevice) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  std::printf("[ describe ] %s\n", gpu.describe().c_str());
+  EXPECT_NE(gpu.describe().find("compute capability"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Whole models
+
+struct ModelCase {
+  std::string name;
+  std::string dir;
+  std::vector<std::vector<int32_t>> prompts;
+  const testing::Fixture* fixture = nullptr;  // transformers logits, when a reference fixture
+};
+
+// A Runner plus page bookkeeping: slot s owns pages [s * pages_per_slot, (s + 1) * pages_per_slot).
+struct Engine {
+  std::unique_ptr<model::Runner> runner;
+  int64_t pages_per_slot = 0;
+  std::vector<std::vector<int32_t>> page_tables;
+  int64_t vocab = 0;
+
+  Engine(std::unique_ptr<model::Ops> ops, const std::string& dir, DType kv, int slots, int64_t max_context) {
+    model::RunnerOptions ro;
+    ro.kv_dtype = kv;
+    ro.state_slots = slots;
+    ro.max_context = max_context;
+    runner = std::make_unique<model::Runner>(std::move(ops), format::ModelDir::open(dir), ro);
+    const auto cap = runner->capacity();
+    pages_per_slot = cap.kv_pages / cap.state_slots;
+    for (int s = 0; s < cap.state_slots; ++s) {
+      std::vector<int32_t> pt(pages_per_slot);
+      for (int64_t p = 0; p < pages_per_slot; ++p) pt[p] = static_cast<int32_t>(s * pages_per_slot + p);
+      page_tables.push_back(pt);
+    }
+    vocab = runner->vocab_size();
+  }
+};
+
+// Greedy generation of several sequences together (sequence i in slot i): one prefill step with every prompt, then
+// `steps` decode steps. tokens[i] = the greedy tokens (steps + 1 of them: the prefill's, then one per decode step),
+// logits[i][s] = the logits that chose tokens[i][s].
+struct Generation {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<std::vector<std::vector<float>>> logits;
+};
+
+Generation generate(Engine& e, const std::vector<std::vector<int32_t>>& prompts, int steps) {
+  const size_t n = prompts.size();
+  const int64_t V = e.vocab;
+  Generation g;
+  g.tokens.resize(n);
+  g.logits.resize(n);
+  std::vector<float> out(n * V);
+  std::vector<model::SeqChunk> chunks(n);
+  std::vector<int32_t> last(n);
+  std::vector<int64_t> pos(n);
+  for (size_t i = 0; i < n; ++i) {
+    chunks[i].state_slot = static_cast<int>(i);
+    chunks[i].tokens = prompts[i];
+    chunks[i].start_pos = 0;
+    chunks[i].page_table = e.page_tables[i];
+    pos[i] = static_cast<int64_t>(prompts[i].size());
+  }
+  for (int s = 0; s <= steps; ++s) {
+    if (s > 0)
+      for (size_t i = 0; i < n; ++i) {
+        chunks[i].tokens = std::span<const int32_t>(&last[i], 1);
+        chunks[i].start_pos = pos[i]++;
+      }
+    e.runner->forward(chunks, out);
+    for (size_t i = 0; i < n; ++i) {
+      const float* row = out.data() + i * V;
+      last[i] = testing::argmax(row, V);
+      g.tokens[i].push_back(last[i]);
+      g.logits[i].emplace_back(row, row + V);
+    }
+  }
+  return g;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+std::vector<ModelCase> model_cases(std::vector<testing::Fixture>& fixtures) {
+  std::vector<ModelCase> cases;
+  for (const std::string& name : testing::Fixture::all_names()) fixtures.push_back(testing::Fixture::load(name));
+  for (const testing::Fixture& fx : fixtures) {
+    ModelCase mc;
+    mc.name = fx.name;
+    mc.dir = fx.model_dir;
+    for (const auto& p : fx.prompts) mc.prompts.push_back(p.tokens);
+    mc.fixture = &fx;
+    cases.push_back(mc);
+  }
+  ModelCase tiny;
+  tiny.name = "kiln-tiny";
+  tiny.dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  std::mt19937 rng(7);
+  for (int len : {1, 6, 33, 90}) {
+    std::vector<int32_t> p(len);
+    for (auto& t : p) t = std::uniform_int_distribution<int32_t>(0, 2047)(rng);
+    tiny.prompts.push_back(p);
+  }
+  cases.push_back(tiny);
+  return cases;
+}
+
+constexpr int kDecodeSteps = 20;
+constexpr double kLogitTol = 2e-4;  // max |cuda - cpu| on a logit, F32 KV cache (the CPU runner's own
+                                    // tolerance against transformers)
+
+TEST(CudaRunner, LogitsAndGreedyTokensMatchCpuOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  ASSERT_GE(cases.size(), 13u);
+  for (const ModelCase& mc : cases) {
+    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
+    Engine gpu(std::make_unique<CudaOps>(), mc.dir, DType::F32, 4, 256);
+    double prefill_err = 0, decode_err = 0, vs_transformers = 0;
+    int identical = 0;
+    for (size_t p = 0; p < mc.prompts.size(); ++p) {
+      const Generation a = generate(gpu, {mc.prompts[p]}, kDecodeSteps);
+      const Generation b = generate(cpu, {mc.prompts[p]}, kDecodeSteps);
+      EXPECT_EQ(a.tokens[0], b.tokens[0]) << mc.name << " prompt " << p << ": greedy tokens differ";
+      identical += a.tokens[0] == b.tokens[0];
+      prefill_err = std::max(prefill_err, max_abs_diff(a.logits[0][0], b.logits[0][0]));
+      for (int s = 1; s <= kDecodeSteps && a.tokens[0][s - 1] == b.tokens[0][s - 1]; ++s)
+        decode_err = std::max(decode_err, max_abs_diff(a.logits[0][s], b.logits[0][s]));
+      if (mc.fixture) {
+        // transformers' greedy_logits row s = the logits after feeding greedy token s-1 (row 0: the prefill).
+        const testing::Prompt& ref = mc.fixture->prompts[p];
+        const int64_t V = mc.fixture->vocab;
+        for (int s = 0; s <= kDecodeSteps && s < static_cast<int>(ref.greedy_tokens.size()); ++s) {
+          if (s > 0 && a.tokens[0][s - 1] != ref.greedy_tokens[s - 1]) break;
+          const std::vector<float> want(ref.greedy_logits.begin() + s * V, ref.greedy_logits.begin() + (s + 1) * V);
+          vs_transformers = std::max(vs_transformers, max_abs_diff(a.logits[0][s], want));
+        }
+      }
+    }
+    std::printf("[ model    ] %-22s cuda vs cpu: prefill max|dlogit| %.2e, %d decode steps %.2e, greedy identical "
+                "%d/%zu%s\n",
+                mc.name.c_str(), prefill_err, kDecodeSteps, decode_err, identical, mc.prompts.size(),
+                mc.fixture ? fmt::format("; cuda vs transformers {:.2e}", vs_transformers).c_str() : "");
+    EXPECT_LT(prefill_err, kLogitTol) << mc.name;
+    EXPECT_LT(decode_err, kLogitTol) << mc.name;
+    if (mc.fixture) EXPECT_LT(vs_transformers, kLogitTol) << mc.name;
+  }
+}
+
+TEST(CudaRunner, Bf16KvCacheGreedyMatchesCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  // The serving default (BF16 KV): rounding to bf16 may differ in the last bit where the fp32 inputs differ by
+  // rounding, so only the greedy tokens and a loose logit bound are checked.
+  for (const std::string name : {"kiln-tiny", "qwen3_5_moe_nvfp4", "qwen3_next_bf16"}) {
+    const std::string dir = name == "kiln-tiny" ? std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny"
+                                                : testing::fixtures_root() + "/" + name + "/model";
+    Engine cpu(make_cpu_backend(), dir, DType::BF16, 4, 256);
+    Engine gpu(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 256);
+    std::mt19937 rng(11);
+    std::vector<int32_t> prompt(40);
+    for (auto& t : prompt) t = std::uniform_int_distribution<int32_t>(0, 500)(rng);
+    const Generation a = generate(gpu, {prompt}, kDecodeSteps), b = generate(cpu, {prompt}, kDecodeSteps);
+    const double err = max_abs_diff(a.logits[0][0], b.logits[0][0]);
+    std::printf("[ model    ] %-22s kv=bf16 cuda vs cpu: prefill max|dlogit| %.2e, greedy identical %s\n",
+                name.c_str(), err, a.tokens[0] == b.tokens[0] ? "yes" : "NO");
+    EXPECT_EQ(a.tokens[0], b.tokens[0]) << name;
+    EXPECT_LT(err, 1e-2) << name;
+  }
+}
+
+TEST(CudaRunner, MixedBatchMatchesEachSequenceAlone) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  for (const ModelCase& mc : cases) {
+    Engine batch(std::make_unique<CudaOps>(), mc.dir, DType::F32, 8, 256);
+    Engine alone(std::make_unique<CudaOps>(), mc.dir, DType::F32, 8, 256);
+    // Every prompt of the case plus a reversed copy of the longest: mixed lengths 1..90 in one prefill step.
+    std::vector<std::vector<int32_t>> prompts = mc.prompts;
+    prompts.emplace_back(mc.prompts.back().rbegin(), mc.prompts.back().rend());
+    const Generation together = generate(batch, prompts, kDecodeSteps);
+    double worst = 0;
+    int identical = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const Generation single = generate(alone, {prompts[i]}, kDecodeSteps);
+      identical += single.tokens[0] == together.tokens[i];
+      EXPECT_EQ(single.tokens[0], together.tokens[i]) << mc.name << " sequence " << i;
+      for (int s = 0; s <= kDecodeSteps && single.tokens[0][s] == together.tokens[i][s]; ++s)
+        worst = std::max(worst, max_abs_diff(single.logits[0][s], together.logits[i][s]));
+    }
+    std::printf("[ batch    ] %-22s mixed batch of %zu vs alone: greedy identical %d/%zu, max|dlogit| %.2e\n",
+                mc.name.c_str(), prompts.size(), identical, prompts.size(), worst);
+    EXPECT_LT(worst, kLogitTol) << mc.name;
+  }
+}
+
+TEST(CudaRunner, BatchesOfOneRequestGiveIdenticalGreedyOutput) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  Engine gpu(std::make_unique<CudaOps>(), dir, DType::BF16, 64, 64);
+  std::mt19937 rng(5);
+  std::vector<int32_t> prompt(24);
+  for (auto& t : prompt) t = std::uniform_int_distribution<int32_t>(0, 2047)(rng);
+  const Generation one = generate(gpu, {prompt}, kDecodeSteps);
+  int bad_batches = 0;
+  double worst = 0;
+  for (int B = 1; B <= 64; ++B) {
+    const Generation g = generate(gpu, std::vector<std::vector<int32_t>>(B, prompt), kDecodeSteps);
+    bool same = true;
+    for (int i = 0; i < B; ++i) {
+      same = same && g.tokens[i] == one.tokens[0];
+      for (int s = 0; s <= kDecodeSteps && g.tokens[i][s] == one.tokens[0][s]; ++s)
+        worst = std::max(worst, max_abs_diff(g.logits[i][s], one.logits[0][s]));
+    }
+    bad_batches += !same;
+    EXPECT_TRUE(same) << "batch of " << B << " copies: greedy output differs from batch 1";
+  }
+  std::printf("[ batch    ] kiln-tiny kv=bf16: batches of 1..64 copies of one request: %d batch sizes differ; max "
+              "|dlogit| vs batch 1 %.2e\n",
+              bad_batches, worst);
+}
+
+// generate() on the CPU backend against transformers' greedy tokens (the harness, without a GPU).
+TEST(CudaRunner, GenerateHarnessReproducesTransformersOnCpu) {
+  const testing::Fixture fx = testing::Fixture::load("qwen3_5_moe_nvfp4");
+  Engine cpu(make_cpu_backend(), fx.model_dir, DType::F32, 4, 256);
+  const Generation g = generate(cpu, {fx.prompts[2].tokens, fx.prompts[1].tokens}, kDecodeSteps);
+  for (int i = 0; i < 2; ++i) {
+    const testing::Prompt& p = fx.prompts[2 - i];
+    ASSERT_EQ(g.tokens[i].size(), static_cast<size_t>(kDecodeSteps + 1));
+    EXPECT_EQ(std::vector<int32_t>(g.tokens[i].begin(), g.tokens[i].end()),
+              std::vector<int32_t>(p.greedy_tokens.begin(), p.greedy_tokens.begin() + kDecodeSteps + 1));
+  }
+}
+
+TEST(CudaRunner, DeviceFlagResolution) {
+  // Runs everywhere: without a GPU, auto resolves to cpu and an explicit cuda is a clear error.
+  const CudaDeviceProbe probe = probe_cuda_device();
+  const DeviceChoice autod = resolve_device("auto");
+  EXPECT_EQ(autod.device, probe.usable ? "cuda" : "cpu");
+  EXPECT_EQ(resolve_device("cpu").device, "cpu");
+  if (!probe.usable) {
+    try {
+      resolve_device("cuda");
+      ADD_FAILURE() << "--device cuda without a GPU must fail";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--device cuda"), std::string::npos) << e.what();
+      std::printf("[ device   ] %s\n", e.what());
+    }
+  }
+  EXPECT_THROW(resolve_device("tpu"), Error);
+}
+
+}  // namespace
+}  // namespace kiln::backend::cuda

@@ -1,7 +1,7 @@
 // kiln generate: one prompt through the CPU engine, text streamed to stdout as it is generated, speeds on stderr.
 //
 //   kiln generate [--model-path DIR] --prompt TEXT [--chat] [--no-think] [--max-tokens N] [--temperature T]
-//                 [--seed S] [--threads N]
+//                 [--seed S] [--threads N] [--device auto|cpu|cuda] [--skip-self-check]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/device.h"
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -32,6 +33,8 @@ struct GenerateOptions {
   std::optional<uint64_t> seed;
   int threads = 0;
   std::string kv_dtype = "bf16";
+  std::string device = "auto";
+  bool skip_self_check = false;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -78,7 +81,7 @@ int run_generate(const GenerateOptions& o) {
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
   else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
-  auto runner = backend::load_cpu_model(dir, lo);
+  auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const auto& config = dynamic_cast<model::Runner&>(*runner).config();
   if (tokenizer->vocab_size() > runner->vocab_size())
     KILN_LOG_WARN("tokenizer has {} ids but the model only {}", tokenizer->vocab_size(), runner->vocab_size());
@@ -145,6 +148,9 @@ kiln::cli::Registrar reg{"generate", "Generate text from a prompt on the CPU eng
   app.add_option("--seed", o->seed, "Sampling seed (default: random)");
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: bf16 (default), fp8, f32");
+  app.add_option("--device", o->device, "auto (default: cuda when a supported GPU is present), cpu or cuda");
+  app.add_flag("--skip-self-check", o->skip_self_check,
+               "cuda: start without the numerical self-check against the CPU backend");
   return [o]() -> int { return run_generate(*o); };
 }};
 

@@ -136,7 +136,8 @@ struct TestRunner {
     c.state_slot = slot;
     c.tokens = tokens;
     c.start_pos = start_pos;
-    c.page_table = page_tables[slot];
+    // An out-of-range slot (for error tests) borrows slot 0's pages: the runner must reject the slot itself.
+    c.page_table = page_tables[slot >= 0 && slot < static_cast<int>(page_tables.size()) ? slot : 0];
     c.want_logits = logits;
     return c;
   }

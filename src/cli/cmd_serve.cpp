@@ -140,13 +140,15 @@ int run_serve(const ServeArgs& a) {
     kv_dtype = DType::F8_E4M3;
   else if (a.kv_cache_dtype != "auto" && a.kv_cache_dtype != "bf16")
     fail("unknown --kv-cache-dtype '{}' (use auto, bf16 or fp8_e4m3)", a.kv_cache_dtype);
+  // Block SIGINT/SIGTERM before anything starts a thread: resolving the device initialises the CUDA
+  // runtime, whose threads would otherwise inherit an unblocked mask and let SIGTERM kill the process.
+  SignalWaiter signals;
   // auto / cpu / cuda -> the backend (an unknown name, or cuda without a usable GPU, fails here before loading)
   const backend::DeviceChoice device_choice = backend::resolve_device(a.device);
   const std::string device = a.dummy_runner.empty() ? device_choice.device : "dummy-" + a.dummy_runner;
   if (!a.dummy_runner.empty() && a.dummy_runner != "hash" && a.dummy_runner != "echo")
     fail("unknown --dummy-runner '{}' (use hash or echo)", a.dummy_runner);
 
-  SignalWaiter signals;
   std::mutex mu;
   std::condition_variable cv;
   int signals_seen = 0;

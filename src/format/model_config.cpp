@@ -230,7 +230,8 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
     c.linear_conv_kernel = static_cast<int>(r.integer("linear_conv_kernel_dim", 4));
   }
   if (c.arch == Arch::qwen3_5_moe || c.arch == Arch::qwen3_next || c.arch == Arch::qwen3_moe) {
-    c.num_experts = static_cast<int>(r.integer("num_experts", d.experts));
+    // transformers 5.x writes qwen3_moe's expert count as num_local_experts; older configs use num_experts.
+    c.num_experts = static_cast<int>(r.integer("num_experts", r.integer("num_local_experts", d.experts)));
     c.experts_per_tok = static_cast<int>(r.integer("num_experts_per_tok", d.topk));
     c.moe_intermediate_size = r.integer("moe_intermediate_size", d.moe_inter);
     if (c.arch != Arch::qwen3_moe) c.shared_expert_intermediate_size = r.integer("shared_expert_intermediate_size", d.shared_inter);

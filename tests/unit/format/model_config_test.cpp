@@ -273,5 +273,11 @@ TEST(ModelDir, EmbeddedModelMatchesTheRepoFolder) {
   }
 }
 
+TEST(ModelConfig, Qwen3MoeReadsNumLocalExperts) {
+  // transformers 5.x saves qwen3_moe configs with num_local_experts instead of num_experts.
+  ModelConfig c = parse_model_config(R"({"model_type": "qwen3_moe", "num_local_experts": 6, "num_experts_per_tok": 2})");
+  EXPECT_EQ(c.num_experts, 6);
+}
+
 }  // namespace
 }  // namespace kiln::format

@@ -1,4 +1,4 @@
-// kiln generate: one prompt through the CPU engine, text streamed to stdout as it is generated, speeds on stderr.
+// kiln generate: one prompt through the engine (CPU or CUDA), text streamed to stdout as it is generated, speeds on stderr.
 //
 //   kiln generate [--model-path DIR] --prompt TEXT [--chat] [--no-think] [--max-tokens N] [--temperature T]
 //                 [--seed S] [--threads N] [--device auto|cpu|cuda] [--skip-self-check]
@@ -137,7 +137,7 @@ int run_generate(const GenerateOptions& o) {
   return 0;
 }
 
-kiln::cli::Registrar reg{"generate", "Generate text from a prompt on the CPU engine", [](CLI::App& app) {
+kiln::cli::Registrar reg{"generate", "Generate text from a prompt (CPU or CUDA engine, --device)", [](CLI::App& app) {
   auto o = std::make_shared<GenerateOptions>();
   app.add_option("--model-path", o->model_path, "Model folder (default: the embedded model)");
   app.add_option("--prompt", o->prompt, "Prompt text")->required();

@@ -11,7 +11,7 @@ cmake --build "$BUILD" -j "$(nproc)"
 if ! python3 -c 'import jinja2' 2>/dev/null && /usr/bin/python3 -c 'import jinja2' 2>/dev/null; then
   mkdir -p "$BUILD/python-shim"
   ln -sf /usr/bin/python3 "$BUILD/python-shim/python3"
-  export PATH="$PWD/$BUILD/python-shim:$PATH"
+  export PATH="$(cd "$BUILD/python-shim" && pwd):$PATH"
   echo "[test] using /usr/bin/python3 (has jinja2) for the tests"
 fi
 cd "$BUILD"

@@ -222,7 +222,8 @@ test("chat logprobs", async () => {
 test("text completions: string and token prompts, streamed and not, echo, logprobs", async () => {
   const model = await modelName();
   const prompt = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n";
-  const r = await sdk.completions.create({ model, prompt, max_tokens: 40 });
+  // temperature 0: the model's defaults sample (generation_config), and the streamed text must equal this one.
+  const r = await sdk.completions.create({ model, prompt, max_tokens: 40, temperature: 0 });
   assert.equal(r.object, "text_completion");
   if (echo) {
     assert.equal(r.choices[0].text, "hello there");
@@ -236,7 +237,8 @@ test("text completions: string and token prompts, streamed and not, echo, logpro
   const top0 = Object.keys(r2.choices[0].logprobs.top_logprobs[0]);
   assert.ok(top0.length >= 1 && top0.length <= 3, JSON.stringify(top0));
   if (echo) assert.equal(r2.choices[0].text, "hell");
-  const stream = await sdk.completions.create({ model, prompt, max_tokens: 40, stream: true, stream_options: { include_usage: true } });
+  const stream = await sdk.completions.create({ model, prompt, max_tokens: 40, temperature: 0, stream: true,
+    stream_options: { include_usage: true } });
   let text = "";
   let usage = null;
   for await (const chunk of stream) {

@@ -12,10 +12,15 @@ PORT=${PORT:-30000}
 
 "$KILN" serve --port "$PORT" &
 server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
-  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then break; fi
+trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
+ready=0
+for _ in $(seq 1 240); do
+  # Our own server must still be running (a taken port makes it exit at once; another server's
+  # /health must not count).
   if ! kill -0 "$server" 2>/dev/null; then echo "kiln serve exited during startup" >&2; exit 1; fi
+  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then ready=1; break; fi
   sleep 0.5
 done
+[ "$ready" = 1 ] || { echo "kiln serve did not become healthy within 120 s" >&2; exit 1; }
+kill -0 "$server" 2>/dev/null || { echo "kiln serve exited during startup (port $PORT taken?)" >&2; exit 1; }
 "$KILN" smoke --url "http://127.0.0.1:$PORT"

@@ -1,5 +1,6 @@
 // UTF-8 helpers for the tokenizer.
 #pragma once
+#include "core/utf8.h"
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -35,23 +36,7 @@ inline char32_t decode(std::string_view s, size_t pos, size_t& len) {
          (p[3] & 0x3F);
 }
 
-inline void append(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
+inline void append(std::string& out, char32_t cp) { append_utf8(out, cp); }
 
 // Appends s to out with every maximal ill-formed subsequence replaced by U+FFFD (the Unicode
 // "maximal subpart" practice, as Rust's String::from_utf8_lossy and so HF decode do).

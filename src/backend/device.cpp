@@ -3,6 +3,10 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/thread_pool.h"
+#include "format/capacity.h"
+#include "format/model_config.h"
+#include "format/quant_config.h"
+#include "format/weight_map.h"
 #include "model/runner.h"
 
 #if KILN_HAVE_CUDA
@@ -29,6 +33,110 @@ DeviceChoice resolve_device(const std::string& requested) {
 #endif
 }
 
+std::string KernelChoice::str() const {
+  return fmt::format("attention {}, moe-runner {}, fp4-gemm {}", attention, moe_runner, fp4_gemm);
+}
+
+KernelChoice resolve_kernels(const std::string& device, int compute_major, const LoadOptions& o) {
+  KernelChoice k;
+  auto pick = [&](const std::string& flag, const std::string& asked, std::initializer_list<const char*> allowed,
+                  const char* fallback) {
+    if (asked == "auto") return std::string(fallback);
+    for (const char* a : allowed)
+      if (asked == a) return asked;
+    std::string list = "auto";
+    for (const char* a : allowed) list += std::string(", ") + a;
+    fail("{} '{}' is not available on {} (choices here: {}). kiln runs its own kernels; SGLang backend names such "
+         "as flashinfer, fa3, triton or cutlass are not part of it", flag, asked,
+         device == "cpu" ? std::string("the CPU backend") : fmt::format("this GPU (sm_{}x)", compute_major), list);
+  };
+  if (device == "cpu") {
+    k.attention = pick("--attention-backend", o.attention_backend, {"cpu"}, "cpu");
+    k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend, {"cpu"}, "cpu");
+    k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"cpu"}, "cpu");
+    return k;
+  }
+  k.attention = pick("--attention-backend", o.attention_backend, {"kiln-paged"}, "kiln-paged");
+  k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend, {"kiln-grouped"}, "kiln-grouped");
+  if (o.fp4_gemm_backend == "native-fp4")
+    fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
+         "{}use kiln-w4a16 (FP4 decoded to BF16 in registers) or auto",
+         compute_major == 9 ? "this GPU (sm_90, Hopper) has none: " : "");
+  k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"kiln-w4a16"}, "kiln-w4a16");
+  return k;
+}
+
+std::string MemoryPlan::str() const {
+  const double G = 1024.0 * 1024.0 * 1024.0;
+  return fmt::format(
+      "memory plan: {:.1f} GiB x mem-fraction-static {:.2f} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
+      "({} pages = {} tokens), state slots {:.2f} GiB, activations {:.2f} GiB (estimate); {:.1f} GiB free at start",
+      gpu_bytes / G, fraction, budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
+      activation_bytes / G, free_bytes / G);
+}
+
+MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o, double gpu_bytes,
+                              double free_bytes) {
+  const double G = 1024.0 * 1024.0 * 1024.0;
+  format::ModelConfig config = format::load_model_config(dir);
+  const format::QuantConfig quant = format::load_quant_config(dir);
+  const auto tensors = format::expected_tensors(config, quant);
+  format::CapacityOptions co;
+  co.kv_dtype = o.kv_dtype;
+  co.conv_state_bytes = 4;  // the runner keeps the conv state in fp32
+  const format::CapacityPlan cap = format::plan_capacity(config, tensors, co);
+  MemoryPlan p;
+  p.gpu_bytes = gpu_bytes;
+  p.free_bytes = free_bytes;
+  p.fraction = o.mem_fraction_static > 0 ? o.mem_fraction_static : 0.90;
+  if (p.fraction > 0.98) fail("--mem-fraction-static {} is too high (at most 0.98)", p.fraction);
+  p.budget_bytes = gpu_bytes * p.fraction;
+  p.weight_bytes = static_cast<double>(cap.weight_bytes);
+  const int slots = std::max(o.state_slots, 1);
+  p.state_bytes = static_cast<double>(cap.state_bytes_per_sequence) * slots;
+  // Scratch of one pass (nothing is freed inside a step): per token and layer the hidden-sized buffers, the
+  // projections' outputs and the experts' rows, plus the logits of every sequence.
+  const double H = static_cast<double>(config.hidden_size);
+  const double C = 2.0 * config.linear_num_key_heads * config.linear_key_head_dim +
+                   static_cast<double>(config.linear_num_value_heads) * config.linear_value_head_dim;
+  const double Q = 2.0 * config.num_attention_heads * config.head_dim;
+  const double ffn = config.is_moe()
+                         ? config.experts_per_tok * (static_cast<double>(config.moe_intermediate_size) + H) +
+                               config.num_experts + 3.0 * config.shared_expert_intermediate_size
+                         : 3.0 * static_cast<double>(config.intermediate_size);
+  const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
+  const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, slots));
+  p.activation_bytes = tokens * per_token + 4.0 * slots * static_cast<double>(config.vocab_size) + 0.5 * G;
+  const double kv_per_page = static_cast<double>(cap.kv_bytes_per_token) * o.page_size;
+  const double left = p.budget_bytes - p.weight_bytes - p.state_bytes - p.activation_bytes;
+  const int64_t context = o.max_context > 0 ? o.max_context : std::min<int64_t>(config.max_position_embeddings, 8192);
+  const int64_t pages_per_seq = (context + o.page_size - 1) / o.page_size;
+  const int64_t wanted = o.kv_pages > 0 ? o.kv_pages : static_cast<int64_t>(slots) * pages_per_seq;
+  const int64_t fit = kv_per_page > 0 ? static_cast<int64_t>(std::max(left, 0.0) / kv_per_page) : wanted;
+  auto too_big = [&](const std::string& what) {
+    fail("out of GPU memory (planned before loading): {}. The budget is {:.1f} GiB ({:.1f} GiB x "
+         "--mem-fraction-static {:.2f}): weights {:.2f} GiB + state for {} sequences {:.2f} GiB + activations "
+         "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --chunked-prefill-size / "
+         "--max-total-tokens, or use a GPU with more memory",
+         what, p.budget_bytes / G, gpu_bytes / G, p.fraction, p.weight_bytes / G, slots, p.state_bytes / G,
+         p.activation_bytes / G);
+  };
+  if (left <= 0) too_big(fmt::format("nothing is left for the KV cache ({:.2f} GiB short)", -left / G));
+  if (cap.kv_bytes_per_token > 0 && fit < pages_per_seq)
+    too_big(fmt::format("the KV cache fits {} tokens, fewer than one sequence of {} tokens", fit * o.page_size,
+                        context));
+  if (o.kv_pages > 0 && o.kv_pages > fit)
+    too_big(fmt::format("--max-total-tokens asks for {} tokens, {} fit", o.kv_pages * o.page_size, fit * o.page_size));
+  p.kv_pages = cap.kv_bytes_per_token > 0 ? std::min(wanted, fit) : wanted;
+  p.kv_tokens = p.kv_pages * o.page_size;
+  p.kv_bytes = static_cast<double>(p.kv_pages) * kv_per_page;
+  if (free_bytes > 0 && p.weight_bytes + p.kv_bytes + p.state_bytes + p.activation_bytes > free_bytes)
+    KILN_LOG_WARN("the memory plan ({:.1f} GiB) exceeds the GPU memory free now ({:.1f} GiB): another process holds "
+                  "some; loading may fail", (p.weight_bytes + p.kv_bytes + p.state_bytes + p.activation_bytes) / G,
+                  free_bytes / G);
+  return p;
+}
+
 std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check) {
   if (device == "cpu") return make_cpu_backend();
 #if KILN_HAVE_CUDA
@@ -50,16 +158,33 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
                                                const CpuLoadOptions& options, bool self_check) {
   const DeviceChoice choice = resolve_device(device);
   KILN_LOG_INFO("device: {} ({})", choice.device, choice.reason);
-  if (choice.device == "cpu") return load_cpu_model(dir, options);
+  if (choice.device == "cpu") {
+    KILN_LOG_INFO("kernels: {}", resolve_kernels("cpu", 0, options).str());
+    return load_cpu_model(dir, options);
+  }
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
   model::RunnerOptions ro;
+#if KILN_HAVE_CUDA
+  const cuda::CudaDeviceProbe probe = cuda::probe_cuda_device();
+  const KernelChoice kernels = resolve_kernels("cuda", probe.major, options);
+  KILN_LOG_INFO("kernels: {}", kernels.str());
+  const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes),
+                                             static_cast<double>(probe.free_bytes));
+  KILN_LOG_INFO("{}", plan.str());
+  ro.kv_pages = plan.kv_pages;
+  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
+                           options.cuda_graphs ? "on" : "off");
+#else
+  ro.kv_pages = options.kv_pages;
+#endif
   ro.kv_dtype = options.kv_dtype;
   ro.max_context = options.max_context;
-  ro.kv_pages = options.kv_pages;
   ro.page_size = options.page_size;
   ro.state_slots = options.state_slots;
   ro.prefill_chunk = options.prefill_chunk;
   ro.prefill_delta_rule = options.prefill_delta_rule;
+  ro.load_format = options.load_format;
+  if (!options.cuda_graphs) ro.graph_max_batch = 0;
   auto runner = std::make_unique<model::Runner>(make_ops(choice.device, self_check), dir, ro);
   KILN_LOG_INFO("{}", runner->describe());
   return runner;

@@ -22,6 +22,31 @@ struct DeviceChoice {
 // Resolves "auto" / "cpu" / "cuda"; throws kiln::Error for an unknown name or an unusable explicit cuda.
 DeviceChoice resolve_device(const std::string& requested);
 
+// The kernels a device runs (--attention-backend, --moe-runner-backend, --fp4-gemm-backend; SGLang's flag names,
+// kiln's own kernels). "auto" resolves per device and GPU architecture; a choice the device cannot run is a
+// kiln::Error that says which choices it can.
+struct KernelChoice {
+  std::string attention;  // cpu: "cpu"; cuda: "kiln-paged"
+  std::string moe_runner; // cpu: "cpu"; cuda: "kiln-grouped"
+  std::string fp4_gemm;   // cpu: "cpu"; cuda sm_90: "kiln-w4a16" (FP4 decoded in registers; no FP4 tensor cores)
+  std::string str() const;
+};
+// compute_major: the GPU's compute capability major (0 for the CPU).
+KernelChoice resolve_kernels(const std::string& device, int compute_major, const LoadOptions& options);
+
+// The device memory plan of a CUDA load, made from config.json before any weight is placed.
+struct MemoryPlan {
+  double gpu_bytes = 0, free_bytes = 0, fraction = 0.9, budget_bytes = 0;
+  double weight_bytes = 0, state_bytes = 0, activation_bytes = 0, kv_bytes = 0;
+  int64_t kv_pages = 0, kv_tokens = 0;
+  std::string str() const;
+};
+// Plans weights + state slots + activations (estimate for a prefill pass of options.prefill_chunk tokens) + KV
+// pages within gpu_bytes x fraction; kiln::Error (with the numbers and what to change) when it does not fit.
+// KV pages: options.kv_pages when set (checked), else the budget, capped at state_slots x max_context.
+MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& options, double gpu_bytes,
+                              double free_bytes);
+
 // The Ops of a resolved device ("cpu" or "cuda"); a cuda Ops is self-checked unless self_check is false.
 std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check = true);
 

@@ -2,10 +2,12 @@
 // batched prefill, then O batched greedy decode steps. Prints prefill tok/s, the decode step latency (median,
 // p10, p90) and decode tok/s.
 //
-//   kiln bench-engine [--model-path DIR] [--device auto|cpu|cuda] [--batch B] [--input-len I] [--output-len O]
-//                     [--kv-dtype bf16|fp8|f32] [--prefill-chunk N] [--seed S] [--threads N] [--skip-self-check]
+//   kiln bench-engine [--model-path DIR] [--device auto|cpu|cuda] [--batch B[,B...]] [--input-len I]
+//                     [--output-len O] [--kv-dtype bf16|fp8|f32] [--prefill-chunk N] [--load-format auto|dummy]
+//                     [--profile] [--disable-cuda-graph] [--host-sampling] ...   (--help lists all)
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -23,7 +25,7 @@ namespace {
 struct BenchEngineOptions {
   std::string model_path;
   std::string device = "auto";
-  int batch = 1;
+  std::string batch = "1";
   int64_t input_len = 128;
   int64_t output_len = 32;
   std::string kv_dtype = "bf16";
@@ -31,6 +33,12 @@ struct BenchEngineOptions {
   uint64_t seed = 1;
   int threads = 0;
   bool skip_self_check = false;
+  std::string load_format = "auto";
+  double mem_fraction_static = 0;
+  std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
+  bool disable_cuda_graph = false;
+  bool profile = false;
+  bool host_sampling = false;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -44,9 +52,26 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(i, v.size() - 1)];
 }
 
+std::vector<int> parse_batches(const std::string& text) {
+  std::vector<int> out;
+  size_t i = 0;
+  while (i <= text.size()) {
+    const size_t j = std::min(text.find(',', i), text.size());
+    const std::string item = text.substr(i, j - i);
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1 || v > 4096)
+      kiln::fail("--batch: '{}' is not a batch size from 1 to 4096 (give one or a comma-separated list)", item);
+    out.push_back(static_cast<int>(v));
+    i = j + 1;
+  }
+  return out;
+}
+
 int run_bench_engine(const BenchEngineOptions& o) {
   using namespace kiln;
-  if (o.batch < 1) fail("--batch must be at least 1, got {}", o.batch);
+  const std::vector<int> batches = parse_batches(o.batch);
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
   if (o.input_len < 1 || o.output_len < 1) fail("--input-len and --output-len must be at least 1");
   format::ModelDir dir;
   if (!o.model_path.empty()) {
@@ -56,11 +81,17 @@ int run_bench_engine(const BenchEngineOptions& o) {
   } else {
     fail("no --model-path given and this kiln binary has no embedded model: pass --model-path DIR");
   }
-  backend::CpuLoadOptions lo;
+  backend::LoadOptions lo;
   lo.threads = o.threads;
-  lo.state_slots = o.batch;
-  lo.max_context = o.input_len + o.output_len + 1;
+  lo.state_slots = max_batch;
+  lo.max_context = o.input_len + o.output_len + 8;
   lo.prefill_chunk = o.prefill_chunk;
+  lo.load_format = model::parse_load_format(o.load_format);
+  lo.mem_fraction_static = o.mem_fraction_static;
+  lo.attention_backend = o.attention_backend;
+  lo.moe_runner_backend = o.moe_runner_backend;
+  lo.fp4_gemm_backend = o.fp4_gemm_backend;
+  lo.cuda_graphs = !o.disable_cuda_graph;
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
@@ -69,83 +100,113 @@ int run_bench_engine(const BenchEngineOptions& o) {
   const auto load_start = Clock::now();
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const double load_ms = ms_since(load_start);
+  auto* mr = dynamic_cast<model::Runner*>(runner.get());
   const int64_t V = runner->vocab_size();
   const auto cap = runner->capacity();
   const int64_t pages_per_seq = (lo.max_context + cap.page_size - 1) / cap.page_size;
-  if (pages_per_seq * o.batch > cap.kv_pages) fail("KV pool of {} pages cannot hold the batch", cap.kv_pages);
-
-  std::mt19937_64 rng(o.seed);
-  std::vector<std::vector<int32_t>> prompts(o.batch), pages(o.batch);
-  for (int b = 0; b < o.batch; ++b) {
-    prompts[b].resize(o.input_len);
-    for (auto& t : prompts[b]) t = std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(V - 1))(rng);
-    pages[b].resize(pages_per_seq);
-    for (int64_t p = 0; p < pages_per_seq; ++p) pages[b][p] = static_cast<int32_t>(b * pages_per_seq + p);
-  }
-  std::vector<float> logits(static_cast<size_t>(o.batch) * V);
-  std::vector<model::SeqChunk> chunks(o.batch);
-  std::vector<int32_t> next(o.batch);
-  auto argmax_all = [&] {
-    for (int b = 0; b < o.batch; ++b) {
-      const float* row = logits.data() + static_cast<size_t>(b) * V;
-      next[b] = static_cast<int32_t>(std::max_element(row, row + V) - row);
-    }
-  };
-
-  // Warm-up (kernel loading, scratch growth): a short prefill and two decode steps on every slot.
-  for (int b = 0; b < o.batch; ++b) {
-    chunks[b].state_slot = b;
-    chunks[b].tokens = std::span<const int32_t>(prompts[b]).first(std::min<int64_t>(o.input_len, 4));
-    chunks[b].start_pos = 0;
-    chunks[b].page_table = pages[b];
-  }
-  runner->forward(chunks, logits);
-  for (int s = 0; s < 2; ++s) {
-    argmax_all();
-    for (int b = 0; b < o.batch; ++b) {
-      chunks[b].start_pos += static_cast<int64_t>(chunks[b].tokens.size());
-      chunks[b].tokens = std::span<const int32_t>(&next[b], 1);
-    }
-    runner->forward(chunks, logits);
-  }
-
-  // Prefill: every prompt in one forward call (the runner splits it into passes of --prefill-chunk tokens).
-  for (int b = 0; b < o.batch; ++b) {
-    chunks[b].tokens = prompts[b];
-    chunks[b].start_pos = 0;
-  }
-  const auto prefill_start = Clock::now();
-  runner->forward(chunks, logits);
-  const double prefill_ms = ms_since(prefill_start);
-
-  // Decode: one token per sequence per step, greedy.
-  std::vector<double> step_ms;
-  const auto decode_start = Clock::now();
-  int64_t pos = o.input_len;
-  for (int64_t s = 0; s < o.output_len; ++s, ++pos) {
-    argmax_all();
-    for (int b = 0; b < o.batch; ++b) {
-      chunks[b].tokens = std::span<const int32_t>(&next[b], 1);
-      chunks[b].start_pos = pos;
-    }
-    const auto t = Clock::now();
-    runner->forward(chunks, logits);
-    step_ms.push_back(ms_since(t));
-  }
-  const double decode_ms = ms_since(decode_start);
-
-  const double median = percentile(step_ms, 0.5);
+  if (pages_per_seq * max_batch > cap.kv_pages) fail("KV pool of {} pages cannot hold the batch", cap.kv_pages);
   std::printf("kiln bench-engine: %s | %s\n", dir.display_path().c_str(), runner->describe().c_str());
-  std::printf("batch %d, input %lld, output %lld, kv %s, prefill chunk %lld (load %.0f ms)\n", o.batch,
+  std::printf("input %lld, output %lld, kv %s, prefill chunk %lld, cuda graphs %s, sampling %s (load %.0f ms)\n",
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
-              static_cast<long long>(o.prefill_chunk), load_ms);
-  std::printf("prefill: %lld tokens in %.2f ms: %.1f tok/s\n", static_cast<long long>(o.batch * o.input_len),
-              prefill_ms, o.batch * o.input_len / std::max(prefill_ms, 1e-9) * 1e3);
-  std::printf("decode:  %lld steps, step latency median %.3f ms (p10 %.3f, p90 %.3f): %.1f tok/s at the median, "
-              "%.1f tok/s overall (%d sequences)\n",
-              static_cast<long long>(o.output_len), median, percentile(step_ms, 0.1), percentile(step_ms, 0.9),
-              o.batch / std::max(median, 1e-9) * 1e3, o.batch * o.output_len / std::max(decode_ms, 1e-9) * 1e3,
-              o.batch);
+              static_cast<long long>(o.prefill_chunk), o.disable_cuda_graph ? "off" : "on",
+              o.host_sampling ? "host argmax over downloaded logits" : "argmax on the device", load_ms);
+
+  for (const int B : batches) {
+    std::mt19937_64 rng(o.seed);
+    std::vector<std::vector<int32_t>> prompts(B), pages(B);
+    for (int b = 0; b < B; ++b) {
+      prompts[b].resize(o.input_len);
+      for (auto& t : prompts[b]) t = std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(V - 1))(rng);
+      pages[b].resize(pages_per_seq);
+      for (int64_t p = 0; p < pages_per_seq; ++p) pages[b][p] = static_cast<int32_t>(b * pages_per_seq + p);
+    }
+    std::vector<model::SeqChunk> chunks(B);
+    std::vector<int32_t> next(B);
+    std::vector<float> logits;
+    auto step = [&] {
+      if (!o.host_sampling) {
+        runner->forward_argmax(chunks, next);
+        return;
+      }
+      logits.resize(static_cast<size_t>(B) * V);
+      runner->forward(chunks, logits);
+      for (int b = 0; b < B; ++b) {
+        const float* row = logits.data() + static_cast<size_t>(b) * V;
+        next[b] = static_cast<int32_t>(std::max_element(row, row + V) - row);
+      }
+    };
+    auto decode_inputs = [&](int64_t pos) {
+      for (int b = 0; b < B; ++b) {
+        chunks[b].tokens = std::span<const int32_t>(&next[b], 1);
+        chunks[b].start_pos = pos;
+      }
+    };
+
+    // Warm-up (kernel loading, scratch growth, graph capture): a short prefill and three decode steps.
+    const int64_t warm = std::min<int64_t>(o.input_len, 4);
+    for (int b = 0; b < B; ++b) {
+      chunks[b].state_slot = b;
+      chunks[b].tokens = std::span<const int32_t>(prompts[b]).first(warm);
+      chunks[b].start_pos = 0;
+      chunks[b].page_table = pages[b];
+    }
+    step();
+    for (int64_t s = 0; s < 3; ++s) {
+      decode_inputs(warm + s);
+      step();
+    }
+
+    // Prefill: every prompt in one forward call (the runner splits it into passes of --prefill-chunk tokens).
+    for (int b = 0; b < B; ++b) {
+      chunks[b].tokens = prompts[b];
+      chunks[b].start_pos = 0;
+    }
+    const auto prefill_start = Clock::now();
+    step();
+    const double prefill_ms = ms_since(prefill_start);
+
+    // Decode: one token per sequence per step, greedy.
+    std::vector<double> step_ms;
+    const auto decode_start = Clock::now();
+    int64_t pos = o.input_len;
+    for (int64_t s = 0; s < o.output_len; ++s, ++pos) {
+      decode_inputs(pos);
+      const auto t = Clock::now();
+      step();
+      step_ms.push_back(ms_since(t));
+    }
+    const double decode_ms = ms_since(decode_start);
+    const double median = percentile(step_ms, 0.5);
+    std::printf("batch %d: prefill %lld tokens in %.2f ms: %.1f tok/s | decode %lld steps, step median %.3f ms "
+                "(p10 %.3f, p90 %.3f): %.1f tok/s at the median, %.1f tok/s overall\n",
+                B, static_cast<long long>(B * o.input_len), prefill_ms,
+                B * o.input_len / std::max(prefill_ms, 1e-9) * 1e3, static_cast<long long>(o.output_len), median,
+                percentile(step_ms, 0.1), percentile(step_ms, 0.9), B / std::max(median, 1e-9) * 1e3,
+                B * o.output_len / std::max(decode_ms, 1e-9) * 1e3);
+    std::fflush(stdout);
+
+    if (o.profile && mr) {
+      // One more decode step, op by op (eager, ops queued behind a busy-wait so that they run back to back).
+      decode_inputs(pos);
+      if (!mr->ops().profile_begin()) {
+        std::printf("  --profile: the %s backend does not time ops\n", mr->ops().name().c_str());
+        continue;
+      }
+      mr->set_graphs_enabled(false);
+      step();
+      mr->set_graphs_enabled(true);
+      std::vector<model::OpTime> times = mr->ops().profile_end();
+      double total = 0;
+      for (const auto& t : times) total += t.total_us;
+      std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
+      std::printf("  per-op time of one decode step (batch %d, eager, back to back): %.1f us in ops\n", B, total);
+      std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
+      for (const auto& t : times)
+        std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
+                    t.total_us, t.total_us / std::max<int64_t>(t.calls, 1), 100.0 * t.total_us / std::max(total, 1e-9));
+      std::fflush(stdout);
+    }
+  }
   return 0;
 }
 
@@ -154,7 +215,8 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   auto o = std::make_shared<BenchEngineOptions>();
   app.add_option("--model-path", o->model_path, "Model folder (default: the embedded model)");
   app.add_option("--device", o->device, "auto, cpu or cuda")->capture_default_str();
-  app.add_option("--batch", o->batch, "Sequences run together")->capture_default_str();
+  app.add_option("--batch", o->batch, "Sequences run together; a comma-separated list runs each in turn")
+      ->capture_default_str();
   app.add_option("--input-len", o->input_len, "Prompt tokens per sequence (random ids)")->capture_default_str();
   app.add_option("--output-len", o->output_len, "Decode steps (greedy)")->capture_default_str();
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: bf16, fp8 or f32")->capture_default_str();
@@ -162,6 +224,17 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_option("--seed", o->seed, "Prompt seed")->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");
+  app.add_option("--load-format", o->load_format,
+                 "auto (the checkpoint) or dummy (random weights from config.json alone)")->capture_default_str();
+  app.add_option("--mem-fraction-static", o->mem_fraction_static,
+                 "cuda: share of GPU memory for weights, KV cache, state and activations (default 0.90)");
+  app.add_option("--attention-backend", o->attention_backend, "auto or kiln-paged (cuda)")->capture_default_str();
+  app.add_option("--moe-runner-backend", o->moe_runner_backend, "auto or kiln-grouped (cuda)")->capture_default_str();
+  app.add_option("--fp4-gemm-backend", o->fp4_gemm_backend, "auto or kiln-w4a16 (cuda)")->capture_default_str();
+  app.add_flag("--disable-cuda-graph", o->disable_cuda_graph, "cuda: run decode steps eagerly");
+  app.add_flag("--profile", o->profile, "After each batch, time one decode step op by op (cuda)");
+  app.add_flag("--host-sampling", o->host_sampling,
+               "Download every step's logits and pick tokens on the host (default: argmax on the device)");
   return [o]() -> int { return run_bench_engine(*o); };
 }};
 

@@ -232,6 +232,20 @@ Checkpoint Checkpoint::open(const ModelDir& dir) {
   return ckpt;
 }
 
+Checkpoint Checkpoint::synthetic(const ModelDir& dir, std::vector<TensorInfo> tensors) {
+  Checkpoint ckpt;
+  ckpt.dir_ = dir;
+  ckpt.synthetic_ = true;
+  for (auto& t : tensors) {
+    t.data = nullptr;
+    t.nbytes = static_cast<size_t>(t.shape.numel()) * dtype_size(t.dtype);
+    t.file = "(dummy)";
+    std::string name = t.name;
+    if (!ckpt.tensors_.emplace(std::move(name), std::move(t)).second) fail("synthetic checkpoint: a tensor is listed twice");
+  }
+  return ckpt;
+}
+
 const TensorInfo* Checkpoint::find(std::string_view name) const {
   auto it = tensors_.find(name);
   return it == tensors_.end() ? nullptr : &it->second;

@@ -65,6 +65,10 @@ class SafetensorsFile {
 class Checkpoint {
  public:
   static Checkpoint open(const ModelDir& dir);
+  // A checkpoint with names, dtypes and shapes but no bytes (TensorInfo::data == nullptr): what
+  // `--load-format dummy` binds, the backend then fills each tensor with random values of the right kind.
+  static Checkpoint synthetic(const ModelDir& dir, std::vector<TensorInfo> tensors);
+  bool is_synthetic() const { return synthetic_; }
 
   const TensorInfo* find(std::string_view name) const;  // nullptr if absent
   const TensorInfo& get(std::string_view name) const;   // kiln::Error naming the tensor if absent
@@ -82,6 +86,7 @@ class Checkpoint {
   ModelDir dir_;  // keeps the mappings alive
   std::vector<std::string> file_names_;
   std::map<std::string, TensorInfo, std::less<>> tensors_;
+  bool synthetic_ = false;
 };
 
 // Writes safetensors files the way Hugging Face's library does: header keys in data order,

@@ -2,10 +2,17 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "model/dummy_weights.h"
 
 namespace kiln::model {
 
-std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops) {
+LoadFormat parse_load_format(const std::string& name) {
+  if (name == "auto" || name == "safetensors") return LoadFormat::safetensors;
+  if (name == "dummy") return LoadFormat::dummy;
+  fail("unknown --load-format '{}' (use auto, safetensors or dummy)", name);
+}
+
+std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, LoadFormat load_format) {
   auto m = std::make_unique<LoadedModel>();
   m->dir = dir;
   m->config = format::load_model_config(dir);
@@ -17,11 +24,18 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops) {
          dir.display_path(), c.rope_type);
   if (c.head_dim <= 0 || c.rotary_dim() % 2 || c.rotary_dim() > c.head_dim)
     fail("{}: bad rotary setup: head_dim {}, rotary dim {}", dir.display_path(), c.head_dim, c.rotary_dim());
-  m->checkpoint = std::make_unique<format::Checkpoint>(format::Checkpoint::open(dir));
+  if (load_format == LoadFormat::dummy) {
+    m->checkpoint = std::make_unique<format::Checkpoint>(model::dummy_checkpoint(dir, m->config, m->quant));
+    KILN_LOG_WARN("--load-format dummy: {} random weights from config.json alone (output is meaningless; for "
+                  "benchmarks)", m->checkpoint->size());
+  } else {
+    m->checkpoint = std::make_unique<format::Checkpoint>(format::Checkpoint::open(dir));
+  }
   // Lists every missing / mis-typed / mis-shaped tensor in one kiln::Error.
   m->report = format::verify_checkpoint(*m->checkpoint, m->config, m->quant);
 
   WeightBinder b(*m->checkpoint, m->config, m->quant, ops, m->weights);
+  b.set_dummy_norm_kind(m->family->norm_kind());
   const int64_t H = c.hidden_size, V = c.vocab_size;
   const std::string& P = c.tensor_prefix;
   m->weights.embed_tokens = b.tensor(P + "embed_tokens.weight", Shape{V, H});

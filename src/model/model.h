@@ -23,7 +23,14 @@ struct LoadedModel {
   ModelWeights weights;
 };
 
+// How weights are obtained: from the checkpoint's safetensors, or random (`--load-format dummy`: config.json alone,
+// see dummy_weights.h).
+enum class LoadFormat : uint8_t { safetensors, dummy };
+// "auto" / "safetensors" -> safetensors, "dummy" -> dummy; kiln::Error otherwise.
+LoadFormat parse_load_format(const std::string& name);
+
 // Throws kiln::Error when the config is unsupported or the checkpoint does not match it.
-std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops);
+std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops,
+                                        LoadFormat load_format = LoadFormat::safetensors);
 
 }  // namespace kiln::model

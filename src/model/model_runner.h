@@ -47,6 +47,11 @@ class ModelRunner {
   // logits of its last token) into `logits`, in chunk order. Throws kiln::Error on failure.
   virtual void forward(std::span<const SeqChunk> chunks, std::span<float> logits) = 0;
 
+  // Like forward(), but writes the greedy token (argmax of the logits; lowest id on ties) of each want_logits
+  // chunk instead of its logits. A GPU runner picks them on the device and copies back only the ids. The default
+  // runs forward() and scans the logits on the host.
+  virtual void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens);
+
   // Human-readable description for the startup summary (backend, kernels, memory plan).
   virtual std::string describe() const = 0;
 };

@@ -85,6 +85,37 @@ struct ExpertWeights {
   LinearWeight down;  // [H, I]
 };
 
+// How `--load-format dummy` fills a weight that has no bytes. Deterministic: element i is a function of
+// (seed, i) alone (random_fill_hash), so every backend produces the same bytes for the same tensor.
+struct RandomFill {
+  enum class Kind : uint8_t {
+    uniform,  // float dtypes: lo + (hi - lo) * u, u = k / 2^24, k = the hash's top 24 bits; rounded to the dtype
+    bytes,    // 1-byte dtypes: byte_lo + (hash >> 32) % (byte_hi - byte_lo), sign bit 0x80 set when random_sign
+              // and the hash's lowest bit is 1 (NVFP4 codes, E4M3 scales / weights in a safe exponent range)
+  };
+  Kind kind = Kind::uniform;
+  float lo = 0.0f, hi = 0.0f;
+  uint32_t byte_lo = 0, byte_hi = 256;
+  bool random_sign = false;
+  uint64_t seed = 0;
+};
+// splitmix64 of seed + (i + 1) * golden ratio: the random bits of element i.
+inline uint64_t random_fill_hash(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// Fills `out` (shape.numel() elements of dtype) on the host: the definition the GPU fill kernel follows.
+void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out);
+
+// One op's share of a profiled step (Ops::profile_end): label = op name and shape.
+struct OpTime {
+  std::string label;
+  int64_t calls = 0;
+  double total_us = 0;
+};
+
 enum class DeltaRuleMode : uint8_t {
   recurrent,  // token by token (decode, and the definition)
   chunked,    // UT-transform chunks of 64 tokens (prefill); equals the recurrence up to rounding
@@ -102,6 +133,9 @@ class Ops {
   // A weight tensor as the backend will read it: the CPU returns the (mmapped) view itself; a GPU copies it
   // to device memory it owns.
   virtual TensorView place_weight(const TensorView& host) = 0;
+  // A weight with no bytes (--load-format dummy): memory of the backend's own, filled as `fill` says. The default
+  // fills a host buffer (kept alive by the Ops) and places it; a GPU backend fills device memory directly.
+  virtual TensorView place_random(DType dtype, Shape shape, const RandomFill& fill);
   // Per-step scratch, valid until reset_scratch() (called by the runner at the start of each step).
   virtual TensorView scratch(DType dtype, Shape shape) = 0;
   virtual void reset_scratch() = 0;
@@ -114,6 +148,23 @@ class Ops {
   virtual void copy(const TensorView& src, TensorView dst) = 0;
   // max |x| over a view (F32), synchronises. Used to pick FP8 KV scales.
   virtual float max_abs(const TensorView& x) = 0;
+
+  // ---- step graphs (CUDA graphs on the GPU; a no-op elsewhere)
+  // The runner brackets a decode pass's compute (after its uploads, before its download) with
+  // graph_capture_begin() / graph_capture_end(), then replays it with graph_launch() while the step's shape is
+  // the same. Inputs must sit at the same device addresses on every replay (same scratch layout).
+  // graph_capture_begin: false when the backend does not capture (the body then runs eagerly as usual).
+  virtual bool graph_capture_begin() { return false; }
+  // Ends the capture: a handle >= 0, or -1 when capturing failed (nothing ran: run the body again eagerly).
+  virtual int graph_capture_end() { return -1; }
+  // Replays a captured pass; false when the handle is stale (scratch memory moved since): capture again.
+  virtual bool graph_launch(int handle) { (void)handle; return false; }
+  // Forgets every captured graph.
+  virtual void graph_reset() {}
+
+  // ---- per-op profiling (kiln bench-engine --profile): time of every op between begin and end, by label.
+  virtual bool profile_begin() { return false; }  // false: not supported by this backend
+  virtual std::vector<OpTime> profile_end() { return {}; }
 
   // ---- dense maths
   // out[t] = table[ids[t]]. table [V, H] (BF16 / F32), ids I32 [T], out F32 [T, H].
@@ -179,6 +230,14 @@ class Ops {
   // x F32 [T, H], out F32 [T, H], experts [E].
   virtual void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                            std::span<const ExpertWeights> experts, TensorView out) = 0;
+
+  // ---- sampling
+  // ids[r] = argmax_v logits[r, v] (lowest index on ties; NaN never wins; all NaN: 0), written to host memory
+  // (synchronises). logits F32 [R, V] contiguous. The default downloads the logits and scans them on the host.
+  virtual void argmax_rows(const TensorView& logits, std::span<int32_t> ids);
+
+ private:
+  std::vector<std::unique_ptr<uint8_t[]>> random_storage_;  // place_random's default
 };
 
 }  // namespace kiln::model

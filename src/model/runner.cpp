@@ -11,7 +11,7 @@ namespace kiln::model {
 
 Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const RunnerOptions& options)
     : ops_(std::move(ops)), options_(options) {
-  model_ = load_model(dir, *ops_);
+  model_ = load_model(dir, *ops_, options_.load_format);
   const auto& c = model_->config;
   if (options_.kv_dtype != DType::BF16 && options_.kv_dtype != DType::F32 && options_.kv_dtype != DType::F8_E4M3)
     fail("KV cache dtype {} is not supported (BF16, F32 or F8_E4M3)", dtype_name(options_.kv_dtype));
@@ -73,7 +73,7 @@ std::string Runner::describe() const {
       ops_->describe(), format::arch_name(model_->config.arch), model_->config.num_layers, w.bytes_by_format[0] / 1e6,
       w.bytes_by_format[1] / 1e6, w.bytes_by_format[2] / 1e6, dtype_name(options_.kv_dtype), capacity_.kv_pages,
       capacity_.page_size, capacity_.kv_bytes_per_token, capacity_.state_slots, capacity_.state_bytes_per_slot / 1e6,
-      options_.prefill_chunk);
+      options_.prefill_chunk) + (options_.summary.empty() ? std::string() : " | " + options_.summary);
 }
 
 std::vector<std::pair<float, float>> Runner::kv_scales() const {
@@ -89,7 +89,7 @@ void Runner::reset_slot(int slot) {
   }
 }
 
-void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
+int64_t Runner::check_chunks(std::span<const SeqChunk> chunks) const {
   const int64_t V = model_->config.vocab_size;
   int64_t rows = 0;
   std::vector<int> slots;
@@ -113,9 +113,36 @@ void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) 
       if (t < 0 || t >= V) fail("forward: token id {} outside the vocabulary [0, {})", t, V);
     if (ch.want_logits) ++rows;
   }
+  return rows;
+}
+
+void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
+  const int64_t V = model_->config.vocab_size;
+  const int64_t rows = check_chunks(chunks);
   if (static_cast<int64_t>(logits.size()) < rows * V)
     fail("forward: logits buffer holds {} floats, {} rows of {} needed", logits.size(), rows, V);
+  run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
+    const int64_t R = static_cast<int64_t>(out_rows.size());
+    std::vector<float> host(static_cast<size_t>(R * V));
+    ops_->download(out, host.data());
+    for (int64_t i = 0; i < R; ++i)
+      std::memcpy(logits.data() + out_rows[i] * V, host.data() + i * V, static_cast<size_t>(V) * sizeof(float));
+  });
+}
 
+void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
+  const int64_t rows = check_chunks(chunks);
+  if (static_cast<int64_t>(tokens.size()) < rows)
+    fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
+  run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
+    std::vector<int32_t> ids(out_rows.size());
+    ops_->argmax_rows(out, ids);
+    for (size_t i = 0; i < ids.size(); ++i) tokens[out_rows[i]] = ids[i];
+  });
+}
+
+void Runner::run_passes(std::span<const SeqChunk> chunks,
+                        const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit) {
   // Passes of at most prefill_chunk tokens; a chunk longer than the budget continues in the next pass.
   std::vector<int64_t> done(chunks.size(), 0), logits_row(chunks.size(), -1);
   int64_t r = 0;
@@ -132,19 +159,48 @@ void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) 
       pieces.push_back({i, done[i], n, n == left ? logits_row[i] : -1});
     }
     if (pieces.empty()) break;
-    run_pass(chunks, pieces, logits);
+    run_pass(chunks, pieces, emit);
     for (const Piece& p : pieces) done[p.chunk] += p.n_tokens;
   }
 }
 
-void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces, std::span<float> logits) {
+TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids) {
   const auto& c = model_->config;
+  Ops& ops = *ops_;
+  Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
+            options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
+  const int64_t T = step.num_tokens;
+  TensorView hidden = f.f32(Shape{T, c.hidden_size});
+  ops.embedding(model_->weights.embed_tokens, id_view, hidden);
+  f.name("embed", -1, hidden);
+  for (int l = 0; l < c.num_layers; ++l) {
+    model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
+    f.name("layer_out", l, hidden);
+  }
+  if (!row_ids.data) return {};
+  const int64_t R = row_ids.numel();
+  TensorView last = f.f32(Shape{R, c.hidden_size});
+  ops.gather_rows(hidden, row_ids, last);
+  TensorView normed = rms_norm(f, last, model_->weights.final_norm, model_->family->norm_kind());
+  f.name("final_norm", -1, normed);
+  TensorView out = f.f32(Shape{R, c.vocab_size});
+  ops.linear(normed, model_->weights.lm_head, out);
+  return out;
+}
+
+void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces,
+                      const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit) {
   Ops& ops = *ops_;
   ops.reset_scratch();
   for (const Piece& p : pieces) {
     const SeqChunk& ch = chunks[p.chunk];
     if (p.offset == 0 && ch.start_pos == 0) reset_slot(ch.state_slot);
   }
+  // A decode pass (one token and its logits per sequence) can be captured and replayed: its shape is (sequences,
+  // pages per sequence), the latter rounded up to a power of two so that a few graphs serve every context length.
+  bool graphable = !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 &&
+                   static_cast<int>(pieces.size()) <= options_.graph_max_batch;
+  for (const Piece& p : pieces) graphable = graphable && p.n_tokens == 1 && p.logits_row >= 0;
 
   StepLayout step;
   step.num_seqs = static_cast<int>(pieces.size());
@@ -165,6 +221,12 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     step.max_pages_per_seq = std::max<int>(step.max_pages_per_seq, static_cast<int>(pages));
   }
   step.max_pages_per_seq = std::max(step.max_pages_per_seq, 1);
+  if (graphable) {
+    const int cap = static_cast<int>((options_.max_context + options_.page_size - 1) / options_.page_size);
+    int bucket = 1;
+    while (bucket < step.max_pages_per_seq) bucket *= 2;
+    step.max_pages_per_seq = std::max(step.max_pages_per_seq, std::min(bucket, cap));
+  }
   step.host_page_table.assign(static_cast<size_t>(step.num_seqs) * step.max_pages_per_seq, -1);
   if (!kv_.empty()) {
     for (size_t s = 0; s < pieces.size(); ++s) {
@@ -176,23 +238,6 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   }
   step.num_tokens = static_cast<int64_t>(ids.size());
   const int64_t T = step.num_tokens, S = step.num_seqs;
-  step.token_pos = ops.upload(step.host_token_pos.data(), DType::I32, Shape{T});
-  step.seq_token_begin = ops.upload(step.host_seq_token_begin.data(), DType::I32, Shape{S + 1});
-  step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
-  step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
-  step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
-
-  Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
-            options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
-  TensorView id_view = ops.upload(ids.data(), DType::I32, Shape{T});
-  TensorView hidden = f.f32(Shape{T, c.hidden_size});
-  ops.embedding(model_->weights.embed_tokens, id_view, hidden);
-  f.name("embed", -1, hidden);
-  for (int l = 0; l < c.num_layers; ++l) {
-    model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
-    f.name("layer_out", l, hidden);
-  }
-
   std::vector<int32_t> rows;
   std::vector<int64_t> out_rows;
   for (size_t s = 0; s < pieces.size(); ++s) {
@@ -200,19 +245,52 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     rows.push_back(step.host_seq_token_begin[s + 1] - 1);
     out_rows.push_back(pieces[s].logits_row);
   }
-  if (rows.empty()) return;
-  const int64_t R = static_cast<int64_t>(rows.size()), V = c.vocab_size;
-  TensorView row_ids = ops.upload(rows.data(), DType::I32, Shape{R});
-  TensorView last = f.f32(Shape{R, c.hidden_size});
-  ops.gather_rows(hidden, row_ids, last);
-  TensorView normed = rms_norm(f, last, model_->weights.final_norm, model_->family->norm_kind());
-  f.name("final_norm", -1, normed);
-  TensorView out = f.f32(Shape{R, V});
-  ops.linear(normed, model_->weights.lm_head, out);
-  std::vector<float> host(static_cast<size_t>(R * V));
-  ops.download(out, host.data());
-  for (int64_t i = 0; i < R; ++i)
-    std::memcpy(logits.data() + out_rows[i] * V, host.data() + i * V, static_cast<size_t>(V) * sizeof(float));
+  // Every upload comes before the compute, in a fixed order: a replayed pass finds its inputs where the captured
+  // one read them.
+  step.token_pos = ops.upload(step.host_token_pos.data(), DType::I32, Shape{T});
+  step.seq_token_begin = ops.upload(step.host_seq_token_begin.data(), DType::I32, Shape{S + 1});
+  step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
+  step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
+  step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
+  const TensorView id_view = ops.upload(ids.data(), DType::I32, Shape{T});
+  const TensorView row_ids =
+      rows.empty() ? TensorView() : ops.upload(rows.data(), DType::I32, Shape{static_cast<int64_t>(rows.size())});
+
+  TensorView out;
+  if (graphable) {
+    const std::pair<int, int> key{step.num_seqs, step.max_pages_per_seq};
+    auto it = graphs_.find(key);
+    if (it != graphs_.end()) {
+      if (ops.graph_launch(it->second.handle)) {
+        out = it->second.logits;
+      } else {
+        graphs_.erase(it);  // scratch memory moved: capture again below
+        it = graphs_.end();
+      }
+    }
+    if (!out.data && graph_seen_[key]++ >= 1) {  // the first run of a shape is eager (lazy setup, scratch growth)
+      if (graphs_.size() >= 512) {  // bound the graphs kept (serving with ever new shapes)
+        ops.graph_reset();
+        graphs_.clear();
+      }
+      if (ops.graph_capture_begin()) {
+        TensorView o;
+        try {
+          o = pass_body(step, id_view, row_ids);
+        } catch (...) {
+          ops.graph_capture_end();  // leave the stream usable, then report
+          throw;
+        }
+        const int handle = ops.graph_capture_end();
+        if (handle >= 0 && ops.graph_launch(handle)) {
+          graphs_[key] = Graph{handle, o};
+          out = o;
+        }
+      }
+    }
+  }
+  if (!out.data) out = pass_body(step, id_view, row_ids);
+  if (!rows.empty()) emit(out, out_rows);
 }
 
 }  // namespace kiln::model

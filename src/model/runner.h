@@ -3,6 +3,8 @@
 // chunks into forward passes of at most `prefill_chunk` tokens, builds each pass's StepLayout, runs the
 // family's layers and writes the requested logits. Backends only provide the Ops (and the load options).
 #pragma once
+#include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -23,6 +25,11 @@ struct RunnerOptions {
   int64_t kv_pages = 0;          // 0: state_slots * ceil(max_context / page_size)
   int64_t prefill_chunk = 512;   // most tokens in one forward pass (longer chunks are split)
   DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // sequences with > 1 token in a pass
+  LoadFormat load_format = LoadFormat::safetensors;
+  // Decode passes (one token per sequence) of at most this many sequences are captured once per shape and
+  // replayed (CUDA graphs) on backends that can; 0 disables.
+  int graph_max_batch = 256;
+  std::string summary;  // backend-specific lines for describe() (kernel choices, memory plan)
 };
 
 class Runner : public ModelRunner {
@@ -33,6 +40,7 @@ class Runner : public ModelRunner {
   RunnerCapacity capacity() const override { return capacity_; }
   int64_t vocab_size() const override { return model_->config.vocab_size; }
   void forward(std::span<const SeqChunk> chunks, std::span<float> logits) override;
+  void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) override;
   std::string describe() const override;
 
   const format::ModelConfig& config() const { return model_->config; }
@@ -41,6 +49,8 @@ class Runner : public ModelRunner {
   Ops& ops() { return *ops_; }
   // Called with every named intermediate of later forward passes (debugging against a reference dump).
   void set_trace(TraceFn trace) { trace_ = std::move(trace); }
+  // Turns decode-step graphs on / off for later passes (profiling runs op by op).
+  void set_graphs_enabled(bool on) { graphs_enabled_ = on; }
   // The KV-cache scales in use per full-attention layer (FP8 pools; 1 otherwise).
   std::vector<std::pair<float, float>> kv_scales() const;
 
@@ -51,7 +61,15 @@ class Runner : public ModelRunner {
     int64_t n_tokens;
     int64_t logits_row;  // -1: no logits
   };
-  void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces, std::span<float> logits);
+  // Checks the chunks; returns the number of logits rows they ask for.
+  int64_t check_chunks(std::span<const SeqChunk> chunks) const;
+  // Runs the passes; the last pass's logits rows (chunk order) are handed to `emit`.
+  void run_passes(std::span<const SeqChunk> chunks, const std::function<void(const TensorView&,
+                  const std::vector<int64_t>&)>& emit);
+  void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces,
+                const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
+  // The compute of one pass after its uploads: embedding, layers, final norm and lm_head of `row_ids`.
+  TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids);
   void reset_slot(int slot);
 
   std::unique_ptr<Ops> ops_;
@@ -62,6 +80,14 @@ class Runner : public ModelRunner {
   std::vector<int> kv_index_, linear_index_;  // per layer
   std::vector<TensorView> conv_state_, recurrent_state_;  // per linear layer
   TraceFn trace_;
+  // Captured decode passes, by (sequences, pages per sequence).
+  struct Graph {
+    int handle = -1;
+    TensorView logits;  // where the replayed pass leaves its logits
+  };
+  std::map<std::pair<int, int>, Graph> graphs_;
+  std::map<std::pair<int, int>, int> graph_seen_;
+  bool graphs_enabled_ = true;  // eager runs per shape before capturing
 };
 
 }  // namespace kiln::model

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "format/weight_map.h"
+#include "model/dummy_weights.h"
 
 namespace kiln::model {
 
@@ -26,7 +27,8 @@ int64_t LinearWeight::weight_bytes() const {
 TensorView WeightBinder::place(const format::TensorInfo& t) const {
   auto it = placed_.find(t.name);
   if (it != placed_.end()) return it->second;
-  TensorView v = ops_.place_weight(t.view());
+  TensorView v = t.data ? ops_.place_weight(t.view())
+                        : ops_.place_random(t.dtype, t.shape, dummy_fill(t, dummy_norm_kind_));
   placed_.emplace(t.name, v);
   return v;
 }
@@ -48,6 +50,7 @@ float WeightBinder::scalar(const std::string& name) const {
   const format::TensorInfo& t = ckpt_.get(name);
   if (t.shape.numel() != 1 || !dtype_is_float(t.dtype))
     fail("{}: expected a float scalar, found {} {}", name, dtype_name(t.dtype), t.shape.str());
+  if (!t.data) return dummy_scalar(name, ckpt_);
   return load_as_f32(t.dtype, t.data);
 }
 

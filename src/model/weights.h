@@ -83,6 +83,8 @@ class WeightBinder {
       : ckpt_(ckpt), config_(config), quant_(quant), ops_(ops), model_(model) {}
 
   const format::ModelConfig& config() const { return config_; }
+  // Norm weights' identity for a synthetic (--load-format dummy) checkpoint's random fill.
+  void set_dummy_norm_kind(NormKind k) { dummy_norm_kind_ = k; }
   // config.tensor_prefix + "layers.{layer}."
   std::string layer_prefix(int layer) const;
   // A plain tensor (norm weights, conv, A_log, ...), viewed with `shape` (numel must match).
@@ -104,6 +106,7 @@ class WeightBinder {
   Ops& ops_;
   ModelWeights& model_;
   mutable std::map<std::string, TensorView, std::less<>> placed_;
+  NormKind dummy_norm_kind_ = NormKind::plain;
 };
 
 }  // namespace kiln::model

@@ -18,6 +18,7 @@ std::unique_ptr<model::ModelRunner> load_cpu_model(const format::ModelDir& dir, 
   ro.state_slots = options.state_slots;
   ro.prefill_chunk = options.prefill_chunk;
   ro.prefill_delta_rule = options.prefill_delta_rule;
+  ro.load_format = options.load_format;
   auto runner = std::make_unique<model::Runner>(make_cpu_backend(), dir, ro);
   KILN_LOG_INFO("{}", runner->describe());
   return runner;

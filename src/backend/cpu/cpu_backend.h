@@ -4,6 +4,7 @@
 
 #include "backend/backend.h"
 #include "format/model_dir.h"
+#include "model/model.h"
 #include "model/model_runner.h"
 
 namespace kiln::backend {
@@ -18,7 +19,17 @@ struct CpuLoadOptions {
   int threads = 0;               // worker threads (0: KILN_THREADS or all cores); only before the pool starts
   int64_t prefill_chunk = 512;   // most tokens per forward pass
   DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // recurrent: token by token everywhere
+  model::LoadFormat load_format = model::LoadFormat::safetensors;  // dummy: random weights from config.json
+  // GPU only (backend/device.h): share of GPU memory for weights + KV cache + state + activations; 0: 0.90.
+  double mem_fraction_static = 0;
+  // Kernel choices (SGLang's flag names): "auto" resolves per device / GPU architecture.
+  std::string attention_backend = "auto";
+  std::string moe_runner_backend = "auto";
+  std::string fp4_gemm_backend = "auto";
+  bool cuda_graphs = true;  // capture and replay decode steps
 };
+// The name the load options go by outside the CPU backend.
+using LoadOptions = CpuLoadOptions;
 
 // The CPU backend's Ops (for tests and tools that drive ops directly).
 std::unique_ptr<Backend> make_cpu_backend();

@@ -6,12 +6,15 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_kernels.h"
+#include "backend/cuda/kernels.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -161,6 +164,9 @@ CudaDeviceProbe probe_cuda_device() {
       p.minor = prop.minor;
       p.multiprocessors = prop.multiProcessorCount;
       p.memory_bytes = prop.totalGlobalMem;
+      size_t free_b = 0, total_b = 0;
+      if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) p.free_bytes = free_b;
+      else cudaGetLastError();
       return p;
     }
     if (found.empty())
@@ -195,12 +201,50 @@ struct CudaOps::Impl {
   };
   std::unordered_map<const void*, ExpertTable> expert_tables;
 
+  // Step graphs. Scratch blocks are only ever added or replaced (generation + 1), so a graph whose generation
+  // is the current one still points at live scratch memory.
+  uint64_t scratch_generation = 0;
+  bool graphs_on = true;
+  bool capturing = false;
+  struct GraphRec {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t generation = 0;
+  };
+  std::vector<GraphRec> graphs;
+
+  // Profiling: an event before and after every op, labelled.
+  bool profiling = false;
+  std::vector<cudaEvent_t> events;
+  size_t events_used = 0;
+  struct Mark {
+    std::string label;
+    size_t begin, end;
+  };
+  std::vector<Mark> marks;
+  DeviceBuffer argmax_ids;
+
+  size_t record() {
+    if (events_used == events.size()) {
+      cudaEvent_t e;
+      KILN_CUDA_CHECK(cudaEventCreate(&e));
+      events.push_back(e);
+    }
+    KILN_CUDA_CHECK(cudaEventRecord(events[events_used], stream));
+    return events_used++;
+  }
+  void destroy_graphs() {
+    for (GraphRec& g : graphs)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    graphs.clear();
+  }
+
   void* scratch_bytes(size_t bytes) {
     bytes = align_up(std::max<size_t>(bytes, 1));
     if (scratch_blocks.empty() || scratch_used + bytes > scratch_blocks.back().size()) {
       const size_t last = scratch_blocks.empty() ? 0 : scratch_blocks.back().size();
       scratch_blocks.emplace_back(std::max({bytes, kFirstScratchBytes, 2 * last}));
       scratch_used = 0;
+      ++scratch_generation;
     }
     void* p = static_cast<char*>(scratch_blocks.back().data()) + scratch_used;
     scratch_used += bytes;
@@ -215,9 +259,14 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
   KILN_CUDA_CHECK(cudaSetDevice(impl_->device.index));
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
   impl_->max_abs_result = DeviceBuffer(kAlign);
+  if (const char* g = std::getenv("KILN_CUDA_GRAPHS"); g && std::string(g) == "0") impl_->graphs_on = false;
 }
 
 CudaOps::~CudaOps() {
+  if (impl_) {
+    impl_->destroy_graphs();
+    for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
+  }
   if (impl_ && impl_->stream) {
     cudaStreamSynchronize(impl_->stream);
     cudaStreamDestroy(impl_->stream);
@@ -236,6 +285,146 @@ std::string CudaOps::describe() const {
 }
 
 void CudaOps::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
+size_t CudaOps::persistent_bytes() const {
+  size_t n = 0;
+  for (const DeviceBuffer& b : impl_->persistent) n += b.size();
+  return n;
+}
+size_t CudaOps::scratch_bytes() const {
+  size_t n = 0;
+  for (const DeviceBuffer& b : impl_->scratch_blocks) n += b.size();
+  return n;
+}
+int CudaOps::graphs() const {
+  int n = 0;
+  for (const auto& g : impl_->graphs) n += g.exec != nullptr;
+  return n;
+}
+void CudaOps::set_graphs(bool on) {
+  impl_->graphs_on = on;
+  if (!on) graph_reset();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Step graphs
+
+bool CudaOps::graph_capture_begin() {
+  if (!impl_->graphs_on || impl_->profiling) return false;
+  // Relaxed: a scratch block allocated mid-capture (cudaMalloc) is allowed; it bumps the generation, so the graph
+  // goes stale at the next consolidation instead of pointing at freed memory.
+  KILN_CUDA_CHECK(cudaStreamBeginCapture(impl_->stream, cudaStreamCaptureModeRelaxed));
+  impl_->capturing = true;
+  return true;
+}
+
+int CudaOps::graph_capture_end() {
+  if (!impl_->capturing) return -1;
+  impl_->capturing = false;
+  cudaGraph_t graph = nullptr;
+  const cudaError_t err = cudaStreamEndCapture(impl_->stream, &graph);
+  if (err != cudaSuccess || !graph) {
+    cudaGetLastError();
+    if (graph) cudaGraphDestroy(graph);
+    KILN_LOG_WARN("CUDA graph capture failed ({}); running this step shape eagerly", cudaGetErrorString(err));
+    return -1;
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t ierr = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (ierr != cudaSuccess) {
+    cudaGetLastError();
+    KILN_LOG_WARN("CUDA graph instantiation failed ({}); running this step shape eagerly", cudaGetErrorString(ierr));
+    return -1;
+  }
+  impl_->graphs.push_back({exec, impl_->scratch_generation});
+  return static_cast<int>(impl_->graphs.size()) - 1;
+}
+
+bool CudaOps::graph_launch(int handle) {
+  if (handle < 0 || handle >= static_cast<int>(impl_->graphs.size())) return false;
+  Impl::GraphRec& g = impl_->graphs[handle];
+  if (!g.exec) return false;
+  if (g.generation != impl_->scratch_generation) {
+    cudaGraphExecDestroy(g.exec);
+    g.exec = nullptr;
+    return false;
+  }
+  KILN_CUDA_CHECK(cudaGraphLaunch(g.exec, impl_->stream));
+  return true;
+}
+
+void CudaOps::graph_reset() {
+  synchronize();
+  impl_->destroy_graphs();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Profiling
+
+namespace {
+struct ProfScope {
+  CudaOps::Impl* impl = nullptr;
+  std::string label;
+  size_t begin = 0;
+  template <typename F>
+  ProfScope(CudaOps::Impl& i, F&& make_label) {
+    if (!i.profiling) return;
+    impl = &i;
+    label = make_label();
+    begin = i.record();
+  }
+  ~ProfScope() {
+    if (impl) impl->marks.push_back({std::move(label), begin, impl->record()});
+  }
+};
+}  // namespace
+
+bool CudaOps::profile_begin() {
+  synchronize();
+  impl_->profiling = true;
+  impl_->marks.clear();
+  impl_->events_used = 0;
+  // Hold the GPU while the host queues the step: the ops then run back to back, as in a graph, and each
+  // op's events time its kernels rather than the launch gaps.
+  kops::busy_wait(50000.0, impl_->stream);
+  return true;
+}
+
+std::vector<model::OpTime> CudaOps::profile_end() {
+  synchronize();
+  impl_->profiling = false;
+  std::vector<model::OpTime> out;
+  std::map<std::string, size_t> index;
+  for (const Impl::Mark& m : impl_->marks) {
+    float ms = 0.0f;
+    KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, impl_->events[m.begin], impl_->events[m.end]));
+    auto [it, inserted] = index.emplace(m.label, out.size());
+    if (inserted) out.push_back({m.label, 0, 0.0});
+    out[it->second].calls += 1;
+    out[it->second].total_us += ms * 1000.0;
+  }
+  impl_->marks.clear();
+  impl_->events_used = 0;
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sampling
+
+void CudaOps::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
+  KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous() && static_cast<int64_t>(ids.size()) == logits.dim(0),
+             "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());
+  expect_f32(logits, "argmax_rows logits");
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  if (R == 0) return;
+  KILN_CHECK(R <= INT32_MAX, "argmax_rows: {} rows", R);
+  ProfScope prof(*impl_, [&] { return std::string("argmax"); });
+  if (impl_->argmax_ids.size() < static_cast<size_t>(R) * 4) impl_->argmax_ids = DeviceBuffer(align_up(R * 4));
+  ::kiln::cuda::argmax(f32(logits), V, static_cast<int>(R), V, impl_->argmax_ids.as<int32_t>(), impl_->stream);
+  KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), impl_->argmax_ids.data(), static_cast<size_t>(R) * 4,
+                                  cudaMemcpyDeviceToHost, impl_->stream));
+  synchronize();
+}
 const CudaDeviceProbe& CudaOps::device() const { return impl_->device; }
 size_t CudaOps::weight_bytes() const { return impl_->weight_bytes; }
 
@@ -262,6 +451,23 @@ TensorView CudaOps::place_weight(const TensorView& host) {
   return v;
 }
 
+TensorView CudaOps::place_random(DType dtype, Shape shape, const model::RandomFill& fill) {
+  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  impl_->weights.emplace_back(align_up(std::max<size_t>(bytes, 1)));
+  DeviceBuffer& b = impl_->weights.back();
+  if (fill.kind == model::RandomFill::Kind::bytes) {
+    KILN_CHECK(dtype_size(dtype) == 1 && fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256,
+               "random bytes for {} in [{}, {})", dtype_name(dtype), fill.byte_lo, fill.byte_hi);
+    kops::fill_random_bytes(static_cast<uint8_t*>(b.data()), shape.numel(), fill.seed, fill.byte_lo, fill.byte_hi,
+                            fill.random_sign, impl_->stream);
+  } else {
+    kops::fill_random_uniform(b.data(), elem_of(dtype, "random weight"), shape.numel(), fill.seed, fill.lo, fill.hi,
+                              impl_->stream);
+  }
+  impl_->weight_bytes += bytes;
+  return TensorView(b.data(), dtype, shape);
+}
+
 TensorView CudaOps::scratch(DType dtype, Shape shape) {
   return TensorView(impl_->scratch_bytes(static_cast<size_t>(shape.numel()) * dtype_size(dtype)), dtype, shape);
 }
@@ -274,6 +480,7 @@ void CudaOps::reset_scratch() {
     const size_t total = align_up(impl_->scratch_high_water + (size_t{1} << 20));
     impl_->scratch_blocks.clear();
     impl_->scratch_blocks.emplace_back(std::max(total, kFirstScratchBytes));
+    ++impl_->scratch_generation;
   }
   impl_->scratch_used = 0;
   impl_->scratch_high_water = 0;
@@ -293,11 +500,13 @@ void CudaOps::download(const TensorView& src, void* host) {
 }
 
 void CudaOps::fill_zero(TensorView t) {
+  ProfScope prof(*impl_, [&] { return std::string("fill_zero"); });
   KILN_CHECK(t.is_contiguous(), "fill_zero of a strided view");
   if (t.nbytes()) KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), impl_->stream));
 }
 
 void CudaOps::copy(const TensorView& src, TensorView dst) {
+  ProfScope prof(*impl_, [&] { return std::string("copy"); });
   KILN_CHECK(src.shape == dst.shape && src.dtype == dst.dtype, "copy {} {} -> {} {}", src.shape.str(),
              dtype_name(src.dtype), dst.shape.str(), dtype_name(dst.dtype));
   const int nd = src.ndim();
@@ -326,6 +535,7 @@ float CudaOps::max_abs(const TensorView& x) {
 // Dense maths
 
 void CudaOps::embedding(const TensorView& table, const TensorView& ids, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("embedding"); });
   KILN_CHECK(table.ndim() == 2 && table.is_contiguous(), "embedding table {}", table.shape.str());
   expect_i32(ids, "embedding ids");
   expect_f32(out, "embedding out");
@@ -336,6 +546,7 @@ void CudaOps::embedding(const TensorView& table, const TensorView& ids, TensorVi
 }
 
 void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string(fmt::format("linear {} {}x{}", model::weight_format_name(w.format), w.out_features, w.in_features)); });
   KILN_CHECK(x.ndim() == 2 && x.dim(1) == w.in_features && x.strides[1] == 1, "linear: x {} for W [{}, {}]",
              x.shape.str(), w.out_features, w.in_features);
   KILN_CHECK(out.ndim() == 2 && out.dim(0) == x.dim(0) && out.dim(1) == w.out_features && out.is_contiguous(),
@@ -347,6 +558,7 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
 }
 
 void CudaOps::rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string(fmt::format("rms_norm D={}", weight.numel())); });
   KILN_CHECK(x.ndim() == 2 && x.strides[1] == 1 && out.is_contiguous() && out.shape == x.shape,
              "rms_norm shapes {} {}", x.shape.str(), out.shape.str());
   expect_f32(x, "rms_norm x");
@@ -360,6 +572,7 @@ void CudaOps::rms_norm(const TensorView& x, const TensorView& weight, float eps,
 
 void CudaOps::gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
                              TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("gated_rms_norm"); });
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && z.is_contiguous() && x.shape == z.shape && out.shape == x.shape &&
                  out.is_contiguous(),
              "gated_rms_norm {} {} {}", x.shape.str(), z.shape.str(), out.shape.str());
@@ -372,6 +585,7 @@ void CudaOps::gated_rms_norm(const TensorView& x, const TensorView& z, const Ten
 }
 
 void CudaOps::rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) {
+  ProfScope prof(*impl_, [&] { return std::string("rope"); });
   KILN_CHECK(x.ndim() == 3 && x.is_contiguous(), "rope expects [T, heads, head_dim], got {}", x.shape.str());
   expect_f32(x, "rope x");
   expect_i32(positions, "rope positions");
@@ -381,6 +595,7 @@ void CudaOps::rope(TensorView x, const TensorView& positions, int rotary_dim, do
 }
 
 void CudaOps::add(const TensorView& a, const TensorView& b, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("add"); });
   KILN_CHECK(a.shape == b.shape && a.shape == out.shape && a.is_contiguous() && b.is_contiguous() &&
                  out.is_contiguous(),
              "add {} {} {}", a.shape.str(), b.shape.str(), out.shape.str());
@@ -391,6 +606,7 @@ void CudaOps::add(const TensorView& a, const TensorView& b, TensorView out) {
 }
 
 void CudaOps::silu_mul(const TensorView& gate, const TensorView& up, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("silu_mul"); });
   KILN_CHECK(gate.shape == up.shape && gate.shape == out.shape && gate.is_contiguous() && up.is_contiguous() &&
                  out.is_contiguous(),
              "silu_mul shapes");
@@ -401,6 +617,7 @@ void CudaOps::silu_mul(const TensorView& gate, const TensorView& up, TensorView 
 }
 
 void CudaOps::sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("sigmoid_mul"); });
   const int64_t T = x.dim(0), N = x.numel() / std::max<int64_t>(T, 1);
   const int64_t gn = g.numel() / std::max<int64_t>(T, 1);
   KILN_CHECK(g.dim(0) == T && (gn == N || gn == 1) && out.shape == x.shape && x.is_contiguous() &&
@@ -413,6 +630,7 @@ void CudaOps::sigmoid_mul(const TensorView& x, const TensorView& g, TensorView o
 }
 
 void CudaOps::gather_rows(const TensorView& x, const TensorView& rows, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("gather_rows"); });
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.is_contiguous() && out.dim(0) == rows.numel() &&
                  out.numel() == rows.numel() * x.dim(1),
              "gather_rows x {} rows {} out {}", x.shape.str(), rows.shape.str(), out.shape.str());
@@ -426,6 +644,7 @@ void CudaOps::gather_rows(const TensorView& x, const TensorView& rows, TensorVie
 // Attention
 
 void CudaOps::kv_store(const TensorView& k, const TensorView& v, KvLayerView cache, const StepLayout& step) {
+  ProfScope prof(*impl_, [&] { return std::string("kv_store"); });
   const kops::KvPoolArgs pool = pool_args(cache);
   KILN_CHECK(k.ndim() == 3 && k.shape == v.shape && k.is_contiguous() && v.is_contiguous() &&
                  k.dim(0) == step.num_tokens && k.dim(1) == pool.kv_heads && k.dim(2) == pool.head_dim,
@@ -438,6 +657,7 @@ void CudaOps::kv_store(const TensorView& k, const TensorView& v, KvLayerView cac
 }
 
 void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout& step, float scale, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("attention"); });
   const kops::KvPoolArgs pool = pool_args(cache);
   KILN_CHECK(q.ndim() == 3 && q.is_contiguous() && out.shape == q.shape && out.is_contiguous() &&
                  q.dim(0) == step.num_tokens && q.dim(2) == pool.head_dim && q.dim(1) % pool.kv_heads == 0,
@@ -452,6 +672,7 @@ void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout
 
 void CudaOps::causal_conv1d_silu(const TensorView& x, const TensorView& weight, TensorView conv_state,
                                  const StepLayout& step, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("conv1d"); });
   KILN_CHECK(x.ndim() == 2 && weight.ndim() == 2 && conv_state.ndim() == 3, "conv1d: x {} w {} state {}",
              x.shape.str(), weight.shape.str(), conv_state.shape.str());
   const int64_t C = x.dim(1), Kc = weight.dim(1);
@@ -468,6 +689,7 @@ void CudaOps::causal_conv1d_silu(const TensorView& x, const TensorView& weight, 
 
 void CudaOps::delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& A_log,
                                const TensorView& dt_bias, TensorView g, TensorView beta) {
+  ProfScope prof(*impl_, [&] { return std::string("delta_rule_gates"); });
   KILN_CHECK(a.ndim() == 2 && a.shape == b.shape && a.shape == g.shape && a.shape == beta.shape &&
                  A_log.numel() == a.dim(1) && dt_bias.numel() == a.dim(1) && a.is_contiguous() &&
                  b.is_contiguous() && g.is_contiguous() && beta.is_contiguous(),
@@ -484,6 +706,7 @@ void CudaOps::delta_rule_gates(const TensorView& a, const TensorView& b, const T
 void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                                const TensorView& beta, TensorView state, const StepLayout& step, DeltaRuleMode mode,
                                TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string("gated_delta_rule"); });
   (void)mode;  // the recurrence serves both modes (the chunked form equals it up to rounding)
   KILN_CHECK(q.ndim() == 3 && k.shape == q.shape && v.ndim() == 3 && state.ndim() == 4, "gated_delta_rule: q {} v {}",
              q.shape.str(), v.shape.str());
@@ -505,6 +728,7 @@ void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const T
 
 void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                         TensorView weights) {
+  ProfScope prof(*impl_, [&] { return std::string("moe_route"); });
   KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous(), "moe_route logits {}", logits.shape.str());
   const int64_t T = logits.dim(0), E = logits.dim(1);
   KILN_CHECK(top_k > 0 && top_k <= E, "top_k {} of {} experts", top_k, E);
@@ -519,6 +743,7 @@ void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, T
 
 void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                           std::span<const model::ExpertWeights> experts, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string(fmt::format("moe_experts {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.shape == x.shape && out.is_contiguous() &&
                  expert_ids.ndim() == 2 && expert_ids.dim(0) == x.dim(0) && weights.shape == expert_ids.shape,
              "moe_experts x {} ids {} weights {}", x.shape.str(), expert_ids.shape.str(), weights.shape.str());

@@ -21,6 +21,7 @@ struct CudaDeviceProbe {
   int major = 0, minor = 0;   // compute capability
   int multiprocessors = 0;
   size_t memory_bytes = 0;
+  size_t free_bytes = 0;      // free when probed (other processes may hold some)
   std::string reason;         // why not usable: "no CUDA device ...", "compute capability 8.0 not supported ..."
 };
 // Never throws: a machine without a driver or GPU gives usable = false and a reason.
@@ -39,6 +40,7 @@ class CudaOps final : public model::Ops {
 
   TensorView allocate(DType dtype, Shape shape) override;
   TensorView place_weight(const TensorView& host) override;
+  TensorView place_random(DType dtype, Shape shape, const model::RandomFill& fill) override;
   TensorView scratch(DType dtype, Shape shape) override;
   void reset_scratch() override;
   TensorView upload(const void* host, DType dtype, Shape shape) override;
@@ -46,6 +48,14 @@ class CudaOps final : public model::Ops {
   void fill_zero(TensorView t) override;
   void copy(const TensorView& src, TensorView dst) override;
   float max_abs(const TensorView& x) override;
+
+  bool graph_capture_begin() override;
+  int graph_capture_end() override;
+  bool graph_launch(int handle) override;
+  void graph_reset() override;
+  bool profile_begin() override;
+  std::vector<model::OpTime> profile_end() override;
+  void argmax_rows(const TensorView& logits, std::span<int32_t> ids) override;
 
   void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
   void linear(const TensorView& x, const model::LinearWeight& w, TensorView out) override;
@@ -81,9 +91,15 @@ class CudaOps final : public model::Ops {
   void synchronize();
   const CudaDeviceProbe& device() const;
   size_t weight_bytes() const;  // device memory held by placed weights
+  size_t persistent_bytes() const;  // device memory from allocate() (KV pool, state slots)
+  size_t scratch_bytes() const;     // the per-step scratch arena
+  int graphs() const;               // captured step graphs alive
+  // CUDA graphs for decode passes (default on; KILN_CUDA_GRAPHS=0 or set_graphs(false) turns them off).
+  void set_graphs(bool on);
+
+  struct Impl;  // named here so that file-local helpers of cuda_ops.cpp can use it
 
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

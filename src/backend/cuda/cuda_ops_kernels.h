@@ -56,6 +56,15 @@ void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shap
 // *result = max |x| (result: one device float, overwritten).
 void max_abs(const float* x, int64_t n, float* result, Stream stream);
 
+// ---- helpers (cuda_ops_misc.cu)
+// The device twin of model::fill_random_host (same bytes): bytes in [byte_lo, byte_hi) (+ random sign bit), or
+// uniform floats lo + (hi - lo) * u rounded to elem.
+void fill_random_bytes(uint8_t* out, int64_t n, uint64_t seed, uint32_t byte_lo, uint32_t byte_hi, bool random_sign,
+                       Stream stream);
+void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream);
+// One thread spinning for `microseconds` (the profiler queues it so that the ops after it run back to back).
+void busy_wait(double microseconds, Stream stream);
+
 // ---- dense maths (cuda_ops_elementwise.cu)
 // out[t] = table[ids[t]] (ids outside [0, V) give a zero row). table [V, H], out [T, H].
 void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,

@@ -1,0 +1,26 @@
+#include "model/model_runner.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kiln::model {
+
+void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
+  int64_t rows = 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  if (static_cast<int64_t>(tokens.size()) < rows)
+    fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
+  const int64_t V = vocab_size();
+  std::vector<float> logits(static_cast<size_t>(rows * V));
+  forward(chunks, logits);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits.data() + r * V;
+    int64_t b = -1;
+    for (int64_t v = 0; v < V; ++v)
+      if (!std::isnan(row[v]) && (b < 0 || row[v] > row[b])) b = v;
+    tokens[static_cast<size_t>(r)] = static_cast<int32_t>(b < 0 ? 0 : b);
+  }
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,62 @@
+#include "model/ops.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace kiln::model {
+
+void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out) {
+  if (fill.kind == RandomFill::Kind::bytes) {
+    KILN_CHECK(dtype_size(dtype) == 1, "random bytes for a {} tensor", dtype_name(dtype));
+    KILN_CHECK(fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256, "random byte range [{}, {})", fill.byte_lo,
+               fill.byte_hi);
+    auto* o = static_cast<uint8_t*>(out);
+    const uint64_t span = fill.byte_hi - fill.byte_lo;
+    for (int64_t i = 0; i < numel; ++i) {
+      const uint64_t h = random_fill_hash(fill.seed, static_cast<uint64_t>(i));
+      uint32_t b = fill.byte_lo + static_cast<uint32_t>((h >> 32) % span);
+      if (fill.random_sign && (h & 1)) b |= 0x80;
+      o[i] = static_cast<uint8_t>(b);
+    }
+    return;
+  }
+  const float d = fill.hi - fill.lo;
+  for (int64_t i = 0; i < numel; ++i) {
+    const uint64_t h = random_fill_hash(fill.seed, static_cast<uint64_t>(i));
+    const float u = static_cast<float>(h >> 40) * 0x1p-24f;  // exact
+    const float m = d * u;
+    const float v = fill.lo + m;
+    switch (dtype) {
+      case DType::F32: static_cast<float*>(out)[i] = v; break;
+      case DType::BF16: static_cast<uint16_t*>(out)[i] = f32_to_bf16(v); break;
+      case DType::F16: static_cast<uint16_t*>(out)[i] = f32_to_f16(v); break;
+      default: fail("random uniform values for a {} tensor", dtype_name(dtype));
+    }
+  }
+}
+
+TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {
+  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  random_storage_.push_back(std::make_unique<uint8_t[]>(std::max<size_t>(bytes, 16)));
+  fill_random_host(dtype, shape.numel(), fill, random_storage_.back().get());
+  return place_weight(TensorView(random_storage_.back().get(), dtype, shape));
+}
+
+void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
+  KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0),
+             "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  std::vector<float> host(static_cast<size_t>(R * V));
+  download(logits, host.data());
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = host.data() + r * V;
+    int64_t b = -1;
+    for (int64_t v = 0; v < V; ++v)
+      if (!std::isnan(row[v]) && (b < 0 || row[v] > row[b])) b = v;
+    ids[static_cast<size_t>(r)] = static_cast<int32_t>(b < 0 ? 0 : b);
+  }
+}
+
+}  // namespace kiln::model

@@ -277,9 +277,20 @@ void Engine::run_step(const StepPlan& plan) {
     if (c.want_logits) ++num_logits;
     chunks_.push_back(ch);
   }
-  logits_.resize(static_cast<size_t>(num_logits * vocab_size_));
+  // Every sequence greedy with no penalties and no logprobs: the runner picks the tokens (on the GPU, only the ids
+  // come back instead of a vocabulary of logits per sequence).
+  bool all_greedy = true;
+  for (const auto& c : plan.chunks) {
+    if (!c.want_logits) continue;
+    const SamplingParams& sp = c.seq->request.sampling;
+    all_greedy = all_greedy && sp.temperature < 1e-6f && sp.repetition_penalty == 1.0f &&
+                 sp.presence_penalty == 0.0f && sp.frequency_penalty == 0.0f && !c.seq->request.want_logprobs;
+  }
+  if (all_greedy) greedy_ids_.assign(static_cast<size_t>(num_logits), -1);
+  else logits_.resize(static_cast<size_t>(num_logits * vocab_size_));
   try {
-    runner_->forward(chunks_, logits_);
+    if (all_greedy) runner_->forward_argmax(chunks_, greedy_ids_);
+    else runner_->forward(chunks_, logits_);
   } catch (const std::exception& e) {
     // The step failed as a whole: end its sequences with the error, keep serving the others.
     KILN_LOG_ERROR("forward step failed ({} sequences): {}", plan.chunks.size(), e.what());
@@ -298,7 +309,9 @@ void Engine::run_step(const StepPlan& plan) {
   for (const auto& c : plan.chunks) {
     if (!c.want_logits) continue;
     Sequence& seq = *c.seq;
-    std::span<float> logits(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
+    std::span<float> logits;
+    if (!all_greedy) logits = std::span<float>(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
+    const int32_t greedy_token = all_greedy ? greedy_ids_[static_cast<size_t>(row)] : -1;
     ++row;
     if (c.start_pos + c.num_tokens == seq.prompt_len) prompt_tokens_.fetch_add(static_cast<uint64_t>(seq.prompt_len));
     TokenEvent ev;
@@ -308,7 +321,9 @@ void Engine::run_step(const StepPlan& plan) {
       if (it == samplers_.end())
         it = samplers_.emplace(seq.uid, std::make_unique<SequenceSampler>(seq.request.sampling, seq.seed)).first;
       int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
-      SampleResult r = it->second->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n);
+      SampleResult r;
+      if (all_greedy) r.token = greedy_token;
+      else r = it->second->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n);
       KILN_CHECK(r.token >= 0 && r.token < vocab_size_, "sampled token {} outside the vocabulary", r.token);
       ev.token = r.token;
       ev.logprob = r.logprob;

@@ -172,8 +172,11 @@ struct Engine {
   std::vector<std::vector<int32_t>> page_tables;
   int64_t vocab = 0;
 
-  Engine(std::unique_ptr<model::Ops> ops, const std::string& dir, DType kv, int slots, int64_t max_context) {
+  Engine(std::unique_ptr<model::Ops> ops, const std::string& dir, DType kv, int slots, int64_t max_context,
+         model::LoadFormat load_format = model::LoadFormat::safetensors, int graph_max_batch = 256) {
     model::RunnerOptions ro;
+    ro.load_format = load_format;
+    ro.graph_max_batch = graph_max_batch;
     ro.kv_dtype = kv;
     ro.state_slots = slots;
     ro.max_context = max_context;
@@ -408,6 +411,101 @@ TEST(CudaRunner, DeviceFlagResolution) {
     }
   }
   EXPECT_THROW(resolve_device("tpu"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// --load-format dummy, CUDA graphs, device argmax
+
+TEST(CudaOps, RandomFillIsTheHostsBytes) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  struct Case {
+    DType dtype;
+    model::RandomFill fill;
+  };
+  std::vector<Case> cases;
+  model::RandomFill f;
+  f.kind = model::RandomFill::Kind::bytes;
+  f.seed = 11;
+  cases.push_back({DType::U8, f});
+  f.byte_lo = 0x28;
+  f.byte_hi = 0x48;
+  f.random_sign = true;
+  cases.push_back({DType::F8_E4M3, f});
+  f = model::RandomFill();
+  f.lo = -0.0383f;
+  f.hi = 0.0383f;
+  f.seed = 12;
+  for (DType d : {DType::F32, DType::BF16, DType::F16}) cases.push_back({d, f});
+  for (const Case& c : cases) {
+    const int64_t n = 1000003;
+    const TensorView dev = gpu.place_random(c.dtype, Shape{n}, c.fill);
+    std::vector<uint8_t> got(n * dtype_size(c.dtype)), want(got.size());
+    gpu.download(dev, got.data());
+    model::fill_random_host(c.dtype, n, c.fill, want.data());
+    EXPECT_EQ(got, want) << dtype_name(c.dtype);
+  }
+}
+
+TEST(CudaRunner, GraphReplayGivesTheEagerLogitsBitForBit) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  std::vector<std::vector<int32_t>> prompts = {{3, 4, 5}, {77}, {500, 501, 502, 503, 504, 505, 506, 507, 508}};
+  Engine eager(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 256, model::LoadFormat::safetensors, 0);
+  Engine graphed(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 256);
+  // 40 steps: positions cross page-bucket boundaries (16, 32 tokens) so graphs of several shapes are captured.
+  const Generation a = generate(eager, prompts, 40);
+  const Generation b = generate(graphed, prompts, 40);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "sequence " << i;
+    for (size_t s = 0; s < a.logits[i].size(); ++s) ASSERT_EQ(a.logits[i][s], b.logits[i][s]) << i << " step " << s;
+  }
+  auto& ops = dynamic_cast<CudaOps&>(graphed.runner->ops());
+  EXPECT_GE(ops.graphs(), 2);
+  EXPECT_EQ(dynamic_cast<CudaOps&>(eager.runner->ops()).graphs(), 0);
+  std::printf("[ graphs   ] kiln-tiny, 3 sequences x 40 decode steps: graphed == eager bit for bit (%d graphs)\n",
+              ops.graphs());
+}
+
+TEST(CudaRunner, DummyWeightsGiveTheCpusLogits) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  Engine cpu(make_cpu_backend(), dir, DType::F32, 2, 128, model::LoadFormat::dummy);
+  Engine gpu(std::make_unique<CudaOps>(), dir, DType::F32, 2, 128, model::LoadFormat::dummy);
+  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5, 6, 7, 8}, {1000, 20}};
+  const Generation a = generate(gpu, prompts, 8);
+  const Generation b = generate(cpu, prompts, 8);
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "sequence " << i;
+    for (size_t s = 0; s < a.logits[i].size() && a.tokens[i][s] == b.tokens[i][s]; ++s) {
+      worst = std::max(worst, max_abs_diff(a.logits[i][s], b.logits[i][s]));
+      for (float v : b.logits[i][s]) scale = std::max(scale, std::fabs(static_cast<double>(v)));
+    }
+  }
+  EXPECT_LE(worst, 1e-5 * std::max(1.0, scale));
+  std::printf("[ dummy    ] kiln-tiny config, dummy weights: cuda vs cpu max |dlogit| %.2e (max |logit| %.2f)\n",
+              worst, scale);
+}
+
+TEST(CudaRunner, DeviceArgmaxIsTheHostArgmax) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  Engine a(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
+  Engine b(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
+  const std::vector<std::vector<int32_t>> prompts = {{10, 11}, {12}, {13, 14, 15}, {16}};
+  std::vector<model::SeqChunk> ca(4), cb(4);
+  for (int i = 0; i < 4; ++i) {
+    ca[i].state_slot = cb[i].state_slot = i;
+    ca[i].tokens = cb[i].tokens = prompts[i];
+    ca[i].page_table = a.page_tables[i];
+    cb[i].page_table = b.page_tables[i];
+  }
+  std::vector<float> logits(4 * a.vocab);
+  std::vector<int32_t> ids(4);
+  a.runner->forward(ca, logits);
+  b.runner->forward_argmax(cb, ids);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(ids[i], testing::argmax(logits.data() + i * a.vocab, a.vocab)) << i;
 }
 
 }  // namespace

@@ -197,6 +197,7 @@ struct CudaOps::Impl {
     const void* last_down = nullptr;
     DeviceBuffer table;  // [E][3] WeightDesc
     bool vec_ok = false;
+    int gemv2_kind = -1;
     int64_t inter = 0;
   };
   std::unordered_map<const void*, ExpertTable> expert_tables;
@@ -664,7 +665,10 @@ void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout
              "attention: q {} for pool {}", q.shape.str(), cache.k.shape.str());
   expect_f32(q, "attention q");
   expect_f32(out, "attention out");
-  kops::attention(f32(q), q.dim(1), pool, step_args(step), scale, f32_mut(out), impl_->stream);
+  const kops::StepArgs sa = step_args(step);
+  const size_t ws_bytes = kops::attention_workspace_bytes(q.dim(0), q.dim(1), pool.head_dim, sa);
+  void* ws = ws_bytes ? impl_->scratch_bytes(ws_bytes) : nullptr;
+  kops::attention(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), ws, impl_->stream);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -762,6 +766,7 @@ void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, con
     std::vector<kops::WeightDesc> descs;
     descs.reserve(3 * experts.size());
     bool vec = true;
+    int g2 = -2;  // -2: none seen yet
     const int64_t I = experts.front().gate.out_features;
     for (const model::ExpertWeights& e : experts) {
       KILN_CHECK(e.gate.out_features == I && e.up.out_features == I && e.down.in_features == I &&
@@ -771,6 +776,8 @@ void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, con
       for (const LinearWeight* w : {&e.gate, &e.up, &e.down}) {
         descs.push_back(desc_of(*w));
         vec = vec && desc_vec_ok(descs.back());
+        const int k = kops::gemv2_kind_host(descs.back());
+        g2 = g2 == -2 ? k : (g2 == k ? g2 : -1);
       }
     }
     tab.table = DeviceBuffer(descs.size() * sizeof(kops::WeightDesc));
@@ -780,12 +787,14 @@ void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, con
     tab.first_gate = experts.front().gate.weight.data;
     tab.last_down = experts.back().down.weight.data;
     tab.vec_ok = vec;
+    tab.gemv2_kind = g2 < 0 ? -1 : g2;
     tab.inter = I;
   }
   const size_t ws_bytes = kops::moe_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter);
   void* ws = impl_->scratch_bytes(ws_bytes);
   kops::moe_experts(f32(x), T, H, i32(expert_ids), f32(weights), static_cast<int>(k),
-                    tab.table.as<kops::WeightDesc>(), tab.vec_ok, E, tab.inter, ws, f32_mut(out), impl_->stream);
+                    tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
+                    impl_->stream);
 }
 
 }  // namespace kiln::backend::cuda

@@ -1,7 +1,9 @@
-// CudaOps kernels with per-sequence state: the paged KV store, causal GQA attention over the pool (a block
-// per (token, query head), keys in tiles of 128 with an online softmax), and the gated delta rule (the
-// recurrence, a block per (sequence, value head, 32 value columns) holding its slice of the state in registers).
+// CudaOps kernels with per-sequence state: the paged KV store, causal GQA attention over the pool (keys split over
+// blocks, a warp per key with lanes over the head dims, online softmax, partial results merged), and the gated delta
+// rule (the recurrence, a block per (sequence, value head, 32 value columns) holding its slice of the state in registers).
 #include <cuda_fp8.h>
+
+#include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
@@ -47,76 +49,106 @@ __global__ void kv_store_kernel(const float* __restrict__ k, const float* __rest
 
 // ---- attention
 
-constexpr int kAttnThreads = 128;  // keys per tile, and threads per block
 constexpr int kMaxHeadDim = 512;
-constexpr int kDimsPerThread = kMaxHeadDim / kAttnThreads;
 
 __device__ __forceinline__ float pool_at(const void* pool, ElemType elem, int64_t i, float scale) {
   return elem == ElemType::e4m3 ? e4m3_to_f32(static_cast<const uint8_t*>(pool)[i]) * scale : load_elem(pool, elem, i);
 }
 
-// grid (T, q_heads). Each thread scores one key of the tile, then accumulates dims tid, tid + 128, ... of the
-// output over the tile's keys. Softmax with a running max and sum; out = acc / sum at the end.
-__global__ void attention_kernel(const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale,
-                                 float* __restrict__ out) {
-  __shared__ float qs[kMaxHeadDim];
-  __shared__ float probs[kAttnThreads];
-  __shared__ int64_t rows[kAttnThreads];
-  __shared__ float red[32];
-  const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+// ---- attention, split over keys (flash-decoding style; every T): grid (T, q_heads, splits), 4 warps per block.
+// A warp takes every 4th key of the block's range: lanes hold dims lane, lane + 32, ... of q, the dot product is a
+// warp sum, and the warp keeps its own running max / sum / output; the block merges its warps, then either writes
+// the output (one split) or a partial (max, sum, acc) that attention_merge_kernel combines.
+
+constexpr int kSplitWarps = 4;
+constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
+
+__global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
+    const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
+  __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
+  __shared__ float sm_acc[kSplitWarps][kMaxHeadDim];
+  const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = pool.head_dim, kvh = h / (q_heads / pool.kv_heads);
   const int s = seq_of_token(step, t);
   const int n_keys = step.token_pos[t] + 1;
+  const int j_begin = sp * keys_per_split, j_end = min(n_keys, j_begin + keys_per_split);
   const int64_t row_elems = int64_t(pool.kv_heads) * D;
-  for (int d = tid; d < D; d += kAttnThreads) qs[d] = q[(int64_t(t) * q_heads + h) * D + d];
-  __syncthreads();
-
-  float acc[kDimsPerThread];
+  float qv[kMaxDimsPerLane], acc[kMaxDimsPerLane];
 #pragma unroll
-  for (int i = 0; i < kDimsPerThread; ++i) acc[i] = 0.0f;
-  float run_max = -INFINITY, run_sum = 0.0f;
-  for (int j0 = 0; j0 < n_keys; j0 += kAttnThreads) {
-    const int j = j0 + tid;
-    float score = -INFINITY;
-    int64_t row = -1;
-    if (j < n_keys) {
-      row = kv_pool_row(step, s, j);
-      if (row >= 0) {
-        const int64_t base = row * row_elems + int64_t(kvh) * D;
-        float dot = 0.0f;
-        for (int d = 0; d < D; ++d) dot += qs[d] * pool_at(pool.k, pool.elem, base + d, pool.k_scale);
-        score = dot * scale;
-      }
-    }
-    const float tile_max = block_max(score, red);
-    const float new_max = fmaxf(run_max, tile_max);
-    // A tile whose keys all lack a page contributes nothing (new_max stays -inf only if nothing was seen yet).
-    const float p = (score == -INFINITY) ? 0.0f : expf(score - new_max);
-    const float correction = (run_max == -INFINITY) ? 0.0f : expf(run_max - new_max);
-    probs[tid] = p;
-    rows[tid] = row;
-    const float tile_sum = block_sum(p, red);  // also orders the probs / rows writes before the reads below
-    run_sum = run_sum * correction + tile_sum;
-    run_max = new_max;
-    const int n_tile = min(kAttnThreads, n_keys - j0);
-#pragma unroll
-    for (int i = 0; i < kDimsPerThread; ++i) {
-      const int d = tid + i * kAttnThreads;
-      if (d >= D) break;
-      float a = acc[i] * correction;
-      for (int jj = 0; jj < n_tile; ++jj) {
-        if (rows[jj] < 0) continue;
-        a += probs[jj] * pool_at(pool.v, pool.elem, rows[jj] * row_elems + int64_t(kvh) * D + d, pool.v_scale);
-      }
-      acc[i] = a;
-    }
-    __syncthreads();  // probs / rows are rewritten by the next tile
+  for (int i = 0; i < kMaxDimsPerLane; ++i) {
+    const int d = lane + 32 * i;
+    qv[i] = d < D ? q[(int64_t(t) * q_heads + h) * D + d] : 0.0f;
+    acc[i] = 0.0f;
   }
-  const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  for (int j = j_begin + warp; j < j_end; j += kSplitWarps) {
+    const int64_t row = kv_pool_row(step, s, j);
+    if (row < 0) continue;
+    const int64_t base = row * row_elems + int64_t(kvh) * D;
+    float dot = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kDimsPerThread; ++i) {
-    const int d = tid + i * kAttnThreads;
-    if (d < D) out[(int64_t(t) * q_heads + h) * D + d] = acc[i] * inv;
+    for (int i = 0; i < kMaxDimsPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) dot += qv[i] * pool_at(pool.k, pool.elem, base + d, pool.k_scale);
+    }
+    const float score = warp_sum(dot) * scale;
+    const float new_m = fmaxf(m, score);
+    const float corr = m == -INFINITY ? 0.0f : expf(m - new_m);
+    const float p = expf(score - new_m);
+    l = l * corr + p;
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) acc[i] = acc[i] * corr + p * pool_at(pool.v, pool.elem, base + d, pool.v_scale);
+    }
+    m = new_m;
+  }
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d < D) sm_acc[warp][d] = acc[i];
+  }
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float L = 0.0f, f[kSplitWarps];
+  for (int w = 0; w < kSplitWarps; ++w) {
+    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
+    L += sm_l[w] * f[w];
+  }
+  const int64_t th = int64_t(t) * q_heads + h;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
+    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
+    else part_acc[(th * splits + sp) * D + d] = a;
+  }
+  if (splits > 1 && threadIdx.x == 0) {
+    part_ml[(th * splits + sp) * 2] = M;
+    part_ml[(th * splits + sp) * 2 + 1] = L;
+  }
+}
+
+__global__ void attention_merge_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                       int q_heads, int D, int splits, float* __restrict__ out) {
+  const int64_t th = int64_t(blockIdx.x) * q_heads + blockIdx.y;
+  const float* ml = part_ml + th * splits * 2;
+  float M = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp) M = fmaxf(M, ml[2 * sp]);
+  float L = 0.0f;
+  for (int sp = 0; sp < splits; ++sp)
+    if (ml[2 * sp] != -INFINITY) L += ml[2 * sp + 1] * expf(ml[2 * sp] - M);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+    for (int sp = 0; sp < splits; ++sp)
+      if (ml[2 * sp] != -INFINITY) a += part_acc[(th * splits + sp) * D + d] * expf(ml[2 * sp] - M);
+    out[th * D + d] = L > 0.0f ? a / L : 0.0f;
   }
 }
 
@@ -228,13 +260,42 @@ void kv_store(const float* k, const float* v, const KvPoolArgs& pool, const Step
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+int attention_splits(int64_t T, int64_t q_heads, const StepArgs& step) {
+  // Enough blocks to fill the GPU (~2 per SM) with at least 64 keys a split; the key range is bounded by the page
+  // table's width (host-known), so a captured graph's grid serves every shorter context.
+  const int64_t max_keys = int64_t(step.max_pages) * step.page_size;
+  const int64_t blocks = T * q_heads;
+  int64_t splits = blocks >= 264 ? 1 : (264 + blocks - 1) / blocks;
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, (max_keys + 63) / 64));
+  return static_cast<int>(std::min<int64_t>(splits, 64));
+}
+
+size_t attention_workspace_bytes(int64_t T, int64_t q_heads, int64_t head_dim, const StepArgs& step) {
+  const int splits = attention_splits(T, q_heads, step);
+  if (splits == 1) return 0;
+  return static_cast<size_t>(T * q_heads * splits) * (2 + head_dim) * sizeof(float);
+}
+
 void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale, float* out,
-               Stream stream) {
+               void* workspace, Stream stream) {
   if (step.num_tokens == 0) return;
   if (pool.head_dim > kMaxHeadDim) cuda_fail("attention: head_dim {} is not supported (at most {})", {pool.head_dim, kMaxHeadDim});
-  const dim3 grid(static_cast<unsigned>(step.num_tokens), static_cast<unsigned>(q_heads));
-  attention_kernel<<<grid, kAttnThreads, 0, stream>>>(q, static_cast<int>(q_heads), pool, step, scale, out);
+  const int64_t T = step.num_tokens;
+  const int splits = attention_splits(T, q_heads, step);
+  const int64_t max_keys = int64_t(step.max_pages) * step.page_size;
+  const int keys_per_split = static_cast<int>((max_keys + splits - 1) / splits);
+  float* part_ml = static_cast<float*>(workspace);
+  float* part_acc = part_ml ? part_ml + T * q_heads * splits * 2 : nullptr;
+  if (splits > 1 && !workspace) cuda_fail("attention: no workspace for {} splits", {splits});
+  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(q_heads), static_cast<unsigned>(splits));
+  attention_split_kernel<<<grid, kSplitWarps * 32, 0, stream>>>(q, static_cast<int>(q_heads), pool, step, scale,
+                                                                 keys_per_split, part_ml, part_acc, out);
   KILN_CUDA_CHECK_LAUNCH();
+  if (splits > 1) {
+    attention_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(q_heads)), 128, 0, stream>>>(
+        part_ml, part_acc, static_cast<int>(q_heads), pool.head_dim, splits, out);
+    KILN_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,

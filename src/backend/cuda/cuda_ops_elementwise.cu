@@ -89,6 +89,22 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_
   for (int64_t i = lane; i < D; i += 32) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
 
+// Long rows (D >= 512): a block of 256 threads per row, so that a decode step's single row is not one warp's
+// serial walk.
+__global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
+                                                           const void* w, ElemType w_elem, float eps,
+                                                           bool zero_centred, float* __restrict__ out) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * ldx;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float one = zero_centred ? 1.0f : 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
+}
+
 __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
                                       const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
@@ -237,8 +253,12 @@ void gather_rows(const float* x, int64_t x_rows, int64_t H, const int32_t* rows,
 void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
               bool zero_centred, float* out, Stream stream) {
   if (R == 0) return;
-  rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, ldx, R, D, w, w_elem, eps,
-                                                                                zero_centred, out);
+  if (D >= 512) {
+    rms_norm_row_kernel<<<static_cast<unsigned>(R), 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
+  } else {
+    rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, ldx, R, D, w, w_elem, eps,
+                                                                              zero_centred, out);
+  }
   KILN_CUDA_CHECK_LAUNCH();
 }
 

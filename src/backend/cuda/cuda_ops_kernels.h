@@ -30,6 +30,15 @@ struct WeightDesc {
   int32_t n = 0, k = 0;
 };
 
+// Which bandwidth gemv (cuda_ops_linear.cu) can stream W: 0 bf16 (k % 8 == 0), 1 nvfp4 (k % 32 == 0), -1 none
+// (the generic kernel runs). Needs 16-byte aligned codes / values.
+inline int gemv2_kind_host(const WeightDesc& w) {
+  if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return -1;
+  if (w.kind == WeightKind::dense && w.elem == ElemType::bf16 && w.k % 8 == 0) return 0;
+  if (w.kind == WeightKind::nvfp4 && w.k % 32 == 0 && reinterpret_cast<uintptr_t>(w.block_scale) % 2 == 0) return 1;
+  return -1;
+}
+
 // The step layout (model::StepLayout) as device arrays.
 struct StepArgs {
   const int32_t* token_pos = nullptr;        // [T]
@@ -103,9 +112,11 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
 // ---- paged attention (cuda_ops_attention.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
 void kv_store(const float* k, const float* v, const KvPoolArgs& pool, const StepArgs& step, Stream stream);
-// Causal GQA softmax attention over the pool. q, out [T, q_heads, head_dim]; head_dim <= 512.
+// Causal GQA softmax attention over the pool. q, out [T, q_heads, head_dim]; head_dim <= 512. Keys are split over
+// blocks when T x q_heads is small (decode); `workspace` holds attention_workspace_bytes() bytes (null when 0).
+size_t attention_workspace_bytes(int64_t T, int64_t q_heads, int64_t head_dim, const StepArgs& step);
 void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale, float* out,
-               Stream stream);
+               void* workspace, Stream stream);
 
 // ---- linear layers and experts (cuda_ops_linear.cu)
 // out[t, n] = sum_k x[t, k] W[n, k] (+ bias[n]); x [T, K] row stride ldx, out [T, N] row stride ldo. fp32 FMA.
@@ -121,8 +132,9 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 // experts: device table [E][3] of {gate [I, H], up [I, H], down [H, I]}; experts_vec_ok: every one of them has
 // k % 8 == 0 and 16-byte aligned data (the 8-wide load path). workspace: moe_workspace_bytes() bytes, 256-aligned.
 size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
+// experts_gemv2_kind: the bandwidth gemv every expert matrix can use (0 bf16, 1 nvfp4), or -1.
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
-                 const WeightDesc* experts, bool experts_vec_ok, int64_t E, int64_t I, void* workspace, float* out,
-                 Stream stream);
+                 const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
+                 void* workspace, float* out, Stream stream);
 
 }  // namespace kiln::cuda::ops

@@ -138,6 +138,187 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemmArgs a) {
   }
 }
 
+// ---- gemv2: the bandwidth kernel for decode-sized tiles (<= 8 rows), one weight format per instantiation.
+// A warp owns kCols output columns; each lane streams 16 bytes of each column's row per step (bf16: 8 weights,
+// nvfp4: 32 codes + 2 block scales), two steps in flight, and the tile's rows read x through L1. NVFP4 sums
+// x * e2m1 per 16-element block and scales each block sum once (then scale_2 at the end): the same products as
+// the CPU backend's, summed in another order (rel ~1e-7).
+
+enum class G2Kind { bf16, nvfp4 };
+
+template <G2Kind kKind>
+struct G2 {
+  static constexpr int kElems = kKind == G2Kind::bf16 ? 8 : 32;  // weights per 16-byte lane load
+};
+
+__device__ __forceinline__ float e2m1_fast(uint32_t c) {
+  // bits: sign -> 31, exponent/mantissa (3 bits) -> 24..22: the value times 2^-126 (code 1: the subnormal 2^-127),
+  // scaled back exactly by 2^126.
+  return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 8.507059173023462e+37f;
+}
+
+template <G2Kind kKind, bool kDual, int kCols>
+__global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
+  constexpr int kE = G2<kKind>::kElems;
+  constexpr int kU = 2;  // steps in flight
+  int group, rb, re;
+  if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n0 = (blockIdx.y * 4 + warp) * kCols;
+  if (n0 >= a.N) return;
+  const WeightDesc& w0 = weight_of(a, group, 0);
+  const WeightDesc& w1 = weight_of(a, group, kDual ? 1 : 0);
+  const int nrows = re - rb;
+  const float* xr[kGemvRows];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+    const int row = rb + min(r, nrows - 1);
+    xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
+  }
+  int ncol[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) ncol[c] = min(n0 + c, a.N - 1);  // duplicates of the last column are not stored
+  float acc0[kGemvRows][kCols], acc1[kGemvRows][kCols];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc0[r][c] = acc1[r][c] = 0.0f;
+
+  const int64_t row_bytes = kKind == G2Kind::bf16 ? int64_t(a.K) * 2 : int64_t(a.K) / 2;
+  const char* base0[kCols];
+  const char* base1[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    base0[c] = static_cast<const char*>(w0.data) + ncol[c] * row_bytes;
+    base1[c] = static_cast<const char*>(w1.data) + ncol[c] * row_bytes;
+  }
+  for (int kb = lane * kE; kb < a.K; kb += 32 * kE * kU) {
+    uint4 raw0[kU][kCols], raw1[kU][kCols];
+    uint32_t sc0[kU][kCols], sc1[kU][kCols];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int k0 = kb + u * 32 * kE;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        if (k0 < a.K) {
+          const int64_t off = kKind == G2Kind::bf16 ? int64_t(k0) * 2 : int64_t(k0) / 2;
+          raw0[u][c] = ld_nc_16(base0[c] + off);
+          if constexpr (kDual) raw1[u][c] = ld_nc_16(base1[c] + off);
+          if constexpr (kKind == G2Kind::nvfp4) {
+            sc0[u][c] = __ldg(reinterpret_cast<const uint16_t*>(w0.block_scale + ncol[c] * int64_t(a.K / 16) + k0 / 16));
+            if constexpr (kDual)
+              sc1[u][c] = __ldg(reinterpret_cast<const uint16_t*>(w1.block_scale + ncol[c] * int64_t(a.K / 16) + k0 / 16));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int k0 = kb + u * 32 * kE;
+      if (k0 >= a.K) break;
+      if constexpr (kKind == G2Kind::bf16) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // 4 weights at a time
+          float wa[kCols][4], wb[kCols][4];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            const uint32_t p0 = h ? raw0[u][c].z : raw0[u][c].x, p1 = h ? raw0[u][c].w : raw0[u][c].y;
+            wa[c][0] = __uint_as_float(p0 << 16); wa[c][1] = __uint_as_float(p0 & 0xffff0000u);
+            wa[c][2] = __uint_as_float(p1 << 16); wa[c][3] = __uint_as_float(p1 & 0xffff0000u);
+            if constexpr (kDual) {
+              const uint32_t q0 = h ? raw1[u][c].z : raw1[u][c].x, q1 = h ? raw1[u][c].w : raw1[u][c].y;
+              wb[c][0] = __uint_as_float(q0 << 16); wb[c][1] = __uint_as_float(q0 & 0xffff0000u);
+              wb[c][2] = __uint_as_float(q1 << 16); wb[c][3] = __uint_as_float(q1 & 0xffff0000u);
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < kGemvRows; ++r) {
+            if (r < nrows) {
+              const float4 xv = *reinterpret_cast<const float4*>(xr[r] + k0 + 4 * h);
+#pragma unroll
+              for (int c = 0; c < kCols; ++c) {
+                acc0[r][c] += xv.x * wa[c][0] + xv.y * wa[c][1] + xv.z * wa[c][2] + xv.w * wa[c][3];
+                if constexpr (kDual) acc1[r][c] += xv.x * wb[c][0] + xv.y * wb[c][1] + xv.z * wb[c][2] + xv.w * wb[c][3];
+              }
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) {  // two 16-code blocks per 16-byte load
+          float part0[kGemvRows][kCols], part1[kGemvRows][kCols];
+#pragma unroll
+          for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) part0[r][c] = part1[r][c] = 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // 8 codes (one 32-bit word) at a time
+            float wa[kCols][8], wb[kCols][8];
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+              const int wi = blk * 2 + h;
+              const uint32_t word = wi == 0 ? raw0[u][c].x : wi == 1 ? raw0[u][c].y : wi == 2 ? raw0[u][c].z : raw0[u][c].w;
+#pragma unroll
+              for (int i = 0; i < 8; ++i) wa[c][i] = e2m1_fast(word >> (4 * i));
+              if constexpr (kDual) {
+                const uint32_t w2 = wi == 0 ? raw1[u][c].x : wi == 1 ? raw1[u][c].y : wi == 2 ? raw1[u][c].z : raw1[u][c].w;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) wb[c][i] = e2m1_fast(w2 >> (4 * i));
+              }
+            }
+#pragma unroll
+            for (int r = 0; r < kGemvRows; ++r) {
+              if (r < nrows) {
+                const float4 xa = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h);
+                const float4 xb = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h + 4);
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) {
+                  part0[r][c] += xa.x * wa[c][0] + xa.y * wa[c][1] + xa.z * wa[c][2] + xa.w * wa[c][3] +
+                                 xb.x * wa[c][4] + xb.y * wa[c][5] + xb.z * wa[c][6] + xb.w * wa[c][7];
+                  if constexpr (kDual)
+                    part1[r][c] += xa.x * wb[c][0] + xa.y * wb[c][1] + xa.z * wb[c][2] + xa.w * wb[c][3] +
+                                   xb.x * wb[c][4] + xb.y * wb[c][5] + xb.z * wb[c][6] + xb.w * wb[c][7];
+                }
+              }
+            }
+          }
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            const float bs0 = e4m3_to_f32((sc0[u][c] >> (8 * blk)) & 0xffu);
+            const float bs1 = kDual ? e4m3_to_f32((sc1[u][c] >> (8 * blk)) & 0xffu) : 0.0f;
+#pragma unroll
+            for (int r = 0; r < kGemvRows; ++r) {
+              acc0[r][c] += part0[r][c] * bs0;
+              if constexpr (kDual) acc1[r][c] += part1[r][c] * bs1;
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+    if (r < nrows) {  // uniform over the warp
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        float s0 = warp_sum(acc0[r][c]);
+        float s1 = kDual ? warp_sum(acc1[r][c]) : 0.0f;
+        const int n = n0 + c;
+        if (lane == 0 && n < a.N) {
+          if constexpr (kKind == G2Kind::nvfp4) {
+            s0 *= w0.scale;
+            if constexpr (kDual) s1 *= w1.scale;
+          }
+          float y;
+          if constexpr (kDual) y = silu(s0 + bias_of(w0, n)) * (s1 + bias_of(w1, n));
+          else y = s0 + bias_of(w0, n);
+          a.out[int64_t(rb + r) * a.ldo + n] = y;
+        }
+      }
+    }
+  }
+}
+
 // ---- gemm: 64 x 64 tiles, BK 16, 256 threads, thread (tx, ty) owns rows ty + 16 i, columns tx + 16 j
 
 constexpr int kTileM = 64, kTileN = 64, kTileK = 16;
@@ -219,10 +400,29 @@ bool vec_ok(const WeightDesc& w, const float* x, int64_t ldx) {
 }
 
 // Launches gemv (small tiles) or gemm over `max_tiles` row tiles (an upper bound when grouped).
-void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t max_tiles, Stream stream) {
+// Which gemv2 instantiation serves these weights (-1: none; the generic gemv then runs). kind_code: 0 bf16, 1 nvfp4.
+template <bool kDual>
+void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, Stream stream) {
+  // Two columns per warp when that still gives every SM two blocks; else one.
+  const bool two = (a.N + 7) / 8 * max_tiles >= 264;
+  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + (two ? 8 : 4) - 1) / (two ? 8 : 4)));
+  if (kind_code == 0) {
+    if (two) gemv2_kernel<G2Kind::bf16, kDual, 2><<<grid, 128, 0, stream>>>(a);
+    else gemv2_kernel<G2Kind::bf16, kDual, 1><<<grid, 128, 0, stream>>>(a);
+  } else {
+    if (two) gemv2_kernel<G2Kind::nvfp4, kDual, 2><<<grid, 128, 0, stream>>>(a);
+    else gemv2_kernel<G2Kind::nvfp4, kDual, 1><<<grid, 128, 0, stream>>>(a);
+  }
+}
+
+void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t max_tiles, Stream stream,
+                 int gemv2_kind = -1) {
   if (max_tiles <= 0 || a.N <= 0) return;
   if (max_tiles > 0x7fffffff) cuda_fail("linear: {} row tiles is too many", {max_tiles});
-  if (use_gemv) {
+  if (use_gemv && vec && gemv2_kind >= 0) {
+    if (dual) launch_gemv2<true>(a, gemv2_kind, max_tiles, stream);
+    else launch_gemv2<false>(a, gemv2_kind, max_tiles, stream);
+  } else if (use_gemv) {
     const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + kGemvWarps - 1) / kGemvWarps));
     if (dual) {
       if (vec) gemv_kernel<true, true><<<grid, kGemvWarps * 32, 0, stream>>>(a);
@@ -239,7 +439,7 @@ void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t 
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-constexpr int64_t kGemvMaxRows = 16;  // dense layers with at most this many rows take the gemv path
+constexpr int64_t kGemvMaxRows = 128;  // dense layers with at most this many rows take the gemv path (8-row tiles)
 
 // ---- MoE routing: a block per token
 
@@ -335,17 +535,38 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top
     if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int rows = 0, tiles = 0;
-    for (int e = 0; e < E; ++e) {
-      lay.group_offset[e] = rows;
-      lay.tile_offset[e] = tiles;
-      lay.cursor[e] = rows;
-      rows += counts[e];
-      tiles += (counts[e] + tile_rows_m - 1) / tile_rows_m;
+  // Exclusive prefix sums of rows and row tiles over the experts: a block-wide scan per chunk of blockDim experts.
+  __shared__ int scan_rows[1024], scan_tiles[1024];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  int carry_rows = 0, carry_tiles = 0;
+  for (int base = 0; base < E; base += nt) {
+    const int e = base + tid;
+    const int c = e < E ? counts[e] : 0;
+    const int tl = (c + tile_rows_m - 1) / tile_rows_m;
+    scan_rows[tid] = c;
+    scan_tiles[tid] = tl;
+    __syncthreads();
+    for (int off = 1; off < nt; off *= 2) {
+      const int ar = tid >= off ? scan_rows[tid - off] : 0;
+      const int at = tid >= off ? scan_tiles[tid - off] : 0;
+      __syncthreads();
+      scan_rows[tid] += ar;
+      scan_tiles[tid] += at;
+      __syncthreads();
     }
-    lay.group_offset[E] = rows;
-    lay.tile_offset[E] = tiles;
+    if (e < E) {
+      const int rows_before = carry_rows + scan_rows[tid] - c;
+      lay.group_offset[e] = rows_before;
+      lay.cursor[e] = rows_before;
+      lay.tile_offset[e] = carry_tiles + scan_tiles[tid] - tl;
+    }
+    carry_rows += scan_rows[nt - 1];
+    carry_tiles += scan_tiles[nt - 1];
+    __syncthreads();
+  }
+  if (tid == 0) {
+    lay.group_offset[E] = carry_rows;
+    lay.tile_offset[E] = carry_tiles;
   }
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
@@ -421,7 +642,7 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
   a.K = w.k;
   const bool gemv = T <= kGemvMaxRows;
   const int tm = gemv ? kGemvRows : kTileM;
-  launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream);
+  launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream, gemv2_kind_host(w));
 }
 
 void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renormalise, int32_t* ids, float* weights,
@@ -469,8 +690,8 @@ size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I
 }
 
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
-                 const WeightDesc* experts, bool experts_vec_ok, int64_t E, int64_t I, void* workspace, float* out,
-                 Stream stream) {
+                 const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
+                 void* workspace, float* out, Stream stream) {
   if (T == 0) return;
   if (top_k < 1 || top_k > 64) cuda_fail("moe_experts: top_k {} is not supported (1 to 64)", {top_k});
   if (E * 4 > 48 * 1024) cuda_fail("moe_experts: {} experts is too many (at most 12288)", {E});
@@ -499,7 +720,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   up.N = static_cast<int>(I);
   up.K = static_cast<int>(H);
   const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  launch_rows(up, true, gemv, experts_vec_ok && x_vec, max_tiles, stream);
+  launch_rows(up, true, gemv, experts_vec_ok && x_vec, max_tiles, stream, experts_gemv2_kind);
 
   // y = act W_down^T (table entry 2 of each expert)
   GemmArgs down = up;
@@ -511,7 +732,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   down.ldo = H;
   down.N = static_cast<int>(H);
   down.K = static_cast<int>(I);
-  launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream);
+  launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream, experts_gemv2_kind);
 
   moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
                                                                    static_cast<int>(H), out);

@@ -83,25 +83,54 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int j = j_begin + warp; j < j_end; j += kSplitWarps) {
-    const int64_t row = kv_pool_row(step, s, j);
-    if (row < 0) continue;
-    const int64_t base = row * row_elems + int64_t(kvh) * D;
-    float dot = 0.0f;
+  constexpr int kKeys = 4;  // keys in flight per warp
+  for (int j0 = j_begin + warp * kKeys; j0 < j_end; j0 += kSplitWarps * kKeys) {
+    int64_t base[kKeys];
 #pragma unroll
-    for (int i = 0; i < kMaxDimsPerLane; ++i) {
-      const int d = lane + 32 * i;
-      if (d < D) dot += qv[i] * pool_at(pool.k, pool.elem, base + d, pool.k_scale);
+    for (int u = 0; u < kKeys; ++u) {
+      const int j = j0 + u;
+      const int64_t row = j < j_end ? kv_pool_row(step, s, j) : -1;
+      base[u] = row < 0 ? -1 : row * row_elems + int64_t(kvh) * D;
     }
-    const float score = warp_sum(dot) * scale;
-    const float new_m = fmaxf(m, score);
+    float score[kKeys];
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      float dot = 0.0f;
+      if (base[u] >= 0) {
+#pragma unroll
+        for (int i = 0; i < kMaxDimsPerLane; ++i) {
+          const int d = lane + 32 * i;
+          if (d < D) dot += qv[i] * pool_at(pool.k, pool.elem, base[u] + d, pool.k_scale);
+        }
+      }
+      score[u] = dot;
+    }
+    float mt = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      score[u] = base[u] >= 0 ? warp_sum(score[u]) * scale : -INFINITY;  // base is uniform over the warp
+      mt = fmaxf(mt, score[u]);
+    }
+    if (mt == -INFINITY) continue;
+    const float new_m = fmaxf(m, mt);
     const float corr = m == -INFINITY ? 0.0f : expf(m - new_m);
-    const float p = expf(score - new_m);
-    l = l * corr + p;
+    float p[kKeys];
+    l *= corr;
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      p[u] = base[u] >= 0 ? expf(score[u] - new_m) : 0.0f;
+      l += p[u];
+    }
 #pragma unroll
     for (int i = 0; i < kMaxDimsPerLane; ++i) {
       const int d = lane + 32 * i;
-      if (d < D) acc[i] = acc[i] * corr + p * pool_at(pool.v, pool.elem, base + d, pool.v_scale);
+      if (d < D) {
+        float a = acc[i] * corr;
+#pragma unroll
+        for (int u = 0; u < kKeys; ++u)
+          if (base[u] >= 0) a += p[u] * pool_at(pool.v, pool.elem, base[u] + d, pool.v_scale);
+        acc[i] = a;
+      }
     }
     m = new_m;
   }

@@ -24,7 +24,9 @@ struct GemmArgs {
   int table_stride = 0;
   const int32_t* group_offset = nullptr;  // [G + 1] or null (one group of `rows` rows)
   const int32_t* tile_offset = nullptr;   // [G + 1]
+  const int32_t* tile_group = nullptr;    // [tiles] group of each row tile (grouped launches), or null: search
   int num_groups = 1;
+  int col_passes = 1;                     // gemv2: column groups each warp walks (grid.y shrinks by this)
   int rows = 0;                           // single group: number of rows
   const int32_t* row_index = nullptr;     // [rows]: input row of each sorted row, or null (identity)
   const float* x = nullptr;
@@ -44,11 +46,16 @@ __device__ __forceinline__ bool tile_rows(const GemmArgs& a, int tile, int tm, i
     return row_begin < a.rows;
   }
   if (tile >= a.tile_offset[a.num_groups]) return false;
-  int lo = 0, hi = a.num_groups - 1;  // last g with tile_offset[g] <= tile
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.tile_offset[mid] <= tile) lo = mid;
-    else hi = mid - 1;
+  int lo = 0;
+  if (a.tile_group) {
+    lo = a.tile_group[tile];
+  } else {
+    int hi = a.num_groups - 1;  // last g with tile_offset[g] <= tile
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (a.tile_offset[mid] <= tile) lo = mid;
+      else hi = mid - 1;
+    }
   }
   group = lo;
   row_begin = a.group_offset[lo] + (tile - a.tile_offset[lo]) * tm;
@@ -164,8 +171,6 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n0 = (blockIdx.y * 4 + warp) * kCols;
-  if (n0 >= a.N) return;
   const WeightDesc& w0 = weight_of(a, group, 0);
   const WeightDesc& w1 = weight_of(a, group, kDual ? 1 : 0);
   const int nrows = re - rb;
@@ -175,6 +180,9 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
     const int row = rb + min(r, nrows - 1);
     xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
   }
+  for (int pass = 0; pass < a.col_passes; ++pass) {
+  const int n0 = ((blockIdx.y * a.col_passes + pass) * 4 + warp) * kCols;
+  if (n0 >= a.N) break;
   int ncol[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) ncol[c] = min(n0 + c, a.N - 1);  // duplicates of the last column are not stored
@@ -317,6 +325,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
       }
     }
   }
+  }  // pass
 }
 
 // ---- gemm: 64 x 64 tiles, BK 16, 256 threads, thread (tx, ty) owns rows ty + 16 i, columns tx + 16 j
@@ -405,13 +414,21 @@ template <bool kDual>
 void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, Stream stream) {
   // Two columns per warp when that still gives every SM two blocks; else one.
   const bool two = (a.N + 7) / 8 * max_tiles >= 264;
-  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + (two ? 8 : 4) - 1) / (two ? 8 : 4)));
+  const int cols_per_pass = two ? 8 : 4;
+  const int64_t col_blocks = (a.N + cols_per_pass - 1) / cols_per_pass;
+  // Many row tiles (grouped experts at larger batches): each block walks several column groups, so that blocks
+  // are few enough to amortise their setup (tile lookup, descriptors, x rows) while ~8 per SM stay resident.
+  int passes = 1;
+  while (passes < 64 && max_tiles * ((col_blocks + 2 * passes - 1) / (2 * passes)) >= 132 * 8) passes *= 2;
+  GemmArgs b = a;
+  b.col_passes = passes;
+  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((col_blocks + passes - 1) / passes));
   if (kind_code == 0) {
-    if (two) gemv2_kernel<G2Kind::bf16, kDual, 2><<<grid, 128, 0, stream>>>(a);
-    else gemv2_kernel<G2Kind::bf16, kDual, 1><<<grid, 128, 0, stream>>>(a);
+    if (two) gemv2_kernel<G2Kind::bf16, kDual, 2><<<grid, 128, 0, stream>>>(b);
+    else gemv2_kernel<G2Kind::bf16, kDual, 1><<<grid, 128, 0, stream>>>(b);
   } else {
-    if (two) gemv2_kernel<G2Kind::nvfp4, kDual, 2><<<grid, 128, 0, stream>>>(a);
-    else gemv2_kernel<G2Kind::nvfp4, kDual, 1><<<grid, 128, 0, stream>>>(a);
+    if (two) gemv2_kernel<G2Kind::nvfp4, kDual, 2><<<grid, 128, 0, stream>>>(b);
+    else gemv2_kernel<G2Kind::nvfp4, kDual, 1><<<grid, 128, 0, stream>>>(b);
   }
 }
 
@@ -515,11 +532,78 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int to
   }
 }
 
+// Up to 1024 experts: a warp per token, lane l holding experts l, l + 32, ... in registers; the top-k picks are
+// warp argmax reductions (ties: lower id), no block barriers.
+constexpr int kRouteWarpMaxE = 1024;
+__global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t T, int E, int top_k,
+                                      bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (t >= T) return;
+  const float* l = logits + t * E;
+  constexpr int kPer = kRouteWarpMaxE / 32;
+  float p[kPer];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? l[e] : -INFINITY;
+    m = fmaxf(m, p[i]);
+  }
+  m = warp_max(m);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? expf(p[i] - m) : 0.0f;
+    sum += p[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -INFINITY;
+  float chosen_sum = 0.0f, my_val = 0.0f;
+  int my_idx = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane + 32 * i;
+      if (p[i] > bv || (p[i] == bv && e < bi && e < E)) {
+        bv = p[i];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (bi < 0 || bi >= E) bi = 0;  // only when every p is NaN
+    if ((bi & 31) == lane) p[bi >> 5] = -INFINITY;
+    const float v = __shfl_sync(0xffffffffu, bv, 0);
+    chosen_sum += v;
+    if (lane == j) {
+      my_val = v;
+      my_idx = bi;
+    }
+  }
+  if (lane < top_k) {
+    ids[t * top_k + lane] = my_idx;
+    weights[t * top_k + lane] = renormalise ? my_val / chosen_sum : my_val;
+  }
+}
+
 // ---- MoE grouping: one block. Pairs p = t * k + j are grouped by expert; sorted row of pair p = pair_pos[p].
 
 struct MoeLayout {
   int32_t* group_offset;  // [E + 1]
   int32_t* tile_offset;   // [E + 1]
+  int32_t* tile_group;    // [max tiles] expert of each row tile
   int32_t* row_token;     // [P]  token of each sorted row
   int32_t* pair_pos;      // [P]  sorted row of each pair (-1: invalid expert id)
   int32_t* cursor;        // [E]
@@ -569,6 +653,10 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top
     lay.tile_offset[E] = carry_tiles;
   }
   __syncthreads();
+  for (int e = tid; e < E; e += nt) {
+    const int first = lay.tile_offset[e], last = lay.tile_offset[e + 1];
+    for (int i = first; i < last; ++i) lay.tile_group[i] = e;
+  }
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     const int e = ids[p];
     if (e >= 0 && e < E) {
@@ -585,36 +673,29 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top
 __global__ void moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids,
                                    const float* __restrict__ weights, const int32_t* __restrict__ pair_pos, int top_k,
                                    int H, float* __restrict__ out) {
-  __shared__ int order[64];
+  __shared__ int order[64], sid[64], spos[64];
+  __shared__ float sw[64];
   const int t = blockIdx.x;
-  if (threadIdx.x == 0) {
-    // selection sort of the k slots by (id, slot)
-    int prev_id = -1, prev_slot = -1;
-    for (int n = 0; n < top_k; ++n) {
-      int best = -1;
-      for (int j = 0; j < top_k; ++j) {
-        const int id = ids[int64_t(t) * top_k + j];
-        const bool after_prev = id > prev_id || (id == prev_id && j > prev_slot);
-        if (!after_prev) continue;
-        if (best < 0) {
-          best = j;
-          continue;
-        }
-        const int bid = ids[int64_t(t) * top_k + best];
-        if (id < bid || (id == bid && j < best)) best = j;
-      }
-      order[n] = best;
-      prev_id = ids[int64_t(t) * top_k + best];
-      prev_slot = best;
-    }
+  if (threadIdx.x < top_k) {
+    sid[threadIdx.x] = ids[int64_t(t) * top_k + threadIdx.x];
+    spos[threadIdx.x] = pair_pos[int64_t(t) * top_k + threadIdx.x];
+    sw[threadIdx.x] = weights[int64_t(t) * top_k + threadIdx.x];
+  }
+  __syncthreads();
+  if (threadIdx.x < top_k) {
+    // rank of slot j in ascending (id, slot) order
+    const int j = threadIdx.x, id = sid[j];
+    int rank = 0;
+    for (int i = 0; i < top_k; ++i) rank += sid[i] < id || (sid[i] == id && i < j);
+    order[rank] = j;
   }
   __syncthreads();
   for (int h = threadIdx.x; h < H; h += blockDim.x) {
     float acc = 0.0f;
     for (int n = 0; n < top_k; ++n) {
       const int j = order[n];
-      const int pos = pair_pos[int64_t(t) * top_k + j];
-      if (pos >= 0) acc += y[int64_t(pos) * H + h] * weights[int64_t(t) * top_k + j];
+      const int pos = spos[j];
+      if (pos >= 0) acc += y[int64_t(pos) * H + h] * sw[j];
     }
     out[int64_t(t) * H + h] = acc;
   }
@@ -651,8 +732,13 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
   if (top_k < 1 || top_k > 64 || top_k > E) cuda_fail("moe_route: top_k {} of {} experts (1 to 64)", {top_k, E});
   const size_t smem = static_cast<size_t>(E) * sizeof(float);
   if (smem > 48 * 1024) cuda_fail("moe_route: {} experts is too many (at most 12288)", {E});
-  moe_route_kernel<<<static_cast<unsigned>(T), kRouteThreads, smem, stream>>>(logits, static_cast<int>(E), top_k,
-                                                                              renormalise, ids, weights);
+  if (E <= kRouteWarpMaxE && top_k <= 32) {
+    moe_route_warp_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(logits, T, static_cast<int>(E), top_k,
+                                                                                 renormalise, ids, weights);
+  } else {
+    moe_route_kernel<<<static_cast<unsigned>(T), kRouteThreads, smem, stream>>>(logits, static_cast<int>(E), top_k,
+                                                                                renormalise, ids, weights);
+  }
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -675,6 +761,7 @@ MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64
   };
   c.lay.group_offset = static_cast<int32_t*>(take((E + 1) * 4));
   c.lay.tile_offset = static_cast<int32_t*>(take((E + 1) * 4));
+  c.lay.tile_group = static_cast<int32_t*>(take((P + E) * 4));  // tiles <= P / tm + E
   c.lay.row_token = static_cast<int32_t*>(take(P * 4));
   c.lay.pair_pos = static_cast<int32_t*>(take(P * 4));
   c.lay.cursor = static_cast<int32_t*>(take(E * 4));
@@ -711,6 +798,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   up.table_stride = 3;
   up.group_offset = c.lay.group_offset;
   up.tile_offset = c.lay.tile_offset;
+  up.tile_group = c.lay.tile_group;
   up.num_groups = static_cast<int>(E);
   up.row_index = c.lay.row_token;
   up.x = x;

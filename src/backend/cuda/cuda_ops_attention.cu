@@ -164,6 +164,140 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
   }
 }
 
+// The same kernel for the common pools (f32 / bf16 / e4m3, head_dim 32 x kDPL with kDPL 4, 8 or 16): lane l owns
+// the contiguous dims [l * kDPL, (l + 1) * kDPL), every load is unconditional (a key without a page reads row 0 and
+// is masked), so the K rows of a warp's 4 keys are all in flight at once.
+template <int kElem, int kDPL>  // kElem: 0 f32, 1 bf16, 3 e4m3 (ElemType)
+__device__ __forceinline__ void load_dims(const void* pool, int64_t e0, float scale, float (&v)[kDPL]) {
+#pragma unroll
+  for (int c = 0; c < kDPL; c += 4) {
+    if constexpr (kElem == 0) {
+      const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(pool) + e0 + c);
+      v[c] = f.x; v[c + 1] = f.y; v[c + 2] = f.z; v[c + 3] = f.w;
+    } else if constexpr (kElem == 1) {
+      const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(pool) + e0 + c);
+      v[c] = __uint_as_float(u.x << 16); v[c + 1] = __uint_as_float(u.x & 0xffff0000u);
+      v[c + 2] = __uint_as_float(u.y << 16); v[c + 3] = __uint_as_float(u.y & 0xffff0000u);
+    } else {
+      const uint32_t u = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(pool) + e0 + c);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) v[c + b] = e4m3_to_f32((u >> (8 * b)) & 0xffu) * scale;
+    }
+  }
+}
+
+template <int kElem, int kDPL>
+__global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
+    const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
+  constexpr int D = 32 * kDPL;
+  constexpr int kKeys = 4;
+  __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
+  __shared__ float sm_acc[kSplitWarps][D];
+  const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kvh = h / (q_heads / pool.kv_heads);
+  const int s = seq_of_token(step, t);
+  const int n_keys = step.token_pos[t] + 1;
+  const int j_begin = sp * keys_per_split, j_end = min(n_keys, j_begin + keys_per_split);
+  const int64_t row_elems = int64_t(pool.kv_heads) * D;
+  const int64_t head_off = int64_t(kvh) * D + lane * kDPL;
+  float qv[kDPL], acc[kDPL];
+  {
+    const float* qp = q + (int64_t(t) * q_heads + h) * D + lane * kDPL;
+#pragma unroll
+    for (int i = 0; i < kDPL; ++i) {
+      qv[i] = qp[i];
+      acc[i] = 0.0f;
+    }
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (int j0 = j_begin + warp * kKeys; j0 < j_end; j0 += kSplitWarps * kKeys) {
+    int64_t rows[kKeys];
+    bool ok[kKeys];
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      const int j = j0 + u;
+      const int64_t row = j < j_end ? kv_pool_row(step, s, j) : -1;
+      ok[u] = row >= 0;
+      rows[u] = ok[u] ? row : 0;
+    }
+    float kv[kKeys][kDPL];
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) load_dims<kElem, kDPL>(pool.k, rows[u] * row_elems + head_off, pool.k_scale, kv[u]);
+    float score[kKeys];
+    float mt = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kDPL; ++i) dot += qv[i] * kv[u][i];
+      dot = warp_sum(dot) * scale;
+      score[u] = ok[u] ? dot : -INFINITY;
+      mt = fmaxf(mt, score[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) load_dims<kElem, kDPL>(pool.v, rows[u] * row_elems + head_off, pool.v_scale, kv[u]);
+    if (mt == -INFINITY) continue;  // uniform over the warp
+    const float new_m = fmaxf(m, mt);
+    const float corr = m == -INFINITY ? 0.0f : expf(m - new_m);
+    float p[kKeys];
+    l *= corr;
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      p[u] = ok[u] ? expf(score[u] - new_m) : 0.0f;
+      l += p[u];
+    }
+#pragma unroll
+    for (int i = 0; i < kDPL; ++i) {
+      float a = acc[i] * corr;
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u) a += p[u] * kv[u][i];
+      acc[i] = a;
+    }
+    m = new_m;
+  }
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < kDPL; ++i) sm_acc[warp][lane * kDPL + i] = acc[i];
+  __syncthreads();
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float L = 0.0f, f[kSplitWarps];
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) {
+    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
+    L += sm_l[w] * f[w];
+  }
+  const int64_t th = int64_t(t) * q_heads + h;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
+    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
+    else part_acc[(th * splits + sp) * D + d] = a;
+  }
+  if (splits > 1 && threadIdx.x == 0) {
+    part_ml[(th * splits + sp) * 2] = M;
+    part_ml[(th * splits + sp) * 2 + 1] = L;
+  }
+}
+
+template <int kDPL>
+bool launch_attention_fast(dim3 grid, Stream stream, const float* q, int q_heads, const KvPoolArgs& pool,
+                           const StepArgs& step, float scale, int kps, float* ml, float* acc, float* out) {
+  switch (pool.elem) {
+    case ElemType::f32: attention_fast_kernel<0, kDPL><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::bf16: attention_fast_kernel<1, kDPL><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::e4m3: attention_fast_kernel<3, kDPL><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    default: return false;
+  }
+}
+
 __global__ void attention_merge_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                        int q_heads, int D, int splits, float* __restrict__ out) {
   const int64_t th = int64_t(blockIdx.x) * q_heads + blockIdx.y;
@@ -317,8 +451,17 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
   float* part_acc = part_ml ? part_ml + T * q_heads * splits * 2 : nullptr;
   if (splits > 1 && !workspace) cuda_fail("attention: no workspace for {} splits", {splits});
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(q_heads), static_cast<unsigned>(splits));
-  attention_split_kernel<<<grid, kSplitWarps * 32, 0, stream>>>(q, static_cast<int>(q_heads), pool, step, scale,
-                                                                 keys_per_split, part_ml, part_acc, out);
+  const int qh = static_cast<int>(q_heads);
+  bool fast = false;
+  switch (pool.head_dim) {
+    case 128: fast = launch_attention_fast<4>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
+    case 256: fast = launch_attention_fast<8>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
+    case 512: fast = launch_attention_fast<16>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
+    default: break;
+  }
+  if (!fast)
+    attention_split_kernel<<<grid, kSplitWarps * 32, 0, stream>>>(q, qh, pool, step, scale, keys_per_split, part_ml,
+                                                                   part_acc, out);
   KILN_CUDA_CHECK_LAUNCH();
   if (splits > 1) {
     attention_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(q_heads)), 128, 0, stream>>>(

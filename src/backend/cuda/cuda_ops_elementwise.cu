@@ -91,17 +91,46 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_
 
 // Long rows (D >= 512): a block of 256 threads per row, so that a decode step's single row is not one warp's
 // serial walk.
+template <int kWElem>  // 0: f32 weights, 1: bf16, -1: any (load_elem)
+__device__ __forceinline__ float norm_w(const void* w, ElemType w_elem, int i) {
+  if constexpr (kWElem == 0) return static_cast<const float*>(w)[i];
+  else if constexpr (kWElem == 1) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(w)[i]) << 16);
+  else return load_elem(w, w_elem, i);
+}
+
+template <int kWElem>
 __global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
                                                            const void* w, ElemType w_elem, float eps,
                                                            bool zero_centred, float* __restrict__ out) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * ldx;
+  const float one = zero_centred ? 1.0f : 0.0f;
+  constexpr int kPer = 16;  // D <= 4096 is staged in registers: every load issued at once
+  if (D <= 256 * kPer) {
+    float v[kPer], wv[kPer];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      const int ic = i < D ? i : int(D) - 1;
+      v[j] = xr[ic];
+      wv[j] = norm_w<kWElem>(w, w_elem, ic);
+      if (i < D) ss += v[j] * v[j];
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      if (i < D) out[r * D + i] = (v[j] * inv) * (wv[j] + one);
+    }
+    return;
+  }
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
   ss = block_sum(ss, red);
   const float inv = 1.0f / sqrtf(ss / float(D) + eps);
-  const float one = zero_centred ? 1.0f : 0.0f;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
 
@@ -254,7 +283,10 @@ void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, 
               bool zero_centred, float* out, Stream stream) {
   if (R == 0) return;
   if (D >= 512) {
-    rms_norm_row_kernel<<<static_cast<unsigned>(R), 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
+    const unsigned g = static_cast<unsigned>(R);
+    if (w_elem == ElemType::bf16) rms_norm_row_kernel<1><<<g, 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
+    else if (w_elem == ElemType::f32) rms_norm_row_kernel<0><<<g, 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
+    else rms_norm_row_kernel<-1><<<g, 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
   } else {
     rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, ldx, R, D, w, w_elem, eps,
                                                                               zero_centred, out);

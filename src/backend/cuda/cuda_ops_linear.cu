@@ -164,7 +164,7 @@ __device__ __forceinline__ float e2m1_fast(uint32_t c) {
   return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 8.507059173023462e+37f;
 }
 
-template <G2Kind kKind, bool kDual, int kCols>
+template <G2Kind kKind, bool kDual, int kCols, int kRows>
 __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   constexpr int kE = G2<kKind>::kElems;
   constexpr int kU = 2;  // steps in flight
@@ -174,9 +174,11 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   const WeightDesc& w0 = weight_of(a, group, 0);
   const WeightDesc& w1 = weight_of(a, group, kDual ? 1 : 0);
   const int nrows = re - rb;
-  const float* xr[kGemvRows];
+  // Rows past the tile's last one read the last row again (their loads stay unconditional, so they are issued
+  // together); only real rows are stored.
+  const float* xr[kRows];
 #pragma unroll
-  for (int r = 0; r < kGemvRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     const int row = rb + min(r, nrows - 1);
     xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
   }
@@ -186,9 +188,9 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   int ncol[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) ncol[c] = min(n0 + c, a.N - 1);  // duplicates of the last column are not stored
-  float acc0[kGemvRows][kCols], acc1[kGemvRows][kCols];
+  float acc0[kRows][kCols], acc1[kRows][kCols];
 #pragma unroll
-  for (int r = 0; r < kGemvRows; ++r)
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int c = 0; c < kCols; ++c) acc0[r][c] = acc1[r][c] = 0.0f;
 
@@ -240,23 +242,21 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
             }
           }
 #pragma unroll
-          for (int r = 0; r < kGemvRows; ++r) {
-            if (r < nrows) {
-              const float4 xv = *reinterpret_cast<const float4*>(xr[r] + k0 + 4 * h);
+          for (int r = 0; r < kRows; ++r) {
+            const float4 xv = *reinterpret_cast<const float4*>(xr[r] + k0 + 4 * h);
 #pragma unroll
-              for (int c = 0; c < kCols; ++c) {
-                acc0[r][c] += xv.x * wa[c][0] + xv.y * wa[c][1] + xv.z * wa[c][2] + xv.w * wa[c][3];
-                if constexpr (kDual) acc1[r][c] += xv.x * wb[c][0] + xv.y * wb[c][1] + xv.z * wb[c][2] + xv.w * wb[c][3];
-              }
+            for (int c = 0; c < kCols; ++c) {
+              acc0[r][c] += xv.x * wa[c][0] + xv.y * wa[c][1] + xv.z * wa[c][2] + xv.w * wa[c][3];
+              if constexpr (kDual) acc1[r][c] += xv.x * wb[c][0] + xv.y * wb[c][1] + xv.z * wb[c][2] + xv.w * wb[c][3];
             }
           }
         }
       } else {
 #pragma unroll
         for (int blk = 0; blk < 2; ++blk) {  // two 16-code blocks per 16-byte load
-          float part0[kGemvRows][kCols], part1[kGemvRows][kCols];
+          float part0[kRows][kCols], part1[kRows][kCols];
 #pragma unroll
-          for (int r = 0; r < kGemvRows; ++r)
+          for (int r = 0; r < kRows; ++r)
 #pragma unroll
             for (int c = 0; c < kCols; ++c) part0[r][c] = part1[r][c] = 0.0f;
 #pragma unroll
@@ -275,18 +275,16 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
               }
             }
 #pragma unroll
-            for (int r = 0; r < kGemvRows; ++r) {
-              if (r < nrows) {
-                const float4 xa = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h);
-                const float4 xb = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h + 4);
+            for (int r = 0; r < kRows; ++r) {
+              const float4 xa = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h);
+              const float4 xb = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h + 4);
 #pragma unroll
-                for (int c = 0; c < kCols; ++c) {
-                  part0[r][c] += xa.x * wa[c][0] + xa.y * wa[c][1] + xa.z * wa[c][2] + xa.w * wa[c][3] +
-                                 xb.x * wa[c][4] + xb.y * wa[c][5] + xb.z * wa[c][6] + xb.w * wa[c][7];
-                  if constexpr (kDual)
-                    part1[r][c] += xa.x * wb[c][0] + xa.y * wb[c][1] + xa.z * wb[c][2] + xa.w * wb[c][3] +
-                                   xb.x * wb[c][4] + xb.y * wb[c][5] + xb.z * wb[c][6] + xb.w * wb[c][7];
-                }
+              for (int c = 0; c < kCols; ++c) {
+                part0[r][c] += xa.x * wa[c][0] + xa.y * wa[c][1] + xa.z * wa[c][2] + xa.w * wa[c][3] +
+                               xb.x * wa[c][4] + xb.y * wa[c][5] + xb.z * wa[c][6] + xb.w * wa[c][7];
+                if constexpr (kDual)
+                  part1[r][c] += xa.x * wb[c][0] + xa.y * wb[c][1] + xa.z * wb[c][2] + xa.w * wb[c][3] +
+                                 xb.x * wb[c][4] + xb.y * wb[c][5] + xb.z * wb[c][6] + xb.w * wb[c][7];
               }
             }
           }
@@ -295,7 +293,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
             const float bs0 = e4m3_to_f32((sc0[u][c] >> (8 * blk)) & 0xffu);
             const float bs1 = kDual ? e4m3_to_f32((sc1[u][c] >> (8 * blk)) & 0xffu) : 0.0f;
 #pragma unroll
-            for (int r = 0; r < kGemvRows; ++r) {
+            for (int r = 0; r < kRows; ++r) {
               acc0[r][c] += part0[r][c] * bs0;
               if constexpr (kDual) acc1[r][c] += part1[r][c] * bs1;
             }
@@ -305,7 +303,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
     }
   }
 #pragma unroll
-  for (int r = 0; r < kGemvRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     if (r < nrows) {  // uniform over the warp
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
@@ -410,8 +408,23 @@ bool vec_ok(const WeightDesc& w, const float* x, int64_t ldx) {
 
 // Launches gemv (small tiles) or gemm over `max_tiles` row tiles (an upper bound when grouped).
 // Which gemv2 instantiation serves these weights (-1: none; the generic gemv then runs). kind_code: 0 bf16, 1 nvfp4.
+template <G2Kind kKind, bool kDual, int kRows>
+void launch_gemv2_rows(const GemmArgs& b, bool two, dim3 grid, Stream stream) {
+  if (two) gemv2_kernel<kKind, kDual, 2, kRows><<<grid, 128, 0, stream>>>(b);
+  else gemv2_kernel<kKind, kDual, 1, kRows><<<grid, 128, 0, stream>>>(b);
+}
+
+template <G2Kind kKind, bool kDual>
+void launch_gemv2_kind(const GemmArgs& b, int rows, bool two, dim3 grid, Stream stream) {
+  if (rows <= 1) launch_gemv2_rows<kKind, kDual, 1>(b, two, grid, stream);
+  else if (rows <= 2) launch_gemv2_rows<kKind, kDual, 2>(b, two, grid, stream);
+  else if (rows <= 4) launch_gemv2_rows<kKind, kDual, 4>(b, two, grid, stream);
+  else launch_gemv2_rows<kKind, kDual, 8>(b, two, grid, stream);
+}
+
+// kind_code: 0 bf16, 1 nvfp4. max_rows: the most rows any tile holds (<= 8; sizes the row registers).
 template <bool kDual>
-void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, Stream stream) {
+void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_rows, Stream stream) {
   // Two columns per warp when that still gives every SM two blocks; else one.
   const bool two = (a.N + 7) / 8 * max_tiles >= 264;
   const int cols_per_pass = two ? 8 : 4;
@@ -419,26 +432,22 @@ void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, Stream st
   // Many row tiles (grouped experts at larger batches): each block walks several column groups, so that blocks
   // are few enough to amortise their setup (tile lookup, descriptors, x rows) while ~8 per SM stay resident.
   int passes = 1;
-  while (passes < 64 && max_tiles * ((col_blocks + 2 * passes - 1) / (2 * passes)) >= 132 * 8) passes *= 2;
+  while (a.tile_group && passes < 64 && max_tiles * ((col_blocks + 2 * passes - 1) / (2 * passes)) >= 132 * 8)
+    passes *= 2;
   GemmArgs b = a;
   b.col_passes = passes;
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((col_blocks + passes - 1) / passes));
-  if (kind_code == 0) {
-    if (two) gemv2_kernel<G2Kind::bf16, kDual, 2><<<grid, 128, 0, stream>>>(b);
-    else gemv2_kernel<G2Kind::bf16, kDual, 1><<<grid, 128, 0, stream>>>(b);
-  } else {
-    if (two) gemv2_kernel<G2Kind::nvfp4, kDual, 2><<<grid, 128, 0, stream>>>(b);
-    else gemv2_kernel<G2Kind::nvfp4, kDual, 1><<<grid, 128, 0, stream>>>(b);
-  }
+  if (kind_code == 0) launch_gemv2_kind<G2Kind::bf16, kDual>(b, max_rows, two, grid, stream);
+  else launch_gemv2_kind<G2Kind::nvfp4, kDual>(b, max_rows, two, grid, stream);
 }
 
 void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t max_tiles, Stream stream,
-                 int gemv2_kind = -1) {
+                 int gemv2_kind = -1, int max_rows = kGemvRows) {
   if (max_tiles <= 0 || a.N <= 0) return;
   if (max_tiles > 0x7fffffff) cuda_fail("linear: {} row tiles is too many", {max_tiles});
   if (use_gemv && vec && gemv2_kind >= 0) {
-    if (dual) launch_gemv2<true>(a, gemv2_kind, max_tiles, stream);
-    else launch_gemv2<false>(a, gemv2_kind, max_tiles, stream);
+    if (dual) launch_gemv2<true>(a, gemv2_kind, max_tiles, max_rows, stream);
+    else launch_gemv2<false>(a, gemv2_kind, max_tiles, max_rows, stream);
   } else if (use_gemv) {
     const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + kGemvWarps - 1) / kGemvWarps));
     if (dual) {
@@ -723,7 +732,8 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
   a.K = w.k;
   const bool gemv = T <= kGemvMaxRows;
   const int tm = gemv ? kGemvRows : kTileM;
-  launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream, gemv2_kind_host(w));
+  launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream, gemv2_kind_host(w),
+              static_cast<int>(T < kGemvRows ? T : kGemvRows));
 }
 
 void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renormalise, int32_t* ids, float* weights,
@@ -808,7 +818,9 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   up.N = static_cast<int>(I);
   up.K = static_cast<int>(H);
   const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  launch_rows(up, true, gemv, experts_vec_ok && x_vec, max_tiles, stream, experts_gemv2_kind);
+  // A tile holds one expert's rows, at most one per token.
+  const int max_rows = static_cast<int>(T < kGemvRows ? T : kGemvRows);
+  launch_rows(up, true, gemv, experts_vec_ok && x_vec, max_tiles, stream, experts_gemv2_kind, max_rows);
 
   // y = act W_down^T (table entry 2 of each expert)
   GemmArgs down = up;
@@ -820,7 +832,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   down.ldo = H;
   down.N = static_cast<int>(H);
   down.K = static_cast<int>(I);
-  launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream, experts_gemv2_kind);
+  launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream, experts_gemv2_kind, max_rows);
 
   moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
                                                                    static_cast<int>(H), out);

@@ -46,3 +46,12 @@ if has tiny; then
       --skip-self-check $g 2>&1 | grep -E "^batch"
   done | tee "$OUT/bench_tiny.txt"
 fi
+if has smoke; then
+  echo "== kiln serve --device cuda (kiln-tiny) + kiln smoke"
+  "$K" serve --device cuda --model-path models/kiln-tiny --port 30000 > "$OUT/serve.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:30000/health > /dev/null && break; sleep 0.5; done
+  "$K" smoke --url http://127.0.0.1:30000 2>&1 | tail -12 | tee "$OUT/smoke.txt"
+  kill -TERM $SERVER; wait $SERVER; echo "serve exit status: $?"
+  grep -E "kernels|memory plan" "$OUT/serve.log" | head -3
+fi

@@ -27,6 +27,7 @@ struct GemmArgs {
   const int32_t* tile_group = nullptr;    // [tiles] group of each row tile (grouped launches), or null: search
   int num_groups = 1;
   int col_passes = 1;                     // gemv2: column groups each warp walks (grid.y shrinks by this)
+  int tile_m = 8;                         // gemv2: rows per row tile (the grouping's tile height)
   int rows = 0;                           // single group: number of rows
   const int32_t* row_index = nullptr;     // [rows]: input row of each sorted row, or null (identity)
   const float* x = nullptr;
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   constexpr int kE = G2<kKind>::kElems;
   constexpr int kU = 2;  // steps in flight
   int group, rb, re;
-  if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
+  if (!tile_rows(a, blockIdx.x, a.tile_m, group, rb, re)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const WeightDesc& w0 = weight_of(a, group, 0);
   const WeightDesc& w1 = weight_of(a, group, kDual ? 1 : 0);
@@ -794,9 +795,16 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   if (E * 4 > 48 * 1024) cuda_fail("moe_experts: {} experts is too many (at most 12288)", {E});
   const int64_t P = T * top_k;
   MoeCarve c = moe_carve(workspace, T, top_k, E, H, I);
-  // Small groups (decode, small batches: a few rows per expert) take the gemv path.
+  // Small groups (decode, small batches: a few rows per expert) take the gemv path. With the bandwidth gemv the
+  // tile height follows the expected rows per expert (pairs / experts, rounded up to 1, 2, 4 or 8): rows
+  // are registers, and fewer of them keep more warps resident.
   const bool gemv = P <= kGemvMaxRows * E;
-  const int tm = gemv ? kGemvRows : kTileM;
+  int tm = gemv ? kGemvRows : kTileM;
+  const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  if (gemv && experts_gemv2_kind >= 0 && experts_vec_ok && x_vec) {
+    tm = 1;
+    while (tm < kGemvRows && int64_t(tm) * E < P) tm *= 2;
+  }
   moe_group_kernel<<<1, 1024, static_cast<size_t>(E) * 4, stream>>>(ids, static_cast<int>(P), top_k,
                                                                     static_cast<int>(E), tm, c.lay);
   KILN_CUDA_CHECK_LAUNCH();
@@ -817,9 +825,9 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   up.ldo = I;
   up.N = static_cast<int>(I);
   up.K = static_cast<int>(H);
-  const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  // A tile holds one expert's rows, at most one per token.
-  const int max_rows = static_cast<int>(T < kGemvRows ? T : kGemvRows);
+  // A tile holds at most tm of one expert's rows (and at most one per token).
+  const int max_rows = static_cast<int>(T < tm ? T : tm);
+  up.tile_m = tm;
   launch_rows(up, true, gemv, experts_vec_ok && x_vec, max_tiles, stream, experts_gemv2_kind, max_rows);
 
   // y = act W_down^T (table entry 2 of each expert)

@@ -32,6 +32,8 @@ using model::WeightFormat;
 
 constexpr size_t kAlign = 256;
 constexpr size_t kFirstScratchBytes = size_t{64} << 20;
+// Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, split-bf16 activations).
+constexpr int64_t kBlasMinRows = 16;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -206,6 +208,7 @@ struct CudaOps::Impl {
   // is the current one still points at live scratch memory.
   uint64_t scratch_generation = 0;
   bool graphs_on = true;
+  bool blas_ok = true;  // KILN_CUDA_BLAS=0: keep every linear on the fp32 kernels
   bool capturing = false;
   struct GraphRec {
     cudaGraphExec_t exec = nullptr;
@@ -223,6 +226,18 @@ struct CudaOps::Impl {
   };
   std::vector<Mark> marks;
   DeviceBuffer argmax_ids;
+  // Dense BF16 linears of many rows: cuBLASLt over the 3-way bf16 split of x (fp32-class accuracy).
+  std::unique_ptr<::kiln::cuda::BlasLt> blas;
+  DeviceBuffer blas_x, blas_out;  // reused by every such linear (one stream: calls never overlap)
+  void* blas_buffer(DeviceBuffer& b, size_t bytes) {
+    if (b.size() < bytes) {
+      // A captured graph may point at the old buffer: grow = a new scratch generation (graphs go stale).
+      if (b.data()) KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      b = DeviceBuffer(align_up(bytes + bytes / 4));
+      ++scratch_generation;
+    }
+    return b.data();
+  }
 
   size_t record() {
     if (events_used == events.size()) {
@@ -261,10 +276,13 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
   impl_->max_abs_result = DeviceBuffer(kAlign);
   if (const char* g = std::getenv("KILN_CUDA_GRAPHS"); g && std::string(g) == "0") impl_->graphs_on = false;
+  if (const char* b = std::getenv("KILN_CUDA_BLAS"); b && std::string(b) == "0") impl_->blas_ok = false;
 }
 
 CudaOps::~CudaOps() {
+  if (impl_ && impl_->stream) cudaStreamSynchronize(impl_->stream);
   if (impl_) {
+    impl_->blas.reset();
     impl_->destroy_graphs();
     for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
   }
@@ -555,6 +573,22 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   expect_f32(x, "linear x");
   expect_f32(out, "linear out");
   const int64_t ldx = x.dim(0) > 1 ? x.strides[0] : w.in_features;
+  const int64_t T = x.dim(0), N = w.out_features, K = w.in_features;
+  // Dense BF16 weights and many rows (prefill, large decode batches): tensor cores through cuBLASLt. x is split
+  // into three bf16 parts (hi + mid + lo carry x's 24 bits), the 3T rows go through one GEMM (W read once), and
+  // the three partial outputs are summed: products are exact in fp32, so the result matches the fp32 kernels to
+  // summation order.
+  if (w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && !w.bias.data && T >= kBlasMinRows &&
+      K % 8 == 0 && N % 4 == 0 && reinterpret_cast<uintptr_t>(w.weight.data) % 16 == 0 && impl_->blas_ok) {
+    if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
+    auto* xs = static_cast<uint16_t*>(impl_->blas_buffer(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
+    auto* part = static_cast<float*>(impl_->blas_buffer(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
+    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->stream);
+    impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, part, N, true, static_cast<int>(3 * T),
+                      static_cast<int>(N), static_cast<int>(K), impl_->stream);
+    kops::sum3_rows(part, T, N, f32_mut(out), N, impl_->stream);
+    return;
+  }
   kops::linear(desc_of(w), f32(x), ldx, x.dim(0), f32_mut(out), w.out_features, impl_->stream);
 }
 

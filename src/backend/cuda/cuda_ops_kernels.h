@@ -71,6 +71,10 @@ void max_abs(const float* x, int64_t n, float* result, Stream stream);
 void fill_random_bytes(uint8_t* out, int64_t n, uint64_t seed, uint32_t byte_lo, uint32_t byte_hi, bool random_sign,
                        Stream stream);
 void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream);
+// Tensor-core linears at fp32 accuracy: x [T, K] (row stride ldx) = hi + mid + lo in bf16, written as the row
+// blocks of out [3T, K]; one bf16 GEMM of the 3T rows against W, then out = (lo + mid) + hi per row (sum3_rows).
+void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream);
+void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream);
 // One thread spinning for `microseconds` (the profiler queues it so that the ops after it run back to back).
 void busy_wait(double microseconds, Stream stream);
 

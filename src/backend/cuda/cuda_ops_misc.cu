@@ -46,6 +46,33 @@ __global__ void busy_wait_kernel(uint64_t ns) {
   } while (t - t0 < ns);
 }
 
+// x = hi + mid + lo, each bf16 (round to nearest even): the three rows blocks of out [3T, K].
+__global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
+                                    __nv_bfloat16* __restrict__ out) {
+  const int64_t n = T * K;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / K, k = i % K;
+    const float v = x[t * ldx + k];
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    const float r1 = v - __bfloat162float(h);
+    const __nv_bfloat16 m = __float2bfloat16_rn(r1);
+    const float r2 = r1 - __bfloat162float(m);
+    out[i] = h;
+    out[n + i] = m;
+    out[2 * n + i] = __float2bfloat16_rn(r2);
+  }
+}
+
+// out[t, :] = (lo + mid) + hi of the three row blocks of part [3T, N].
+__global__ void sum3_rows_kernel(const float* __restrict__ part, int64_t T, int64_t N, float* __restrict__ out,
+                                 int64_t ldo) {
+  const int64_t n = T * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / N, c = i % N;
+    out[t * ldo + c] = (part[2 * n + i] + part[n + i]) + part[i];
+  }
+}
+
 unsigned fill_grid(int64_t n) {
   const int64_t g = (n + 255) / 256;
   return static_cast<unsigned>(g < 8192 ? (g > 0 ? g : 1) : 8192);
@@ -69,6 +96,18 @@ void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, flo
     case ElemType::f16: fill_uniform_kernel<2><<<fill_grid(n), 256, 0, stream>>>(out, n, seed, lo, d); break;
     default: cuda_fail("random uniform fill: element type {} is not a float type", {static_cast<int>(elem)});
   }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream) {
+  if (T * K == 0) return;
+  split_bf16x3_kernel<<<fill_grid(T * K), 256, 0, stream>>>(x, ldx, T, K, reinterpret_cast<__nv_bfloat16*>(out));
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream) {
+  if (T * N == 0) return;
+  sum3_rows_kernel<<<fill_grid(T * N), 256, 0, stream>>>(part, T, N, out, ldo);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -187,10 +187,10 @@ TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeigh
   TensorView conv = f.f32(Shape{T, C});
   f.ops.causal_conv1d_silu(mixed_qkv, w.conv1d, f.conv_state[li], f.step, conv);
   f.name("conv_out", layer, conv);
-  TensorView q = f.f32(Shape{T, Hk, Dk}), k = f.f32(Shape{T, Hk, Dk}), v = f.f32(Shape{T, Hv, Dv});
-  f.ops.copy(strided_view(conv, 0, Shape{T, Hk, Dk}, {C, Dk, 1}), q);
-  f.ops.copy(strided_view(conv, Hk * Dk, Shape{T, Hk, Dk}, {C, Dk, 1}), k);
-  f.ops.copy(strided_view(conv, 2 * Hk * Dk, Shape{T, Hv, Dv}, {C, Dv, 1}), v);
+  // q, k, v are views of the conv output's rows (the delta rule takes strided rows).
+  const TensorView q = strided_view(conv, 0, Shape{T, Hk, Dk}, {C, Dk, 1});
+  const TensorView k = strided_view(conv, Hk * Dk, Shape{T, Hk, Dk}, {C, Dk, 1});
+  const TensorView v = strided_view(conv, 2 * Hk * Dk, Shape{T, Hv, Dv}, {C, Dv, 1});
 
   TensorView g = f.f32(Shape{T, Hv}), beta = f.f32(Shape{T, Hv});
   f.ops.delta_rule_gates(a, b, w.A_log, w.dt_bias, g, beta);

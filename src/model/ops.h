@@ -215,8 +215,9 @@ class Ops {
   // The gated delta rule per value head with an fp32 state S [Dk, Dv] per sequence slot:
   //   q, k L2-normalised per head (x * rsqrt(sum x^2 + 1e-6)), q *= 1/sqrt(Dk); value head h reads key head
   //   h / (Hv / Hk); per token: S *= exp(g); delta = (v - k^T S) * beta; S += k (outer) delta; o = q^T S.
-  // q, k F32 [T, Hk, Dk]; v F32 [T, Hv, Dv]; g, beta F32 [T, Hv]; state F32 [slots, Hv, Dk, Dv] (read and
-  // updated); out F32 [T, Hv, Dv].
+  // q, k F32 [T, Hk, Dk]; v F32 [T, Hv, Dv] (each may have a row stride: strides[0] >= heads * D, the heads of a
+  // row contiguous, so they can be views of the conv output); g, beta F32 [T, Hv]; state F32 [slots, Hv, Dk, Dv]
+  // (read and updated); out F32 [T, Hv, Dv] contiguous.
   virtual void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v,
                                 const TensorView& g, const TensorView& beta, TensorView state,
                                 const StepLayout& step, DeltaRuleMode mode, TensorView out) = 0;

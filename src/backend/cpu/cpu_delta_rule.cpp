@@ -33,6 +33,7 @@ struct HeadInputs {
   const float* g;  // [T, Hv]
   const float* beta;
   int64_t Hk, Hv, Dk, Dv;
+  int64_t ldq, ldk, ldv;  // row (token) strides of q, k, v in elements
 };
 
 // One sequence, one value head, tokens [t0, t0 + n): recurrence. S [Dk, Dv] updated in place.
@@ -41,14 +42,14 @@ void recurrent_head(const HeadInputs& in, int64_t h, int64_t t0, int64_t n, floa
   std::vector<float> q(Dk), k(Dk), kv_mem(Dv), delta(Dv);
   const float q_scale = std::sqrt(static_cast<float>(Dk));
   for (int64_t t = t0; t < t0 + n; ++t) {
-    std::memcpy(q.data(), in.q + (t * in.Hk + kh) * Dk, Dk * sizeof(float));
-    std::memcpy(k.data(), in.k + (t * in.Hk + kh) * Dk, Dk * sizeof(float));
+    std::memcpy(q.data(), in.q + t * in.ldq + kh * Dk, Dk * sizeof(float));
+    std::memcpy(k.data(), in.k + t * in.ldk + kh * Dk, Dk * sizeof(float));
     l2_normalise(q.data(), Dk);
     l2_normalise(k.data(), Dk);
     for (int64_t i = 0; i < Dk; ++i) q[i] /= q_scale;  // query / sqrt(Dk)
     const float decay = std::exp(in.g[t * in.Hv + h]);
     const float beta = in.beta[t * in.Hv + h];
-    const float* v = in.v + (t * in.Hv + h) * Dv;
+    const float* v = in.v + t * in.ldv + h * Dv;
     for (int64_t i = 0; i < Dk * Dv; ++i) S[i] *= decay;
     std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
     for (int64_t i = 0; i < Dk; ++i)
@@ -74,8 +75,8 @@ void chunked_head(const HeadInputs& in, int64_t h, int64_t t0, int64_t n, float*
     float cum = 0;
     for (int64_t i = 0; i < m; ++i) {
       const int64_t t = t0 + c0 + i;
-      std::memcpy(&q[i * Dk], in.q + (t * in.Hk + kh) * Dk, Dk * sizeof(float));
-      std::memcpy(&k[i * Dk], in.k + (t * in.Hk + kh) * Dk, Dk * sizeof(float));
+      std::memcpy(&q[i * Dk], in.q + t * in.ldq + kh * Dk, Dk * sizeof(float));
+      std::memcpy(&k[i * Dk], in.k + t * in.ldk + kh * Dk, Dk * sizeof(float));
       l2_normalise(&q[i * Dk], Dk);
       l2_normalise(&k[i * Dk], Dk);
       const float beta = in.beta[t * in.Hv + h];
@@ -83,7 +84,7 @@ void chunked_head(const HeadInputs& in, int64_t h, int64_t t0, int64_t n, float*
         q[i * Dk + d] *= q_scale;
         kb[i * Dk + d] = k[i * Dk + d] * beta;
       }
-      const float* v = in.v + (t * in.Hv + h) * Dv;
+      const float* v = in.v + t * in.ldv + h * Dv;
       for (int64_t d = 0; d < Dv; ++d) vb[i * Dv + d] = v[d] * beta;
       cum += in.g[t * in.Hv + h];
       cs[i] = cum;  // cumulative log-decay inside the chunk
@@ -206,7 +207,14 @@ void CpuOps::gated_delta_rule(const TensorView& q, const TensorView& k, const Te
                               TensorView out) {
   HeadInputs in{static_cast<const float*>(q.data), static_cast<const float*>(k.data),
                 static_cast<const float*>(v.data), static_cast<const float*>(g.data),
-                static_cast<const float*>(beta.data), q.dim(1), v.dim(1), q.dim(2), v.dim(2)};
+                static_cast<const float*>(beta.data), q.dim(1), v.dim(1), q.dim(2), v.dim(2),
+                q.dim(0) > 1 ? q.strides[0] : q.dim(1) * q.dim(2), k.dim(0) > 1 ? k.strides[0] : k.dim(1) * k.dim(2),
+                v.dim(0) > 1 ? v.strides[0] : v.dim(1) * v.dim(2)};
+  for (const TensorView* x : {&q, &k, &v})
+    KILN_CHECK(x->ndim() == 3 && x->strides[2] == 1 && x->strides[1] == x->dim(2) &&
+                   (x->dim(0) <= 1 || x->strides[0] >= x->dim(1) * x->dim(2)),
+               "gated_delta_rule: q / k / v must be [T, heads, D] with contiguous heads (row stride allowed), got {}",
+               x->shape.str());
   KILN_CHECK(in.Hv % in.Hk == 0 && state.dim(1) == in.Hv && state.dim(2) == in.Dk && state.dim(3) == in.Dv,
              "gated_delta_rule: q {} v {} state {}", q.shape.str(), v.shape.str(), state.shape.str());
   float* ps = static_cast<float*>(state.data);

@@ -296,11 +296,13 @@ std::string CudaOps::describe() const {
   const CudaDeviceProbe& d = impl_->device;
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: "
-      "in-kernel weight decode (bf16/f16/f32, fp8 per-tensor, nvfp4), {} for <= 16 rows, {} above; MoE: experts "
-      "grouped on the device (same kernels); attention: paged, online softmax ({} KV); delta rule: recurrent "
-      "(prefill and decode)",
+      "dense BF16 with >= {} rows on tensor cores (cuBLASLt, x split into 3 bf16 parts){}, else {} (<= 128 rows) "
+      "or fp32 gemm (64x64 smem tiles), weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: "
+      "experts grouped on the device, tile height from the rows per expert; attention: paged, split-KV, online "
+      "softmax (f32/bf16/fp8 KV); delta rule: recurrent (prefill and decode); decode steps as CUDA graphs{}",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
-      kops::linear_path_name(1), kops::linear_path_name(1 << 20), "f32/bf16/fp8");
+      kBlasMinRows, impl_->blas_ok ? "" : " [off: KILN_CUDA_BLAS=0]", kops::linear_path_name(1),
+      impl_->graphs_on ? "" : " [off]");
 }
 
 void CudaOps::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
@@ -749,16 +751,21 @@ void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const T
   KILN_CHECK(q.ndim() == 3 && k.shape == q.shape && v.ndim() == 3 && state.ndim() == 4, "gated_delta_rule: q {} v {}",
              q.shape.str(), v.shape.str());
   const int64_t T = q.dim(0), Hk = q.dim(1), Dk = q.dim(2), Hv = v.dim(1), Dv = v.dim(2);
+  auto rows_ok = [](const TensorView& x) {  // [T, heads, D], heads contiguous, any row stride
+    return x.strides[2] == 1 && x.strides[1] == x.dim(2) && (x.dim(0) <= 1 || x.strides[0] >= x.dim(1) * x.dim(2));
+  };
   KILN_CHECK(Hv % Hk == 0 && v.dim(0) == T && T == step.num_tokens && state.dim(1) == Hv && state.dim(2) == Dk &&
                  state.dim(3) == Dv && g.numel() == T * Hv && beta.numel() == T * Hv && out.shape == v.shape &&
-                 q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && g.is_contiguous() &&
-                 beta.is_contiguous() && state.is_contiguous() && out.is_contiguous(),
+                 rows_ok(q) && rows_ok(k) && rows_ok(v) && g.is_contiguous() && beta.is_contiguous() &&
+                 state.is_contiguous() && out.is_contiguous(),
              "gated_delta_rule: q {} v {} state {}", q.shape.str(), v.shape.str(), state.shape.str());
+  const int64_t ldq = T > 1 ? q.strides[0] : Hk * Dk, ldk = T > 1 ? k.strides[0] : Hk * Dk,
+                ldv = T > 1 ? v.strides[0] : Hv * Dv;
   for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &g, &beta, &state, &out})
     expect_f32(*t, "gated_delta_rule");
   float* work = static_cast<float*>(impl_->scratch_bytes(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
-  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), f32_mut(state), Hk, Hv, Dk, Dv, step_args(step),
-                         f32_mut(out), work, impl_->stream);
+  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), f32_mut(state), Hk, Hv, Dk, Dv, ldq, ldk, ldv,
+                         step_args(step), f32_mut(out), work, impl_->stream);
 }
 
 // ---------------------------------------------------------------------------------------------------

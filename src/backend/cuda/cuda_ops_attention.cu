@@ -318,13 +318,16 @@ __global__ void attention_merge_kernel(const float* __restrict__ part_ml, const 
 // ---- gated delta rule
 
 // q, k [T, Hk, Dk] -> L2-normalised (x * rsqrt(sum x^2 + 1e-6)), q also / sqrt(Dk). A warp per vector.
+// q, k rows may be strided (ldq / ldk elements per token; heads contiguous inside a row).
 __global__ void l2norm_qk_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t vectors, int64_t Dk,
-                                 float* __restrict__ qn, float* __restrict__ kn) {
+                                 int64_t Hk, int64_t ldq, int64_t ldk, float* __restrict__ qn,
+                                 float* __restrict__ kn) {
   const int64_t vec = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (vec >= 2 * vectors) return;
   const bool is_q = vec < vectors;
-  const float* src = (is_q ? q : k) + (is_q ? vec : vec - vectors) * Dk;
+  const int64_t v_index = is_q ? vec : vec - vectors, t = v_index / Hk, head = v_index % Hk;
+  const float* src = (is_q ? q + t * ldq : k + t * ldk) + head * Dk;
   float* dst = (is_q ? qn : kn) + (is_q ? vec : vec - vectors) * Dk;
   float ss = 0.0f;
   for (int64_t i = lane; i < Dk; i += 32) ss += src[i] * src[i];
@@ -343,7 +346,7 @@ constexpr int kDeltaRowsPerThread = 32;  // Dk <= 8 * 32 = 256
 __global__ void __launch_bounds__(kDeltaWarps * 32)
     delta_rule_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
                       const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state, int Hk,
-                      int Hv, int Dk, int Dv, StepArgs step, float* __restrict__ out) {
+                      int Hv, int Dk, int Dv, StepArgs step, int64_t ldv, float* __restrict__ out) {
   __shared__ float q_s[kDeltaWarps * kDeltaRowsPerThread];
   __shared__ float k_s[kDeltaWarps * kDeltaRowsPerThread];
   __shared__ float red_kv[kDeltaWarps][32];
@@ -384,7 +387,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
     float kv = 0.0f;
 #pragma unroll
     for (int w = 0; w < kDeltaWarps; ++w) kv += red_kv[w][lane];
-    const float vj = col_ok ? v[(int64_t(t) * Hv + h) * Dv + j] : 0.0f;
+    const float vj = col_ok ? v[int64_t(t) * ldv + int64_t(h) * Dv + j] : 0.0f;
     const float delta = (vj - kv) * bt;
     float o = 0.0f;
 #pragma unroll
@@ -471,20 +474,20 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
-                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step, float* out,
-                      float* qk_work, Stream stream) {
+                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
+                      const StepArgs& step, float* out, float* qk_work, Stream stream) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)
     cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
   const int64_t vectors = int64_t(step.num_tokens) * Hk;
   float* qn = qk_work;
   float* kn = qk_work + vectors * Dk;
-  l2norm_qk_kernel<<<grid_for(2 * vectors, 8), 256, 0, stream>>>(q, k, vectors, Dk, qn, kn);
+  l2norm_qk_kernel<<<grid_for(2 * vectors, 8), 256, 0, stream>>>(q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
   KILN_CUDA_CHECK_LAUNCH();
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
   delta_rule_kernel<<<grid, kDeltaWarps * 32, 0, stream>>>(qn, kn, v, g, beta, state, static_cast<int>(Hk),
                                                            static_cast<int>(Hv), static_cast<int>(Dk),
-                                                           static_cast<int>(Dv), step, out);
+                                                           static_cast<int>(Dv), step, ldv, out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -108,10 +108,11 @@ void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_ele
 void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
                       ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream);
 // The gated delta rule, token by token, state [slots, Hv, Dk, Dv] fp32. q, k [T, Hk, Dk]; v, out [T, Hv, Dv];
-// g, beta [T, Hv]. qk_work: 2 * T * Hk * Dk floats (the normalised q and k). Dk <= 256.
+// g, beta [T, Hv]. q, k, v rows are ldq / ldk / ldv elements apart (heads contiguous inside a row).
+// qk_work: 2 * T * Hk * Dk floats (the normalised q and k). Dk <= 256.
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
-                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step, float* out,
-                      float* qk_work, Stream stream);
+                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
+                      const StepArgs& step, float* out, float* qk_work, Stream stream);
 
 // ---- paged attention (cuda_ops_attention.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.

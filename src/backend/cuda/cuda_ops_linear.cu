@@ -716,7 +716,8 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 }  // namespace
 
 const char* linear_path_name(int64_t T) {
-  return T <= kGemvMaxRows ? "fp32 gemv (warp per output, 8-row tiles)" : "fp32 gemm (64x64 smem tiles)";
+  return T <= kGemvMaxRows ? "bandwidth gemv (16-byte weight streams, 8-row tiles; bf16 / nvfp4, generic for others)"
+                           : "fp32 gemm (64x64 smem tiles)";
 }
 
 void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream) {

@@ -132,7 +132,14 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
   const int kv_layer = f.kv_index[layer];
   KILN_CHECK(kv_layer >= 0, "layer {} has no KV cache", layer);
 
-  TensorView q_proj = linear(f, x, w.q_proj);  // [T, Hq * D * (gate ? 2 : 1)]
+  TensorView q_proj = f.f32(Shape{T, w.q_proj.out_features});  // [T, Hq * D * (gate ? 2 : 1)]
+  TensorView k = f.f32(Shape{T, w.k_proj.out_features});       // [T, Hkv * D]
+  TensorView v = f.f32(Shape{T, w.v_proj.out_features});
+  {
+    const LinearWeight* ws[] = {&w.q_proj, &w.k_proj, &w.v_proj};
+    const TensorView outs[] = {q_proj, k, v};
+    f.ops.linear_multi(x, ws, outs);
+  }
   TensorView q, gate;
   if (output_gate) {
     // Per head [q (D) | gate (D)] (Qwen3_5Attention: view(..., -1, 2D).chunk(2)).
@@ -143,8 +150,6 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
   } else {
     q = reshaped(q_proj, Shape{T, Hq, D});
   }
-  TensorView k = linear(f, x, w.k_proj);  // [T, Hkv * D]
-  TensorView v = linear(f, x, w.v_proj);
 
   TensorView qn = rms_norm(f, reshaped(q, Shape{T * Hq, D}), w.q_norm, qk_norm);
   TensorView kn = rms_norm(f, reshaped(k, Shape{T * Hkv, D}), w.k_norm, qk_norm);
@@ -205,10 +210,14 @@ TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeigh
 }
 
 TensorView gated_deltanet(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& x) {
-  TensorView mixed = linear(f, x, w.in_proj_qkv);
-  TensorView z = linear(f, x, w.in_proj_z);
-  TensorView b = linear(f, x, w.in_proj_b);
-  TensorView a = linear(f, x, w.in_proj_a);
+  const int64_t T = x.dim(0);
+  TensorView mixed = f.f32(Shape{T, w.in_proj_qkv.out_features});
+  TensorView z = f.f32(Shape{T, w.in_proj_z.out_features});
+  TensorView b = f.f32(Shape{T, w.in_proj_b.out_features});
+  TensorView a = f.f32(Shape{T, w.in_proj_a.out_features});
+  const LinearWeight* ws[] = {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a};
+  const TensorView outs[] = {mixed, z, b, a};
+  f.ops.linear_multi(x, ws, outs);
   return gated_deltanet_core(f, layer, w, mixed, z, b, a);
 }
 
@@ -221,7 +230,20 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
 
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
   const int64_t T = x.dim(0);
-  TensorView logits = linear(f, x, w.router);  // [T, E]
+  TensorView logits = f.f32(Shape{T, w.router.out_features});  // [T, E]
+  TensorView shared_g, shared_u, shared_gate;
+  if (w.has_shared_expert) {
+    // The router and the shared expert's input projections read the same x: one multi-linear.
+    shared_g = f.f32(Shape{T, w.shared_expert.gate_proj.out_features});
+    shared_u = f.f32(Shape{T, w.shared_expert.up_proj.out_features});
+    shared_gate = f.f32(Shape{T, w.shared_expert_gate.out_features});  // [T, 1]
+    const LinearWeight* ws[] = {&w.router, &w.shared_expert.gate_proj, &w.shared_expert.up_proj,
+                                &w.shared_expert_gate};
+    const TensorView outs[] = {logits, shared_g, shared_u, shared_gate};
+    f.ops.linear_multi(x, ws, outs);
+  } else {
+    f.ops.linear(x, w.router, logits);
+  }
   TensorView ids = f.ops.scratch(DType::I32, Shape{T, top_k});
   TensorView weights = f.f32(Shape{T, top_k});
   f.ops.moe_route(logits, top_k, renormalise, ids, weights);
@@ -229,9 +251,9 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   f.ops.moe_experts(x, ids, weights, w.experts, out);
   f.name("moe_routed", layer, out);
   if (w.has_shared_expert) {
-    TensorView shared = mlp(f, w.shared_expert, x);
-    TensorView gate = linear(f, x, w.shared_expert_gate);  // [T, 1]
-    f.ops.sigmoid_mul(shared, gate, shared);
+    f.ops.silu_mul(shared_g, shared_u, shared_g);
+    TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
+    f.ops.sigmoid_mul(shared, shared_gate, shared);
     f.ops.add(out, shared, out);
   }
   return out;

@@ -44,6 +44,12 @@ TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {
   return place_weight(TensorView(random_storage_.back().get(), dtype, shape));
 }
 
+void Ops::linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws,
+                       std::span<const TensorView> outs) {
+  KILN_CHECK(ws.size() == outs.size(), "linear_multi: {} weights, {} outputs", ws.size(), outs.size());
+  for (size_t i = 0; i < ws.size(); ++i) linear(x, *ws[i], outs[i]);
+}
+
 void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0),
              "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());

@@ -171,6 +171,9 @@ class Ops {
   virtual void embedding(const TensorView& table, const TensorView& ids, TensorView out) = 0;
   // out = x W^T (+ bias). x F32 [T, K], out F32 [T, N]. fp32 accumulation.
   virtual void linear(const TensorView& x, const LinearWeight& w, TensorView out) = 0;
+  // Several linears of the same input at once: outs[i] = x W_i^T (+ bias_i). The default calls linear() for each;
+  // a GPU backend may run them as one launch (decode steps: fewer, larger kernels).
+  virtual void linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws, std::span<const TensorView> outs);
   // Row-wise RMSNorm over the last dim in fp32: x_hat = x * rsqrt(mean(x^2) + eps), then * w or * (1 + w).
   // x [R, D] (rows may be strided: strides[0] >= D), weight [D] (BF16 / F32), out [R, D] contiguous.
   virtual void rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind,

@@ -594,6 +594,36 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   kops::linear(desc_of(w), f32(x), ldx, x.dim(0), f32_mut(out), w.out_features, impl_->stream);
 }
 
+void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws,
+                           std::span<const TensorView> outs) {
+  KILN_CHECK(ws.size() == outs.size(), "linear_multi: {} weights, {} outputs", ws.size(), outs.size());
+  const int64_t T = x.dim(0);
+  bool fused = T < kBlasMinRows && ws.size() >= 2 && ws.size() <= 4 && x.ndim() == 2 && x.strides[1] == 1 &&
+               x.dtype == DType::F32;
+  kops::WeightDesc descs[4];
+  float* out_ptrs[4] = {};
+  int64_t ldos[4] = {};
+  for (size_t i = 0; fused && i < ws.size(); ++i) {
+    const TensorView& o = outs[i];
+    fused = ws[i]->in_features == x.dim(1) && !ws[i]->bias.data && o.dtype == DType::F32 && o.ndim() == 2 &&
+            o.dim(0) == T && o.dim(1) == ws[i]->out_features && o.is_contiguous();
+    if (!fused) break;
+    descs[i] = desc_of(*ws[i]);
+    out_ptrs[i] = f32_mut(o);
+    ldos[i] = o.dim(1);
+  }
+  if (fused) {
+    ProfScope prof(*impl_, [&] {
+      std::string l = "linear_multi";
+      for (const LinearWeight* w : ws) l += fmt::format(" {}x{}", w->out_features, w->in_features);
+      return l;
+    });
+    const int64_t ldx = T > 1 ? x.strides[0] : x.dim(1);
+    if (kops::linear_multi(descs, static_cast<int>(ws.size()), f32(x), ldx, T, out_ptrs, ldos, impl_->stream)) return;
+  }
+  for (size_t i = 0; i < ws.size(); ++i) linear(x, *ws[i], outs[i]);
+}
+
 void CudaOps::rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind, TensorView out) {
   ProfScope prof(*impl_, [&] { return std::string(fmt::format("rms_norm D={}", weight.numel())); });
   KILN_CHECK(x.ndim() == 2 && x.strides[1] == 1 && out.is_contiguous() && out.shape == x.shape,

@@ -59,6 +59,8 @@ class CudaOps final : public model::Ops {
 
   void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
   void linear(const TensorView& x, const model::LinearWeight& w, TensorView out) override;
+  void linear_multi(const TensorView& x, std::span<const model::LinearWeight* const> ws,
+                    std::span<const TensorView> outs) override;
   void rms_norm(const TensorView& x, const TensorView& weight, float eps, model::NormKind kind,
                 TensorView out) override;
   void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,

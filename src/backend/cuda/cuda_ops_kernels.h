@@ -126,6 +126,11 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
 // ---- linear layers and experts (cuda_ops_linear.cu)
 // out[t, n] = sum_k x[t, k] W[n, k] (+ bias[n]); x [T, K] row stride ldx, out [T, N] row stride ldo. fp32 FMA.
 void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream);
+// Several linears of one x in a single launch (the bandwidth gemv with one segment per weight): outs[i] [T, n_i]
+// with row stride ldos[i]. Only for T <= 8 rows, <= 4 weights of one gemv2 kind and one k; returns false (nothing
+// launched) otherwise.
+bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
+                  const int64_t* ldos, Stream stream);
 // Name of the linear path linear() picks for T tokens (for describe()).
 const char* linear_path_name(int64_t T);
 

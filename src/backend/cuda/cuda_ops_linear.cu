@@ -28,6 +28,14 @@ struct GemmArgs {
   int num_groups = 1;
   int col_passes = 1;                     // gemv2: column groups each warp walks (grid.y shrinks by this)
   int tile_m = 8;                         // gemv2: rows per row tile (the grouping's tile height)
+  // gemv2, several linears of one x in one launch (dense, no groups): segment s owns grid rows (blockIdx.y)
+  // [seg_block_begin[s], seg_block_begin[s + 1]) and writes seg_out[s] (row stride seg_ldo[s]).
+  static constexpr int kMaxSegments = 4;
+  int num_segments = 0;
+  int seg_block_begin[kMaxSegments + 1] = {};
+  WeightDesc seg_w[kMaxSegments];
+  float* seg_out[kMaxSegments] = {};
+  int64_t seg_ldo[kMaxSegments] = {};
   int rows = 0;                           // single group: number of rows
   const int32_t* row_index = nullptr;     // [rows]: input row of each sorted row, or null (identity)
   const float* x = nullptr;
@@ -172,8 +180,16 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, a.tile_m, group, rb, re)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WeightDesc& w0 = weight_of(a, group, 0);
-  const WeightDesc& w1 = weight_of(a, group, kDual ? 1 : 0);
+  // Segment (multi-linear launches): its weight, output and column-block offset.
+  int seg = 0;
+  for (int q = 1; q < a.num_segments; ++q)
+    if (int(blockIdx.y) >= a.seg_block_begin[q]) seg = q;
+  const int by = a.num_segments ? int(blockIdx.y) - a.seg_block_begin[seg] : int(blockIdx.y);
+  const WeightDesc& w0 = a.num_segments ? a.seg_w[seg] : weight_of(a, group, 0);
+  const WeightDesc& w1 = a.num_segments ? a.seg_w[seg] : weight_of(a, group, kDual ? 1 : 0);
+  const int N = a.num_segments ? w0.n : a.N;
+  float* const out = a.num_segments ? a.seg_out[seg] : a.out;
+  const int64_t ldo = a.num_segments ? a.seg_ldo[seg] : a.ldo;
   const int nrows = re - rb;
   // Rows past the tile's last one read the last row again (their loads stay unconditional, so they are issued
   // together); only real rows are stored.
@@ -184,11 +200,11 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
     xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
   }
   for (int pass = 0; pass < a.col_passes; ++pass) {
-  const int n0 = ((blockIdx.y * a.col_passes + pass) * 4 + warp) * kCols;
-  if (n0 >= a.N) break;
+  const int n0 = ((by * a.col_passes + pass) * 4 + warp) * kCols;
+  if (n0 >= N) break;
   int ncol[kCols];
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) ncol[c] = min(n0 + c, a.N - 1);  // duplicates of the last column are not stored
+  for (int c = 0; c < kCols; ++c) ncol[c] = min(n0 + c, N - 1);  // duplicates of the last column are not stored
   float acc0[kRows][kCols], acc1[kRows][kCols];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -311,7 +327,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
         float s0 = warp_sum(acc0[r][c]);
         float s1 = kDual ? warp_sum(acc1[r][c]) : 0.0f;
         const int n = n0 + c;
-        if (lane == 0 && n < a.N) {
+        if (lane == 0 && n < N) {
           if constexpr (kKind == G2Kind::nvfp4) {
             s0 *= w0.scale;
             if constexpr (kDual) s1 *= w1.scale;
@@ -319,7 +335,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
           float y;
           if constexpr (kDual) y = silu(s0 + bias_of(w0, n)) * (s1 + bias_of(w1, n));
           else y = s0 + bias_of(w0, n);
-          a.out[int64_t(rb + r) * a.ldo + n] = y;
+          out[int64_t(rb + r) * ldo + n] = y;
         }
       }
     }
@@ -736,6 +752,42 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
   const int tm = gemv ? kGemvRows : kTileM;
   launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream, gemv2_kind_host(w),
               static_cast<int>(T < kGemvRows ? T : kGemvRows));
+}
+
+bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
+                  const int64_t* ldos, Stream stream) {
+  if (count < 1 || count > GemmArgs::kMaxSegments || T < 1 || T > kGemvRows) return false;
+  const int kind = gemv2_kind_host(ws[0]);
+  if (kind < 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 4 != 0) return false;
+  for (int i = 0; i < count; ++i)
+    if (gemv2_kind_host(ws[i]) != kind || ws[i].k != ws[0].k || ws[i].n < 1) return false;
+  GemmArgs a;
+  a.rows = static_cast<int>(T);
+  a.x = x;
+  a.ldx = ldx;
+  a.K = ws[0].k;
+  a.num_segments = count;
+  // One column layout for all segments: two columns per warp when the total still fills the GPU.
+  int64_t total_n = 0;
+  for (int i = 0; i < count; ++i) total_n += ws[i].n;
+  const bool two = (total_n + 7) / 8 >= 264;
+  const int cols_per_block = two ? 8 : 4;
+  int blocks = 0;
+  for (int i = 0; i < count; ++i) {
+    a.seg_block_begin[i] = blocks;
+    a.seg_w[i] = ws[i];
+    a.seg_out[i] = outs[i];
+    a.seg_ldo[i] = ldos[i];
+    blocks += (ws[i].n + cols_per_block - 1) / cols_per_block;
+  }
+  a.seg_block_begin[count] = blocks;
+  a.N = ws[0].n;
+  const dim3 grid(1, static_cast<unsigned>(blocks));
+  const int rows = static_cast<int>(T);
+  if (kind == 0) launch_gemv2_kind<G2Kind::bf16, false>(a, rows, two, grid, stream);
+  else launch_gemv2_kind<G2Kind::nvfp4, false>(a, rows, two, grid, stream);
+  KILN_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renormalise, int32_t* ids, float* weights,

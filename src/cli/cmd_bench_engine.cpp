@@ -16,6 +16,7 @@
 
 #include "backend/device.h"
 #include "cli/command.h"
+#include "cli/gpu_flags.h"
 #include "core/error.h"
 #include "format/model_dir.h"
 #include "model/runner.h"
@@ -33,10 +34,7 @@ struct BenchEngineOptions {
   uint64_t seed = 1;
   int threads = 0;
   bool skip_self_check = false;
-  std::string load_format = "auto";
-  double mem_fraction_static = 0;
-  std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
-  bool disable_cuda_graph = false;
+  kiln::cli::GpuFlags gpu;
   bool profile = false;
   bool host_sampling = false;
 };
@@ -86,12 +84,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   lo.state_slots = max_batch;
   lo.max_context = o.input_len + o.output_len + 8;
   lo.prefill_chunk = o.prefill_chunk;
-  lo.load_format = model::parse_load_format(o.load_format);
-  lo.mem_fraction_static = o.mem_fraction_static;
-  lo.attention_backend = o.attention_backend;
-  lo.moe_runner_backend = o.moe_runner_backend;
-  lo.fp4_gemm_backend = o.fp4_gemm_backend;
-  lo.cuda_graphs = !o.disable_cuda_graph;
+  kiln::cli::apply_gpu_flags(o.gpu, lo);
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
@@ -108,7 +101,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   std::printf("kiln bench-engine: %s | %s\n", dir.display_path().c_str(), runner->describe().c_str());
   std::printf("input %lld, output %lld, kv %s, prefill chunk %lld, cuda graphs %s, sampling %s (load %.0f ms)\n",
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
-              static_cast<long long>(o.prefill_chunk), o.disable_cuda_graph ? "off" : "on",
+              static_cast<long long>(o.prefill_chunk), o.gpu.disable_cuda_graph ? "off" : "on",
               o.host_sampling ? "host argmax over downloaded logits" : "argmax on the device", load_ms);
 
   for (const int B : batches) {
@@ -224,14 +217,7 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_option("--seed", o->seed, "Prompt seed")->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");
-  app.add_option("--load-format", o->load_format,
-                 "auto (the checkpoint) or dummy (random weights from config.json alone)")->capture_default_str();
-  app.add_option("--mem-fraction-static", o->mem_fraction_static,
-                 "cuda: share of GPU memory for weights, KV cache, state and activations (default 0.90)");
-  app.add_option("--attention-backend", o->attention_backend, "auto or kiln-paged (cuda)")->capture_default_str();
-  app.add_option("--moe-runner-backend", o->moe_runner_backend, "auto or kiln-grouped (cuda)")->capture_default_str();
-  app.add_option("--fp4-gemm-backend", o->fp4_gemm_backend, "auto or kiln-w4a16 (cuda)")->capture_default_str();
-  app.add_flag("--disable-cuda-graph", o->disable_cuda_graph, "cuda: run decode steps eagerly");
+  kiln::cli::add_gpu_flags(app, o->gpu);
   app.add_flag("--profile", o->profile, "After each batch, time one decode step op by op (cuda)");
   app.add_flag("--host-sampling", o->host_sampling,
                "Download every step's logits and pick tokens on the host (default: argmax on the device)");

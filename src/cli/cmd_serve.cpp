@@ -22,6 +22,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/device.h"
 #include "cli/command.h"
+#include "cli/gpu_flags.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/dummy_runner.h"
@@ -54,10 +55,7 @@ struct ServeArgs {
   int threads = 0;
   std::string device = "auto";
   bool skip_self_check = false;
-  std::string load_format = "auto";
-  double mem_fraction_static = 0;
-  std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
-  bool disable_cuda_graph = false;
+  kiln::cli::GpuFlags gpu;
   double shutdown_timeout_s = 30;
   int64_t max_request_bytes = 32 << 20;
   std::string dummy_runner;  // "", hash or echo
@@ -288,12 +286,7 @@ int run_serve(const ServeArgs& a) {
       lo.state_slots = a.max_running_requests;
       lo.threads = a.threads;
       if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
-      lo.load_format = model::parse_load_format(a.load_format);
-      lo.mem_fraction_static = a.mem_fraction_static;
-      lo.attention_backend = a.attention_backend;
-      lo.moe_runner_backend = a.moe_runner_backend;
-      lo.fp4_gemm_backend = a.fp4_gemm_backend;
-      lo.cuda_graphs = !a.disable_cuda_graph;
+      kiln::cli::apply_gpu_flags(a.gpu, lo);
       runner = backend::load_model(dir, device, lo, !a.skip_self_check);
     }
   }
@@ -381,16 +374,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();
   app.add_flag("--skip-self-check", a->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
-  app.add_option("--load-format", a->load_format,
-                 "auto (the checkpoint's safetensors) or dummy (random weights from config.json: benchmarks only)")
-      ->capture_default_str();
-  app.add_option("--mem-fraction-static", a->mem_fraction_static,
-                 "cuda: share of GPU memory for weights, KV cache, state and activations (default 0.90)");
-  app.add_option("--attention-backend", a->attention_backend, "auto, or kiln-paged (cuda)")->capture_default_str();
-  app.add_option("--moe-runner-backend", a->moe_runner_backend, "auto, or kiln-grouped (cuda)")->capture_default_str();
-  app.add_option("--fp4-gemm-backend", a->fp4_gemm_backend,
-                 "auto, or kiln-w4a16 (cuda: FP4 decoded to BF16 in registers)")->capture_default_str();
-  app.add_flag("--disable-cuda-graph", a->disable_cuda_graph, "cuda: run decode steps eagerly (no CUDA graphs)");
+  kiln::cli::add_gpu_flags(app, a->gpu);
   app.add_option("--shutdown-timeout", a->shutdown_timeout_s,
                  "Seconds to let in-flight requests finish on SIGTERM / SIGINT")
       ->capture_default_str();

@@ -1,8 +1,7 @@
 #include "model/model_runner.h"
 
-#include <cmath>
-
 #include "core/error.h"
+#include "model/ops.h"
 
 namespace kiln::model {
 
@@ -14,13 +13,7 @@ void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int
   const int64_t V = vocab_size();
   std::vector<float> logits(static_cast<size_t>(rows * V));
   forward(chunks, logits);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = logits.data() + r * V;
-    int64_t b = -1;
-    for (int64_t v = 0; v < V; ++v)
-      if (!std::isnan(row[v]) && (b < 0 || row[v] > row[b])) b = v;
-    tokens[static_cast<size_t>(r)] = static_cast<int32_t>(b < 0 ? 0 : b);
-  }
+  for (int64_t r = 0; r < rows; ++r) tokens[static_cast<size_t>(r)] = host_argmax(logits.data() + r * V, V);
 }
 
 }  // namespace kiln::model

@@ -7,6 +7,13 @@
 
 namespace kiln::model {
 
+int32_t host_argmax(const float* row, int64_t n) {
+  int64_t b = -1;
+  for (int64_t v = 0; v < n; ++v)
+    if (!std::isnan(row[v]) && (b < 0 || row[v] > row[b])) b = v;
+  return static_cast<int32_t>(b < 0 ? 0 : b);
+}
+
 void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out) {
   if (fill.kind == RandomFill::Kind::bytes) {
     KILN_CHECK(dtype_size(dtype) == 1, "random bytes for a {} tensor", dtype_name(dtype));
@@ -56,13 +63,7 @@ void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   const int64_t R = logits.dim(0), V = logits.dim(1);
   std::vector<float> host(static_cast<size_t>(R * V));
   download(logits, host.data());
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = host.data() + r * V;
-    int64_t b = -1;
-    for (int64_t v = 0; v < V; ++v)
-      if (!std::isnan(row[v]) && (b < 0 || row[v] > row[b])) b = v;
-    ids[static_cast<size_t>(r)] = static_cast<int32_t>(b < 0 ? 0 : b);
-  }
+  for (int64_t r = 0; r < R; ++r) ids[static_cast<size_t>(r)] = host_argmax(host.data() + r * V, V);
 }
 
 }  // namespace kiln::model

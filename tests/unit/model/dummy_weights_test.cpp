@@ -164,6 +164,18 @@ TEST(DummyWeights, WholeModelGivesFiniteLogitsOfSaneSize) {
   EXPECT_EQ(logits, again);
 }
 
+TEST(HostArgmax, LowestIndexOnTiesAndNaNNeverWins) {
+  const float nan = std::nanf("");
+  const float a[] = {1.0f, 3.0f, 2.0f, 3.0f};
+  EXPECT_EQ(host_argmax(a, 4), 1);
+  const float b[] = {nan, -5.0f, nan, -7.0f};
+  EXPECT_EQ(host_argmax(b, 4), 1);
+  const float c[] = {nan, nan};
+  EXPECT_EQ(host_argmax(c, 2), 0);
+  const float d[] = {-INFINITY, -INFINITY, 0.5f};
+  EXPECT_EQ(host_argmax(d, 3), 2);
+}
+
 TEST(Runner, ForwardArgmaxPicksTheLargestLogitOfEachSequence) {
   TinyRunner t(LoadFormat::safetensors);
   std::vector<std::vector<int32_t>> prompts = {{5, 6, 7}, {100}, {9, 9, 9, 9, 9, 200}};

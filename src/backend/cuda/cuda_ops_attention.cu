@@ -63,38 +63,11 @@ __device__ __forceinline__ float pool_at(const void* pool, ElemType elem, int64_
 constexpr int kSplitWarps = 4;
 constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
 
-// The block's epilogue, after each warp left its running max / sum / output in shared memory: merge the warps
-// and write the output (one split) or this split's partial (max, sum, unnormalised output).
-__device__ __forceinline__ void attention_block_store(const float* sm_m, const float* sm_l, const float* sm_acc,
-                                                      int D, int64_t th, int sp, int splits, float* __restrict__ part_ml,
-                                                      float* __restrict__ part_acc, float* __restrict__ out) {
-  float M = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
-  float L = 0.0f, f[kSplitWarps];
-#pragma unroll
-  for (int w = 0; w < kSplitWarps; ++w) {
-    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
-    L += sm_l[w] * f[w];
-  }
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w * D + d] * f[w];
-    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
-    else part_acc[(th * splits + sp) * D + d] = a;
-  }
-  if (splits > 1 && threadIdx.x == 0) {
-    part_ml[(th * splits + sp) * 2] = M;
-    part_ml[(th * splits + sp) * 2 + 1] = L;
-  }
-}
-
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
-  __shared__ float sm_acc[kSplitWarps * kMaxHeadDim];
+  __shared__ float sm_acc[kSplitWarps][kMaxHeadDim];
   const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int D = pool.head_dim, kvh = h / (q_heads / pool.kv_heads);
@@ -168,10 +141,27 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
 #pragma unroll
   for (int i = 0; i < kMaxDimsPerLane; ++i) {
     const int d = lane + 32 * i;
-    if (d < D) sm_acc[warp * D + d] = acc[i];
+    if (d < D) sm_acc[warp][d] = acc[i];
   }
   __syncthreads();
-  attention_block_store(sm_m, sm_l, sm_acc, D, int64_t(t) * q_heads + h, sp, splits, part_ml, part_acc, out);
+  float M = -INFINITY;
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float L = 0.0f, f[kSplitWarps];
+  for (int w = 0; w < kSplitWarps; ++w) {
+    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
+    L += sm_l[w] * f[w];
+  }
+  const int64_t th = int64_t(t) * q_heads + h;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
+    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
+    else part_acc[(th * splits + sp) * D + d] = a;
+  }
+  if (splits > 1 && threadIdx.x == 0) {
+    part_ml[(th * splits + sp) * 2] = M;
+    part_ml[(th * splits + sp) * 2 + 1] = L;
+  }
 }
 
 // The same kernel for the common pools (f32 / bf16 / e4m3, head_dim 32 x kDPL with kDPL 4, 8 or 16): lane l owns
@@ -203,7 +193,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
   constexpr int D = 32 * kDPL;
   constexpr int kKeys = 4;
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
-  __shared__ float sm_acc[kSplitWarps * D];
+  __shared__ float sm_acc[kSplitWarps][D];
   const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kvh = h / (q_heads / pool.kv_heads);
@@ -272,9 +262,29 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
     sm_l[warp] = l;
   }
 #pragma unroll
-  for (int i = 0; i < kDPL; ++i) sm_acc[warp * D + lane * kDPL + i] = acc[i];
+  for (int i = 0; i < kDPL; ++i) sm_acc[warp][lane * kDPL + i] = acc[i];
   __syncthreads();
-  attention_block_store(sm_m, sm_l, sm_acc, D, int64_t(t) * q_heads + h, sp, splits, part_ml, part_acc, out);
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float L = 0.0f, f[kSplitWarps];
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) {
+    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
+    L += sm_l[w] * f[w];
+  }
+  const int64_t th = int64_t(t) * q_heads + h;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
+    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
+    else part_acc[(th * splits + sp) * D + d] = a;
+  }
+  if (splits > 1 && threadIdx.x == 0) {
+    part_ml[(th * splits + sp) * 2] = M;
+    part_ml[(th * splits + sp) * 2 + 1] = L;
+  }
 }
 
 template <int kDPL>

@@ -368,6 +368,38 @@ void check_linear(Harness& h) {
       h.compare(fmt::format("linear {} T={} K={} N={}", v.name, T, K, N), out);
     }
   }
+  // linear_multi: the projections of one x in one call (bf16: four weights of different N; nvfp4: two).
+  struct Multi {
+    WeightFormat format;
+    DType dtype;
+    const char* name;
+    int count;
+  };
+  for (const Multi& m : {Multi{WeightFormat::dense, DType::BF16, "bf16", 4}, Multi{WeightFormat::nvfp4, DType::U8,
+                                                                                  "nvfp4", 2}}) {
+    h.reset();
+    const int64_t K = c.hidden;
+    const int64_t Ns[4] = {c.out_features, 32, c.out_features + 8, 1};
+    std::vector<std::pair<LinearWeight, LinearWeight>> ws;
+    for (int i = 0; i < m.count; ++i) ws.push_back(h.linear_weight(m.format, m.dtype, Ns[i], K, false));
+    for (int64_t T : c.linear_rows) {
+      Pair x = h.upload(h.host_normal(DType::F32, Shape{T, K}, 1.0f));
+      std::vector<Pair> outs;
+      std::vector<const LinearWeight*> wt, wr;
+      std::vector<TensorView> ot, orf;
+      for (int i = 0; i < m.count; ++i) {
+        outs.push_back(h.scratch(DType::F32, Shape{T, Ns[i]}));
+        wt.push_back(&ws[i].first);
+        wr.push_back(&ws[i].second);
+        ot.push_back(outs.back().test);
+        orf.push_back(outs.back().ref);
+      }
+      h.test().linear_multi(x.test, wt, ot);
+      h.ref().linear_multi(x.ref, wr, orf);
+      for (int i = 0; i < m.count; ++i)
+        h.compare(fmt::format("linear_multi {} [{}] T={} K={} N={}", m.name, i, T, K, Ns[i]), outs[i]);
+    }
+  }
 }
 
 // Two steps over persistent state: a prefill of mixed lengths, then decode / chunk continuations and a fresh sequence.

@@ -18,7 +18,11 @@
 #include "cli/command.h"
 #include "cli/gpu_flags.h"
 #include "core/error.h"
+#include "format/capacity.h"
+#include "format/model_config.h"
 #include "format/model_dir.h"
+#include "format/quant_config.h"
+#include "format/weight_map.h"
 #include "model/runner.h"
 
 namespace {
@@ -176,6 +180,17 @@ int run_bench_engine(const BenchEngineOptions& o) {
                 B * o.input_len / std::max(prefill_ms, 1e-9) * 1e3, static_cast<long long>(o.output_len), median,
                 percentile(step_ms, 0.1), percentile(step_ms, 0.9), B / std::max(median, 1e-9) * 1e3,
                 B * o.output_len / std::max(decode_ms, 1e-9) * 1e3);
+    if (B == 1) {
+      // The bytes one decode step reads at batch 1, as `kiln inspect` counts them.
+      const format::ModelConfig config = format::load_model_config(dir);
+      const format::QuantConfig quant = format::load_quant_config(dir);
+      format::CapacityOptions co;
+      co.kv_dtype = lo.kv_dtype;
+      const auto plan = format::plan_capacity(config, format::expected_tensors(config, quant), co);
+      const double bytes = static_cast<double>(plan.decode_bytes_per_token);
+      std::printf("  batch-1 bandwidth: %.4g GB read per token (kiln inspect) / %.3f ms = %.3g TB/s\n", bytes / 1e9,
+                  median, bytes / (median * 1e-3) / 1e12);
+    }
     std::fflush(stdout);
 
     if (o.profile && mr) {

@@ -634,7 +634,9 @@ TEST(Http, QueueFullIs503WithRetryAfter) {
   cfg.max_queued = 1;
   cfg.step_delay_us = 2000;
   TestServer s(cfg);
-  json slow = chat_body("x", {{"max_tokens", 300}, {"ignore_eos", true}});
+  // Long enough (1,000 steps of 2 ms) that the first request is still running when the last thread gets its answer,
+  // even on a loaded 2-core machine.
+  json slow = chat_body("x", {{"max_tokens", 1000}, {"ignore_eos", true}});
   std::vector<std::thread> threads;
   std::atomic<int> ok{0}, full{0};
   for (int i = 0; i < 6; ++i) {

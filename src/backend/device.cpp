@@ -70,9 +70,9 @@ std::string MemoryPlan::str() const {
   const double G = 1024.0 * 1024.0 * 1024.0;
   return fmt::format(
       "memory plan: {:.1f} GiB x mem-fraction-static {:.2f} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
-      "({} pages = {} tokens), state slots {:.2f} GiB, activations {:.2f} GiB (estimate); {:.1f} GiB free at start",
+      "({} pages = {} tokens), state slots {:.2f} GiB, activations {:.2f} GiB (estimate){}",
       gpu_bytes / G, fraction, budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
-      activation_bytes / G, free_bytes / G);
+      activation_bytes / G, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
 }
 
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o, double gpu_bytes,

@@ -6,6 +6,7 @@
 #include <set>
 #include <nlohmann/json.hpp>
 
+#include "backend/device.h"
 #include "cli/command.h"
 #include "core/error.h"
 #include "format/capacity.h"
@@ -28,6 +29,10 @@ struct InspectOptions {
   double mem_fraction_static = 0.90;
   double activation_reserve_gib = 2.0;
   bool json = false;
+  // `kiln serve`'s own plan on one GPU of --gpu-mem-gib (tp 1): its flags, its defaults.
+  int max_running_requests = 32;
+  int64_t context_length = 0;
+  int64_t chunked_prefill_size = 512;
 };
 
 // Decimal units, scaled to the size (a tiny test model shows MB/KB, not 0.00 GB).
@@ -225,6 +230,23 @@ int run_inspect(const InspectOptions& o) {
                                                 : "0: weights + reserve exceed the budget; use more GPUs, more memory or a larger --mem-fraction-static");
   }
   for (const auto& n : notes) line("  note", n);
+  if (o.gpu_mem_gib > 0 && p.tp == 1) {
+    // The plan `kiln serve --device cuda` makes at startup on such a GPU (backend::plan_device_memory).
+    backend::LoadOptions lo;
+    lo.kv_dtype = copt.kv_dtype;
+    lo.state_slots = o.max_running_requests;
+    lo.max_context = o.context_length;
+    lo.prefill_chunk = o.chunked_prefill_size;
+    lo.mem_fraction_static = o.mem_fraction_static;
+    const double bytes = o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0;
+    std::printf("\nkiln serve on one %g GiB GPU (--max-running-requests %d, --chunked-prefill-size %lld):\n",
+                o.gpu_mem_gib, o.max_running_requests, static_cast<long long>(o.chunked_prefill_size));
+    try {
+      line("  " , backend::plan_device_memory(dir, lo, bytes, 0).str());
+    } catch (const Error& e) {
+      line("  ", std::string("does not fit: ") + e.what());
+    }
+  }
   return 0;
 }
 
@@ -240,6 +262,13 @@ kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weigh
   app.add_option("--activation-reserve-gib", o->activation_reserve_gib, "Per-GPU reserve for activations")
       ->check(CLI::Range(0.0, 1e6));
   app.add_flag("--json", o->json, "Machine-readable output");
+  app.add_option("--max-running-requests", o->max_running_requests,
+                 "For kiln serve's own plan (tp 1, with --gpu-mem-gib): sequences decoded together")
+      ->capture_default_str();
+  app.add_option("--context-length", o->context_length,
+                 "For kiln serve's own plan: longest sequence (default: the model's, at most 8192)");
+  app.add_option("--chunked-prefill-size", o->chunked_prefill_size, "For kiln serve's own plan: tokens per prefill pass")
+      ->capture_default_str();
   return [o]() -> int { return run_inspect(*o); };
 }};
 

@@ -43,4 +43,12 @@ if "$KILN" inspect --model-path "$ROOT/does-not-exist" 2>"$err"; then echo "FAIL
 grep -q "does not exist" "$err"
 if "$KILN" inspect --model-path "$CFG" --kv-cache-dtype int4 2>"$err"; then echo "FAIL: bad kv dtype accepted"; exit 1; fi
 grep -q "kv-cache-dtype 'int4' is not supported" "$err"
+# kiln serve's own plan on one GPU: the 35B-A3B shape with 64 requests of 8192 tokens takes a KV cache of
+# 64 x 8192 / 16 = 32768 pages (the budget holds more); the 397B does not fit one 141 GiB GPU.
+out35=$("$KILN" inspect --model-path "$ROOT/configs/qwen3.5-35b-a3b-nvfp4" --gpu-mem-gib 141 --max-running-requests 64 \
+  --context-length 8192)
+echo "$out35" | grep -q "kiln serve on one 141 GiB GPU (--max-running-requests 64" || { echo "FAIL: no serve plan"; exit 1; }
+echo "$out35" | grep -q "KV cache 10.00 GiB (32768 pages = 524288 tokens)" || { echo "FAIL: serve plan: $out35"; exit 1; }
+"$KILN" inspect --model-path "$CFG" --gpu-mem-gib 141 | grep -q "does not fit: out of GPU memory" ||
+  { echo "FAIL: the 397B on one GPU should not fit"; exit 1; }
 echo "inspect: all checks passed"

@@ -83,7 +83,6 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   const auto tensors = format::expected_tensors(config, quant);
   format::CapacityOptions co;
   co.kv_dtype = o.kv_dtype;
-  co.conv_state_bytes = 4;  // the runner keeps the conv state in fp32
   const format::CapacityPlan cap = format::plan_capacity(config, tensors, co);
   MemoryPlan p;
   p.gpu_bytes = gpu_bytes;

@@ -33,7 +33,7 @@ struct CapacityOptions {
   double mem_fraction_static = 0.90;   // share of GPU memory for weights + KV cache (rest: runtime)
   double activation_reserve_gib = 2.0; // per GPU, for activations / workspaces
   DType kv_dtype = DType::BF16;        // BF16 or F8_E4M3
-  int conv_state_bytes = 2;            // element size of the conv state (bf16)
+  int conv_state_bytes = 4;            // element size of the conv state (kiln keeps it in fp32)
 };
 
 struct CapacityPlan {

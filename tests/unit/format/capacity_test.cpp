@@ -82,10 +82,10 @@ TEST(Capacity, Qwen35_397B_ParamsAndBytes) {
   // KV: 15 full layers x 2 KV heads x 256 x (K, V) x 2 bytes.
   EXPECT_EQ(p.kv_bytes_per_token, 15u * 2 * 256 * 2 * 2);
   EXPECT_EQ(p.kv_bytes_per_token, 30720u);
-  // State: 45 linear layers x (64 x 128 x 128 fp32 + conv state 12288 channels x 3 taps x bf16).
+  // State: 45 linear layers x (64 x 128 x 128 fp32 + conv state 12288 channels x 3 taps x fp32).
   EXPECT_EQ(p.recurrent_state_bytes_per_layer, 64u * 128 * 128 * 4);
-  EXPECT_EQ(p.conv_state_bytes_per_layer, 12288u * 3 * 2);
-  EXPECT_EQ(p.state_bytes_per_sequence, 45u * (64 * 128 * 128 * 4 + 12288 * 3 * 2));
+  EXPECT_EQ(p.conv_state_bytes_per_layer, 12288u * 3 * 4);
+  EXPECT_EQ(p.state_bytes_per_sequence, 45u * (64 * 128 * 128 * 4 + 12288 * 3 * 4));
   EXPECT_EQ(p.max_kv_tokens, -1);  // no GPU memory given
 
   o.kv_dtype = DType::F8_E4M3;
@@ -150,7 +150,7 @@ TEST(Capacity, Qwen35_35B_DecodeBytes) {
   CapacityPlan p = plan_capacity(x.config, x.tensors, {});
   EXPECT_NEAR(p.decode_bytes_per_token / 1e9, 4.4, 0.1);  // REFERENCE: ~4.4 GB
   EXPECT_EQ(p.kv_bytes_per_token, 10u * 2 * 2 * 256 * 2);
-  EXPECT_EQ(p.state_bytes_per_sequence, 30u * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2));
+  EXPECT_EQ(p.state_bytes_per_sequence, 30u * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 4));
   EXPECT_NEAR(p.params_total / 1e9, 35, 1.0);
   EXPECT_NEAR(p.params_active / 1e9, 3, 0.5);
 }

@@ -162,7 +162,7 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     return load_cpu_model(dir, options);
   }
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
-  model::RunnerOptions ro;
+  model::RunnerOptions ro = runner_options(options);
 #if KILN_HAVE_CUDA
   const cuda::CudaDeviceProbe probe = cuda::probe_cuda_device();
   const KernelChoice kernels = resolve_kernels("cuda", probe.major, options);
@@ -173,17 +173,7 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   ro.kv_pages = plan.kv_pages;
   ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
                            options.cuda_graphs ? "on" : "off");
-#else
-  ro.kv_pages = options.kv_pages;
 #endif
-  ro.kv_dtype = options.kv_dtype;
-  ro.max_context = options.max_context;
-  ro.page_size = options.page_size;
-  ro.state_slots = options.state_slots;
-  ro.prefill_chunk = options.prefill_chunk;
-  ro.prefill_delta_rule = options.prefill_delta_rule;
-  ro.load_format = options.load_format;
-  if (!options.cuda_graphs) ro.graph_max_batch = 0;
   auto runner = std::make_unique<model::Runner>(make_ops(choice.device, self_check), dir, ro);
   KILN_LOG_INFO("{}", runner->describe());
   return runner;

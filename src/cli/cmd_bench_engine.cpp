@@ -75,14 +75,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   const std::vector<int> batches = parse_batches(o.batch);
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   if (o.input_len < 1 || o.output_len < 1) fail("--input-len and --output-len must be at least 1");
-  format::ModelDir dir;
-  if (!o.model_path.empty()) {
-    dir = format::ModelDir::open(o.model_path);
-  } else if (format::ModelDir::has_embedded()) {
-    dir = format::ModelDir::embedded();
-  } else {
-    fail("no --model-path given and this kiln binary has no embedded model: pass --model-path DIR");
-  }
+  const format::ModelDir dir = format::ModelDir::open_or_embedded(o.model_path);
   backend::LoadOptions lo;
   lo.threads = o.threads;
   lo.state_slots = max_batch;

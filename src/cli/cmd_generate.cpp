@@ -43,14 +43,7 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 int run_generate(const GenerateOptions& o) {
   using namespace kiln;
-  format::ModelDir dir;
-  if (!o.model_path.empty()) {
-    dir = format::ModelDir::open(o.model_path);
-  } else if (format::ModelDir::has_embedded()) {
-    dir = format::ModelDir::embedded();
-  } else {
-    fail("no --model-path given and this kiln binary has no embedded model: pass --model-path DIR");
-  }
+  const format::ModelDir dir = format::ModelDir::open_or_embedded(o.model_path);
   if (o.max_tokens <= 0) fail("--max-tokens must be positive, got {}", o.max_tokens);
 
   const std::string tok_config = dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "";

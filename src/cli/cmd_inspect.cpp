@@ -69,7 +69,7 @@ const char* kRoleOrder[] = {role::kRoutedExpert, role::kSharedExpert, role::kDen
                             role::kNorm, role::kKvScale};
 
 int run_inspect(const InspectOptions& o) {
-  ModelDir dir = o.model_path.empty() ? ModelDir::embedded() : ModelDir::open(o.model_path);
+  ModelDir dir = ModelDir::open_or_embedded(o.model_path);
   ModelConfig cfg = load_model_config(dir);
   QuantConfig quant = load_quant_config(dir);
 

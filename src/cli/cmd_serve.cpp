@@ -166,7 +166,7 @@ int run_serve(const ServeArgs& a) {
   so.http_threads = std::min(2048, a.max_running_requests + a.max_queued_requests + 32);
 
   // Resolve the model folder (cheap) so the server's name and paths are known before loading.
-  format::ModelDir dir = a.model_path.empty() ? format::ModelDir::embedded() : format::ModelDir::open(a.model_path);
+  format::ModelDir dir = format::ModelDir::open_or_embedded(a.model_path);
   so.model_path = a.model_path.empty() ? std::string(format::ModelDir::embedded_name()) : a.model_path;
   so.tokenizer_path = so.model_path;
   so.served_model_name = !a.served_model_name.empty() ? a.served_model_name : so.model_path;

@@ -51,6 +51,8 @@ const char* ModelDir::embedded_name() { return "kiln-tiny"; }
 
 bool ModelDir::has_embedded() { return embedded::kNumFiles > 0; }
 
+ModelDir ModelDir::open_or_embedded(const std::string& path) { return path.empty() ? embedded() : open(path); }
+
 ModelDir ModelDir::embedded() {
   if (!has_embedded())
     fail("this kiln binary has no embedded model (it was built without models/kiln-tiny); pass --model-path");

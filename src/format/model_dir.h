@@ -23,6 +23,8 @@ class ModelDir {
   // The model compiled into the binary (models/kiln-tiny), if the build had one.
   static bool has_embedded();
   static ModelDir embedded();  // kiln::Error if !has_embedded()
+  // `--model-path` as the commands take it: the folder, or the embedded model when the path is empty.
+  static ModelDir open_or_embedded(const std::string& path);
   // The embedded model's name ("kiln-tiny").
   static const char* embedded_name();
 

@@ -6,6 +6,7 @@
 #include "format/model_dir.h"
 #include "model/model.h"
 #include "model/model_runner.h"
+#include "model/runner.h"
 
 namespace kiln::backend {
 
@@ -30,6 +31,9 @@ struct CpuLoadOptions {
 };
 // The name the load options go by outside the CPU backend.
 using LoadOptions = CpuLoadOptions;
+
+// The runner options these load options ask for (every backend's runner starts from them).
+model::RunnerOptions runner_options(const LoadOptions& options);
 
 // The CPU backend's Ops (for tests and tools that drive ops directly).
 std::unique_ptr<Backend> make_cpu_backend();

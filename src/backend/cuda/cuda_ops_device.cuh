@@ -94,15 +94,6 @@ __device__ __forceinline__ void weight_at8(const WeightDesc& w, int64_t n, int64
   }
 }
 
-// 16 bytes of streamed (read-once) data: read-only path, not kept in L1.
-__device__ __forceinline__ uint4 ld_nc_16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 

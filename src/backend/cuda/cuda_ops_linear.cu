@@ -11,6 +11,7 @@
 // rows were grouped or tiled.
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
+#include "backend/cuda/device_utils.cuh"  // ld_stream_16
 #include "backend/cuda/cuda_ops_kernels.h"
 
 namespace kiln::cuda::ops {
@@ -229,8 +230,8 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
       for (int c = 0; c < kCols; ++c) {
         if (k0 < a.K) {
           const int64_t off = kKind == G2Kind::bf16 ? int64_t(k0) * 2 : int64_t(k0) / 2;
-          raw0[u][c] = ld_nc_16(base0[c] + off);
-          if constexpr (kDual) raw1[u][c] = ld_nc_16(base1[c] + off);
+          raw0[u][c] = ::kiln::cuda::dev::ld_stream_16(base0[c] + off);
+          if constexpr (kDual) raw1[u][c] = ::kiln::cuda::dev::ld_stream_16(base1[c] + off);
           if constexpr (kKind == G2Kind::nvfp4) {
             sc0[u][c] = __ldg(reinterpret_cast<const uint16_t*>(w0.block_scale + ncol[c] * int64_t(a.K / 16) + k0 / 16));
             if constexpr (kDual)

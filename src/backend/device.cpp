@@ -94,14 +94,16 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   const int slots = std::max(o.state_slots, 1);
   p.state_bytes = static_cast<double>(cap.state_bytes_per_sequence) * slots;
   // Scratch of one pass (nothing is freed inside a step): per token and layer the hidden-sized buffers, the
-  // projections' outputs and the experts' rows, plus the logits of every sequence.
+  // projections' outputs and the experts' rows (and their bf16 split for the tensor-core kernels), plus the logits
+  // of every sequence.
   const double H = static_cast<double>(config.hidden_size);
   const double C = 2.0 * config.linear_num_key_heads * config.linear_key_head_dim +
                    static_cast<double>(config.linear_num_value_heads) * config.linear_value_head_dim;
   const double Q = 2.0 * config.num_attention_heads * config.head_dim;
   const double ffn = config.is_moe()
                          ? config.experts_per_tok * (static_cast<double>(config.moe_intermediate_size) + H) +
-                               config.num_experts + 3.0 * config.shared_expert_intermediate_size
+                               config.num_experts + 3.0 * config.shared_expert_intermediate_size +
+                               1.5 * (H + config.experts_per_tok * static_cast<double>(config.moe_intermediate_size))
                          : 3.0 * static_cast<double>(config.intermediate_size);
   const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
   const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, slots));

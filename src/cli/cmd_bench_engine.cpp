@@ -187,25 +187,36 @@ int run_bench_engine(const BenchEngineOptions& o) {
     std::fflush(stdout);
 
     if (o.profile && mr) {
-      // One more decode step, op by op (eager, ops queued behind a busy-wait so that they run back to back).
+      // One more step, op by op (eager, ops queued behind a busy-wait so that they run back to back): a decode step,
+      // and at batch 1 the prefill of the prompt again (from position 0: the sequence starts over).
+      auto profiled = [&](const char* what) {
+        if (!mr->ops().profile_begin()) {
+          std::printf("  --profile: the %s backend does not time ops\n", mr->ops().name().c_str());
+          return false;
+        }
+        mr->set_graphs_enabled(false);
+        step();
+        mr->set_graphs_enabled(true);
+        std::vector<model::OpTime> times = mr->ops().profile_end();
+        double total = 0;
+        for (const auto& t : times) total += t.total_us;
+        std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
+        std::printf("  per-op time of one %s (batch %d, eager, back to back): %.1f us in ops\n", what, B, total);
+        std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
+        for (const auto& t : times)
+          std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
+                      t.total_us, t.total_us / std::max<int64_t>(t.calls, 1),
+                      100.0 * t.total_us / std::max(total, 1e-9));
+        std::fflush(stdout);
+        return true;
+      };
       decode_inputs(pos);
-      if (!mr->ops().profile_begin()) {
-        std::printf("  --profile: the %s backend does not time ops\n", mr->ops().name().c_str());
-        continue;
+      if (!profiled("decode step")) continue;
+      if (B == 1 && o.input_len > 1) {
+        chunks[0].tokens = std::span<const int32_t>(prompts[0]).first(std::min<int64_t>(o.input_len, o.prefill_chunk));
+        chunks[0].start_pos = 0;
+        profiled("prefill pass");
       }
-      mr->set_graphs_enabled(false);
-      step();
-      mr->set_graphs_enabled(true);
-      std::vector<model::OpTime> times = mr->ops().profile_end();
-      double total = 0;
-      for (const auto& t : times) total += t.total_us;
-      std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
-      std::printf("  per-op time of one decode step (batch %d, eager, back to back): %.1f us in ops\n", B, total);
-      std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
-      for (const auto& t : times)
-        std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
-                    t.total_us, t.total_us / std::max<int64_t>(t.calls, 1), 100.0 * t.total_us / std::max(total, 1e-9));
-      std::fflush(stdout);
     }
   }
   return 0;
@@ -226,7 +237,8 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");
   kiln::cli::add_gpu_flags(app, o->gpu);
-  app.add_flag("--profile", o->profile, "After each batch, time one decode step op by op (cuda)");
+  app.add_flag("--profile", o->profile,
+               "After each batch, time one decode step op by op, at batch 1 also one prefill pass (cuda)");
   app.add_flag("--host-sampling", o->host_sampling,
                "Download every step's logits and pick tokens on the host (default: argmax on the device)");
   return [o]() -> int { return run_bench_engine(*o); };

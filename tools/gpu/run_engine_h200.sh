@@ -2,7 +2,7 @@
 # GPU machine: the CUDA engine on the 35B-A3B shape with --load-format dummy (kiln bench-engine, per-op profile),
 # plus the CUDA tests. Run from the repo root with a carry folder holding `kiln` and `test_cuda` (built on a CPU
 # machine, CUDA 13, sm_90a) and the shared libraries the GPU image lacks under CARRY/lib.
-#   OUT=... bash tools/gpu/run_engine_h200.sh CARRY [what: bench,tests,eager,prefill,tiny]
+#   OUT=... bash tools/gpu/run_engine_h200.sh CARRY [what: bench,moe,tests,eager,prefill,tiny,smoke]
 set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,bench,eager,prefill,tiny}
@@ -22,6 +22,16 @@ if has bench; then
   echo "== bench-engine 35B-A3B shape, dummy weights, 512-token prompts, graphs on, profile"
   timeout ${BENCH_TIMEOUT:-240} "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${BATCHES:-1,4,16,64,128} \
     --input-len 512 --output-len ${OUTLEN:-32} --profile 2>&1 | tee "$OUT/bench35.txt" | grep -v "^\[.*INFO\]"
+fi
+if has moe; then
+  echo "== routed-expert variants (KILN_MOE_MMA: 0 fp32 kernels, 2 / 3 tensor cores with x in 2 / 3 bf16 parts)"
+  for v in 0 2 3; do
+    echo "-- KILN_MOE_MMA=$v"
+    KILN_MOE_MMA=$v timeout 120 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch 1,16,64,128 \
+      --input-len 512 --output-len 16 --skip-self-check 2>&1 | grep -E "^batch"
+    KILN_MOE_MMA=$v timeout 90 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch 1 \
+      --input-len 4096 --output-len 4 --prefill-chunk 4096 --skip-self-check 2>&1 | grep -E "^batch"
+  done 2>&1 | tee "$OUT/bench35_moe_variants.txt"
 fi
 if has tests && [ -x "$CARRY/test_cuda" ]; then
   echo "== test_cuda"

@@ -209,6 +209,7 @@ struct CudaOps::Impl {
   uint64_t scratch_generation = 0;
   bool graphs_on = true;
   bool blas_ok = true;  // KILN_CUDA_BLAS=0: keep every linear on the fp32 kernels
+  int moe_mma_parts = 3;  // KILN_MOE_MMA=0: NVFP4 experts on the fp32 kernels; 2: x split into 2 bf16 parts
   bool capturing = false;
   struct GraphRec {
     cudaGraphExec_t exec = nullptr;
@@ -277,6 +278,8 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
   impl_->max_abs_result = DeviceBuffer(kAlign);
   if (const char* g = std::getenv("KILN_CUDA_GRAPHS"); g && std::string(g) == "0") impl_->graphs_on = false;
   if (const char* b = std::getenv("KILN_CUDA_BLAS"); b && std::string(b) == "0") impl_->blas_ok = false;
+  if (const char* m = std::getenv("KILN_MOE_MMA"); m && (std::string(m) == "0" || std::string(m) == "2"))
+    impl_->moe_mma_parts = m[0] - '0';
 }
 
 CudaOps::~CudaOps() {
@@ -298,10 +301,15 @@ std::string CudaOps::describe() const {
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: "
       "dense BF16 with >= {} rows on tensor cores (cuBLASLt, x split into 3 bf16 parts){}, else {} (<= 128 rows) "
       "or fp32 gemm (64x64 smem tiles), weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: "
-      "experts grouped on the device, tile height from the rows per expert; attention: paged, split-KV, online "
+      "experts grouped on the device, {}; attention: paged, split-KV, online "
       "softmax (f32/bf16/fp8 KV); delta rule: recurrent (prefill and decode); decode steps as CUDA graphs{}",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
       kBlasMinRows, impl_->blas_ok ? "" : " [off: KILN_CUDA_BLAS=0]", kops::linear_path_name(1),
+      impl_->moe_mma_parts ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
+                                         "into {} bf16 parts), others on the fp32 kernels",
+                                         impl_->moe_mma_parts)
+                           : std::string("fp32 kernels, tile height from the rows per expert [tensor cores off: "
+                                         "KILN_MOE_MMA=0]"),
       impl_->graphs_on ? "" : " [off]");
 }
 
@@ -865,7 +873,7 @@ void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, con
   void* ws = impl_->scratch_bytes(ws_bytes);
   kops::moe_experts(f32(x), T, H, i32(expert_ids), f32(weights), static_cast<int>(k),
                     tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
-                    impl_->stream);
+                    impl_->stream, impl_->moe_mma_parts);
 }
 
 }  // namespace kiln::backend::cuda

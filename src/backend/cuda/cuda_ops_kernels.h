@@ -143,8 +143,31 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 // k % 8 == 0 and 16-byte aligned data (the 8-wide load path). workspace: moe_workspace_bytes() bytes, 256-aligned.
 size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
 // experts_gemv2_kind: the bandwidth gemv every expert matrix can use (0 bf16, 1 nvfp4), or -1.
+// mma_parts: 2 or 3 runs NVFP4 experts on tensor cores with x split into that many bf16 parts
+// (cuda_ops_moe_mma.cu; only where moe_mma_supported), 0 the fp32 CUDA-core kernels.
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
-                 void* workspace, float* out, Stream stream);
+                 void* workspace, float* out, Stream stream, int mma_parts = 0);
+
+// ---- routed experts on tensor cores (cuda_ops_moe_mma.cu)
+// True when the tensor-core expert kernels serve these experts: all NVFP4 (16-byte aligned codes), H and I
+// multiples of 128.
+bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind);
+// The grouping (moe_experts' workspace) and buffers one tensor-core expert pass uses.
+struct MoeMmaPlan {
+  int parts = 3;         // bf16 parts of the fp32 activations (2 or 3)
+  int tile_m = 8;        // sorted rows per row tile
+  int64_t max_tiles = 0; // grid bound on row tiles
+  const int32_t* group_offset = nullptr;  // [E + 1]
+  const int32_t* tile_offset = nullptr;   // [E + 1]
+  const int32_t* tile_group = nullptr;    // [tiles]
+  const int32_t* row_token = nullptr;     // [P] token of each sorted row
+  uint16_t* xs = nullptr;     // [T][H/32][parts][32] the split x
+  uint16_t* act_s = nullptr;  // [P][I/32][parts][32] the split silu(gate) * up
+  float* y = nullptr;         // [P][H] each sorted row's expert output
+};
+// y[r] = down(silu(gate(x[row_token[r]])) * up(...)) for every sorted row r of expert tile_group's groups.
+void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
+                     const MoeMmaPlan& plan, Stream stream);
 
 }  // namespace kiln::cuda::ops

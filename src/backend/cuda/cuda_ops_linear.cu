@@ -812,6 +812,8 @@ struct MoeCarve {
   MoeLayout lay;
   float* act;  // [P, I]
   float* y;    // [P, H]
+  uint16_t* xs;     // [T, H] split in up to 3 bf16 parts (tensor-core path)
+  uint16_t* act_s;  // [P, I] split in up to 3 bf16 parts (tensor-core path)
   size_t bytes;
 };
 MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
@@ -832,6 +834,8 @@ MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64
   c.lay.cursor = static_cast<int32_t*>(take(E * 4));
   c.act = static_cast<float*>(take(P * I * 4));
   c.y = static_cast<float*>(take(P * H * 4));
+  c.xs = static_cast<uint16_t*>(take(T * H * 3 * 2));
+  c.act_s = static_cast<uint16_t*>(take(P * I * 3 * 2));
   c.bytes = off;
   return c;
 }
@@ -843,7 +847,7 @@ size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I
 
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
-                 void* workspace, float* out, Stream stream) {
+                 void* workspace, float* out, Stream stream, int mma_parts) {
   if (T == 0) return;
   if (top_k < 1 || top_k > 64) cuda_fail("moe_experts: top_k {} is not supported (1 to 64)", {top_k});
   if (E * 4 > 48 * 1024) cuda_fail("moe_experts: {} experts is too many (at most 12288)", {E});
@@ -855,7 +859,12 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   const bool gemv = P <= kGemvMaxRows * E;
   int tm = gemv ? kGemvRows : kTileM;
   const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  if (gemv && experts_gemv2_kind >= 0 && experts_vec_ok && x_vec) {
+  const bool mma = (mma_parts == 2 || mma_parts == 3) && experts_vec_ok && moe_mma_supported(H, I, experts_gemv2_kind);
+  if (mma) {
+    // Tensor cores: 8 rows per MMA tile; a row tile of up to 64 rows walks them with its weights in L2.
+    tm = 8;
+    while (tm < 64 && int64_t(tm) * E < P) tm *= 2;
+  } else if (gemv && experts_gemv2_kind >= 0 && experts_vec_ok && x_vec) {
     tm = 1;
     while (tm < kGemvRows && int64_t(tm) * E < P) tm *= 2;
   }
@@ -863,6 +872,24 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
                                                                     static_cast<int>(E), tm, c.lay);
   KILN_CUDA_CHECK_LAUNCH();
   const int64_t max_tiles = (P + tm - 1) / tm + (E < P ? E : P);
+  if (mma) {
+    MoeMmaPlan plan;
+    plan.parts = mma_parts;
+    plan.tile_m = tm;
+    plan.max_tiles = max_tiles;
+    plan.group_offset = c.lay.group_offset;
+    plan.tile_offset = c.lay.tile_offset;
+    plan.tile_group = c.lay.tile_group;
+    plan.row_token = c.lay.row_token;
+    plan.xs = c.xs;
+    plan.act_s = c.act_s;
+    plan.y = c.y;
+    moe_experts_mma(x, T, H, I, experts, E, plan, stream);
+    moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
+                                                                     static_cast<int>(H), out);
+    KILN_CUDA_CHECK_LAUNCH();
+    return;
+  }
 
   // act = silu(x W_gate^T) * (x W_up^T), rows in expert order
   GemmArgs up;

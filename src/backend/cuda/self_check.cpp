@@ -616,6 +616,8 @@ void self_check(Ops& test, Ops& reference) {
   const auto start = std::chrono::steady_clock::now();
   OpCheckConfig config;  // the defaults: small, every op and variant
   config.seed = 20261130;
+  config.hidden = 128;         // H and I multiples of 128: the tensor-core expert kernels run too
+  config.expert_inter = 128;
   const std::vector<OpCheck> results = compare_ops(test, reference, config);
   std::vector<const OpCheck*> failed;
   double worst = 0;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -121,6 +122,33 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
   c.vocab = 1000;
   c.page_size = 16;
   expect_all_pass(compare_ops(gpu, *cpu, c), "qwen3.5 head sizes");
+}
+
+// The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, and the fp32
+// CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes (H, I multiples of
+// 128; 1 to 17 rows per expert, so row tiles of 8 to 32 rows).
+TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  auto cpu = make_cpu_backend();
+  for (const char* mode : {"3", "2", "0"}) {
+    ::setenv("KILN_MOE_MMA", mode, 1);
+    CudaOps gpu;
+    ::unsetenv("KILN_MOE_MMA");
+    const bool mma = std::string(mode) != "0";
+    EXPECT_EQ(gpu.describe().find("tensor cores off") == std::string::npos, mma) << gpu.describe();
+    OpCheckConfig c;
+    c.seed = 7;
+    c.hidden = 256;
+    c.expert_inter = 384;
+    c.experts = 16;
+    c.top_k = 4;
+    c.linear_rows = {1, 3, 8, 40};
+    std::vector<OpCheck> moe;
+    for (const OpCheck& r : compare_ops(gpu, *cpu, c))
+      if (r.op.rfind("moe_experts", 0) == 0) moe.push_back(r);
+    EXPECT_EQ(moe.size(), 10u);
+    expect_all_pass(moe, std::string("KILN_MOE_MMA=") + mode);
+  }
 }
 
 TEST(CudaOps, RecurrentDeltaRuleMatchesCpuChunkedPrefill) {

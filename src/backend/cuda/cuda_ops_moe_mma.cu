@@ -1,0 +1,278 @@
+// CudaOps routed experts with NVFP4 weights on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
+//
+// Hopper has no FP4 MMA, so the codes are decoded to bf16 in registers: e2m1 * e4m3 block scale is exact in bf16
+// (at most 6 significant bits; the 2^118 / 2^-8 bookkeeping of device_utils.cuh keeps it in range). The fp32
+// activations are split into bf16 parts x = hi + mid (+ lo) once per launch (moe_split_rows), and every part goes
+// through the same decoded weight fragment: with three parts the products carry ~24 bits of x, so the result
+// matches the fp32 CUDA-core path up to summation order (the op checks hold at 1e-5 rel-L2; two parts ~2^-17).
+//
+// Layout: the weight tile is the MMA's A operand (16 weight rows per block), the routed rows (tokens) its B
+// operand, 8 per MMA tile. A block = one row tile of the grouping (one expert, up to tile_m sorted rows, walked
+// 8 at a time) x 16 output features; its warps split K in 128-wide steps (lane q of a quad streams 32 codes = 16
+// bytes of two weight rows) and reduce through shared memory. The order in which a lane's codes enter the MMA's k
+// dimension is a permutation of the physical k, the same for A and B (see nvfp4.cu): decoding is a few shifts per
+// pair of codes.
+//
+// The gate/up launch (kMats 2) writes silu(gate) * up already split into parts, in the layout the down launch
+// (kMats 1) reads as its B operand; the down launch writes fp32 rows that moe_combine sums per token.
+#include <cuda_bf16.h>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_device.cuh"
+#include "backend/cuda/cuda_ops_kernels.h"
+#include "backend/cuda/device_utils.cuh"
+
+namespace kiln::cuda::ops {
+namespace {
+
+namespace tc = ::kiln::cuda::dev;
+
+constexpr int kStepK = 128;  // k per warp step: 4 lanes x 32 codes of each weight row
+
+struct MmaArgs {
+  const WeightDesc* table = nullptr;  // [E][3] {gate, up, down}
+  int which0 = 0, which1 = 1;         // table entries of matrix 0 (and 1 when kMats == 2)
+  const int32_t* group_offset = nullptr;
+  const int32_t* tile_offset = nullptr;
+  const int32_t* tile_group = nullptr;
+  int num_groups = 0;
+  int tile_m = 8;
+  const uint16_t* xs = nullptr;         // split input rows [rows][K/32][parts][32] (bf16 bits)
+  const int32_t* row_index = nullptr;   // input row of each sorted row (null: the sorted row itself)
+  int K = 0, N = 0;
+  uint16_t* act_s = nullptr;  // kMats 2: split output [sorted rows][N/32][parts][32]
+  float* y = nullptr;         // kMats 1: [sorted rows][N]
+};
+
+template <int kParts>
+__device__ __forceinline__ void split_value(float v, uint16_t (&o)[kParts]) {
+  float r = v;
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(r);
+    o[p] = __bfloat16_as_ushort(h);
+    r -= __bfloat162float(h);
+  }
+}
+
+// xs[t][c][p][i] = part p of x[t][32c + i].
+template <int kParts>
+__global__ void split_rows_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
+                                  uint16_t* __restrict__ xs) {
+  const int64_t n = T * K;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / K, k = i % K;
+    uint16_t o[kParts];
+    split_value<kParts>(x[t * ldx + k], o);
+    uint16_t* dst = xs + t * K * kParts + (k / 32) * kParts * 32 + (k % 32);
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) dst[p * 32] = o[p];
+  }
+}
+
+template <int kMats>
+struct MmaStep {
+  uint4 w[kMats][2];      // 32 codes of rows g and g + 8
+  uint32_t sc[kMats][2];  // their 2 block-scale bytes each
+};
+
+template <int kMats, int kParts, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
+  const int tile = blockIdx.x;
+  if (tile >= a.tile_offset[a.num_groups]) return;
+  const int e = a.tile_group[tile];
+  const int rb = a.group_offset[e] + (tile - a.tile_offset[e]) * a.tile_m;
+  const int re = min(a.group_offset[e + 1], rb + a.tile_m);
+  if (rb >= re) return;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int row0 = blockIdx.y * 16;
+  const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
+  const int steps = a.K / kStepK;
+
+  const uint8_t* wrow[kMats][2];
+  const uint8_t* srow[kMats][2];
+  float gscale[kMats];
+#pragma unroll
+  for (int mi = 0; mi < kMats; ++mi) {
+    const WeightDesc& w = a.table[e * 3 + (mi == 0 ? a.which0 : a.which1)];
+    gscale[mi] = w.scale * tc::kNvfp4AccumScale;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row0 + g + 8 * r;
+      wrow[mi][r] = static_cast<const uint8_t*>(w.data) + row * row_bytes + 16 * q;
+      srow[mi][r] = w.block_scale + row * row_scales + 2 * q;
+    }
+  }
+  const int64_t xs_row = int64_t(a.K) * kParts;  // bf16 elements per split row
+  constexpr int kStepX = 4 * kParts * 32;        // bf16 elements of one step (4 lanes x parts x 32)
+
+  __shared__ float red[kWarps][kMats][4][32];
+
+  for (int tb = rb; tb < re; tb += 8) {
+    // Tokens past the tile's last row read the last row again: their loads stay unconditional, their MMA columns
+    // are never stored.
+    const int tok = min(tb + g, re - 1);
+    const uint16_t* xrow = a.xs + int64_t(a.row_index ? a.row_index[tok] : tok) * xs_row + q * kParts * 32;
+
+    float acc[kMats][4];
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi) acc[mi][0] = acc[mi][1] = acc[mi][2] = acc[mi][3] = 0.0f;
+
+    auto load = [&](MmaStep<kMats>& st, int s) {
+#pragma unroll
+      for (int mi = 0; mi < kMats; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          st.w[mi][r] = tc::ld_stream_16(wrow[mi][r] + s * (kStepK / 2));
+          st.sc[mi][r] = __ldg(reinterpret_cast<const uint16_t*>(srow[mi][r] + s * (kStepK / 16)));
+        }
+    };
+    auto compute = [&](const MmaStep<kMats>& st, int s) {
+      uint4 xv[4][kParts];
+      const uint4* xp = reinterpret_cast<const uint4*>(xrow + int64_t(s) * kStepX);
+#pragma unroll
+      for (int p = 0; p < kParts; ++p)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j][p] = __ldg(xp + p * 4 + j);
+      uint32_t sc[kMats][2][2];  // [mat][row][scale block]
+#pragma unroll
+      for (int mi = 0; mi < kMats; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          sc[mi][r][0] = tc::nvfp4_scale_bf16x2(st.sc[mi][r] & 0xff);
+          sc[mi][r][1] = tc::nvfp4_scale_bf16x2(st.sc[mi][r] >> 8);
+        }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // word j: codes 8j..8j+7 of this lane's 32
+#pragma unroll
+        for (int mi = 0; mi < kMats; ++mi) {
+          const uint32_t w0 = j == 0 ? st.w[mi][0].x : j == 1 ? st.w[mi][0].y : j == 2 ? st.w[mi][0].z : st.w[mi][0].w;
+          const uint32_t w1 = j == 0 ? st.w[mi][1].x : j == 1 ? st.w[mi][1].y : j == 2 ? st.w[mi][1].z : st.w[mi][1].w;
+          const uint32_t s0 = sc[mi][0][j / 2], s1 = sc[mi][1][j / 2];
+          uint32_t f[4];
+          // k-step 0: code pairs (0,4), (1,5); k-step 1: (2,6), (3,7).
+          f[0] = tc::bf16x2_mul(tc::e2m1_pair_bits<0>(w0), s0);
+          f[1] = tc::bf16x2_mul(tc::e2m1_pair_bits<0>(w1), s1);
+          f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w0), s0);
+          f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w1), s1);
+#pragma unroll
+          for (int p = 0; p < kParts; ++p)
+            tc::mma_bf16_16816(acc[mi], f, __byte_perm(xv[j][p].x, xv[j][p].z, 0x5410),
+                               __byte_perm(xv[j][p].x, xv[j][p].z, 0x7632));
+          f[0] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w0), s0);
+          f[1] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w1), s1);
+          f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w0), s0);
+          f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w1), s1);
+#pragma unroll
+          for (int p = 0; p < kParts; ++p)
+            tc::mma_bf16_16816(acc[mi], f, __byte_perm(xv[j][p].y, xv[j][p].w, 0x5410),
+                               __byte_perm(xv[j][p].y, xv[j][p].w, 0x7632));
+        }
+      }
+    };
+
+    // The next step's weight loads are in flight while this step decodes and multiplies.
+    int s = warp;
+    if (s < steps) {
+      MmaStep<kMats> cur;
+      load(cur, s);
+      for (; s + kWarps < steps; s += kWarps) {
+        MmaStep<kMats> nxt;
+        load(nxt, s + kWarps);
+        compute(cur, s);
+        cur = nxt;
+      }
+      compute(cur, s);
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[warp][mi][c][lane] = acc[mi][c];
+    __syncthreads();
+    // Fragment c: weight row g + 8 (c >= 2), token 2q + (c & 1). Warp w finishes fragment w % 4 (kWarps >= 4).
+    for (int c = warp; c < 4; c += kWarps) {
+      float v[kMats];
+#pragma unroll
+      for (int mi = 0; mi < kMats; ++mi) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += red[w][mi][c][lane];
+        v[mi] = sum * gscale[mi];
+      }
+      const int n = row0 + g + (c >= 2 ? 8 : 0);
+      const int t = tb + 2 * q + (c & 1);
+      if (t < re) {
+        if constexpr (kMats == 2) {
+          uint16_t o[kParts];
+          split_value<kParts>(dev::silu(v[0]) * v[1], o);
+          uint16_t* dst = a.act_s + int64_t(t) * a.N * kParts + (n / 32) * kParts * 32 + (n % 32);
+#pragma unroll
+          for (int p = 0; p < kParts; ++p) dst[p * 32] = o[p];
+        } else {
+          a.y[int64_t(t) * a.N + n] = v[0];
+        }
+      }
+    }
+    __syncthreads();  // red is written again by the next token tile
+  }
+}
+
+template <int kMats, int kParts>
+void launch_mma(const MmaArgs& a, int64_t max_tiles, Stream stream) {
+  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(a.N / 16));
+  // K split over 8 warps when there are >= 8 steps of 128, else over 4 (some may idle when K < 512).
+  if (a.K / kStepK >= 8) moe_mma_kernel<kMats, kParts, 8><<<grid, 256, 0, stream>>>(a);
+  else moe_mma_kernel<kMats, kParts, 4><<<grid, 128, 0, stream>>>(a);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+template <int kParts>
+void run_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
+                     const MoeMmaPlan& plan, Stream stream) {
+  const int64_t n = T * H;
+  const int64_t blocks = (n + 255) / 256;
+  split_rows_kernel<kParts><<<static_cast<unsigned>(blocks < 8192 ? blocks : 8192), 256, 0, stream>>>(
+      x, H, T, H, plan.xs);
+  KILN_CUDA_CHECK_LAUNCH();
+  MmaArgs up;
+  up.table = experts;
+  up.which0 = 0;
+  up.which1 = 1;
+  up.group_offset = plan.group_offset;
+  up.tile_offset = plan.tile_offset;
+  up.tile_group = plan.tile_group;
+  up.num_groups = static_cast<int>(E);
+  up.tile_m = plan.tile_m;
+  up.xs = plan.xs;
+  up.row_index = plan.row_token;
+  up.K = static_cast<int>(H);
+  up.N = static_cast<int>(I);
+  up.act_s = plan.act_s;
+  launch_mma<2, kParts>(up, plan.max_tiles, stream);
+  MmaArgs down = up;
+  down.which0 = down.which1 = 2;
+  down.xs = plan.act_s;
+  down.row_index = nullptr;
+  down.K = static_cast<int>(I);
+  down.N = static_cast<int>(H);
+  down.act_s = nullptr;
+  down.y = plan.y;
+  launch_mma<1, kParts>(down, plan.max_tiles, stream);
+}
+
+}  // namespace
+
+bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind) {
+  return experts_gemv2_kind == 1 && H % kStepK == 0 && I % kStepK == 0 && H > 0 && I > 0;
+}
+
+void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
+                     const MoeMmaPlan& plan, Stream stream) {
+  if (T == 0) return;
+  if (plan.parts == 2) run_experts_mma<2>(x, T, H, I, experts, E, plan, stream);
+  else run_experts_mma<3>(x, T, H, I, experts, E, plan, stream);
+}
+
+}  // namespace kiln::cuda::ops

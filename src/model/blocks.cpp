@@ -119,6 +119,30 @@ TensorView rms_norm(Forward& f, const TensorView& x, const TensorView& weight, N
 
 void residual_add(Forward& f, TensorView hidden, const TensorView& y) { f.ops.add(hidden, y, hidden); }
 
+TensorView residual_norm(Forward& f, TensorView hidden, const TensorView& y, const TensorView& weight, NormKind kind) {
+  TensorView out = f.f32(hidden.shape);
+  f.ops.add_rms_norm(hidden, y, weight, static_cast<float>(f.config.rms_norm_eps), kind, out);
+  return out;
+}
+
+TensorView input_norm(Forward& f, TensorView hidden, const TensorView& weight, NormKind kind) {
+  if (!f.pending_residual.data) return rms_norm(f, hidden, weight, kind);
+  const TensorView y = f.pending_residual;
+  f.pending_residual = TensorView();
+  return residual_norm(f, hidden, y, weight, kind);
+}
+
+void residual_defer(Forward& f, const TensorView& y) {
+  KILN_CHECK(!f.pending_residual.data, "residual_defer: a block output is already pending");
+  f.pending_residual = y;
+}
+
+void residual_flush(Forward& f, TensorView hidden) {
+  if (!f.pending_residual.data) return;
+  residual_add(f, hidden, f.pending_residual);
+  f.pending_residual = TensorView();
+}
+
 static TensorView linear(Forward& f, const TensorView& x, const LinearWeight& w) {
   TensorView out = f.f32(Shape{x.dim(0), w.out_features});
   f.ops.linear(x, w, out);

@@ -48,5 +48,13 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x);
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise);
 // hidden += y (both [T, H]).
 void residual_add(Forward& f, TensorView hidden, const TensorView& y);
+// The residual stream between blocks (hidden [T, H]), fused where a backend can:
+//  - input_norm: adds a deferred block output (if any), then returns rms_norm(hidden);
+//  - residual_norm: hidden += y, returns rms_norm(hidden);
+//  - residual_defer: y is added by the next input_norm (the next layer's) or residual_flush (the runner's).
+TensorView input_norm(Forward& f, TensorView hidden, const TensorView& weight, NormKind kind);
+TensorView residual_norm(Forward& f, TensorView hidden, const TensorView& y, const TensorView& weight, NormKind kind);
+void residual_defer(Forward& f, const TensorView& y);
+void residual_flush(Forward& f, TensorView hidden);
 
 }  // namespace kiln::model

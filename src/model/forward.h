@@ -27,6 +27,9 @@ struct Forward {
   std::span<const int> linear_index;     // [num_layers] linear-attention index, -1 for full layers
   DeltaRuleMode delta_mode = DeltaRuleMode::chunked;  // for sequences with more than one token in the step
   const TraceFn* trace = nullptr;
+  // A block output not yet added to the residual stream: the next input_norm() adds it and normalises in one op
+  // (add_rms_norm), residual_flush() adds it alone. Empty (data null) when none.
+  TensorView pending_residual;
 
   TensorView f32(Shape shape) const { return ops.scratch(DType::F32, shape); }
   void name(std::string_view what, int layer, const TensorView& value) const {

@@ -57,6 +57,12 @@ void Ops::linear_multi(const TensorView& x, std::span<const LinearWeight* const>
   for (size_t i = 0; i < ws.size(); ++i) linear(x, *ws[i], outs[i]);
 }
 
+void Ops::add_rms_norm(TensorView hidden, const TensorView& y, const TensorView& weight, float eps, NormKind kind,
+                       TensorView out) {
+  add(hidden, y, hidden);
+  rms_norm(hidden, weight, eps, kind, out);
+}
+
 void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0),
              "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());

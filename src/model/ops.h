@@ -181,6 +181,10 @@ class Ops {
   // x [R, D] (rows may be strided: strides[0] >= D), weight [D] (BF16 / F32), out [R, D] contiguous.
   virtual void rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind,
                         TensorView out) = 0;
+  // The residual step between blocks: hidden += y, then out = rms_norm(hidden). hidden, y, out [R, D] contiguous.
+  // The default runs add() then rms_norm(); a GPU backend may fuse them (one pass over the row).
+  virtual void add_rms_norm(TensorView hidden, const TensorView& y, const TensorView& weight, float eps, NormKind kind,
+                            TensorView out);
   // Gated DeltaNet output norm: out = w * rmsnorm(x) * silu(z), per row, fp32. x, z, out [R, D]; w [D].
   virtual void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
                               TensorView out) = 0;

@@ -18,10 +18,10 @@ class Qwen3 final : public Family {
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
-    TensorView x = rms_norm(f, hidden, w.input_norm, NormKind::plain);
-    residual_add(f, hidden, full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain));
-    x = rms_norm(f, hidden, w.post_attention_norm, NormKind::plain);
-    residual_add(f, hidden, mlp(f, w.mlp, x));
+    TensorView x = input_norm(f, hidden, w.input_norm, NormKind::plain);
+    TensorView y = full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain);
+    x = residual_norm(f, hidden, y, w.post_attention_norm, NormKind::plain);
+    residual_defer(f, mlp(f, w.mlp, x));
   }
 };
 

@@ -21,13 +21,12 @@ class Qwen3_5 final : public Family {
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
-    TensorView x = rms_norm(f, hidden, w.input_norm, NormKind::zero_centred);
+    TensorView x = input_norm(f, hidden, w.input_norm, NormKind::zero_centred);
     TensorView y = w.type == format::LayerType::linear_attention
                        ? gated_deltanet(f, layer, w.linear, x)
                        : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
-    residual_add(f, hidden, y);
-    x = rms_norm(f, hidden, w.post_attention_norm, NormKind::zero_centred);
-    residual_add(f, hidden, mlp(f, w.mlp, x));
+    x = residual_norm(f, hidden, y, w.post_attention_norm, NormKind::zero_centred);
+    residual_defer(f, mlp(f, w.mlp, x));
   }
 };
 

@@ -23,12 +23,12 @@ class Qwen3Moe final : public Family {
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
-    TensorView x = rms_norm(f, hidden, w.input_norm, NormKind::plain);
-    residual_add(f, hidden, full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain));
-    x = rms_norm(f, hidden, w.post_attention_norm, NormKind::plain);
+    TensorView x = input_norm(f, hidden, w.input_norm, NormKind::plain);
+    TensorView a = full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain);
+    x = residual_norm(f, hidden, a, w.post_attention_norm, NormKind::plain);
     TensorView y = w.is_moe ? moe(f, layer, w.moe, x, f.config.experts_per_tok, f.config.norm_topk_prob)
                             : mlp(f, w.mlp, x);
-    residual_add(f, hidden, y);
+    residual_defer(f, y);
   }
 };
 

@@ -57,14 +57,13 @@ class Qwen3Next final : public Family {
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
-    TensorView x = rms_norm(f, hidden, w.input_norm, NormKind::zero_centred);
+    TensorView x = input_norm(f, hidden, w.input_norm, NormKind::zero_centred);
     TensorView y = w.type == format::LayerType::linear_attention
                        ? gated_deltanet_fused(f, layer, w.linear, x)
                        : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
-    residual_add(f, hidden, y);
-    x = rms_norm(f, hidden, w.post_attention_norm, NormKind::zero_centred);
+    x = residual_norm(f, hidden, y, w.post_attention_norm, NormKind::zero_centred);
     y = w.is_moe ? moe(f, layer, w.moe, x, f.config.experts_per_tok, f.config.norm_topk_prob) : mlp(f, w.mlp, x);
-    residual_add(f, hidden, y);
+    residual_defer(f, y);
   }
 };
 

@@ -175,8 +175,10 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   f.name("embed", -1, hidden);
   for (int l = 0; l < c.num_layers; ++l) {
     model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
+    if (f.trace && *f.trace) residual_flush(f, hidden);  // a traced layer output is the whole residual stream
     f.name("layer_out", l, hidden);
   }
+  residual_flush(f, hidden);
   if (!row_ids.data) return {};
   const int64_t R = row_ids.numel();
   TensorView last = f.f32(Shape{R, c.hidden_size});

@@ -34,6 +34,13 @@ constexpr size_t kAlign = 256;
 constexpr size_t kFirstScratchBytes = size_t{64} << 20;
 // Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, split-bf16 activations).
 constexpr int64_t kBlasMinRows = 16;
+// Between 16 and 64 rows only large dense weights go to cuBLASLt: the split / GEMM / sum launches cost more than the
+// bandwidth gemv (8-row tiles, later tiles' weights from L2) for the small ones (routers, gates, 2048 x 512).
+constexpr int64_t kGemvMaxRowsSmallW = 64;
+constexpr int64_t kBlasMinElemsFewRows = int64_t(4) << 20;
+bool blas_rows(int64_t T, int64_t N, int64_t K) {
+  return T >= kBlasMinRows && (T > kGemvMaxRowsSmallW || N * K >= kBlasMinElemsFewRows);
+}
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -299,12 +306,13 @@ std::string CudaOps::describe() const {
   const CudaDeviceProbe& d = impl_->device;
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: "
-      "dense BF16 with >= {} rows on tensor cores (cuBLASLt, x split into 3 bf16 parts){}, else {} (<= 128 rows) "
+      "dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores (cuBLASLt, x split into 3 bf16 "
+      "parts){}, else {} (<= 128 rows) "
       "or fp32 gemm (64x64 smem tiles), weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: "
       "experts grouped on the device, {}; attention: paged, split-KV, online "
       "softmax (f32/bf16/fp8 KV); delta rule: recurrent (prefill and decode); decode steps as CUDA graphs{}",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
-      kBlasMinRows, impl_->blas_ok ? "" : " [off: KILN_CUDA_BLAS=0]", kops::linear_path_name(1),
+      kGemvMaxRowsSmallW, kBlasMinRows, impl_->blas_ok ? "" : " [off: KILN_CUDA_BLAS=0]", kops::linear_path_name(1),
       impl_->moe_mma_parts ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
                                          "into {} bf16 parts), others on the fp32 kernels",
                                          impl_->moe_mma_parts)
@@ -588,7 +596,7 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   // into three bf16 parts (hi + mid + lo carry x's 24 bits), the 3T rows go through one GEMM (W read once), and
   // the three partial outputs are summed: products are exact in fp32, so the result matches the fp32 kernels to
   // summation order.
-  if (w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && !w.bias.data && T >= kBlasMinRows &&
+  if (w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && !w.bias.data && blas_rows(T, N, K) &&
       K % 8 == 0 && N % 4 == 0 && reinterpret_cast<uintptr_t>(w.weight.data) % 16 == 0 && impl_->blas_ok) {
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
     auto* xs = static_cast<uint16_t*>(impl_->blas_buffer(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
@@ -606,8 +614,10 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
                            std::span<const TensorView> outs) {
   KILN_CHECK(ws.size() == outs.size(), "linear_multi: {} weights, {} outputs", ws.size(), outs.size());
   const int64_t T = x.dim(0);
-  bool fused = T < kBlasMinRows && ws.size() >= 2 && ws.size() <= 4 && x.ndim() == 2 && x.strides[1] == 1 &&
-               x.dtype == DType::F32;
+  bool fused = T >= 1 && T <= kGemvMaxRowsSmallW && ws.size() >= 2 && ws.size() <= 4 && x.ndim() == 2 &&
+               x.strides[1] == 1 && x.dtype == DType::F32;
+  for (size_t i = 0; fused && i < ws.size(); ++i)  // every weight would take the gemv alone too
+    fused = !blas_rows(T, ws[i]->out_features, ws[i]->in_features) || !impl_->blas_ok;
   kops::WeightDesc descs[4];
   float* out_ptrs[4] = {};
   int64_t ldos[4] = {};
@@ -643,6 +653,21 @@ void CudaOps::rms_norm(const TensorView& x, const TensorView& weight, float eps,
   const int64_t ldx = R > 1 ? x.strides[0] : D;
   kops::rms_norm(f32(x), ldx, R, D, weight.data, elem_of(weight.dtype, "norm weight"), eps,
                  kind == NormKind::zero_centred, f32_mut(out), impl_->stream);
+}
+
+void CudaOps::add_rms_norm(TensorView hidden, const TensorView& y, const TensorView& weight, float eps, NormKind kind,
+                           TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string(fmt::format("add_rms_norm D={}", weight.numel())); });
+  KILN_CHECK(hidden.ndim() == 2 && hidden.is_contiguous() && y.shape == hidden.shape && y.is_contiguous() &&
+                 out.shape == hidden.shape && out.is_contiguous(),
+             "add_rms_norm shapes {} {} {}", hidden.shape.str(), y.shape.str(), out.shape.str());
+  expect_f32(hidden, "add_rms_norm hidden");
+  expect_f32(y, "add_rms_norm y");
+  expect_f32(out, "add_rms_norm out");
+  const int64_t R = hidden.dim(0), D = hidden.dim(1);
+  KILN_CHECK(weight.numel() == D, "add_rms_norm weight {} for D {}", weight.numel(), D);
+  kops::add_rms_norm(f32_mut(hidden), f32(y), R, D, weight.data, elem_of(weight.dtype, "norm weight"), eps,
+                     kind == NormKind::zero_centred, f32_mut(out), impl_->stream);
 }
 
 void CudaOps::gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,

@@ -63,6 +63,8 @@ class CudaOps final : public model::Ops {
                     std::span<const TensorView> outs) override;
   void rms_norm(const TensorView& x, const TensorView& weight, float eps, model::NormKind kind,
                 TensorView out) override;
+  void add_rms_norm(TensorView hidden, const TensorView& y, const TensorView& weight, float eps, model::NormKind kind,
+                    TensorView out) override;
   void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
                       TensorView out) override;
   void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) override;

@@ -1,6 +1,8 @@
 // CudaOps kernels over rows and elements: strided copy, max |x|, embedding, RMSNorm (plain / zero-centred /
 // gated), RoPE, add, SiLU-mul, sigmoid-mul, row gather, the causal conv of Gated DeltaNet and its gates.
 // One thread per element or a warp per row; fp32 maths in the CPU backend's order where it matters.
+#include <algorithm>
+
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
 #include "backend/cuda/cuda_ops_kernels.h"
@@ -134,6 +136,54 @@ __global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restri
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
 
+// hidden += y, out = rmsnorm(hidden): a block per row, the row staged in registers (D <= 4096) so that the sum of
+// squares and the output come from one read.
+template <int kWElem>
+__global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
+                                                               int64_t D, const void* w, ElemType w_elem, float eps,
+                                                               bool zero_centred, float* __restrict__ out) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  float* hr = hidden + r * D;
+  const float* yr = y + r * D;
+  const float one = zero_centred ? 1.0f : 0.0f;
+  constexpr int kPer = 16;
+  if (D <= 256 * kPer) {
+    float v[kPer], wv[kPer];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      const int ic = i < D ? i : int(D) - 1;
+      v[j] = hr[ic] + yr[ic];
+      wv[j] = norm_w<kWElem>(w, w_elem, ic);
+      if (i < D) ss += v[j] * v[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      if (i < D) hr[i] = v[j];
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      if (i < D) out[r * D + i] = (v[j] * inv) * (wv[j] + one);
+    }
+    return;
+  }
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = hr[i] + yr[i];
+    hr[i] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);  // its barrier also orders this thread's hr writes before the reads below
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (hr[i] * inv) * (load_elem(w, w_elem, i) + one);
+}
+
 __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
                                       const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
@@ -189,23 +239,33 @@ __global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, i
   }
 }
 
-// ---- Gated DeltaNet: causal conv (a thread per (sequence, channel), tokens in order) and gates
+// ---- Gated DeltaNet: causal conv (a thread per channel and chunk of a sequence's tokens) and gates
+
+// grid (C / 128, S, token chunks of kConvChunk): a thread per (channel, chunk of one sequence), so that a long prefill
+// runs in parallel over its tokens. The window before a chunk's first token comes from x (earlier tokens of the
+// sequence) or from conv_state (inputs before the sequence). Only chunk 0 touches conv_state: it reads the old
+// state, then writes the new one (the sequence's last KC - 1 inputs), so no block reads a state another rewrites.
+constexpr int kConvChunk = 64;
 
 template <int KC>
 __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const void* w, ElemType w_elem,
                                    float* __restrict__ conv_state, StepArgs step, float* __restrict__ out) {
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int s = blockIdx.y;
+  const int s = blockIdx.y, chunk = blockIdx.z;
   if (c >= C || s >= step.num_seqs) return;
+  const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
+  const int t0 = b + chunk * kConvChunk, t1 = min(e, t0 + kConvChunk);
+  if (chunk > 0 && t0 >= e) return;
   float wk[KC];
 #pragma unroll
   for (int j = 0; j < KC; ++j) wk[j] = load_elem(w, w_elem, c * KC + j);
   float* state = conv_state + (int64_t(step.seq_state_slot[s]) * C + c) * (KC - 1);
+  // Input at position tp of the sequence's timeline: x for tp >= b, else the state (positions b - (KC-1) .. b-1).
+  auto input = [&](int tp) { return tp >= b ? x[int64_t(tp) * C + c] : state[tp - b + KC - 1]; };
   float win[KC];  // win[0 .. KC-2]: the previous inputs, oldest first; win[KC-1]: the current one
 #pragma unroll
-  for (int j = 0; j < KC - 1; ++j) win[j] = state[j];
-  const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
-  for (int t = b; t < e; ++t) {
+  for (int j = 0; j < KC - 1; ++j) win[j] = input(t0 - (KC - 1) + j);
+  for (int t = t0; t < t1; ++t) {
     win[KC - 1] = x[int64_t(t) * C + c];
     float acc = 0.0f;
 #pragma unroll
@@ -214,8 +274,13 @@ __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const
 #pragma unroll
     for (int j = 0; j < KC - 1; ++j) win[j] = win[j + 1];
   }
+  if (chunk == 0) {
+    float next[KC - 1];
 #pragma unroll
-  for (int j = 0; j < KC - 1; ++j) state[j] = win[j];
+    for (int j = 0; j < KC - 1; ++j) next[j] = input(e - (KC - 1) + j);
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) state[j] = next[j];
+  }
 }
 
 __global__ void delta_rule_gates_kernel(const float* a, const float* b, const void* A_log, ElemType A_log_elem,
@@ -294,6 +359,16 @@ void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, 
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+void add_rms_norm(float* hidden, const float* y, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                  bool zero_centred, float* out, Stream stream) {
+  if (R == 0) return;
+  const unsigned g = static_cast<unsigned>(R);
+  if (w_elem == ElemType::bf16) add_rms_norm_row_kernel<1><<<g, 256, 0, stream>>>(hidden, y, D, w, w_elem, eps, zero_centred, out);
+  else if (w_elem == ElemType::f32) add_rms_norm_row_kernel<0><<<g, 256, 0, stream>>>(hidden, y, D, w, w_elem, eps, zero_centred, out);
+  else add_rms_norm_row_kernel<-1><<<g, 256, 0, stream>>>(hidden, y, D, w, w_elem, eps, zero_centred, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
 void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
                     float* out, Stream stream) {
   if (R == 0) return;
@@ -331,7 +406,8 @@ void sigmoid_mul(const float* x, const float* g, float* out, int64_t T, int64_t 
 void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_elem, int Kc, float* conv_state,
                         const StepArgs& step, float* out, Stream stream) {
   if (step.num_seqs == 0 || C == 0) return;
-  const dim3 grid(grid_for(C, 128), static_cast<unsigned>(step.num_seqs));
+  const int chunks = std::max(1, (step.max_seq_tokens + kConvChunk - 1) / kConvChunk);
+  const dim3 grid(grid_for(C, 128), static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(chunks));
   switch (Kc) {
     case 2: conv1d_silu_kernel<2><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
     case 3: conv1d_silu_kernel<3><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;

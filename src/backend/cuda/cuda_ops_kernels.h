@@ -85,6 +85,9 @@ void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int
 // x [R, D] with row stride ldx; w [D]; out [R, D] contiguous. out = x_hat * (w or 1 + w).
 void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
               bool zero_centred, float* out, Stream stream);
+// hidden += y, then out = rms_norm(hidden) (a block per row). hidden, y, out [R, D] contiguous.
+void add_rms_norm(float* hidden, const float* y, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                  bool zero_centred, float* out, Stream stream);
 // out = (w * x_hat) * silu(z); x, z, out [R, D].
 void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
                     float* out, Stream stream);
@@ -127,8 +130,8 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
 // out[t, n] = sum_k x[t, k] W[n, k] (+ bias[n]); x [T, K] row stride ldx, out [T, N] row stride ldo. fp32 FMA.
 void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream);
 // Several linears of one x in a single launch (the bandwidth gemv with one segment per weight): outs[i] [T, n_i]
-// with row stride ldos[i]. Only for T <= 8 rows, <= 4 weights of one gemv2 kind and one k; returns false (nothing
-// launched) otherwise.
+// with row stride ldos[i]. Only for T <= 64 rows (tiles of 8), <= 4 weights of one gemv2 kind and one k; returns false
+// (nothing launched) otherwise.
 bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
                   const int64_t* ldos, Stream stream);
 // Name of the linear path linear() picks for T tokens (for describe()).
@@ -157,16 +160,16 @@ bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind);
 struct MoeMmaPlan {
   int parts = 3;         // bf16 parts of the fp32 activations (2 or 3)
   int tile_m = 8;        // sorted rows per row tile
+  int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2 or 4) of the decode-sized launches
+  int sub = 4;                 // 8-token MMA tiles per pass over the weights in row tiles > 16 rows (2 or 4)
   int64_t max_tiles = 0; // grid bound on row tiles
-  const int32_t* group_offset = nullptr;  // [E + 1]
-  const int32_t* tile_offset = nullptr;   // [E + 1]
-  const int32_t* tile_group = nullptr;    // [tiles]
+  const int4* tile_info = nullptr;        // [max_tiles] {expert (-1: no tile), first sorted row, end row, 0}
   const int32_t* row_token = nullptr;     // [P] token of each sorted row
   uint16_t* xs = nullptr;     // [T][H/32][parts][32] the split x
   uint16_t* act_s = nullptr;  // [P][I/32][parts][32] the split silu(gate) * up
   float* y = nullptr;         // [P][H] each sorted row's expert output
 };
-// y[r] = down(silu(gate(x[row_token[r]])) * up(...)) for every sorted row r of expert tile_group's groups.
+// y[r] = down(silu(gate(x[row_token[r]])) * up(...)) for every sorted row r of every tile.
 void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
                      const MoeMmaPlan& plan, Stream stream);
 

@@ -9,6 +9,8 @@
 // [tile_offset[g], tile_offset[g+1]); a dense layer is one group. Row r of a group reads input row row_index[r].
 // Each output row is computed on its own (no cross-row arithmetic), so the result does not depend on how the
 // rows were grouped or tiled.
+#include <cstdlib>
+
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
 #include "backend/cuda/device_utils.cuh"  // ld_stream_16
@@ -484,6 +486,7 @@ void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t 
 }
 
 constexpr int64_t kGemvMaxRows = 128;  // dense layers with at most this many rows take the gemv path (8-row tiles)
+constexpr int64_t kMultiMaxRows = 64;  // linear_multi: at most this many rows
 
 // ---- MoE routing: a block per token
 
@@ -561,14 +564,15 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int to
 
 // Up to 1024 experts: a warp per token, lane l holding experts l, l + 32, ... in registers; the top-k picks are
 // warp argmax reductions (ties: lower id), no block barriers.
+// kPer = experts per lane (E <= 32 kPer): a template so that p[] stays in registers (every index is static).
 constexpr int kRouteWarpMaxE = 1024;
+template <int kPer>
 __global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t T, int E, int top_k,
                                       bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (t >= T) return;
   const float* l = logits + t * E;
-  constexpr int kPer = kRouteWarpMaxE / 32;
   float p[kPer];
   float m = -INFINITY;
 #pragma unroll
@@ -611,7 +615,9 @@ __global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t 
       }
     }
     if (bi < 0 || bi >= E) bi = 0;  // only when every p is NaN
-    if ((bi & 31) == lane) p[bi >> 5] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i == bi) p[i] = -INFINITY;
     const float v = __shfl_sync(0xffffffffu, bv, 0);
     chosen_sum += v;
     if (lane == j) {
@@ -631,6 +637,8 @@ struct MoeLayout {
   int32_t* group_offset;  // [E + 1]
   int32_t* tile_offset;   // [E + 1]
   int32_t* tile_group;    // [max tiles] expert of each row tile
+  int4* tile_info;        // [max tiles] {expert, first sorted row, end row, 0}; expert -1 past the last tile (or null)
+  int max_tiles;          // entries of tile_info
   int32_t* row_token;     // [P]  token of each sorted row
   int32_t* pair_pos;      // [P]  sorted row of each pair (-1: invalid expert id)
   int32_t* cursor;        // [E]
@@ -683,7 +691,14 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top
   for (int e = tid; e < E; e += nt) {
     const int first = lay.tile_offset[e], last = lay.tile_offset[e + 1];
     for (int i = first; i < last; ++i) lay.tile_group[i] = e;
+    if (lay.tile_info)
+      for (int i = first; i < last; ++i) {
+        const int rb = lay.group_offset[e] + (i - first) * tile_rows_m;
+        lay.tile_info[i] = make_int4(e, rb, min(lay.group_offset[e + 1], rb + tile_rows_m), 0);
+      }
   }
+  if (lay.tile_info)
+    for (int i = lay.tile_offset[E] + tid; i < lay.max_tiles; i += nt) lay.tile_info[i] = make_int4(-1, 0, 0, 0);
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     const int e = ids[p];
     if (e >= 0 && e < E) {
@@ -749,7 +764,9 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
   a.ldo = ldo;
   a.N = w.n;
   a.K = w.k;
-  const bool gemv = T <= kGemvMaxRows;
+  // Few output columns (gates, routers) stay on the gemv at any T: the gemm's 64-column tiles would leave most of the
+  // GPU idle (a 512 x 1 product ran on 8 blocks).
+  const bool gemv = T <= kGemvMaxRows || w.n <= 64;
   const int tm = gemv ? kGemvRows : kTileM;
   launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream, gemv2_kind_host(w),
               static_cast<int>(T < kGemvRows ? T : kGemvRows));
@@ -757,7 +774,7 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
 
 bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
                   const int64_t* ldos, Stream stream) {
-  if (count < 1 || count > GemmArgs::kMaxSegments || T < 1 || T > kGemvRows) return false;
+  if (count < 1 || count > GemmArgs::kMaxSegments || T < 1 || T > kMultiMaxRows) return false;
   const int kind = gemv2_kind_host(ws[0]);
   if (kind < 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 4 != 0) return false;
   for (int i = 0; i < count; ++i)
@@ -783,8 +800,9 @@ bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, 
   }
   a.seg_block_begin[count] = blocks;
   a.N = ws[0].n;
-  const dim3 grid(1, static_cast<unsigned>(blocks));
-  const int rows = static_cast<int>(T);
+  // Row tiles of 8 (the weights of the later tiles come from L2).
+  const dim3 grid(static_cast<unsigned>((T + kGemvRows - 1) / kGemvRows), static_cast<unsigned>(blocks));
+  const int rows = static_cast<int>(T < kGemvRows ? T : kGemvRows);
   if (kind == 0) launch_gemv2_kind<G2Kind::bf16, false>(a, rows, two, grid, stream);
   else launch_gemv2_kind<G2Kind::nvfp4, false>(a, rows, two, grid, stream);
   KILN_CUDA_CHECK_LAUNCH();
@@ -798,8 +816,13 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
   const size_t smem = static_cast<size_t>(E) * sizeof(float);
   if (smem > 48 * 1024) cuda_fail("moe_route: {} experts is too many (at most 12288)", {E});
   if (E <= kRouteWarpMaxE && top_k <= 32) {
-    moe_route_warp_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(logits, T, static_cast<int>(E), top_k,
-                                                                                 renormalise, ids, weights);
+    const unsigned grid = static_cast<unsigned>((T + 3) / 4);
+    const int e = static_cast<int>(E);
+    if (E <= 64) moe_route_warp_kernel<2><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 128) moe_route_warp_kernel<4><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 256) moe_route_warp_kernel<8><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 512) moe_route_warp_kernel<16><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
+    else moe_route_warp_kernel<32><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
   } else {
     moe_route_kernel<<<static_cast<unsigned>(T), kRouteThreads, smem, stream>>>(logits, static_cast<int>(E), top_k,
                                                                                 renormalise, ids, weights);
@@ -829,6 +852,8 @@ MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64
   c.lay.group_offset = static_cast<int32_t*>(take((E + 1) * 4));
   c.lay.tile_offset = static_cast<int32_t*>(take((E + 1) * 4));
   c.lay.tile_group = static_cast<int32_t*>(take((P + E) * 4));  // tiles <= P / tm + E
+  c.lay.tile_info = static_cast<int4*>(take((P + E) * 16));
+  c.lay.max_tiles = 0;  // set per launch
   c.lay.row_token = static_cast<int32_t*>(take(P * 4));
   c.lay.pair_pos = static_cast<int32_t*>(take(P * 4));
   c.lay.cursor = static_cast<int32_t*>(take(E * 4));
@@ -868,18 +893,24 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     tm = 1;
     while (tm < kGemvRows && int64_t(tm) * E < P) tm *= 2;
   }
-  moe_group_kernel<<<1, 1024, static_cast<size_t>(E) * 4, stream>>>(ids, static_cast<int>(P), top_k,
-                                                                    static_cast<int>(E), tm, c.lay);
-  KILN_CUDA_CHECK_LAUNCH();
   const int64_t max_tiles = (P + tm - 1) / tm + (E < P ? E : P);
+  MoeLayout lay = c.lay;
+  if (mma) lay.max_tiles = static_cast<int>(max_tiles);
+  else lay.tile_info = nullptr;
+  moe_group_kernel<<<1, 1024, static_cast<size_t>(E) * 4, stream>>>(ids, static_cast<int>(P), top_k,
+                                                                    static_cast<int>(E), tm, lay);
+  KILN_CUDA_CHECK_LAUNCH();
   if (mma) {
     MoeMmaPlan plan;
     plan.parts = mma_parts;
     plan.tile_m = tm;
+    if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '4' && v[1] == ',') {
+      plan.mt_up = v[0] - '0';  // experiment knob: "up,down" row tiles per block
+      plan.mt_down = v[2] - '0';
+    }
+    if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '2') plan.sub = 2;  // experiment knob
     plan.max_tiles = max_tiles;
-    plan.group_offset = c.lay.group_offset;
-    plan.tile_offset = c.lay.tile_offset;
-    plan.tile_group = c.lay.tile_group;
+    plan.tile_info = c.lay.tile_info;
     plan.row_token = c.lay.row_token;
     plan.xs = c.xs;
     plan.act_s = c.act_s;

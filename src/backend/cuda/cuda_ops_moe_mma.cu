@@ -32,11 +32,7 @@ constexpr int kStepK = 128;  // k per warp step: 4 lanes x 32 codes of each weig
 struct MmaArgs {
   const WeightDesc* table = nullptr;  // [E][3] {gate, up, down}
   int which0 = 0, which1 = 1;         // table entries of matrix 0 (and 1 when kMats == 2)
-  const int32_t* group_offset = nullptr;
-  const int32_t* tile_offset = nullptr;
-  const int32_t* tile_group = nullptr;
-  int num_groups = 0;
-  int tile_m = 8;
+  const int4* tile_info = nullptr;      // [tiles] {expert (-1: none), first sorted row, end row, 0}
   const uint16_t* xs = nullptr;         // split input rows [rows][K/32][parts][32] (bf16 bits)
   const int32_t* row_index = nullptr;   // input row of each sorted row (null: the sorted row itself)
   int K = 0, N = 0;
@@ -76,17 +72,19 @@ struct MmaStep {
   uint32_t sc[kMats][2];  // their 2 block-scale bytes each
 };
 
-template <int kMats, int kParts, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
-  const int tile = blockIdx.x;
-  if (tile >= a.tile_offset[a.num_groups]) return;
-  const int e = a.tile_group[tile];
-  const int rb = a.group_offset[e] + (tile - a.tile_offset[e]) * a.tile_m;
-  const int re = min(a.group_offset[e + 1], rb + a.tile_m);
-  if (rb >= re) return;
+// Block: kMT x kKS warps. Warp (mt, ks) owns weight rows [16 mt, 16 mt + 16) of the block's 16 kMT and the k-steps
+// ks, ks + kKS, ...; the kKS partial sums of each row tile meet in shared memory.
+// kSub: 8-token MMA tiles per pass over the weights; each decoded weight fragment feeds all of them (prefill).
+template <int kMats, int kParts, int kMT, int kKS, int kSub>
+__global__ void __launch_bounds__(kMT * kKS * 32) moe_mma_kernel(const MmaArgs a) {
+  constexpr int kWarps = kMT * kKS;
+  const int4 info = a.tile_info[blockIdx.x];  // one load: expert and rows of this tile
+  const int e = info.x, rb = info.y, re = info.z;
+  if (e < 0 || rb >= re) return;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int row0 = blockIdx.y * 16;
+  const int mt = warp % kMT, ks = warp / kMT;
+  const int row0 = (blockIdx.y * kMT + mt) * 16;
   const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
   const int steps = a.K / kStepK;
 
@@ -107,17 +105,23 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
   const int64_t xs_row = int64_t(a.K) * kParts;  // bf16 elements per split row
   constexpr int kStepX = 4 * kParts * 32;        // bf16 elements of one step (4 lanes x parts x 32)
 
-  __shared__ float red[kWarps][kMats][4][32];
+  __shared__ float red[kKS][kMT][kMats][kSub][4][32];
 
-  for (int tb = rb; tb < re; tb += 8) {
+  for (int tb = rb; tb < re; tb += 8 * kSub) {
     // Tokens past the tile's last row read the last row again: their loads stay unconditional, their MMA columns
     // are never stored.
-    const int tok = min(tb + g, re - 1);
-    const uint16_t* xrow = a.xs + int64_t(a.row_index ? a.row_index[tok] : tok) * xs_row + q * kParts * 32;
-
-    float acc[kMats][4];
+    const uint16_t* xrow[kSub];
 #pragma unroll
-    for (int mi = 0; mi < kMats; ++mi) acc[mi][0] = acc[mi][1] = acc[mi][2] = acc[mi][3] = 0.0f;
+    for (int u = 0; u < kSub; ++u) {
+      const int tok = min(tb + 8 * u + g, re - 1);
+      xrow[u] = a.xs + int64_t(a.row_index ? a.row_index[tok] : tok) * xs_row + q * kParts * 32;
+    }
+
+    float acc[kMats][kSub][4];
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi)
+#pragma unroll
+      for (int u = 0; u < kSub; ++u) acc[mi][u][0] = acc[mi][u][1] = acc[mi][u][2] = acc[mi][u][3] = 0.0f;
 
     auto load = [&](MmaStep<kMats>& st, int s) {
 #pragma unroll
@@ -129,12 +133,20 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
         }
     };
     auto compute = [&](const MmaStep<kMats>& st, int s) {
-      uint4 xv[4][kParts];
-      const uint4* xp = reinterpret_cast<const uint4*>(xrow + int64_t(s) * kStepX);
+      // x of every sub-tile: all 4 words up front with one sub-tile, word by word with several (registers).
+      constexpr int kPre = kSub == 1 ? 4 : 1;
+      uint4 xv[kSub][kPre][kParts];
+      auto load_x = [&](int j0) {
 #pragma unroll
-      for (int p = 0; p < kParts; ++p)
+        for (int u = 0; u < kSub; ++u) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xrow[u] + int64_t(s) * kStepX);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j][p] = __ldg(xp + p * 4 + j);
+          for (int p = 0; p < kParts; ++p)
+#pragma unroll
+            for (int jj = 0; jj < kPre; ++jj) xv[u][jj][p] = __ldg(xp + p * 4 + j0 + jj);
+        }
+      };
+      if constexpr (kPre == 4) load_x(0);
       uint32_t sc[kMats][2][2];  // [mat][row][scale block]
 #pragma unroll
       for (int mi = 0; mi < kMats; ++mi)
@@ -145,6 +157,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
         }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // word j: codes 8j..8j+7 of this lane's 32
+        if constexpr (kPre == 1) load_x(j);
+        const int jx = kPre == 1 ? 0 : j;
 #pragma unroll
         for (int mi = 0; mi < kMats; ++mi) {
           const uint32_t w0 = j == 0 ? st.w[mi][0].x : j == 1 ? st.w[mi][0].y : j == 2 ? st.w[mi][0].z : st.w[mi][0].w;
@@ -157,29 +171,33 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
           f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w0), s0);
           f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w1), s1);
 #pragma unroll
-          for (int p = 0; p < kParts; ++p)
-            tc::mma_bf16_16816(acc[mi], f, __byte_perm(xv[j][p].x, xv[j][p].z, 0x5410),
-                               __byte_perm(xv[j][p].x, xv[j][p].z, 0x7632));
+          for (int u = 0; u < kSub; ++u)
+#pragma unroll
+            for (int p = 0; p < kParts; ++p)
+              tc::mma_bf16_16816(acc[mi][u], f, __byte_perm(xv[u][jx][p].x, xv[u][jx][p].z, 0x5410),
+                                 __byte_perm(xv[u][jx][p].x, xv[u][jx][p].z, 0x7632));
           f[0] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w0), s0);
           f[1] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w1), s1);
           f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w0), s0);
           f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w1), s1);
 #pragma unroll
-          for (int p = 0; p < kParts; ++p)
-            tc::mma_bf16_16816(acc[mi], f, __byte_perm(xv[j][p].y, xv[j][p].w, 0x5410),
-                               __byte_perm(xv[j][p].y, xv[j][p].w, 0x7632));
+          for (int u = 0; u < kSub; ++u)
+#pragma unroll
+            for (int p = 0; p < kParts; ++p)
+              tc::mma_bf16_16816(acc[mi][u], f, __byte_perm(xv[u][jx][p].y, xv[u][jx][p].w, 0x5410),
+                                 __byte_perm(xv[u][jx][p].y, xv[u][jx][p].w, 0x7632));
         }
       }
     };
 
     // The next step's weight loads are in flight while this step decodes and multiplies.
-    int s = warp;
+    int s = ks;
     if (s < steps) {
       MmaStep<kMats> cur;
       load(cur, s);
-      for (; s + kWarps < steps; s += kWarps) {
+      for (; s + kKS < steps; s += kKS) {
         MmaStep<kMats> nxt;
-        load(nxt, s + kWarps);
+        load(nxt, s + kKS);
         compute(cur, s);
         cur = nxt;
       }
@@ -189,20 +207,23 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
 #pragma unroll
     for (int mi = 0; mi < kMats; ++mi)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) red[warp][mi][c][lane] = acc[mi][c];
+      for (int u = 0; u < kSub; ++u)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[ks][mt][mi][u][c][lane] = acc[mi][u][c];
     __syncthreads();
-    // Fragment c: weight row g + 8 (c >= 2), token 2q + (c & 1). Warp w finishes fragment w % 4 (kWarps >= 4).
-    for (int c = warp; c < 4; c += kWarps) {
+    // Fragment c of row tile m, sub-tile u: weight row 16 m + g + 8 (c >= 2), token 8u + 2q + (c & 1); a warp each.
+    for (int f = warp; f < kMT * kSub * 4; f += kWarps) {
+      const int m = f / (4 * kSub), u = (f / 4) % kSub, c = f % 4;
       float v[kMats];
 #pragma unroll
       for (int mi = 0; mi < kMats; ++mi) {
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += red[w][mi][c][lane];
+        for (int w = 0; w < kKS; ++w) sum += red[w][m][mi][u][c][lane];
         v[mi] = sum * gscale[mi];
       }
-      const int n = row0 + g + (c >= 2 ? 8 : 0);
-      const int t = tb + 2 * q + (c & 1);
+      const int n = (blockIdx.y * kMT + m) * 16 + g + (c >= 2 ? 8 : 0);
+      const int t = tb + 8 * u + 2 * q + (c & 1);
       if (t < re) {
         if constexpr (kMats == 2) {
           uint16_t o[kParts];
@@ -219,18 +240,33 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(const MmaArgs a) {
   }
 }
 
-template <int kMats, int kParts>
-void launch_mma(const MmaArgs& a, int64_t max_tiles, Stream stream) {
-  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(a.N / 16));
-  // K split over 8 warps when there are >= 8 steps of 128, else over 4 (some may idle when K < 512).
-  if (a.K / kStepK >= 8) moe_mma_kernel<kMats, kParts, 8><<<grid, 256, 0, stream>>>(a);
-  else moe_mma_kernel<kMats, kParts, 4><<<grid, 128, 0, stream>>>(a);
+// Warp layout per launch: kMT row tiles of 16 x kKS k-splits (8 warps). More row tiles per block mean fewer blocks
+// (each pays the tile / descriptor lookups once) and longer per-warp k chains.
+template <int kMats, int kParts, int kMT, int kSub>
+void launch_mma_mt(const MmaArgs& a, int64_t max_tiles, Stream stream) {
+  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(a.N / (16 * kMT)));
+  moe_mma_kernel<kMats, kParts, kMT, 8 / kMT, kSub><<<grid, 256, 0, stream>>>(a);
   KILN_CUDA_CHECK_LAUNCH();
+}
+
+// Row tiles of more than 16 rows (prefill) take `sub` (2 or 4) sub-tiles per pass over the weights with 4 x 2 warps; decode-sized
+// tiles take one, with the row-tile count asked for (the widest that divides N).
+template <int kMats, int kParts>
+void launch_mma(const MmaArgs& a, int64_t max_tiles, int mt, int tile_m, int sub, Stream stream) {
+  if (tile_m > 16 && a.N % 64 == 0) {
+    if (sub == 2) return launch_mma_mt<kMats, kParts, 4, 2>(a, max_tiles, stream);
+    return launch_mma_mt<kMats, kParts, 4, 4>(a, max_tiles, stream);
+  }
+  while (mt > 1 && a.N % (16 * mt) != 0) mt /= 2;
+  if (mt >= 4) launch_mma_mt<kMats, kParts, 4, 1>(a, max_tiles, stream);
+  else if (mt == 2) launch_mma_mt<kMats, kParts, 2, 1>(a, max_tiles, stream);
+  else launch_mma_mt<kMats, kParts, 1, 1>(a, max_tiles, stream);
 }
 
 template <int kParts>
 void run_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
                      const MoeMmaPlan& plan, Stream stream) {
+  (void)E;
   const int64_t n = T * H;
   const int64_t blocks = (n + 255) / 256;
   split_rows_kernel<kParts><<<static_cast<unsigned>(blocks < 8192 ? blocks : 8192), 256, 0, stream>>>(
@@ -240,17 +276,13 @@ void run_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const Weig
   up.table = experts;
   up.which0 = 0;
   up.which1 = 1;
-  up.group_offset = plan.group_offset;
-  up.tile_offset = plan.tile_offset;
-  up.tile_group = plan.tile_group;
-  up.num_groups = static_cast<int>(E);
-  up.tile_m = plan.tile_m;
+  up.tile_info = plan.tile_info;
   up.xs = plan.xs;
   up.row_index = plan.row_token;
   up.K = static_cast<int>(H);
   up.N = static_cast<int>(I);
   up.act_s = plan.act_s;
-  launch_mma<2, kParts>(up, plan.max_tiles, stream);
+  launch_mma<2, kParts>(up, plan.max_tiles, plan.mt_up, plan.tile_m, plan.sub, stream);
   MmaArgs down = up;
   down.which0 = down.which1 = 2;
   down.xs = plan.act_s;
@@ -259,7 +291,7 @@ void run_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const Weig
   down.N = static_cast<int>(H);
   down.act_s = nullptr;
   down.y = plan.y;
-  launch_mma<1, kParts>(down, plan.max_tiles, stream);
+  launch_mma<1, kParts>(down, plan.max_tiles, plan.mt_down, plan.tile_m, plan.sub, stream);
 }
 
 }  // namespace

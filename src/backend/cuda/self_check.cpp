@@ -317,6 +317,20 @@ void check_norms_and_rope(Harness& h) {
                 out);
     }
   }
+  // add_rms_norm: hidden += y (checked too), out = rms_norm(hidden); BF16 weights, both kinds; D = H and a long row
+  for (int64_t D : {H, int64_t(4104)}) {
+    Pair w = h.place(h.host_normal(DType::BF16, Shape{D}, 0.3f));
+    for (NormKind kind : {NormKind::plain, NormKind::zero_centred}) {
+      Pair hid = h.upload(h.host_normal(DType::F32, Shape{T, D}, 2.0f));
+      Pair y = h.upload(h.host_normal(DType::F32, Shape{T, D}, 1.0f));
+      Pair out = h.scratch(DType::F32, Shape{T, D});
+      h.test().add_rms_norm(hid.test, y.test, w.test, 1e-6f, kind, out.test);
+      h.ref().add_rms_norm(hid.ref, y.ref, w.ref, 1e-6f, kind, out.ref);
+      const char* k = kind == NormKind::plain ? "plain" : "zero-centred";
+      h.compare(fmt::format("add_rms_norm {} D={} hidden", k, D), hid);
+      h.compare(fmt::format("add_rms_norm {} D={} out", k, D), out);
+    }
+  }
   // gated_rms_norm [T * Hv, Dv]
   {
     const int64_t R = T * c.v_heads, D = c.v_dim;

@@ -124,30 +124,42 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
   expect_all_pass(compare_ops(gpu, *cpu, c), "qwen3.5 head sizes");
 }
 
-// The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, and the fp32
-// CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes (H, I multiples of
-// 128; 1 to 17 rows per expert, so row tiles of 8 to 32 rows).
+// The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, their block
+// shapes (KILN_MOE_MT row tiles per block for decode-sized tiles, KILN_MOE_SUB token sub-tiles for prefill-sized
+// ones), and the fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes
+// (H, I multiples of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows).
 TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();
-  for (const char* mode : {"3", "2", "0"}) {
-    ::setenv("KILN_MOE_MMA", mode, 1);
+  struct Variant {
+    const char* mma;
+    const char* mt;
+    const char* sub;
+  };
+  for (const Variant& v : {Variant{"3", nullptr, nullptr}, Variant{"2", nullptr, nullptr}, Variant{"3", "1,1", "2"},
+                           Variant{"3", "4,2", nullptr}, Variant{"0", nullptr, nullptr}}) {
+    ::setenv("KILN_MOE_MMA", v.mma, 1);
     CudaOps gpu;
     ::unsetenv("KILN_MOE_MMA");
-    const bool mma = std::string(mode) != "0";
+    if (v.mt) ::setenv("KILN_MOE_MT", v.mt, 1);
+    if (v.sub) ::setenv("KILN_MOE_SUB", v.sub, 1);
+    const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={}", v.mma, v.mt ? v.mt : "-", v.sub ? v.sub : "-");
+    const bool mma = std::string(v.mma) != "0";
     EXPECT_EQ(gpu.describe().find("tensor cores off") == std::string::npos, mma) << gpu.describe();
     OpCheckConfig c;
     c.seed = 7;
     c.hidden = 256;
     c.expert_inter = 384;
-    c.experts = 16;
-    c.top_k = 4;
-    c.linear_rows = {1, 3, 8, 40};
+    c.experts = 160;  // routing: 5 experts per lane
+    c.top_k = 8;
+    c.linear_rows = {1, 3, 8, 40, 400};
     std::vector<OpCheck> moe;
     for (const OpCheck& r : compare_ops(gpu, *cpu, c))
-      if (r.op.rfind("moe_experts", 0) == 0) moe.push_back(r);
-    EXPECT_EQ(moe.size(), 10u);
-    expect_all_pass(moe, std::string("KILN_MOE_MMA=") + mode);
+      if (r.op.rfind("moe_", 0) == 0) moe.push_back(r);
+    ::unsetenv("KILN_MOE_MT");
+    ::unsetenv("KILN_MOE_SUB");
+    EXPECT_EQ(moe.size(), 14u);  // 2 routing checks, 2 weight formats x 6 row counts
+    expect_all_pass(moe, label);
   }
 }
 

@@ -24,12 +24,15 @@ if has bench; then
     --input-len 512 --output-len ${OUTLEN:-32} --profile 2>&1 | tee "$OUT/bench35.txt" | grep -v "^\[.*INFO\]"
 fi
 if has moe; then
-  echo "== routed-expert variants (KILN_MOE_MMA: 0 fp32 kernels, 2 / 3 tensor cores with x in 2 / 3 bf16 parts)"
-  for v in 0 2 3; do
-    echo "-- KILN_MOE_MMA=$v"
-    KILN_MOE_MMA=$v timeout 120 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch 1,16,64,128 \
+  # Each variant: space-separated VAR=value settings for the run (MOE_VARIANTS overrides the list).
+  echo "== routed-expert variants"
+  VARIANTS=${MOE_VARIANTS:-"KILN_MOE_MMA=0|KILN_MOE_MMA=2|KILN_MOE_MMA=3"}
+  IFS='|' read -ra VLIST <<< "$VARIANTS"
+  for v in "${VLIST[@]}"; do
+    echo "-- $v"
+    env $v timeout 120 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${MOE_BATCHES:-1,16,64,128} \
       --input-len 512 --output-len 16 --skip-self-check 2>&1 | grep -E "^batch"
-    KILN_MOE_MMA=$v timeout 90 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch 1 \
+    env $v timeout 90 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch 1 \
       --input-len 4096 --output-len 4 --prefill-chunk 4096 --skip-self-check 2>&1 | grep -E "^batch"
   done 2>&1 | tee "$OUT/bench35_moe_variants.txt"
 fi

@@ -304,21 +304,24 @@ CudaOps::~CudaOps() {
 
 std::string CudaOps::describe() const {
   const CudaDeviceProbe& d = impl_->device;
+  const std::string dense =
+      !impl_->blas_ok ? std::string("dense BF16 on the fp32 kernels [tensor cores off: KILN_CUDA_BLAS=0]")
+                      : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
+                                    "(cuBLASLt, x split into 3 bf16 parts)",
+                                    kGemvMaxRowsSmallW, kBlasMinRows);
   return fmt::format(
-      "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: "
-      "dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores (cuBLASLt, x split into 3 bf16 "
-      "parts){}, else {} (<= 128 rows) "
-      "or fp32 gemm (64x64 smem tiles), weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: "
-      "experts grouped on the device, {}; attention: paged, split-KV, online "
-      "softmax (f32/bf16/fp8 KV); delta rule: recurrent (prefill and decode); decode steps as CUDA graphs{}",
-      d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
-      kGemvMaxRowsSmallW, kBlasMinRows, impl_->blas_ok ? "" : " [off: KILN_CUDA_BLAS=0]", kops::linear_path_name(1),
+      "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: {}, "
+      "else {} (<= 128 rows) or fp32 gemm (64x64 smem tiles), weights decoded in-kernel (bf16/f16/f32, fp8 "
+      "per-tensor, nvfp4); MoE: experts grouped on the device, {}; attention: paged, split-KV, online softmax "
+      "(f32/bf16/fp8 KV); delta rule: {}; decode steps as CUDA graphs{}",
+      d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30), dense,
+      kops::linear_path_name(1),
       impl_->moe_mma_parts ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
                                          "into {} bf16 parts), others on the fp32 kernels",
                                          impl_->moe_mma_parts)
                            : std::string("fp32 kernels, tile height from the rows per expert [tensor cores off: "
                                          "KILN_MOE_MMA=0]"),
-      impl_->graphs_on ? "" : " [off]");
+      "recurrent (prefill and decode)", impl_->graphs_on ? "" : " [off]");
 }
 
 void CudaOps::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }

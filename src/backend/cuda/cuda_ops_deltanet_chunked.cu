@@ -14,6 +14,11 @@
 //   phase 5   S = e^cs_last S + sum_i (k_i e^(cs_last - cs_i)) (outer) V_i
 // A, P and the solve depend on k, q and the gates only; every DVT tile of a head recomputes them (the price of
 // spreading a head over Dv / DVT blocks, which the short-sequence cases need to fill the GPU).
+//
+// 256 threads, one block per SM (97 .. 220 KB of shared memory), 8 barriers per chunk. The next chunk's k, q, v
+// travel global -> shared by cp.async while this chunk is solved (k and v double-buffered), so only the first
+// chunk waits for memory. Every shared buffer is written and read in barrier-separated steps; the host emulation
+// that checked this ran each interval's threads in forward, reverse and random order with identical results.
 #include "backend/cuda/cuda_ops_deltanet_chunked.h"
 
 #include <cuda_runtime.h>
@@ -28,21 +33,24 @@ constexpr int kThreads = 256;  // 8 warps; every thread mapping below is written
 constexpr int kSub = 16;       // rows of the diagonal blocks of the triangular solve
 
 // Shared memory of one block, in floats. Row strides are multiples of 4 (float4 rows). kqs's stride is 4 mod 32:
-// the loader's transposed stores (8 key dims x 4 tokens per warp) and phase 5's float4 reads of 8 consecutive rows
-// then hit 32 distinct banks.
+// the loader's transposed copies (8 key dims x 4 tokens per warp) and phase 5's float4 reads of 8 consecutive rows
+// then hit 32 distinct banks. k and v are double-buffered (chunk ci uses set ci & 1) so that the next chunk's copies
+// run while this chunk still reads them; q is read by phase 1 alone and needs one buffer.
 template <int DK, int DVT>
 struct Layout {
   static_assert(DK == 32 || DK == 64 || DK == 128, "key dim tile");
   static_assert(DVT == 32 || DVT == 64, "value column tile");
-  static constexpr int s_col = 2 * kChunk;         // kqs row d: k[0..64)[d], q[0..64)[d], then S[d][0..DVT)
+  // kqs row d: k[0..64)[d] of set 0, q[0..64)[d], k[0..64)[d] of set 1, S[d][0..DVT), pad
+  static constexpr int q_col = kChunk;
+  static constexpr int s_col = 3 * kChunk;
   static constexpr int ldk = s_col + DVT + 4;
   static constexpr int lda = kChunk + 4;           // rows of a, p
   static constexpr int ldv = DVT + 4;              // rows of vx, o
   static constexpr int kqs = 0;                    // [DK][ldk]
   static constexpr int a = kqs + DK * ldk;         // [64][lda] A; its blocks left of the diagonal become M_b
   static constexpr int p = a + kChunk * lda;       // [64][lda] P
-  static constexpr int vx = p + kChunk * lda;      // [64][ldv] v, then X, then Z, then V
-  static constexpr int o = vx + kChunk * ldv;      // [64][ldv] O
+  static constexpr int vx = p + kChunk * lda;      // [2][64][ldv] v, then X, then Z, then V
+  static constexpr int o = vx + 2 * kChunk * ldv;  // [64][ldv] O
   static constexpr int tbb = o + kChunk * ldv;     // [4][16][16] (I + A_bb)^-1, zeros above the diagonal
   static constexpr int cs = tbb + 4 * kSub * kSub; // [2][64] cumulative log-decay: chunk ci uses half ci & 1
   static constexpr int graw = cs + 2 * kChunk;     // [64] the next chunk's g
@@ -51,69 +59,73 @@ struct Layout {
   static constexpr int floats = dec + kChunk;
   static constexpr size_t bytes = size_t(floats) * sizeof(float);
   static_assert(ldk % 32 == 4, "kqs stride must be 4 mod 32 (bank spread)");
+  static constexpr int k_col(int set) { return set ? 2 * kChunk : 0; }
 };
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
-// One chunk's k, q and v tile in registers: loaded from global memory while the previous chunk computes, stored
-// into shared memory once that chunk is done with it. Loads are unconditional from clamped (valid) addresses and
-// masked afterwards, so that no load sits behind a branch.
+// dst (shared) = ok ? *src : 0 without going through registers: cp.async, zero-filled when !ok (src must be a
+// valid address either way); complete after wait_copies(). A plain copy where cp.async is missing (the host pass).
+__device__ __forceinline__ void copy_async(float* dst, const float* src, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+#else
+  *dst = ok ? *src : 0.0f;
+#endif
+}
+
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Starts the copies of one chunk's k (into k set `set`), q and v tile (into vx buffer `set`), zero outside the
+// chunk's m tokens, Dk and Dv. Element n of a thread: key dim d = 8 * (tile % (DK / 8)) + lane % 8, token
+// i = 4 * (tile / (DK / 8)) + lane / 8 with tile = warp + 8 n: a warp reads 4 tokens x 32 contiguous bytes and
+// writes kqs[d][i] to 32 distinct banks.
 template <int DK, int DVT>
-struct ChunkRegs {
-  float k[DK / 4], q[DK / 4], v[DVT / 4];
-
-  // Element n of this thread: key dim d = 8 * (tile % (DK / 8)) + lane % 8, token i = 4 * (tile / (DK / 8)) +
-  // lane / 8 with tile = warp + 8 n: a warp reads 4 tokens x 32 contiguous bytes and writes kqs[d][i] to 32 banks.
-  __device__ __forceinline__ void load(const float* __restrict__ qn, const float* __restrict__ kn,
-                                       const float* __restrict__ vp, int tok, int m, int kh, int Hk, int Dk, int h,
-                                       int Dv, int64_t ldv, int col0, int tid) {
-    const int warp = tid >> 5, lane = tid & 31;
-#pragma unroll
-    for (int n = 0; n < DK / 4; ++n) {
-      const int tile = warp + 8 * n;
-      const int d = 8 * (tile % (DK / 8)) + (lane & 7), i = 4 * (tile / (DK / 8)) + (lane >> 3);
-      const bool ok = i < m && d < Dk;
-      const int64_t off = (int64_t(tok + imin(i, m - 1)) * Hk + kh) * Dk + imin(d, Dk - 1);
-      const float kv = kn[off], qv = qn[off];
-      k[n] = ok ? kv : 0.0f;
-      q[n] = ok ? qv : 0.0f;
-    }
-#pragma unroll
-    for (int n = 0; n < DVT / 4; ++n) {
-      const int e = tid + kThreads * n, c = e % DVT, i = e / DVT, col = col0 + c;
-      const bool ok = i < m && col < Dv;
-      const float x = vp[int64_t(tok + imin(i, m - 1)) * ldv + int64_t(h) * Dv + imin(col, Dv - 1)];
-      v[n] = ok ? x : 0.0f;
-    }
-  }
-
-  __device__ __forceinline__ void store(float* sm, int tid) const {
-    using L = Layout<DK, DVT>;
-    const int warp = tid >> 5, lane = tid & 31;
-#pragma unroll
-    for (int n = 0; n < DK / 4; ++n) {
-      const int tile = warp + 8 * n;
-      const int d = 8 * (tile % (DK / 8)) + (lane & 7), i = 4 * (tile / (DK / 8)) + (lane >> 3);
-      sm[L::kqs + d * L::ldk + i] = k[n];
-      sm[L::kqs + d * L::ldk + kChunk + i] = q[n];
-    }
-#pragma unroll
-    for (int n = 0; n < DVT / 4; ++n) {
-      const int e = tid + kThreads * n;
-      sm[L::vx + (e / DVT) * L::ldv + e % DVT] = v[n];
-    }
-  }
-};
-
-// g and beta of token i (< 64) of a chunk into graw / beta (zero past the chunk's m tokens).
-template <int DK, int DVT>
-__device__ __forceinline__ void load_gates(float* sm, const float* __restrict__ g, const float* __restrict__ beta,
-                                           int tok, int m, int h, int Hv, int i) {
+__device__ __forceinline__ void copy_chunk(float* sm, int set, const float* __restrict__ qn,
+                                           const float* __restrict__ kn, const float* __restrict__ vp, int tok, int m,
+                                           int kh, int Hk, int Dk, int h, int Dv, int64_t ldv, int col0, int tid) {
   using L = Layout<DK, DVT>;
+  const int warp = tid >> 5, lane = tid & 31, kc = L::k_col(set);
+#pragma unroll 4
+  for (int n = 0; n < DK / 4; ++n) {
+    const int tile = warp + 8 * n;
+    const int d = 8 * (tile % (DK / 8)) + (lane & 7), i = 4 * (tile / (DK / 8)) + (lane >> 3);
+    const bool ok = i < m && d < Dk;
+    const int64_t off = (int64_t(tok + imin(i, m - 1)) * Hk + kh) * Dk + imin(d, Dk - 1);
+    copy_async(sm + L::kqs + d * L::ldk + kc + i, kn + off, ok);
+    copy_async(sm + L::kqs + d * L::ldk + L::q_col + i, qn + off, ok);
+  }
+  float* vx = sm + L::vx + set * kChunk * L::ldv;
+#pragma unroll 4
+  for (int n = 0; n < DVT / 4; ++n) {
+    const int e = tid + kThreads * n, c = e % DVT, i = e / DVT, col = col0 + c;
+    const bool ok = i < m && col < Dv;
+    copy_async(vx + i * L::ldv + c, vp + int64_t(tok + imin(i, m - 1)) * ldv + int64_t(h) * Dv + imin(col, Dv - 1),
+               ok);
+  }
+}
+
+// g and beta of token i (< 64) of a chunk, zero past its m tokens. Loaded into registers a phase before they are
+// stored (graw / beta), so that the store does not wait for global memory.
+struct Gates {
+  float g, beta;
+};
+__device__ __forceinline__ Gates load_gates(const float* __restrict__ g, const float* __restrict__ beta, int tok,
+                                            int m, int h, int Hv, int i) {
   const int64_t off = int64_t(tok + imin(i, m - 1)) * Hv + h;
   const float gv = g[off], bv = beta[off];
-  sm[L::graw + i] = i < m ? gv : 0.0f;
-  sm[L::beta + i] = i < m ? bv : 0.0f;
+  return {i < m ? gv : 0.0f, i < m ? bv : 0.0f};
+}
+template <int DK, int DVT>
+__device__ __forceinline__ void store_gates(float* sm, Gates x, int i) {
+  using L = Layout<DK, DVT>;
+  sm[L::graw + i] = x.g;
+  sm[L::beta + i] = x.beta;
 }
 
 // Cumulative log-decay of a chunk, one thread, in token order: the exact sums of the CPU's chunked_head. Padded
@@ -128,12 +140,13 @@ __device__ __forceinline__ void cumulative_decay(float* sm, int half) {
   }
 }
 
-// kqs column of phase 1's product-column block t (32 columns each). Light warps own rows 0..31 of k or q, whose
-// key columns 32..63 lie above the diagonal: they skip that block.
+// Phase 1's product-column block t (32 columns each) as a column of [k^T | S]: key columns 0..63, then state
+// columns from 64. Light warps own rows 0..31 of k or q, whose key columns 32..63 lie above the diagonal: they
+// skip that block.
 template <bool LIGHT>
 __device__ __forceinline__ int product_column(int t) {
-  if (LIGHT) return t == 0 ? 0 : 2 * kChunk + 32 * (t - 1);
-  return t < 2 ? 32 * t : 2 * kChunk + 32 * (t - 2);
+  if (LIGHT) return t == 0 ? 0 : kChunk + 32 * (t - 1);
+  return 32 * t;
 }
 
 // Phase 1 for one warp: 16 rows of [k; q] (kqs columns row0 .. row0 + 15 of the warp, 8 per thread) times the
@@ -141,12 +154,16 @@ __device__ __forceinline__ int product_column(int t) {
 // O. Warps 0..3 are light (rows 0..31 of k and of q), warps 4..7 heavy (rows 32..63); warps w and w + 4 share a
 // scheduler, so every scheduler gets one of each.
 template <int DK, int DVT, bool LIGHT>
-__device__ __forceinline__ void chunk_products(float* sm, const float* cs, int warp, int lane) {
+__device__ __forceinline__ void chunk_products(float* sm, int set, const float* cs, int warp, int lane) {
   using L = Layout<DK, DVT>;
   constexpr int NT = (LIGHT ? 1 : 2) + DVT / 32;
   const float* kqs = sm + L::kqs;
-  const int row0 = 16 * (warp & 1) + kChunk * ((warp >> 1) & 1) + 32 * (warp >> 2) + 8 * (lane >> 4);
+  const bool is_q = (warp >> 1) & 1;  // warps 2, 3, 6, 7: rows of q
+  const int kc = L::k_col(set), i0 = 16 * (warp & 1) + 32 * (warp >> 2) + 8 * (lane >> 4);
+  const int row0 = (is_q ? L::q_col : kc) + i0;
   const int g2 = 2 * (lane & 15);
+  // kqs column of product column c of [k^T | S]
+  auto kqs_col = [&](int c) { return c < kChunk ? kc + c : L::s_col + c - kChunk; };
   float acc[8][2 * NT];
 #pragma unroll
   for (int a = 0; a < 8; ++a)
@@ -161,7 +178,7 @@ __device__ __forceinline__ void chunk_products(float* sm, const float* cs, int w
     const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const float2 y = *reinterpret_cast<const float2*>(row + product_column<LIGHT>(t) + g2);
+      const float2 y = *reinterpret_cast<const float2*>(row + kqs_col(product_column<LIGHT>(t)) + g2);
 #pragma unroll
       for (int a = 0; a < 8; ++a) {
         acc[a][2 * t] = fmaf(x[a], y.x, acc[a][2 * t]);
@@ -171,19 +188,18 @@ __device__ __forceinline__ void chunk_products(float* sm, const float* cs, int w
   }
 
   // Gating. The masks are selects, never multiplications: above the diagonal e^(cs_i - cs_j) may overflow.
-  const bool is_q = row0 >= kChunk;  // warp-uniform
   float* ap = sm + (is_q ? L::p : L::a);
-  float* vx = sm + L::vx;
+  float* vx = sm + L::vx + set * kChunk * L::ldv;
   float* o = sm + L::o;
   const float* beta = sm + L::beta;
 #pragma unroll
   for (int a = 0; a < 8; ++a) {
-    const int i = (row0 + a) & (kChunk - 1);
+    const int i = i0 + a;
     const float ci = cs[i], ei = expf(ci), bi = beta[i];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int col = product_column<LIGHT>(t) + g2;
-      if (col < L::s_col) {  // key columns j: P (q rows) or A (k rows)
+      if (col < kChunk) {  // key columns j: P (q rows) or A (k rows)
         float r[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -193,14 +209,16 @@ __device__ __forceinline__ void chunk_products(float* sm, const float* cs, int w
         }
         *reinterpret_cast<float2*>(ap + i * L::lda + col) = make_float2(r[0], r[1]);
       } else if (is_q) {  // state columns, q rows: O
-        *reinterpret_cast<float2*>(o + i * L::ldv + col - L::s_col) =
+        *reinterpret_cast<float2*>(o + i * L::ldv + col - kChunk) =
             make_float2(ei * acc[a][2 * t], ei * acc[a][2 * t + 1]);
       } else {  // state columns, k rows: X, in place of v
-        float2* x = reinterpret_cast<float2*>(vx + i * L::ldv + col - L::s_col);
+        float2* x = reinterpret_cast<float2*>(vx + i * L::ldv + col - kChunk);
         const float2 vv = *x;
         *x = make_float2(bi * (vv.x - ei * acc[a][2 * t]), bi * (vv.y - ei * acc[a][2 * t + 1]));
       }
     }
+    // The skipped block is zero. No reader looks there (the solve reads A at and left of the diagonal blocks,
+    // phase 4 stops at the diagonal block), but A and P stay what their names say.
     if (LIGHT) *reinterpret_cast<float2*>(ap + i * L::lda + 32 + g2) = make_float2(0.0f, 0.0f);
   }
 }
@@ -257,7 +275,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sm = reinterpret_cast<float*>(smem_f4);
   float* kqs = sm + L::kqs;
   float* am = sm + L::a;
-  float* vx = sm + L::vx;
   const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * DVT;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int kh = h / (Hv / Hk);
@@ -266,51 +283,51 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* S = state + (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;
 
   // Chunk 0's inputs and the state slice (zero outside Dk x Dv), then chunk 0's cumulative decay.
-  {
-    const int m0 = imin(kChunk, n);
-    ChunkRegs<DK, DVT> first;
-    first.load(qn, kn, v, tok0, m0, kh, Hk, Dk, h, Dv, ldv, col0, tid);
-    first.store(sm, tid);
-    if (tid < kChunk) load_gates<DK, DVT>(sm, g, beta, tok0, m0, h, Hv, tid);
-#pragma unroll
-    for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
-      const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
-      const float sv = S[int64_t(imin(d, Dk - 1)) * Dv + imin(col, Dv - 1)];
-      kqs[d * L::ldk + L::s_col + c] = (d < Dk && col < Dv) ? sv : 0.0f;
-    }
-    __syncthreads();
-    if (tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, 0);
+  copy_chunk<DK, DVT>(sm, 0, qn, kn, v, tok0, imin(kChunk, n), kh, Hk, Dk, h, Dv, ldv, col0, tid);
+#pragma unroll 4
+  for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
+    const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
+    copy_async(kqs + d * L::ldk + L::s_col + c, S + int64_t(imin(d, Dk - 1)) * Dv + imin(col, Dv - 1),
+               d < Dk && col < Dv);
   }
+  if (tid < kChunk) store_gates<DK, DVT>(sm, load_gates(g, beta, tok0, imin(kChunk, n), h, Hv, tid), tid);
+  wait_copies();
+  __syncthreads();
+  if (tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, 0);
 
   int ci = 0;
   for (int c0 = 0; c0 < n; c0 += kChunk, ++ci) {
-    const int m = imin(kChunk, n - c0);
+    const int m = imin(kChunk, n - c0), set = ci & 1;
     const bool has_next = c0 + kChunk < n;  // block-uniform, as every branch around a barrier below
     const int next_tok = tok0 + c0 + kChunk, next_m = has_next ? imin(kChunk, n - c0 - kChunk) : 0;
-    const float* cs = sm + L::cs + (ci & 1) * kChunk;
-    __syncthreads();  // kqs, vx, beta and cs hold this chunk
+    const float* cs = sm + L::cs + set * kChunk;
+    float* vx = sm + L::vx + set * kChunk * L::ldv;
+    float* kcur = kqs + L::k_col(set);
+    Gates next_gates{0.0f, 0.0f};  // warps 2 and 3: the next chunk's, stored after phase 1
+    if (has_next && (warp >> 1) == 1) next_gates = load_gates(g, beta, next_tok, next_m, h, Hv, tid - 64);
+    __syncthreads();  // k set `set`, q, S, vx `set`, beta and cs hold this chunk
 
     // ---- phase 1: A, P, X, O; and e^(cs_last - cs_i) for phase 5
     if (warp < 4)
-      chunk_products<DK, DVT, true>(sm, cs, warp, lane);
+      chunk_products<DK, DVT, true>(sm, set, cs, warp, lane);
     else
-      chunk_products<DK, DVT, false>(sm, cs, warp, lane);
+      chunk_products<DK, DVT, false>(sm, set, cs, warp, lane);
     if (tid < kChunk) sm[L::dec + tid] = expf(cs[kChunk - 1] - cs[tid]);
     __syncthreads();
 
-    // ---- the next chunk's k, q, v into registers (consumed after phase 5); diagonal inverses; the next chunk's
-    // gates; k scaled by e^(cs_last - cs_i), which phase 5 alone reads from here on.
-    ChunkRegs<DK, DVT> next;
-    if (has_next) next.load(qn, kn, v, next_tok, next_m, kh, Hk, Dk, h, Dv, ldv, col0, tid);
+    // ---- the next chunk's copies start (q is free now; k and v go to the other set), waited for at the end of
+    // this chunk. Diagonal inverses; the next chunk's gates; this chunk's k scaled by e^(cs_last - cs_i), which
+    // phase 5 alone reads from here on.
+    if (has_next) copy_chunk<DK, DVT>(sm, set ^ 1, qn, kn, v, next_tok, next_m, kh, Hk, Dk, h, Dv, ldv, col0, tid);
     if (warp < 2) {
       diagonal_inverse<DK, DVT>(sm, tid);
     } else if (warp < 4) {
-      if (has_next) load_gates<DK, DVT>(sm, g, beta, next_tok, next_m, h, Hv, tid - 64);
+      if (has_next) store_gates<DK, DVT>(sm, next_gates, tid - 64);
     } else {
-#pragma unroll
+#pragma unroll 4
       for (int n2 = 0; n2 < DK / 2; ++n2) {
         const int e = tid - 128 + 128 * n2, d = e / kChunk, i = e % kChunk;
-        kqs[d * L::ldk + i] *= sm[L::dec + i];
+        kcur[d * L::ldk + i] *= sm[L::dec + i];
       }
     }
     __syncthreads();
@@ -328,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           apply_block_inverse(am + kSub * b * L::lda + j, L::lda, sm + L::tbb + b * kSub * kSub);
         }
       }
-      if (has_next && tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, (ci + 1) & 1);
+      if (has_next && tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, set ^ 1);
     }
     __syncthreads();
 
@@ -336,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int b = 1; b < 4; ++b) {
       const int c = tid % DVT;
-#pragma unroll
+#pragma unroll 1
       for (int qq = 0; qq < DVT / 16; ++qq) {
         const int r = kSub * b + tid / DVT + qq * (kThreads / DVT);
         const float* mrow = am + r * L::lda;
@@ -419,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int u = 0; u < 4; ++u) vv[u] = *reinterpret_cast<const float4*>(vx + (i + u) * L::ldv + c);
 #pragma unroll
         for (int r = 0; r < TD; ++r) {
-          const float4 kk = *reinterpret_cast<const float4*>(kqs + (dbase + 8 * r) * L::ldk + i);
+          const float4 kk = *reinterpret_cast<const float4*>(kcur + (dbase + 8 * r) * L::ldk + i);
           const float ku[4] = {kk.x, kk.y, kk.z, kk.w};
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
@@ -439,12 +456,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                           fmaf(s0.w, decay, acc[r][3]));
       }
     }
-    __syncthreads();  // every read of this chunk's kqs / vx is done
-    if (has_next) next.store(sm, tid);
+    wait_copies();    // the next chunk's k, q, v have landed (this thread's copies) ...
+    __syncthreads();  // ... everyone's, and every read of this chunk's buffers is done
   }
 
   // The loop's last barrier published the final state.
-#pragma unroll
+#pragma unroll 4
   for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
     const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
     if (d < Dk && col < Dv) S[int64_t(d) * Dv + col] = kqs[d * L::ldk + L::s_col + c];
@@ -487,7 +504,8 @@ int value_tile(int64_t Dv, int64_t Hv, int num_seqs, int dk) {
   if (Dv <= 32 || shared_bytes(dk, 64) > size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0)))
     return 32;
   const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount, 132);
-  const int64_t blocks32 = int64_t(num_seqs) * Hv * ((Dv + 31) / 32), blocks64 = int64_t(num_seqs) * Hv * ((Dv + 63) / 64);
+  const int64_t blocks32 = int64_t(num_seqs) * Hv * ((Dv + 31) / 32);
+  const int64_t blocks64 = int64_t(num_seqs) * Hv * ((Dv + 63) / 64);
   const int64_t waves32 = (blocks32 + sms - 1) / sms, waves64 = (blocks64 + sms - 1) / sms;  // one block per SM
   return 3 * waves64 < 2 * waves32 ? 64 : 32;
 }

@@ -24,9 +24,10 @@ void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, 
                               float* state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
                               const StepArgs& step, float* out, void* workspace, cudaStream_t stream);
 // True when the chunked kernel serves these head sizes on the current device: 1 <= Dk <= 128 (padded to 32, 64 or
-// 128), any Dv >= 1 (tiles of 32 or 64 value columns, the last one masked), and the block's shared memory (about
-// 140 KB for Dk 128) within the device's opt-in limit: true on sm_90 (227 KB), false on parts with 99 KB per block
-// (sm_86 / sm_89 / sm_120), where the caller keeps the recurrent kernel.
+// 128), any Dv >= 1 (tiles of 32 or 64 value columns, the last one masked), and the block's shared memory within
+// the device's opt-in limit (Dk 128: 180 KB with 32 value columns, 220 KB with 64; Dk <= 32: 97 KB). True on sm_90 /
+// sm_100 (227 KB); on parts with 99 KB per block (sm_86 / sm_89 / sm_120) only for Dk <= 32: elsewhere the caller
+// keeps the recurrent kernel.
 bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv);
 
 }  // namespace kiln::cuda::ops

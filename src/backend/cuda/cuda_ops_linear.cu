@@ -9,6 +9,7 @@
 // [tile_offset[g], tile_offset[g+1]); a dense layer is one group. Row r of a group reads input row row_index[r].
 // Each output row is computed on its own (no cross-row arithmetic), so the result does not depend on how the
 // rows were grouped or tiled.
+#include <algorithm>
 #include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
@@ -904,6 +905,16 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     MoeMmaPlan plan;
     plan.parts = mma_parts;
     plan.tile_m = tm;
+    // Row tiles per block: as wide as keeps >= 2 blocks per SM (132 SMs) over the tiles that have rows (about
+    // min(P, E) of them): wide blocks pay the tile and descriptor lookups once, narrow ones fill the GPU at batch 1.
+    const int64_t live_tiles = std::min<int64_t>(P, E);
+    auto widest = [&](int64_t n) {
+      int mt = 4;
+      while (mt > 1 && live_tiles * (n / (16 * mt)) < 264) mt /= 2;
+      return mt;
+    };
+    plan.mt_up = widest(I);
+    plan.mt_down = widest(H);
     if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '4' && v[1] == ',') {
       plan.mt_up = v[0] - '0';  // experiment knob: "up,down" row tiles per block
       plan.mt_down = v[2] - '0';

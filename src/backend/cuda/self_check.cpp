@@ -389,11 +389,14 @@ void check_linear(Harness& h) {
     const char* name;
     int count;
   };
+  // bf16x3: widths the tensor-core path takes (multiples of 16) when out_features is one.
   for (const Multi& m : {Multi{WeightFormat::dense, DType::BF16, "bf16", 4}, Multi{WeightFormat::nvfp4, DType::U8,
-                                                                                  "nvfp4", 2}}) {
+                                                                                  "nvfp4", 2},
+                         Multi{WeightFormat::dense, DType::BF16, "bf16x3", 3}}) {
     h.reset();
     const int64_t K = c.hidden;
-    const int64_t Ns[4] = {c.out_features, 32, c.out_features + 8, 1};
+    const bool x3 = std::string_view(m.name) == "bf16x3";
+    const int64_t Ns[4] = {c.out_features, 32, x3 ? 2 * c.out_features : c.out_features + 8, 1};
     std::vector<std::pair<LinearWeight, LinearWeight>> ws;
     for (int i = 0; i < m.count; ++i) ws.push_back(h.linear_weight(m.format, m.dtype, Ns[i], K, false));
     for (int64_t T : c.linear_rows) {

@@ -158,8 +158,30 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
       if (r.op.rfind("moe_", 0) == 0) moe.push_back(r);
     ::unsetenv("KILN_MOE_MT");
     ::unsetenv("KILN_MOE_SUB");
-    EXPECT_EQ(moe.size(), 14u);  // 2 routing checks, 2 weight formats x 6 row counts
+    EXPECT_EQ(moe.size(), 16u);  // routing ids and weights, renormalised or not; 2 weight formats x 6 row counts
     expect_all_pass(moe, label);
+  }
+}
+
+// Dense linears at 16..64 rows: the gemv for small weights (multi-linear launches included), cuBLASLt for large ones,
+// and with KILN_CUDA_BLAS=0 everything on the fp32 kernels, against the CPU.
+TEST(CudaOps, DenseLinearPathsMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  auto cpu = make_cpu_backend();
+  for (const char* mode : {"1", "0"}) {
+    ::setenv("KILN_CUDA_BLAS", mode, 1);
+    CudaOps gpu;
+    ::unsetenv("KILN_CUDA_BLAS");
+    OpCheckConfig c;
+    c.seed = 8;
+    c.hidden = 384;
+    c.out_features = 96;
+    c.linear_rows = {16, 24, 33, 64, 65};
+    std::vector<OpCheck> lin;
+    for (const OpCheck& r : compare_ops(gpu, *cpu, c))
+      if (r.op.rfind("linear", 0) == 0) lin.push_back(r);
+    EXPECT_GE(lin.size(), 40u);
+    expect_all_pass(lin, std::string("KILN_CUDA_BLAS=") + mode);
   }
 }
 

@@ -1,20 +1,22 @@
-// CudaOps routed experts with NVFP4 weights on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
+// CudaOps routed experts with NVFP4 weights on tensor cores over fp32 activations (mma.sync m16n8k16, bf16 in, fp32
+// accumulate), any number of rows.
 //
-// Hopper has no FP4 MMA, so the codes are decoded to bf16 in registers: e2m1 * e4m3 block scale is exact in bf16
+// Hopper has no FP4 MMA, so NVFP4 codes are decoded to bf16 in registers: e2m1 * e4m3 block scale is exact in bf16
 // (at most 6 significant bits; the 2^118 / 2^-8 bookkeeping of device_utils.cuh keeps it in range). The fp32
-// activations are split into bf16 parts x = hi + mid (+ lo) once per launch (moe_split_rows), and every part goes
-// through the same decoded weight fragment: with three parts the products carry ~24 bits of x, so the result
-// matches the fp32 CUDA-core path up to summation order (the op checks hold at 1e-5 rel-L2; two parts ~2^-17).
+// activations are split into bf16 parts x = hi + mid (+ lo) once per launch (split_rows_kernel), and every part goes
+// through the same weight fragment: with three parts the products carry ~24 bits of x, so the result matches the
+// fp32 CUDA-core path up to summation order (the op checks hold at 1e-5 rel-L2; two parts ~2^-17).
 //
-// Layout: the weight tile is the MMA's A operand (16 weight rows per block), the routed rows (tokens) its B
-// operand, 8 per MMA tile. A block = one row tile of the grouping (one expert, up to tile_m sorted rows, walked
-// 8 at a time) x 16 output features; its warps split K in 128-wide steps (lane q of a quad streams 32 codes = 16
-// bytes of two weight rows) and reduce through shared memory. The order in which a lane's codes enter the MMA's k
+// Layout: the weight tile is the MMA's A operand (16 weight rows per warp), the rows of x (tokens) its B operand,
+// 8 per MMA tile. Warps split K in 128-wide steps (lane q of a quad streams k [32q, 32q + 32) of two weight rows:
+// 16 bytes of NVFP4 codes) and reduce through shared memory. The order in which a lane's codes enter the MMA's k
 // dimension is a permutation of the physical k, the same for A and B (see nvfp4.cu): decoding is a few shifts per
 // pair of codes.
 //
-// The gate/up launch (kMats 2) writes silu(gate) * up already split into parts, in the layout the down launch
-// (kMats 1) reads as its B operand; the down launch writes fp32 rows that moe_combine sums per token.
+// Experts: a block = one row tile of the grouping (one expert, up to tile_m sorted rows, walked 8 kSub at a time)
+// x 16 kMT output features. The gate/up launch (kMats 2) writes silu(gate) * up already split into parts, in the
+// layout the down launch (kMats 1) reads as its B operand; the down launch writes fp32 rows that moe_combine sums
+// per token.
 #include <cuda_bf16.h>
 
 #include "backend/cuda/cuda_check.h"

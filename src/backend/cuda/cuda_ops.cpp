@@ -34,6 +34,7 @@ constexpr size_t kAlign = 256;
 constexpr size_t kFirstScratchBytes = size_t{64} << 20;
 // Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, split-bf16 activations).
 constexpr int64_t kBlasMinRows = 16;
+constexpr int32_t kChunkedDeltaMinTokens = 32;  // the chunked delta rule from this many tokens in one sequence
 // Between 16 and 64 rows only large dense weights go to cuBLASLt: the split / GEMM / sum launches cost more than the
 // bandwidth gemv (8-row tiles, later tiles' weights from L2) for the small ones (routers, gates, 2048 x 512).
 constexpr int64_t kGemvMaxRowsSmallW = 64;
@@ -216,6 +217,7 @@ struct CudaOps::Impl {
   uint64_t scratch_generation = 0;
   bool graphs_on = true;
   bool blas_ok = true;  // KILN_CUDA_BLAS=0: keep every linear on the fp32 kernels
+  int delta_rule_force = 0;  // KILN_DELTA_RULE: 0 by mode and length, 1 always recurrent, 2 chunked where supported
   int moe_mma_parts = 3;  // KILN_MOE_MMA=0: NVFP4 experts on the fp32 kernels; 2: x split into 2 bf16 parts
   bool capturing = false;
   struct GraphRec {
@@ -285,6 +287,10 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
   impl_->max_abs_result = DeviceBuffer(kAlign);
   if (const char* g = std::getenv("KILN_CUDA_GRAPHS"); g && std::string(g) == "0") impl_->graphs_on = false;
   if (const char* b = std::getenv("KILN_CUDA_BLAS"); b && std::string(b) == "0") impl_->blas_ok = false;
+  if (const char* m = std::getenv("KILN_DELTA_RULE")) {
+    const std::string v(m);
+    impl_->delta_rule_force = v == "recurrent" ? 1 : v == "chunked" ? 2 : 0;
+  }
   if (const char* m = std::getenv("KILN_MOE_MMA"); m && (std::string(m) == "0" || std::string(m) == "2"))
     impl_->moe_mma_parts = m[0] - '0';
 }
@@ -321,7 +327,10 @@ std::string CudaOps::describe() const {
                                          impl_->moe_mma_parts)
                            : std::string("fp32 kernels, tile height from the rows per expert [tensor cores off: "
                                          "KILN_MOE_MMA=0]"),
-      "recurrent (prefill and decode)", impl_->graphs_on ? "" : " [off]");
+      impl_->delta_rule_force == 1 ? "recurrent [KILN_DELTA_RULE=recurrent]"
+      : impl_->delta_rule_force == 2 ? "chunks of 64 tokens wherever supported [KILN_DELTA_RULE=chunked]"
+                                     : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
+      impl_->graphs_on ? "" : " [off]");
 }
 
 void CudaOps::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
@@ -813,7 +822,6 @@ void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const T
                                const TensorView& beta, TensorView state, const StepLayout& step, DeltaRuleMode mode,
                                TensorView out) {
   ProfScope prof(*impl_, [&] { return std::string("gated_delta_rule"); });
-  (void)mode;  // the recurrence serves both modes (the chunked form equals it up to rounding)
   KILN_CHECK(q.ndim() == 3 && k.shape == q.shape && v.ndim() == 3 && state.ndim() == 4, "gated_delta_rule: q {} v {}",
              q.shape.str(), v.shape.str());
   const int64_t T = q.dim(0), Hk = q.dim(1), Dk = q.dim(2), Hv = v.dim(1), Dv = v.dim(2);
@@ -830,8 +838,15 @@ void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const T
   for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &g, &beta, &state, &out})
     expect_f32(*t, "gated_delta_rule");
   float* work = static_cast<float*>(impl_->scratch_bytes(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
-  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), f32_mut(state), Hk, Hv, Dk, Dv, ldq, ldk, ldv,
-                         step_args(step), f32_mut(out), work, impl_->stream);
+  // Chunks of 64 tokens (the UT-transform form, parallel over a chunk's tokens) when the step has a sequence of >= 32
+  // tokens and the caller asks for the chunked mode (prefill); the recurrence otherwise (decode). KILN_DELTA_RULE
+  // forces one (tests, measurements).
+  const kops::StepArgs sa = step_args(step);
+  bool chunked = mode == DeltaRuleMode::chunked && sa.max_seq_tokens >= kChunkedDeltaMinTokens;
+  if (impl_->delta_rule_force == 1) chunked = false;
+  if (impl_->delta_rule_force == 2) chunked = true;
+  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), f32_mut(state), Hk, Hv, Dk, Dv, ldq, ldk, ldv, sa,
+                         f32_mut(out), work, impl_->stream, chunked);
 }
 
 // ---------------------------------------------------------------------------------------------------

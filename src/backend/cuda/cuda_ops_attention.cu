@@ -7,6 +7,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
+#include "backend/cuda/cuda_ops_deltanet_chunked.h"
 #include "backend/cuda/cuda_ops_kernels.h"
 
 namespace kiln::cuda::ops {
@@ -475,7 +476,7 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
                       int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
-                      const StepArgs& step, float* out, float* qk_work, Stream stream) {
+                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)
     cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
@@ -484,6 +485,10 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   float* kn = qk_work + vectors * Dk;
   l2norm_qk_kernel<<<grid_for(2 * vectors, 8), 256, 0, stream>>>(q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
   KILN_CUDA_CHECK_LAUNCH();
+  if (chunked && gated_delta_rule_chunked_supported(Dk, Dv)) {
+    gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, nullptr, stream);
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
   delta_rule_kernel<<<grid, kDeltaWarps * 32, 0, stream>>>(qn, kn, v, g, beta, state, static_cast<int>(Hk),
                                                            static_cast<int>(Hv), static_cast<int>(Dk),

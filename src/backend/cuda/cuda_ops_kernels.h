@@ -110,12 +110,13 @@ void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_ele
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). a, b, g, beta [T, Hv].
 void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
                       ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream);
-// The gated delta rule, token by token, state [slots, Hv, Dk, Dv] fp32. q, k [T, Hk, Dk]; v, out [T, Hv, Dv];
-// g, beta [T, Hv]. q, k, v rows are ldq / ldk / ldv elements apart (heads contiguous inside a row).
-// qk_work: 2 * T * Hk * Dk floats (the normalised q and k). Dk <= 256.
+// The gated delta rule, state [slots, Hv, Dk, Dv] fp32. q, k [T, Hk, Dk]; v, out [T, Hv, Dv]; g, beta [T, Hv]. q, k,
+// v rows are ldq / ldk / ldv elements apart (heads contiguous inside a row). qk_work: 2 * T * Hk * Dk floats (the
+// normalised q and k). Dk <= 256. Token by token, or with `chunked` (where gated_delta_rule_chunked_supported) in
+// chunks of 64 tokens (cuda_ops_deltanet_chunked.h; equal up to rounding).
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
                       int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
-                      const StepArgs& step, float* out, float* qk_work, Stream stream);
+                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false);
 
 // ---- paged attention (cuda_ops_attention.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
@@ -160,7 +161,7 @@ bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind);
 struct MoeMmaPlan {
   int parts = 3;         // bf16 parts of the fp32 activations (2 or 3)
   int tile_m = 8;        // sorted rows per row tile
-  int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2 or 4) of the decode-sized launches
+  int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2, 4 or 8) of the decode-sized launches
   int sub = 4;                 // 8-token MMA tiles per pass over the weights in row tiles > 16 rows (2 or 4)
   int64_t max_tiles = 0; // grid bound on row tiles
   const int4* tile_info = nullptr;        // [max_tiles] {expert (-1: no tile), first sorted row, end row, 0}

@@ -915,7 +915,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     };
     plan.mt_up = widest(I);
     plan.mt_down = widest(H);
-    if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '4' && v[1] == ',') {
+    if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '8' && v[1] == ',') {
       plan.mt_up = v[0] - '0';  // experiment knob: "up,down" row tiles per block
       plan.mt_down = v[2] - '0';
     }

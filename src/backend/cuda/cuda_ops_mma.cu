@@ -251,16 +251,18 @@ void launch_mma_mt(const MmaArgs& a, int64_t max_tiles, Stream stream) {
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-// Row tiles of more than 16 rows (prefill) take `sub` (2 or 4) sub-tiles per pass over the weights with 4 x 2 warps; decode-sized
-// tiles take one, with the row-tile count asked for (the widest that divides N).
+// Row tiles of 16 rows take 2 token sub-tiles per pass over the weights, larger ones `sub` (2 or 4), with 4 x 2
+// warps (prefill: each decoded weight fragment feeds every sub-tile). Decode-sized tiles take one sub-tile, with the
+// row-tile count asked for (the widest that divides N; 8 means 8 row tiles x 1 k-split).
 template <int kMats, int kParts>
 void launch_mma(const MmaArgs& a, int64_t max_tiles, int mt, int tile_m, int sub, Stream stream) {
-  if (tile_m > 16 && a.N % 64 == 0) {
-    if (sub == 2) return launch_mma_mt<kMats, kParts, 4, 2>(a, max_tiles, stream);
+  if (tile_m >= 16 && a.N % 64 == 0) {
+    if (tile_m == 16 || sub == 2) return launch_mma_mt<kMats, kParts, 4, 2>(a, max_tiles, stream);
     return launch_mma_mt<kMats, kParts, 4, 4>(a, max_tiles, stream);
   }
   while (mt > 1 && a.N % (16 * mt) != 0) mt /= 2;
-  if (mt >= 4) launch_mma_mt<kMats, kParts, 4, 1>(a, max_tiles, stream);
+  if (mt >= 8) launch_mma_mt<kMats, kParts, 8, 1>(a, max_tiles, stream);
+  else if (mt >= 4) launch_mma_mt<kMats, kParts, 4, 1>(a, max_tiles, stream);
   else if (mt == 2) launch_mma_mt<kMats, kParts, 2, 1>(a, max_tiles, stream);
   else launch_mma_mt<kMats, kParts, 1, 1>(a, max_tiles, stream);
 }

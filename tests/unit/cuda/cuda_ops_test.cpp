@@ -185,6 +185,32 @@ TEST(CudaOps, DenseLinearPathsMatchCpu) {
   }
 }
 
+// The chunked delta rule on the GPU (KILN_DELTA_RULE=chunked: every multi-token step) against the CPU's token-by-token
+// recurrence, at the Qwen3.5 head sizes (Dk = Dv = 128, partial chunks, several sequences, continuations from a
+// carried state) and at odd sizes (Dk 40, Dv 40: padded keys, a masked value tile).
+TEST(CudaOps, ChunkedDeltaRuleMatchesCpuRecurrence) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  auto cpu = make_cpu_backend();
+  ::setenv("KILN_DELTA_RULE", "chunked", 1);
+  CudaOps gpu;
+  ::unsetenv("KILN_DELTA_RULE");
+  EXPECT_NE(gpu.describe().find("KILN_DELTA_RULE=chunked"), std::string::npos) << gpu.describe();
+  for (int64_t d : {128, 40}) {
+    OpCheckConfig c;
+    c.seed = 9;
+    c.k_heads = 2;
+    c.v_heads = 4;
+    c.k_dim = d;
+    c.v_dim = d;
+    c.prefill_lens = {1, 70, 150, 600};
+    std::vector<OpCheck> dr;
+    for (const OpCheck& r : compare_ops(gpu, *cpu, c))
+      if (r.op.rfind("gated_delta_rule", 0) == 0) dr.push_back(r);
+    EXPECT_GE(dr.size(), 4u);
+    expect_all_pass(dr, fmt::format("chunked delta rule Dk=Dv={}", d));
+  }
+}
+
 TEST(CudaOps, RecurrentDeltaRuleMatchesCpuChunkedPrefill) {
   KILN_REQUIRE_CUDA_DEVICE();
   CudaOps gpu;

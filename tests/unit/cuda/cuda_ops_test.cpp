@@ -137,7 +137,8 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
     const char* sub;
   };
   for (const Variant& v : {Variant{"3", nullptr, nullptr}, Variant{"2", nullptr, nullptr}, Variant{"3", "1,1", "2"},
-                           Variant{"3", "4,2", nullptr}, Variant{"0", nullptr, nullptr}}) {
+                           Variant{"3", "4,8", nullptr}, Variant{"3", "8,2", nullptr},
+                           Variant{"0", nullptr, nullptr}}) {
     ::setenv("KILN_MOE_MMA", v.mma, 1);
     CudaOps gpu;
     ::unsetenv("KILN_MOE_MMA");

@@ -162,7 +162,7 @@ struct MoeMmaPlan {
   int parts = 3;         // bf16 parts of the fp32 activations (2 or 3)
   int tile_m = 8;        // sorted rows per row tile
   int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2, 4 or 8) of the decode-sized launches
-  int sub = 4;                 // 8-token MMA tiles per pass over the weights in row tiles > 16 rows (2 or 4)
+  int sub = 2;                 // 8-token MMA tiles per pass over the weights in row tiles > 16 rows (2 or 4)
   int64_t max_tiles = 0; // grid bound on row tiles
   const int4* tile_info = nullptr;        // [max_tiles] {expert (-1: no tile), first sorted row, end row, 0}
   const int32_t* row_token = nullptr;     // [P] token of each sorted row

@@ -921,7 +921,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
       plan.mt_up = v[0] - '0';  // experiment knob: "up,down" row tiles per block
       plan.mt_down = v[2] - '0';
     }
-    if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '2') plan.sub = 2;  // experiment knob
+    if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '4') plan.sub = 4;  // measurement knob
     plan.max_tiles = max_tiles;
     plan.tile_info = c.lay.tile_info;
     plan.row_token = c.lay.row_token;

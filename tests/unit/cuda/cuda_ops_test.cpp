@@ -136,7 +136,7 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
     const char* mt;
     const char* sub;
   };
-  for (const Variant& v : {Variant{"3", nullptr, nullptr}, Variant{"2", nullptr, nullptr}, Variant{"3", "1,1", "2"},
+  for (const Variant& v : {Variant{"3", nullptr, nullptr}, Variant{"2", nullptr, nullptr}, Variant{"3", "1,1", "4"},
                            Variant{"3", "4,8", nullptr}, Variant{"3", "8,2", nullptr},
                            Variant{"0", nullptr, nullptr}}) {
     ::setenv("KILN_MOE_MMA", v.mma, 1);

@@ -106,7 +106,7 @@ int run_generate(const GenerateOptions& o) {
   int64_t generated = 0;
   bool hit_eos = false;
   for (;;) {
-    const engine::SampleResult r = sampler.sample(logits, history, prompt.size(), 0);
+    const engine::SampleResult r = sampler.sample(logits, history, prompt.size(), 0, /*want_logprob=*/false);
     history.push_back(r.token);
     ++generated;
     if (std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), r.token) != config.eos_token_ids.end()) {

@@ -323,7 +323,9 @@ void Engine::run_step(const StepPlan& plan) {
       int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
       SampleResult r;
       if (all_greedy) r.token = greedy_token;
-      else r = it->second->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n);
+      else
+        r = it->second->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
+                               seq.request.want_logprobs);
       KILN_CHECK(r.token >= 0 && r.token < vocab_size_, "sampled token {} outside the vocabulary", r.token);
       ev.token = r.token;
       ev.logprob = r.logprob;

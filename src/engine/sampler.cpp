@@ -51,7 +51,7 @@ SequenceSampler::SequenceSampler(const SamplingParams& params, uint64_t seed) : 
 }
 
 SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const int32_t> history,
-                                     size_t generated_begin, int top_logprobs) {
+                                     size_t generated_begin, int top_logprobs, bool want_logprob) {
   const int64_t V = static_cast<int64_t>(logits.size());
   KILN_CHECK(V > 0, "empty logits");
   float* l = logits.data();
@@ -82,9 +82,14 @@ SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const in
   double max_logit = -std::numeric_limits<double>::infinity();
   for (int64_t t = 0; t < V; ++t) max_logit = std::max(max_logit, static_cast<double>(l[t]));
   if (!std::isfinite(max_logit)) fail("sampling: no finite logit (all -inf or NaN)");
-  double sum = 0;
-  for (int64_t t = 0; t < V; ++t) sum += std::exp(static_cast<double>(l[t]) - max_logit);
-  const double log_z = max_logit + std::log(sum);
+  // log Z of this distribution: a pass of exp over the vocabulary, only when a logprob is reported. The filters below
+  // never write to l, so logprob_of reads the temperature-scaled logits.
+  double log_z = 0;
+  if (want_logprob || top_logprobs > 0) {
+    double sum = 0;
+    for (int64_t t = 0; t < V; ++t) sum += std::exp(static_cast<double>(l[t]) - max_logit);
+    log_z = max_logit + std::log(sum);
+  }
   auto logprob_of = [&](int32_t t) { return static_cast<float>(static_cast<double>(l[t]) - log_z); };
 
   SampleResult res;
@@ -102,64 +107,97 @@ SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const in
     for (int64_t t = 1; t < V; ++t)
       if (l[t] > l[best]) best = static_cast<int32_t>(t);  // strict: ties keep the lowest id
     res.token = best;
-    res.logprob = logprob_of(best);
+    if (want_logprob) res.logprob = logprob_of(best);
     return res;
   }
 
-  // 3. filters, as a keep mask over logits (dropped tokens become -inf)
+  // 3. filters over a candidate list (token ids, ascending) instead of the whole vocabulary: top-k shrinks it to
+  // ~k tokens, top-p sorts only as long a prefix as its mass needs. The arithmetic is the full-vocabulary
+  // definition's, in the same order (sums in ascending id, the cumulative mass in sorted order), so the chosen
+  // token is the same: dropped tokens would contribute exact zeros.
+  cand_.clear();
   if (params_.top_k > 0 && params_.top_k < V) {
     std::vector<float> tmp(l, l + V);
     std::nth_element(tmp.begin(), tmp.begin() + (params_.top_k - 1), tmp.end(), std::greater<>());
     const float kth = tmp[params_.top_k - 1];
     for (int64_t t = 0; t < V; ++t)
-      if (l[t] < kth) l[t] = kNegInf;
-  }
-  auto softmax_kept = [&](std::vector<double>& p) {
-    double m = -std::numeric_limits<double>::infinity();
-    for (int64_t t = 0; t < V; ++t) m = std::max(m, static_cast<double>(l[t]));
-    p.assign(V, 0.0);
-    double s = 0;
+      if (!(l[t] < kth) && l[t] != kNegInf) cand_.push_back(static_cast<int32_t>(t));  // ties with the k-th stay
+  } else {
+    cand_.reserve(static_cast<size_t>(V));
     for (int64_t t = 0; t < V; ++t)
-      if (l[t] != kNegInf) s += (p[t] = std::exp(static_cast<double>(l[t]) - m));
-    for (double& x : p) x /= s;
+      if (l[t] != kNegInf) cand_.push_back(static_cast<int32_t>(t));
+  }
+  // probs_[i]: the renormalised probability of cand_[i] among the candidates.
+  auto softmax_cand = [&] {
+    double m = -std::numeric_limits<double>::infinity();
+    for (int32_t t : cand_) m = std::max(m, static_cast<double>(l[t]));
+    probs_.resize(cand_.size());
+    double s = 0;
+    for (size_t i = 0; i < cand_.size(); ++i) s += (probs_[i] = std::exp(static_cast<double>(l[cand_[i]]) - m));
+    for (double& x : probs_) x /= s;
+  };
+  auto keep_only = [&](const std::vector<char>& keep) {
+    size_t w = 0;
+    for (size_t i = 0; i < cand_.size(); ++i)
+      if (keep[i]) cand_[w++] = cand_[i];
+    cand_.resize(w);
   };
   if (params_.top_p < 1.0f) {
-    softmax_kept(probs_);
-    order_.resize(V);
+    softmax_cand();
+    const size_t n = cand_.size();
+    order_.resize(n);
     std::iota(order_.begin(), order_.end(), 0);
-    std::sort(order_.begin(), order_.end(),
-              [&](int32_t a, int32_t b) { return probs_[a] > probs_[b] || (probs_[a] == probs_[b] && a < b); });
-    double cum = 0;
-    for (int64_t i = 0; i < V; ++i) {
-      const int32_t t = order_[i];
-      if (cum >= params_.top_p && i > 0) l[t] = kNegInf;  // mass before this token already reaches p
-      cum += probs_[t];
+    // Candidate indices in descending probability (ties: lower id, i.e. lower index, first); the prefix that is
+    // sorted grows until the cumulative mass crosses top_p.
+    auto by_prob = [&](int32_t a, int32_t b) { return probs_[a] > probs_[b] || (probs_[a] == probs_[b] && a < b); };
+    size_t sorted = std::min<size_t>(n, 256);
+    size_t cut = n;  // order_[cut ..] are dropped
+    for (;;) {
+      std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(sorted), order_.end(), by_prob);
+      double cum = 0;
+      size_t i = 0;
+      for (; i < sorted; ++i) {
+        if (cum >= params_.top_p && i > 0) break;  // mass before this token already reaches p
+        cum += probs_[order_[i]];
+      }
+      if (i < sorted) {
+        cut = i;
+        break;
+      }
+      if (sorted == n) break;
+      sorted = std::min(n, sorted * 8);
+    }
+    if (cut < n) {
+      std::vector<char> keep(n, 0);
+      for (size_t i = 0; i < cut; ++i) keep[order_[i]] = 1;
+      keep_only(keep);
     }
   }
   if (params_.min_p > 0.0f) {
-    softmax_kept(probs_);
+    softmax_cand();
     const double pmax = *std::max_element(probs_.begin(), probs_.end());
-    for (int64_t t = 0; t < V; ++t)
-      if (probs_[t] < params_.min_p * pmax) l[t] = kNegInf;
+    std::vector<char> keep(cand_.size());
+    for (size_t i = 0; i < cand_.size(); ++i) keep[i] = !(probs_[i] < params_.min_p * pmax);
+    keep_only(keep);
   }
 
   // 4. draw
-  softmax_kept(probs_);
+  softmax_cand();
   const double u = rng_.uniform();
   double cum = 0;
   int32_t chosen = -1, last_kept = -1;
-  for (int64_t t = 0; t < V; ++t) {
-    if (probs_[t] <= 0) continue;
-    last_kept = static_cast<int32_t>(t);
-    cum += probs_[t];
+  for (size_t i = 0; i < cand_.size(); ++i) {
+    if (probs_[i] <= 0) continue;
+    last_kept = cand_[i];
+    cum += probs_[i];
     if (u < cum) {
-      chosen = static_cast<int32_t>(t);
+      chosen = cand_[i];
       break;
     }
   }
   if (chosen < 0) chosen = last_kept;  // u within rounding of 1
   res.token = chosen;
-  res.logprob = logprob_of(chosen);
+  if (want_logprob) res.logprob = logprob_of(chosen);
   return res;
 }
 

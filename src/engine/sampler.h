@@ -43,16 +43,18 @@ class SequenceSampler {
  public:
   SequenceSampler(const SamplingParams& params, uint64_t seed);  // seed: params.seed or a random one from the caller
   // logits: [vocab] fp32 (modified in place). history: prompt + generated ids; generated ids start at
-  // generated_begin. top_logprobs: how many alternatives to report (0: none).
+  // generated_begin. top_logprobs: how many alternatives to report (0: none). want_logprob: fill
+  // SampleResult::logprob (false skips a pass over the vocabulary; the token is the same either way).
   SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t generated_begin,
-                      int top_logprobs);
+                      int top_logprobs, bool want_logprob = true);
 
   const SamplingParams& params() const { return params_; }
 
  private:
   SamplingParams params_;
   Xoshiro256 rng_;
-  std::vector<int32_t> order_;   // scratch: token ids sorted by logit
+  std::vector<int32_t> order_;   // scratch: token ids sorted by logit / candidate indices sorted by probability
+  std::vector<int32_t> cand_;    // scratch: the filters' surviving token ids, ascending
   std::vector<double> probs_;    // scratch
   std::vector<int32_t> counts_;  // scratch: generated-token counts
 };

@@ -1,8 +1,12 @@
 // SequenceSampler against hand-computed expectations.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
+#include <random>
+#include <vector>
 
 #include "core/error.h"
 #include "engine/sampler.h"
@@ -151,6 +155,133 @@ TEST(Sampler, SameSeedSameOutputs) {
   };
   EXPECT_EQ(run(1234), run(1234));
   EXPECT_NE(run(1234), run(1235));
+}
+
+// The full-vocabulary definition of steps 2-4 (sampler.h), written out plainly: temperature, top-k as a -inf mask,
+// top-p over a full sort, min-p, one draw walking ascending ids. The sampler works on a candidate list with a
+// partially sorted prefix; it must pick the same token with the same logprob, draw for draw.
+struct ReferenceSampler {
+  SamplingParams p;
+  Xoshiro256 rng;
+  ReferenceSampler(const SamplingParams& params, uint64_t seed) : p(params), rng(seed) {}
+  std::pair<int32_t, float> sample(std::vector<float> l) {
+    const int64_t V = static_cast<int64_t>(l.size());
+    const float neg_inf = -INFINITY;
+    if (p.temperature >= 1e-6f && p.temperature != 1.0f)
+      for (float& x : l) x *= 1.0f / p.temperature;
+    double mx = -INFINITY;
+    for (float x : l) mx = std::max(mx, static_cast<double>(x));
+    double z = 0;
+    for (float x : l) z += std::exp(static_cast<double>(x) - mx);
+    const double log_z = mx + std::log(z);
+    const std::vector<float> scaled = l;
+    auto lp = [&](int32_t t) { return static_cast<float>(static_cast<double>(scaled[t]) - log_z); };
+    if (p.temperature < 1e-6f) {
+      int32_t best = 0;
+      for (int64_t t = 1; t < V; ++t)
+        if (l[t] > l[best]) best = static_cast<int32_t>(t);
+      return {best, lp(best)};
+    }
+    if (p.top_k > 0 && p.top_k < V) {
+      std::vector<float> tmp = l;
+      std::nth_element(tmp.begin(), tmp.begin() + (p.top_k - 1), tmp.end(), std::greater<>());
+      for (float& x : l)
+        if (x < tmp[p.top_k - 1]) x = neg_inf;
+    }
+    std::vector<double> pr;
+    auto softmax = [&] {
+      double m = -INFINITY;
+      for (float x : l) m = std::max(m, static_cast<double>(x));
+      pr.assign(V, 0.0);
+      double s = 0;
+      for (int64_t t = 0; t < V; ++t)
+        if (l[t] != neg_inf) s += (pr[t] = std::exp(static_cast<double>(l[t]) - m));
+      for (double& x : pr) x /= s;
+    };
+    if (p.top_p < 1.0f) {
+      softmax();
+      std::vector<int32_t> order(V);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+      double cum = 0;
+      for (int64_t i = 0; i < V; ++i) {
+        if (cum >= p.top_p && i > 0) l[order[i]] = neg_inf;
+        cum += pr[order[i]];
+      }
+    }
+    if (p.min_p > 0.0f) {
+      softmax();
+      const double pmax = *std::max_element(pr.begin(), pr.end());
+      for (int64_t t = 0; t < V; ++t)
+        if (pr[t] < p.min_p * pmax) l[t] = neg_inf;
+    }
+    softmax();
+    const double u = rng.uniform();
+    double cum = 0;
+    int32_t chosen = -1, last = -1;
+    for (int64_t t = 0; t < V; ++t) {
+      if (pr[t] <= 0) continue;
+      last = static_cast<int32_t>(t);
+      cum += pr[t];
+      if (u < cum) {
+        chosen = static_cast<int32_t>(t);
+        break;
+      }
+    }
+    if (chosen < 0) chosen = last;
+    return {chosen, lp(chosen)};
+  }
+};
+
+TEST(Sampler, SameDrawsAsTheFullVocabularyDefinition) {
+  std::mt19937 gen(11);
+  int cases = 0;
+  for (int64_t V : {2, 7, 300, 5000, 70000}) {
+    for (int trial = 0; trial < 24; ++trial) {
+      SamplingParams p;
+      p.temperature = std::vector<float>{0.0f, 0.3f, 0.7f, 1.0f, 1.6f}[gen() % 5];
+      p.top_k = std::vector<int>{0, 0, 1, 5, 20, 1000}[gen() % 6];
+      p.top_p = std::vector<float>{1.0f, 0.95f, 0.8f, 0.3f, 0.999f}[gen() % 5];
+      p.min_p = std::vector<float>{0.0f, 0.0f, 0.05f, 0.3f}[gen() % 4];
+      const float spread = std::vector<float>{0.5f, 3.0f, 12.0f}[gen() % 3];
+      std::normal_distribution<float> nd(0.0f, spread);
+      std::vector<float> base(static_cast<size_t>(V));
+      for (float& x : base) x = nd(gen);
+      // ties and masked tokens
+      for (int i = 0; i < std::min<int64_t>(V / 3, 40); ++i) base[gen() % V] = base[gen() % V];
+      if (V > 10) base[gen() % V] = -INFINITY;
+      const uint64_t seed = gen();
+      SequenceSampler s(p, seed);
+      ReferenceSampler ref(p, seed);
+      for (int draw = 0; draw < 4; ++draw) {
+        std::vector<float> l = base;
+        const SampleResult r = s.sample(l, {}, 0, 0);
+        const auto [want_token, want_lp] = ref.sample(base);
+        ASSERT_EQ(r.token, want_token) << "V " << V << " T " << p.temperature << " k " << p.top_k << " p " << p.top_p
+                                       << " min_p " << p.min_p << " draw " << draw;
+        ASSERT_EQ(r.logprob, want_lp);
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 5 * 24 * 4);
+}
+
+TEST(Sampler, LogprobSkippedOnRequestSameToken) {
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_p = 0.9f;
+  std::vector<float> base(1000);
+  for (int i = 0; i < 1000; ++i) base[i] = std::sin(i * 0.37f) * 4.0f;
+  SequenceSampler a(p, 99), b(p, 99);
+  for (int i = 0; i < 20; ++i) {
+    std::vector<float> la = base, lb = base;
+    const SampleResult ra = a.sample(la, {}, 0, 0, true);
+    const SampleResult rb = b.sample(lb, {}, 0, 0, false);
+    EXPECT_EQ(ra.token, rb.token);
+    EXPECT_LT(ra.logprob, 0.0f);
+    EXPECT_EQ(rb.logprob, 0.0f);
+  }
 }
 
 TEST(Sampler, RejectsBadParameters) {

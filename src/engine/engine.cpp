@@ -38,6 +38,9 @@ EngineOptions resolve_options(EngineOptions o, const model::RunnerCapacity& cap)
   if (o.max_running_requests <= 0) fail("--max-running-requests must be at least 1");
   if (o.max_queued_requests < 0) fail("--max-queued-requests must be 0 or more");
   if (o.context_length <= 1) fail("the context length must be at least 2 tokens (got {})", o.context_length);
+  if (o.sampling_threads < 0) fail("sampling threads must be 0 (auto) or more, got {}", o.sampling_threads);
+  if (o.sampling_threads == 0)
+    o.sampling_threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1u, 8u));
   if (cap.kv_pages <= 0 || cap.page_size <= 0 || cap.state_slots <= 0)
     fail("the model runner reports no KV capacity (kv_pages {}, page_size {}, state_slots {})", cap.kv_pages,
          cap.page_size, cap.state_slots);
@@ -303,47 +306,97 @@ void Engine::run_step(const StepPlan& plan) {
   steps_.fetch_add(1);
   scheduler_.commit_step(plan);
 
-  auto now = Clock::now();
-  int64_t row = 0;
-  std::vector<Sequence*> done;
-  for (const auto& c : plan.chunks) {
-    if (!c.want_logits) continue;
-    Sequence& seq = *c.seq;
+  // Sampling: every row's sampler runs on its own logits and history, so the rows are sampled in parallel (the
+  // host sampler costs milliseconds per row at a 248k vocabulary), then applied in order on this thread.
+  struct Job {
+    Sequence* seq = nullptr;
+    bool completes_prompt = false;  // this step's chunk ends at the prompt's last token
+    SequenceSampler* sampler = nullptr;
     std::span<float> logits;
-    if (!all_greedy) logits = std::span<float>(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
-    const int32_t greedy_token = all_greedy ? greedy_ids_[static_cast<size_t>(row)] : -1;
-    ++row;
-    if (c.start_pos + c.num_tokens == seq.prompt_len) prompt_tokens_.fetch_add(static_cast<uint64_t>(seq.prompt_len));
+    int32_t greedy_token = -1;
+    SampleResult result;
+    std::string error;
+  };
+  std::vector<Job> jobs;
+  {
+    int64_t row = 0;
+    for (const auto& c : plan.chunks) {
+      if (!c.want_logits) continue;
+      Job j;
+      j.seq = c.seq;
+      j.completes_prompt = c.start_pos + c.num_tokens == c.seq->prompt_len;
+      if (all_greedy) j.greedy_token = greedy_ids_[static_cast<size_t>(row)];
+      else j.logits = std::span<float>(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
+      ++row;
+      auto it = samplers_.find(c.seq->uid);
+      if (it == samplers_.end()) {
+        try {
+          it = samplers_.emplace(c.seq->uid, std::make_unique<SequenceSampler>(c.seq->request.sampling, c.seq->seed))
+                   .first;
+        } catch (const std::exception& e) {
+          j.error = e.what();
+        }
+      }
+      if (it != samplers_.end()) j.sampler = it->second.get();
+      jobs.push_back(std::move(j));
+    }
+  }
+  auto run_job = [&](Job& j) {
+    if (!j.error.empty()) return;
+    try {
+      const Sequence& seq = *j.seq;
+      if (all_greedy) {
+        j.result.token = j.greedy_token;
+      } else {
+        const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
+        j.result = j.sampler->sample(j.logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
+                                     seq.request.want_logprobs);
+      }
+      KILN_CHECK(j.result.token >= 0 && j.result.token < vocab_size_, "sampled token {} outside the vocabulary",
+                 j.result.token);
+    } catch (const std::exception& e) {
+      j.error = e.what();
+    }
+  };
+  const int threads = all_greedy ? 1 : std::min<int>(opts_.sampling_threads, static_cast<int>(jobs.size()));
+  if (threads <= 1) {
+    for (Job& j : jobs) run_job(j);
+  } else {
+    std::atomic<size_t> next{0};
+    auto worker = [&] {
+      for (size_t i = next.fetch_add(1); i < jobs.size(); i = next.fetch_add(1)) run_job(jobs[i]);
+    };
+    std::vector<std::thread> pool;
+    pool.reserve(static_cast<size_t>(threads - 1));
+    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+    worker();
+    for (std::thread& t : pool) t.join();
+  }
+
+  auto now = Clock::now();
+  std::vector<Sequence*> done;
+  for (Job& job : jobs) {
+    Sequence& seq = *job.seq;
+    if (job.completes_prompt) prompt_tokens_.fetch_add(static_cast<uint64_t>(seq.prompt_len));
     TokenEvent ev;
     ev.index = seq.index;
-    try {
-      auto it = samplers_.find(seq.uid);
-      if (it == samplers_.end())
-        it = samplers_.emplace(seq.uid, std::make_unique<SequenceSampler>(seq.request.sampling, seq.seed)).first;
-      int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
-      SampleResult r;
-      if (all_greedy) r.token = greedy_token;
-      else
-        r = it->second->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
-                               seq.request.want_logprobs);
-      KILN_CHECK(r.token >= 0 && r.token < vocab_size_, "sampled token {} outside the vocabulary", r.token);
-      ev.token = r.token;
-      ev.logprob = r.logprob;
-      if (seq.request.want_logprobs) ev.top = std::move(r.top);
-    } catch (const std::exception& e) {
-      KILN_LOG_ERROR("sampling failed for request {}: {}", seq.request.id, e.what());
+    if (!job.error.empty()) {
+      KILN_LOG_ERROR("sampling failed for request {}: {}", seq.request.id, job.error);
       seq.abort_requested = true;  // released below
       TokenEvent err;
       err.index = seq.index;
       err.finished = true;
       err.finish_reason = FinishReason::error;
-      err.error = fmt::format("sampling failed: {}", e.what());
+      err.error = fmt::format("sampling failed: {}", job.error);
       if (seq.channel) outbox_.push_back({seq.channel, std::move(err)});
       finished_[static_cast<int>(FinishReason::error)].fetch_add(1);
       samplers_.erase(seq.uid);
       done.push_back(&seq);
       continue;
     }
+    ev.token = job.result.token;
+    ev.logprob = job.result.logprob;
+    if (seq.request.want_logprobs) ev.top = std::move(job.result.top);
     seq.tokens.push_back(ev.token);
     ++seq.num_generated;
     generation_tokens_.fetch_add(1);

@@ -107,6 +107,43 @@ TEST(Engine, GreedyOutputDoesNotDependOnTheBatch) {
   }
 }
 
+// Non-greedy sequences of one step are sampled on several threads: each has its own seeded sampler and logits row,
+// so the tokens do not depend on the thread count (or on the batch).
+TEST(Engine, SampledOutputDoesNotDependOnSamplingThreads) {
+  DummyRunner::Options ro;
+  ro.vocab = 4000;
+  auto prompts = test_prompts(20, ro.vocab, 9);
+  auto sampled = [](const std::vector<int32_t>& p, uint64_t seed) {
+    GenerateRequest r;
+    r.prompt = p;
+    r.max_tokens = 12;
+    r.sampling.temperature = 0.9f;
+    r.sampling.top_p = 0.9f;
+    r.sampling.top_k = seed % 2 ? 40 : 0;
+    r.sampling.seed = seed;
+    r.want_logprobs = seed % 3 == 0;
+    r.top_logprobs = 2;
+    return r;
+  };
+  std::vector<std::vector<std::vector<int32_t>>> runs;
+  for (int threads : {1, 4}) {
+    EngineOptions eo = options(20, 16);
+    eo.sampling_threads = threads;
+    Engine e(std::make_unique<DummyRunner>(ro), eo);
+    e.start();
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (size_t i = 0; i < prompts.size(); ++i) chans.push_back(e.submit({sampled(prompts[i], 100 + i)}).channel);
+    std::vector<std::vector<int32_t>> out;
+    for (auto& ch : chans) out.push_back(collect(ch).tokens[0]);
+    runs.push_back(out);
+  }
+  ASSERT_EQ(runs[0].size(), runs[1].size());
+  for (size_t i = 0; i < runs[0].size(); ++i) {
+    EXPECT_FALSE(runs[0][i].empty()) << i;
+    EXPECT_EQ(runs[0][i], runs[1][i]) << "request " << i;
+  }
+}
+
 TEST(Engine, StaggeredArrivalsMatchAlone) {
   DummyRunner::Options ro;
   ro.step_delay_us = 200;

@@ -272,8 +272,15 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   TensorView weights = f.f32(Shape{T, top_k});
   f.ops.moe_route(logits, top_k, renormalise, ids, weights);
   TensorView out = f.f32(x.shape);
+  if (w.has_shared_expert && !(f.trace && *f.trace)) {
+    // The shared expert first, then the routed experts with its gated output folded into their combine.
+    f.ops.silu_mul(shared_g, shared_u, shared_g);
+    TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
+    f.ops.moe_experts_shared(x, ids, weights, w.experts, shared, shared_gate, out);
+    return out;
+  }
   f.ops.moe_experts(x, ids, weights, w.experts, out);
-  f.name("moe_routed", layer, out);
+  f.name("moe_routed", layer, out);  // traced runs keep the routed output on its own
   if (w.has_shared_expert) {
     f.ops.silu_mul(shared_g, shared_u, shared_g);
     TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);

@@ -63,6 +63,14 @@ void Ops::add_rms_norm(TensorView hidden, const TensorView& y, const TensorView&
   rms_norm(hidden, weight, eps, kind, out);
 }
 
+void Ops::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                             std::span<const ExpertWeights> experts, TensorView shared, const TensorView& shared_gate,
+                             TensorView out) {
+  moe_experts(x, expert_ids, weights, experts, out);
+  sigmoid_mul(shared, shared_gate, shared);
+  add(out, shared, out);
+}
+
 void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0),
              "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());

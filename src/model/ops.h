@@ -241,6 +241,12 @@ class Ops {
   // x F32 [T, H], out F32 [T, H], experts [E].
   virtual void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                            std::span<const ExpertWeights> experts, TensorView out) = 0;
+  // The routed experts plus a gated shared expert's output: out = moe_experts(...) + shared * sigmoid(shared_gate).
+  // shared F32 [T, H] (may be overwritten with shared * sigmoid(gate)), shared_gate F32 [T, 1]. The default runs
+  // moe_experts, sigmoid_mul and add; a GPU backend folds the last two into the experts' combine.
+  virtual void moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                                  std::span<const ExpertWeights> experts, TensorView shared,
+                                  const TensorView& shared_gate, TensorView out);
 
   // ---- sampling
   // ids[r] = argmax_v logits[r, v] (lowest index on ties; NaN never wins; all NaN: 0), written to host memory

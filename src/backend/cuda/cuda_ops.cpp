@@ -874,6 +874,25 @@ void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, T
 void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                           std::span<const model::ExpertWeights> experts, TensorView out) {
   ProfScope prof(*impl_, [&] { return std::string(fmt::format("moe_experts {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
+  run_moe_experts(x, expert_ids, weights, experts, nullptr, nullptr, out);
+}
+
+void CudaOps::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                                 std::span<const model::ExpertWeights> experts, TensorView shared,
+                                 const TensorView& shared_gate, TensorView out) {
+  ProfScope prof(*impl_, [&] { return std::string(fmt::format("moe_experts+shared {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
+  KILN_CHECK(shared.shape == x.shape && shared.is_contiguous() && shared_gate.numel() == x.dim(0) &&
+                 shared_gate.is_contiguous(),
+             "moe_experts_shared: shared {} gate {} for x {}", shared.shape.str(), shared_gate.shape.str(),
+             x.shape.str());
+  expect_f32(shared, "moe_experts shared");
+  expect_f32(shared_gate, "moe_experts shared gate");
+  run_moe_experts(x, expert_ids, weights, experts, f32(shared), f32(shared_gate), out);
+}
+
+void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                              std::span<const model::ExpertWeights> experts, const float* shared,
+                              const float* shared_gate, TensorView out) {
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.shape == x.shape && out.is_contiguous() &&
                  expert_ids.ndim() == 2 && expert_ids.dim(0) == x.dim(0) && weights.shape == expert_ids.shape,
              "moe_experts x {} ids {} weights {}", x.shape.str(), expert_ids.shape.str(), weights.shape.str());
@@ -920,7 +939,7 @@ void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, con
   void* ws = impl_->scratch_bytes(ws_bytes);
   kops::moe_experts(f32(x), T, H, i32(expert_ids), f32(weights), static_cast<int>(k),
                     tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
-                    impl_->stream, impl_->moe_mma_parts);
+                    impl_->stream, impl_->moe_mma_parts, shared, shared_gate);
 }
 
 }  // namespace kiln::backend::cuda

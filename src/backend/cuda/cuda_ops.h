@@ -88,6 +88,9 @@ class CudaOps final : public model::Ops {
 
   void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                  TensorView weights) override;
+  void moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                          std::span<const model::ExpertWeights> experts, TensorView shared,
+                          const TensorView& shared_gate, TensorView out) override;
   void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                    std::span<const model::ExpertWeights> experts, TensorView out) override;
 
@@ -104,6 +107,10 @@ class CudaOps final : public model::Ops {
   struct Impl;  // named here so that file-local helpers of cuda_ops.cpp can use it
 
  private:
+  // moe_experts with an optional gated shared-expert output folded into the combine (both pointers or neither).
+  void run_moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
+                       std::span<const model::ExpertWeights> experts, const float* shared, const float* shared_gate,
+                       TensorView out);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -713,9 +713,12 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top
 }
 
 // out[t, h] = sum over the token's slots in ascending (expert id, slot) order of w * y[pair_pos]. A block per token.
+// shared / shared_gate (optional): out += shared[t] * sigmoid(shared_gate[t]) after the experts' sum (the CPU's order:
+// the product rounded, then added).
 __global__ void moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids,
                                    const float* __restrict__ weights, const int32_t* __restrict__ pair_pos, int top_k,
-                                   int H, float* __restrict__ out) {
+                                   int H, float* __restrict__ out, const float* __restrict__ shared = nullptr,
+                                   const float* __restrict__ shared_gate = nullptr) {
   __shared__ int order[64], sid[64], spos[64];
   __shared__ float sw[64];
   const int t = blockIdx.x;
@@ -739,6 +742,10 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, const int32_t* _
       const int j = order[n];
       const int pos = spos[j];
       if (pos >= 0) acc += y[int64_t(pos) * H + h] * sw[j];
+    }
+    if (shared) {
+      const float sh = shared[int64_t(t) * H + h] * sigmoid(shared_gate[t]);
+      acc = acc + sh;
     }
     out[int64_t(t) * H + h] = acc;
   }
@@ -873,7 +880,8 @@ size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I
 
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
-                 void* workspace, float* out, Stream stream, int mma_parts) {
+                 void* workspace, float* out, Stream stream, int mma_parts, const float* shared,
+                 const float* shared_gate) {
   if (T == 0) return;
   if (top_k < 1 || top_k > 64) cuda_fail("moe_experts: top_k {} is not supported (1 to 64)", {top_k});
   if (E * 4 > 48 * 1024) cuda_fail("moe_experts: {} experts is too many (at most 12288)", {E});
@@ -930,7 +938,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     plan.y = c.y;
     moe_experts_mma(x, T, H, I, experts, E, plan, stream);
     moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
-                                                                     static_cast<int>(H), out);
+                                                                     static_cast<int>(H), out, shared, shared_gate);
     KILN_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -968,7 +976,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream, experts_gemv2_kind, max_rows);
 
   moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
-                                                                   static_cast<int>(H), out);
+                                                                   static_cast<int>(H), out, shared, shared_gate);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

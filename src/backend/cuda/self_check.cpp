@@ -607,6 +607,14 @@ void check_moe(Harness& h) {
       h.test().moe_experts(x.test, ids.test, w.test, et, out.test);
       h.ref().moe_experts(x.ref, ids.ref, w.ref, er, out.ref);
       h.compare(fmt::format("moe_experts {} T={} E={} k={}", model::weight_format_name(f), T, E, k), out);
+      if (T == c.linear_rows.front()) {  // with a gated shared expert's output folded in (the shared-expert layers)
+        Pair shared = h.upload(h.host_normal(DType::F32, Shape{T, H}, 1.0f));
+        Pair gate = h.upload(h.host_normal(DType::F32, Shape{T, 1}, 2.0f));
+        Pair out2 = h.scratch(DType::F32, Shape{T, H});
+        h.test().moe_experts_shared(x.test, ids.test, w.test, et, shared.test, gate.test, out2.test);
+        h.ref().moe_experts_shared(x.ref, ids.ref, w.ref, er, shared.ref, gate.ref, out2.ref);
+        h.compare(fmt::format("moe_experts+shared {} T={} E={} k={}", model::weight_format_name(f), T, E, k), out2);
+      }
     }
   }
 }

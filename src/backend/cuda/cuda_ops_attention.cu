@@ -344,14 +344,18 @@ constexpr int kDeltaRowsPerThread = 32;  // Dk <= 8 * 32 = 256
 // grid (S, Hv, ceil(Dv / 32)), block 8 warps. Lane l of every warp owns value column j = 32 * blockIdx.z + l; warp
 // w holds S[i][j] for i = w, w + 8, ... in registers. Per token: S *= exp(g); kv = sum_i S[i][j] k[i] (partial sums
 // per warp, added in warp order); delta = (v[j] - kv) * beta; S[i][j] += k[i] delta; out[j] = sum_i S[i][j] q[i].
+// q and k arrive raw (rows ldq / ldk apart) and are L2-normalised here, per token, exactly as l2norm_qk_kernel does
+// (lane-strided sums, a warp sum, (x * inv) / sqrt(Dk) for q): one launch fewer per layer and step.
 __global__ void __launch_bounds__(kDeltaWarps * 32)
-    delta_rule_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
-                      const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state, int Hk,
-                      int Hv, int Dk, int Dv, StepArgs step, int64_t ldv, float* __restrict__ out) {
+    delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t ldq, int64_t ldk,
+                      const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
+                      float* __restrict__ state, int Hk, int Hv, int Dk, int Dv, StepArgs step, int64_t ldv,
+                      float* __restrict__ out) {
   __shared__ float q_s[kDeltaWarps * kDeltaRowsPerThread];
   __shared__ float k_s[kDeltaWarps * kDeltaRowsPerThread];
   __shared__ float red_kv[kDeltaWarps][32];
   __shared__ float red_o[kDeltaWarps][32];
+  __shared__ float inv_norm[2];
   const int s = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = blockIdx.z * 32 + lane;
@@ -368,8 +372,24 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
   const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
   for (int t = b; t < e; ++t) {
     for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
-      q_s[i] = qn[(int64_t(t) * Hk + kh) * Dk + i];
-      k_s[i] = kn[(int64_t(t) * Hk + kh) * Dk + i];
+      q_s[i] = q[int64_t(t) * ldq + int64_t(kh) * Dk + i];
+      k_s[i] = k[int64_t(t) * ldk + int64_t(kh) * Dk + i];
+    }
+    __syncthreads();
+    if (warp < 2) {  // warp 0: |q|, warp 1: |k|
+      const float* src = warp == 0 ? q_s : k_s;
+      float ss = 0.0f;
+      for (int i = lane; i < Dk; i += 32) ss += src[i] * src[i];
+      ss = warp_sum(ss);
+      if (lane == 0) inv_norm[warp] = 1.0f / sqrtf(ss + 1e-6f);
+    }
+    __syncthreads();
+    {
+      const float q_scale = sqrtf(static_cast<float>(Dk));
+      for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
+        q_s[i] = (q_s[i] * inv_norm[0]) / q_scale;
+        k_s[i] = k_s[i] * inv_norm[1];
+      }
     }
     __syncthreads();
     const float decay = expf(g[int64_t(t) * Hv + h]);
@@ -480,17 +500,18 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)
     cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
-  const int64_t vectors = int64_t(step.num_tokens) * Hk;
-  float* qn = qk_work;
-  float* kn = qk_work + vectors * Dk;
-  l2norm_qk_kernel<<<grid_for(2 * vectors, 8), 256, 0, stream>>>(q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
-  KILN_CUDA_CHECK_LAUNCH();
   if (chunked && gated_delta_rule_chunked_supported(Dk, Dv)) {
+    // The chunked kernel reads normalised q / k rows.
+    const int64_t vectors = int64_t(step.num_tokens) * Hk;
+    float* qn = qk_work;
+    float* kn = qk_work + vectors * Dk;
+    l2norm_qk_kernel<<<grid_for(2 * vectors, 8), 256, 0, stream>>>(q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
+    KILN_CUDA_CHECK_LAUNCH();
     gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, nullptr, stream);
     return;
   }
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
-  delta_rule_kernel<<<grid, kDeltaWarps * 32, 0, stream>>>(qn, kn, v, g, beta, state, static_cast<int>(Hk),
+  delta_rule_kernel<<<grid, kDeltaWarps * 32, 0, stream>>>(q, k, ldq, ldk, v, g, beta, state, static_cast<int>(Hk),
                                                            static_cast<int>(Hv), static_cast<int>(Dk),
                                                            static_cast<int>(Dv), step, ldv, out);
   KILN_CUDA_CHECK_LAUNCH();

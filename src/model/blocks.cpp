@@ -149,6 +149,13 @@ static TensorView linear(Forward& f, const TensorView& x, const LinearWeight& w)
   return out;
 }
 
+// A block's output, summed over the tensor-parallel group (Ops::all_reduce; a no-op on one device). Every block
+// that returns into the residual stream ends here: attention, DeltaNet, MLP, MoE.
+static TensorView block_output(Forward& f, TensorView y) {
+  f.ops.all_reduce(y);
+  return y;
+}
+
 TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, const TensorView& x, bool output_gate,
                           NormKind qk_norm) {
   const auto& c = f.config;
@@ -201,7 +208,7 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
   TensorView attn2 = reshaped(attn, Shape{T, Hq * D});
   if (output_gate) f.ops.sigmoid_mul(attn2, gate, attn2);
   f.name("attn_out", layer, attn2);
-  return linear(f, attn2, w.o_proj);
+  return block_output(f, linear(f, attn2, w.o_proj));
 }
 
 TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& mixed_qkv,
@@ -230,7 +237,7 @@ TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeigh
   TensorView normed = f.f32(Shape{T * Hv, Dv});
   f.ops.gated_rms_norm(reshaped(core, Shape{T * Hv, Dv}), reshaped(z, Shape{T * Hv, Dv}), w.norm,
                        static_cast<float>(c.rms_norm_eps), normed);
-  return linear(f, reshaped(normed, Shape{T, Hv * Dv}), w.out_proj);
+  return block_output(f, linear(f, reshaped(normed, Shape{T, Hv * Dv}), w.out_proj));
 }
 
 TensorView gated_deltanet(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& x) {
@@ -249,7 +256,7 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
   TensorView g = linear(f, x, w.gate_proj);
   TensorView u = linear(f, x, w.up_proj);
   f.ops.silu_mul(g, u, g);
-  return linear(f, g, w.down_proj);
+  return block_output(f, linear(f, g, w.down_proj));
 }
 
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
@@ -277,7 +284,7 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
     f.ops.silu_mul(shared_g, shared_u, shared_g);
     TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
     f.ops.moe_experts_shared(x, ids, weights, w.experts, shared, shared_gate, out);
-    return out;
+    return block_output(f, out);
   }
   f.ops.moe_experts(x, ids, weights, w.experts, out);
   f.name("moe_routed", layer, out);  // traced runs keep the routed output on its own
@@ -287,7 +294,7 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
     f.ops.sigmoid_mul(shared, shared_gate, shared);
     f.ops.add(out, shared, out);
   }
-  return out;
+  return block_output(f, out);
 }
 
 }  // namespace kiln::model

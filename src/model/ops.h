@@ -248,6 +248,12 @@ class Ops {
                                   std::span<const ExpertWeights> experts, TensorView shared,
                                   const TensorView& shared_gate, TensorView out);
 
+  // ---- tensor parallelism
+  // The points where a tensor-parallel rank's partial block output is summed over the group (after the attention /
+  // DeltaNet output projection, the MLP down projection, the MoE combine): x F32 [T, H], in place. A single device
+  // holds the whole sum already: the default does nothing. (Multi-GPU backends implement it with NCCL.)
+  virtual void all_reduce(TensorView x) { (void)x; }
+
   // ---- sampling
   // ids[r] = argmax_v logits[r, v] (lowest index on ties; NaN never wins; all NaN: 0), written to host memory
   // (synchronises). logits F32 [R, V] contiguous. The default downloads the logits and scans them on the host.

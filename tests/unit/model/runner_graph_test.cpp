@@ -11,6 +11,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/error.h"
+#include "format/model_config.h"
 #include "format/model_dir.h"
 #include "model/runner.h"
 
@@ -25,6 +26,7 @@ class RecordingOps final : public Ops {
  public:
   explicit RecordingOps(std::unique_ptr<Ops> inner) : in_(std::move(inner)) {}
   int captures = 0, launches = 0, stale = 0, eager_passes_seen = 0;
+  int all_reduces = 0;  // Ops::all_reduce calls (the tensor-parallel sum points), captured or not
   bool throw_in_next_capture = false;
 
   std::string name() const override { return "recording"; }
@@ -97,6 +99,10 @@ class RecordingOps final : public Ops {
   }
   void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) override {
     run([=, this] { in_->sigmoid_mul(x, g, out); });
+  }
+  void all_reduce(TensorView x) override {
+    ++all_reduces;
+    run([=, this] { in_->all_reduce(x); });
   }
   void gather_rows(const TensorView& x, const TensorView& rows, TensorView out) override {
     run([=, this] { in_->gather_rows(x, rows, out); });
@@ -236,6 +242,18 @@ TEST(RunnerGraphs, AFailureInsideACaptureEndsTheCaptureAndTheRunnerKeepsWorking)
   ch.page_table = plain.pages[0];
   plain.runner->forward({&ch, 1}, b);
   EXPECT_EQ(a, b);
+}
+
+// The tensor-parallel sum points are explicit: every block that returns into the residual stream (kiln-tiny: a
+// DeltaNet or attention block and a MoE block per layer) ends with one Ops::all_reduce, and nothing else calls it.
+TEST(RunnerTensorParallel, OneAllReducePerBlockOutput) {
+  auto rec_owner = std::make_unique<RecordingOps>(backend::make_cpu_backend());
+  RecordingOps* rec = rec_owner.get();
+  Gen eager(std::move(rec_owner), 0);  // graphs off: every pass runs its ops once
+  const int layers = static_cast<int>(format::load_model_config(format::ModelDir::open(kTiny)).num_layers);
+  ASSERT_GT(layers, 0);
+  eager.run(2);  // a prefill pass and two decode passes
+  EXPECT_EQ(rec->all_reduces, 3 * 2 * layers);
 }
 
 }  // namespace

@@ -358,7 +358,10 @@ void Engine::run_step(const StepPlan& plan) {
       j.error = e.what();
     }
   };
-  const int threads = all_greedy ? 1 : std::min<int>(opts_.sampling_threads, static_cast<int>(jobs.size()));
+  // Threads only pay off with enough logits to scan (starting them costs tens of microseconds; a small vocabulary
+  // samples in less).
+  const bool big = static_cast<int64_t>(jobs.size()) * vocab_size_ >= (int64_t(1) << 17);
+  const int threads = all_greedy || !big ? 1 : std::min<int>(opts_.sampling_threads, static_cast<int>(jobs.size()));
   if (threads <= 1) {
     for (Job& j : jobs) run_job(j);
   } else {

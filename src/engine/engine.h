@@ -37,8 +37,8 @@ struct EngineOptions {
   int64_t chunked_prefill_size = 2048;
   int64_t context_length = 0;          // 0: the runner's max_context; never more than it
   std::vector<int32_t> eos_token_ids;  // end a sequence unless ignore_eos
-  // Threads that sample a step's non-greedy sequences (each with its own sampler and logits row, so the draws are
-  // the same for any count). 0: min(8, hardware threads).
+  // Threads that sample a step's non-greedy sequences when the step has >= 128k logits (each with its own sampler
+  // and logits row, so the draws are the same for any count). 0: min(8, hardware threads).
   int sampling_threads = 0;
 };
 

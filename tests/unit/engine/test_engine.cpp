@@ -111,7 +111,7 @@ TEST(Engine, GreedyOutputDoesNotDependOnTheBatch) {
 // so the tokens do not depend on the thread count (or on the batch).
 TEST(Engine, SampledOutputDoesNotDependOnSamplingThreads) {
   DummyRunner::Options ro;
-  ro.vocab = 4000;
+  ro.vocab = 32000;  // steps of 5 or more rows x 32000 logits: enough for the engine to use its threads
   auto prompts = test_prompts(20, ro.vocab, 9);
   auto sampled = [](const std::vector<int32_t>& p, uint64_t seed) {
     GenerateRequest r;
@@ -127,7 +127,7 @@ TEST(Engine, SampledOutputDoesNotDependOnSamplingThreads) {
   };
   std::vector<std::vector<std::vector<int32_t>>> runs;
   for (int threads : {1, 4}) {
-    EngineOptions eo = options(20, 16);
+    EngineOptions eo = options(20, 64);
     eo.sampling_threads = threads;
     Engine e(std::make_unique<DummyRunner>(ro), eo);
     e.start();

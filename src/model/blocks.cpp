@@ -279,20 +279,22 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   TensorView weights = f.f32(Shape{T, top_k});
   f.ops.moe_route(logits, top_k, renormalise, ids, weights);
   TensorView out = f.f32(x.shape);
-  if (w.has_shared_expert && !(f.trace && *f.trace)) {
-    // The shared expert first, then the routed experts with its gated output folded into their combine.
-    f.ops.silu_mul(shared_g, shared_u, shared_g);
-    TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
-    f.ops.moe_experts_shared(x, ids, weights, w.experts, shared, shared_gate, out);
+  if (!w.has_shared_expert) {
+    f.ops.moe_experts(x, ids, weights, w.experts, out);
+    f.name("moe_routed", layer, out);
     return block_output(f, out);
   }
-  f.ops.moe_experts(x, ids, weights, w.experts, out);
-  f.name("moe_routed", layer, out);  // traced runs keep the routed output on its own
-  if (w.has_shared_expert) {
-    f.ops.silu_mul(shared_g, shared_u, shared_g);
-    TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
+  // The shared expert first, then the routed experts with its gated output folded into their combine; a traced run
+  // keeps the routed output on its own (Ops::moe_experts_shared's default steps, written out).
+  f.ops.silu_mul(shared_g, shared_u, shared_g);
+  TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
+  if (f.trace && *f.trace) {
+    f.ops.moe_experts(x, ids, weights, w.experts, out);
+    f.name("moe_routed", layer, out);
     f.ops.sigmoid_mul(shared, shared_gate, shared);
     f.ops.add(out, shared, out);
+  } else {
+    f.ops.moe_experts_shared(x, ids, weights, w.experts, shared, shared_gate, out);
   }
   return block_output(f, out);
 }

@@ -222,7 +222,13 @@ struct CudaOps::Impl {
   bool graphs_on = true;
   bool blas_ok = true;  // KILN_CUDA_BLAS=0: keep every linear on the fp32 kernels
   int delta_rule_force = 0;  // KILN_DELTA_RULE: 0 by mode and length, 1 always recurrent, 2 chunked where supported
-  int moe_mma_parts = 3;  // KILN_MOE_MMA=0: NVFP4 experts on the fp32 kernels; 2: x split into 2 bf16 parts
+  // KILN_MOE_MMA=0: NVFP4 experts on the fp32 kernels, 2: x split into 2 bf16 parts; KILN_MOE_MT=U,D and
+  // KILN_MOE_SUB=4 (measurement knobs): block widths of the decode-sized launches, prefill sub-tiles.
+  kops::MoeTuning moe = [] {
+    kops::MoeTuning t;
+    t.mma_parts = 3;
+    return t;
+  }();
   bool capturing = false;
   struct GraphRec {
     cudaGraphExec_t exec = nullptr;
@@ -296,7 +302,12 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
     impl_->delta_rule_force = v == "recurrent" ? 1 : v == "chunked" ? 2 : 0;
   }
   if (const char* m = std::getenv("KILN_MOE_MMA"); m && (std::string(m) == "0" || std::string(m) == "2"))
-    impl_->moe_mma_parts = m[0] - '0';
+    impl_->moe.mma_parts = m[0] - '0';
+  if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '8' && v[1] == ',') {
+    impl_->moe.mt_up = v[0] - '0';
+    impl_->moe.mt_down = v[2] - '0';
+  }
+  if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '4') impl_->moe.sub = 4;
 }
 
 CudaOps::~CudaOps() {
@@ -326,9 +337,9 @@ std::string CudaOps::describe() const {
       "(f32/bf16/fp8 KV); delta rule: {}; decode steps as CUDA graphs{}",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30), dense,
       kops::linear_path_name(1),
-      impl_->moe_mma_parts ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
+      impl_->moe.mma_parts ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
                                          "into {} bf16 parts), others on the fp32 kernels",
-                                         impl_->moe_mma_parts)
+                                         impl_->moe.mma_parts)
                            : std::string("fp32 kernels, tile height from the rows per expert [tensor cores off: "
                                          "KILN_MOE_MMA=0]"),
       impl_->delta_rule_force == 1 ? "recurrent [KILN_DELTA_RULE=recurrent]"
@@ -939,7 +950,7 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   void* ws = impl_->scratch_bytes(ws_bytes);
   kops::moe_experts(f32(x), T, H, i32(expert_ids), f32(weights), static_cast<int>(k),
                     tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
-                    impl_->stream, impl_->moe_mma_parts, shared, shared_gate);
+                    impl_->stream, impl_->moe, shared, shared_gate);
 }
 
 }  // namespace kiln::backend::cuda

@@ -147,13 +147,18 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 // k % 8 == 0 and 16-byte aligned data (the 8-wide load path). workspace: moe_workspace_bytes() bytes, 256-aligned.
 size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
 // experts_gemv2_kind: the bandwidth gemv every expert matrix can use (0 bf16, 1 nvfp4), or -1.
+// How the routed experts run (CudaOps fills it from the environment once, when it starts).
+struct MoeTuning {
+  int mma_parts = 0;           // 2 or 3: NVFP4 experts on tensor cores with x split into that many bf16 parts
+                               // (cuda_ops_mma.cu; only where moe_mma_supported); 0: the fp32 CUDA-core kernels
+  int mt_up = 0, mt_down = 0;  // 16-row weight tiles per block of the decode-sized launches; 0: from the live tiles
+  int sub = 2;                 // 8-token MMA tiles per weight pass in row tiles of more than 16 rows (2 or 4)
+};
 // shared / shared_gate (both or neither): out += shared[t] * sigmoid(shared_gate[t]) ([T, H] and [T] fp32).
-// mma_parts: 2 or 3 runs NVFP4 experts on tensor cores with x split into that many bf16 parts
-// (cuda_ops_mma.cu; only where moe_mma_supported), 0 the fp32 CUDA-core kernels.
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
-                 void* workspace, float* out, Stream stream, int mma_parts = 0, const float* shared = nullptr,
-                 const float* shared_gate = nullptr);
+                 void* workspace, float* out, Stream stream, const MoeTuning& tuning = {},
+                 const float* shared = nullptr, const float* shared_gate = nullptr);
 
 // ---- routed experts on tensor cores (cuda_ops_mma.cu)
 // True when the tensor-core expert kernels serve these experts: all NVFP4 (16-byte aligned codes), H and I

@@ -10,7 +10,6 @@
 // Each output row is computed on its own (no cross-row arithmetic), so the result does not depend on how the
 // rows were grouped or tiled.
 #include <algorithm>
-#include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
@@ -880,7 +879,7 @@ size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I
 
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
-                 void* workspace, float* out, Stream stream, int mma_parts, const float* shared,
+                 void* workspace, float* out, Stream stream, const MoeTuning& tuning, const float* shared,
                  const float* shared_gate) {
   if (T == 0) return;
   if (top_k < 1 || top_k > 64) cuda_fail("moe_experts: top_k {} is not supported (1 to 64)", {top_k});
@@ -893,7 +892,8 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   const bool gemv = P <= kGemvMaxRows * E;
   int tm = gemv ? kGemvRows : kTileM;
   const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  const bool mma = (mma_parts == 2 || mma_parts == 3) && experts_vec_ok && moe_mma_supported(H, I, experts_gemv2_kind);
+  const bool mma = (tuning.mma_parts == 2 || tuning.mma_parts == 3) && experts_vec_ok &&
+                   moe_mma_supported(H, I, experts_gemv2_kind);
   if (mma) {
     // Tensor cores: 8 rows per MMA tile; a row tile of up to 64 rows walks them with its weights in L2 (taller
     // minimum tiles for prefill measured slower: 512-token prefill 7,830-7,870 tok/s with 32 or 64, 8,180 with 16).
@@ -912,7 +912,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   KILN_CUDA_CHECK_LAUNCH();
   if (mma) {
     MoeMmaPlan plan;
-    plan.parts = mma_parts;
+    plan.parts = tuning.mma_parts;
     plan.tile_m = tm;
     // Row tiles per block: as wide as keeps >= 2 blocks per SM (132 SMs) over the tiles that have rows (about
     // min(P, E) of them): wide blocks pay the tile and descriptor lookups once, narrow ones fill the GPU at batch 1.
@@ -923,13 +923,9 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
       while (mt > 1 && live_tiles * (n / (16 * mt)) < 264) mt /= 2;
       return mt;
     };
-    plan.mt_up = widest(I, 4);
-    plan.mt_down = widest(H, 8);
-    if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '8' && v[1] == ',') {
-      plan.mt_up = v[0] - '0';  // experiment knob: "up,down" row tiles per block
-      plan.mt_down = v[2] - '0';
-    }
-    if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '4') plan.sub = 4;  // measurement knob
+    plan.mt_up = tuning.mt_up > 0 ? tuning.mt_up : widest(I, 4);
+    plan.mt_down = tuning.mt_down > 0 ? tuning.mt_down : widest(H, 8);
+    plan.sub = tuning.sub;
     plan.max_tiles = max_tiles;
     plan.tile_info = c.lay.tile_info;
     plan.row_token = c.lay.row_token;

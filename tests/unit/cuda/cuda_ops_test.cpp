@@ -126,7 +126,7 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
 
 // The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, their block
 // shapes (KILN_MOE_MT row tiles per block for decode-sized tiles, KILN_MOE_SUB token sub-tiles for prefill-sized
-// ones), and the fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes
+// ones; all read when the backend starts), and the fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes
 // (H, I multiples of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows).
 TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
@@ -140,10 +140,12 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
                            Variant{"3", "4,8", nullptr}, Variant{"3", "8,2", nullptr},
                            Variant{"0", nullptr, nullptr}}) {
     ::setenv("KILN_MOE_MMA", v.mma, 1);
-    CudaOps gpu;
-    ::unsetenv("KILN_MOE_MMA");
     if (v.mt) ::setenv("KILN_MOE_MT", v.mt, 1);
     if (v.sub) ::setenv("KILN_MOE_SUB", v.sub, 1);
+    CudaOps gpu;  // reads the knobs when it starts
+    ::unsetenv("KILN_MOE_MMA");
+    ::unsetenv("KILN_MOE_MT");
+    ::unsetenv("KILN_MOE_SUB");
     const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={}", v.mma, v.mt ? v.mt : "-", v.sub ? v.sub : "-");
     const bool mma = std::string(v.mma) != "0";
     EXPECT_EQ(gpu.describe().find("tensor cores off") == std::string::npos, mma) << gpu.describe();
@@ -157,8 +159,6 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
     std::vector<OpCheck> moe;
     for (const OpCheck& r : compare_ops(gpu, *cpu, c))
       if (r.op.rfind("moe_", 0) == 0) moe.push_back(r);
-    ::unsetenv("KILN_MOE_MT");
-    ::unsetenv("KILN_MOE_SUB");
     EXPECT_EQ(moe.size(), 18u);  // routing ids and weights, renormalised or not; 2 weight formats x (6 row counts + shared)
     expect_all_pass(moe, label);
   }

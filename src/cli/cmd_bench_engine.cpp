@@ -41,6 +41,9 @@ struct BenchEngineOptions {
   kiln::cli::GpuFlags gpu;
   bool profile = false;
   bool host_sampling = false;
+  float temperature = 0.0f;  // > 0: sample (temperature / top-k / top-p) instead of argmax, on the device
+  int top_k = 0;
+  float top_p = 1.0f;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -99,7 +102,11 @@ int run_bench_engine(const BenchEngineOptions& o) {
   std::printf("input %lld, output %lld, kv %s, prefill chunk %lld, cuda graphs %s, sampling %s (load %.0f ms)\n",
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
               static_cast<long long>(o.prefill_chunk), o.gpu.disable_cuda_graph ? "off" : "on",
-              o.host_sampling ? "host argmax over downloaded logits" : "argmax on the device", load_ms);
+              o.host_sampling            ? "host argmax over downloaded logits"
+              : o.temperature > 0.0f     ? fmt::format("temperature {} top-k {} top-p {} on the device", o.temperature,
+                                                       o.top_k, o.top_p).c_str()
+                                         : "argmax on the device",
+              load_ms);
 
   for (const int B : batches) {
     std::mt19937_64 rng(o.seed);
@@ -113,7 +120,19 @@ int run_bench_engine(const BenchEngineOptions& o) {
     std::vector<model::SeqChunk> chunks(B);
     std::vector<int32_t> next(B);
     std::vector<float> logits;
+    std::vector<model::RowSampling> rows(B);
+    std::mt19937_64 draw(o.seed + 17);
     auto step = [&] {
+      if (!o.host_sampling && o.temperature > 0.0f) {
+        for (auto& r : rows) {
+          r.temperature = o.temperature;
+          r.top_k = o.top_k;
+          r.top_p = o.top_p;
+          r.u = std::uniform_real_distribution<double>(0.0, 1.0)(draw);
+        }
+        runner->forward_sample(chunks, rows, next);
+        return;
+      }
       if (!o.host_sampling) {
         runner->forward_argmax(chunks, next);
         return;
@@ -202,14 +221,18 @@ int run_bench_engine(const BenchEngineOptions& o) {
         mr->set_graphs_enabled(true);
         std::vector<model::OpTime> times = mr->ops().profile_end();
         double total = 0;
-        for (const auto& t : times) total += t.total_us;
+        for (const auto& t : times)
+          if (!t.nested) total += t.total_us;
         std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
         std::printf("  per-op time of one %s (batch %d, eager, back to back): %.1f us in ops\n", what, B, total);
         std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
-        for (const auto& t : times)
-          std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
-                      t.total_us, t.total_us / std::max<int64_t>(t.calls, 1),
-                      100.0 * t.total_us / std::max(total, 1e-9));
+        // Ops first, then the stages timed inside them (rows starting with " . ", not added to the total).
+        for (bool nested : {false, true})
+          for (const auto& t : times)
+            if (t.nested == nested)
+              std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
+                          t.total_us, t.total_us / std::max<int64_t>(t.calls, 1),
+                          100.0 * t.total_us / std::max(total, 1e-9));
         std::fflush(stdout);
         return true;
       };
@@ -242,6 +265,11 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   kiln::cli::add_gpu_flags(app, o->gpu);
   app.add_flag("--profile", o->profile,
                "After each batch, time one decode step op by op, at batch 1 also one prefill pass (cuda)");
+  app.add_option("--temperature", o->temperature,
+                 "> 0: sample each token (with --top-k / --top-p) on the device instead of argmax")
+      ->capture_default_str();
+  app.add_option("--top-k", o->top_k, "With --temperature: keep the k most likely tokens (0: all)")->capture_default_str();
+  app.add_option("--top-p", o->top_p, "With --temperature: nucleus mass")->capture_default_str();
   app.add_flag("--host-sampling", o->host_sampling,
                "Download every step's logits and pick tokens on the host (default: argmax on the device)");
   return [o]() -> int { return run_bench_engine(*o); };

@@ -281,18 +281,42 @@ void Engine::run_step(const StepPlan& plan) {
     chunks_.push_back(ch);
   }
   // Every sequence greedy with no penalties and no logprobs: the runner picks the tokens (on the GPU, only the ids
-  // come back instead of a vocabulary of logits per sequence).
-  bool all_greedy = true;
+  // come back instead of a vocabulary of logits per sequence). No penalties and no logprobs but some sequence samples:
+  // the runner draws the tokens (forward_sample, model/sampling.h's definition) with each sequence's next uniform.
+  bool all_greedy = true, runner_samples = true;
   for (const auto& c : plan.chunks) {
     if (!c.want_logits) continue;
     const SamplingParams& sp = c.seq->request.sampling;
-    all_greedy = all_greedy && sp.temperature < 1e-6f && sp.repetition_penalty == 1.0f &&
-                 sp.presence_penalty == 0.0f && sp.frequency_penalty == 0.0f && !c.seq->request.want_logprobs;
+    const bool plain = sp.repetition_penalty == 1.0f && sp.presence_penalty == 0.0f && sp.frequency_penalty == 0.0f &&
+                       !c.seq->request.want_logprobs;
+    all_greedy = all_greedy && sp.temperature < 1e-6f && plain;
+    runner_samples = runner_samples && plain;
   }
-  if (all_greedy) greedy_ids_.assign(static_cast<size_t>(num_logits), -1);
+  runner_samples = runner_samples && !all_greedy;
+  std::vector<model::RowSampling> row_sampling;
+  if (runner_samples) {
+    // The samplers exist before the step so that each non-greedy row takes its uniform from its own stream. A
+    // sequence whose sampler cannot be made (bad parameters) gets a greedy row here and its error below.
+    for (const auto& c : plan.chunks) {
+      if (!c.want_logits) continue;
+      model::RowSampling rs;  // greedy
+      auto it = samplers_.find(c.seq->uid);
+      if (it == samplers_.end()) {
+        try {
+          it = samplers_.emplace(c.seq->uid, std::make_unique<SequenceSampler>(c.seq->request.sampling, c.seq->seed))
+                   .first;
+        } catch (const std::exception&) {
+        }
+      }
+      if (it != samplers_.end()) rs = it->second->next_row_sampling();
+      row_sampling.push_back(rs);
+    }
+  }
+  if (all_greedy || runner_samples) greedy_ids_.assign(static_cast<size_t>(num_logits), -1);
   else logits_.resize(static_cast<size_t>(num_logits * vocab_size_));
   try {
     if (all_greedy) runner_->forward_argmax(chunks_, greedy_ids_);
+    else if (runner_samples) runner_->forward_sample(chunks_, row_sampling, greedy_ids_);
     else runner_->forward(chunks_, logits_);
   } catch (const std::exception& e) {
     // The step failed as a whole: end its sequences with the error, keep serving the others.
@@ -325,7 +349,7 @@ void Engine::run_step(const StepPlan& plan) {
       Job j;
       j.seq = c.seq;
       j.completes_prompt = c.start_pos + c.num_tokens == c.seq->prompt_len;
-      if (all_greedy) j.greedy_token = greedy_ids_[static_cast<size_t>(row)];
+      if (all_greedy || runner_samples) j.greedy_token = greedy_ids_[static_cast<size_t>(row)];
       else j.logits = std::span<float>(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
       ++row;
       auto it = samplers_.find(c.seq->uid);
@@ -345,7 +369,8 @@ void Engine::run_step(const StepPlan& plan) {
     if (!j.error.empty()) return;
     try {
       const Sequence& seq = *j.seq;
-      if (all_greedy) {
+      if (all_greedy || runner_samples) {
+        if (j.greedy_token < 0) fail("sampling: no finite logit (all -inf or NaN)");
         j.result.token = j.greedy_token;
       } else {
         const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
@@ -361,7 +386,8 @@ void Engine::run_step(const StepPlan& plan) {
   // Threads only pay off with enough logits to scan (starting them costs tens of microseconds; a small vocabulary
   // samples in less).
   const bool big = static_cast<int64_t>(jobs.size()) * vocab_size_ >= (int64_t(1) << 17);
-  const int threads = all_greedy || !big ? 1 : std::min<int>(opts_.sampling_threads, static_cast<int>(jobs.size()));
+  const int threads =
+      all_greedy || runner_samples || !big ? 1 : std::min<int>(opts_.sampling_threads, static_cast<int>(jobs.size()));
   if (threads <= 1) {
     for (Job& j : jobs) run_job(j);
   } else {

@@ -111,7 +111,7 @@ class Engine {
   // Engine-thread state.
   std::unordered_map<uint64_t, std::unique_ptr<SequenceSampler>> samplers_;
   std::vector<float> logits_;            // [n_logits, vocab]
-  std::vector<int32_t> greedy_ids_;      // steps where every sequence samples greedily: the runner's argmax
+  std::vector<int32_t> greedy_ids_;      // steps the runner picks the tokens of: its argmax / its draws
   std::vector<model::SeqChunk> chunks_;  // reused per step
   std::vector<std::pair<std::shared_ptr<RequestChannel>, TokenEvent>> outbox_;  // events of this step
 

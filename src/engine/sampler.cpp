@@ -19,8 +19,6 @@ uint64_t splitmix64(uint64_t& x) {
 
 inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
 }  // namespace
 
 Xoshiro256::Xoshiro256(uint64_t seed) {
@@ -74,11 +72,8 @@ SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const in
   }
 
   // 2. temperature (logprobs are taken from this distribution)
-  const bool greedy = params_.temperature < 1e-6f;
-  if (!greedy && params_.temperature != 1.0f) {
-    const float inv = 1.0f / params_.temperature;
-    for (int64_t t = 0; t < V; ++t) l[t] *= inv;
-  }
+  const bool greedy = model::greedy_temperature(params_.temperature);
+  if (!greedy) model::scale_logits(l, V, params_.temperature);
   double max_logit = -std::numeric_limits<double>::infinity();
   for (int64_t t = 0; t < V; ++t) max_logit = std::max(max_logit, static_cast<double>(l[t]));
   if (!std::isfinite(max_logit)) fail("sampling: no finite logit (all -inf or NaN)");
@@ -103,102 +98,25 @@ SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const in
   }
 
   if (greedy) {
-    int32_t best = 0;
-    for (int64_t t = 1; t < V; ++t)
-      if (l[t] > l[best]) best = static_cast<int32_t>(t);  // strict: ties keep the lowest id
-    res.token = best;
-    if (want_logprob) res.logprob = logprob_of(best);
+    res.token = model::greedy_token(l, V);
+    if (want_logprob) res.logprob = logprob_of(res.token);
     return res;
   }
 
-  // 3. filters over a candidate list (token ids, ascending) instead of the whole vocabulary: top-k shrinks it to
-  // ~k tokens, top-p sorts only as long a prefix as its mass needs. The arithmetic is the full-vocabulary
-  // definition's, in the same order (sums in ascending id, the cumulative mass in sorted order), so the chosen
-  // token is the same: dropped tokens would contribute exact zeros.
-  cand_.clear();
-  if (params_.top_k > 0 && params_.top_k < V) {
-    std::vector<float> tmp(l, l + V);
-    std::nth_element(tmp.begin(), tmp.begin() + (params_.top_k - 1), tmp.end(), std::greater<>());
-    const float kth = tmp[params_.top_k - 1];
-    for (int64_t t = 0; t < V; ++t)
-      if (!(l[t] < kth) && l[t] != kNegInf) cand_.push_back(static_cast<int32_t>(t));  // ties with the k-th stay
-  } else {
-    cand_.reserve(static_cast<size_t>(V));
-    for (int64_t t = 0; t < V; ++t)
-      if (l[t] != kNegInf) cand_.push_back(static_cast<int32_t>(t));
-  }
-  // probs_[i]: the renormalised probability of cand_[i] among the candidates.
-  auto softmax_cand = [&] {
-    double m = -std::numeric_limits<double>::infinity();
-    for (int32_t t : cand_) m = std::max(m, static_cast<double>(l[t]));
-    probs_.resize(cand_.size());
-    double s = 0;
-    for (size_t i = 0; i < cand_.size(); ++i) s += (probs_[i] = std::exp(static_cast<double>(l[cand_[i]]) - m));
-    for (double& x : probs_) x /= s;
-  };
-  auto keep_only = [&](const std::vector<char>& keep) {
-    size_t w = 0;
-    for (size_t i = 0; i < cand_.size(); ++i)
-      if (keep[i]) cand_[w++] = cand_[i];
-    cand_.resize(w);
-  };
-  if (params_.top_p < 1.0f) {
-    softmax_cand();
-    const size_t n = cand_.size();
-    order_.resize(n);
-    std::iota(order_.begin(), order_.end(), 0);
-    // Candidate indices in descending probability (ties: lower id, i.e. lower index, first); the prefix that is
-    // sorted grows until the cumulative mass crosses top_p.
-    auto by_prob = [&](int32_t a, int32_t b) { return probs_[a] > probs_[b] || (probs_[a] == probs_[b] && a < b); };
-    size_t sorted = std::min<size_t>(n, 256);
-    size_t cut = n;  // order_[cut ..] are dropped
-    for (;;) {
-      std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(sorted), order_.end(), by_prob);
-      double cum = 0;
-      size_t i = 0;
-      for (; i < sorted; ++i) {
-        if (cum >= params_.top_p && i > 0) break;  // mass before this token already reaches p
-        cum += probs_[order_[i]];
-      }
-      if (i < sorted) {
-        cut = i;
-        break;
-      }
-      if (sorted == n) break;
-      sorted = std::min(n, sorted * 8);
-    }
-    if (cut < n) {
-      std::vector<char> keep(n, 0);
-      for (size_t i = 0; i < cut; ++i) keep[order_[i]] = 1;
-      keep_only(keep);
-    }
-  }
-  if (params_.min_p > 0.0f) {
-    softmax_cand();
-    const double pmax = *std::max_element(probs_.begin(), probs_.end());
-    std::vector<char> keep(cand_.size());
-    for (size_t i = 0; i < cand_.size(); ++i) keep[i] = !(probs_[i] < params_.min_p * pmax);
-    keep_only(keep);
-  }
-
-  // 4. draw
-  softmax_cand();
-  const double u = rng_.uniform();
-  double cum = 0;
-  int32_t chosen = -1, last_kept = -1;
-  for (size_t i = 0; i < cand_.size(); ++i) {
-    if (probs_[i] <= 0) continue;
-    last_kept = cand_[i];
-    cum += probs_[i];
-    if (u < cum) {
-      chosen = cand_[i];
-      break;
-    }
-  }
-  if (chosen < 0) chosen = last_kept;  // u within rounding of 1
-  res.token = chosen;
-  if (want_logprob) res.logprob = logprob_of(chosen);
+  // 3. filters and 4. the draw (model/sampling.h: the definition the GPU's sample_rows follows).
+  res.token = model::sample_scaled_logits(l, V, params_.top_k, params_.top_p, params_.min_p, rng_.uniform(), scratch_);
+  if (want_logprob) res.logprob = logprob_of(res.token);
   return res;
+}
+
+model::RowSampling SequenceSampler::next_row_sampling() {
+  model::RowSampling r;
+  r.temperature = params_.temperature;
+  r.top_k = params_.top_k;
+  r.top_p = params_.top_p;
+  r.min_p = params_.min_p;
+  if (!model::greedy_temperature(params_.temperature)) r.u = rng_.uniform();
+  return r;
 }
 
 }  // namespace kiln::engine

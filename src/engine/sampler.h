@@ -10,6 +10,8 @@
 //      below min_p x the largest), each on the temperature-scaled distribution, in that order (HF's warpers);
 //   4. one draw from the renormalised survivors with the sequence's own xoshiro256** generator (seeded by
 //      splitmix64 from `seed`; uniform doubles from the top 53 bits), walking tokens in ascending id.
+//   Steps 2-4 are model::sample_row_host's (model/sampling.h, the exact definition), which the GPU's
+//   Ops::sample_rows follows: the engine samples rows there when no sequence of a step needs penalties or logprobs.
 // Reported logprobs (the chosen token's and the top-N alternatives) are the log-softmax of the penalised,
 // temperature-scaled logits BEFORE top-k / top-p / min-p (vLLM's "processed" logprobs; temperature 0 counts as
 
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "engine/request.h"
+#include "model/sampling.h"
 
 namespace kiln::engine {
 
@@ -48,14 +51,19 @@ class SequenceSampler {
   SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t generated_begin,
                       int top_logprobs, bool want_logprob = true);
 
+  // The parameters and the uniform of the next draw for a device that samples this sequence's row itself
+  // (model::sample_row_host semantics: steps 2-4 above). Only valid without penalties and logprobs. A non-greedy
+  // row takes the one rng_.uniform() that sample() would have drawn, so the sequence's random stream stays the one
+  // of host sampling; a greedy row draws nothing (u = 0).
+  model::RowSampling next_row_sampling();
+
   const SamplingParams& params() const { return params_; }
 
  private:
   SamplingParams params_;
   Xoshiro256 rng_;
-  std::vector<int32_t> order_;   // scratch: token ids sorted by logit / candidate indices sorted by probability
-  std::vector<int32_t> cand_;    // scratch: the filters' surviving token ids, ascending
-  std::vector<double> probs_;    // scratch
+  std::vector<int32_t> order_;   // scratch: token ids sorted by logit (top_logprobs)
+  model::SampleScratch scratch_; // scratch of the filters and the draw
   std::vector<int32_t> counts_;  // scratch: generated-token counts
 };
 

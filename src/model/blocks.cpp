@@ -85,6 +85,13 @@ void bind_moe(WeightBinder& b, int layer, MoeWeights& w, bool shared_expert) {
   const std::string M = b.layer_prefix(layer) + "mlp.";
   const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
   w.router = b.linear(M + "gate", E, H);
+  // The shared expert right after the router: a backend that places weights in binding order then holds the router
+  // and the shared expert's gate / up projections back to back (one GEMM for all three; CudaOps::linear_multi).
+  w.has_shared_expert = shared_expert && c.shared_expert_intermediate_size > 0;
+  if (w.has_shared_expert) {
+    bind_mlp(b, M + "shared_expert.", c.shared_expert_intermediate_size, w.shared_expert);
+    w.shared_expert_gate = b.linear(M + "shared_expert_gate", 1, H);
+  }
   w.experts.resize(E);
   if (b.has(M + "experts.gate_up_proj")) {
     // BF16 fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
@@ -100,11 +107,6 @@ void bind_moe(WeightBinder& b, int layer, MoeWeights& w, bool shared_expert) {
       w.experts[e].up = b.linear(X + "up_proj", I, H);
       w.experts[e].down = b.linear(X + "down_proj", H, I);
     }
-  }
-  w.has_shared_expert = shared_expert && c.shared_expert_intermediate_size > 0;
-  if (w.has_shared_expert) {
-    bind_mlp(b, M + "shared_expert.", c.shared_expert_intermediate_size, w.shared_expert);
-    w.shared_expert_gate = b.linear(M + "shared_expert_gate", 1, H);
   }
 }
 
@@ -229,9 +231,9 @@ TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeigh
   const TensorView v = strided_view(conv, 2 * Hk * Dk, Shape{T, Hv, Dv}, {C, Dv, 1});
 
   TensorView g = f.f32(Shape{T, Hv}), beta = f.f32(Shape{T, Hv});
-  f.ops.delta_rule_gates(a, b, w.A_log, w.dt_bias, g, beta);
   TensorView core = f.f32(Shape{T, Hv, Dv});
-  f.ops.gated_delta_rule(q, k, v, g, beta, f.recurrent_state[li], f.step, f.delta_mode, core);
+  f.ops.gated_delta_rule_with_gates(q, k, v, a, b, w.A_log, w.dt_bias, g, beta, f.recurrent_state[li], f.step,
+                                    f.delta_mode, core);
   f.name("delta_out", layer, core);
 
   TensorView normed = f.f32(Shape{T * Hv, Dv});

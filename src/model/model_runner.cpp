@@ -16,4 +16,19 @@ void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int
   for (int64_t r = 0; r < rows; ++r) tokens[static_cast<size_t>(r)] = host_argmax(logits.data() + r * V, V);
 }
 
+void ModelRunner::forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
+                                 std::span<int32_t> tokens) {
+  int64_t n = 0;
+  for (const SeqChunk& ch : chunks) n += ch.want_logits ? 1 : 0;
+  if (static_cast<int64_t>(tokens.size()) < n || static_cast<int64_t>(rows.size()) < n)
+    fail("forward_sample: {} ids and {} sampling rows for {} rows", tokens.size(), rows.size(), n);
+  const int64_t V = vocab_size();
+  std::vector<float> logits(static_cast<size_t>(n * V));
+  forward(chunks, logits);
+  SampleScratch scratch;
+  for (int64_t r = 0; r < n; ++r)
+    tokens[static_cast<size_t>(r)] =
+        sample_row_host(logits.data() + r * V, V, rows[static_cast<size_t>(r)], scratch);
+}
+
 }  // namespace kiln::model

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "model/sampling.h"
+
 namespace kiln::model {
 
 struct RunnerCapacity {
@@ -51,6 +53,13 @@ class ModelRunner {
   // chunk instead of its logits. A GPU runner picks them on the device and copies back only the ids. The default
   // runs forward() and scans the logits on the host.
   virtual void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens);
+
+  // Like forward_argmax(), but each want_logits chunk's token is drawn as rows[i] says (i-th want_logits chunk;
+  // model/sampling.h's sample_row_host: temperature, top-k, top-p, min-p, the draw with rows[i].u; -1 for a row
+  // without a finite logit). A GPU runner samples on the device and copies back only the ids. The default runs
+  // forward() and samples the logits on the host.
+  virtual void forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
+                              std::span<int32_t> tokens);
 
   // Human-readable description for the startup summary (backend, kernels, memory plan).
   virtual std::string describe() const = 0;

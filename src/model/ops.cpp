@@ -63,6 +63,14 @@ void Ops::add_rms_norm(TensorView hidden, const TensorView& y, const TensorView&
   rms_norm(hidden, weight, eps, kind, out);
 }
 
+void Ops::gated_delta_rule_with_gates(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& a, const TensorView& b, const TensorView& A_log,
+                                      const TensorView& dt_bias, TensorView g, TensorView beta, TensorView state,
+                                      const StepLayout& step, DeltaRuleMode mode, TensorView out) {
+  delta_rule_gates(a, b, A_log, dt_bias, g, beta);
+  gated_delta_rule(q, k, v, g, beta, state, step, mode, out);
+}
+
 void Ops::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                              std::span<const ExpertWeights> experts, TensorView shared, const TensorView& shared_gate,
                              TensorView out) {
@@ -78,6 +86,18 @@ void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   std::vector<float> host(static_cast<size_t>(R * V));
   download(logits, host.data());
   for (int64_t r = 0; r < R; ++r) ids[static_cast<size_t>(r)] = host_argmax(host.data() + r * V, V);
+}
+
+void Ops::sample_rows(const TensorView& logits, std::span<const RowSampling> rows, std::span<int32_t> ids) {
+  KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0) &&
+                 rows.size() == ids.size(),
+             "sample_rows: logits {} for {} ids, {} rows", logits.shape.str(), ids.size(), rows.size());
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  std::vector<float> host(static_cast<size_t>(R * V));
+  download(logits, host.data());
+  SampleScratch scratch;
+  for (int64_t r = 0; r < R; ++r)
+    ids[static_cast<size_t>(r)] = sample_row_host(host.data() + r * V, V, rows[static_cast<size_t>(r)], scratch);
 }
 
 }  // namespace kiln::model

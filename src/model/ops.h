@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "model/sampling.h"
 
 namespace kiln::model {
 
@@ -117,6 +118,7 @@ struct OpTime {
   std::string label;
   int64_t calls = 0;
   double total_us = 0;
+  bool nested = false;  // a stage inside another op's time (not added to the step's total)
 };
 
 enum class DeltaRuleMode : uint8_t {
@@ -231,6 +233,14 @@ class Ops {
   virtual void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v,
                                 const TensorView& g, const TensorView& beta, TensorView state,
                                 const StepLayout& step, DeltaRuleMode mode, TensorView out) = 0;
+  // delta_rule_gates(a, b, A_log, dt_bias, g, beta) then gated_delta_rule(q, k, v, g, beta, ...) as one op, so that
+  // a backend can compute the gates inside the delta rule (g and beta are then scratch it may leave unwritten).
+  // The default runs the two ops.
+  virtual void gated_delta_rule_with_gates(const TensorView& q, const TensorView& k, const TensorView& v,
+                                           const TensorView& a, const TensorView& b, const TensorView& A_log,
+                                           const TensorView& dt_bias, TensorView g, TensorView beta,
+                                           TensorView state, const StepLayout& step, DeltaRuleMode mode,
+                                           TensorView out);
 
   // ---- mixture of experts
   // softmax over E in fp32, top-k (ties: lower expert id first), optionally renormalised to sum 1.
@@ -258,6 +268,11 @@ class Ops {
   // ids[r] = argmax_v logits[r, v] (lowest index on ties; NaN never wins; all NaN: 0), written to host memory
   // (synchronises). logits F32 [R, V] contiguous. The default downloads the logits and scans them on the host.
   virtual void argmax_rows(const TensorView& logits, std::span<int32_t> ids);
+  // ids[r] = sample_row_host(logits[r], V, rows[r]) (model/sampling.h: temperature, top-k, top-p, min-p, the draw
+  // with rows[r].u; -1 for a row without a finite logit), written to host memory (synchronises). logits F32 [R, V]
+  // contiguous. The default downloads the logits and samples on the host; a GPU backend samples on the device and
+  // copies back only the ids (the same tokens up to the rounding of its sums, see cuda_ops_sample.h).
+  virtual void sample_rows(const TensorView& logits, std::span<const RowSampling> rows, std::span<int32_t> ids);
 
  private:
   std::vector<std::unique_ptr<uint8_t[]>> random_storage_;  // place_random's default

@@ -141,6 +141,20 @@ void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t>
   });
 }
 
+void Runner::forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
+                            std::span<int32_t> tokens) {
+  const int64_t n = check_chunks(chunks);
+  if (static_cast<int64_t>(tokens.size()) < n || static_cast<int64_t>(rows.size()) < n)
+    fail("forward_sample: {} ids and {} sampling rows for {} rows", tokens.size(), rows.size(), n);
+  run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
+    std::vector<RowSampling> sub(out_rows.size());
+    for (size_t i = 0; i < out_rows.size(); ++i) sub[i] = rows[static_cast<size_t>(out_rows[i])];
+    std::vector<int32_t> ids(out_rows.size());
+    ops_->sample_rows(out, sub, ids);
+    for (size_t i = 0; i < ids.size(); ++i) tokens[out_rows[i]] = ids[i];
+  });
+}
+
 void Runner::run_passes(std::span<const SeqChunk> chunks,
                         const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit) {
   // Passes of at most prefill_chunk tokens; a chunk longer than the budget continues in the next pass.

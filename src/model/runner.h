@@ -41,6 +41,8 @@ class Runner : public ModelRunner {
   int64_t vocab_size() const override { return model_->config.vocab_size; }
   void forward(std::span<const SeqChunk> chunks, std::span<float> logits) override;
   void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) override;
+  void forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
+                      std::span<int32_t> tokens) override;
   std::string describe() const override;
 
   const format::ModelConfig& config() const { return model_->config; }

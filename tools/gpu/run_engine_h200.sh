@@ -2,7 +2,7 @@
 # GPU machine: the CUDA engine on the 35B-A3B shape with --load-format dummy (kiln bench-engine, per-op profile),
 # plus the CUDA tests. Run from the repo root with a carry folder holding `kiln` and `test_cuda` (built on a CPU
 # machine, CUDA 13, sm_90a) and the shared libraries the GPU image lacks under CARRY/lib.
-#   OUT=... bash tools/gpu/run_engine_h200.sh CARRY [what: bench,moe,tests,eager,prefill,tiny,smoke]
+#   OUT=... bash tools/gpu/run_engine_h200.sh CARRY [what: bench,moe,tests,eager,prefill,sample,tiny,smoke]
 set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,bench,eager,prefill,tiny}
@@ -51,6 +51,14 @@ if has prefill; then
   echo "== bench-engine 35B-A3B prefill, 4096-token prompt"
   timeout 90 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch 1 --input-len 4096 \
     --output-len 4 --prefill-chunk 4096 --skip-self-check 2>&1 | grep -E "^batch|memory plan" | tee "$OUT/bench35_prefill4k.txt"
+fi
+if has sample; then
+  echo "== bench-engine 35B-A3B, tokens sampled on the device (temperature 0.7, top-p 0.9) vs argmax"
+  for s in "--temperature 0.7 --top-p 0.9" "--temperature 0.7 --top-k 50" ""; do
+    echo "-- ${s:-argmax}"
+    timeout 120 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${SAMPLE_BATCHES:-1,16,64} \
+      --input-len 512 --output-len 16 --skip-self-check $s 2>&1 | grep -E "^batch"
+  done 2>&1 | tee "$OUT/bench35_sample.txt"
 fi
 if has tiny; then
   echo "== bench-engine kiln-tiny (graphs on / off)"

@@ -56,6 +56,8 @@ class CudaOps final : public model::Ops {
   bool profile_begin() override;
   std::vector<model::OpTime> profile_end() override;
   void argmax_rows(const TensorView& logits, std::span<int32_t> ids) override;
+  void sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
+                   std::span<int32_t> ids) override;  // cuda_ops_sample.cu
 
   void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
   void linear(const TensorView& x, const model::LinearWeight& w, TensorView out) override;
@@ -82,6 +84,10 @@ class CudaOps final : public model::Ops {
                           const model::StepLayout& step, TensorView out) override;
   void delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& A_log,
                         const TensorView& dt_bias, TensorView g, TensorView beta) override;
+  void gated_delta_rule_with_gates(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
+                                   const TensorView& b, const TensorView& A_log, const TensorView& dt_bias,
+                                   TensorView g, TensorView beta, TensorView state, const model::StepLayout& step,
+                                   model::DeltaRuleMode mode, TensorView out) override;
   void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                         const TensorView& beta, TensorView state, const model::StepLayout& step,
                         model::DeltaRuleMode mode, TensorView out) override;
@@ -107,6 +113,11 @@ class CudaOps final : public model::Ops {
   struct Impl;  // named here so that file-local helpers of cuda_ops.cpp can use it
 
  private:
+  // gated_delta_rule with g / beta computed in the recurrent kernel when raw_gates (a kops::DeltaGateArgs) is given.
+  void run_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                      const TensorView& beta, TensorView state, const model::StepLayout& step, model::DeltaRuleMode mode,
+                      TensorView out, const void* raw_gates);
+  bool delta_rule_chunked(const model::StepLayout& step, model::DeltaRuleMode mode) const;
   // moe_experts with an optional gated shared-expert output folded into the combine (both pointers or neither).
   void run_moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                        std::span<const model::ExpertWeights> experts, const float* shared, const float* shared_gate,

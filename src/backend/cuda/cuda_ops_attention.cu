@@ -9,6 +9,7 @@
 #include "backend/cuda/cuda_ops_device.cuh"
 #include "backend/cuda/cuda_ops_deltanet_chunked.h"
 #include "backend/cuda/cuda_ops_kernels.h"
+#include "backend/cuda/cuda_ops_launch.cuh"
 
 namespace kiln::cuda::ops {
 namespace {
@@ -35,6 +36,7 @@ __device__ __forceinline__ void store_pool(void* pool, ElemType elem, int64_t i,
 
 __global__ void kv_store_kernel(const float* __restrict__ k, const float* __restrict__ v, KvPoolArgs pool,
                                 StepArgs step) {
+  dev::pdl_enter();
   const int64_t row_elems = int64_t(pool.kv_heads) * pool.head_dim;
   const int64_t total = int64_t(step.num_tokens) * row_elems;
   const float k_inv = 1.0f / pool.k_scale, v_inv = 1.0f / pool.v_scale;
@@ -67,6 +69,7 @@ constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
+  dev::pdl_enter();
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
   __shared__ float sm_acc[kSplitWarps][kMaxHeadDim];
   const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -191,6 +194,7 @@ template <int kElem, int kDPL>
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
+  dev::pdl_enter();
   constexpr int D = 32 * kDPL;
   constexpr int kKeys = 4;
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
@@ -292,15 +296,16 @@ template <int kDPL>
 bool launch_attention_fast(dim3 grid, Stream stream, const float* q, int q_heads, const KvPoolArgs& pool,
                            const StepArgs& step, float scale, int kps, float* ml, float* acc, float* out) {
   switch (pool.elem) {
-    case ElemType::f32: attention_fast_kernel<0, kDPL><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
-    case ElemType::bf16: attention_fast_kernel<1, kDPL><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
-    case ElemType::e4m3: attention_fast_kernel<3, kDPL><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::f32: launch_kernel(attention_fast_kernel<0, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::bf16: launch_kernel(attention_fast_kernel<1, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::e4m3: launch_kernel(attention_fast_kernel<3, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
     default: return false;
   }
 }
 
 __global__ void attention_merge_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                        int q_heads, int D, int splits, float* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t th = int64_t(blockIdx.x) * q_heads + blockIdx.y;
   const float* ml = part_ml + th * splits * 2;
   float M = -INFINITY;
@@ -323,6 +328,7 @@ __global__ void attention_merge_kernel(const float* __restrict__ part_ml, const 
 __global__ void l2norm_qk_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t vectors, int64_t Dk,
                                  int64_t Hk, int64_t ldq, int64_t ldk, float* __restrict__ qn,
                                  float* __restrict__ kn) {
+  dev::pdl_enter();
   const int64_t vec = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (vec >= 2 * vectors) return;
@@ -346,11 +352,15 @@ constexpr int kDeltaRowsPerThread = 32;  // Dk <= 8 * 32 = 256
 // per warp, added in warp order); delta = (v[j] - kv) * beta; S[i][j] += k[i] delta; out[j] = sum_i S[i][j] q[i].
 // q and k arrive raw (rows ldq / ldk apart) and are L2-normalised here, per token, exactly as l2norm_qk_kernel does
 // (lane-strided sums, a warp sum, (x * inv) / sqrt(Dk) for q): one launch fewer per layer and step.
+// kRaw: g and beta computed here from the raw gate inputs (`gates`), with delta_rule_gates_kernel's arithmetic, instead
+// of read from g / beta.
+template <bool kRaw>
 __global__ void __launch_bounds__(kDeltaWarps * 32)
     delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t ldq, int64_t ldk,
                       const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
-                      float* __restrict__ state, int Hk, int Hv, int Dk, int Dv, StepArgs step, int64_t ldv,
-                      float* __restrict__ out) {
+                      DeltaGateArgs gates, float* __restrict__ state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
+                      int64_t ldv, float* __restrict__ out) {
+  dev::pdl_enter();
   __shared__ float q_s[kDeltaWarps * kDeltaRowsPerThread];
   __shared__ float k_s[kDeltaWarps * kDeltaRowsPerThread];
   __shared__ float red_kv[kDeltaWarps][32];
@@ -392,8 +402,20 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
       }
     }
     __syncthreads();
-    const float decay = expf(g[int64_t(t) * Hv + h]);
-    const float bt = beta[int64_t(t) * Hv + h];
+    float decay, bt;
+    if constexpr (kRaw) {  // delta_rule_gates_kernel's arithmetic
+      const int64_t th = int64_t(t) * Hv + h;
+      const float a_in = gates.a[th], b_in = gates.b[th];
+      const float A_log = load_elem(gates.A_log, gates.A_log_elem, h);
+      const float dt_b = load_elem(gates.dt_bias, gates.dt_bias_elem, h);
+      const float xv = a_in + dt_b;
+      const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));
+      decay = expf(-expf(A_log) * softplus);
+      bt = 1.0f / (1.0f + expf(-b_in));
+    } else {
+      decay = expf(g[int64_t(t) * Hv + h]);
+      bt = beta[int64_t(t) * Hv + h];
+    }
     float part = 0.0f;
 #pragma unroll
     for (int r = 0; r < kDeltaRowsPerThread; ++r) {
@@ -443,7 +465,7 @@ void kv_store(const float* k, const float* v, const KvPoolArgs& pool, const Step
   const int64_t total = int64_t(step.num_tokens) * pool.kv_heads * pool.head_dim;
   if (total == 0) return;
   const int64_t blocks = (total + 255) / 256;
-  kv_store_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(k, v, pool, step);
+  launch_kernel(kv_store_kernel, static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream, k, v, pool, step);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -484,36 +506,41 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
     default: break;
   }
   if (!fast)
-    attention_split_kernel<<<grid, kSplitWarps * 32, 0, stream>>>(q, qh, pool, step, scale, keys_per_split, part_ml,
+    launch_kernel(attention_split_kernel, grid, kSplitWarps * 32, 0, stream, q, qh, pool, step, scale, keys_per_split, part_ml,
                                                                    part_acc, out);
   KILN_CUDA_CHECK_LAUNCH();
   if (splits > 1) {
-    attention_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(q_heads)), 128, 0, stream>>>(
-        part_ml, part_acc, static_cast<int>(q_heads), pool.head_dim, splits, out);
+    launch_kernel(attention_merge_kernel, dim3(static_cast<unsigned>(T), static_cast<unsigned>(q_heads)), 128, 0, stream, part_ml, part_acc, static_cast<int>(q_heads), pool.head_dim, splits, out);
     KILN_CUDA_CHECK_LAUNCH();
   }
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
                       int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
-                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked) {
+                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
+                      const DeltaGateArgs* gates) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)
     cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
   if (chunked && gated_delta_rule_chunked_supported(Dk, Dv)) {
+    if (gates) cuda_fail("gated delta rule: the chunked form reads computed gates");
     // The chunked kernel reads normalised q / k rows.
     const int64_t vectors = int64_t(step.num_tokens) * Hk;
     float* qn = qk_work;
     float* kn = qk_work + vectors * Dk;
-    l2norm_qk_kernel<<<grid_for(2 * vectors, 8), 256, 0, stream>>>(q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
+    launch_kernel(l2norm_qk_kernel, grid_for(2 * vectors, 8), 256, 0, stream, q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
     KILN_CUDA_CHECK_LAUNCH();
     gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, nullptr, stream);
     return;
   }
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
-  delta_rule_kernel<<<grid, kDeltaWarps * 32, 0, stream>>>(q, k, ldq, ldk, v, g, beta, state, static_cast<int>(Hk),
-                                                           static_cast<int>(Hv), static_cast<int>(Dk),
-                                                           static_cast<int>(Dv), step, ldv, out);
+  if (gates)
+    launch_kernel(delta_rule_kernel<true>, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta, *gates, state,
+                  static_cast<int>(Hk), static_cast<int>(Hv), static_cast<int>(Dk), static_cast<int>(Dv), step, ldv, out);
+  else
+    launch_kernel(delta_rule_kernel<false>, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta,
+                  DeltaGateArgs{}, state, static_cast<int>(Hk), static_cast<int>(Hv), static_cast<int>(Dk),
+                  static_cast<int>(Dv), step, ldv, out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

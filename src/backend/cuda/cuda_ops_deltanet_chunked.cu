@@ -20,6 +20,7 @@
 // chunk waits for memory. Every shared buffer is written and read in barrier-separated steps; the host emulation
 // that checked this ran each interval's threads in forward, reverse and random order with identical results.
 #include "backend/cuda/cuda_ops_deltanet_chunked.h"
+#include "backend/cuda/cuda_ops_launch.cuh"
 
 #include <cuda_runtime.h>
 
@@ -270,6 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     delta_rule_chunked_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
                               const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
                               int Hk, int Hv, int Dk, int Dv, int64_t ldv, StepArgs step, float* __restrict__ out) {
+  dev::pdl_enter();
   using L = Layout<DK, DVT>;
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
@@ -519,7 +521,7 @@ void launch(const float* qn, const float* kn, const float* v, const float* g, co
   KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv),
                   static_cast<unsigned>((Dv + DVT - 1) / DVT));
-  kernel<<<grid, kThreads, bytes, stream>>>(qn, kn, v, g, beta, state, static_cast<int>(Hk), static_cast<int>(Hv),
+  launch_kernel(kernel, grid, kThreads, bytes, stream, qn, kn, v, g, beta, state, static_cast<int>(Hk), static_cast<int>(Hv),
                                             static_cast<int>(Dk), static_cast<int>(Dv), ldv, step, out);
   KILN_CUDA_CHECK_LAUNCH();
 }

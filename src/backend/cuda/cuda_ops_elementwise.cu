@@ -6,6 +6,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
 #include "backend/cuda/cuda_ops_kernels.h"
+#include "backend/cuda/cuda_ops_launch.cuh"
 
 namespace kiln::cuda::ops {
 namespace {
@@ -22,6 +23,7 @@ struct CopyShape {
 
 template <typename T>
 __global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, CopyShape c, int64_t total) {
+  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t rem = i, so = 0, dof = 0;
 #pragma unroll
@@ -43,6 +45,7 @@ unsigned capped_grid(int64_t n) {
 // ---- max |x|
 
 __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned* result) {
+  dev::pdl_enter();
   float m = 0.0f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     m = fmaxf(m, fabsf(x[i]));
@@ -55,6 +58,7 @@ __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned*
 
 __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
                                  const int32_t* __restrict__ ids, int64_t T, float* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t total = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H, h = i % H;
@@ -65,6 +69,7 @@ __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, 
 
 __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, int64_t H,
                                    const int32_t* __restrict__ rows, int64_t R, float* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t total = R * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, h = i % H;
@@ -79,6 +84,7 @@ constexpr int kRowsPerBlock = 8;  // warps per block
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
                                 ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
@@ -104,6 +110,7 @@ template <int kWElem>
 __global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
                                                            const void* w, ElemType w_elem, float eps,
                                                            bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * ldx;
@@ -142,6 +149,7 @@ template <int kWElem>
 __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
                                                                int64_t D, const void* w, ElemType w_elem, float eps,
                                                                bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   float* hr = hidden + r * D;
@@ -186,6 +194,7 @@ __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict
 
 __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
                                       const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
@@ -202,6 +211,7 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
 
 __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
                             const int32_t* __restrict__ positions, int rotary_dim, double theta) {
+  dev::pdl_enter();
   const int half = rotary_dim / 2;
   const int64_t total = T * heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -222,16 +232,19 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int
 // ---- elementwise
 
 __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
+  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = a[i] + b[i];
 }
 
 __global__ void silu_mul_kernel(const float* g, const float* u, float* out, int64_t n) {
+  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = silu(g[i]) * u[i];
 }
 
 __global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols) {
+  dev::pdl_enter();
   const int64_t total = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / N, c = i % N;
@@ -250,6 +263,7 @@ constexpr int kConvChunk = 64;
 template <int KC>
 __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const void* w, ElemType w_elem,
                                    float* __restrict__ conv_state, StepArgs step, float* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int s = blockIdx.y, chunk = blockIdx.z;
   if (c >= C || s >= step.num_seqs) return;
@@ -286,6 +300,7 @@ __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const
 __global__ void delta_rule_gates_kernel(const float* a, const float* b, const void* A_log, ElemType A_log_elem,
                                         const void* dt_bias, ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g,
                                         float* beta) {
+  dev::pdl_enter();
   const int64_t total = T * Hv;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = i % Hv;
@@ -295,6 +310,79 @@ __global__ void delta_rule_gates_kernel(const float* a, const float* b, const vo
     g[i] = neg_a * softplus;
     beta[i] = 1.0f / (1.0f + expf(-b[i]));
   }
+}
+
+
+// ---- argmax over rows: a block per (row, chunk of kArgChunk values) keeps the best as one packed 64-bit key (ordered
+// float bits above, ~index below: the larger value wins, ties go to the lower index; NaN never enters, key 0 means
+// "none"), then a block per row reduces the chunks' keys.
+
+constexpr int kArgChunk = 4096, kArgThreads = 256, kArgPer = kArgChunk / kArgThreads;
+
+__device__ __forceinline__ uint64_t argmax_key(float v, int64_t i) {
+  if (v != v) return 0;                       // NaN never wins
+  uint32_t b = v == 0.0f ? 0u : __float_as_uint(v);  // -0 ties +0 (lowest index wins, as the host's v > best)
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (uint64_t(b) << 32) | uint64_t(0xffffffffu - uint32_t(i));
+}
+
+__device__ __forceinline__ uint64_t block_max_u64(uint64_t k, uint64_t* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, k, o);
+    k = other > k ? other : k;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red[warp] = k;
+  __syncthreads();
+  if (warp == 0) {
+    k = lane < int(blockDim.x >> 5) ? red[lane] : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const uint64_t other = __shfl_xor_sync(0xffffffffu, k, o);
+      k = other > k ? other : k;
+    }
+  }
+  return k;  // valid in thread 0
+}
+
+// grid (chunks, R): keys[r * chunks + c] = the best key of row r's chunk c.
+__global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* __restrict__ logits, int64_t ld,
+                                                                   int64_t V, uint64_t* __restrict__ keys) {
+  dev::pdl_enter();
+  __shared__ uint64_t red[kArgThreads / 32];
+  const int64_t r = blockIdx.y, c = blockIdx.x;
+  const float* row = logits + r * ld;
+  const int64_t base = c * kArgChunk + threadIdx.x;
+  float v[kArgPer];
+#pragma unroll
+  for (int u = 0; u < kArgPer; ++u) {  // every load issued before any compare (indices clamped, masked below)
+    const int64_t i = base + int64_t(u) * kArgThreads;
+    v[u] = row[i < V ? i : V - 1];
+  }
+  uint64_t best = 0;
+#pragma unroll
+  for (int u = 0; u < kArgPer; ++u) {
+    const int64_t i = base + int64_t(u) * kArgThreads;
+    const uint64_t k = i < V ? argmax_key(v[u], i) : 0;
+    best = k > best ? k : best;
+  }
+  best = block_max_u64(best, red);
+  if (threadIdx.x == 0) keys[r * gridDim.x + c] = best;
+}
+
+__global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_t* __restrict__ keys, int chunks,
+                                                                   int32_t* __restrict__ ids) {
+  dev::pdl_enter();
+  __shared__ uint64_t red[kArgThreads / 32];
+  const int64_t r = blockIdx.x;
+  uint64_t best = 0;
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const uint64_t k = keys[r * chunks + c];
+    best = k > best ? k : best;
+  }
+  best = block_max_u64(best, red);
+  if (threadIdx.x == 0) ids[r] = best == 0 ? 0 : int32_t(0xffffffffu - uint32_t(best & 0xffffffffu));
 }
 
 }  // namespace
@@ -312,35 +400,53 @@ void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shap
   if (total == 0) return;
   const unsigned grid = capped_grid(total);
   switch (elem_bytes) {
-    case 1: copy_kernel<uint8_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), c, total); break;
-    case 2: copy_kernel<uint16_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), c, total); break;
-    case 4: copy_kernel<uint32_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), c, total); break;
-    case 8: copy_kernel<uint64_t><<<grid, kBlock, 0, stream>>>(static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), c, total); break;
+    case 1: launch_kernel(copy_kernel<uint8_t>, grid, kBlock, 0, stream, static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), c, total); break;
+    case 2: launch_kernel(copy_kernel<uint16_t>, grid, kBlock, 0, stream, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), c, total); break;
+    case 4: launch_kernel(copy_kernel<uint32_t>, grid, kBlock, 0, stream, static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), c, total); break;
+    case 8: launch_kernel(copy_kernel<uint64_t>, grid, kBlock, 0, stream, static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), c, total); break;
     default: cuda_fail("copy: element size {} is not supported (1, 2, 4 or 8 bytes)", {elem_bytes});
   }
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+size_t argmax_workspace_bytes(int64_t R, int64_t V) {
+  return static_cast<size_t>(R * ((V + kArgChunk - 1) / kArgChunk)) * sizeof(uint64_t);
+}
+
+void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream) {
+  if (R == 0) return;
+  if (V <= 0 || V > 0x7fffffff) cuda_fail("argmax: vocabulary {} is not supported", {V});
+  const int64_t chunks = (V + kArgChunk - 1) / kArgChunk;
+  uint64_t* keys = static_cast<uint64_t*>(work);
+  for (int64_t r0 = 0; r0 < R; r0 += 65535) {  // grid.y limit
+    const int64_t n = R - r0 < 65535 ? R - r0 : 65535;
+    launch_kernel(argmax_chunk_kernel, dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(n)), kArgThreads, 0,
+                  stream, logits + r0 * ld, ld, V, keys + r0 * chunks);
+    launch_kernel(argmax_final_kernel, static_cast<unsigned>(n), kArgThreads, 0, stream, keys + r0 * chunks,
+                  static_cast<int>(chunks), ids + r0);
+  }
+}
+
 void max_abs(const float* x, int64_t n, float* result, Stream stream) {
+  pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(float), stream));
   if (n == 0) return;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  max_abs_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), kBlock, 0, stream>>>(
-      x, n, reinterpret_cast<unsigned*>(result));
+  launch_kernel(max_abs_kernel, static_cast<unsigned>(blocks < 1024 ? blocks : 1024), kBlock, 0, stream, x, n, reinterpret_cast<unsigned*>(result));
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
                Stream stream) {
   if (T * H == 0) return;
-  embedding_kernel<<<capped_grid(T * H), kBlock, 0, stream>>>(table, elem, V, H, ids, T, out);
+  launch_kernel(embedding_kernel, capped_grid(T * H), kBlock, 0, stream, table, elem, V, H, ids, T, out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void gather_rows(const float* x, int64_t x_rows, int64_t H, const int32_t* rows, int64_t R, float* out,
                  Stream stream) {
   if (R * H == 0) return;
-  gather_rows_kernel<<<capped_grid(R * H), kBlock, 0, stream>>>(x, x_rows, H, rows, R, out);
+  launch_kernel(gather_rows_kernel, capped_grid(R * H), kBlock, 0, stream, x, x_rows, H, rows, R, out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -349,11 +455,11 @@ void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, 
   if (R == 0) return;
   if (D >= 512) {
     const unsigned g = static_cast<unsigned>(R);
-    if (w_elem == ElemType::bf16) rms_norm_row_kernel<1><<<g, 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
-    else if (w_elem == ElemType::f32) rms_norm_row_kernel<0><<<g, 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
-    else rms_norm_row_kernel<-1><<<g, 256, 0, stream>>>(x, ldx, D, w, w_elem, eps, zero_centred, out);
+    if (w_elem == ElemType::bf16) launch_kernel(rms_norm_row_kernel<1>, g, 256, 0, stream, x, ldx, D, w, w_elem, eps, zero_centred, out);
+    else if (w_elem == ElemType::f32) launch_kernel(rms_norm_row_kernel<0>, g, 256, 0, stream, x, ldx, D, w, w_elem, eps, zero_centred, out);
+    else launch_kernel(rms_norm_row_kernel<-1>, g, 256, 0, stream, x, ldx, D, w, w_elem, eps, zero_centred, out);
   } else {
-    rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, ldx, R, D, w, w_elem, eps,
+    launch_kernel(rms_norm_kernel, grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream, x, ldx, R, D, w, w_elem, eps,
                                                                               zero_centred, out);
   }
   KILN_CUDA_CHECK_LAUNCH();
@@ -363,16 +469,16 @@ void add_rms_norm(float* hidden, const float* y, int64_t R, int64_t D, const voi
                   bool zero_centred, float* out, Stream stream) {
   if (R == 0) return;
   const unsigned g = static_cast<unsigned>(R);
-  if (w_elem == ElemType::bf16) add_rms_norm_row_kernel<1><<<g, 256, 0, stream>>>(hidden, y, D, w, w_elem, eps, zero_centred, out);
-  else if (w_elem == ElemType::f32) add_rms_norm_row_kernel<0><<<g, 256, 0, stream>>>(hidden, y, D, w, w_elem, eps, zero_centred, out);
-  else add_rms_norm_row_kernel<-1><<<g, 256, 0, stream>>>(hidden, y, D, w, w_elem, eps, zero_centred, out);
+  if (w_elem == ElemType::bf16) launch_kernel(add_rms_norm_row_kernel<1>, g, 256, 0, stream, hidden, y, D, w, w_elem, eps, zero_centred, out);
+  else if (w_elem == ElemType::f32) launch_kernel(add_rms_norm_row_kernel<0>, g, 256, 0, stream, hidden, y, D, w, w_elem, eps, zero_centred, out);
+  else launch_kernel(add_rms_norm_row_kernel<-1>, g, 256, 0, stream, hidden, y, D, w, w_elem, eps, zero_centred, out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
                     float* out, Stream stream) {
   if (R == 0) return;
-  gated_rms_norm_kernel<<<grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(x, z, R, D, w, w_elem, eps,
+  launch_kernel(gated_rms_norm_kernel, grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream, x, z, R, D, w, w_elem, eps,
                                                                                       out);
   KILN_CUDA_CHECK_LAUNCH();
 }
@@ -381,25 +487,25 @@ void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* position
           Stream stream) {
   const int64_t total = T * heads * (rotary_dim / 2);
   if (total == 0) return;
-  rope_kernel<<<capped_grid(total), kBlock, 0, stream>>>(x, T, heads, D, positions, rotary_dim, theta);
+  launch_kernel(rope_kernel, capped_grid(total), kBlock, 0, stream, x, T, heads, D, positions, rotary_dim, theta);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void add(const float* a, const float* b, float* out, int64_t n, Stream stream) {
   if (n == 0) return;
-  add_kernel<<<capped_grid(n), kBlock, 0, stream>>>(a, b, out, n);
+  launch_kernel(add_kernel, capped_grid(n), kBlock, 0, stream, a, b, out, n);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, Stream stream) {
   if (n == 0) return;
-  silu_mul_kernel<<<capped_grid(n), kBlock, 0, stream>>>(gate, up, out, n);
+  launch_kernel(silu_mul_kernel, capped_grid(n), kBlock, 0, stream, gate, up, out, n);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void sigmoid_mul(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols, Stream stream) {
   if (T * N == 0) return;
-  sigmoid_mul_kernel<<<capped_grid(T * N), kBlock, 0, stream>>>(x, g, out, T, N, g_cols);
+  launch_kernel(sigmoid_mul_kernel, capped_grid(T * N), kBlock, 0, stream, x, g, out, T, N, g_cols);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -409,13 +515,13 @@ void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_ele
   const int chunks = std::max(1, (step.max_seq_tokens + kConvChunk - 1) / kConvChunk);
   const dim3 grid(grid_for(C, 128), static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(chunks));
   switch (Kc) {
-    case 2: conv1d_silu_kernel<2><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
-    case 3: conv1d_silu_kernel<3><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
-    case 4: conv1d_silu_kernel<4><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
-    case 5: conv1d_silu_kernel<5><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
-    case 6: conv1d_silu_kernel<6><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
-    case 7: conv1d_silu_kernel<7><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
-    case 8: conv1d_silu_kernel<8><<<grid, 128, 0, stream>>>(x, C, w, w_elem, conv_state, step, out); break;
+    case 2: launch_kernel(conv1d_silu_kernel<2>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 3: launch_kernel(conv1d_silu_kernel<3>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 4: launch_kernel(conv1d_silu_kernel<4>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 5: launch_kernel(conv1d_silu_kernel<5>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 6: launch_kernel(conv1d_silu_kernel<6>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 7: launch_kernel(conv1d_silu_kernel<7>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 8: launch_kernel(conv1d_silu_kernel<8>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
     default: cuda_fail("causal conv1d: kernel size {} is not supported (2 to 8)", {Kc});
   }
   KILN_CUDA_CHECK_LAUNCH();
@@ -424,7 +530,7 @@ void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_ele
 void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
                       ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream) {
   if (T * Hv == 0) return;
-  delta_rule_gates_kernel<<<capped_grid(T * Hv), kBlock, 0, stream>>>(a, b, A_log, A_log_elem, dt_bias, dt_bias_elem,
+  launch_kernel(delta_rule_gates_kernel, capped_grid(T * Hv), kBlock, 0, stream, a, b, A_log, A_log_elem, dt_bias, dt_bias_elem,
                                                                       T, Hv, g, beta);
   KILN_CUDA_CHECK_LAUNCH();
 }

@@ -15,6 +15,22 @@ namespace kiln::cuda::ops {
 
 using Stream = cudaStream_t;
 
+// Programmatic dependent launch for the kernels launched through launch_kernel() (cuda_ops_launch.cuh). Process-wide;
+// CudaOps sets it once at construction (on for compute capability >= 9.0 unless KILN_PDL=0).
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
+// The stream's previous operation was not one of these kernels (a copy, a memset, a library GEMM): the next
+// launch_kernel() then launches in plain stream order. CudaOps calls it before every such operation.
+void pdl_note_other_op();
+// launch_kernel's bookkeeping: whether the stream's previous operation was a launch_kernel() kernel (and mark it so).
+bool pdl_previous_was_kernel_and_mark();
+
+// Profiling of the kernels inside one launcher (CudaOps --profile): when a hook is set, launchers of several kernels
+// call profile_mark(label) after each stage; CudaOps times the stage from the previous mark (or the op's start).
+using ProfileMarkFn = void (*)(void* ctx, const char* label);
+void set_profile_mark(ProfileMarkFn fn, void* ctx);
+void profile_mark(const char* label);
+
 enum class ElemType : int32_t { f32 = 0, bf16 = 1, f16 = 2, e4m3 = 3 };
 enum class WeightKind : int32_t { dense = 0, fp8_tensor = 1, nvfp4 = 2 };
 
@@ -62,6 +78,10 @@ struct KvPoolArgs {
 // dst = src over up to 4 dims (shape / strides in elements, leading dims padded with 1 / 0); elem_bytes 1..8.
 void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
                   const int64_t dst_strides[4], Stream stream);
+// ids[r] = argmax_v logits[r * ld + v] over v < V (lowest index on ties, NaN never wins, all NaN: 0).
+// work: argmax_workspace_bytes(R, V) bytes of device memory.
+size_t argmax_workspace_bytes(int64_t R, int64_t V);
+void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream);
 // *result = max |x| (result: one device float, overwritten).
 void max_abs(const float* x, int64_t n, float* result, Stream stream);
 
@@ -75,6 +95,16 @@ void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, flo
 // blocks of out [3T, K]; one bf16 GEMM of the 3T rows against W, then out = (lo + mid) + hi per row (sum3_rows).
 void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream);
 void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream);
+// sum3_rows for one GEMM over several adjacent weights: columns [col0[s], col0[s + 1]) (the last to N) go to out[s]
+// (row stride ldo[s]); col0 ascending, col0[0] == 0.
+struct Sum3Segments {
+  static constexpr int kMax = 4;
+  float* out[kMax] = {};
+  int64_t ldo[kMax] = {};
+  int64_t col0[kMax] = {};
+  int count = 0;
+};
+void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segments& segs, Stream stream);
 // One thread spinning for `microseconds` (the profiler queues it so that the ops after it run back to back).
 void busy_wait(double microseconds, Stream stream);
 
@@ -114,9 +144,20 @@ void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemTyp
 // v rows are ldq / ldk / ldv elements apart (heads contiguous inside a row). qk_work: 2 * T * Hk * Dk floats (the
 // normalised q and k). Dk <= 256. Token by token, or with `chunked` (where gated_delta_rule_chunked_supported) in
 // chunks of 64 tokens (cuda_ops_deltanet_chunked.h; equal up to rounding).
+// The raw inputs of delta_rule_gates, for the recurrent kernel to compute g / beta itself (a, b [T, Hv]).
+struct DeltaGateArgs {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  const void* A_log = nullptr;
+  const void* dt_bias = nullptr;
+  ElemType A_log_elem = ElemType::f32, dt_bias_elem = ElemType::f32;
+};
+// `gates` (recurrent form only; ignored by the chunked one, which reads g / beta): g and beta are computed in the
+// kernel from the raw inputs and g / beta are not read.
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
                       int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
-                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false);
+                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false,
+                      const DeltaGateArgs* gates = nullptr);
 
 // ---- paged attention (cuda_ops_attention.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
@@ -135,6 +176,7 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
 // (nothing launched) otherwise.
 bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
                   const int64_t* ldos, Stream stream);
+constexpr int64_t kGemvMaxRows = 128;  // dense layers with at most this many rows take the gemv path (8-row tiles)
 // Name of the linear path linear() picks for T tokens (for describe()).
 const char* linear_path_name(int64_t T);
 
@@ -153,6 +195,9 @@ struct MoeTuning {
                                // (cuda_ops_mma.cu; only where moe_mma_supported); 0: the fp32 CUDA-core kernels
   int mt_up = 0, mt_down = 0;  // 16-row weight tiles per block of the decode-sized launches; 0: from the live tiles
   int sub = 2;                 // 8-token MMA tiles per weight pass in row tiles of more than 16 rows (2 or 4)
+                               // | kSubXsmem: the prefill kernel that stages x in shared memory (KILN_MOE_XSMEM;
+                               // carried in sub because MoeMmaPlan::sub is what reaches the launch)
+  static constexpr int kSubXsmem = 16;
 };
 // shared / shared_gate (both or neither): out += shared[t] * sigmoid(shared_gate[t]) ([T, H] and [T] fp32).
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
@@ -180,5 +225,14 @@ struct MoeMmaPlan {
 // y[r] = down(silu(gate(x[row_token[r]])) * up(...)) for every sorted row r of every tile.
 void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
                      const MoeMmaPlan& plan, Stream stream);
+
+// A dense NVFP4 linear on tensor cores (the routed-expert kernel with the weight as its only expert; x split into 3
+// bf16 parts): for many rows (prefill). Needs linear_nvfp4_mma_supported(w): no bias, K % 128 == 0, N % 64 == 0.
+// w_dev: the WeightDesc in device memory; tiles: [n_tiles] {0, first row, end row, 0} of kLinearTileRows rows;
+// xs: T * K * 3 bf16 values of scratch; out [T, N] contiguous.
+constexpr int64_t kLinearTileRows = 64;
+bool linear_nvfp4_mma_supported(const WeightDesc& w);
+void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tiles, int64_t K, int64_t N,
+                      const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream);
 
 }  // namespace kiln::cuda::ops

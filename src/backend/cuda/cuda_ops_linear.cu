@@ -15,6 +15,7 @@
 #include "backend/cuda/cuda_ops_device.cuh"
 #include "backend/cuda/device_utils.cuh"  // ld_stream_16
 #include "backend/cuda/cuda_ops_kernels.h"
+#include "backend/cuda/cuda_ops_launch.cuh"
 
 namespace kiln::cuda::ops {
 namespace {
@@ -91,6 +92,7 @@ constexpr int kGemvWarps = 8;
 
 template <bool kDual, bool kVec>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemmArgs a) {
+  dev::pdl_enter();
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
   const int n = blockIdx.y * kGemvWarps + (threadIdx.x >> 5);
@@ -178,6 +180,7 @@ __device__ __forceinline__ float e2m1_fast(uint32_t c) {
 
 template <G2Kind kKind, bool kDual, int kCols, int kRows>
 __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
+  dev::pdl_enter();
   constexpr int kE = G2<kKind>::kElems;
   constexpr int kU = 2;  // steps in flight
   int group, rb, re;
@@ -352,6 +355,7 @@ constexpr int kTileM = 64, kTileN = 64, kTileK = 16;
 
 template <bool kDual>
 __global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
+  dev::pdl_enter();
   __shared__ float xs[kTileK][kTileM + 1];
   __shared__ float ws0[kTileK][kTileN + 1];
   __shared__ float ws1[kDual ? kTileK : 1][kTileN + 1];
@@ -430,8 +434,8 @@ bool vec_ok(const WeightDesc& w, const float* x, int64_t ldx) {
 // Which gemv2 instantiation serves these weights (-1: none; the generic gemv then runs). kind_code: 0 bf16, 1 nvfp4.
 template <G2Kind kKind, bool kDual, int kRows>
 void launch_gemv2_rows(const GemmArgs& b, bool two, dim3 grid, Stream stream) {
-  if (two) gemv2_kernel<kKind, kDual, 2, kRows><<<grid, 128, 0, stream>>>(b);
-  else gemv2_kernel<kKind, kDual, 1, kRows><<<grid, 128, 0, stream>>>(b);
+  if (two) launch_kernel(gemv2_kernel<kKind, kDual, 2, kRows>, grid, 128, 0, stream, b);
+  else launch_kernel(gemv2_kernel<kKind, kDual, 1, kRows>, grid, 128, 0, stream, b);
 }
 
 template <G2Kind kKind, bool kDual>
@@ -471,21 +475,20 @@ void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t 
   } else if (use_gemv) {
     const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + kGemvWarps - 1) / kGemvWarps));
     if (dual) {
-      if (vec) gemv_kernel<true, true><<<grid, kGemvWarps * 32, 0, stream>>>(a);
-      else gemv_kernel<true, false><<<grid, kGemvWarps * 32, 0, stream>>>(a);
+      if (vec) launch_kernel(gemv_kernel<true, true>, grid, kGemvWarps * 32, 0, stream, a);
+      else launch_kernel(gemv_kernel<true, false>, grid, kGemvWarps * 32, 0, stream, a);
     } else {
-      if (vec) gemv_kernel<false, true><<<grid, kGemvWarps * 32, 0, stream>>>(a);
-      else gemv_kernel<false, false><<<grid, kGemvWarps * 32, 0, stream>>>(a);
+      if (vec) launch_kernel(gemv_kernel<false, true>, grid, kGemvWarps * 32, 0, stream, a);
+      else launch_kernel(gemv_kernel<false, false>, grid, kGemvWarps * 32, 0, stream, a);
     }
   } else {
     const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + kTileN - 1) / kTileN));
-    if (dual) gemm_kernel<true><<<grid, 256, 0, stream>>>(a);
-    else gemm_kernel<false><<<grid, 256, 0, stream>>>(a);
+    if (dual) launch_kernel(gemm_kernel<true>, grid, 256, 0, stream, a);
+    else launch_kernel(gemm_kernel<false>, grid, 256, 0, stream, a);
   }
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-constexpr int64_t kGemvMaxRows = 128;  // dense layers with at most this many rows take the gemv path (8-row tiles)
 constexpr int64_t kMultiMaxRows = 64;  // linear_multi: at most this many rows
 
 // ---- MoE routing: a block per token
@@ -494,6 +497,7 @@ constexpr int kRouteThreads = 128;
 
 __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int top_k, bool renormalise,
                                  int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_enter();
   extern __shared__ float p[];  // [E]
   __shared__ float red[32];
   __shared__ float best_val[32];
@@ -569,6 +573,7 @@ constexpr int kRouteWarpMaxE = 1024;
 template <int kPer>
 __global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t T, int E, int top_k,
                                       bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_enter();
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (t >= T) return;
@@ -646,6 +651,7 @@ struct MoeLayout {
 
 __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E, int tile_rows_m,
                                  MoeLayout lay) {
+  dev::pdl_enter();
   extern __shared__ int32_t counts[];  // [E]
   for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -718,6 +724,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, const int32_t* _
                                    const float* __restrict__ weights, const int32_t* __restrict__ pair_pos, int top_k,
                                    int H, float* __restrict__ out, const float* __restrict__ shared = nullptr,
                                    const float* __restrict__ shared_gate = nullptr) {
+  dev::pdl_enter();
   __shared__ int order[64], sid[64], spos[64];
   __shared__ float sw[64];
   const int t = blockIdx.x;
@@ -825,13 +832,13 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
   if (E <= kRouteWarpMaxE && top_k <= 32) {
     const unsigned grid = static_cast<unsigned>((T + 3) / 4);
     const int e = static_cast<int>(E);
-    if (E <= 64) moe_route_warp_kernel<2><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
-    else if (E <= 128) moe_route_warp_kernel<4><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
-    else if (E <= 256) moe_route_warp_kernel<8><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
-    else if (E <= 512) moe_route_warp_kernel<16><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
-    else moe_route_warp_kernel<32><<<grid, 128, 0, stream>>>(logits, T, e, top_k, renormalise, ids, weights);
+    if (E <= 64) launch_kernel(moe_route_warp_kernel<2>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 128) launch_kernel(moe_route_warp_kernel<4>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 256) launch_kernel(moe_route_warp_kernel<8>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 512) launch_kernel(moe_route_warp_kernel<16>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else launch_kernel(moe_route_warp_kernel<32>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
   } else {
-    moe_route_kernel<<<static_cast<unsigned>(T), kRouteThreads, smem, stream>>>(logits, static_cast<int>(E), top_k,
+    launch_kernel(moe_route_kernel, static_cast<unsigned>(T), kRouteThreads, smem, stream, logits, static_cast<int>(E), top_k,
                                                                                 renormalise, ids, weights);
   }
   KILN_CUDA_CHECK_LAUNCH();
@@ -907,9 +914,10 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   MoeLayout lay = c.lay;
   if (mma) lay.max_tiles = static_cast<int>(max_tiles);
   else lay.tile_info = nullptr;
-  moe_group_kernel<<<1, 1024, static_cast<size_t>(E) * 4, stream>>>(ids, static_cast<int>(P), top_k,
+  launch_kernel(moe_group_kernel, 1, 1024, static_cast<size_t>(E) * 4, stream, ids, static_cast<int>(P), top_k,
                                                                     static_cast<int>(E), tm, lay);
   KILN_CUDA_CHECK_LAUNCH();
+  profile_mark("group");
   if (mma) {
     MoeMmaPlan plan;
     plan.parts = tuning.mma_parts;
@@ -933,9 +941,10 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     plan.act_s = c.act_s;
     plan.y = c.y;
     moe_experts_mma(x, T, H, I, experts, E, plan, stream);
-    moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
+    launch_kernel(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, c.y, ids, weights, c.lay.pair_pos, top_k,
                                                                      static_cast<int>(H), out, shared, shared_gate);
     KILN_CUDA_CHECK_LAUNCH();
+    profile_mark("combine");
     return;
   }
 
@@ -971,7 +980,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   down.K = static_cast<int>(I);
   launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream, experts_gemv2_kind, max_rows);
 
-  moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(c.y, ids, weights, c.lay.pair_pos, top_k,
+  launch_kernel(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, c.y, ids, weights, c.lay.pair_pos, top_k,
                                                                    static_cast<int>(H), out, shared, shared_gate);
   KILN_CUDA_CHECK_LAUNCH();
 }

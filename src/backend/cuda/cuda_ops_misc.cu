@@ -6,6 +6,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_kernels.h"
+#include "backend/cuda/cuda_ops_launch.cuh"
 
 namespace kiln::cuda::ops {
 namespace {
@@ -18,6 +19,7 @@ __device__ __forceinline__ uint64_t fill_hash(uint64_t seed, uint64_t i) {
 }
 
 __global__ void fill_bytes_kernel(uint8_t* out, int64_t n, uint64_t seed, uint32_t lo, uint32_t span, bool sign) {
+  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const uint64_t h = fill_hash(seed, static_cast<uint64_t>(i));
     uint32_t b = lo + static_cast<uint32_t>((h >> 32) % span);
@@ -28,6 +30,7 @@ __global__ void fill_bytes_kernel(uint8_t* out, int64_t n, uint64_t seed, uint32
 
 template <int kElem>  // 0 f32, 1 bf16, 2 f16
 __global__ void fill_uniform_kernel(void* out, int64_t n, uint64_t seed, float lo, float d) {
+  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const uint64_t h = fill_hash(seed, static_cast<uint64_t>(i));
     const float u = static_cast<float>(h >> 40) * 0x1p-24f;
@@ -39,6 +42,7 @@ __global__ void fill_uniform_kernel(void* out, int64_t n, uint64_t seed, float l
 }
 
 __global__ void busy_wait_kernel(uint64_t ns) {
+  dev::pdl_enter();
   uint64_t t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   do {
@@ -49,6 +53,7 @@ __global__ void busy_wait_kernel(uint64_t ns) {
 // x = hi + mid + lo, each bf16 (round to nearest even): the three rows blocks of out [3T, K].
 __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
                                     __nv_bfloat16* __restrict__ out) {
+  dev::pdl_enter();
   const int64_t n = T * K;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / K, k = i % K;
@@ -66,10 +71,26 @@ __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, in
 // out[t, :] = (lo + mid) + hi of the three row blocks of part [3T, N].
 __global__ void sum3_rows_kernel(const float* __restrict__ part, int64_t T, int64_t N, float* __restrict__ out,
                                  int64_t ldo) {
+  dev::pdl_enter();
   const int64_t n = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / N, c = i % N;
     out[t * ldo + c] = (part[2 * n + i] + part[n + i]) + part[i];
+  }
+}
+
+// sum3_rows over the columns of several linears' outputs (one GEMM of adjacent weights): column c of part goes to
+// the segment whose range holds it.
+__global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, int64_t N, Sum3Segments segs) {
+  dev::pdl_enter();
+  const int64_t n = T * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / N, c = i % N;
+    int s = 0;
+#pragma unroll
+    for (int j = 1; j < Sum3Segments::kMax; ++j)
+      if (j < segs.count && c >= segs.col0[j]) s = j;
+    segs.out[s][t * segs.ldo[s] + (c - segs.col0[s])] = (part[2 * n + i] + part[n + i]) + part[i];
   }
 }
 
@@ -80,10 +101,37 @@ unsigned fill_grid(int64_t n) {
 
 }  // namespace
 
+namespace {
+bool g_pdl = false;
+}  // namespace
+namespace {
+bool g_prev_kernel = false;
+}  // namespace
+bool pdl_enabled() { return g_pdl; }
+void set_pdl_enabled(bool on) { g_pdl = on; }
+void pdl_note_other_op() { g_prev_kernel = false; }
+bool pdl_previous_was_kernel_and_mark() {
+  const bool prev = g_prev_kernel;
+  g_prev_kernel = true;
+  return prev;
+}
+
+namespace {
+ProfileMarkFn g_mark_fn = nullptr;
+void* g_mark_ctx = nullptr;
+}  // namespace
+void set_profile_mark(ProfileMarkFn fn, void* ctx) {
+  g_mark_fn = fn;
+  g_mark_ctx = ctx;
+}
+void profile_mark(const char* label) {
+  if (g_mark_fn) g_mark_fn(g_mark_ctx, label);
+}
+
 void fill_random_bytes(uint8_t* out, int64_t n, uint64_t seed, uint32_t byte_lo, uint32_t byte_hi, bool random_sign,
                        Stream stream) {
   if (n == 0) return;
-  fill_bytes_kernel<<<fill_grid(n), 256, 0, stream>>>(out, n, seed, byte_lo, byte_hi - byte_lo, random_sign);
+  launch_kernel(fill_bytes_kernel, fill_grid(n), 256, 0, stream, out, n, seed, byte_lo, byte_hi - byte_lo, random_sign);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -91,9 +139,9 @@ void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, flo
   if (n == 0) return;
   const float d = hi - lo;
   switch (elem) {
-    case ElemType::f32: fill_uniform_kernel<0><<<fill_grid(n), 256, 0, stream>>>(out, n, seed, lo, d); break;
-    case ElemType::bf16: fill_uniform_kernel<1><<<fill_grid(n), 256, 0, stream>>>(out, n, seed, lo, d); break;
-    case ElemType::f16: fill_uniform_kernel<2><<<fill_grid(n), 256, 0, stream>>>(out, n, seed, lo, d); break;
+    case ElemType::f32: launch_kernel(fill_uniform_kernel<0>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d); break;
+    case ElemType::bf16: launch_kernel(fill_uniform_kernel<1>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d); break;
+    case ElemType::f16: launch_kernel(fill_uniform_kernel<2>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d); break;
     default: cuda_fail("random uniform fill: element type {} is not a float type", {static_cast<int>(elem)});
   }
   KILN_CUDA_CHECK_LAUNCH();
@@ -101,18 +149,24 @@ void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, flo
 
 void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream) {
   if (T * K == 0) return;
-  split_bf16x3_kernel<<<fill_grid(T * K), 256, 0, stream>>>(x, ldx, T, K, reinterpret_cast<__nv_bfloat16*>(out));
+  launch_kernel(split_bf16x3_kernel, fill_grid(T * K), 256, 0, stream, x, ldx, T, K, reinterpret_cast<__nv_bfloat16*>(out));
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segments& segs, Stream stream) {
+  if (T * N == 0) return;
+  launch_kernel(sum3_segments_kernel, fill_grid(T * N), 256, 0, stream, part, T, N, segs);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream) {
   if (T * N == 0) return;
-  sum3_rows_kernel<<<fill_grid(T * N), 256, 0, stream>>>(part, T, N, out, ldo);
+  launch_kernel(sum3_rows_kernel, fill_grid(T * N), 256, 0, stream, part, T, N, out, ldo);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
 void busy_wait(double microseconds, Stream stream) {
-  busy_wait_kernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(microseconds * 1000.0));
+  launch_kernel(busy_wait_kernel, 1, 1, 0, stream, static_cast<uint64_t>(microseconds * 1000.0));
   KILN_CUDA_CHECK_LAUNCH();
 }
 

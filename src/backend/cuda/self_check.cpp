@@ -560,6 +560,17 @@ void check_deltanet(Harness& h, const Steps& st) {
               c.delta_rule_tol);
     h.compare(std::string("gated_delta_rule state ") + (c.chunked_reference ? "vs chunked " : "") + at, state,
               c.delta_rule_tol);
+    // Gates and rule as one op (the recurrent CUDA kernel computes the gates itself) on the raw gate inputs.
+    Pair g2 = h.scratch(DType::F32, Shape{T, Hv}), beta2 = h.scratch(DType::F32, Shape{T, Hv});
+    Pair out2 = h.scratch(DType::F32, Shape{T, Hv, Dv});
+    h.test().gated_delta_rule_with_gates(q.test, k.test, v.test, a.test, b.test, A_log.test, dt_bias.test, g2.test,
+                                         beta2.test, state.test, lt, mode, out2.test);
+    h.ref().gated_delta_rule_with_gates(q.ref, k.ref, v.ref, a.ref, b.ref, A_log.ref, dt_bias.ref, g2.ref,
+                                        beta2.ref, state.ref, lr, mode, out2.ref);
+    h.compare(std::string("gated_delta_rule_with_gates ") + (c.chunked_reference ? "vs chunked " : "") + at, out2,
+              c.delta_rule_tol);
+    h.compare(std::string("gated_delta_rule_with_gates state ") + (c.chunked_reference ? "vs chunked " : "") + at,
+              state, c.delta_rule_tol);
   }
 }
 

@@ -126,8 +126,9 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
 
 // The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, their block
 // shapes (KILN_MOE_MT row tiles per block for decode-sized tiles, KILN_MOE_SUB token sub-tiles for prefill-sized
-// ones; all read when the backend starts), and the fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes
-// (H, I multiples of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows).
+// ones, KILN_MOE_XSMEM the prefill kernel with x staged in shared memory; all read when the backend starts), and the
+// fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes (H, I multiples
+// of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows; 200 rows give row tiles of 16).
 TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();
@@ -135,18 +136,26 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
     const char* mma;
     const char* mt;
     const char* sub;
+    const char* xsmem = nullptr;
   };
+  // XSMEM unset: the default (prefill tiles on the shared-memory kernel, 2 sub-tiles); XSMEM=0 (or SUB=4): the
+  // register kernel.
   for (const Variant& v : {Variant{"3", nullptr, nullptr}, Variant{"2", nullptr, nullptr}, Variant{"3", "1,1", "4"},
                            Variant{"3", "4,8", nullptr}, Variant{"3", "8,2", nullptr},
+                           Variant{"3", nullptr, nullptr, "0"}, Variant{"2", nullptr, nullptr, "0"},
+                           Variant{"3", nullptr, nullptr, "2"}, Variant{"2", nullptr, nullptr, "2"},
                            Variant{"0", nullptr, nullptr}}) {
     ::setenv("KILN_MOE_MMA", v.mma, 1);
     if (v.mt) ::setenv("KILN_MOE_MT", v.mt, 1);
     if (v.sub) ::setenv("KILN_MOE_SUB", v.sub, 1);
+    if (v.xsmem) ::setenv("KILN_MOE_XSMEM", v.xsmem, 1);
     CudaOps gpu;  // reads the knobs when it starts
     ::unsetenv("KILN_MOE_MMA");
     ::unsetenv("KILN_MOE_MT");
     ::unsetenv("KILN_MOE_SUB");
-    const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={}", v.mma, v.mt ? v.mt : "-", v.sub ? v.sub : "-");
+    ::unsetenv("KILN_MOE_XSMEM");
+    const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={} XSMEM={}", v.mma, v.mt ? v.mt : "-",
+                                          v.sub ? v.sub : "-", v.xsmem ? v.xsmem : "-");
     const bool mma = std::string(v.mma) != "0";
     EXPECT_EQ(gpu.describe().find("tensor cores off") == std::string::npos, mma) << gpu.describe();
     OpCheckConfig c;
@@ -155,11 +164,12 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
     c.expert_inter = 384;
     c.experts = 160;  // routing: 5 experts per lane
     c.top_k = 8;
-    c.linear_rows = {1, 3, 8, 40, 400};
+    c.linear_rows = {1, 3, 8, 40, 200, 400};  // 200 x 8 / 160: 10 rows per expert, row tiles of 16
     std::vector<OpCheck> moe;
     for (const OpCheck& r : compare_ops(gpu, *cpu, c))
       if (r.op.rfind("moe_", 0) == 0) moe.push_back(r);
-    EXPECT_EQ(moe.size(), 18u);  // routing ids and weights, renormalised or not; 2 weight formats x (6 row counts + shared)
+    // routing ids and weights, renormalised or not; 2 weight formats x (7 row counts + shared)
+    EXPECT_EQ(moe.size(), 20u);
     expect_all_pass(moe, label);
   }
 }
@@ -595,6 +605,555 @@ TEST(CudaRunner, DeviceArgmaxIsTheHostArgmax) {
   a.runner->forward(ca, logits);
   b.runner->forward_argmax(cb, ids);
   for (int i = 0; i < 4; ++i) EXPECT_EQ(ids[i], testing::argmax(logits.data() + i * a.vocab, a.vocab)) << i;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Device sampling (CudaOps::sample_rows, Runner::forward_sample) against model::sample_row_host.
+//
+// The device sums the probabilities in another order than the host (trees and per-thread segments there, running
+// sums here), so in principle a token could differ when a uniform or a top-p / min-p threshold lands within ~1e-12
+// (relative) of a boundary. With these random inputs that does not happen: the tokens must be identical, row by row.
+
+// Logits of several kinds: continuous, heavy ties (8 levels), -inf entries, one dominant token, all equal.
+std::vector<float> sampling_test_row(std::mt19937_64& rng, int64_t V, int kind) {
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> l(static_cast<size_t>(V));
+  for (auto& x : l) {
+    switch (kind) {
+      case 0: x = normal(rng); break;
+      case 1: x = static_cast<float>(rng() % 8) * 0.5f; break;
+      case 2: x = rng() % 4 == 0 ? -INFINITY : normal(rng); break;
+      case 3: x = normal(rng) * 0.2f; break;
+      default: x = 0.25f; break;
+    }
+  }
+  if (kind == 2) l[static_cast<size_t>(rng() % static_cast<uint64_t>(V))] = 1.0f;  // a finite value
+  if (kind == 3) l[static_cast<size_t>(rng() % static_cast<uint64_t>(V))] = 12.0f;
+  return l;
+}
+
+struct SampleCase {
+  std::vector<float> logits;  // [R, V]
+  std::vector<model::RowSampling> rows;
+};
+
+// R rows of vocabulary V: parameters from the grid (every combination in turn), uniforms random.
+SampleCase sampling_case(int64_t V, int R, uint64_t seed) {
+  static const float temps[] = {0.0f, 0.3f, 0.7f, 1.0f, 1.3f, 2.0f};
+  static const float top_ps[] = {1.0f, 0.9f, 0.5f, 0.01f};
+  static const float min_ps[] = {0.0f, 0.05f};
+  const int64_t top_ks[] = {0, 1, 5, 50, V};
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  SampleCase c;
+  c.logits.reserve(static_cast<size_t>(R * V));
+  for (int r = 0; r < R; ++r) {
+    int g = r;
+    model::RowSampling rs;
+    rs.temperature = temps[g % 6];
+    g /= 6;
+    rs.top_k = static_cast<int32_t>(top_ks[g % 5]);
+    g /= 5;
+    rs.top_p = top_ps[g % 4];
+    g /= 4;
+    rs.min_p = min_ps[g % 2];
+    rs.u = uniform(rng);
+    const std::vector<float> l = sampling_test_row(rng, V, static_cast<int>((r / 240 + r) % 5));
+    c.logits.insert(c.logits.end(), l.begin(), l.end());
+    c.rows.push_back(rs);
+  }
+  return c;
+}
+
+TEST(CudaOps, SampleRowsAreTheHostsTokens) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  int checked = 0, drawn = 0;
+  for (auto [V, R] : {std::pair<int64_t, int>{1, 60}, {7, 480}, {1000, 960}, {50000, 480}, {248320, 240}}) {
+    const SampleCase c = sampling_case(V, R, 1000 + static_cast<uint64_t>(V));
+    gpu.reset_scratch();
+    const TensorView logits = gpu.upload(c.logits.data(), DType::F32, Shape{R, V});
+    std::vector<int32_t> ids(static_cast<size_t>(R), -2), again(static_cast<size_t>(R), -2);
+    gpu.sample_rows(logits, c.rows, ids);
+    gpu.sample_rows(logits, c.rows, again);
+    EXPECT_EQ(ids, again) << "V " << V << ": the same inputs, the same tokens";
+    model::SampleScratch scratch;
+    int bad = 0;
+    for (int r = 0; r < R; ++r) {
+      const model::RowSampling& rs = c.rows[static_cast<size_t>(r)];
+      const int32_t want = model::sample_row_host(c.logits.data() + r * V, V, rs, scratch);
+      if (ids[static_cast<size_t>(r)] != want && ++bad <= 10)
+        ADD_FAILURE() << "V " << V << " row " << r << ": device " << ids[static_cast<size_t>(r)] << ", host " << want
+                      << " (T " << rs.temperature << " top_k " << rs.top_k << " top_p " << rs.top_p << " min_p "
+                      << rs.min_p << " u " << rs.u << ")";
+      ++checked;
+      drawn += rs.temperature >= 1e-6f;
+    }
+    EXPECT_EQ(bad, 0) << "V " << V;
+  }
+  std::printf("[ sample   ] %d rows (%d drawn, the rest greedy): device tokens == host tokens\n", checked, drawn);
+}
+
+TEST(CudaOps, SampleRowsEdgeCases) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  const int64_t V = 4;
+  const float l3 = std::log(3.0f);
+  struct Row {
+    std::vector<float> logits;
+    model::RowSampling rs;
+    int32_t want;
+  };
+  auto rs = [](float t, int k, float p, float m, double u) {
+    model::RowSampling r;
+    r.temperature = t;
+    r.top_k = k;
+    r.top_p = p;
+    r.min_p = m;
+    r.u = u;
+    return r;
+  };
+  const std::vector<Row> rows = {
+      {{1, 3, 3, 2}, rs(0, 0, 1, 0, 0), 1},                    // greedy: lowest id of the tie
+      {{-0.0f, 0.0f, -1, -2}, rs(0, 0, 1, 0, 0), 0},           // -0 ties +0
+      {{-INFINITY, -INFINITY, -INFINITY, -INFINITY}, rs(1, 0, 1, 0, 0.5), -1},
+      {{-INFINITY, -INFINITY, -INFINITY, -INFINITY}, rs(0, 0, 1, 0, 0.5), -1},
+      {{0, INFINITY, 0, 0}, rs(1, 0, 1, 0, 0.5), -1},
+      {{0, 0, 0, 0}, rs(1, 0, 1, 0, 0.2499), 0},               // the draw walks ascending ids
+      {{0, 0, 0, 0}, rs(1, 0, 1, 0, 0.25), 1},
+      {{0, 0, 0, 0}, rs(1, 0, 1, 0, 0.99), 3},
+      {{5, 1, 5, 5}, rs(1, 1, 1, 0, 0.5), 2},                  // top-k keeps the ties with the k-th
+      {{0, 0, 0, 0}, rs(1, 0, 0.5f, 0, 0.99), 1},              // top-p: the lower ids of a tie
+      {{0, 0, 0, 0}, rs(1, 0, 0.6f, 0, 0.99), 2},              // the crossing token is kept
+      {{0, l3, l3, l3}, rs(1, 0, 0.5f, 0, 0.6), 2},
+      {{0, l3, l3, l3}, rs(1, 0, 0.5f, 0, 0.999), 2},
+      {{0, std::log(0.5f), std::log(0.04f), -INFINITY}, rs(1, 0, 1, 0.05f, 0.999), 1},  // min-p
+      {{0, std::log(0.5f), std::log(0.04f), -INFINITY}, rs(1, 0, 1, 0, 0.999), 2},
+  };
+  std::vector<float> logits;
+  std::vector<model::RowSampling> params;
+  for (const Row& r : rows) {
+    logits.insert(logits.end(), r.logits.begin(), r.logits.end());
+    params.push_back(r.rs);
+  }
+  const int R = static_cast<int>(rows.size());
+  const TensorView view = gpu.upload(logits.data(), DType::F32, Shape{R, V});
+  std::vector<int32_t> ids(static_cast<size_t>(R));
+  gpu.sample_rows(view, params, ids);
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(model::sample_row_host(rows[r].logits.data(), V, rows[r].rs), rows[r].want) << "host, row " << r;
+    EXPECT_EQ(ids[static_cast<size_t>(r)], rows[r].want) << "device, row " << r;
+  }
+}
+
+TEST(CudaRunner, DeviceSamplingIsTheHostSampling) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  Engine a(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
+  Engine b(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
+  const std::vector<std::vector<int32_t>> prompts = {{10, 11}, {12}, {13, 14, 15}, {16}};
+  std::vector<model::SeqChunk> ca(4), cb(4);
+  for (int i = 0; i < 4; ++i) {
+    ca[i].state_slot = cb[i].state_slot = i;
+    ca[i].tokens = cb[i].tokens = prompts[i];
+    ca[i].page_table = a.page_tables[i];
+    cb[i].page_table = b.page_tables[i];
+  }
+  std::vector<model::RowSampling> rows(4);
+  rows[0].temperature = 0.0f;
+  rows[1].temperature = 0.8f;
+  rows[1].top_p = 0.9f;
+  rows[1].u = 0.37;
+  rows[2].temperature = 1.0f;
+  rows[2].top_k = 20;
+  rows[2].u = 0.91;
+  rows[3].temperature = 1.5f;
+  rows[3].min_p = 0.05f;
+  rows[3].u = 0.05;
+  std::vector<float> logits(4 * a.vocab);
+  std::vector<int32_t> ids(4);
+  a.runner->forward(ca, logits);
+  b.runner->forward_sample(cb, rows, ids);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(ids[i], model::sample_row_host(logits.data() + i * a.vocab, a.vocab, rows[i])) << i;
+}
+
+}  // namespace
+}  // namespace kiln::backend::cuda
+
+// ---------------------------------------------------------------------------------------------------
+// Prefill attention (backend/cuda/cuda_ops_attention_prefill.h): the flash-style kernel for prefill-shaped steps,
+// called directly on the device inputs of CudaOps, against the CPU oracle and against the split-over-keys kernel
+// (ops::attention) on the same inputs; CudaOps::attention (whichever path it takes) against the CPU too. Prefills
+// from scratch, second chunks over a cached prefix, mixed prefill + decode steps, page sizes that tiles and lengths do
+// not line up with, GQA ratios 1 to 16, head_dim 64 / 128 / 256, f32 (declined: the fallback's business), bf16 and
+// e4m3 pools (k / v scales != 1). fp32-class accuracy: rel-L2 <= 1e-5.
+
+#include <cuda_runtime_api.h>
+
+#include <numeric>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_attention_prefill.h"
+#include "backend/cuda/cuda_ops_kernels.h"
+
+namespace kiln::backend::cuda {
+namespace {
+
+namespace kops = ::kiln::cuda::ops;
+
+constexpr double kPrefillTol = 1e-5;  // the op checks' fp32 tolerance
+
+struct PrefillSeq {
+  int cached = 0;  // tokens already in the pool (positions 0 .. cached - 1), stored by an earlier step
+  int fresh = 0;   // this step's tokens (positions cached .. cached + fresh - 1)
+};
+
+struct PrefillCase {
+  std::vector<PrefillSeq> seqs;
+  int64_t q_heads = 16, kv_heads = 2, head_dim = 256;
+  int page_size = 16;
+  DType kv = DType::BF16;
+  std::string str() const {
+    std::string s = std::string(dtype_name(kv)) + " heads " + std::to_string(q_heads) + "/" + std::to_string(kv_heads) +
+                    " D " + std::to_string(head_dim) + " page " + std::to_string(page_size) + " seqs";
+    for (const PrefillSeq& q : seqs) s += " " + std::to_string(q.cached) + "+" + std::to_string(q.fresh);
+    return s;
+  }
+};
+
+// One step's layout on the host.
+struct PrefillHostStep {
+  std::vector<int32_t> token_pos, seq_begin{0}, seq_start, slot, page_table;
+  int max_pages = 1, page_size = 16, max_seq_tokens = 0;
+  void add_seq(int32_t start, int32_t n, int32_t state_slot, const std::vector<int32_t>& pages) {
+    for (int32_t i = 0; i < n; ++i) token_pos.push_back(start + i);
+    seq_begin.push_back(static_cast<int32_t>(token_pos.size()));
+    seq_start.push_back(start);
+    slot.push_back(state_slot);
+    page_table.insert(page_table.end(), pages.begin(), pages.end());
+    max_seq_tokens = std::max(max_seq_tokens, n);
+  }
+  int64_t num_tokens() const { return static_cast<int64_t>(token_pos.size()); }
+  int num_seqs() const { return static_cast<int>(seq_start.size()); }
+};
+
+model::StepLayout prefill_layout_on(model::Ops& ops, const PrefillHostStep& h) {
+  model::StepLayout s;
+  s.num_tokens = h.num_tokens();
+  s.num_seqs = h.num_seqs();
+  s.page_size = h.page_size;
+  s.max_pages_per_seq = h.max_pages;
+  s.host_token_pos = h.token_pos;
+  s.host_seq_token_begin = h.seq_begin;
+  s.host_seq_start_pos = h.seq_start;
+  s.host_seq_state_slot = h.slot;
+  s.host_page_table = h.page_table;
+  const int64_t T = s.num_tokens, S = s.num_seqs;
+  s.token_pos = ops.upload(h.token_pos.data(), DType::I32, Shape{T});
+  s.seq_token_begin = ops.upload(h.seq_begin.data(), DType::I32, Shape{S + 1});
+  s.seq_start_pos = ops.upload(h.seq_start.data(), DType::I32, Shape{S});
+  s.seq_state_slot = ops.upload(h.slot.data(), DType::I32, Shape{S});
+  s.page_table = ops.upload(h.page_table.data(), DType::I32, Shape{S, h.max_pages});
+  return s;
+}
+
+// The launchers' view of a layout uploaded to the GPU.
+kops::StepArgs prefill_step_args(const model::StepLayout& l, int max_seq_tokens) {
+  kops::StepArgs a;
+  a.token_pos = l.token_pos.ptr<const int32_t>();
+  a.seq_token_begin = l.seq_token_begin.ptr<const int32_t>();
+  a.seq_state_slot = l.seq_state_slot.ptr<const int32_t>();
+  a.page_table = l.page_table.ptr<const int32_t>();
+  a.num_tokens = static_cast<int32_t>(l.num_tokens);
+  a.num_seqs = l.num_seqs;
+  a.max_pages = l.max_pages_per_seq;
+  a.page_size = l.page_size;
+  a.max_seq_tokens = max_seq_tokens;
+  return a;
+}
+
+kops::KvPoolArgs prefill_pool_args(const model::KvLayerView& c) {
+  kops::KvPoolArgs p;
+  p.k = c.k.data;
+  p.v = c.v.data;
+  p.elem = c.k.dtype == DType::F32 ? kops::ElemType::f32
+           : c.k.dtype == DType::BF16 ? kops::ElemType::bf16
+                                      : kops::ElemType::e4m3;
+  p.k_scale = c.k_scale;
+  p.v_scale = c.v_scale;
+  p.kv_heads = static_cast<int32_t>(c.k.dim(2));
+  p.head_dim = static_cast<int32_t>(c.k.dim(3));
+  return p;
+}
+
+// ||got - want|| / ||want||; inf when got has a NaN / inf.
+double prefill_rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  if (!std::isfinite(num)) return INFINITY;
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<float> prefill_normal(std::mt19937& rng, size_t n, float stddev) {
+  std::normal_distribution<float> d(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// The pools and the query step of a case, built identically on `a` and `b` (b may be null: a alone): sequences get
+// shuffled pages (page tables one entry wider than needed, the extra entry -1), an earlier step stores the cached
+// tokens' K / V, the query step stores its own, then q. e4m3 scales come from the data (max |x| / 448, != 1).
+struct PrefillSetup {
+  PrefillHostStep now;
+  model::KvLayerView cache_a, cache_b;
+  model::StepLayout layout_a, layout_b;
+  TensorView q_a, q_b;
+};
+
+PrefillSetup prefill_setup(model::Ops& a, model::Ops* b, const PrefillCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int S = static_cast<int>(c.seqs.size());
+  const int64_t Hq = c.q_heads, Hkv = c.kv_heads, D = c.head_dim;
+  const int ps = c.page_size;
+  int max_pages = 1, total_pages = 1;  // one page no sequence uses
+  std::vector<int> n_pages(S);
+  for (int s = 0; s < S; ++s) {
+    n_pages[s] = (c.seqs[s].cached + c.seqs[s].fresh + ps - 1) / ps;
+    max_pages = std::max(max_pages, n_pages[s] + 1);
+    total_pages += n_pages[s];
+  }
+  std::vector<int32_t> perm(total_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::vector<int32_t>> tables(S, std::vector<int32_t>(max_pages, -1));
+  for (int s = 0, next = 0; s < S; ++s)
+    for (int p = 0; p < n_pages[s]; ++p) tables[s][p] = perm[next++];
+
+  PrefillHostStep hist;
+  PrefillSetup st;
+  hist.page_size = st.now.page_size = ps;
+  hist.max_pages = st.now.max_pages = max_pages;
+  for (int s = 0; s < S; ++s) {
+    if (c.seqs[s].cached > 0) hist.add_seq(0, c.seqs[s].cached, s, tables[s]);
+    st.now.add_seq(c.seqs[s].cached, c.seqs[s].fresh, s, tables[s]);
+  }
+  const int64_t Th = hist.num_tokens(), T = st.now.num_tokens();
+  const std::vector<float> hk = prefill_normal(rng, Th * Hkv * D, 1.5f), hv = prefill_normal(rng, Th * Hkv * D, 1.0f);
+  const std::vector<float> nk = prefill_normal(rng, T * Hkv * D, 1.5f), nv = prefill_normal(rng, T * Hkv * D, 1.0f);
+  const std::vector<float> q = prefill_normal(rng, T * Hq * D, 1.0f);
+  float k_scale = 1.0f, v_scale = 1.0f;
+  if (c.kv == DType::F8_E4M3) {
+    float km = 0, vm = 0;
+    for (float x : hk) km = std::max(km, std::fabs(x));
+    for (float x : nk) km = std::max(km, std::fabs(x));
+    for (float x : hv) vm = std::max(vm, std::fabs(x));
+    for (float x : nv) vm = std::max(vm, std::fabs(x));
+    k_scale = km / 448.0f;
+    v_scale = vm / 448.0f;
+  }
+  auto build = [&](model::Ops& ops, model::KvLayerView& cache, model::StepLayout& layout, TensorView& qv) {
+    ops.reset_scratch();
+    cache.k = ops.allocate(c.kv, Shape{total_pages, ps, Hkv, D});
+    cache.v = ops.allocate(c.kv, Shape{total_pages, ps, Hkv, D});
+    cache.k_scale = k_scale;
+    cache.v_scale = v_scale;
+    if (Th > 0) {
+      const model::StepLayout lh = prefill_layout_on(ops, hist);
+      ops.kv_store(ops.upload(hk.data(), DType::F32, Shape{Th, Hkv, D}),
+                   ops.upload(hv.data(), DType::F32, Shape{Th, Hkv, D}), cache, lh);
+    }
+    layout = prefill_layout_on(ops, st.now);
+    ops.kv_store(ops.upload(nk.data(), DType::F32, Shape{T, Hkv, D}), ops.upload(nv.data(), DType::F32, Shape{T, Hkv, D}),
+                 cache, layout);
+    qv = ops.upload(q.data(), DType::F32, Shape{T, Hq, D});
+  };
+  build(a, st.cache_a, st.layout_a, st.q_a);
+  if (b) build(*b, st.cache_b, st.layout_b, st.q_b);
+  return st;
+}
+
+// attention_prefill on the GPU setup's device inputs into a NaN-poisoned output (stream 0, synchronised). Returns
+// whether it ran; `out` holds its result then.
+bool run_attention_prefill(CudaOps& gpu, const PrefillSetup& st, const PrefillCase& c, float scale,
+                           std::vector<float>& out) {
+  const int64_t T = st.now.num_tokens(), Hq = c.q_heads, D = c.head_dim;
+  const TensorView o = gpu.allocate(DType::F32, Shape{T, Hq, D});
+  gpu.synchronize();
+  KILN_CUDA_CHECK(cudaMemset(o.data, 0xff, o.nbytes()));
+  const bool ran = kops::attention_prefill(st.q_a.ptr<const float>(), Hq, prefill_pool_args(st.cache_a),
+                                           prefill_step_args(st.layout_a, st.now.max_seq_tokens), scale,
+                                           o.ptr<float>(), nullptr);
+  KILN_CUDA_CHECK(cudaDeviceSynchronize());
+  if (ran) {
+    out.resize(static_cast<size_t>(o.numel()));
+    gpu.download(o, out.data());
+  }
+  return ran;
+}
+
+// ops::attention (the split-over-keys kernels) on the same inputs.
+std::vector<float> run_attention_split(CudaOps& gpu, const PrefillSetup& st, const PrefillCase& c, float scale) {
+  const int64_t T = st.now.num_tokens(), Hq = c.q_heads, D = c.head_dim;
+  const TensorView o = gpu.allocate(DType::F32, Shape{T, Hq, D});
+  const kops::StepArgs sa = prefill_step_args(st.layout_a, st.now.max_seq_tokens);
+  ::kiln::cuda::DeviceBuffer ws(kops::attention_workspace_bytes(T, Hq, D, sa));
+  gpu.synchronize();
+  kops::attention(st.q_a.ptr<const float>(), Hq, prefill_pool_args(st.cache_a), sa, scale, o.ptr<float>(),
+                  ws.data(), nullptr);
+  KILN_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> out(static_cast<size_t>(o.numel()));
+  gpu.download(o, out.data());
+  return out;
+}
+
+// Whether attention_prefill must serve `c` on this device (H100 / H200 class: every supported shape fits).
+bool prefill_expected(const PrefillCase& c, int max_seq_tokens) {
+  if (c.kv == DType::F32 || max_seq_tokens < kops::kAttentionPrefillMinTokens) return false;
+  if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 256) return false;
+  return probe_cuda_device().major == 9;
+}
+
+// One case against the CPU: CudaOps::attention, attention_prefill (when it serves the case) and the split kernel.
+// Returns whether attention_prefill ran.
+bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uint32_t seed) {
+  const std::string label = c.str();
+  const PrefillSetup st = prefill_setup(gpu, &cpu, c, seed);
+  const int64_t T = st.now.num_tokens(), Hq = c.q_heads, D = c.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+  std::vector<float> want(static_cast<size_t>(T * Hq * D)), got(want.size());
+  const TensorView out_r = cpu.allocate(DType::F32, Shape{T, Hq, D});
+  cpu.attention(st.q_b, st.cache_b, st.layout_b, scale, out_r);
+  cpu.download(out_r, want.data());
+  const TensorView out_t = gpu.allocate(DType::F32, Shape{T, Hq, D});
+  gpu.attention(st.q_a, st.cache_a, st.layout_a, scale, out_t);
+  gpu.download(out_t, got.data());
+  const double e_ops = prefill_rel_l2(got, want);
+  EXPECT_LE(e_ops, kPrefillTol) << "CudaOps::attention " << label;
+
+  std::vector<float> pre;
+  const bool ran = run_attention_prefill(gpu, st, c, scale, pre);
+  EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << label;
+  double e_pre = -1, e_split = -1;
+  if (ran) {
+    e_pre = prefill_rel_l2(pre, want);
+    EXPECT_LE(e_pre, kPrefillTol) << "attention_prefill vs cpu " << label;
+    e_split = prefill_rel_l2(pre, run_attention_split(gpu, st, c, scale));
+    EXPECT_LE(e_split, kPrefillTol) << "attention_prefill vs ops::attention " << label;
+  }
+  std::printf("[ prefill  ] %-62s ops %.2e | prefill %s\n", label.c_str(), e_ops,
+              ran ? (fmt::format("{:.2e} (vs split {:.2e})", e_pre, e_split)).c_str() : "declined");
+  return ran;
+}
+
+TEST(CudaAttentionPrefill, MatchesCpuAcrossShapesAndPools) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  struct Heads {
+    int64_t q_heads, kv_heads, head_dim;
+    int page_size;
+  };
+  const std::vector<Heads> heads = {
+      {2, 2, 128, 16},   // GQA 1
+      {8, 2, 256, 16},   // GQA 4
+      {16, 2, 256, 16},  // GQA 8: the 397B's shape per KV head
+      {8, 1, 128, 32},   // GQA 8, pages of 32 (a 64-key tile spans two)
+      {6, 2, 64, 8},     // GQA 3: a block's 64 rows straddle tokens; pages of 8
+      {16, 1, 128, 16},  // GQA 16: 4 tokens per block
+  };
+  const std::vector<std::vector<PrefillSeq>> layouts = {
+      {{0, 300}},                    // one prefill from scratch
+      {{40, 1}, {0, 70}, {17, 1}},   // mixed: a 70-token prefill between two decoding sequences
+      {{100, 37}},                   // a second chunk: 100 cached tokens, positions 100 .. 136
+  };
+  int ran = 0, cases = 0;
+  uint32_t seed = 100;
+  for (DType kv : {DType::F32, DType::BF16, DType::F8_E4M3})
+    for (const Heads& h : heads)
+      for (const auto& seqs : layouts) {
+        PrefillCase c;
+        c.seqs = seqs;
+        c.q_heads = h.q_heads;
+        c.kv_heads = h.kv_heads;
+        c.head_dim = h.head_dim;
+        c.page_size = h.page_size;
+        c.kv = kv;
+        ran += check_prefill_case(gpu, *cpu, c, ++seed) ? 1 : 0;
+        ++cases;
+      }
+  std::printf("[ prefill  ] attention_prefill served %d of %d cases\n", ran, cases);
+}
+
+TEST(CudaAttentionPrefill, LongPromptsMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  for (DType kv : {DType::BF16, DType::F8_E4M3}) {
+    PrefillCase c;
+    c.kv = kv;
+    c.seqs = {{0, 1000}};  // 125 blocks per KV head, up to 32 tiles of keys each
+    check_prefill_case(gpu, *cpu, c, 7);
+    c.seqs = {{700, 333}, {0, 16}, {5, 1}};  // a long second chunk, the shortest prefill the rule takes, a decode
+    check_prefill_case(gpu, *cpu, c, 8);
+  }
+}
+
+// 4096-token prompts (the CPU oracle would take too long): attention_prefill against the split-over-keys kernel.
+TEST(CudaAttentionPrefill, FourThousandTokenPromptMatchesSplitKernel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  for (DType kv : {DType::BF16, DType::F8_E4M3}) {
+    PrefillCase c;
+    c.kv = kv;
+    c.seqs = {{0, 4096}};
+    const PrefillSetup st = prefill_setup(gpu, nullptr, c, 11);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    std::vector<float> pre;
+    const bool ran = run_attention_prefill(gpu, st, c, scale, pre);
+    EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << c.str();
+    if (!ran) continue;
+    const double e = prefill_rel_l2(pre, run_attention_split(gpu, st, c, scale));
+    EXPECT_LE(e, kPrefillTol) << c.str();
+    std::printf("[ prefill  ] %s: vs split kernel %.2e\n", c.str().c_str(), e);
+  }
+}
+
+// The rule: steps, pools and shapes attention_prefill declines (host checks only: no device needed).
+TEST(CudaAttentionPrefill, DeclinesWhatItDoesNotServe) {
+  alignas(16) static float dummy[64];
+  kops::KvPoolArgs pool;
+  pool.k = pool.v = dummy;
+  pool.elem = kops::ElemType::bf16;
+  pool.kv_heads = 2;
+  pool.head_dim = 256;
+  kops::StepArgs step;
+  step.num_tokens = 3;
+  step.num_seqs = 3;
+  step.max_pages = 4;
+  step.page_size = 16;
+  step.max_seq_tokens = 1;  // decode only
+  EXPECT_FALSE(kops::attention_prefill(dummy, 16, pool, step, 0.0625f, dummy, nullptr));
+  step.max_seq_tokens = kops::kAttentionPrefillMinTokens - 1;
+  EXPECT_FALSE(kops::attention_prefill(dummy, 16, pool, step, 0.0625f, dummy, nullptr));
+  step.num_tokens = step.max_seq_tokens = 300;
+  step.num_seqs = 1;
+  kops::KvPoolArgs f32 = pool;
+  f32.elem = kops::ElemType::f32;
+  EXPECT_FALSE(kops::attention_prefill(dummy, 16, f32, step, 0.0625f, dummy, nullptr));
+  for (int32_t d : {32, 96, 512}) {
+    kops::KvPoolArgs odd = pool;
+    odd.head_dim = d;
+    EXPECT_FALSE(kops::attention_prefill(dummy, 16, odd, step, 0.0625f, dummy, nullptr)) << "head_dim " << d;
+  }
+  EXPECT_FALSE(kops::attention_prefill(dummy, 15, pool, step, 0.0625f, dummy, nullptr));  // 15 heads over 2
+  EXPECT_FALSE(kops::attention_prefill(dummy, 16, pool, step, 0.0625f, dummy + 1, nullptr));  // misaligned out
 }
 
 }  // namespace

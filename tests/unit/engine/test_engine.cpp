@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <random>
 #include <thread>
 
@@ -392,6 +393,93 @@ TEST(Engine, DrainTimeoutAbortsTheRest) {
   auto o = collect(sub.channel);
   EXPECT_EQ(o.reasons[0], FinishReason::abort);
   EXPECT_EQ(e.metrics().kv_pages_used, 0);
+}
+
+// A DummyRunner that counts how the engine asks for tokens.
+class CountingRunner : public DummyRunner {
+ public:
+  using DummyRunner::DummyRunner;
+  void forward_sample(std::span<const model::SeqChunk> chunks, std::span<const model::RowSampling> rows,
+                      std::span<int32_t> tokens) override {
+    ++sample_calls;
+    ModelRunner::forward_sample(chunks, rows, tokens);  // forward() + model::sample_row_host
+  }
+  void forward_argmax(std::span<const model::SeqChunk> chunks, std::span<int32_t> tokens) override {
+    ++argmax_calls;
+    ModelRunner::forward_argmax(chunks, tokens);
+  }
+  std::atomic<int> sample_calls{0}, argmax_calls{0};
+};
+
+// Steps without penalties and logprobs let the runner draw the tokens (forward_sample, with each sequence's next
+// uniform); asking for logprobs keeps the host sampler. Both give the same tokens for the same seeds, greedy
+// sequences in the same steps included.
+TEST(Engine, RunnerSamplingMatchesHostSampling) {
+  DummyRunner::Options ro;
+  ro.vocab = 1000;  // hashed logits in [0, 10) on a 0.01 grid: many ties
+  auto prompts = test_prompts(16, ro.vocab, 11);
+  auto request = [](const std::vector<int32_t>& p, size_t i, bool logprobs) {
+    GenerateRequest r;
+    r.prompt = p;
+    r.max_tokens = 10;
+    r.sampling.temperature = i % 5 == 4 ? 0.0f : 0.3f + 0.25f * static_cast<float>(i % 7);
+    r.sampling.top_k = std::vector<int>{0, 1, 5, 50, 1000}[i % 5];
+    r.sampling.top_p = std::vector<float>{1.0f, 0.9f, 0.5f, 0.01f}[i % 4];
+    r.sampling.min_p = i % 3 == 0 ? 0.05f : 0.0f;
+    r.sampling.seed = 500 + i;
+    r.want_logprobs = logprobs;
+    r.top_logprobs = logprobs ? 2 : 0;
+    return r;
+  };
+  std::vector<std::vector<std::vector<int32_t>>> runs;
+  for (bool logprobs : {false, true}) {
+    auto runner = std::make_unique<CountingRunner>(ro);
+    CountingRunner* raw = runner.get();
+    Engine e(std::move(runner), options(16, 64));
+    e.start();
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (size_t i = 0; i < prompts.size(); ++i) chans.push_back(e.submit({request(prompts[i], i, logprobs)}).channel);
+    std::vector<std::vector<int32_t>> out;
+    for (auto& ch : chans) {
+      Outcome o = collect(ch);
+      EXPECT_NE(o.reasons[0], FinishReason::error) << o.errors[0];
+      out.push_back(o.tokens[0]);
+    }
+    runs.push_back(out);
+    if (logprobs) EXPECT_EQ(raw->sample_calls.load(), 0);
+    else EXPECT_GT(raw->sample_calls.load(), 0);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_FALSE(runs[0][i].empty()) << i;
+    EXPECT_EQ(runs[0][i], runs[1][i]) << "request " << i;
+  }
+}
+
+// A row without a finite logit fails only its own sequence on the runner path, as on the host path.
+TEST(Engine, RunnerSamplingReportsRowsWithoutFiniteLogits) {
+  struct NoFiniteRunner : DummyRunner {
+    using DummyRunner::DummyRunner;
+    void forward_sample(std::span<const model::SeqChunk> chunks, std::span<const model::RowSampling> rows,
+                        std::span<int32_t> tokens) override {
+      ModelRunner::forward_sample(chunks, rows, tokens);
+      for (size_t i = 0; i < rows.size(); ++i)
+        if (rows[i].top_k == 3) tokens[i] = -1;  // as model::sample_row_host answers for an all -inf row
+    }
+  };
+  DummyRunner::Options ro;
+  Engine e(std::make_unique<NoFiniteRunner>(ro), options(4, 8));
+  e.start();
+  GenerateRequest bad = greedy({1, 2, 3}, 4), good = greedy({4, 5}, 4);
+  bad.sampling.temperature = good.sampling.temperature = 1.0f;
+  bad.sampling.top_k = 3;
+  bad.ignore_eos = good.ignore_eos = true;
+  auto b = e.submit({bad}).channel;
+  auto g = e.submit({good}).channel;
+  Outcome ob = collect(b), og = collect(g);
+  EXPECT_EQ(ob.reasons[0], FinishReason::error);
+  EXPECT_NE(ob.errors[0].find("no finite logit"), std::string::npos) << ob.errors[0];
+  EXPECT_EQ(og.reasons[0], FinishReason::length);
+  EXPECT_EQ(og.tokens[0].size(), 4u);
 }
 
 }  // namespace

@@ -755,7 +755,12 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   // NVFP4 weights and more rows than the gemv takes: the routed-expert tensor-core kernel with this weight as its
   // only expert (W4A16, x in 3 bf16 parts), instead of the fp32 gemm. KILN_CUDA_BLAS=0 keeps the fp32 gemm.
   const kops::WeightDesc desc = desc_of(w);
-  if (T > kops::kGemvMaxRows && impl_->blas_ok && kops::linear_nvfp4_mma_supported(desc)) {
+  // (Not while a graph is being captured: the tile table and descriptor travel by a host copy, which a capture
+  // cannot hold; a decode step of > 128 sequences then records the fp32 gemm.)
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (T > kops::kGemvMaxRows) KILN_CUDA_CHECK(cudaStreamIsCapturing(impl_->stream, &capturing));
+  if (T > kops::kGemvMaxRows && impl_->blas_ok && capturing == cudaStreamCaptureStatusNone &&
+      kops::linear_nvfp4_mma_supported(desc)) {
     const int64_t tiles = (T + kops::kLinearTileRows - 1) / kops::kLinearTileRows;
     std::vector<int32_t> info(static_cast<size_t>(tiles) * 4);
     for (int64_t i = 0; i < tiles; ++i) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_kernels.h"
 #include "backend/cuda/kernels.h"
 
 using namespace kiln::cuda;
@@ -414,6 +415,7 @@ struct Model35 {
   AttnBatch batch;
   GdnSeqs seqs;
   void* attn_ws;
+  void* argmax_work;
 
   Model35(int B_, int ctx_) : B(B_), ctx(ctx_), moe(make_moe(E, H, I, L, 900)) {
     for (int l = 0; l < L; ++l) {
@@ -464,6 +466,7 @@ struct Model35 {
     logits = alloc<float>(size_t(B) * V);
     ids = alloc<int32_t>(B);
     KILN_CUDA_CHECK(cudaMemsetAsync(ids, 0, B * 4, g_stream));
+    argmax_work = alloc<uint8_t>(ops::argmax_workspace_bytes(B, V));
     const size_t rb = moe_routing_bytes(B, E, K);
     routing = moe_routing_carve(alloc<uint8_t>(rb), B, E, K);
     // Attention batch: sequence s has ctx cached tokens and decodes position ctx in its own pages.
@@ -555,7 +558,8 @@ struct Model35 {
                  }});
     v.push_back({"lm_head (bf16 GEMM 2048->248320, fp32 out)", 4, 2.0 * V * H + b * V * 4,
                  [this](int) { blas.gemm(h, H, lm_head, H, logits, V, true, B, V, H, g_stream); }});
-    v.push_back({"argmax", 4, b * V * 4, [this](int) { argmax(logits, V, B, V, ids, g_stream); }});
+    v.push_back({"argmax", 4, b * V * 4,
+                 [this](int) { ops::argmax_rows(logits, V, B, V, ids, argmax_work, g_stream); }});
     return v;
   }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_args.h"
 #include "backend/cuda/cuda_ops_attention_prefill.h"
 #include "backend/cuda/cuda_ops_kernels.h"
 #include "backend/cuda/cuda_ops_sample.h"
@@ -124,6 +125,8 @@ bool desc_vec_ok(const kops::WeightDesc& d) {
   return d.k % 8 == 0 && reinterpret_cast<uintptr_t>(d.data) % 16 == 0;
 }
 
+}  // namespace
+
 kops::StepArgs step_args(const StepLayout& step) {
   kops::StepArgs a;
   a.token_pos = i32(step.token_pos);
@@ -156,7 +159,6 @@ kops::KvPoolArgs pool_args(const KvLayerView& cache) {
   return p;
 }
 
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------------
 // Device probe

@@ -131,6 +131,37 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return m;
 }
 
+// Argmax as a max over 64-bit keys: the value's order-preserving bits above, ~index below (the larger value wins,
+// ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t i) {
+  if (v != v) return 0;
+  uint32_t b = v == 0.0f ? 0u : __float_as_uint(v);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<unsigned long long>(b) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+}
+
+// Max of 64-bit keys over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red`
+// holds 32 keys of shared memory; the call synchronises the block twice (the first barrier also publishes the
+// caller's earlier shared-memory writes).
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  unsigned long long t = lane < warps ? red[lane] : 0ull;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long w = __shfl_xor_sync(0xffffffffu, t, o);
+    t = w > t ? w : t;
+  }
+  __syncthreads();
+  return t;
+}
+
 // The sequence of token t: the s with seq_token_begin[s] <= t < seq_token_begin[s + 1].
 __device__ __forceinline__ int seq_of_token(const StepArgs& step, int t) {
   int lo = 0, hi = step.num_seqs - 1;

@@ -319,38 +319,11 @@ __global__ void delta_rule_gates_kernel(const float* a, const float* b, const vo
 
 constexpr int kArgChunk = 4096, kArgThreads = 256, kArgPer = kArgChunk / kArgThreads;
 
-__device__ __forceinline__ uint64_t argmax_key(float v, int64_t i) {
-  if (v != v) return 0;                       // NaN never wins
-  uint32_t b = v == 0.0f ? 0u : __float_as_uint(v);  // -0 ties +0 (lowest index wins, as the host's v > best)
-  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return (uint64_t(b) << 32) | uint64_t(0xffffffffu - uint32_t(i));
-}
-
-__device__ __forceinline__ uint64_t block_max_u64(uint64_t k, uint64_t* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, k, o);
-    k = other > k ? other : k;
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) red[warp] = k;
-  __syncthreads();
-  if (warp == 0) {
-    k = lane < int(blockDim.x >> 5) ? red[lane] : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, k, o);
-      k = other > k ? other : k;
-    }
-  }
-  return k;  // valid in thread 0
-}
-
 // grid (chunks, R): keys[r * chunks + c] = the best key of row r's chunk c.
 __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* __restrict__ logits, int64_t ld,
                                                                    int64_t V, uint64_t* __restrict__ keys) {
   dev::pdl_enter();
-  __shared__ uint64_t red[kArgThreads / 32];
+  __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.y, c = blockIdx.x;
   const float* row = logits + r * ld;
   const int64_t base = c * kArgChunk + threadIdx.x;
@@ -374,7 +347,7 @@ __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* 
 __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_t* __restrict__ keys, int chunks,
                                                                    int32_t* __restrict__ ids) {
   dev::pdl_enter();
-  __shared__ uint64_t red[kArgThreads / 32];
+  __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.x;
   uint64_t best = 0;
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {

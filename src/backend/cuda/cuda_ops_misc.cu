@@ -69,18 +69,8 @@ __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, in
 }
 
 // out[t, :] = (lo + mid) + hi of the three row blocks of part [3T, N].
-__global__ void sum3_rows_kernel(const float* __restrict__ part, int64_t T, int64_t N, float* __restrict__ out,
-                                 int64_t ldo) {
-  dev::pdl_enter();
-  const int64_t n = T * N;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / N, c = i % N;
-    out[t * ldo + c] = (part[2 * n + i] + part[n + i]) + part[i];
-  }
-}
-
-// sum3_rows over the columns of several linears' outputs (one GEMM of adjacent weights): column c of part goes to
-// the segment whose range holds it.
+// out = (lo + mid) + hi of the three partial GEMM outputs, column c of part into the segment whose column range
+// holds it (one segment: a plain linear; several: one GEMM over adjacent weights).
 __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, int64_t N, Sum3Segments segs) {
   dev::pdl_enter();
   const int64_t n = T * N;
@@ -160,9 +150,11 @@ void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segme
 }
 
 void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream) {
-  if (T * N == 0) return;
-  launch_kernel(sum3_rows_kernel, fill_grid(T * N), 256, 0, stream, part, T, N, out, ldo);
-  KILN_CUDA_CHECK_LAUNCH();
+  Sum3Segments one;
+  one.out[0] = out;
+  one.ldo[0] = ldo;
+  one.count = 1;
+  sum3_rows_segments(part, T, N, one, stream);
 }
 
 void busy_wait(double microseconds, Stream stream) {

@@ -84,6 +84,70 @@ struct MmaStep {
   uint32_t sc[kMats][2];  // their 2 block-scale bytes each
 };
 
+// A lane's weight streams for one 16-row weight tile (rows row0 + g and row0 + g + 8 of each matrix; codes
+// [32 q, 32 q + 32) of every k-step) and the matrices' global scales: shared by both expert kernels.
+template <int kMats>
+struct WeightRows {
+  const uint8_t* wrow[kMats][2];
+  const uint8_t* srow[kMats][2];
+  float gscale[kMats];
+  __device__ __forceinline__ WeightRows(const MmaArgs& a, int e, int row0, int g, int q) {
+    const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi) {
+      const WeightDesc& w = a.table[e * 3 + (mi == 0 ? a.which0 : a.which1)];
+      gscale[mi] = w.scale * tc::kNvfp4AccumScale;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = row0 + g + 8 * r;
+        wrow[mi][r] = static_cast<const uint8_t*>(w.data) + row * row_bytes + 16 * q;
+        srow[mi][r] = w.block_scale + row * row_scales + 2 * q;
+      }
+    }
+  }
+  // k-step s's codes and block scales into st.
+  __device__ __forceinline__ void load(MmaStep<kMats>& st, int s) const {
+#pragma unroll
+    for (int mi = 0; mi < kMats; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        st.w[mi][r] = tc::ld_stream_16(wrow[mi][r] + s * (kStepK / 2));
+        st.sc[mi][r] = __ldg(reinterpret_cast<const uint16_t*>(srow[mi][r] + s * (kStepK / 16)));
+      }
+  }
+};
+
+// Word j (codes 8j .. 8j + 7) of a lane's 16 bytes.
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The MMA's A fragment of one k-step half of word pair (w0: row g, w1: row g + 8) with their block scales: half 0
+// takes code pairs (0,4), (1,5), half 1 (2,6), (3,7).
+template <int kHalf>
+__device__ __forceinline__ void decode_fragment(uint32_t w0, uint32_t w1, uint32_t s0, uint32_t s1,
+                                                uint32_t (&f)[4]) {
+  f[0] = tc::bf16x2_mul(tc::e2m1_pair_bits<2 * kHalf>(w0), s0);
+  f[1] = tc::bf16x2_mul(tc::e2m1_pair_bits<2 * kHalf>(w1), s1);
+  f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<2 * kHalf + 1>(w0), s0);
+  f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<2 * kHalf + 1>(w1), s1);
+}
+
+// One output value of token t (sorted row), output feature n: gate/up (kMats 2) stores silu(gate) * up split into
+// parts for the down launch, down (kMats 1) the fp32 value.
+template <int kMats, int kParts>
+__device__ __forceinline__ void store_output(const MmaArgs& a, int t, int n, const float (&v)[kMats]) {
+  if constexpr (kMats == 2) {
+    uint16_t o[kParts];
+    split_value<kParts>(dev::silu(v[0]) * v[1], o);
+    uint16_t* dst = a.act_s + int64_t(t) * a.N * kParts + (n / 32) * kParts * 32 + (n % 32);
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) dst[p * 32] = o[p];
+  } else {
+    a.y[int64_t(t) * a.N + n] = v[0];
+  }
+}
+
 // Block: kMT x kKS warps. Warp (mt, ks) owns weight rows [16 mt, 16 mt + 16) of the block's 16 kMT and the k-steps
 // ks, ks + kKS, ...; the kKS partial sums of each row tile meet in shared memory.
 // kSub: 8-token MMA tiles per pass over the weights; each decoded weight fragment feeds all of them (prefill).
@@ -98,23 +162,8 @@ __global__ void __launch_bounds__(kMT * kKS * 32, kSub == 2 ? 2 : 1) moe_mma_ker
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int mt = warp % kMT, ks = warp / kMT;
   const int row0 = (blockIdx.y * kMT + mt) * 16;
-  const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
   const int steps = a.K / kStepK;
-
-  const uint8_t* wrow[kMats][2];
-  const uint8_t* srow[kMats][2];
-  float gscale[kMats];
-#pragma unroll
-  for (int mi = 0; mi < kMats; ++mi) {
-    const WeightDesc& w = a.table[e * 3 + (mi == 0 ? a.which0 : a.which1)];
-    gscale[mi] = w.scale * tc::kNvfp4AccumScale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = row0 + g + 8 * r;
-      wrow[mi][r] = static_cast<const uint8_t*>(w.data) + row * row_bytes + 16 * q;
-      srow[mi][r] = w.block_scale + row * row_scales + 2 * q;
-    }
-  }
+  const WeightRows<kMats> wr(a, e, row0, g, q);
   const int64_t xs_row = int64_t(a.K) * kParts;  // bf16 elements per split row
   constexpr int kStepX = 4 * kParts * 32;        // bf16 elements of one step (4 lanes x parts x 32)
 
@@ -136,15 +185,6 @@ __global__ void __launch_bounds__(kMT * kKS * 32, kSub == 2 ? 2 : 1) moe_mma_ker
 #pragma unroll
       for (int u = 0; u < kSub; ++u) acc[mi][u][0] = acc[mi][u][1] = acc[mi][u][2] = acc[mi][u][3] = 0.0f;
 
-    auto load = [&](MmaStep<kMats>& st, int s) {
-#pragma unroll
-      for (int mi = 0; mi < kMats; ++mi)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          st.w[mi][r] = tc::ld_stream_16(wrow[mi][r] + s * (kStepK / 2));
-          st.sc[mi][r] = __ldg(reinterpret_cast<const uint16_t*>(srow[mi][r] + s * (kStepK / 16)));
-        }
-    };
     auto compute = [&](const MmaStep<kMats>& st, int s) {
       // x of every sub-tile: all 4 words up front with one sub-tile, word by word with several (registers).
       constexpr int kPre = kSub == 1 ? 4 : 1;
@@ -174,25 +214,17 @@ __global__ void __launch_bounds__(kMT * kKS * 32, kSub == 2 ? 2 : 1) moe_mma_ker
         const int jx = kPre == 1 ? 0 : j;
 #pragma unroll
         for (int mi = 0; mi < kMats; ++mi) {
-          const uint32_t w0 = j == 0 ? st.w[mi][0].x : j == 1 ? st.w[mi][0].y : j == 2 ? st.w[mi][0].z : st.w[mi][0].w;
-          const uint32_t w1 = j == 0 ? st.w[mi][1].x : j == 1 ? st.w[mi][1].y : j == 2 ? st.w[mi][1].z : st.w[mi][1].w;
+          const uint32_t w0 = word_of(st.w[mi][0], j), w1 = word_of(st.w[mi][1], j);
           const uint32_t s0 = sc[mi][0][j / 2], s1 = sc[mi][1][j / 2];
           uint32_t f[4];
-          // k-step 0: code pairs (0,4), (1,5); k-step 1: (2,6), (3,7).
-          f[0] = tc::bf16x2_mul(tc::e2m1_pair_bits<0>(w0), s0);
-          f[1] = tc::bf16x2_mul(tc::e2m1_pair_bits<0>(w1), s1);
-          f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w0), s0);
-          f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w1), s1);
+          decode_fragment<0>(w0, w1, s0, s1, f);
 #pragma unroll
           for (int u = 0; u < kSub; ++u)
 #pragma unroll
             for (int p = 0; p < kParts; ++p)
               tc::mma_bf16_16816(acc[mi][u], f, __byte_perm(xv[u][jx][p].x, xv[u][jx][p].z, 0x5410),
                                  __byte_perm(xv[u][jx][p].x, xv[u][jx][p].z, 0x7632));
-          f[0] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w0), s0);
-          f[1] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w1), s1);
-          f[2] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w0), s0);
-          f[3] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w1), s1);
+          decode_fragment<1>(w0, w1, s0, s1, f);
 #pragma unroll
           for (int u = 0; u < kSub; ++u)
 #pragma unroll
@@ -207,10 +239,10 @@ __global__ void __launch_bounds__(kMT * kKS * 32, kSub == 2 ? 2 : 1) moe_mma_ker
     int s = ks;
     if (s < steps) {
       MmaStep<kMats> cur;
-      load(cur, s);
+      wr.load(cur, s);
       for (; s + kKS < steps; s += kKS) {
         MmaStep<kMats> nxt;
-        load(nxt, s + kKS);
+        wr.load(nxt, s + kKS);
         compute(cur, s);
         cur = nxt;
       }
@@ -233,21 +265,11 @@ __global__ void __launch_bounds__(kMT * kKS * 32, kSub == 2 ? 2 : 1) moe_mma_ker
         float sum = 0.0f;
 #pragma unroll
         for (int w = 0; w < kKS; ++w) sum += red[w][m][mi][u][c][lane];
-        v[mi] = sum * gscale[mi];
+        v[mi] = sum * wr.gscale[mi];
       }
       const int n = (blockIdx.y * kMT + m) * 16 + g + (c >= 2 ? 8 : 0);
       const int t = tb + 8 * u + 2 * q + (c & 1);
-      if (t < re) {
-        if constexpr (kMats == 2) {
-          uint16_t o[kParts];
-          split_value<kParts>(dev::silu(v[0]) * v[1], o);
-          uint16_t* dst = a.act_s + int64_t(t) * a.N * kParts + (n / 32) * kParts * 32 + (n % 32);
-#pragma unroll
-          for (int p = 0; p < kParts; ++p) dst[p * 32] = o[p];
-        } else {
-          a.y[int64_t(t) * a.N + n] = v[0];
-        }
-      }
+      if (t < re) store_output<kMats, kParts>(a, t, n, v);
     }
     __syncthreads();  // red is written again by the next token tile
   }
@@ -301,37 +323,13 @@ __global__ void __launch_bounds__(256, kMats == 2 && kSub == 4 ? 1 : 2) moe_mma_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
   const int mt = warp % kMT, ks = warp / kMT;
   const int row0 = (blockIdx.y * kMT + mt) * 16;
-  const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
   const int steps = a.K / kStepK, stages = (steps + 1) / 2;
-
-  const uint8_t* wrow[kMats][2];
-  const uint8_t* srow[kMats][2];
-  float gscale[kMats];
-#pragma unroll
-  for (int mi = 0; mi < kMats; ++mi) {
-    const WeightDesc& w = a.table[e * 3 + (mi == 0 ? a.which0 : a.which1)];
-    gscale[mi] = w.scale * tc::kNvfp4AccumScale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = row0 + g + 8 * r;
-      wrow[mi][r] = static_cast<const uint8_t*>(w.data) + row * row_bytes + 16 * q;
-      srow[mi][r] = w.block_scale + row * row_scales + 2 * q;
-    }
-  }
+  const WeightRows<kMats> wr(a, e, row0, g, q);
   const int64_t xs_row = int64_t(a.K) * kParts;  // bf16 elements per split row
   // This lane's B fragments in a stage: row g, chunk 4 ks + q; word j at + 4 p + (j ^ (g & 1)).
   const int g1 = g & 1;
   const int xlane = g * L::kRow + (4 * ks + q) * L::kChunk;
 
-  auto load = [&](MmaStep<kMats>& st, int s) {
-#pragma unroll
-    for (int mi = 0; mi < kMats; ++mi)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        st.w[mi][r] = tc::ld_stream_16(wrow[mi][r] + s * (kStepK / 2));
-        st.sc[mi][r] = __ldg(reinterpret_cast<const uint16_t*>(srow[mi][r] + s * (kStepK / 16)));
-      }
-  };
   // Stage st (k-steps 2 st, 2 st + 1; a step past the last one copies the last one again, unused) into buffer buf.
   auto copy = [&](int st, int buf) {
     const uint32_t base = tc::smem_addr(smem + buf * L::kUnits);
@@ -379,17 +377,9 @@ __global__ void __launch_bounds__(256, kMats == 2 && kSub == 4 ? 1 : 2) moe_mma_
         uint32_t f0[kMats][4], f1[kMats][4];
 #pragma unroll
         for (int mi = 0; mi < kMats; ++mi) {
-          const uint32_t w0 = j == 0 ? st.w[mi][0].x : j == 1 ? st.w[mi][0].y : j == 2 ? st.w[mi][0].z : st.w[mi][0].w;
-          const uint32_t w1 = j == 0 ? st.w[mi][1].x : j == 1 ? st.w[mi][1].y : j == 2 ? st.w[mi][1].z : st.w[mi][1].w;
-          const uint32_t s0 = sc[mi][0], s1 = sc[mi][1];
-          f0[mi][0] = tc::bf16x2_mul(tc::e2m1_pair_bits<0>(w0), s0);
-          f0[mi][1] = tc::bf16x2_mul(tc::e2m1_pair_bits<0>(w1), s1);
-          f0[mi][2] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w0), s0);
-          f0[mi][3] = tc::bf16x2_mul(tc::e2m1_pair_bits<1>(w1), s1);
-          f1[mi][0] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w0), s0);
-          f1[mi][1] = tc::bf16x2_mul(tc::e2m1_pair_bits<2>(w1), s1);
-          f1[mi][2] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w0), s0);
-          f1[mi][3] = tc::bf16x2_mul(tc::e2m1_pair_bits<3>(w1), s1);
+          const uint32_t w0 = word_of(st.w[mi][0], j), w1 = word_of(st.w[mi][1], j);
+          decode_fragment<0>(w0, w1, sc[mi][0], sc[mi][1], f0[mi]);
+          decode_fragment<1>(w0, w1, sc[mi][0], sc[mi][1], f1[mi]);
         }
         // (j ^ g1) = j + (j even ? g1 : -g1): the row parity swizzle.
         const uint4* xj = xb + j + ((j & 1) ? -g1 : g1);
@@ -410,14 +400,14 @@ __global__ void __launch_bounds__(256, kMats == 2 && kSub == 4 ? 1 : 2) moe_mma_
     // Weights one step ahead in registers (clamped past the last step: unconditional loads), x one stage ahead in
     // shared memory.
     MmaStep<kMats> cur;
-    load(cur, min(ks, steps - 1));
+    wr.load(cur, min(ks, steps - 1));
     for (int st = 0; st < stages; ++st) {
       tc::cp_async_wait<0>();
       __syncthreads();  // stage st landed for every thread; every warp is done with stage st - 1 (the next buffer)
       if (st + 1 < stages) copy(st + 1, (st + 1) & 1);
       tc::cp_async_commit();
       MmaStep<kMats> nxt;
-      load(nxt, min(2 * st + 2 + ks, steps - 1));
+      wr.load(nxt, min(2 * st + 2 + ks, steps - 1));
       if (2 * st + ks < steps) compute(cur, st & 1);
       cur = nxt;
     }
@@ -440,21 +430,11 @@ __global__ void __launch_bounds__(256, kMats == 2 && kSub == 4 ? 1 : 2) moe_mma_
         float sum = 0.0f;
 #pragma unroll
         for (int w = 0; w < kKS; ++w) sum += red[((((w * kMT + m) * kMats + mi) * kSub + u) * 4 + c) * 32 + lane];
-        v[mi] = sum * gscale[mi];
+        v[mi] = sum * wr.gscale[mi];
       }
       const int n = (blockIdx.y * kMT + m) * 16 + g + (c >= 2 ? 8 : 0);
       const int t = tb + 8 * u + 2 * q + (c & 1);
-      if (t < re) {
-        if constexpr (kMats == 2) {
-          uint16_t o[kParts];
-          split_value<kParts>(dev::silu(v[0]) * v[1], o);
-          uint16_t* dst = a.act_s + int64_t(t) * a.N * kParts + (n / 32) * kParts * 32 + (n % 32);
-#pragma unroll
-          for (int p = 0; p < kParts; ++p) dst[p * 32] = o[p];
-        } else {
-          a.y[int64_t(t) * a.N + n] = v[0];
-        }
-      }
+      if (t < re) store_output<kMats, kParts>(a, t, n, v);
     }
     __syncthreads();  // the next pass rewrites the row table and the stages (red)
   }

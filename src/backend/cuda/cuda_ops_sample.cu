@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_device.cuh"
 #include "backend/cuda/cuda_ops_launch.cuh"
 
 namespace kiln::cuda::ops {
@@ -69,25 +70,6 @@ __device__ float block_max_f32(float v, Smem& sm) {
   float t = static_cast<float>(sm.red[lane]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(kFull, t, o));
-  return t;
-}
-
-__device__ unsigned long long block_max_u64(unsigned long long v, Smem& sm) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(kFull, v, o);
-    v = w > v ? w : v;
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
-  if (lane == 0) sm.redu[warp] = v;
-  __syncthreads();
-  unsigned long long t = sm.redu[lane];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(kFull, t, o);
-    t = w > t ? w : t;
-  }
   return t;
 }
 
@@ -302,7 +284,7 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
   ends[threadIdx.x] = end;
   if (threadIdx.x == 0) sm.sel = INT_MAX;
   // The last positive index of the row (the fallback); its reduction's barriers also publish ends and sel.
-  const int last_any = int(static_cast<long long>(block_max_u64(static_cast<unsigned long long>(last + 1), sm))) - 1;
+  const int last_any = int(static_cast<long long>(dev::block_max_u64(static_cast<unsigned long long>(last + 1), sm.redu))) - 1;
   if (target < end) atomicMin(&sm.sel, int(threadIdx.x));
   __syncthreads();
   const int sel = sm.sel;
@@ -347,11 +329,10 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __re
   if (a.temperature < 1e-6f) {  // greedy: the largest value, lowest id on ties (key: value above, ~id below)
     unsigned long long best = 0;
     for_row(row, n, 1.0f, [&](float x, int i, bool ok) {
-      const unsigned long long k =
-          ok && x == x ? (static_cast<unsigned long long>(order_key(x)) << 32) | (0xffffffffu - unsigned(i)) : 0ull;
+      const unsigned long long k = ok ? dev::argmax_key(x, i) : 0ull;
       best = k > best ? k : best;
     });
-    best = block_max_u64(best, sm);
+    best = dev::block_max_u64(best, sm.redu);
     if (threadIdx.x == 0)
       ids[blockIdx.x] = best != 0 && finite_value(key_value(unsigned(best >> 32)))
                             ? int32_t(0xffffffffu - unsigned(best & 0xffffffffu))

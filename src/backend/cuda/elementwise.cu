@@ -1,5 +1,6 @@
 // Row-wise and element-wise kernels: RMSNorm (plain and zero-centred, with an optional fused residual
-// add), embedding gather, silu(gate) * up, greedy argmax. All memory-bound: 16-byte accesses.
+// add), embedding gather, silu(gate) * up. All memory-bound: 16-byte accesses. (The greedy argmax over a vocabulary
+// is ops::argmax_rows in cuda_ops_elementwise.cu.)
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -118,45 +119,6 @@ __global__ void silu_mul_kernel(const uint16_t* __restrict__ gu, int64_t ld_gu, 
   *reinterpret_cast<uint4*>(out + int64_t(t) * ldo + c * 8) = pack8(g);
 }
 
-__global__ void __launch_bounds__(1024) argmax_kernel(const float* __restrict__ logits, int64_t ld, int64_t V,
-                                                      int32_t* __restrict__ ids) {
-  const float* row = logits + int64_t(blockIdx.x) * ld;
-  float best = -FLT_MAX;
-  int64_t best_i = V;  // "none yet": loses every tie-break
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (v > best || (best_i == V && v == v)) {  // first finite/inf value, then strictly larger ones
-      best = v;
-      best_i = i;
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int64_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (oi != V && (best_i == V || ob > best || (ob == best && oi < best_i))) {
-      best = ob;
-      best_i = oi;
-    }
-  }
-  __shared__ float sb[32];
-  __shared__ int64_t si[32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) {
-    sb[warp] = best;
-    si[warp] = best_i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < int(blockDim.x / 32); ++w)
-      if (si[w] != V && (best_i == V || sb[w] > best || (sb[w] == best && si[w] < best_i))) {
-        best = sb[w];
-        best_i = si[w];
-      }
-    ids[blockIdx.x] = best_i == V ? 0 : int32_t(best_i);
-  }
-}
-
 __device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
   uint32_t x = static_cast<uint32_t>(i) ^ (static_cast<uint32_t>(i >> 32) * 0x9e3779b9u) ^ (seed * 0x85ebca6bu);
   x ^= x >> 16;
@@ -219,11 +181,6 @@ void silu_mul(const uint16_t* gu, int64_t ld_gu, int T, int I, uint16_t* out, in
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void argmax(const float* logits, int64_t ld, int B, int64_t V, int32_t* ids, Stream stream) {
-  if (B <= 0) return;
-  argmax_kernel<<<B, 1024, 0, stream>>>(logits, ld, V, ids);
-  KILN_CUDA_CHECK_LAUNCH();
-}
 
 void fill_random_u8(uint8_t* p, size_t n, uint32_t seed, uint8_t lo, uint8_t hi, Stream stream) {
   if (n == 0) return;

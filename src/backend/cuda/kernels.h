@@ -195,8 +195,6 @@ void embedding(const uint16_t* table, const int32_t* ids, int T, int H, int64_t 
                Stream stream);
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i].
 void silu_mul(const uint16_t* gu, int64_t ld_gu, int T, int I, uint16_t* out, int64_t ldo, Stream stream);
-// ids[b] = argmax_v logits[b, v] (lowest index on ties; NaN never wins).
-void argmax(const float* logits, int64_t ld, int B, int64_t V, int32_t* ids, Stream stream);
 
 // Pseudo-random device fills (a hash of index and seed; for benchmarks and synthetic weights).
 void fill_random_u8(uint8_t* p, size_t n, uint32_t seed, uint8_t lo, uint8_t hi, Stream stream);  // [lo, hi]

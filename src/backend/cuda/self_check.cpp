@@ -55,40 +55,6 @@ Pair reshape(const Pair& p, Shape shape) {
   return {TensorView(p.test.data, p.test.dtype, shape), TensorView(p.ref.data, p.ref.dtype, shape)};
 }
 
-// One step's layout on the host; materialised per backend by layout_on().
-struct HostStep {
-  std::vector<int32_t> token_pos, seq_begin{0}, seq_start, slot, page_table;
-  int max_pages = 1, page_size = 4;
-  void add_seq(int32_t start, int32_t n, int32_t state_slot) {
-    for (int32_t i = 0; i < n; ++i) token_pos.push_back(start + i);
-    seq_begin.push_back(static_cast<int32_t>(token_pos.size()));
-    seq_start.push_back(start);
-    slot.push_back(state_slot);
-  }
-  int num_seqs() const { return static_cast<int>(seq_start.size()); }
-  int64_t num_tokens() const { return static_cast<int64_t>(token_pos.size()); }
-};
-
-StepLayout layout_on(Ops& ops, const HostStep& h) {
-  StepLayout s;
-  s.num_tokens = h.num_tokens();
-  s.num_seqs = h.num_seqs();
-  s.page_size = h.page_size;
-  s.max_pages_per_seq = h.max_pages;
-  s.host_token_pos = h.token_pos;
-  s.host_seq_token_begin = h.seq_begin;
-  s.host_seq_start_pos = h.seq_start;
-  s.host_seq_state_slot = h.slot;
-  s.host_page_table = h.page_table;
-  const int64_t T = s.num_tokens, S = s.num_seqs;
-  s.token_pos = ops.upload(h.token_pos.data(), DType::I32, Shape{T});
-  s.seq_token_begin = ops.upload(h.seq_begin.data(), DType::I32, Shape{S + 1});
-  s.seq_start_pos = ops.upload(h.seq_start.data(), DType::I32, Shape{S});
-  s.seq_state_slot = ops.upload(h.slot.data(), DType::I32, Shape{S});
-  s.page_table = ops.upload(h.page_table.data(), DType::I32, Shape{S, h.max_pages});
-  return s;
-}
-
 class Harness {
  public:
   Harness(Ops& test, Ops& ref, const OpCheckConfig& c) : t_(test), r_(ref), c_(c), rng_(c.seed) {}
@@ -447,23 +413,11 @@ Steps make_steps(Harness& h) {
   auto slot_of = [&](int seq) { return st.slots - 1 - seq; };  // distinct, not the identity
   st.first.page_size = st.second.page_size = c.page_size;
   st.first.max_pages = st.second.max_pages = pages_per_seq;
-  for (int s = 0; s < n; ++s) {
-    st.first.add_seq(0, c.prefill_lens[s], slot_of(s));
-    const auto t = table_of(s);
-    st.first.page_table.insert(st.first.page_table.end(), t.begin(), t.end());
-  }
+  for (int s = 0; s < n; ++s) st.first.add_seq(0, c.prefill_lens[s], slot_of(s), table_of(s));
   // Second step, in another order: sequence n (fresh, 2 tokens) first, then the others backwards, odd ones with
   // a 3-token chunk, even ones decoding one token.
-  st.second.add_seq(0, 2, slot_of(n));
-  {
-    const auto t = table_of(n);
-    st.second.page_table.insert(st.second.page_table.end(), t.begin(), t.end());
-  }
-  for (int s = n - 1; s >= 0; --s) {
-    st.second.add_seq(c.prefill_lens[s], s % 2 ? 3 : 1, slot_of(s));
-    const auto t = table_of(s);
-    st.second.page_table.insert(st.second.page_table.end(), t.begin(), t.end());
-  }
+  st.second.add_seq(0, 2, slot_of(n), table_of(n));
+  for (int s = n - 1; s >= 0; --s) st.second.add_seq(c.prefill_lens[s], s % 2 ? 3 : 1, slot_of(s), table_of(s));
   return st;
 }
 
@@ -673,6 +627,35 @@ void self_check(Ops& test, Ops& reference) {
   KILN_LOG_INFO("{} self-check passed: {} op checks against the {} backend in {:.0f} ms (worst error {:.2f} of its "
                 "tolerance)",
                 test.name(), results.size(), reference.name(), ms, worst);
+}
+
+void HostStep::add_seq(int32_t start, int32_t n, int32_t state_slot, const std::vector<int32_t>& pages) {
+  for (int32_t i = 0; i < n; ++i) token_pos.push_back(start + i);
+  seq_begin.push_back(static_cast<int32_t>(token_pos.size()));
+  seq_start.push_back(start);
+  slot.push_back(state_slot);
+  page_table.insert(page_table.end(), pages.begin(), pages.end());
+  max_seq_tokens = std::max(max_seq_tokens, n);
+}
+
+model::StepLayout layout_on(model::Ops& ops, const HostStep& h) {
+  model::StepLayout s;
+  s.num_tokens = h.num_tokens();
+  s.num_seqs = h.num_seqs();
+  s.page_size = h.page_size;
+  s.max_pages_per_seq = h.max_pages;
+  s.host_token_pos = h.token_pos;
+  s.host_seq_token_begin = h.seq_begin;
+  s.host_seq_start_pos = h.seq_start;
+  s.host_seq_state_slot = h.slot;
+  s.host_page_table = h.page_table;
+  const int64_t T = s.num_tokens, S = s.num_seqs;
+  s.token_pos = ops.upload(h.token_pos.data(), DType::I32, Shape{T});
+  s.seq_token_begin = ops.upload(h.seq_begin.data(), DType::I32, Shape{S + 1});
+  s.seq_start_pos = ops.upload(h.seq_start.data(), DType::I32, Shape{S});
+  s.seq_state_slot = ops.upload(h.slot.data(), DType::I32, Shape{S});
+  s.page_table = ops.upload(h.page_table.data(), DType::I32, Shape{S, h.max_pages});
+  return s;
 }
 
 }  // namespace kiln::backend::cuda

@@ -10,6 +10,18 @@
 
 namespace kiln::backend::cuda {
 
+// One step's layout on the host (the op checks and the GPU tests build steps with it); layout_on() uploads it to a
+// backend as a model::StepLayout (device tensors plus the host mirrors).
+struct HostStep {
+  std::vector<int32_t> token_pos, seq_begin{0}, seq_start, slot, page_table;
+  int max_pages = 1, page_size = 4, max_seq_tokens = 0;
+  // Sequence tokens [start, start + n) in state slot `state_slot`; `pages`: its page-table row (max_pages entries).
+  void add_seq(int32_t start, int32_t n, int32_t state_slot, const std::vector<int32_t>& pages = {});
+  int num_seqs() const { return static_cast<int>(seq_start.size()); }
+  int64_t num_tokens() const { return static_cast<int64_t>(token_pos.size()); }
+};
+model::StepLayout layout_on(model::Ops& ops, const HostStep& h);
+
 struct OpCheck {
   std::string op;          // "linear nvfp4 T=37 K=64 N=96"
   double rel_err = 0;      // ||test - ref|| / ||ref|| (absolute norm when ref is all zeros)

@@ -587,19 +587,30 @@ TEST(CudaRunner, DummyWeightsGiveTheCpusLogits) {
               worst, scale);
 }
 
+// Two kiln-tiny runners on the GPU and the same 4-prompt prefill step for each: one gives the logits, the other the
+// tokens picked on the device.
+struct TinyPair {
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  Engine a{std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128};
+  Engine b{std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128};
+  const std::vector<std::vector<int32_t>> prompts = {{10, 11}, {12}, {13, 14, 15}, {16}};
+  std::vector<model::SeqChunk> ca = std::vector<model::SeqChunk>(4), cb = std::vector<model::SeqChunk>(4);
+  TinyPair() {
+    for (int i = 0; i < 4; ++i) {
+      ca[i].state_slot = cb[i].state_slot = i;
+      ca[i].tokens = cb[i].tokens = prompts[i];
+      ca[i].page_table = a.page_tables[i];
+      cb[i].page_table = b.page_tables[i];
+    }
+  }
+};
+
 TEST(CudaRunner, DeviceArgmaxIsTheHostArgmax) {
   KILN_REQUIRE_CUDA_DEVICE();
-  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
-  Engine a(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
-  Engine b(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
-  const std::vector<std::vector<int32_t>> prompts = {{10, 11}, {12}, {13, 14, 15}, {16}};
-  std::vector<model::SeqChunk> ca(4), cb(4);
-  for (int i = 0; i < 4; ++i) {
-    ca[i].state_slot = cb[i].state_slot = i;
-    ca[i].tokens = cb[i].tokens = prompts[i];
-    ca[i].page_table = a.page_tables[i];
-    cb[i].page_table = b.page_tables[i];
-  }
+  TinyPair t;
+  Engine &a = t.a, &b = t.b;
+  std::vector<model::SeqChunk>& ca = t.ca;
+  std::vector<model::SeqChunk>& cb = t.cb;
   std::vector<float> logits(4 * a.vocab);
   std::vector<int32_t> ids(4);
   a.runner->forward(ca, logits);
@@ -748,17 +759,10 @@ TEST(CudaOps, SampleRowsEdgeCases) {
 
 TEST(CudaRunner, DeviceSamplingIsTheHostSampling) {
   KILN_REQUIRE_CUDA_DEVICE();
-  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
-  Engine a(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
-  Engine b(std::make_unique<CudaOps>(), dir, DType::BF16, 4, 128);
-  const std::vector<std::vector<int32_t>> prompts = {{10, 11}, {12}, {13, 14, 15}, {16}};
-  std::vector<model::SeqChunk> ca(4), cb(4);
-  for (int i = 0; i < 4; ++i) {
-    ca[i].state_slot = cb[i].state_slot = i;
-    ca[i].tokens = cb[i].tokens = prompts[i];
-    ca[i].page_table = a.page_tables[i];
-    cb[i].page_table = b.page_tables[i];
-  }
+  TinyPair t;
+  Engine &a = t.a, &b = t.b;
+  std::vector<model::SeqChunk>& ca = t.ca;
+  std::vector<model::SeqChunk>& cb = t.cb;
   std::vector<model::RowSampling> rows(4);
   rows[0].temperature = 0.0f;
   rows[1].temperature = 0.8f;
@@ -794,8 +798,10 @@ TEST(CudaRunner, DeviceSamplingIsTheHostSampling) {
 #include <numeric>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops_args.h"
 #include "backend/cuda/cuda_ops_attention_prefill.h"
 #include "backend/cuda/cuda_ops_kernels.h"
+#include "cuda_test_util.h"
 
 namespace kiln::backend::cuda {
 namespace {
@@ -822,83 +828,6 @@ struct PrefillCase {
   }
 };
 
-// One step's layout on the host.
-struct PrefillHostStep {
-  std::vector<int32_t> token_pos, seq_begin{0}, seq_start, slot, page_table;
-  int max_pages = 1, page_size = 16, max_seq_tokens = 0;
-  void add_seq(int32_t start, int32_t n, int32_t state_slot, const std::vector<int32_t>& pages) {
-    for (int32_t i = 0; i < n; ++i) token_pos.push_back(start + i);
-    seq_begin.push_back(static_cast<int32_t>(token_pos.size()));
-    seq_start.push_back(start);
-    slot.push_back(state_slot);
-    page_table.insert(page_table.end(), pages.begin(), pages.end());
-    max_seq_tokens = std::max(max_seq_tokens, n);
-  }
-  int64_t num_tokens() const { return static_cast<int64_t>(token_pos.size()); }
-  int num_seqs() const { return static_cast<int>(seq_start.size()); }
-};
-
-model::StepLayout prefill_layout_on(model::Ops& ops, const PrefillHostStep& h) {
-  model::StepLayout s;
-  s.num_tokens = h.num_tokens();
-  s.num_seqs = h.num_seqs();
-  s.page_size = h.page_size;
-  s.max_pages_per_seq = h.max_pages;
-  s.host_token_pos = h.token_pos;
-  s.host_seq_token_begin = h.seq_begin;
-  s.host_seq_start_pos = h.seq_start;
-  s.host_seq_state_slot = h.slot;
-  s.host_page_table = h.page_table;
-  const int64_t T = s.num_tokens, S = s.num_seqs;
-  s.token_pos = ops.upload(h.token_pos.data(), DType::I32, Shape{T});
-  s.seq_token_begin = ops.upload(h.seq_begin.data(), DType::I32, Shape{S + 1});
-  s.seq_start_pos = ops.upload(h.seq_start.data(), DType::I32, Shape{S});
-  s.seq_state_slot = ops.upload(h.slot.data(), DType::I32, Shape{S});
-  s.page_table = ops.upload(h.page_table.data(), DType::I32, Shape{S, h.max_pages});
-  return s;
-}
-
-// The launchers' view of a layout uploaded to the GPU.
-kops::StepArgs prefill_step_args(const model::StepLayout& l, int max_seq_tokens) {
-  kops::StepArgs a;
-  a.token_pos = l.token_pos.ptr<const int32_t>();
-  a.seq_token_begin = l.seq_token_begin.ptr<const int32_t>();
-  a.seq_state_slot = l.seq_state_slot.ptr<const int32_t>();
-  a.page_table = l.page_table.ptr<const int32_t>();
-  a.num_tokens = static_cast<int32_t>(l.num_tokens);
-  a.num_seqs = l.num_seqs;
-  a.max_pages = l.max_pages_per_seq;
-  a.page_size = l.page_size;
-  a.max_seq_tokens = max_seq_tokens;
-  return a;
-}
-
-kops::KvPoolArgs prefill_pool_args(const model::KvLayerView& c) {
-  kops::KvPoolArgs p;
-  p.k = c.k.data;
-  p.v = c.v.data;
-  p.elem = c.k.dtype == DType::F32 ? kops::ElemType::f32
-           : c.k.dtype == DType::BF16 ? kops::ElemType::bf16
-                                      : kops::ElemType::e4m3;
-  p.k_scale = c.k_scale;
-  p.v_scale = c.v_scale;
-  p.kv_heads = static_cast<int32_t>(c.k.dim(2));
-  p.head_dim = static_cast<int32_t>(c.k.dim(3));
-  return p;
-}
-
-// ||got - want|| / ||want||; inf when got has a NaN / inf.
-double prefill_rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - want[i];
-    num += d * d;
-    den += static_cast<double>(want[i]) * want[i];
-  }
-  if (!std::isfinite(num)) return INFINITY;
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 std::vector<float> prefill_normal(std::mt19937& rng, size_t n, float stddev) {
   std::normal_distribution<float> d(0.0f, stddev);
   std::vector<float> v(n);
@@ -910,7 +839,7 @@ std::vector<float> prefill_normal(std::mt19937& rng, size_t n, float stddev) {
 // shuffled pages (page tables one entry wider than needed, the extra entry -1), an earlier step stores the cached
 // tokens' K / V, the query step stores its own, then q. e4m3 scales come from the data (max |x| / 448, != 1).
 struct PrefillSetup {
-  PrefillHostStep now;
+  HostStep now;
   model::KvLayerView cache_a, cache_b;
   model::StepLayout layout_a, layout_b;
   TensorView q_a, q_b;
@@ -935,7 +864,7 @@ PrefillSetup prefill_setup(model::Ops& a, model::Ops* b, const PrefillCase& c, u
   for (int s = 0, next = 0; s < S; ++s)
     for (int p = 0; p < n_pages[s]; ++p) tables[s][p] = perm[next++];
 
-  PrefillHostStep hist;
+  HostStep hist;
   PrefillSetup st;
   hist.page_size = st.now.page_size = ps;
   hist.max_pages = st.now.max_pages = max_pages;
@@ -964,11 +893,11 @@ PrefillSetup prefill_setup(model::Ops& a, model::Ops* b, const PrefillCase& c, u
     cache.k_scale = k_scale;
     cache.v_scale = v_scale;
     if (Th > 0) {
-      const model::StepLayout lh = prefill_layout_on(ops, hist);
+      const model::StepLayout lh = layout_on(ops, hist);
       ops.kv_store(ops.upload(hk.data(), DType::F32, Shape{Th, Hkv, D}),
                    ops.upload(hv.data(), DType::F32, Shape{Th, Hkv, D}), cache, lh);
     }
-    layout = prefill_layout_on(ops, st.now);
+    layout = layout_on(ops, st.now);
     ops.kv_store(ops.upload(nk.data(), DType::F32, Shape{T, Hkv, D}), ops.upload(nv.data(), DType::F32, Shape{T, Hkv, D}),
                  cache, layout);
     qv = ops.upload(q.data(), DType::F32, Shape{T, Hq, D});
@@ -986,8 +915,8 @@ bool run_attention_prefill(CudaOps& gpu, const PrefillSetup& st, const PrefillCa
   const TensorView o = gpu.allocate(DType::F32, Shape{T, Hq, D});
   gpu.synchronize();
   KILN_CUDA_CHECK(cudaMemset(o.data, 0xff, o.nbytes()));
-  const bool ran = kops::attention_prefill(st.q_a.ptr<const float>(), Hq, prefill_pool_args(st.cache_a),
-                                           prefill_step_args(st.layout_a, st.now.max_seq_tokens), scale,
+  const bool ran = kops::attention_prefill(st.q_a.ptr<const float>(), Hq, pool_args(st.cache_a),
+                                           step_args(st.layout_a), scale,
                                            o.ptr<float>(), nullptr);
   KILN_CUDA_CHECK(cudaDeviceSynchronize());
   if (ran) {
@@ -1001,10 +930,10 @@ bool run_attention_prefill(CudaOps& gpu, const PrefillSetup& st, const PrefillCa
 std::vector<float> run_attention_split(CudaOps& gpu, const PrefillSetup& st, const PrefillCase& c, float scale) {
   const int64_t T = st.now.num_tokens(), Hq = c.q_heads, D = c.head_dim;
   const TensorView o = gpu.allocate(DType::F32, Shape{T, Hq, D});
-  const kops::StepArgs sa = prefill_step_args(st.layout_a, st.now.max_seq_tokens);
+  const kops::StepArgs sa = step_args(st.layout_a);
   ::kiln::cuda::DeviceBuffer ws(kops::attention_workspace_bytes(T, Hq, D, sa));
   gpu.synchronize();
-  kops::attention(st.q_a.ptr<const float>(), Hq, prefill_pool_args(st.cache_a), sa, scale, o.ptr<float>(),
+  kops::attention(st.q_a.ptr<const float>(), Hq, pool_args(st.cache_a), sa, scale, o.ptr<float>(),
                   ws.data(), nullptr);
   KILN_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> out(static_cast<size_t>(o.numel()));
@@ -1034,7 +963,7 @@ bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uin
   const TensorView out_t = gpu.allocate(DType::F32, Shape{T, Hq, D});
   gpu.attention(st.q_a, st.cache_a, st.layout_a, scale, out_t);
   gpu.download(out_t, got.data());
-  const double e_ops = prefill_rel_l2(got, want);
+  const double e_ops = ::kiln::cuda::test::rel_err(got, want);
   EXPECT_LE(e_ops, kPrefillTol) << "CudaOps::attention " << label;
 
   std::vector<float> pre;
@@ -1042,9 +971,9 @@ bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uin
   EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << label;
   double e_pre = -1, e_split = -1;
   if (ran) {
-    e_pre = prefill_rel_l2(pre, want);
+    e_pre = ::kiln::cuda::test::rel_err(pre, want);
     EXPECT_LE(e_pre, kPrefillTol) << "attention_prefill vs cpu " << label;
-    e_split = prefill_rel_l2(pre, run_attention_split(gpu, st, c, scale));
+    e_split = ::kiln::cuda::test::rel_err(pre, run_attention_split(gpu, st, c, scale));
     EXPECT_LE(e_split, kPrefillTol) << "attention_prefill vs ops::attention " << label;
   }
   std::printf("[ prefill  ] %-62s ops %.2e | prefill %s\n", label.c_str(), e_ops,
@@ -1119,7 +1048,7 @@ TEST(CudaAttentionPrefill, FourThousandTokenPromptMatchesSplitKernel) {
     const bool ran = run_attention_prefill(gpu, st, c, scale, pre);
     EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << c.str();
     if (!ran) continue;
-    const double e = prefill_rel_l2(pre, run_attention_split(gpu, st, c, scale));
+    const double e = ::kiln::cuda::test::rel_err(pre, run_attention_split(gpu, st, c, scale));
     EXPECT_LE(e, kPrefillTol) << c.str();
     std::printf("[ prefill  ] %s: vs split kernel %.2e\n", c.str().c_str(), e);
   }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "backend/cuda/cuda_ops_kernels.h"
 #include "backend/cuda/kernels.h"
 #include "cuda_test_util.h"
 
@@ -88,8 +89,8 @@ TEST(CudaMisc, ArgmaxGreedy) {
   logits[2 * V + 7] = NAN;           // row 2: NaN never wins
   logits[2 * V + 9] = 55.0f;
   logits[3 * V + V - 1] = 70.0f;     // row 3: last element
-  DeviceBuffer d_l = upload(logits), d_ids = poisoned(B * 4);
-  argmax(d_l.as<float>(), V, B, V, d_ids.as<int32_t>(), nullptr);
+  DeviceBuffer d_l = upload(logits), d_ids = poisoned(B * 4), d_work(ops::argmax_workspace_bytes(B, V));
+  ops::argmax_rows(d_l.as<float>(), V, B, V, d_ids.as<int32_t>(), d_work.data(), nullptr);
   const auto ids = download<int32_t>(d_ids, B);
   EXPECT_EQ(ids, (std::vector<int32_t>{5, 100, 9, int32_t(V - 1)}));
 }

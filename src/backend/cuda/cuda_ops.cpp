@@ -266,6 +266,8 @@ struct CudaOps::Impl {
   int delta_rule_force = 0;  // KILN_DELTA_RULE: 0 by mode and length, 1 always recurrent, 2 chunked where supported
   // KILN_MOE_MMA=0: NVFP4 experts on the fp32 kernels, 2: x split into 2 bf16 parts; KILN_MOE_MT=U,D and
   // KILN_MOE_SUB=4 (measurement knobs): block widths of the decode-sized launches, prefill sub-tiles;
+  // KILN_MOE_OCC=U,D: blocks per SM asked of the decode-sized gate/up and down kernels (3 or 4; 0 the allocator's;
+  // default: by grid size, see moe_experts);
   // Prefill row tiles (>= 16 rows) run the kernel that stages x in shared memory with 2 sub-tiles (H200, 35B-A3B
   // shape: 512-token prefill 10,450-10,501 vs 9,293-9,366 tok/s on the register kernel; 4k 13,467 vs 11,327);
   // KILN_MOE_XSMEM=0 keeps the register kernel, =2 takes 4 sub-tiles where tiles have more than 16 rows.
@@ -360,6 +362,10 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
   if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '8' && v[1] == ',') {
     impl_->moe.mt_up = v[0] - '0';
     impl_->moe.mt_down = v[2] - '0';
+  }
+  if (const char* v = std::getenv("KILN_MOE_OCC"); v && v[0] >= '0' && v[0] <= '4' && v[1] == ',') {
+    impl_->moe.occ_up = v[0] - '0';
+    impl_->moe.occ_down = v[2] - '0';
   }
   if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '4') impl_->moe.sub = 4;  // the register kernel
   if (const char* v = std::getenv("KILN_MOE_XSMEM"); v && v[0] >= '0' && v[0] <= '2' && !v[1])

@@ -4,6 +4,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops_device.cuh"
@@ -354,15 +355,17 @@ constexpr int kDeltaRowsPerThread = 32;  // Dk <= 8 * 32 = 256
 // (lane-strided sums, a warp sum, (x * inv) / sqrt(Dk) for q): one launch fewer per layer and step.
 // kRaw: g and beta computed here from the raw gate inputs (`gates`), with delta_rule_gates_kernel's arithmetic, instead
 // of read from g / beta.
-template <bool kRaw>
-__global__ void __launch_bounds__(kDeltaWarps * 32)
+// kRows: state rows per thread (Dk <= 8 kRows): 16 for the usual Dk = 128 holds half the registers of 32, which lets
+// 4 blocks share an SM instead of 2 (the step is a stream of state: more blocks keep more of it in flight).
+template <bool kRaw, int kRows>
+__global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
     delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t ldq, int64_t ldk,
                       const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
                       DeltaGateArgs gates, float* __restrict__ state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
                       int64_t ldv, float* __restrict__ out) {
   dev::pdl_enter();
-  __shared__ float q_s[kDeltaWarps * kDeltaRowsPerThread];
-  __shared__ float k_s[kDeltaWarps * kDeltaRowsPerThread];
+  __shared__ float q_s[kDeltaWarps * kRows];
+  __shared__ float k_s[kDeltaWarps * kRows];
   __shared__ float red_kv[kDeltaWarps][32];
   __shared__ float red_o[kDeltaWarps][32];
   __shared__ float inv_norm[2];
@@ -373,9 +376,9 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
   const int kh = h / (Hv / Hk);
   float* S = state + (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;
 
-  float sv[kDeltaRowsPerThread];
+  float sv[kRows];
 #pragma unroll
-  for (int r = 0; r < kDeltaRowsPerThread; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     const int i = warp + kDeltaWarps * r;
     sv[r] = (col_ok && i < Dk) ? S[int64_t(i) * Dv + j] : 0.0f;
   }
@@ -418,7 +421,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
     }
     float part = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kDeltaRowsPerThread; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int i = warp + kDeltaWarps * r;
       if (i < Dk) {
         sv[r] *= decay;
@@ -434,7 +437,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
     const float delta = (vj - kv) * bt;
     float o = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kDeltaRowsPerThread; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int i = warp + kDeltaWarps * r;
       if (i < Dk) {
         sv[r] += k_s[i] * delta;
@@ -453,7 +456,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
     // red_o barrier (all q_s / k_s reads done); red_kv is next written after the next barrier.
   }
 #pragma unroll
-  for (int r = 0; r < kDeltaRowsPerThread; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     const int i = warp + kDeltaWarps * r;
     if (col_ok && i < Dk) S[int64_t(i) * Dv + j] = sv[r];
   }
@@ -515,6 +518,17 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
   }
 }
 
+namespace {
+// KILN_DELTA_ROWS=32 (a measurement knob, read once): the recurrent kernel keeps 32 state rows per thread at any Dk.
+bool delta_rule_wide_rows() {
+  static const bool wide = [] {
+    const char* v = std::getenv("KILN_DELTA_ROWS");
+    return v && v[0] == '3' && v[1] == '2' && !v[2];
+  }();
+  return wide;
+}
+}  // namespace
+
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
                       int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
                       const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
@@ -534,13 +548,15 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
     return;
   }
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
-  if (gates)
-    launch_kernel(delta_rule_kernel<true>, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta, *gates, state,
-                  static_cast<int>(Hk), static_cast<int>(Hv), static_cast<int>(Dk), static_cast<int>(Dv), step, ldv, out);
-  else
-    launch_kernel(delta_rule_kernel<false>, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta,
-                  DeltaGateArgs{}, state, static_cast<int>(Hk), static_cast<int>(Hv), static_cast<int>(Dk),
-                  static_cast<int>(Dv), step, ldv, out);
+  const DeltaGateArgs raw = gates ? *gates : DeltaGateArgs{};
+  const int hk = static_cast<int>(Hk), hv = static_cast<int>(Hv), dk = static_cast<int>(Dk), dv = static_cast<int>(Dv);
+  auto run = [&](auto kernel) {
+    launch_kernel(kernel, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta, raw, state, hk, hv, dk, dv,
+                  step, ldv, out);
+  };
+  const bool narrow = Dk <= kDeltaWarps * kDeltaRowsPerThread / 2 && !delta_rule_wide_rows();
+  if (gates) narrow ? run(delta_rule_kernel<true, kDeltaRowsPerThread / 2>) : run(delta_rule_kernel<true, kDeltaRowsPerThread>);
+  else narrow ? run(delta_rule_kernel<false, kDeltaRowsPerThread / 2>) : run(delta_rule_kernel<false, kDeltaRowsPerThread>);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -194,6 +194,9 @@ struct MoeTuning {
   int mma_parts = 0;           // 2 or 3: NVFP4 experts on tensor cores with x split into that many bf16 parts
                                // (cuda_ops_mma.cu; only where moe_mma_supported); 0: the fp32 CUDA-core kernels
   int mt_up = 0, mt_down = 0;  // 16-row weight tiles per block of the decode-sized launches; 0: from the live tiles
+  // Blocks per SM asked of the decode-sized 3-part kernels (3 or 4; 0: the register allocator's choice, 2 per SM;
+  // -1: auto, which is 3 for gate/up when its grid has more blocks than 2 per SM, and 4 for down).
+  int occ_up = -1, occ_down = -1;
   int sub = 2;                 // 8-token MMA tiles per weight pass in row tiles of more than 16 rows (2 or 4)
                                // | kSubXsmem: the prefill kernel that stages x in shared memory (KILN_MOE_XSMEM;
                                // carried in sub because MoeMmaPlan::sub is what reaches the launch)
@@ -215,6 +218,7 @@ struct MoeMmaPlan {
   int tile_m = 8;        // sorted rows per row tile
   int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2, 4 or 8) of the decode-sized launches
   int sub = 2;                 // 8-token MMA tiles per pass over the weights in row tiles > 16 rows (2 or 4)
+  int occ_up = 0, occ_down = 0;  // MoeTuning::occ_up / occ_down
   int64_t max_tiles = 0; // grid bound on row tiles
   const int4* tile_info = nullptr;        // [max_tiles] {expert (-1: no tile), first sorted row, end row, 0}
   const int32_t* row_token = nullptr;     // [P] token of each sorted row

@@ -646,69 +646,88 @@ struct MoeLayout {
   int max_tiles;          // entries of tile_info
   int32_t* row_token;     // [P]  token of each sorted row
   int32_t* pair_pos;      // [P]  sorted row of each pair (-1: invalid expert id)
-  int32_t* cursor;        // [E]
 };
 
-__global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E, int tile_rows_m,
-                                 MoeLayout lay) {
+// One block (a multiple of 32 threads, at most 1024): counts each expert's pairs in shared memory, scans rows and
+// row tiles over the experts (thread i owns the contiguous chunk of ceil(E / blockDim) experts from i * chunk: local
+// sums, a two-level warp-shuffle block scan, then the chunk's offsets and tiles), then places every pair through a
+// shared-memory cursor per expert (the order of rows within an expert follows the atomics).
+__global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E,
+                                                         int tile_rows_m, MoeLayout lay) {
   dev::pdl_enter();
-  extern __shared__ int32_t counts[];  // [E]
-  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  extern __shared__ int32_t cursor[];  // [E] pairs of each expert, then its next free sorted row
+  __shared__ int warp_rows[32], warp_tiles[32];
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
+  // The expert of this thread's first pair, loaded before the counters are cleared (its latency overlaps that).
+  const int first_e = tid < P ? ids[tid] : -1;
+  for (int e = tid; e < E; e += nt) cursor[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const int e = ids[p];
-    if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
+  for (int p = tid; p < P; p += nt) {
+    const int e = p == tid ? first_e : ids[p];
+    if (e >= 0 && e < E) atomicAdd(&cursor[e], 1);
   }
   __syncthreads();
-  // Exclusive prefix sums of rows and row tiles over the experts: a block-wide scan per chunk of blockDim experts.
-  __shared__ int scan_rows[1024], scan_tiles[1024];
-  const int tid = threadIdx.x, nt = blockDim.x;
-  int carry_rows = 0, carry_tiles = 0;
-  for (int base = 0; base < E; base += nt) {
-    const int e = base + tid;
-    const int c = e < E ? counts[e] : 0;
-    const int tl = (c + tile_rows_m - 1) / tile_rows_m;
-    scan_rows[tid] = c;
-    scan_tiles[tid] = tl;
-    __syncthreads();
-    for (int off = 1; off < nt; off *= 2) {
-      const int ar = tid >= off ? scan_rows[tid - off] : 0;
-      const int at = tid >= off ? scan_tiles[tid - off] : 0;
-      __syncthreads();
-      scan_rows[tid] += ar;
-      scan_tiles[tid] += at;
-      __syncthreads();
+  const int chunk = (E + nt - 1) / nt, e_begin = min(E, tid * chunk), e_end = min(E, e_begin + chunk);
+  int rows = 0, tiles = 0;
+  for (int e = e_begin; e < e_end; ++e) {
+    const int c = cursor[e];
+    rows += c;
+    tiles += (c + tile_rows_m - 1) / tile_rows_m;
+  }
+  // Inclusive scans within the warp, then over the warp totals (every warp redoes that second level itself).
+  int rows_incl = rows, tiles_incl = tiles;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int r = __shfl_up_sync(0xffffffffu, rows_incl, o), tl = __shfl_up_sync(0xffffffffu, tiles_incl, o);
+    if (lane >= o) {
+      rows_incl += r;
+      tiles_incl += tl;
     }
-    if (e < E) {
-      const int rows_before = carry_rows + scan_rows[tid] - c;
-      lay.group_offset[e] = rows_before;
-      lay.cursor[e] = rows_before;
-      lay.tile_offset[e] = carry_tiles + scan_tiles[tid] - tl;
+  }
+  if (lane == 31) {
+    warp_rows[warp] = rows_incl;
+    warp_tiles[warp] = tiles_incl;
+  }
+  __syncthreads();
+  int wrows = lane < nwarps ? warp_rows[lane] : 0, wtiles = lane < nwarps ? warp_tiles[lane] : 0;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int r = __shfl_up_sync(0xffffffffu, wrows, o), tl = __shfl_up_sync(0xffffffffu, wtiles, o);
+    if (lane >= o) {
+      wrows += r;
+      wtiles += tl;
     }
-    carry_rows += scan_rows[nt - 1];
-    carry_tiles += scan_tiles[nt - 1];
-    __syncthreads();
+  }
+  const int total_rows = __shfl_sync(0xffffffffu, wrows, 31), total_tiles = __shfl_sync(0xffffffffu, wtiles, 31);
+  const int prev_rows = __shfl_sync(0xffffffffu, wrows, (warp + 31) & 31);
+  const int prev_tiles = __shfl_sync(0xffffffffu, wtiles, (warp + 31) & 31);
+  int row = (warp > 0 ? prev_rows : 0) + rows_incl - rows;  // first sorted row of the chunk
+  int tile = (warp > 0 ? prev_tiles : 0) + tiles_incl - tiles;
+  for (int e = e_begin; e < e_end; ++e) {
+    const int c = cursor[e], tl = (c + tile_rows_m - 1) / tile_rows_m;
+    lay.group_offset[e] = row;
+    lay.tile_offset[e] = tile;
+    cursor[e] = row;  // only this thread touches its chunk's entries until the barrier below
+    for (int i = 0; i < tl; ++i) lay.tile_group[tile + i] = e;
+    if (lay.tile_info)
+      for (int i = 0; i < tl; ++i) {
+        const int rb = row + i * tile_rows_m;
+        lay.tile_info[tile + i] = make_int4(e, rb, min(row + c, rb + tile_rows_m), 0);
+      }
+    row += c;
+    tile += tl;
   }
   if (tid == 0) {
-    lay.group_offset[E] = carry_rows;
-    lay.tile_offset[E] = carry_tiles;
-  }
-  __syncthreads();
-  for (int e = tid; e < E; e += nt) {
-    const int first = lay.tile_offset[e], last = lay.tile_offset[e + 1];
-    for (int i = first; i < last; ++i) lay.tile_group[i] = e;
-    if (lay.tile_info)
-      for (int i = first; i < last; ++i) {
-        const int rb = lay.group_offset[e] + (i - first) * tile_rows_m;
-        lay.tile_info[i] = make_int4(e, rb, min(lay.group_offset[e + 1], rb + tile_rows_m), 0);
-      }
+    lay.group_offset[E] = total_rows;
+    lay.tile_offset[E] = total_tiles;
   }
   if (lay.tile_info)
-    for (int i = lay.tile_offset[E] + tid; i < lay.max_tiles; i += nt) lay.tile_info[i] = make_int4(-1, 0, 0, 0);
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const int e = ids[p];
+    for (int i = total_tiles + tid; i < lay.max_tiles; i += nt) lay.tile_info[i] = make_int4(-1, 0, 0, 0);
+  __syncthreads();
+  for (int p = tid; p < P; p += nt) {
+    const int e = p == tid ? first_e : ids[p];
     if (e >= 0 && e < E) {
-      const int pos = atomicAdd(&lay.cursor[e], 1);
+      const int pos = atomicAdd(&cursor[e], 1);
       lay.row_token[pos] = p / top_k;
       lay.pair_pos[p] = pos;
     } else {
@@ -717,44 +736,116 @@ __global__ void moe_group_kernel(const int32_t* __restrict__ ids, int P, int top
   }
 }
 
-// out[t, h] = sum over the token's slots in ascending (expert id, slot) order of w * y[pair_pos]. A block per token.
-// shared / shared_gate (optional): out += shared[t] * sigmoid(shared_gate[t]) after the experts' sum (the CPU's order:
-// the product rounded, then added).
-__global__ void moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids,
-                                   const float* __restrict__ weights, const int32_t* __restrict__ pair_pos, int top_k,
-                                   int H, float* __restrict__ out, const float* __restrict__ shared = nullptr,
-                                   const float* __restrict__ shared_gate = nullptr) {
+constexpr int kCombineThreads = 128;
+constexpr int kCombineCols = 4 * kCombineThreads;  // columns per block, 4 per thread
+constexpr int kCombineBatch = 8;                   // slots whose y loads are in flight together
+
+// out[t, h] = sum over the token's slots in ascending (expert id, slot) order of w * y[pair_pos] (pair_pos < 0:
+// skipped). Grid (T, ceil(H / 512)): every block of a token sorts the token's valid slots (top_k <= 64) in shared
+// memory, then each of its 128 threads covers 4 of the block's 512 columns (kVec: 4 consecutive, one float4; else 4
+// columns 128 apart), loading y for 8 slots at a time and summing them in order.
+// shared / shared_gate (optional): out += shared[t] * sigmoid(shared_gate[t]) after the experts' sum (written as the
+// product, then the add; nvcc contracts the two into one fma, as it did in the block-per-token kernel).
+template <bool kVec>
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, const float* __restrict__ weights,
+                       const int32_t* __restrict__ pair_pos, int top_k, int H, float* __restrict__ out,
+                       const float* __restrict__ shared, const float* __restrict__ shared_gate) {
   dev::pdl_enter();
-  __shared__ int order[64], sid[64], spos[64];
-  __shared__ float sw[64];
-  const int t = blockIdx.x;
-  if (threadIdx.x < top_k) {
-    sid[threadIdx.x] = ids[int64_t(t) * top_k + threadIdx.x];
-    spos[threadIdx.x] = pair_pos[int64_t(t) * top_k + threadIdx.x];
-    sw[threadIdx.x] = weights[int64_t(t) * top_k + threadIdx.x];
+  __shared__ int skey[64];       // expert id of each slot; 0x7fffffff for skipped slots (they sort last)
+  __shared__ int64_t srow[64];   // y offset pos * H of the n-th valid slot in ascending (id, slot) order
+  __shared__ float sw[64];       // its weight
+  const int t = blockIdx.x, tid = threadIdx.x;
+  int id = 0, pos = -1;
+  float w = 0.0f;
+  if (tid < top_k) {
+    const int64_t s = int64_t(t) * top_k + tid;
+    id = ids[s];
+    pos = pair_pos[s];
+    w = weights[s];
+    skey[tid] = pos >= 0 ? id : 0x7fffffff;
   }
-  __syncthreads();
-  if (threadIdx.x < top_k) {
-    // rank of slot j in ascending (id, slot) order
-    const int j = threadIdx.x, id = sid[j];
+  const int valid = __syncthreads_count(pos >= 0);
+  if (pos >= 0) {
+    // rank of slot tid among the valid slots in ascending (id, slot) order
     int rank = 0;
-    for (int i = 0; i < top_k; ++i) rank += sid[i] < id || (sid[i] == id && i < j);
-    order[rank] = j;
+    for (int i = 0; i < top_k; ++i) rank += skey[i] < id || (skey[i] == id && i < tid);
+    srow[rank] = int64_t(pos) * H;
+    sw[rank] = w;
   }
   __syncthreads();
-  for (int h = threadIdx.x; h < H; h += blockDim.x) {
-    float acc = 0.0f;
-    for (int n = 0; n < top_k; ++n) {
-      const int j = order[n];
-      const int pos = spos[j];
-      if (pos >= 0) acc += y[int64_t(pos) * H + h] * sw[j];
+  constexpr int kStep = kVec ? 1 : kCombineThreads;  // between this thread's columns
+  const int h = blockIdx.y * kCombineCols + (kVec ? 4 * tid : tid);
+  if (h >= H) return;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int n0 = 0; n0 < valid; n0 += kCombineBatch) {
+    float v[kCombineBatch][4];
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      if (n0 + u < valid) {
+        const float* src = y + srow[n0 + u] + h;
+        if constexpr (kVec) {
+          const float4 q = *reinterpret_cast<const float4*>(src);
+          v[u][0] = q.x;
+          v[u][1] = q.y;
+          v[u][2] = q.z;
+          v[u][3] = q.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[u][i] = h + i * kStep < H ? src[i * kStep] : 0.0f;
+        }
+      }
     }
-    if (shared) {
-      const float sh = shared[int64_t(t) * H + h] * sigmoid(shared_gate[t]);
-      acc = acc + sh;
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      if (n0 + u < valid) {
+        const float wn = sw[n0 + u];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += v[u][i] * wn;
+      }
     }
-    out[int64_t(t) * H + h] = acc;
   }
+  const int64_t o = int64_t(t) * H + h;
+  if (shared) {
+    const float gate = sigmoid(shared_gate[t]);
+    float s[4];
+    if constexpr (kVec) {
+      const float4 q = *reinterpret_cast<const float4*>(shared + o);
+      s[0] = q.x;
+      s[1] = q.y;
+      s[2] = q.z;
+      s[3] = q.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = h + i * kStep < H ? shared[o + i * kStep] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float sh = s[i] * gate;
+      acc[i] = acc[i] + sh;
+    }
+  }
+  if constexpr (kVec) {
+    *reinterpret_cast<float4*>(out + o) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (h + i * kStep < H) out[o + i * kStep] = acc[i];
+  }
+}
+
+// The combine over T tokens: float4 columns when H % 4 == 0 and y, out and shared are 16-byte aligned.
+void launch_combine(const float* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+                    int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };  // null counts as aligned
+  const bool vec = H % 4 == 0 && aligned(y) && aligned(out) && aligned(shared);
+  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>((H + kCombineCols - 1) / kCombineCols));
+  const int h = static_cast<int>(H);
+  if (vec) launch_kernel(moe_combine_kernel<true>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k, h,
+                         out, shared, shared_gate);
+  else launch_kernel(moe_combine_kernel<false>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k, h,
+                     out, shared, shared_gate);
+  KILN_CUDA_CHECK_LAUNCH();
 }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -870,7 +961,6 @@ MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64
   c.lay.max_tiles = 0;  // set per launch
   c.lay.row_token = static_cast<int32_t*>(take(P * 4));
   c.lay.pair_pos = static_cast<int32_t*>(take(P * 4));
-  c.lay.cursor = static_cast<int32_t*>(take(E * 4));
   c.act = static_cast<float*>(take(P * I * 4));
   c.y = static_cast<float*>(take(P * H * 4));
   c.xs = static_cast<uint16_t*>(take(T * H * 3 * 2));
@@ -914,8 +1004,10 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   MoeLayout lay = c.lay;
   if (mma) lay.max_tiles = static_cast<int>(max_tiles);
   else lay.tile_info = nullptr;
-  launch_kernel(moe_group_kernel, 1, 1024, static_cast<size_t>(E) * 4, stream, ids, static_cast<int>(P), top_k,
-                                                                    static_cast<int>(E), tm, lay);
+  // One block: 256 threads for decode-sized work (at most 4 experts and 16 pairs per thread), else 1024.
+  const int group_threads = E <= 1024 && P <= 4096 ? 256 : 1024;
+  launch_kernel(moe_group_kernel, 1, group_threads, static_cast<size_t>(E) * 4, stream, ids, static_cast<int>(P), top_k,
+                static_cast<int>(E), tm, lay);
   KILN_CUDA_CHECK_LAUNCH();
   profile_mark("group");
   if (mma) {
@@ -934,6 +1026,12 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     plan.mt_up = tuning.mt_up > 0 ? tuning.mt_up : widest(I, 4);
     plan.mt_down = tuning.mt_down > 0 ? tuning.mt_down : widest(H, 8);
     plan.sub = tuning.sub;
+    // Blocks per SM (H200, 35B-A3B shape, KILN_MOE_OCC): gate/up at 3 (80 registers, small spills) is faster once
+    // its grid outgrows 2 blocks per SM (batch 16 10.67 -> 10.55 ms, batch 64 19.89 -> 19.57) but slower below
+    // (batch 1 3.50 -> 3.60 ms, mt 1); down at 4 (64 registers) is faster at every batch (batch 1 3.54 -> 3.50 ms).
+    const int64_t up_blocks = live_tiles * (I / (16 * plan.mt_up));
+    plan.occ_up = tuning.occ_up >= 0 ? tuning.occ_up : up_blocks > 264 ? 3 : 0;
+    plan.occ_down = tuning.occ_down >= 0 ? tuning.occ_down : 4;
     plan.max_tiles = max_tiles;
     plan.tile_info = c.lay.tile_info;
     plan.row_token = c.lay.row_token;
@@ -941,9 +1039,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     plan.act_s = c.act_s;
     plan.y = c.y;
     moe_experts_mma(x, T, H, I, experts, E, plan, stream);
-    launch_kernel(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, c.y, ids, weights, c.lay.pair_pos, top_k,
-                                                                     static_cast<int>(H), out, shared, shared_gate);
-    KILN_CUDA_CHECK_LAUNCH();
+    launch_combine(c.y, ids, weights, c.lay.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
     profile_mark("combine");
     return;
   }
@@ -980,9 +1076,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
   down.K = static_cast<int>(I);
   launch_rows(down, false, gemv, experts_vec_ok && I % 8 == 0, max_tiles, stream, experts_gemv2_kind, max_rows);
 
-  launch_kernel(moe_combine_kernel, static_cast<unsigned>(T), 256, 0, stream, c.y, ids, weights, c.lay.pair_pos, top_k,
-                                                                   static_cast<int>(H), out, shared, shared_gate);
-  KILN_CUDA_CHECK_LAUNCH();
+  launch_combine(c.y, ids, weights, c.lay.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
 }
 
 }  // namespace kiln::cuda::ops

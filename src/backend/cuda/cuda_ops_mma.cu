@@ -151,8 +151,11 @@ __device__ __forceinline__ void store_output(const MmaArgs& a, int t, int n, con
 // Block: kMT x kKS warps. Warp (mt, ks) owns weight rows [16 mt, 16 mt + 16) of the block's 16 kMT and the k-steps
 // ks, ks + kKS, ...; the kKS partial sums of each row tile meet in shared memory.
 // kSub: 8-token MMA tiles per pass over the weights; each decoded weight fragment feeds all of them (prefill).
-template <int kMats, int kParts, int kMT, int kKS, int kSub>
-__global__ void __launch_bounds__(kMT * kKS * 32, kSub == 2 ? 2 : 1) moe_mma_kernel(const MmaArgs a) {
+// kMinBlocks (decode-sized launches, KILN_MOE_OCC): blocks per SM asked of the register allocator; 0 leaves it free
+// (gate/up 122-136 registers, down 80-110: 2 blocks per SM).
+template <int kMats, int kParts, int kMT, int kKS, int kSub, int kMinBlocks = 0>
+__global__ void __launch_bounds__(kMT * kKS * 32, kMinBlocks > 0 ? kMinBlocks : kSub == 2 ? 2 : 1)
+    moe_mma_kernel(const MmaArgs a) {
   dev::pdl_enter();
   constexpr int kWarps = kMT * kKS;
   const int4 info = a.tile_info[blockIdx.x];  // one load: expert and rows of this tile
@@ -456,11 +459,22 @@ void launch_mma_xsmem(const MmaArgs& a, int64_t max_tiles, Stream stream) {
 
 // Warp layout per launch: kMT row tiles of 16 x kKS k-splits (8 warps). More row tiles per block mean fewer blocks
 // (each pays the tile / descriptor lookups once) and longer per-warp k chains.
-template <int kMats, int kParts, int kMT, int kSub>
+template <int kMats, int kParts, int kMT, int kSub, int kMinBlocks = 0>
 void launch_mma_mt(const MmaArgs& a, int64_t max_tiles, Stream stream) {
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(a.N / (16 * kMT)));
-  launch_kernel(moe_mma_kernel<kMats, kParts, kMT, 8 / kMT, kSub>, grid, 256, 0, stream, a);
+  launch_kernel(moe_mma_kernel<kMats, kParts, kMT, 8 / kMT, kSub, kMinBlocks>, grid, 256, 0, stream, a);
   KILN_CUDA_CHECK_LAUNCH();
+}
+
+// A decode-sized launch (one token sub-tile) with kMT row tiles, at `occ` blocks per SM (3 or 4; others: the
+// allocator's choice). Only the 3-part kernels have the occupancy variants.
+template <int kMats, int kParts, int kMT>
+void launch_mma_decode(const MmaArgs& a, int64_t max_tiles, int occ, Stream stream) {
+  if constexpr (kParts == 3) {
+    if (occ == 3) return launch_mma_mt<kMats, kParts, kMT, 1, 3>(a, max_tiles, stream);
+    if (occ == 4) return launch_mma_mt<kMats, kParts, kMT, 1, 4>(a, max_tiles, stream);
+  }
+  launch_mma_mt<kMats, kParts, kMT, 1>(a, max_tiles, stream);
 }
 
 // Row tiles of 16 rows take 2 token sub-tiles per pass over the weights, larger ones `sub` (2 or 4), with 4 x 2
@@ -469,7 +483,7 @@ void launch_mma_mt(const MmaArgs& a, int64_t max_tiles, Stream stream) {
 // row-tile count asked for (the widest that divides N; 8 means 8 row tiles x 1 k-split). sub | kSubXsmem: the
 // prefill tiles on moe_mma_xsmem_kernel (x staged in shared memory), 2 sub-tiles at 16 rows, `sub` above.
 template <int kMats, int kParts>
-void launch_mma(const MmaArgs& a, int64_t max_tiles, int mt, int tile_m, int sub, Stream stream) {
+void launch_mma(const MmaArgs& a, int64_t max_tiles, int mt, int tile_m, int sub, int occ, Stream stream) {
   if (tile_m >= 16 && a.N % 64 == 0) {
     if (sub & MoeTuning::kSubXsmem) {
       if (tile_m == 16 || (sub & ~MoeTuning::kSubXsmem) == 2)
@@ -480,10 +494,10 @@ void launch_mma(const MmaArgs& a, int64_t max_tiles, int mt, int tile_m, int sub
     return launch_mma_mt<kMats, kParts, 4, 4>(a, max_tiles, stream);
   }
   while (mt > 1 && a.N % (16 * mt) != 0) mt /= 2;
-  if (mt >= 8) launch_mma_mt<kMats, kParts, 8, 1>(a, max_tiles, stream);
-  else if (mt >= 4) launch_mma_mt<kMats, kParts, 4, 1>(a, max_tiles, stream);
-  else if (mt == 2) launch_mma_mt<kMats, kParts, 2, 1>(a, max_tiles, stream);
-  else launch_mma_mt<kMats, kParts, 1, 1>(a, max_tiles, stream);
+  if (mt >= 8) launch_mma_decode<kMats, kParts, 8>(a, max_tiles, occ, stream);
+  else if (mt >= 4) launch_mma_decode<kMats, kParts, 4>(a, max_tiles, occ, stream);
+  else if (mt == 2) launch_mma_decode<kMats, kParts, 2>(a, max_tiles, occ, stream);
+  else launch_mma_decode<kMats, kParts, 1>(a, max_tiles, occ, stream);
 }
 
 template <int kParts>
@@ -505,7 +519,7 @@ void run_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const Weig
   up.N = static_cast<int>(I);
   up.act_s = plan.act_s;
   profile_mark("split x");
-  launch_mma<2, kParts>(up, plan.max_tiles, plan.mt_up, plan.tile_m, plan.sub, stream);
+  launch_mma<2, kParts>(up, plan.max_tiles, plan.mt_up, plan.tile_m, plan.sub, plan.occ_up, stream);
   profile_mark("gate/up (tensor cores)");
   MmaArgs down = up;
   down.which0 = down.which1 = 2;
@@ -515,7 +529,7 @@ void run_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const Weig
   down.N = static_cast<int>(H);
   down.act_s = nullptr;
   down.y = plan.y;
-  launch_mma<1, kParts>(down, plan.max_tiles, plan.mt_down, plan.tile_m, plan.sub, stream);
+  launch_mma<1, kParts>(down, plan.max_tiles, plan.mt_down, plan.tile_m, plan.sub, plan.occ_down, stream);
   profile_mark("down (tensor cores)");
 }
 
@@ -555,7 +569,7 @@ void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tile
   a.K = static_cast<int>(K);
   a.N = static_cast<int>(N);
   a.y = out;
-  launch_mma<1, 3>(a, n_tiles, 4, kLinearTileRows, MoeTuning::kSubXsmem | 2, stream);
+  launch_mma<1, 3>(a, n_tiles, 4, kLinearTileRows, MoeTuning::kSubXsmem | 2, 0, stream);
 }
 
 }  // namespace kiln::cuda::ops

@@ -126,7 +126,8 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
 
 // The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, their block
 // shapes (KILN_MOE_MT row tiles per block for decode-sized tiles, KILN_MOE_SUB token sub-tiles for prefill-sized
-// ones, KILN_MOE_XSMEM the prefill kernel with x staged in shared memory; all read when the backend starts), and the
+// ones, KILN_MOE_XSMEM the prefill kernel with x staged in shared memory, KILN_MOE_OCC the decode kernels' blocks per
+// SM; all read when the backend starts), and the
 // fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes (H, I multiples
 // of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows; 200 rows give row tiles of 16).
 TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
@@ -137,6 +138,7 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
     const char* mt;
     const char* sub;
     const char* xsmem = nullptr;
+    const char* occ = nullptr;
   };
   // XSMEM unset: the default (prefill tiles on the shared-memory kernel, 2 sub-tiles); XSMEM=0 (or SUB=4): the
   // register kernel.
@@ -144,18 +146,22 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
                            Variant{"3", "4,8", nullptr}, Variant{"3", "8,2", nullptr},
                            Variant{"3", nullptr, nullptr, "0"}, Variant{"2", nullptr, nullptr, "0"},
                            Variant{"3", nullptr, nullptr, "2"}, Variant{"2", nullptr, nullptr, "2"},
+                           Variant{"3", "1,2", nullptr, nullptr, "3,3"}, Variant{"3", "4,8", nullptr, nullptr, "4,4"},
+                           Variant{"3", "2,4", nullptr, nullptr, "0,0"},
                            Variant{"0", nullptr, nullptr}}) {
     ::setenv("KILN_MOE_MMA", v.mma, 1);
     if (v.mt) ::setenv("KILN_MOE_MT", v.mt, 1);
     if (v.sub) ::setenv("KILN_MOE_SUB", v.sub, 1);
     if (v.xsmem) ::setenv("KILN_MOE_XSMEM", v.xsmem, 1);
+    if (v.occ) ::setenv("KILN_MOE_OCC", v.occ, 1);
     CudaOps gpu;  // reads the knobs when it starts
     ::unsetenv("KILN_MOE_MMA");
     ::unsetenv("KILN_MOE_MT");
     ::unsetenv("KILN_MOE_SUB");
     ::unsetenv("KILN_MOE_XSMEM");
-    const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={} XSMEM={}", v.mma, v.mt ? v.mt : "-",
-                                          v.sub ? v.sub : "-", v.xsmem ? v.xsmem : "-");
+    ::unsetenv("KILN_MOE_OCC");
+    const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={} XSMEM={} OCC={}", v.mma, v.mt ? v.mt : "-",
+                                          v.sub ? v.sub : "-", v.xsmem ? v.xsmem : "-", v.occ ? v.occ : "-");
     const bool mma = std::string(v.mma) != "0";
     EXPECT_EQ(gpu.describe().find("tensor cores off") == std::string::npos, mma) << gpu.describe();
     OpCheckConfig c;
@@ -219,6 +225,25 @@ TEST(CudaOps, ChunkedDeltaRuleMatchesCpuRecurrence) {
       if (r.op.rfind("gated_delta_rule", 0) == 0) dr.push_back(r);
     EXPECT_GE(dr.size(), 4u);
     expect_all_pass(dr, fmt::format("chunked delta rule Dk=Dv={}", d));
+  }
+}
+
+// Key heads wider than 128 take the recurrent kernel with 32 state rows per thread (narrower ones 16).
+TEST(CudaOps, RecurrentDeltaRuleWideKeyHeadsMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  for (int64_t d : {192, 256}) {
+    OpCheckConfig c;
+    c.seed = 11;
+    c.k_dim = d;
+    c.v_dim = 48;
+    c.prefill_lens = {1, 7, 20};  // < 32 tokens: the recurrent kernel for the prefill step too
+    std::vector<OpCheck> dr;
+    for (const OpCheck& r : compare_ops(gpu, *cpu, c))
+      if (r.op.rfind("gated_delta_rule", 0) == 0) dr.push_back(r);
+    EXPECT_GE(dr.size(), 2u);
+    expect_all_pass(dr, fmt::format("recurrent delta rule Dk={}", d));
   }
 }
 

@@ -127,9 +127,9 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
 // The routed-expert kernels: NVFP4 experts on tensor cores with x split into 3 (default) or 2 bf16 parts, their block
 // shapes (KILN_MOE_MT row tiles per block for decode-sized tiles, KILN_MOE_SUB token sub-tiles for prefill-sized
 // ones, KILN_MOE_XSMEM the prefill kernel with x staged in shared memory, KILN_MOE_OCC the decode kernels' blocks per
-// SM; all read when the backend starts), and the
-// fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at shapes the tensor-core path takes (H, I multiples
-// of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows; 200 rows give row tiles of 16).
+// SM; all read when the backend starts), and the fp32 CUDA-core kernels (KILN_MOE_MMA=0), each against the CPU at
+// shapes the tensor-core path takes (H, I multiples of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows;
+// 200 rows give row tiles of 16).
 TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();

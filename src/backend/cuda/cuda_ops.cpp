@@ -372,7 +372,7 @@ CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
     impl_->moe.sub = v[0] == '0' ? (impl_->moe.sub & ~kops::MoeTuning::kSubXsmem) : kops::MoeTuning::kSubXsmem | (v[0] == '1' ? 2 : 4);
   // Programmatic dependent launch (cuda_ops_launch.cuh): OFF unless KILN_PDL=1 (sm_90 and newer). With it on, `kiln
   // serve` on kiln-tiny answered some requests with wrong tokens (H200: 4 of 10 fresh-server smoke runs failed,
-  // 0 of 6 with it off) although every CUDA test passed; later 0 of 40 such runs failed with it on (not reproduced);
+  // 0 of 6 with it off) although every CUDA test passed; later 0 of 64 such runs failed with it on (not reproduced);
   // the cause is not found, so it stays a measurement knob.
   const char* pdl = std::getenv("KILN_PDL");
   kops::set_pdl_enabled(impl_->device.major >= 9 && pdl && std::string(pdl) == "1");

@@ -24,7 +24,7 @@
 // OFF by default; KILN_PDL=1 turns it on. With it on, `kiln serve` on kiln-tiny (H200) gave wrong tokens in 4 of 10
 // fresh-server smoke runs even with the rule above, while every CUDA test passed and the run with it off was clean
 // (tools/gpu/smoke_loop.sh): some kernel still reads or writes before its wait, or an ordering assumption here is
-// wrong. Later, on other H200 machines, 0 of 40 such runs failed with it on, 12 of them with the very sources that
+// wrong. Later, on other H200 machines, 0 of 64 such runs failed with it on, 12 of them with the very sources that
 // had failed: the failure did not reproduce, and its cause is still unknown. Until it is found this stays a
 // measurement knob (batch-1 decode 3.50 -> 3.26 ms on the 35B-A3B shape). Without the attribute the kernels' wait
 // instructions return at once.

@@ -44,6 +44,15 @@ void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* 
   }
 }
 
+void upload_step(Ops& ops, StepLayout& step) {
+  const int64_t T = step.num_tokens, S = step.num_seqs;
+  step.token_pos = ops.upload(step.host_token_pos.data(), DType::I32, Shape{T});
+  step.seq_token_begin = ops.upload(step.host_seq_token_begin.data(), DType::I32, Shape{S + 1});
+  step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
+  step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
+  step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
+}
+
 TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {
   const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
   random_storage_.push_back(std::make_unique<uint8_t[]>(std::max<size_t>(bytes, 16)));

@@ -278,4 +278,9 @@ class Ops {
   std::vector<std::unique_ptr<uint8_t[]>> random_storage_;  // place_random's default
 };
 
+// Uploads the step's host mirrors into its device arrays with Ops::upload(), always in the same order (token_pos,
+// seq_token_begin, seq_start_pos, seq_state_slot, page_table): a replayed graph finds its inputs where the captured
+// pass read them.
+void upload_step(Ops& ops, StepLayout& step);
+
 }  // namespace kiln::model

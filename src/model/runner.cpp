@@ -253,7 +253,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     }
   }
   step.num_tokens = static_cast<int64_t>(ids.size());
-  const int64_t T = step.num_tokens, S = step.num_seqs;
+  const int64_t T = step.num_tokens;
   std::vector<int32_t> rows;
   std::vector<int64_t> out_rows;
   for (size_t s = 0; s < pieces.size(); ++s) {
@@ -263,11 +263,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   }
   // Every upload comes before the compute, in a fixed order: a replayed pass finds its inputs where the captured
   // one read them.
-  step.token_pos = ops.upload(step.host_token_pos.data(), DType::I32, Shape{T});
-  step.seq_token_begin = ops.upload(step.host_seq_token_begin.data(), DType::I32, Shape{S + 1});
-  step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
-  step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
-  step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
+  upload_step(ops, step);
   const TensorView id_view = ops.upload(ids.data(), DType::I32, Shape{T});
   const TensorView row_ids =
       rows.empty() ? TensorView() : ops.upload(rows.data(), DType::I32, Shape{static_cast<int64_t>(rows.size())});

@@ -97,9 +97,22 @@ __device__ __forceinline__ void weight_at8(const WeightDesc& w, int64_t n, int64
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum over the warp, every lane the same value (an xor butterfly: the same pairs in every lane).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// Inclusive prefix sum over the warp: lane i gets the sum of lanes 0..i (Hillis-Steele, 5 shuffles).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
   return v;
 }
 __device__ __forceinline__ float warp_max(float v) {

@@ -675,29 +675,14 @@ __global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restri
     tiles += (c + tile_rows_m - 1) / tile_rows_m;
   }
   // Inclusive scans within the warp, then over the warp totals (every warp redoes that second level itself).
-  int rows_incl = rows, tiles_incl = tiles;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int r = __shfl_up_sync(0xffffffffu, rows_incl, o), tl = __shfl_up_sync(0xffffffffu, tiles_incl, o);
-    if (lane >= o) {
-      rows_incl += r;
-      tiles_incl += tl;
-    }
-  }
+  const int rows_incl = warp_inclusive_scan(rows), tiles_incl = warp_inclusive_scan(tiles);
   if (lane == 31) {
     warp_rows[warp] = rows_incl;
     warp_tiles[warp] = tiles_incl;
   }
   __syncthreads();
-  int wrows = lane < nwarps ? warp_rows[lane] : 0, wtiles = lane < nwarps ? warp_tiles[lane] : 0;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int r = __shfl_up_sync(0xffffffffu, wrows, o), tl = __shfl_up_sync(0xffffffffu, wtiles, o);
-    if (lane >= o) {
-      wrows += r;
-      wtiles += tl;
-    }
-  }
+  const int wrows = warp_inclusive_scan(lane < nwarps ? warp_rows[lane] : 0);
+  const int wtiles = warp_inclusive_scan(lane < nwarps ? warp_tiles[lane] : 0);
   const int total_rows = __shfl_sync(0xffffffffu, wrows, 31), total_tiles = __shfl_sync(0xffffffffu, wtiles, 31);
   const int prev_rows = __shfl_sync(0xffffffffu, wrows, (warp + 31) & 31);
   const int prev_tiles = __shfl_sync(0xffffffffu, wtiles, (warp + 31) & 31);

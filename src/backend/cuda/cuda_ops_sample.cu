@@ -48,16 +48,12 @@ __device__ __forceinline__ bool finite_value(float x) { return x > -INFINITY && 
 
 // ---- block reductions: every thread gets the same value (fixed order: an xor butterfly is symmetric in its pairs).
 __device__ double block_sum(double v, Smem& sm) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  v = dev::warp_sum(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __syncthreads();
   if (lane == 0) sm.red[warp] = v;
   __syncthreads();
-  double t = sm.red[lane];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
-  return t;
+  return dev::warp_sum(sm.red[lane]);
 }
 
 __device__ float block_max_f32(float v, Smem& sm) {
@@ -130,12 +126,7 @@ __device__ void find_bucket(Smem& sm, int shift, double target, bool stop_if_non
   double ls = 0.0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) ls += sm.tot[top - j];
-  double incl = ls;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double y = __shfl_up_sync(kFull, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const double incl = dev::warp_inclusive_scan(ls);
   double excl = __shfl_up_sync(kFull, incl, 1);
   if (lane == 0) excl = 0.0;
   double c = sm.above + excl;
@@ -242,15 +233,19 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int seg = ((n + kThreads - 1) / kThreads + 31) & ~31;
   const int begin = int(threadIdx.x) * seg;
-  double s = 0.0;
-  int last = -1;
-  for (int j0 = 0; j0 < seg; j0 += kSegUnroll) {
-    float v[kSegUnroll];
+  // kSegUnroll values of this thread's segment from j0, all loads issued before any is used (past n: the last).
+  auto load = [&](int j0, float (&v)[kSegUnroll]) {
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
       const int i = begin + j0 + u;
       v[u] = row[i < n ? i : n - 1];
     }
+  };
+  double s = 0.0;
+  int last = -1;
+  for (int j0 = 0; j0 < seg; j0 += kSegUnroll) {
+    float v[kSegUnroll];
+    load(j0, v);
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
       const int i = begin + j0 + u;
@@ -259,24 +254,11 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
       if (w > 0.0) last = i;
     }
   }
-  double incl = s;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double y = __shfl_up_sync(kFull, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const double incl = dev::warp_inclusive_scan(s);
   __syncthreads();
   if (lane == 31) sm.red[warp] = incl;
   __syncthreads();
-  if (warp == 0) {
-    double wi = sm.red[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const double y = __shfl_up_sync(kFull, wi, o);
-      if (lane >= o) wi += y;
-    }
-    sm.red2[lane] = wi;
-  }
+  if (warp == 0) sm.red2[lane] = dev::warp_inclusive_scan(sm.red[lane]);
   __syncthreads();
   const double end = (warp ? sm.red2[warp - 1] : 0.0) + incl;  // the prefix sum through this segment
   const double target = scale_by_total ? t * sm.red2[kWarps - 1] : t;
@@ -293,11 +275,7 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
     int chosen = -1, last_pos = -1;
     for (int j0 = 0; j0 < seg && chosen < 0; j0 += kSegUnroll) {
       float v[kSegUnroll];
-#pragma unroll
-      for (int u = 0; u < kSegUnroll; ++u) {
-        const int i = begin + j0 + u;
-        v[u] = row[i < n ? i : n - 1];
-      }
+      load(j0, v);
 #pragma unroll
       for (int u = 0; u < kSegUnroll; ++u) {
         const int i = begin + j0 + u;

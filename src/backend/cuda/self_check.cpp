@@ -649,12 +649,7 @@ model::StepLayout layout_on(model::Ops& ops, const HostStep& h) {
   s.host_seq_start_pos = h.seq_start;
   s.host_seq_state_slot = h.slot;
   s.host_page_table = h.page_table;
-  const int64_t T = s.num_tokens, S = s.num_seqs;
-  s.token_pos = ops.upload(h.token_pos.data(), DType::I32, Shape{T});
-  s.seq_token_begin = ops.upload(h.seq_begin.data(), DType::I32, Shape{S + 1});
-  s.seq_start_pos = ops.upload(h.seq_start.data(), DType::I32, Shape{S});
-  s.seq_state_slot = ops.upload(h.slot.data(), DType::I32, Shape{S});
-  s.page_table = ops.upload(h.page_table.data(), DType::I32, Shape{S, h.max_pages});
+  model::upload_step(ops, s);
   return s;
 }
 

@@ -23,9 +23,12 @@
 #include "backend/device.h"
 #include "format/model_dir.h"
 #include "model/runner.h"
+#include "cuda_test_util.h"
 
 namespace kiln::backend::cuda {
 namespace {
+
+using ::kiln::cuda::test::ScopedEnv;
 
 #define KILN_REQUIRE_CUDA_DEVICE()                                                        \
   do {                                                                                    \
@@ -149,17 +152,12 @@ TEST(CudaOps, RoutedExpertsEveryPathMatchesCpu) {
                            Variant{"3", "1,2", nullptr, nullptr, "3,3"}, Variant{"3", "4,8", nullptr, nullptr, "4,4"},
                            Variant{"3", "2,4", nullptr, nullptr, "0,0"},
                            Variant{"0", nullptr, nullptr}}) {
-    ::setenv("KILN_MOE_MMA", v.mma, 1);
-    if (v.mt) ::setenv("KILN_MOE_MT", v.mt, 1);
-    if (v.sub) ::setenv("KILN_MOE_SUB", v.sub, 1);
-    if (v.xsmem) ::setenv("KILN_MOE_XSMEM", v.xsmem, 1);
-    if (v.occ) ::setenv("KILN_MOE_OCC", v.occ, 1);
+    const ScopedEnv env({{"KILN_MOE_MMA", v.mma},
+                         {"KILN_MOE_MT", v.mt},
+                         {"KILN_MOE_SUB", v.sub},
+                         {"KILN_MOE_XSMEM", v.xsmem},
+                         {"KILN_MOE_OCC", v.occ}});
     CudaOps gpu;  // reads the knobs when it starts
-    ::unsetenv("KILN_MOE_MMA");
-    ::unsetenv("KILN_MOE_MT");
-    ::unsetenv("KILN_MOE_SUB");
-    ::unsetenv("KILN_MOE_XSMEM");
-    ::unsetenv("KILN_MOE_OCC");
     const std::string label = fmt::format("KILN_MOE_MMA={} MT={} SUB={} XSMEM={} OCC={}", v.mma, v.mt ? v.mt : "-",
                                           v.sub ? v.sub : "-", v.xsmem ? v.xsmem : "-", v.occ ? v.occ : "-");
     const bool mma = std::string(v.mma) != "0";
@@ -186,9 +184,8 @@ TEST(CudaOps, DenseLinearPathsMatchCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();
   for (const char* mode : {"1", "0"}) {
-    ::setenv("KILN_CUDA_BLAS", mode, 1);
+    const ScopedEnv env({{"KILN_CUDA_BLAS", mode}});
     CudaOps gpu;
-    ::unsetenv("KILN_CUDA_BLAS");
     OpCheckConfig c;
     c.seed = 8;
     c.hidden = 384;
@@ -208,9 +205,8 @@ TEST(CudaOps, DenseLinearPathsMatchCpu) {
 TEST(CudaOps, ChunkedDeltaRuleMatchesCpuRecurrence) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();
-  ::setenv("KILN_DELTA_RULE", "chunked", 1);
+  const ScopedEnv env({{"KILN_DELTA_RULE", "chunked"}});
   CudaOps gpu;
-  ::unsetenv("KILN_DELTA_RULE");
   EXPECT_NE(gpu.describe().find("KILN_DELTA_RULE=chunked"), std::string::npos) << gpu.describe();
   for (int64_t d : {128, 40}) {
     OpCheckConfig c;
@@ -740,15 +736,7 @@ TEST(CudaOps, SampleRowsEdgeCases) {
     model::RowSampling rs;
     int32_t want;
   };
-  auto rs = [](float t, int k, float p, float m, double u) {
-    model::RowSampling r;
-    r.temperature = t;
-    r.top_k = k;
-    r.top_p = p;
-    r.min_p = m;
-    r.u = u;
-    return r;
-  };
+  auto rs = [](float t, int k, float p, float m, double u) { return model::RowSampling{t, k, p, m, u}; };
   const std::vector<Row> rows = {
       {{1, 3, 3, 2}, rs(0, 0, 1, 0, 0), 1},                    // greedy: lowest id of the tie
       {{-0.0f, 0.0f, -1, -2}, rs(0, 0, 1, 0, 0), 0},           // -0 ties +0

@@ -7,8 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <random>
 #include <vector>
 
@@ -31,6 +34,27 @@
   } while (0)
 
 namespace kiln::cuda::test {
+
+// Sets environment variables for a scope (a null value leaves that one alone) and unsets them when the scope ends,
+// also when it throws: for the backends' switches, which are read when an object is constructed.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& [name, value] : vars)
+      if (value) {
+        ::setenv(name, value, 1);
+        names_.push_back(name);
+      }
+  }
+  ~ScopedEnv() {
+    for (const char* name : names_) ::unsetenv(name);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::vector<const char*> names_;
+};
 
 inline std::mt19937& rng() {
   static std::mt19937 gen(std::random_device{}());

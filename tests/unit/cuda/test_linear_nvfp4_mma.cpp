@@ -12,18 +12,20 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/self_check.h"
+#include "cuda_test_util.h"
 
 namespace kiln::backend::cuda {
 namespace {
+
+using ::kiln::cuda::test::ScopedEnv;
 
 TEST(CudaOps, NvFp4LinearManyRowsMatchesCpu) {
   const CudaDeviceProbe probe = probe_cuda_device();
   if (!probe.usable) GTEST_SKIP() << "no usable CUDA device: " << probe.reason;
   auto cpu = make_cpu_backend();
   for (const char* mode : {"1", "0"}) {
-    ::setenv("KILN_CUDA_BLAS", mode, 1);
+    const ScopedEnv env({{"KILN_CUDA_BLAS", mode}});
     CudaOps gpu;
-    ::unsetenv("KILN_CUDA_BLAS");
     OpCheckConfig c;
     c.seed = 11;
     c.hidden = 384;        // K: 3 k-steps of 128

@@ -20,13 +20,7 @@ using model::sample_row_host;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 RowSampling row(float temperature, int top_k, float top_p, float min_p, double u) {
-  RowSampling r;
-  r.temperature = temperature;
-  r.top_k = top_k;
-  r.top_p = top_p;
-  r.min_p = min_p;
-  r.u = u;
-  return r;
+  return {temperature, top_k, top_p, min_p, u};
 }
 
 TEST(SampleRowHost, GreedyAndRowsWithoutAFiniteLogit) {

@@ -22,6 +22,10 @@ namespace {
 
 using namespace dev;
 
+// Launch shapes are sized for the H200's 132 SMs (the tuned target; other GPUs get the same shapes).
+constexpr int64_t kSms = 132;
+constexpr int64_t kTwoBlocksPerSm = 2 * kSms;
+
 struct GemmArgs {
   WeightDesc w0, w1;                 // single-group weights (w1: the up projection when dual)
   const WeightDesc* table = nullptr;  // grouped: group g uses table[g * table_stride + {0, 1}]
@@ -450,13 +454,13 @@ void launch_gemv2_kind(const GemmArgs& b, int rows, bool two, dim3 grid, Stream 
 template <bool kDual>
 void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_rows, Stream stream) {
   // Two columns per warp when that still gives every SM two blocks; else one.
-  const bool two = (a.N + 7) / 8 * max_tiles >= 264;
+  const bool two = (a.N + 7) / 8 * max_tiles >= kTwoBlocksPerSm;
   const int cols_per_pass = two ? 8 : 4;
   const int64_t col_blocks = (a.N + cols_per_pass - 1) / cols_per_pass;
   // Many row tiles (grouped experts at larger batches): each block walks several column groups, so that blocks
   // are few enough to amortise their setup (tile lookup, descriptors, x rows) while ~8 per SM stay resident.
   int passes = 1;
-  while (a.tile_group && passes < 64 && max_tiles * ((col_blocks + 2 * passes - 1) / (2 * passes)) >= 132 * 8)
+  while (a.tile_group && passes < 64 && max_tiles * ((col_blocks + 2 * passes - 1) / (2 * passes)) >= kSms * 8)
     passes *= 2;
   GemmArgs b = a;
   b.col_passes = passes;
@@ -878,7 +882,7 @@ bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, 
   // One column layout for all segments: two columns per warp when the total still fills the GPU.
   int64_t total_n = 0;
   for (int i = 0; i < count; ++i) total_n += ws[i].n;
-  const bool two = (total_n + 7) / 8 >= 264;
+  const bool two = (total_n + 7) / 8 >= kTwoBlocksPerSm;
   const int cols_per_block = two ? 8 : 4;
   int blocks = 0;
   for (int i = 0; i < count; ++i) {
@@ -1005,7 +1009,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     // (Measured on the H200: up to 4 for gate/up, 8 for down, which has a quarter of the k-steps.)
     auto widest = [&](int64_t n, int most) {
       int mt = most;
-      while (mt > 1 && live_tiles * (n / (16 * mt)) < 264) mt /= 2;
+      while (mt > 1 && live_tiles * (n / (16 * mt)) < kTwoBlocksPerSm) mt /= 2;
       return mt;
     };
     plan.mt_up = tuning.mt_up > 0 ? tuning.mt_up : widest(I, 4);
@@ -1015,7 +1019,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     // its grid outgrows 2 blocks per SM (batch 16 10.67 -> 10.55 ms, batch 64 19.89 -> 19.57) but slower below
     // (batch 1 3.50 -> 3.60 ms, mt 1); down at 4 (64 registers) is faster at every batch (batch 1 3.54 -> 3.50 ms).
     const int64_t up_blocks = live_tiles * (I / (16 * plan.mt_up));
-    plan.occ_up = tuning.occ_up >= 0 ? tuning.occ_up : up_blocks > 264 ? 3 : 0;
+    plan.occ_up = tuning.occ_up >= 0 ? tuning.occ_up : up_blocks > kTwoBlocksPerSm ? 3 : 0;
     plan.occ_down = tuning.occ_down >= 0 ? tuning.occ_down : 4;
     plan.max_tiles = max_tiles;
     plan.tile_info = c.lay.tile_info;

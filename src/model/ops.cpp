@@ -15,30 +15,35 @@ int32_t host_argmax(const float* row, int64_t n) {
 }
 
 void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out) {
+  fill_random_host_range(dtype, 0, numel, fill, out);
+}
+
+void fill_random_host_range(DType dtype, int64_t first, int64_t count, const RandomFill& fill, void* out) {
+  const int64_t numel = first + count;
   if (fill.kind == RandomFill::Kind::bytes) {
     KILN_CHECK(dtype_size(dtype) == 1, "random bytes for a {} tensor", dtype_name(dtype));
     KILN_CHECK(fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256, "random byte range [{}, {})", fill.byte_lo,
                fill.byte_hi);
     auto* o = static_cast<uint8_t*>(out);
     const uint64_t span = fill.byte_hi - fill.byte_lo;
-    for (int64_t i = 0; i < numel; ++i) {
+    for (int64_t i = first; i < numel; ++i) {
       const uint64_t h = random_fill_hash(fill.seed, static_cast<uint64_t>(i));
       uint32_t b = fill.byte_lo + static_cast<uint32_t>((h >> 32) % span);
       if (fill.random_sign && (h & 1)) b |= 0x80;
-      o[i] = static_cast<uint8_t>(b);
+      o[i - first] = static_cast<uint8_t>(b);
     }
     return;
   }
   const float d = fill.hi - fill.lo;
-  for (int64_t i = 0; i < numel; ++i) {
+  for (int64_t i = first; i < numel; ++i) {
     const uint64_t h = random_fill_hash(fill.seed, static_cast<uint64_t>(i));
     const float u = static_cast<float>(h >> 40) * 0x1p-24f;  // exact
     const float m = d * u;
     const float v = fill.lo + m;
     switch (dtype) {
-      case DType::F32: static_cast<float*>(out)[i] = v; break;
-      case DType::BF16: static_cast<uint16_t*>(out)[i] = f32_to_bf16(v); break;
-      case DType::F16: static_cast<uint16_t*>(out)[i] = f32_to_f16(v); break;
+      case DType::F32: static_cast<float*>(out)[i - first] = v; break;
+      case DType::BF16: static_cast<uint16_t*>(out)[i - first] = f32_to_bf16(v); break;
+      case DType::F16: static_cast<uint16_t*>(out)[i - first] = f32_to_f16(v); break;
       default: fail("random uniform values for a {} tensor", dtype_name(dtype));
     }
   }

@@ -109,6 +109,8 @@ inline uint64_t random_fill_hash(uint64_t seed, uint64_t i) {
 }
 // Fills `out` (shape.numel() elements of dtype) on the host: the definition the GPU fill kernel follows.
 void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out);
+// Elements [first, first + count) of the same fill into out[0, count) (for filling one tensor on several threads).
+void fill_random_host_range(DType dtype, int64_t first, int64_t count, const RandomFill& fill, void* out);
 
 // argmax of row[0, n) on the host: the lowest index on ties, NaN never wins, 0 when every value is NaN.
 int32_t host_argmax(const float* row, int64_t n);

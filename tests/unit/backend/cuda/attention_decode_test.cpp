@@ -4,6 +4,7 @@
 // usable GPU.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,8 @@ struct AttentionChoice {
   const char* name;
   bool prefill_tensor_cores;
 };
+// gtest prints the parameter by its name (not as bytes).
+void PrintTo(const AttentionChoice& p, std::ostream* os) { *os << p.name; }
 
 class PagedAttention : public ::testing::TestWithParam<AttentionChoice> {};
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,8 @@ struct LinearPaths {
   const char* name;
   bool tensor_cores;
 };
+// gtest prints the parameter by its name (not as bytes).
+void PrintTo(const LinearPaths& p, std::ostream* os) { *os << p.name; }
 std::string path_name(const ::testing::TestParamInfo<LinearPaths>& info) { return info.param.name; }
 const auto kLinearPaths = ::testing::Values(LinearPaths{"TensorCores", true}, LinearPaths{"Fp32Kernels", false});
 

@@ -2,6 +2,7 @@
 // the CPU backend. Skipped without a usable GPU.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,8 @@ struct MoeRunner {
   const char* name;
   bool tensor_cores;
 };
+// gtest prints the parameter by its name (not as bytes).
+void PrintTo(const MoeRunner& p, std::ostream* os) { *os << p.name; }
 
 class RoutedExperts : public ::testing::TestWithParam<MoeRunner> {};
 

@@ -1,5 +1,6 @@
 #include "backend/device.h"
 
+#include "backend/op_check.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/thread_pool.h"
@@ -11,7 +12,6 @@
 
 #if KILN_HAVE_CUDA
 #include "backend/cuda/cuda_ops.h"
-#include "backend/cuda/self_check.h"
 #endif
 
 namespace kiln::backend {
@@ -56,15 +56,30 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
     k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"cpu"}, "cpu");
     return k;
   }
-  k.attention = pick("--attention-backend", o.attention_backend, {"kiln-paged"}, "kiln-paged");
-  k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend, {"kiln-grouped"}, "kiln-grouped");
+  k.attention = pick("--attention-backend", o.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
+  k.moe_runner =
+      pick("--moe-runner-backend", o.moe_runner_backend, {"kiln-grouped", "kiln-grouped-fp32"}, "kiln-grouped");
   if (o.fp4_gemm_backend == "native-fp4")
     fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
-         "{}use kiln-w4a16 (FP4 decoded to BF16 in registers) or auto",
+         "{}use kiln-w4a16 (FP4 decoded to BF16 in registers), kiln-fp32 or auto",
          compute_major == 9 ? "this GPU (sm_90, Hopper) has none: " : "");
-  k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"kiln-w4a16"}, "kiln-w4a16");
+  k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"kiln-w4a16", "kiln-fp32"}, "kiln-w4a16");
   return k;
 }
+
+#if KILN_HAVE_CUDA
+namespace {
+// The CudaOptions of a resolved cuda kernel choice.
+cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o) {
+  cuda::CudaOptions c;
+  c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
+  c.moe_tensor_cores = k.moe_runner == "kiln-grouped";
+  c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
+  c.pdl = o.pdl;
+  return c;
+}
+}  // namespace
+#endif
 
 std::string MemoryPlan::str() const {
   const double G = 1024.0 * 1024.0 * 1024.0;
@@ -138,14 +153,15 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   return p;
 }
 
-std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check) {
+std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check, const LoadOptions& options) {
   if (device == "cpu") return make_cpu_backend();
 #if KILN_HAVE_CUDA
   if (device == "cuda") {
-    auto ops = std::make_unique<cuda::CudaOps>();
+    const KernelChoice kernels = resolve_kernels("cuda", cuda::probe_cuda_device().major, options);
+    auto ops = std::make_unique<cuda::CudaOps>(cuda_options(kernels, options));
     if (self_check) {
       auto reference = make_cpu_backend();
-      cuda::self_check(*ops, *reference);
+      startup_op_check(*ops, *reference);
     } else {
       KILN_LOG_WARN("CUDA self-check skipped (--skip-self-check): results are not checked against the CPU backend");
     }
@@ -173,10 +189,11 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
                                              static_cast<double>(probe.free_bytes));
   KILN_LOG_INFO("{}", plan.str());
   ro.kv_pages = plan.kv_pages;
-  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
-                           options.cuda_graphs ? "on" : "off");
+  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
+                           options.cuda_graphs ? "on" : "off",
+                           options.pdl ? "; programmatic dependent launch on (experimental)" : "");
 #endif
-  auto runner = std::make_unique<model::Runner>(make_ops(choice.device, self_check), dir, ro);
+  auto runner = std::make_unique<model::Runner>(make_ops(choice.device, self_check, options), dir, ro);
   KILN_LOG_INFO("{}", runner->describe());
   return runner;
 }

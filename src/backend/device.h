@@ -1,7 +1,7 @@
 // Which backend runs the model: `--device auto|cpu|cuda`, resolved once at startup.
 //   auto: cuda when this build has the CUDA backend and a supported GPU is present (compute capability 9.0 or
 //         12.x), else cpu; cpu: the CPU oracle; cuda: the CUDA backend, or a kiln::Error naming what was found.
-// A cuda backend passes a numerical self-check against the CPU backend before it is used (cuda/self_check.h);
+// A cuda backend passes a numerical self-check against the CPU backend before it is used (op_check.h);
 // `self_check = false` (--skip-self-check) bypasses it.
 #pragma once
 #include <memory>
@@ -23,12 +23,17 @@ struct DeviceChoice {
 DeviceChoice resolve_device(const std::string& requested);
 
 // The kernels a device runs (--attention-backend, --moe-runner-backend, --fp4-gemm-backend; SGLang's flag names,
-// kiln's own kernels). "auto" resolves per device and GPU architecture; a choice the device cannot run is a
-// kiln::Error that says which choices it can.
+// kiln's own kernels). "auto" resolves per device and GPU architecture (to the fast paths); a choice the device
+// cannot run is a kiln::Error that says which choices it can. The cuda choices become the CudaOptions of the backend.
 struct KernelChoice {
-  std::string attention;  // cpu: "cpu"; cuda: "kiln-paged"
-  std::string moe_runner; // cpu: "cpu"; cuda: "kiln-grouped"
-  std::string fp4_gemm;   // cpu: "cpu"; cuda sm_90: "kiln-w4a16" (FP4 decoded in registers; no FP4 tensor cores)
+  // cpu: "cpu"; cuda: "kiln-paged" (prefill-shaped steps on the tensor-core flash kernel, decode on the split-KV
+  // kernel) or "kiln-paged-fp32" (the split-KV kernel on CUDA cores for every step)
+  std::string attention;
+  // cpu: "cpu"; cuda: "kiln-grouped" (NVFP4 experts on tensor cores) or "kiln-grouped-fp32" (fp32 CUDA-core kernels)
+  std::string moe_runner;
+  // cpu: "cpu"; cuda: "kiln-w4a16" (NVFP4 linears of many rows on tensor cores, FP4 decoded to bf16 in registers; no
+  // FP4 tensor cores on sm_90) or "kiln-fp32" (the fp32 gemm)
+  std::string fp4_gemm;
   std::string str() const;
 };
 // compute_major: the GPU's compute capability major (0 for the CPU).
@@ -47,8 +52,10 @@ struct MemoryPlan {
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& options, double gpu_bytes,
                               double free_bytes);
 
-// The Ops of a resolved device ("cpu" or "cuda"); a cuda Ops is self-checked unless self_check is false.
-std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check = true);
+// The Ops of a resolved device ("cpu" or "cuda"); a cuda Ops runs the kernels `options` choose (resolve_kernels,
+// --enable-pdl) and is checked against the CPU backend (op_check.h) unless self_check is false.
+std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check = true,
+                                     const LoadOptions& options = {});
 
 // Loads `dir` on the requested device (auto / cpu / cuda) with the runner options of CpuLoadOptions (threads
 // apply to the CPU backend only). Logs the resolved choice and the backend's description.

@@ -14,6 +14,7 @@ struct GpuFlags {
   double mem_fraction_static = 0;
   std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
   bool disable_cuda_graph = false;
+  bool enable_pdl = false;
 };
 
 inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
@@ -22,12 +23,22 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
       ->capture_default_str();
   app.add_option("--mem-fraction-static", f.mem_fraction_static,
                  "cuda: share of GPU memory for weights, KV cache, state and activations (default 0.90)");
-  app.add_option("--attention-backend", f.attention_backend, "auto, or kiln-paged (cuda)")->capture_default_str();
-  app.add_option("--moe-runner-backend", f.moe_runner_backend, "auto, or kiln-grouped (cuda)")->capture_default_str();
+  app.add_option("--attention-backend", f.attention_backend,
+                 "cuda: auto = kiln-paged (prefill on the tensor-core flash kernel, decode split over keys), or "
+                 "kiln-paged-fp32 (every step on the split-over-keys kernel, CUDA cores)")
+      ->capture_default_str();
+  app.add_option("--moe-runner-backend", f.moe_runner_backend,
+                 "cuda: auto = kiln-grouped (NVFP4 experts on tensor cores), or kiln-grouped-fp32 (fp32 CUDA-core "
+                 "kernels)")
+      ->capture_default_str();
   app.add_option("--fp4-gemm-backend", f.fp4_gemm_backend,
-                 "auto, or kiln-w4a16 (cuda: FP4 decoded in registers; Hopper has no FP4 tensor cores)")
+                 "cuda: auto = kiln-w4a16 (NVFP4 linears of many rows on tensor cores, FP4 decoded in registers; "
+                 "Hopper has no FP4 tensor cores), or kiln-fp32 (the fp32 gemm)")
       ->capture_default_str();
   app.add_flag("--disable-cuda-graph", f.disable_cuda_graph, "cuda: run decode steps eagerly (no CUDA graphs)");
+  app.add_flag("--enable-pdl", f.enable_pdl,
+               "cuda, experimental: overlap each kernel's launch with the previous kernel (programmatic dependent "
+               "launch, sm_90+); wrong tokens have been seen with it in serving, so it is off by default");
 }
 
 inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
@@ -37,6 +48,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.moe_runner_backend = f.moe_runner_backend;
   lo.fp4_gemm_backend = f.fp4_gemm_backend;
   lo.cuda_graphs = !f.disable_cuda_graph;
+  lo.pdl = f.enable_pdl;
 }
 
 }  // namespace kiln::cli

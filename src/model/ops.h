@@ -273,7 +273,7 @@ class Ops {
   // ids[r] = sample_row_host(logits[r], V, rows[r]) (model/sampling.h: temperature, top-k, top-p, min-p, the draw
   // with rows[r].u; -1 for a row without a finite logit), written to host memory (synchronises). logits F32 [R, V]
   // contiguous. The default downloads the logits and samples on the host; a GPU backend samples on the device and
-  // copies back only the ids (the same tokens up to the rounding of its sums, see cuda_ops_sample.h).
+  // copies back only the ids (the same tokens up to the rounding of its sums, see backend/cuda/kernels.h).
   virtual void sample_rows(const TensorView& logits, std::span<const RowSampling> rows, std::span<int32_t> ids);
 
  private:

@@ -24,16 +24,16 @@ if has bench; then
     --input-len 512 --output-len ${OUTLEN:-32} --profile 2>&1 | tee "$OUT/bench35.txt" | grep -v "^\[.*INFO\]"
 fi
 if has moe; then
-  # Each variant: space-separated VAR=value settings for the run (MOE_VARIANTS overrides the list; MOE_PREFILL=0 skips
-  # the 4k prefill of each).
+  # Each variant: bench-engine flags for the run (MOE_VARIANTS overrides the list; MOE_PREFILL=0 skips the 4k prefill
+  # of each).
   echo "== routed-expert variants"
-  VARIANTS=${MOE_VARIANTS:-"KILN_MOE_MMA=0|KILN_MOE_MMA=2|KILN_MOE_MMA=3"}
+  VARIANTS=${MOE_VARIANTS:-"--moe-runner-backend kiln-grouped-fp32|--moe-runner-backend kiln-grouped"}
   IFS='|' read -ra VLIST <<< "$VARIANTS"
   for v in "${VLIST[@]}"; do
     echo "-- $v"
-    env $v timeout 120 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${MOE_BATCHES:-1,16,64,128} \
+    timeout 120 "$K" bench-engine $v --device cuda --model-path $C35 --load-format dummy --batch ${MOE_BATCHES:-1,16,64,128} \
       --input-len 512 --output-len 16 --skip-self-check 2>&1 | grep -E "^batch"
-    [ "${MOE_PREFILL:-1}" = 1 ] && env $v timeout 90 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy \
+    [ "${MOE_PREFILL:-1}" = 1 ] && timeout 90 "$K" bench-engine $v --device cuda --model-path $C35 --load-format dummy \
       --batch 1 --input-len 4096 --output-len 4 --prefill-chunk 4096 --skip-self-check 2>&1 | grep -E "^batch"
   done 2>&1 | tee "$OUT/bench35_moe_variants.txt"
 fi

@@ -28,6 +28,7 @@ struct CpuLoadOptions {
   std::string moe_runner_backend = "auto";
   std::string fp4_gemm_backend = "auto";
   bool cuda_graphs = true;  // capture and replay decode steps
+  bool pdl = false;         // cuda: programmatic dependent launch between kernels (--enable-pdl, experimental)
 };
 // The name the load options go by outside the CPU backend.
 using LoadOptions = CpuLoadOptions;

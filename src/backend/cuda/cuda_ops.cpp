@@ -1,23 +1,20 @@
-// CudaOps: device memory, shape checks and the translation of TensorViews into the kernel launchers of
-// cuda_ops_kernels.h. Compiled by the host compiler (it needs kiln's fmt-based headers; nvcc sees only the
-// kernels).
+// CudaOps: shape checks, the kernel choice and the translation of TensorViews into the kernel launchers of
+// kernels.h; memory, graphs and profiling go to the CudaRuntime. Compiled by the host compiler (it needs kiln's
+// fmt-based headers; nvcc sees only the kernels).
 #include "backend/cuda/cuda_ops.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <unordered_map>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/cuda_ops_args.h"
-#include "backend/cuda/cuda_ops_attention_prefill.h"
-#include "backend/cuda/cuda_ops_kernels.h"
-#include "backend/cuda/cuda_ops_sample.h"
+#include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/step_args.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -33,11 +30,8 @@ using model::NormKind;
 using model::StepLayout;
 using model::WeightFormat;
 
-constexpr size_t kAlign = 256;
-constexpr size_t kFirstScratchBytes = size_t{64} << 20;
-// Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, split-bf16 activations).
-// The fewest rows that take cuBLASLt (measured on the H200, batch 16 decode step: 11.9 ms with 16, 14.3 ms with 33
-// or 65, where the 8192 x 2048 projections run on the 8-row-tile gemv).
+// Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, split-bf16 activations): below it
+// the 8-row-tile gemv is faster (docs/perf/cuda-ops.md).
 constexpr int64_t kBlasMinRows = 16;
 constexpr int kDeltaGatesFusedMaxSeqs = 8;  // gated_delta_rule_with_gates: gates in the recurrent kernel up to here
 // A step's sequence of fewer than kAttentionPrefillMinTokens tokens with more keys than this keeps the step's
@@ -45,9 +39,8 @@ constexpr int kDeltaGatesFusedMaxSeqs = 8;  // gated_delta_rule_with_gates: gate
 constexpr int32_t kAttnPrefillMaxShortContext = 2048;
 constexpr int32_t kChunkedDeltaMinTokens = 32;  // the chunked delta rule from this many tokens in one sequence
 // Between 16 and 32 rows only large dense weights go to cuBLASLt: the split / GEMM / sum launches cost more than the
-// bandwidth gemv (8-row tiles, later tiles' weights from L2) for the small ones (routers, gates, 2048 x 512). Measured
-// on the H200: at 16 rows the router + shared-expert projections take 18.7 us as one gemv launch (54 us on cuBLASLt);
-// at 64 rows the gemv is the slower one (62 vs 55 us; the shared down projection 26.8 vs 13.8 us).
+// bandwidth gemv (8-row tiles, later tiles' weights from L2) for the small ones (routers, gates, 2048 x 512); above
+// 32 rows the gemv is the slower one.
 constexpr int64_t kGemvMaxRowsSmallW = 32;
 constexpr int64_t kBlasMinElemsFewRows = int64_t(4) << 20;
 bool blas_rows(int64_t T, int64_t N, int64_t K) {
@@ -61,7 +54,7 @@ bool blas_dense(const model::LinearWeight& w, int64_t T) {
          reinterpret_cast<uintptr_t>(w.weight.data) % 16 == 0;
 }
 
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t n) { return CudaRuntime::align_up(n); }
 
 kops::ElemType elem_of(DType t, const char* what) {
   switch (t) {
@@ -161,87 +154,11 @@ kops::KvPoolArgs pool_args(const KvLayerView& cache) {
 
 
 // ---------------------------------------------------------------------------------------------------
-// Device probe
-
-CudaDeviceProbe probe_cuda_device() {
-  CudaDeviceProbe p;
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess || n == 0) {
-    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice || err == cudaSuccess)
-      p.reason = err == cudaErrorInsufficientDriver ? "no CUDA device (no NVIDIA driver, or one older than this "
-                                                      "build's CUDA runtime)"
-                                                    : "no CUDA device";
-    else
-      p.reason = fmt::format("no CUDA device ({})", cudaGetErrorString(err));
-    cudaGetLastError();  // clear the sticky error
-    return p;
-  }
-  std::string found;
-  for (int i = 0; i < n; ++i) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
-      cudaGetLastError();
-      continue;
-    }
-    const bool supported = (prop.major == 9 && prop.minor == 0) || prop.major == 12;
-    if (supported) {
-      p.usable = true;
-      p.index = i;
-      p.name = prop.name;
-      p.major = prop.major;
-      p.minor = prop.minor;
-      p.multiprocessors = prop.multiProcessorCount;
-      p.memory_bytes = prop.totalGlobalMem;
-      size_t free_b = 0, total_b = 0;
-      if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) p.free_bytes = free_b;
-      else cudaGetLastError();
-      return p;
-    }
-    if (found.empty())
-      found = fmt::format("compute capability {}.{} not supported ({}): kiln's CUDA kernels target sm_90a and sm_120a",
-                          prop.major, prop.minor, prop.name);
-  }
-  p.reason = found.empty() ? std::string("no CUDA device could be queried") : found;
-  return p;
-}
-
-// ---------------------------------------------------------------------------------------------------
 // State
 
 struct CudaOps::Impl {
-  CudaDeviceProbe device;
-  cudaStream_t stream = nullptr;
-  std::vector<DeviceBuffer> persistent;  // allocate()
-  std::vector<DeviceBuffer> weights;     // place_weight(): arena chunks and large tensors
-  size_t weight_bytes = 0;
-  // Weights up to kArenaMaxTensor bytes are placed back to back in arena chunks, in placement order (the binder's:
-  // a layer's q / k / v, in_proj qkv / z / b / a, shared-expert gate / up follow each other), so that linear_multi
-  // can run adjacent dense weights as one GEMM.
-  char* arena = nullptr;
-  size_t arena_size = 0, arena_used = 0;
-  void* weight_alloc(size_t bytes) {
-    constexpr size_t kArenaMaxTensor = size_t(64) << 20, kArenaMaxChunk = size_t(256) << 20;
-    bytes = align_up(std::max<size_t>(bytes, 1));
-    if (bytes > kArenaMaxTensor) {
-      weights.emplace_back(bytes);
-      return weights.back().data();
-    }
-    if (!arena || arena_used + bytes > arena_size) {
-      // Chunks double from 16 MiB to 256 MiB: small models reserve little, large ones waste at most a tail.
-      const size_t chunk = std::max(bytes, std::clamp<size_t>(2 * arena_size, size_t(16) << 20, kArenaMaxChunk));
-      weights.emplace_back(chunk);
-      arena = static_cast<char*>(weights.back().data());
-      arena_size = chunk;
-      arena_used = 0;
-    }
-    void* p = arena + arena_used;
-    arena_used += bytes;
-    return p;
-  }
-  std::vector<DeviceBuffer> scratch_blocks;
-  size_t scratch_used = 0;        // bytes used in the last block
-  size_t scratch_high_water = 0;  // bytes asked for since the last reset
+  CudaRuntime rt;  // first: destroyed last, after the buffers below
+  CudaOptions options;
   DeviceBuffer max_abs_result;
   // Per MoE layer (keyed by the host span): the device table of expert weight descriptors.
   struct ExpertTable {
@@ -254,312 +171,76 @@ struct CudaOps::Impl {
     int64_t inter = 0;
   };
   std::unordered_map<const void*, ExpertTable> expert_tables;
-
-  // Step graphs. Scratch blocks are only ever added or replaced (generation + 1), so a graph whose generation
-  // is the current one still points at live scratch memory.
-  uint64_t scratch_generation = 0;
-  bool graphs_on = true;
-  bool blas_ok = true;  // KILN_CUDA_BLAS=0: keep every linear on the fp32 kernels
-  bool linear_merge = true;       // KILN_LINEAR_MERGE=0: linear_multi runs every cuBLASLt weight as its own GEMM
-  bool attn_prefill_on = true;    // KILN_ATTN_PREFILL=0: prefill attention on the split-over-keys kernel too
-  bool delta_gates_fused = true;  // KILN_DELTA_FUSED=0: the gates as their own launch before the recurrent rule
-  int delta_rule_force = 0;  // KILN_DELTA_RULE: 0 by mode and length, 1 always recurrent, 2 chunked where supported
-  // KILN_MOE_MMA=0: NVFP4 experts on the fp32 kernels, 2: x split into 2 bf16 parts; KILN_MOE_MT=U,D and
-  // KILN_MOE_SUB=4 (measurement knobs): block widths of the decode-sized launches, prefill sub-tiles;
-  // KILN_MOE_OCC=U,D: blocks per SM asked of the decode-sized gate/up and down kernels (3 or 4; 0 the allocator's;
-  // default: by grid size, see moe_experts);
-  // Prefill row tiles (>= 16 rows) run the kernel that stages x in shared memory with 2 sub-tiles (H200, 35B-A3B
-  // shape: 512-token prefill 10,450-10,501 vs 9,293-9,366 tok/s on the register kernel; 4k 13,467 vs 11,327);
-  // KILN_MOE_XSMEM=0 keeps the register kernel, =2 takes 4 sub-tiles where tiles have more than 16 rows.
-  kops::MoeTuning moe = [] {
-    kops::MoeTuning t;
-    t.mma_parts = 3;
-    t.sub = kops::MoeTuning::kSubXsmem | 2;
-    return t;
-  }();
-  bool capturing = false;
-  struct GraphRec {
-    cudaGraphExec_t exec = nullptr;
-    uint64_t generation = 0;
-  };
-  std::vector<GraphRec> graphs;
-
-  // Profiling: an event before and after every op, labelled.
-  bool profiling = false;
-  std::vector<cudaEvent_t> events;
-  size_t events_used = 0;
-  struct Mark {
-    std::string label;
-    size_t begin, end;
-    bool nested = false;  // a stage inside an op (kops::profile_mark)
-  };
-  std::vector<Mark> marks;
   DeviceBuffer argmax_ids;
   DeviceBuffer argmax_work;  // per-chunk keys of argmax_rows
   DeviceBuffer sample_args;  // sample_rows' per-row parameters
   // Dense BF16 linears of many rows: cuBLASLt over the 3-way bf16 split of x (fp32-class accuracy).
   std::unique_ptr<::kiln::cuda::BlasLt> blas;
   DeviceBuffer blas_x, blas_out;  // reused by every such linear (one stream: calls never overlap)
-  void* blas_buffer(DeviceBuffer& b, size_t bytes) {
-    if (b.size() < bytes) {
-      // A captured graph may point at the old buffer: grow = a new scratch generation (graphs go stale).
-      if (b.data()) KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
-      b = DeviceBuffer(align_up(bytes + bytes / 4));
-      ++scratch_generation;
-    }
-    return b.data();
-  }
 
-  size_t last_event = 0;  // the latest record(): where a launcher's next stage mark starts
-  size_t record() {
-    if (events_used == events.size()) {
-      cudaEvent_t e;
-      KILN_CUDA_CHECK(cudaEventCreate(&e));
-      events.push_back(e);
-    }
-    KILN_CUDA_CHECK(cudaEventRecord(events[events_used], stream));
-    last_event = events_used;
-    return events_used++;
-  }
-  void destroy_graphs() {
-    for (GraphRec& g : graphs)
-      if (g.exec) cudaGraphExecDestroy(g.exec);
-    graphs.clear();
-  }
-
-  void* scratch_bytes(size_t bytes) {
-    bytes = align_up(std::max<size_t>(bytes, 1));
-    if (scratch_blocks.empty() || scratch_used + bytes > scratch_blocks.back().size()) {
-      const size_t last = scratch_blocks.empty() ? 0 : scratch_blocks.back().size();
-      scratch_blocks.emplace_back(std::max({bytes, kFirstScratchBytes, 2 * last}));
-      scratch_used = 0;
-      ++scratch_generation;
-    }
-    void* p = static_cast<char*>(scratch_blocks.back().data()) + scratch_used;
-    scratch_used += bytes;
-    scratch_high_water += bytes;
-    return p;
-  }
+  explicit Impl(const CudaOptions& o) : rt(o.pdl), options(o) {}
 };
 
-CudaOps::CudaOps() : impl_(std::make_unique<Impl>()) {
-  impl_->device = probe_cuda_device();
-  if (!impl_->device.usable) fail("cannot use the CUDA backend: {}", impl_->device.reason);
-  KILN_CUDA_CHECK(cudaSetDevice(impl_->device.index));
-  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
-  impl_->max_abs_result = DeviceBuffer(kAlign);
-  if (const char* g = std::getenv("KILN_CUDA_GRAPHS"); g && std::string(g) == "0") impl_->graphs_on = false;
-  if (const char* b = std::getenv("KILN_CUDA_BLAS"); b && std::string(b) == "0") impl_->blas_ok = false;
-  if (const char* f = std::getenv("KILN_DELTA_FUSED"); f && std::string(f) == "0") impl_->delta_gates_fused = false;
-  if (const char* f = std::getenv("KILN_ATTN_PREFILL"); f && std::string(f) == "0") impl_->attn_prefill_on = false;
-  if (const char* f = std::getenv("KILN_LINEAR_MERGE"); f && std::string(f) == "0") impl_->linear_merge = false;
-  if (const char* m = std::getenv("KILN_DELTA_RULE")) {
-    const std::string v(m);
-    impl_->delta_rule_force = v == "recurrent" ? 1 : v == "chunked" ? 2 : 0;
-  }
-  if (const char* m = std::getenv("KILN_MOE_MMA"); m && (std::string(m) == "0" || std::string(m) == "2"))
-    impl_->moe.mma_parts = m[0] - '0';
-  if (const char* v = std::getenv("KILN_MOE_MT"); v && v[0] >= '1' && v[0] <= '8' && v[1] == ',') {
-    impl_->moe.mt_up = v[0] - '0';
-    impl_->moe.mt_down = v[2] - '0';
-  }
-  if (const char* v = std::getenv("KILN_MOE_OCC"); v && v[0] >= '0' && v[0] <= '4' && v[1] == ',') {
-    impl_->moe.occ_up = v[0] - '0';
-    impl_->moe.occ_down = v[2] - '0';
-  }
-  if (const char* v = std::getenv("KILN_MOE_SUB"); v && v[0] == '4') impl_->moe.sub = 4;  // the register kernel
-  if (const char* v = std::getenv("KILN_MOE_XSMEM"); v && v[0] >= '0' && v[0] <= '2' && !v[1])
-    impl_->moe.sub = v[0] == '0' ? (impl_->moe.sub & ~kops::MoeTuning::kSubXsmem) : kops::MoeTuning::kSubXsmem | (v[0] == '1' ? 2 : 4);
-  // Programmatic dependent launch (cuda_ops_launch.cuh): OFF unless KILN_PDL=1 (sm_90 and newer). With it on, `kiln
-  // serve` on kiln-tiny answered some requests with wrong tokens (H200: 4 of 10 fresh-server smoke runs failed,
-  // 0 of 6 with it off) although every CUDA test passed; later 0 of 64 such runs failed with it on (not reproduced);
-  // the cause is not found, so it stays a measurement knob.
-  const char* pdl = std::getenv("KILN_PDL");
-  kops::set_pdl_enabled(impl_->device.major >= 9 && pdl && std::string(pdl) == "1");
+namespace {
+using OpScope = CudaRuntime::OpScope;
+}  // namespace
+
+CudaOps::CudaOps(const CudaOptions& options) : impl_(std::make_unique<Impl>(options)) {
+  impl_->max_abs_result = DeviceBuffer(CudaRuntime::kAlign);
 }
 
 CudaOps::~CudaOps() {
-  if (impl_ && impl_->stream) cudaStreamSynchronize(impl_->stream);
-  if (impl_) {
-    impl_->blas.reset();
-    impl_->destroy_graphs();
-    for (cudaEvent_t e : impl_->events) cudaEventDestroy(e);
-  }
-  if (impl_ && impl_->stream) {
-    cudaStreamSynchronize(impl_->stream);
-    cudaStreamDestroy(impl_->stream);
-  }
+  if (!impl_) return;
+  cudaStreamSynchronize(impl_->rt.stream());
+  impl_->blas.reset();
 }
 
 std::string CudaOps::describe() const {
-  const CudaDeviceProbe& d = impl_->device;
+  const CudaDeviceProbe& d = impl_->rt.device();
+  const CudaOptions& o = impl_->options;
   const std::string dense =
-      !impl_->blas_ok ? std::string("dense BF16 on the fp32 kernels [tensor cores off: KILN_CUDA_BLAS=0]")
-                      : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
-                                    "(cuBLASLt, x split into 3 bf16 parts)",
-                                    kGemvMaxRowsSmallW, kBlasMinRows);
+      !o.dense_bf16_blas ? std::string("dense BF16 on the fp32 kernels")
+                         : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
+                                       "(cuBLASLt, x split into 3 bf16 parts)",
+                                       kGemvMaxRowsSmallW, kBlasMinRows);
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: {}, "
-      "else {} (<= 128 rows); more rows: NVFP4 on tensor cores (the expert kernel, x split into 3 bf16 parts), "
-      "others on an fp32 gemm (64x64 smem tiles); weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); "
-      "MoE: experts grouped on the device, {}; attention: paged, split-KV, online softmax "
-      "(f32/bf16/fp8 KV){}; delta rule: {}; decode steps as CUDA graphs{}; {}",
+      "else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem tiles); weights decoded in-kernel "
+      "(bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: experts grouped on the device, {}; attention: paged, split-KV, "
+      "online softmax (f32/bf16/fp8 KV){}; delta rule: {}; decode steps as CUDA graphs; {}",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30), dense,
       kops::linear_path_name(1),
-      impl_->moe.mma_parts ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
-                                         "into {} bf16 parts{}), others on the fp32 kernels",
-                                         impl_->moe.mma_parts,
-                                         (impl_->moe.sub & kops::MoeTuning::kSubXsmem)
-                                             ? "; prefill tiles stage x in shared memory"
-                                             : "; prefill tiles on the register kernel [KILN_MOE_XSMEM=0]")
-                           : std::string("fp32 kernels, tile height from the rows per expert [tensor cores off: "
-                                         "KILN_MOE_MMA=0]"),
-      impl_->attn_prefill_on ? ", prefill (>= 16 tokens in a sequence) flash-style on tensor cores (q and p in 3 bf16 parts)"
-                             : ", prefill flash-style kernel off [KILN_ATTN_PREFILL=0]",
-      impl_->delta_rule_force == 1 ? "recurrent [KILN_DELTA_RULE=recurrent]"
-      : impl_->delta_rule_force == 2 ? "chunks of 64 tokens wherever supported [KILN_DELTA_RULE=chunked]"
-                                     : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
-      impl_->graphs_on ? "" : " [off]",
+      o.fp4_linear_tensor_cores ? "NVFP4 on tensor cores (the expert kernel, x split into 3 bf16 parts)"
+                                : "NVFP4 on the fp32 gemm [--fp4-gemm-backend kiln-fp32]",
+      o.moe_tensor_cores ? std::string("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
+                                       "into 3 bf16 parts; prefill tiles stage x in shared memory), others on the "
+                                       "fp32 kernels")
+                         : std::string("fp32 kernels, tile height from the rows per expert [--moe-runner-backend "
+                                       "kiln-grouped-fp32]"),
+      o.prefill_attention_tensor_cores
+          ? ", prefill (>= 16 tokens in a sequence) flash-style on tensor cores (q and p in 3 bf16 parts)"
+          : ", prefill on the split-KV kernel too [--attention-backend kiln-paged-fp32]",
+      o.delta_rule == CudaOptions::DeltaRule::chunked
+          ? "chunks of 64 tokens wherever supported [every step]"
+          : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
       kops::pdl_enabled() ? "kernels overlap their launch with the previous kernel (programmatic dependent launch "
-                            "[KILN_PDL=1, experimental: wrong tokens seen in serving])"
+                            "[--enable-pdl, experimental])"
                           : "kernels launched in plain stream order");
 }
 
-void CudaOps::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
-size_t CudaOps::persistent_bytes() const {
-  size_t n = 0;
-  for (const DeviceBuffer& b : impl_->persistent) n += b.size();
-  return n;
-}
-size_t CudaOps::scratch_bytes() const {
-  size_t n = 0;
-  for (const DeviceBuffer& b : impl_->scratch_blocks) n += b.size();
-  return n;
-}
-int CudaOps::graphs() const {
-  int n = 0;
-  for (const auto& g : impl_->graphs) n += g.exec != nullptr;
-  return n;
-}
-void CudaOps::set_graphs(bool on) {
-  impl_->graphs_on = on;
-  if (!on) graph_reset();
-}
+void CudaOps::synchronize() { impl_->rt.synchronize(); }
+size_t CudaOps::persistent_bytes() const { return impl_->rt.persistent_bytes(); }
+size_t CudaOps::scratch_bytes() const { return impl_->rt.scratch_bytes(); }
+int CudaOps::graphs() const { return impl_->rt.graphs(); }
+const CudaDeviceProbe& CudaOps::device() const { return impl_->rt.device(); }
+size_t CudaOps::weight_bytes() const { return impl_->rt.weight_bytes(); }
 
-// ---------------------------------------------------------------------------------------------------
-// Step graphs
-
-bool CudaOps::graph_capture_begin() {
-  if (!impl_->graphs_on || impl_->profiling) return false;
-  // Relaxed: a scratch block allocated mid-capture (cudaMalloc) is allowed; it bumps the generation, so the graph
-  // goes stale at the next consolidation instead of pointing at freed memory.
-  kops::pdl_note_other_op();  // the capture's first kernel has no kernel before it in the graph
-  KILN_CUDA_CHECK(cudaStreamBeginCapture(impl_->stream, cudaStreamCaptureModeRelaxed));
-  impl_->capturing = true;
-  return true;
-}
-
-int CudaOps::graph_capture_end() {
-  if (!impl_->capturing) return -1;
-  impl_->capturing = false;
-  cudaGraph_t graph = nullptr;
-  kops::pdl_note_other_op();
-  const cudaError_t err = cudaStreamEndCapture(impl_->stream, &graph);
-  if (err != cudaSuccess || !graph) {
-    cudaGetLastError();
-    if (graph) cudaGraphDestroy(graph);
-    KILN_LOG_WARN("CUDA graph capture failed ({}); running this step shape eagerly", cudaGetErrorString(err));
-    return -1;
-  }
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t ierr = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  if (ierr != cudaSuccess) {
-    cudaGetLastError();
-    KILN_LOG_WARN("CUDA graph instantiation failed ({}); running this step shape eagerly", cudaGetErrorString(ierr));
-    return -1;
-  }
-  impl_->graphs.push_back({exec, impl_->scratch_generation});
-  return static_cast<int>(impl_->graphs.size()) - 1;
-}
-
-bool CudaOps::graph_launch(int handle) {
-  if (handle < 0 || handle >= static_cast<int>(impl_->graphs.size())) return false;
-  Impl::GraphRec& g = impl_->graphs[handle];
-  if (!g.exec) return false;
-  if (g.generation != impl_->scratch_generation) {
-    cudaGraphExecDestroy(g.exec);
-    g.exec = nullptr;
-    return false;
-  }
-  kops::pdl_note_other_op();
-  KILN_CUDA_CHECK(cudaGraphLaunch(g.exec, impl_->stream));
-  return true;
-}
-
-void CudaOps::graph_reset() {
-  synchronize();
-  impl_->destroy_graphs();
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Profiling
-
-namespace {
-struct ProfScope {
-  CudaOps::Impl* impl = nullptr;
-  std::string label;
-  size_t begin = 0;
-  template <typename F>
-  ProfScope(CudaOps::Impl& i, F&& make_label) {
-    if (!i.profiling) return;
-    impl = &i;
-    label = make_label();
-    begin = i.record();
-  }
-  ~ProfScope() {
-    if (impl) impl->marks.push_back({std::move(label), begin, impl->record()});
-  }
-};
-}  // namespace
-
-bool CudaOps::profile_begin() {
-  synchronize();
-  impl_->profiling = true;
-  impl_->marks.clear();
-  impl_->events_used = 0;
-  // Stages inside a launcher (kops::profile_mark): nested rows, from the previous event to this one.
-  kops::set_profile_mark(
-      [](void* ctx, const char* label) {
-        auto& impl = *static_cast<CudaOps::Impl*>(ctx);
-        const size_t begin = impl.last_event;
-        impl.marks.push_back({std::string("  . ") + label, begin, impl.record(), true});
-      },
-      impl_.get());
-  // Hold the GPU while the host queues the step: the ops then run back to back, as in a graph, and each
-  // op's events time its kernels rather than the launch gaps.
-  kops::busy_wait(50000.0, impl_->stream);
-  return true;
-}
-
-std::vector<model::OpTime> CudaOps::profile_end() {
-  synchronize();
-  impl_->profiling = false;
-  kops::set_profile_mark(nullptr, nullptr);
-  std::vector<model::OpTime> out;
-  std::map<std::string, size_t> index;
-  for (const Impl::Mark& m : impl_->marks) {
-    float ms = 0.0f;
-    KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, impl_->events[m.begin], impl_->events[m.end]));
-    auto [it, inserted] = index.emplace(m.label, out.size());
-    if (inserted) out.push_back({m.label, 0, 0.0, m.nested});
-    out[it->second].calls += 1;
-    out[it->second].total_us += ms * 1000.0;
-  }
-  impl_->marks.clear();
-  impl_->events_used = 0;
-  return out;
-}
+bool CudaOps::graph_capture_begin() { return impl_->rt.graph_capture_begin(); }
+int CudaOps::graph_capture_end() { return impl_->rt.graph_capture_end(); }
+bool CudaOps::graph_launch(int handle) { return impl_->rt.graph_launch(handle); }
+void CudaOps::graph_reset() { impl_->rt.graph_reset(); }
+bool CudaOps::profile_begin() { return impl_->rt.profile_begin(); }
+std::vector<model::OpTime> CudaOps::profile_end() { return impl_->rt.profile_end(); }
 
 // ---------------------------------------------------------------------------------------------------
 // Sampling
@@ -571,14 +252,14 @@ void CudaOps::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   const int64_t R = logits.dim(0), V = logits.dim(1);
   if (R == 0) return;
   KILN_CHECK(R <= INT32_MAX, "argmax_rows: {} rows", R);
-  ProfScope prof(*impl_, [&] { return std::string("argmax"); });
+  OpScope prof(impl_->rt, [&] { return std::string("argmax"); });
   if (impl_->argmax_ids.size() < static_cast<size_t>(R) * 4) impl_->argmax_ids = DeviceBuffer(align_up(R * 4));
   const size_t work = kops::argmax_workspace_bytes(R, V);
   if (impl_->argmax_work.size() < work) impl_->argmax_work = DeviceBuffer(align_up(work));
-  kops::argmax_rows(f32(logits), V, R, V, impl_->argmax_ids.as<int32_t>(), impl_->argmax_work.data(), impl_->stream);
+  kops::argmax_rows(f32(logits), V, R, V, impl_->argmax_ids.as<int32_t>(), impl_->argmax_work.data(), impl_->rt.stream());
   kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), impl_->argmax_ids.data(), static_cast<size_t>(R) * 4,
-                                  cudaMemcpyDeviceToHost, impl_->stream));
+                                  cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
 }
 void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
@@ -590,7 +271,7 @@ void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSa
   const int64_t R = logits.dim(0), V = logits.dim(1);
   if (R == 0) return;
   KILN_CHECK(R <= INT32_MAX, "sample_rows: {} rows", R);
-  ProfScope prof(*impl_, [&] { return std::string("sample"); });
+  OpScope prof(impl_->rt, [&] { return std::string("sample"); });
   std::vector<kops::SampleRowArgs> args(static_cast<size_t>(R));
   for (size_t r = 0; r < args.size(); ++r) {
     args[r].temperature = rows[r].temperature;
@@ -605,35 +286,27 @@ void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSa
   // From pageable memory: returns once `args` is staged, so it may go out of scope.
   kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(impl_->sample_args.data(), args.data(), arg_bytes, cudaMemcpyHostToDevice,
-                                  impl_->stream));
+                                  impl_->rt.stream()));
   kops::sample_rows(f32(logits), V, R, V, impl_->sample_args.as<kops::SampleRowArgs>(),
-                    impl_->argmax_ids.as<int32_t>(), impl_->stream);
+                    impl_->argmax_ids.as<int32_t>(), impl_->rt.stream());
   kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), impl_->argmax_ids.data(), static_cast<size_t>(R) * 4,
-                                  cudaMemcpyDeviceToHost, impl_->stream));
+                                  cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
 }
-const CudaDeviceProbe& CudaOps::device() const { return impl_->device; }
-size_t CudaOps::weight_bytes() const { return impl_->weight_bytes; }
 
 // ---------------------------------------------------------------------------------------------------
 // Memory
 
 TensorView CudaOps::allocate(DType dtype, Shape shape) {
-  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
-  impl_->persistent.emplace_back(align_up(std::max<size_t>(bytes, 1)));
-  DeviceBuffer& b = impl_->persistent.back();
-  kops::pdl_note_other_op();
-  KILN_CUDA_CHECK(cudaMemsetAsync(b.data(), 0, b.size(), impl_->stream));
-  return TensorView(b.data(), dtype, shape);
+  return TensorView(impl_->rt.persistent(static_cast<size_t>(shape.numel()) * dtype_size(dtype)), dtype, shape);
 }
 
 TensorView CudaOps::place_weight(const TensorView& host) {
   KILN_CHECK(host.is_contiguous(), "place_weight of a strided view {}", host.shape.str());
   const size_t bytes = host.nbytes();
-  void* d = impl_->weight_alloc(bytes);
+  void* d = impl_->rt.weight(bytes);
   if (bytes) KILN_CUDA_CHECK(cudaMemcpy(d, host.data, bytes, cudaMemcpyHostToDevice));
-  impl_->weight_bytes += bytes;
   TensorView v = host;
   v.data = d;
   return v;
@@ -641,62 +314,49 @@ TensorView CudaOps::place_weight(const TensorView& host) {
 
 TensorView CudaOps::place_random(DType dtype, Shape shape, const model::RandomFill& fill) {
   const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
-  void* d = impl_->weight_alloc(bytes);
+  void* d = impl_->rt.weight(bytes);
   if (fill.kind == model::RandomFill::Kind::bytes) {
     KILN_CHECK(dtype_size(dtype) == 1 && fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256,
                "random bytes for {} in [{}, {})", dtype_name(dtype), fill.byte_lo, fill.byte_hi);
     kops::fill_random_bytes(static_cast<uint8_t*>(d), shape.numel(), fill.seed, fill.byte_lo, fill.byte_hi,
-                            fill.random_sign, impl_->stream);
+                            fill.random_sign, impl_->rt.stream());
   } else {
     kops::fill_random_uniform(d, elem_of(dtype, "random weight"), shape.numel(), fill.seed, fill.lo, fill.hi,
-                              impl_->stream);
+                              impl_->rt.stream());
   }
-  impl_->weight_bytes += bytes;
   return TensorView(d, dtype, shape);
 }
 
 TensorView CudaOps::scratch(DType dtype, Shape shape) {
-  return TensorView(impl_->scratch_bytes(static_cast<size_t>(shape.numel()) * dtype_size(dtype)), dtype, shape);
+  return TensorView(impl_->rt.scratch(static_cast<size_t>(shape.numel()) * dtype_size(dtype)), dtype, shape);
 }
 
-void CudaOps::reset_scratch() {
-  if (impl_->scratch_blocks.size() > 1) {
-    // Next step: one block big enough for everything the last step asked for. Queued kernels may still read the
-    // old blocks: wait for them before freeing.
-    synchronize();
-    const size_t total = align_up(impl_->scratch_high_water + (size_t{1} << 20));
-    impl_->scratch_blocks.clear();
-    impl_->scratch_blocks.emplace_back(std::max(total, kFirstScratchBytes));
-    ++impl_->scratch_generation;
-  }
-  impl_->scratch_used = 0;
-  impl_->scratch_high_water = 0;
-}
+void CudaOps::reset_scratch() { impl_->rt.reset_scratch(); }
 
 TensorView CudaOps::upload(const void* host, DType dtype, Shape shape) {
   TensorView t = scratch(dtype, shape);
   // Pageable source: the call returns once the bytes are staged, so the caller may reuse its buffer.
   kops::pdl_note_other_op();
-  if (t.nbytes()) KILN_CUDA_CHECK(cudaMemcpyAsync(t.data, host, t.nbytes(), cudaMemcpyHostToDevice, impl_->stream));
+  if (t.nbytes()) KILN_CUDA_CHECK(cudaMemcpyAsync(t.data, host, t.nbytes(), cudaMemcpyHostToDevice, impl_->rt.stream()));
   return t;
 }
 
 void CudaOps::download(const TensorView& src, void* host) {
   KILN_CHECK(src.is_contiguous(), "download of a strided view");
   kops::pdl_note_other_op();
-  if (src.nbytes()) KILN_CUDA_CHECK(cudaMemcpyAsync(host, src.data, src.nbytes(), cudaMemcpyDeviceToHost, impl_->stream));
+  if (src.nbytes()) KILN_CUDA_CHECK(cudaMemcpyAsync(host, src.data, src.nbytes(), cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
 }
 
 void CudaOps::fill_zero(TensorView t) {
-  ProfScope prof(*impl_, [&] { return std::string("fill_zero"); });
+  OpScope prof(impl_->rt, [&] { return std::string("fill_zero"); });
   KILN_CHECK(t.is_contiguous(), "fill_zero of a strided view");
   kops::pdl_note_other_op();
-  if (t.nbytes()) KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), impl_->stream));
+  if (t.nbytes()) KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), impl_->rt.stream()));
 }
 
 void CudaOps::copy(const TensorView& src, TensorView dst) {
-  ProfScope prof(*impl_, [&] { return std::string("copy"); });
+  OpScope prof(impl_->rt, [&] { return std::string("copy"); });
   KILN_CHECK(src.shape == dst.shape && src.dtype == dst.dtype, "copy {} {} -> {} {}", src.shape.str(),
              dtype_name(src.dtype), dst.shape.str(), dtype_name(dst.dtype));
   const int nd = src.ndim();
@@ -707,17 +367,17 @@ void CudaOps::copy(const TensorView& src, TensorView dst) {
     ss[4 - nd + i] = src.strides[i];
     ds[4 - nd + i] = dst.strides[i];
   }
-  kops::copy_strided(src.data, dst.data, static_cast<int>(dtype_size(src.dtype)), shape, ss, ds, impl_->stream);
+  kops::copy_strided(src.data, dst.data, static_cast<int>(dtype_size(src.dtype)), shape, ss, ds, impl_->rt.stream());
 }
 
 float CudaOps::max_abs(const TensorView& x) {
   KILN_CHECK(x.is_contiguous(), "max_abs of a strided view");
   expect_f32(x, "max_abs");
   float* result = impl_->max_abs_result.as<float>();
-  kops::max_abs(f32(x), x.numel(), result, impl_->stream);
+  kops::max_abs(f32(x), x.numel(), result, impl_->rt.stream());
   float host = 0.0f;
   kops::pdl_note_other_op();
-  KILN_CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(float), cudaMemcpyDeviceToHost, impl_->stream));
+  KILN_CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(float), cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
   return host;
 }
@@ -726,18 +386,18 @@ float CudaOps::max_abs(const TensorView& x) {
 // Dense maths
 
 void CudaOps::embedding(const TensorView& table, const TensorView& ids, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("embedding"); });
+  OpScope prof(impl_->rt, [&] { return std::string("embedding"); });
   KILN_CHECK(table.ndim() == 2 && table.is_contiguous(), "embedding table {}", table.shape.str());
   expect_i32(ids, "embedding ids");
   expect_f32(out, "embedding out");
   const int64_t T = ids.numel(), H = table.dim(1);
   KILN_CHECK(out.numel() == T * H && out.is_contiguous(), "embedding out {} for {} ids x {}", out.shape.str(), T, H);
   kops::embedding(table.data, elem_of(table.dtype, "embedding table"), table.dim(0), H, i32(ids), T, f32_mut(out),
-                  impl_->stream);
+                  impl_->rt.stream());
 }
 
 void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string(fmt::format("linear {} {}x{}", model::weight_format_name(w.format), w.out_features, w.in_features)); });
+  OpScope prof(impl_->rt, [&] { return std::string(fmt::format("linear {} {}x{}", model::weight_format_name(w.format), w.out_features, w.in_features)); });
   KILN_CHECK(x.ndim() == 2 && x.dim(1) == w.in_features && x.strides[1] == 1, "linear: x {} for W [{}, {}]",
              x.shape.str(), w.out_features, w.in_features);
   KILN_CHECK(out.ndim() == 2 && out.dim(0) == x.dim(0) && out.dim(1) == w.out_features && out.is_contiguous(),
@@ -750,25 +410,25 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   // into three bf16 parts (hi + mid + lo carry x's 24 bits), the 3T rows go through one GEMM (W read once), and
   // the three partial outputs are summed: products are exact in fp32, so the result matches the fp32 kernels to
   // summation order.
-  if (blas_dense(w, T) && impl_->blas_ok) {
+  if (blas_dense(w, T) && impl_->options.dense_bf16_blas) {
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
-    auto* xs = static_cast<uint16_t*>(impl_->blas_buffer(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
-    auto* part = static_cast<float*>(impl_->blas_buffer(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
-    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->stream);
+    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
+    auto* part = static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
+    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
     kops::pdl_note_other_op();
     impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, part, N, true, static_cast<int>(3 * T),
-                      static_cast<int>(N), static_cast<int>(K), impl_->stream);
-    kops::sum3_rows(part, T, N, f32_mut(out), N, impl_->stream);
+                      static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
+    kops::sum3_rows(part, T, N, f32_mut(out), N, impl_->rt.stream());
     return;
   }
   // NVFP4 weights and more rows than the gemv takes: the routed-expert tensor-core kernel with this weight as its
-  // only expert (W4A16, x in 3 bf16 parts), instead of the fp32 gemm. KILN_CUDA_BLAS=0 keeps the fp32 gemm.
+  // only expert (W4A16, x in 3 bf16 parts), instead of the fp32 gemm (which --fp4-gemm-backend kiln-fp32 keeps).
   const kops::WeightDesc desc = desc_of(w);
   // (Not while a graph is being captured: the tile table and descriptor travel by a host copy, which a capture
   // cannot hold; a decode step of > 128 sequences then records the fp32 gemm.)
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  if (T > kops::kGemvMaxRows) KILN_CUDA_CHECK(cudaStreamIsCapturing(impl_->stream, &capturing));
-  if (T > kops::kGemvMaxRows && impl_->blas_ok && capturing == cudaStreamCaptureStatusNone &&
+  if (T > kops::kGemvMaxRows) KILN_CUDA_CHECK(cudaStreamIsCapturing(impl_->rt.stream(), &capturing));
+  if (T > kops::kGemvMaxRows && impl_->options.fp4_linear_tensor_cores && capturing == cudaStreamCaptureStatusNone &&
       kops::linear_nvfp4_mma_supported(desc)) {
     const int64_t tiles = (T + kops::kLinearTileRows - 1) / kops::kLinearTileRows;
     std::vector<int32_t> info(static_cast<size_t>(tiles) * 4);
@@ -780,12 +440,12 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
     }
     TensorView d_info = upload(info.data(), DType::I32, Shape{tiles * 4});
     TensorView d_desc = upload(&desc, DType::U8, Shape{static_cast<int64_t>(sizeof desc)});
-    auto* xs = static_cast<uint16_t*>(impl_->scratch_bytes(static_cast<size_t>(3 * T * K) * 2));
+    auto* xs = static_cast<uint16_t*>(impl_->rt.scratch(static_cast<size_t>(3 * T * K) * 2));
     kops::linear_nvfp4_mma(static_cast<const kops::WeightDesc*>(d_desc.data), static_cast<const int4*>(d_info.data),
-                           tiles, K, N, f32(x), ldx, T, xs, f32_mut(out), impl_->stream);
+                           tiles, K, N, f32(x), ldx, T, xs, f32_mut(out), impl_->rt.stream());
     return;
   }
-  kops::linear(desc, f32(x), ldx, x.dim(0), f32_mut(out), w.out_features, impl_->stream);
+  kops::linear(desc, f32(x), ldx, x.dim(0), f32_mut(out), w.out_features, impl_->rt.stream());
 }
 
 void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws,
@@ -802,13 +462,13 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
   // order) run as one GEMM whose columns are summed into their outputs by one launch.
   size_t blas[4], n_blas = 0, rest[4], n_rest = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (simple && impl_->blas_ok && impl_->linear_merge && blas_dense(*ws[i], T) && plain_out(i)) blas[n_blas++] = i;
+    if (simple && impl_->options.dense_bf16_blas && blas_dense(*ws[i], T) && plain_out(i)) blas[n_blas++] = i;
     else if (simple) rest[n_rest++] = i;
     else linear(x, *ws[i], outs[i]);
   }
   if (n_blas == 1) linear(x, *ws[blas[0]], outs[blas[0]]);
   if (n_blas >= 2) {
-    ProfScope prof(*impl_, [&] {
+    OpScope prof(impl_->rt, [&] {
       std::string l = "linear_blas";
       for (size_t r = 0; r < n_blas; ++r) l += fmt::format(" {}x{}", ws[blas[r]]->out_features, ws[blas[r]]->in_features);
       return l;
@@ -816,8 +476,8 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
     std::sort(blas, blas + n_blas, [&](size_t a, size_t b) { return ws[a]->weight.data < ws[b]->weight.data; });
     const int64_t K = x.dim(1), ldx = T > 1 ? x.strides[0] : K;
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
-    auto* xs = static_cast<uint16_t*>(impl_->blas_buffer(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
-    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->stream);
+    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
+    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
     for (size_t r0 = 0; r0 < n_blas;) {
       // The run of weights adjacent in memory starting at r0.
       size_t r1 = r0 + 1;
@@ -826,10 +486,10 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
                                     ws[blas[r1 - 1]]->out_features * K * 2 ==
                                 static_cast<const char*>(ws[blas[r1]]->weight.data))
         N += ws[blas[r1++]]->out_features;
-      auto* part = static_cast<float*>(impl_->blas_buffer(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
+      auto* part = static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
       kops::pdl_note_other_op();
       impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(ws[blas[r0]]->weight.data), K, part, N, true,
-                        static_cast<int>(3 * T), static_cast<int>(N), static_cast<int>(K), impl_->stream);
+                        static_cast<int>(3 * T), static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
       kops::Sum3Segments segs;
       int64_t col = 0;
       for (size_t r = r0; r < r1; ++r) {
@@ -839,7 +499,7 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
         col += ws[blas[r]]->out_features;
         ++segs.count;
       }
-      kops::sum3_rows_segments(part, T, N, segs, impl_->stream);
+      kops::sum3_rows_segments(part, T, N, segs, impl_->rt.stream());
       r0 = r1;
     }
   }
@@ -857,19 +517,19 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
     ldos[r] = outs[i].dim(1);
   }
   if (fused) {
-    ProfScope prof(*impl_, [&] {
+    OpScope prof(impl_->rt, [&] {
       std::string l = "linear_multi";
       for (size_t r = 0; r < n_rest; ++r) l += fmt::format(" {}x{}", ws[rest[r]]->out_features, ws[rest[r]]->in_features);
       return l;
     });
     const int64_t ldx = T > 1 ? x.strides[0] : x.dim(1);
-    if (kops::linear_multi(descs, static_cast<int>(n_rest), f32(x), ldx, T, out_ptrs, ldos, impl_->stream)) return;
+    if (kops::linear_multi(descs, static_cast<int>(n_rest), f32(x), ldx, T, out_ptrs, ldos, impl_->rt.stream())) return;
   }
   for (size_t r = 0; r < n_rest; ++r) linear(x, *ws[rest[r]], outs[rest[r]]);
 }
 
 void CudaOps::rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string(fmt::format("rms_norm D={}", weight.numel())); });
+  OpScope prof(impl_->rt, [&] { return std::string(fmt::format("rms_norm D={}", weight.numel())); });
   KILN_CHECK(x.ndim() == 2 && x.strides[1] == 1 && out.is_contiguous() && out.shape == x.shape,
              "rms_norm shapes {} {}", x.shape.str(), out.shape.str());
   expect_f32(x, "rms_norm x");
@@ -878,12 +538,12 @@ void CudaOps::rms_norm(const TensorView& x, const TensorView& weight, float eps,
   KILN_CHECK(weight.numel() == D, "rms_norm weight {} for D {}", weight.numel(), D);
   const int64_t ldx = R > 1 ? x.strides[0] : D;
   kops::rms_norm(f32(x), ldx, R, D, weight.data, elem_of(weight.dtype, "norm weight"), eps,
-                 kind == NormKind::zero_centred, f32_mut(out), impl_->stream);
+                 kind == NormKind::zero_centred, f32_mut(out), impl_->rt.stream());
 }
 
 void CudaOps::add_rms_norm(TensorView hidden, const TensorView& y, const TensorView& weight, float eps, NormKind kind,
                            TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string(fmt::format("add_rms_norm D={}", weight.numel())); });
+  OpScope prof(impl_->rt, [&] { return std::string(fmt::format("add_rms_norm D={}", weight.numel())); });
   KILN_CHECK(hidden.ndim() == 2 && hidden.is_contiguous() && y.shape == hidden.shape && y.is_contiguous() &&
                  out.shape == hidden.shape && out.is_contiguous(),
              "add_rms_norm shapes {} {} {}", hidden.shape.str(), y.shape.str(), out.shape.str());
@@ -893,12 +553,12 @@ void CudaOps::add_rms_norm(TensorView hidden, const TensorView& y, const TensorV
   const int64_t R = hidden.dim(0), D = hidden.dim(1);
   KILN_CHECK(weight.numel() == D, "add_rms_norm weight {} for D {}", weight.numel(), D);
   kops::add_rms_norm(f32_mut(hidden), f32(y), R, D, weight.data, elem_of(weight.dtype, "norm weight"), eps,
-                     kind == NormKind::zero_centred, f32_mut(out), impl_->stream);
+                     kind == NormKind::zero_centred, f32_mut(out), impl_->rt.stream());
 }
 
 void CudaOps::gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
                              TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("gated_rms_norm"); });
+  OpScope prof(impl_->rt, [&] { return std::string("gated_rms_norm"); });
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && z.is_contiguous() && x.shape == z.shape && out.shape == x.shape &&
                  out.is_contiguous(),
              "gated_rms_norm {} {} {}", x.shape.str(), z.shape.str(), out.shape.str());
@@ -907,43 +567,43 @@ void CudaOps::gated_rms_norm(const TensorView& x, const TensorView& z, const Ten
   expect_f32(out, "gated_rms_norm out");
   KILN_CHECK(weight.numel() == x.dim(1), "gated_rms_norm weight {} for D {}", weight.numel(), x.dim(1));
   kops::gated_rms_norm(f32(x), f32(z), x.dim(0), x.dim(1), weight.data, elem_of(weight.dtype, "norm weight"), eps,
-                       f32_mut(out), impl_->stream);
+                       f32_mut(out), impl_->rt.stream());
 }
 
 void CudaOps::rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) {
-  ProfScope prof(*impl_, [&] { return std::string("rope"); });
+  OpScope prof(impl_->rt, [&] { return std::string("rope"); });
   KILN_CHECK(x.ndim() == 3 && x.is_contiguous(), "rope expects [T, heads, head_dim], got {}", x.shape.str());
   expect_f32(x, "rope x");
   expect_i32(positions, "rope positions");
   KILN_CHECK(rotary_dim % 2 == 0 && rotary_dim <= x.dim(2), "rotary dim {} for head dim {}", rotary_dim, x.dim(2));
   KILN_CHECK(positions.numel() == x.dim(0), "rope: {} positions for {} tokens", positions.numel(), x.dim(0));
-  kops::rope(f32_mut(x), x.dim(0), x.dim(1), x.dim(2), i32(positions), rotary_dim, theta, impl_->stream);
+  kops::rope(f32_mut(x), x.dim(0), x.dim(1), x.dim(2), i32(positions), rotary_dim, theta, impl_->rt.stream());
 }
 
 void CudaOps::add(const TensorView& a, const TensorView& b, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("add"); });
+  OpScope prof(impl_->rt, [&] { return std::string("add"); });
   KILN_CHECK(a.shape == b.shape && a.shape == out.shape && a.is_contiguous() && b.is_contiguous() &&
                  out.is_contiguous(),
              "add {} {} {}", a.shape.str(), b.shape.str(), out.shape.str());
   expect_f32(a, "add a");
   expect_f32(b, "add b");
   expect_f32(out, "add out");
-  kops::add(f32(a), f32(b), f32_mut(out), a.numel(), impl_->stream);
+  kops::add(f32(a), f32(b), f32_mut(out), a.numel(), impl_->rt.stream());
 }
 
 void CudaOps::silu_mul(const TensorView& gate, const TensorView& up, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("silu_mul"); });
+  OpScope prof(impl_->rt, [&] { return std::string("silu_mul"); });
   KILN_CHECK(gate.shape == up.shape && gate.shape == out.shape && gate.is_contiguous() && up.is_contiguous() &&
                  out.is_contiguous(),
              "silu_mul shapes");
   expect_f32(gate, "silu_mul gate");
   expect_f32(up, "silu_mul up");
   expect_f32(out, "silu_mul out");
-  kops::silu_mul(f32(gate), f32(up), f32_mut(out), gate.numel(), impl_->stream);
+  kops::silu_mul(f32(gate), f32(up), f32_mut(out), gate.numel(), impl_->rt.stream());
 }
 
 void CudaOps::sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("sigmoid_mul"); });
+  OpScope prof(impl_->rt, [&] { return std::string("sigmoid_mul"); });
   const int64_t T = x.dim(0), N = x.numel() / std::max<int64_t>(T, 1);
   const int64_t gn = g.numel() / std::max<int64_t>(T, 1);
   KILN_CHECK(g.dim(0) == T && (gn == N || gn == 1) && out.shape == x.shape && x.is_contiguous() &&
@@ -952,25 +612,25 @@ void CudaOps::sigmoid_mul(const TensorView& x, const TensorView& g, TensorView o
   expect_f32(x, "sigmoid_mul x");
   expect_f32(g, "sigmoid_mul g");
   expect_f32(out, "sigmoid_mul out");
-  kops::sigmoid_mul(f32(x), f32(g), f32_mut(out), T, N, gn, impl_->stream);
+  kops::sigmoid_mul(f32(x), f32(g), f32_mut(out), T, N, gn, impl_->rt.stream());
 }
 
 void CudaOps::gather_rows(const TensorView& x, const TensorView& rows, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("gather_rows"); });
+  OpScope prof(impl_->rt, [&] { return std::string("gather_rows"); });
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.is_contiguous() && out.dim(0) == rows.numel() &&
                  out.numel() == rows.numel() * x.dim(1),
              "gather_rows x {} rows {} out {}", x.shape.str(), rows.shape.str(), out.shape.str());
   expect_f32(x, "gather_rows x");
   expect_i32(rows, "gather_rows rows");
   expect_f32(out, "gather_rows out");
-  kops::gather_rows(f32(x), x.dim(0), x.dim(1), i32(rows), rows.numel(), f32_mut(out), impl_->stream);
+  kops::gather_rows(f32(x), x.dim(0), x.dim(1), i32(rows), rows.numel(), f32_mut(out), impl_->rt.stream());
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Attention
 
 void CudaOps::kv_store(const TensorView& k, const TensorView& v, KvLayerView cache, const StepLayout& step) {
-  ProfScope prof(*impl_, [&] { return std::string("kv_store"); });
+  OpScope prof(impl_->rt, [&] { return std::string("kv_store"); });
   const kops::KvPoolArgs pool = pool_args(cache);
   KILN_CHECK(k.ndim() == 3 && k.shape == v.shape && k.is_contiguous() && v.is_contiguous() &&
                  k.dim(0) == step.num_tokens && k.dim(1) == pool.kv_heads && k.dim(2) == pool.head_dim,
@@ -979,11 +639,11 @@ void CudaOps::kv_store(const TensorView& k, const TensorView& v, KvLayerView cac
   expect_f32(v, "kv_store v");
   KILN_CHECK(cache.k.dim(1) == step.page_size, "kv_store: pool pages of {} rows, step pages of {}", cache.k.dim(1),
              step.page_size);
-  kops::kv_store(f32(k), f32(v), pool, step_args(step), impl_->stream);
+  kops::kv_store(f32(k), f32(v), pool, step_args(step), impl_->rt.stream());
 }
 
 void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout& step, float scale, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("attention"); });
+  OpScope prof(impl_->rt, [&] { return std::string("attention"); });
   const kops::KvPoolArgs pool = pool_args(cache);
   KILN_CHECK(q.ndim() == 3 && q.is_contiguous() && out.shape == q.shape && out.is_contiguous() &&
                  q.dim(0) == step.num_tokens && q.dim(2) == pool.head_dim && q.dim(1) % pool.kv_heads == 0,
@@ -994,17 +654,17 @@ void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout
   // Prefill-shaped steps: the flash-style kernel (query tiles share each K / V tile; tensor cores at fp32 accuracy),
   // unless a short sequence of the step has a long context (one block would walk all of it: the split-over-keys
   // kernel serves that better). It declines shapes it does not serve (f32 pools, head_dim not 64 / 128 / 256).
-  if (impl_->attn_prefill_on && sa.max_seq_tokens >= kops::kAttentionPrefillMinTokens) {
+  if (impl_->options.prefill_attention_tensor_cores && sa.max_seq_tokens >= kops::kAttentionPrefillMinTokens) {
     bool long_decode = false;
     for (int s = 0; s < step.num_seqs && !long_decode; ++s) {
       const int32_t n = step.host_seq_token_begin[s + 1] - step.host_seq_token_begin[s];
       long_decode = n < kops::kAttentionPrefillMinTokens && step.host_seq_start_pos[s] + n > kAttnPrefillMaxShortContext;
     }
-    if (!long_decode && kops::attention_prefill(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), impl_->stream)) return;
+    if (!long_decode && kops::attention_prefill(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), impl_->rt.stream())) return;
   }
   const size_t ws_bytes = kops::attention_workspace_bytes(q.dim(0), q.dim(1), pool.head_dim, sa);
-  void* ws = ws_bytes ? impl_->scratch_bytes(ws_bytes) : nullptr;
-  kops::attention(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), ws, impl_->stream);
+  void* ws = ws_bytes ? impl_->rt.scratch(ws_bytes) : nullptr;
+  kops::attention(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), ws, impl_->rt.stream());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1012,7 +672,7 @@ void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout
 
 void CudaOps::causal_conv1d_silu(const TensorView& x, const TensorView& weight, TensorView conv_state,
                                  const StepLayout& step, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string("conv1d"); });
+  OpScope prof(impl_->rt, [&] { return std::string("conv1d"); });
   KILN_CHECK(x.ndim() == 2 && weight.ndim() == 2 && conv_state.ndim() == 3, "conv1d: x {} w {} state {}",
              x.shape.str(), weight.shape.str(), conv_state.shape.str());
   const int64_t C = x.dim(1), Kc = weight.dim(1);
@@ -1024,12 +684,12 @@ void CudaOps::causal_conv1d_silu(const TensorView& x, const TensorView& weight, 
   expect_f32(conv_state, "conv1d state");
   expect_f32(out, "conv1d out");
   kops::causal_conv1d_silu(f32(x), C, weight.data, elem_of(weight.dtype, "conv1d weight"), static_cast<int>(Kc),
-                           f32_mut(conv_state), step_args(step), f32_mut(out), impl_->stream);
+                           f32_mut(conv_state), step_args(step), f32_mut(out), impl_->rt.stream());
 }
 
 void CudaOps::delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& A_log,
                                const TensorView& dt_bias, TensorView g, TensorView beta) {
-  ProfScope prof(*impl_, [&] { return std::string("delta_rule_gates"); });
+  OpScope prof(impl_->rt, [&] { return std::string("delta_rule_gates"); });
   KILN_CHECK(a.ndim() == 2 && a.shape == b.shape && a.shape == g.shape && a.shape == beta.shape &&
                  A_log.numel() == a.dim(1) && dt_bias.numel() == a.dim(1) && a.is_contiguous() &&
                  b.is_contiguous() && g.is_contiguous() && beta.is_contiguous(),
@@ -1040,18 +700,16 @@ void CudaOps::delta_rule_gates(const TensorView& a, const TensorView& b, const T
   expect_f32(beta, "gates beta");
   kops::delta_rule_gates(f32(a), f32(b), A_log.data, elem_of(A_log.dtype, "A_log"), dt_bias.data,
                          elem_of(dt_bias.dtype, "dt_bias"), a.dim(0), a.dim(1), f32_mut(g), f32_mut(beta),
-                         impl_->stream);
+                         impl_->rt.stream());
 }
 
 void CudaOps::gated_delta_rule_with_gates(const TensorView& q, const TensorView& k, const TensorView& v,
                                           const TensorView& a, const TensorView& b, const TensorView& A_log,
                                           const TensorView& dt_bias, TensorView g, TensorView beta, TensorView state,
                                           const StepLayout& step, DeltaRuleMode mode, TensorView out) {
-  // The gates inside the recurrent kernel pay off for a few sequences only (H200, 35B-A3B shape, decode step: batch 1
-  // 3.789 vs 3.820 ms fused / separate; batch 16 11.649 vs 11.499; batch 64 23.229 vs 22.766): each of the kernel's
-  // threads recomputes them, which costs more than the launch it saves once the grid is large. The chunked kernel
-  // reads computed gates.
-  if (delta_rule_chunked(step, mode) || !impl_->delta_gates_fused || step.num_seqs > kDeltaGatesFusedMaxSeqs) {
+  // The gates inside the recurrent kernel pay off for a few sequences only: each of the kernel's threads recomputes
+  // them, which costs more than the launch it saves once the grid is large. The chunked kernel reads computed gates.
+  if (delta_rule_chunked(step, mode) || step.num_seqs > kDeltaGatesFusedMaxSeqs) {
     delta_rule_gates(a, b, A_log, dt_bias, g, beta);
     gated_delta_rule(q, k, v, g, beta, state, step, mode, out);
     return;
@@ -1073,10 +731,9 @@ void CudaOps::gated_delta_rule_with_gates(const TensorView& q, const TensorView&
 
 bool CudaOps::delta_rule_chunked(const StepLayout& step, DeltaRuleMode mode) const {
   // Chunks of 64 tokens (the UT-transform form, parallel over a chunk's tokens) when the step has a sequence of >= 32
-  // tokens and the caller asks for the chunked mode (prefill); the recurrence otherwise (decode). KILN_DELTA_RULE
-  // forces one (tests, measurements).
-  if (impl_->delta_rule_force == 1) return false;
-  if (impl_->delta_rule_force == 2) return true;
+  // tokens and the caller asks for the chunked mode (prefill); the recurrence otherwise (decode). The tests can ask
+  // for the chunked form on every step (CudaOptions::delta_rule).
+  if (impl_->options.delta_rule == CudaOptions::DeltaRule::chunked) return true;
   return mode == DeltaRuleMode::chunked && step_args(step).max_seq_tokens >= kChunkedDeltaMinTokens;
 }
 
@@ -1089,7 +746,7 @@ void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const T
 void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                              const TensorView& beta, TensorView state, const StepLayout& step, DeltaRuleMode mode,
                              TensorView out, const void* raw_gates) {
-  ProfScope prof(*impl_, [&] { return std::string(raw_gates ? "gated_delta_rule+gates" : "gated_delta_rule"); });
+  OpScope prof(impl_->rt, [&] { return std::string(raw_gates ? "gated_delta_rule+gates" : "gated_delta_rule"); });
   KILN_CHECK(q.ndim() == 3 && k.shape == q.shape && v.ndim() == 3 && state.ndim() == 4, "gated_delta_rule: q {} v {}",
              q.shape.str(), v.shape.str());
   const int64_t T = q.dim(0), Hk = q.dim(1), Dk = q.dim(2), Hv = v.dim(1), Dv = v.dim(2);
@@ -1105,11 +762,11 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
                 ldv = T > 1 ? v.strides[0] : Hv * Dv;
   for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &g, &beta, &state, &out})
     expect_f32(*t, "gated_delta_rule");
-  float* work = static_cast<float*>(impl_->scratch_bytes(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
+  float* work = static_cast<float*>(impl_->rt.scratch(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
   const bool chunked = delta_rule_chunked(step, mode);
   KILN_CHECK(!(chunked && raw_gates), "gated_delta_rule: the chunked form reads computed gates");
   kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), f32_mut(state), Hk, Hv, Dk, Dv, ldq, ldk, ldv,
-                         step_args(step), f32_mut(out), work, impl_->stream, chunked,
+                         step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked,
                          static_cast<const kops::DeltaGateArgs*>(raw_gates));
 }
 
@@ -1118,7 +775,7 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
 
 void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                         TensorView weights) {
-  ProfScope prof(*impl_, [&] { return std::string("moe_route"); });
+  OpScope prof(impl_->rt, [&] { return std::string("moe_route"); });
   KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous(), "moe_route logits {}", logits.shape.str());
   const int64_t T = logits.dim(0), E = logits.dim(1);
   KILN_CHECK(top_k > 0 && top_k <= E, "top_k {} of {} experts", top_k, E);
@@ -1128,19 +785,19 @@ void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, T
   expect_i32(expert_ids, "moe_route ids");
   expect_f32(weights, "moe_route weights");
   kops::moe_route(f32(logits), T, E, top_k, renormalise, static_cast<int32_t*>(expert_ids.data), f32_mut(weights),
-                  impl_->stream);
+                  impl_->rt.stream());
 }
 
 void CudaOps::moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                           std::span<const model::ExpertWeights> experts, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string(fmt::format("moe_experts {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
+  OpScope prof(impl_->rt, [&] { return std::string(fmt::format("moe_experts {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
   run_moe_experts(x, expert_ids, weights, experts, nullptr, nullptr, out);
 }
 
 void CudaOps::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                                  std::span<const model::ExpertWeights> experts, TensorView shared,
                                  const TensorView& shared_gate, TensorView out) {
-  ProfScope prof(*impl_, [&] { return std::string(fmt::format("moe_experts+shared {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
+  OpScope prof(impl_->rt, [&] { return std::string(fmt::format("moe_experts+shared {} x{}", model::weight_format_name(experts.front().gate.format), experts.size())); });
   KILN_CHECK(shared.shape == x.shape && shared.is_contiguous() && shared_gate.numel() == x.dim(0) &&
                  shared_gate.is_contiguous(),
              "moe_experts_shared: shared {} gate {} for x {}", shared.shape.str(), shared_gate.shape.str(),
@@ -1196,10 +853,10 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
     tab.inter = I;
   }
   const size_t ws_bytes = kops::moe_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter);
-  void* ws = impl_->scratch_bytes(ws_bytes);
+  void* ws = impl_->rt.scratch(ws_bytes);
   kops::moe_experts(f32(x), T, H, i32(expert_ids), f32(weights), static_cast<int>(k),
                     tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
-                    impl_->stream, impl_->moe, shared, shared_gate);
+                    impl_->rt.stream(), impl_->options.moe_tensor_cores, shared, shared_gate);
 }
 
 }  // namespace kiln::backend::cuda

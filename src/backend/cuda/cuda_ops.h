@@ -2,35 +2,24 @@
 // device memory and F32 activations on the device. Weights are copied to the device once (place_weight) and read
 // as stored (BF16 / F16 / F32, per-tensor FP8, NVFP4) by kernels that decode them in registers; accumulation is
 // fp32 everywhere, so results match the CPU backend to rounding (rel ~1e-6), not to a BF16 tolerance.
-// Kernels: cuda_ops_{elementwise,attention,linear}.cu (launchers in cuda_ops_kernels.h). All work runs on one
-// stream owned by the Ops; download() and max_abs() synchronise it, and CUDA errors surface there (or at the
-// launch) as kiln::Error with the CUDA error string.
+// CudaOps is the binding: it validates views, picks a kernel (by shape and CudaOptions) and launches it (the
+// launchers: kernels.h, one .cu file per family). Device, stream, memory, graphs and the profiler are the
+// CudaRuntime's (runtime.h). All work runs on its one stream; download() and max_abs() synchronise it, and CUDA
+// errors surface there (or at the launch) as kiln::Error with the CUDA error string.
 #pragma once
 #include <memory>
 #include <string>
 
+#include "backend/cuda/cuda_options.h"
+#include "backend/cuda/runtime.h"
 #include "model/ops.h"
 
 namespace kiln::backend::cuda {
 
-// The GPU kiln would run on. kiln's kernels are built for sm_90a (Hopper) and sm_120a (Blackwell workstation).
-struct CudaDeviceProbe {
-  bool usable = false;
-  int index = -1;             // CUDA device index (the first supported one)
-  std::string name;           // e.g. "NVIDIA H200"
-  int major = 0, minor = 0;   // compute capability
-  int multiprocessors = 0;
-  size_t memory_bytes = 0;
-  size_t free_bytes = 0;      // free when probed (other processes may hold some)
-  std::string reason;         // why not usable: "no CUDA device ...", "compute capability 8.0 not supported ..."
-};
-// Never throws: a machine without a driver or GPU gives usable = false and a reason.
-CudaDeviceProbe probe_cuda_device();
-
 class CudaOps final : public model::Ops {
  public:
   // Uses probe_cuda_device()'s device; throws kiln::Error with the probe's reason when there is none.
-  CudaOps();
+  explicit CudaOps(const CudaOptions& options = {});
   ~CudaOps() override;
   CudaOps(const CudaOps&) = delete;
   CudaOps& operator=(const CudaOps&) = delete;
@@ -57,7 +46,7 @@ class CudaOps final : public model::Ops {
   std::vector<model::OpTime> profile_end() override;
   void argmax_rows(const TensorView& logits, std::span<int32_t> ids) override;
   void sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
-                   std::span<int32_t> ids) override;  // cuda_ops_sample.cu
+                   std::span<int32_t> ids) override;
 
   void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
   void linear(const TensorView& x, const model::LinearWeight& w, TensorView out) override;
@@ -107,12 +96,9 @@ class CudaOps final : public model::Ops {
   size_t persistent_bytes() const;  // device memory from allocate() (KV pool, state slots)
   size_t scratch_bytes() const;     // the per-step scratch arena
   int graphs() const;               // captured step graphs alive
-  // CUDA graphs for decode passes (default on; KILN_CUDA_GRAPHS=0 or set_graphs(false) turns them off).
-  void set_graphs(bool on);
-
-  struct Impl;  // named here so that file-local helpers of cuda_ops.cpp can use it
 
  private:
+  struct Impl;
   // gated_delta_rule with g / beta computed in the recurrent kernel when raw_gates (a kops::DeltaGateArgs) is given.
   void run_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                       const TensorView& beta, TensorView state, const model::StepLayout& step, model::DeltaRuleMode mode,

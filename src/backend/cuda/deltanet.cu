@@ -1,195 +1,283 @@
-// Gated DeltaNet (linear attention): the causal depthwise conv1d with its rolling state, and the
-// gated delta rule in recurrent form with the gated RMSNorm fused into its output.
-//
-// Recurrent kernel: one block per (value head, sequence), 512 threads. Thread (v, ks) owns state
-// column v, keys [32 ks, 32 ks + 32) in registers for the whole token loop (the state is read and
-// written once per launch); k^T S and q^T S are 32-term partial sums joined by two shuffles.
-// Prefill runs the same loop over the chunk's tokens (a chunked UT-transform form would be faster).
-#include <cuda_bf16.h>
-
+// Gated DeltaNet on the device, token by token: the causal depthwise conv + SiLU (a thread per channel and chunk of
+// a sequence's tokens), the gates g / beta, and the gated delta rule's recurrence (a block per (sequence, value head,
+// 32 value columns) holding its slice of the state in registers). The chunked form for prefill: deltanet_chunked.cu.
 #include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/device_utils.cuh"
+#include "backend/cuda/device.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
-namespace kiln::cuda {
+namespace kiln::cuda::ops {
 namespace {
 
 using namespace dev;
 
-constexpr int kConvThreads = 128;
+constexpr int kBlock = 256;
 
-// grid: (ceil(C / 128), S).
-__global__ void __launch_bounds__(kConvThreads) gdn_conv1d_kernel(const uint16_t* __restrict__ x, int64_t ldx,
-                                                                   const uint16_t* __restrict__ w,
-                                                                   uint16_t* __restrict__ state, GdnSeqs seqs, int C,
-                                                                   uint16_t* __restrict__ out) {
-  const int c = blockIdx.x * kConvThreads + threadIdx.x;
-  const int s = blockIdx.y;
-  if (c >= C) return;
-  const int t0 = seqs.seq_start[s], t1 = seqs.seq_start[s + 1];
-  uint16_t* st = state + int64_t(seqs.slot[s]) * 3 * C + c;
-  const bool reset = seqs.reset[s] != 0;
-  float h0 = reset ? 0.0f : bf16_bits_to_f32(st[0]);
-  float h1 = reset ? 0.0f : bf16_bits_to_f32(st[C]);
-  float h2 = reset ? 0.0f : bf16_bits_to_f32(st[2 * C]);
-  const uint2 wv = *reinterpret_cast<const uint2*>(w + int64_t(c) * 4);
-  const float w0 = bf16_lo(wv.x), w1 = bf16_hi(wv.x), w2 = bf16_lo(wv.y), w3 = bf16_hi(wv.y);
+unsigned capped_grid(int64_t n) {
+  const int64_t g = (n + kBlock - 1) / kBlock;
+  return static_cast<unsigned>(g < 65536 ? (g > 0 ? g : 1) : 65536);
+}
+
+// ---- Gated DeltaNet: causal conv (a thread per channel and chunk of a sequence's tokens) and gates
+
+// grid (C / 128, S, token chunks of kConvChunk): a thread per (channel, chunk of one sequence), so that a long prefill
+// runs in parallel over its tokens. The window before a chunk's first token comes from x (earlier tokens of the
+// sequence) or from conv_state (inputs before the sequence). Only chunk 0 touches conv_state: it reads the old
+// state, then writes the new one (the sequence's last KC - 1 inputs), so no block reads a state another rewrites.
+constexpr int kConvChunk = 64;
+
+template <int KC>
+__global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const void* w, ElemType w_elem,
+                                   float* __restrict__ conv_state, StepArgs step, float* __restrict__ out) {
+  dev::pdl_enter();
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int s = blockIdx.y, chunk = blockIdx.z;
+  if (c >= C || s >= step.num_seqs) return;
+  const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
+  const int t0 = b + chunk * kConvChunk, t1 = min(e, t0 + kConvChunk);
+  if (chunk > 0 && t0 >= e) return;
+  float wk[KC];
+#pragma unroll
+  for (int j = 0; j < KC; ++j) wk[j] = load_elem(w, w_elem, c * KC + j);
+  float* state = conv_state + (int64_t(step.seq_state_slot[s]) * C + c) * (KC - 1);
+  // Input at position tp of the sequence's timeline: x for tp >= b, else the state (positions b - (KC-1) .. b-1).
+  auto input = [&](int tp) { return tp >= b ? x[int64_t(tp) * C + c] : state[tp - b + KC - 1]; };
+  float win[KC];  // win[0 .. KC-2]: the previous inputs, oldest first; win[KC-1]: the current one
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) win[j] = input(t0 - (KC - 1) + j);
   for (int t = t0; t < t1; ++t) {
-    const float xt = bf16_bits_to_f32(x[int64_t(t) * ldx + c]);
-    const float y = w0 * h0 + w1 * h1 + w2 * h2 + w3 * xt;
-    h0 = h1;
-    h1 = h2;
-    h2 = xt;
-    out[int64_t(t) * C + c] = __bfloat16_as_ushort(__float2bfloat16_rn(silu(y)));
+    win[KC - 1] = x[int64_t(t) * C + c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KC; ++j) acc += wk[j] * win[j];
+    out[int64_t(t) * C + c] = silu(acc);
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) win[j] = win[j + 1];
   }
-  if (t1 > t0 || reset) {
-    // The window holds bf16 inputs (or zeros), so storing them back is exact.
-    st[0] = __bfloat16_as_ushort(__float2bfloat16_rn(h0));
-    st[C] = __bfloat16_as_ushort(__float2bfloat16_rn(h1));
-    st[2 * C] = __bfloat16_as_ushort(__float2bfloat16_rn(h2));
+  if (chunk == 0) {
+    float next[KC - 1];
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) next[j] = input(e - (KC - 1) + j);
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) state[j] = next[j];
   }
 }
 
-struct RecurrentParams {
-  const uint16_t* qkv;
-  int64_t ld_qkv;
-  const uint16_t* z;
-  int64_t ld_z;
-  const uint16_t* a;
-  int64_t ld_a;
-  const uint16_t* b;
-  int64_t ld_b;
-  const float* A_log;
-  const float* dt_bias;
-  const float* norm_w;
-  float eps;
-  float* state;
-  GdnSeqs seqs;
-  int nk, nv;
-  uint16_t* out;
-};
-
-constexpr int kDim = 128;           // key and value head dims this kernel supports
-constexpr int kSplitK = 4;          // threads per state column
-constexpr int kKPer = kDim / kSplitK;
-constexpr int kRecThreads = kDim * kSplitK;
-
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-// grid: (nv, S).
-__global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const RecurrentParams p) {
-  const int h = blockIdx.x, s = blockIdx.y;
-  const int kh = h / (p.nv / p.nk);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int v = tid / kSplitK, ks = tid % kSplitK;
-  const int t0 = p.seqs.seq_start[s], t1 = p.seqs.seq_start[s + 1];
-  const bool reset = p.seqs.reset[s] != 0;
-  if (t1 <= t0 && !reset) return;
-
-  float* sp = p.state + ((int64_t(p.seqs.slot[s]) * p.nv + h) * kDim + v) * kDim + ks * kKPer;
-  float S[kKPer];
-#pragma unroll
-  for (int i = 0; i < kKPer; i += 4) {
-    const float4 f = reset ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sp + i);
-    S[i] = f.x;
-    S[i + 1] = f.y;
-    S[i + 2] = f.z;
-    S[i + 3] = f.w;
+__global__ void delta_rule_gates_kernel(const float* a, const float* b, const void* A_log, ElemType A_log_elem,
+                                        const void* dt_bias, ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g,
+                                        float* beta) {
+  dev::pdl_enter();
+  const int64_t total = T * Hv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = i % Hv;
+    const float neg_a = -expf(load_elem(A_log, A_log_elem, h));
+    const float xv = a[i] + load_elem(dt_bias, dt_bias_elem, h);
+    const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));  // torch softplus(beta=1, threshold=20)
+    g[i] = neg_a * softplus;
+    beta[i] = 1.0f / (1.0f + expf(-b[i]));
   }
-  const float A = -expf(p.A_log[h]);
-  const float dtb = p.dt_bias[h];
-  const float nw = p.norm_w[v];
-  const float q_scale = rsqrtf(float(kDim));
+}
 
-  __shared__ float q_s[kDim], k_s[kDim];
-  __shared__ float red[kRecThreads / 32];
+// ---- gated delta rule
 
-  for (int t = t0; t < t1; ++t) {
-    const uint16_t* row = p.qkv + int64_t(t) * p.ld_qkv;
-    if (tid < kDim) q_s[tid] = bf16_bits_to_f32(row[kh * kDim + tid]);
-    else if (tid < 2 * kDim) k_s[tid - kDim] = bf16_bits_to_f32(row[(p.nk + kh) * kDim + tid - kDim]);
-    const float vt = bf16_bits_to_f32(row[(2 * p.nk + h) * kDim + v]);
-    const float zt = bf16_bits_to_f32(p.z[int64_t(t) * p.ld_z + h * kDim + v]);
-    const float at = bf16_bits_to_f32(p.a[int64_t(t) * p.ld_a + h]);
-    const float bt = bf16_bits_to_f32(p.b[int64_t(t) * p.ld_b + h]);
-    __syncthreads();
+// q, k [T, Hk, Dk] -> L2-normalised (x * rsqrt(sum x^2 + 1e-6)), q also / sqrt(Dk). A warp per vector.
+// q, k rows may be strided (ldq / ldk elements per token; heads contiguous inside a row).
+__global__ void l2norm_qk_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t vectors, int64_t Dk,
+                                 int64_t Hk, int64_t ldq, int64_t ldk, float* __restrict__ qn,
+                                 float* __restrict__ kn) {
+  dev::pdl_enter();
+  const int64_t vec = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (vec >= 2 * vectors) return;
+  const bool is_q = vec < vectors;
+  const int64_t v_index = is_q ? vec : vec - vectors, t = v_index / Hk, head = v_index % Hk;
+  const float* src = (is_q ? q + t * ldq : k + t * ldk) + head * Dk;
+  float* dst = (is_q ? qn : kn) + (is_q ? vec : vec - vectors) * Dk;
+  float ss = 0.0f;
+  for (int64_t i = lane; i < Dk; i += 32) ss += src[i] * src[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss + 1e-6f);
+  const float q_scale = sqrtf(static_cast<float>(Dk));
+  for (int64_t i = lane; i < Dk; i += 32) dst[i] = is_q ? (src[i] * inv) / q_scale : src[i] * inv;
+}
 
-    // l2 norms of q and k (every warp computes them; cheaper than another barrier).
-    float sq = 0.0f, sk = 0.0f;
+constexpr int kDeltaWarps = 8;        // key rows are spread over the warps: row i lives in warp i % 8
+constexpr int kDeltaRowsPerThread = 32;  // Dk <= 8 * 32 = 256
+
+// grid (S, Hv, ceil(Dv / 32)), block 8 warps. Lane l of every warp owns value column j = 32 * blockIdx.z + l; warp
+// w holds S[i][j] for i = w, w + 8, ... in registers. Per token: S *= exp(g); kv = sum_i S[i][j] k[i] (partial sums
+// per warp, added in warp order); delta = (v[j] - kv) * beta; S[i][j] += k[i] delta; out[j] = sum_i S[i][j] q[i].
+// q and k arrive raw (rows ldq / ldk apart) and are L2-normalised here, per token, exactly as l2norm_qk_kernel does
+// (lane-strided sums, a warp sum, (x * inv) / sqrt(Dk) for q): one launch fewer per layer and step.
+// kRaw: g and beta computed here from the raw gate inputs (`gates`), with delta_rule_gates_kernel's arithmetic, instead
+// of read from g / beta.
+// kRows: state rows per thread (Dk <= 8 kRows): 16 for the usual Dk = 128 holds half the registers of 32, which lets
+// 4 blocks share an SM instead of 2 (the step is a stream of state: more blocks keep more of it in flight).
+template <bool kRaw, int kRows>
+__global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
+    delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t ldq, int64_t ldk,
+                      const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
+                      DeltaGateArgs gates, float* __restrict__ state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
+                      int64_t ldv, float* __restrict__ out) {
+  dev::pdl_enter();
+  __shared__ float q_s[kDeltaWarps * kRows];
+  __shared__ float k_s[kDeltaWarps * kRows];
+  __shared__ float red_kv[kDeltaWarps][32];
+  __shared__ float red_o[kDeltaWarps][32];
+  __shared__ float inv_norm[2];
+  const int s = blockIdx.x, h = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int j = blockIdx.z * 32 + lane;
+  const bool col_ok = j < Dv;
+  const int kh = h / (Hv / Hk);
+  float* S = state + (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;
+
+  float sv[kRows];
 #pragma unroll
-    for (int i = 0; i < kDim / 32; ++i) {
-      const float qv = q_s[lane + 32 * i], kv = k_s[lane + 32 * i];
-      sq += qv * qv;
-      sk += kv * kv;
+  for (int r = 0; r < kRows; ++r) {
+    const int i = warp + kDeltaWarps * r;
+    sv[r] = (col_ok && i < Dk) ? S[int64_t(i) * Dv + j] : 0.0f;
+  }
+  const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
+  for (int t = b; t < e; ++t) {
+    for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
+      q_s[i] = q[int64_t(t) * ldq + int64_t(kh) * Dk + i];
+      k_s[i] = k[int64_t(t) * ldk + int64_t(kh) * Dk + i];
     }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    const float inv_q = rsqrtf(sq + 1e-6f) * q_scale, inv_k = rsqrtf(sk + 1e-6f);
-    const float decay = expf(A * softplus(at + dtb));
-    const float beta = sigmoid(bt);
-
+    __syncthreads();
+    if (warp < 2) {  // warp 0: |q|, warp 1: |k|
+      const float* src = warp == 0 ? q_s : k_s;
+      float ss = 0.0f;
+      for (int i = lane; i < Dk; i += 32) ss += src[i] * src[i];
+      ss = warp_sum(ss);
+      if (lane == 0) inv_norm[warp] = 1.0f / sqrtf(ss + 1e-6f);
+    }
+    __syncthreads();
+    {
+      const float q_scale = sqrtf(static_cast<float>(Dk));
+      for (int i = threadIdx.x; i < Dk; i += blockDim.x) {
+        q_s[i] = (q_s[i] * inv_norm[0]) / q_scale;
+        k_s[i] = k_s[i] * inv_norm[1];
+      }
+    }
+    __syncthreads();
+    float decay, bt;
+    if constexpr (kRaw) {  // delta_rule_gates_kernel's arithmetic
+      const int64_t th = int64_t(t) * Hv + h;
+      const float a_in = gates.a[th], b_in = gates.b[th];
+      const float A_log = load_elem(gates.A_log, gates.A_log_elem, h);
+      const float dt_b = load_elem(gates.dt_bias, gates.dt_bias_elem, h);
+      const float xv = a_in + dt_b;
+      const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));
+      decay = expf(-expf(A_log) * softplus);
+      bt = 1.0f / (1.0f + expf(-b_in));
+    } else {
+      decay = expf(g[int64_t(t) * Hv + h]);
+      bt = beta[int64_t(t) * Hv + h];
+    }
+    float part = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = warp + kDeltaWarps * r;
+      if (i < Dk) {
+        sv[r] *= decay;
+        part += sv[r] * k_s[i];
+      }
+    }
+    red_kv[warp][lane] = part;
+    __syncthreads();
     float kv = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKPer; ++i) {
-      S[i] *= decay;
-      kv += S[i] * k_s[ks * kKPer + i];
-    }
-    kv *= inv_k;
-    kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-    kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-    const float delta = (vt - kv) * beta;
+    for (int w = 0; w < kDeltaWarps; ++w) kv += red_kv[w][lane];
+    const float vj = col_ok ? v[int64_t(t) * ldv + int64_t(h) * Dv + j] : 0.0f;
+    const float delta = (vj - kv) * bt;
     float o = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKPer; ++i) {
-      S[i] += k_s[ks * kKPer + i] * inv_k * delta;
-      o += S[i] * q_s[ks * kKPer + i];
+    for (int r = 0; r < kRows; ++r) {
+      const int i = warp + kDeltaWarps * r;
+      if (i < Dk) {
+        sv[r] += k_s[i] * delta;
+        o += sv[r] * q_s[i];
+      }
     }
-    o *= inv_q;
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    o += __shfl_xor_sync(0xffffffffu, o, 2);
-
-    // Gated RMSNorm over the head's 128 values (each held by 4 threads: count it once).
-    const float ss = warp_sum(ks == 0 ? o * o : 0.0f);
-    if (lane == 0) red[warp] = ss;
+    red_o[warp][lane] = o;
     __syncthreads();
-    float total = 0.0f;
+    if (warp == 0 && col_ok) {
+      float sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kRecThreads / 32; ++i) total += red[i];
-    if (ks == 0) {
-      const float y = nw * o * rsqrtf(total / kDim + p.eps) * silu(zt);
-      p.out[int64_t(t) * p.nv * kDim + h * kDim + v] = __bfloat16_as_ushort(__float2bfloat16_rn(y));
+      for (int w = 0; w < kDeltaWarps; ++w) sum += red_o[w][lane];
+      out[(int64_t(t) * Hv + h) * Dv + j] = sum;
     }
-    __syncthreads();  // q_s, k_s and red are rewritten by the next token
+    // The next token's q_s / k_s / red_kv writes come after this token's reads: every thread has passed the
+    // red_o barrier (all q_s / k_s reads done); red_kv is next written after the next barrier.
   }
 #pragma unroll
-  for (int i = 0; i < kKPer; i += 4) *reinterpret_cast<float4*>(sp + i) = make_float4(S[i], S[i + 1], S[i + 2], S[i + 3]);
+  for (int r = 0; r < kRows; ++r) {
+    const int i = warp + kDeltaWarps * r;
+    if (col_ok && i < Dk) S[int64_t(i) * Dv + j] = sv[r];
+  }
 }
 
 }  // namespace
 
-void gdn_conv1d(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* conv_state, const GdnSeqs& seqs, int C,
-                uint16_t* out, Stream stream) {
-  if (seqs.num_seqs <= 0) return;
-  const dim3 grid((C + kConvThreads - 1) / kConvThreads, seqs.num_seqs);
-  gdn_conv1d_kernel<<<grid, kConvThreads, 0, stream>>>(x, ldx, w, conv_state, seqs, C, out);
+void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_elem, int Kc, float* conv_state,
+                        const StepArgs& step, float* out, Stream stream) {
+  if (step.num_seqs == 0 || C == 0) return;
+  const int chunks = std::max(1, (step.max_seq_tokens + kConvChunk - 1) / kConvChunk);
+  const dim3 grid(grid_for(C, 128), static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(chunks));
+  switch (Kc) {
+    case 2: launch_kernel(conv1d_silu_kernel<2>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 3: launch_kernel(conv1d_silu_kernel<3>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 4: launch_kernel(conv1d_silu_kernel<4>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 5: launch_kernel(conv1d_silu_kernel<5>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 6: launch_kernel(conv1d_silu_kernel<6>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 7: launch_kernel(conv1d_silu_kernel<7>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    case 8: launch_kernel(conv1d_silu_kernel<8>, grid, 128, 0, stream, x, C, w, w_elem, conv_state, step, out); break;
+    default: cuda_fail("causal conv1d: kernel size {} is not supported (2 to 8)", {Kc});
+  }
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void gdn_recurrent(const uint16_t* qkv, int64_t ld_qkv, const uint16_t* z, int64_t ld_z, const uint16_t* a,
-                   int64_t ld_a, const uint16_t* b, int64_t ld_b, const float* A_log, const float* dt_bias,
-                   const float* norm_w, float eps, float* state, const GdnSeqs& seqs, const GdnShape& shape,
-                   uint16_t* out, Stream stream) {
-  if (seqs.num_seqs <= 0) return;
-  if (shape.k_dim != kDim || shape.v_dim != kDim)
-    cuda_fail("gated DeltaNet: head dims {}x{} not supported (only 128x128)", {shape.k_dim, shape.v_dim});
-  if (shape.n_k_heads <= 0 || shape.n_v_heads % shape.n_k_heads != 0)
-    cuda_fail("gated DeltaNet: {} value heads do not group over {} key heads", {shape.n_v_heads, shape.n_k_heads});
-  RecurrentParams p{qkv, ld_qkv, z, ld_z, a, ld_a, b, ld_b, A_log, dt_bias, norm_w, eps, state, seqs,
-                    shape.n_k_heads, shape.n_v_heads, out};
-  gdn_recurrent_kernel<<<dim3(shape.n_v_heads, seqs.num_seqs), kRecThreads, 0, stream>>>(p);
+void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
+                      ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream) {
+  if (T * Hv == 0) return;
+  launch_kernel(delta_rule_gates_kernel, capped_grid(T * Hv), kBlock, 0, stream, a, b, A_log, A_log_elem, dt_bias, dt_bias_elem,
+                                                                      T, Hv, g, beta);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace kiln::cuda
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
+                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
+                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
+                      const DeltaGateArgs* gates) {
+  if (step.num_tokens == 0 || step.num_seqs == 0) return;
+  if (Dk > kDeltaWarps * kDeltaRowsPerThread)
+    cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
+  if (chunked && gated_delta_rule_chunked_supported(Dk, Dv)) {
+    if (gates) cuda_fail("gated delta rule: the chunked form reads computed gates");
+    // The chunked kernel reads normalised q / k rows.
+    const int64_t vectors = int64_t(step.num_tokens) * Hk;
+    float* qn = qk_work;
+    float* kn = qk_work + vectors * Dk;
+    launch_kernel(l2norm_qk_kernel, grid_for(2 * vectors, 8), 256, 0, stream, q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
+    KILN_CUDA_CHECK_LAUNCH();
+    gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, nullptr, stream);
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
+  const DeltaGateArgs raw = gates ? *gates : DeltaGateArgs{};
+  const int hk = static_cast<int>(Hk), hv = static_cast<int>(Hv), dk = static_cast<int>(Dk), dv = static_cast<int>(Dv);
+  auto run = [&](auto kernel) {
+    launch_kernel(kernel, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta, raw, state, hk, hv, dk, dv,
+                  step, ldv, out);
+  };
+  // 16 state rows per thread up to Dk 128, 32 above.
+  const bool narrow = Dk <= kDeltaWarps * kDeltaRowsPerThread / 2;
+  if (gates) narrow ? run(delta_rule_kernel<true, kDeltaRowsPerThread / 2>) : run(delta_rule_kernel<true, kDeltaRowsPerThread>);
+  else narrow ? run(delta_rule_kernel<false, kDeltaRowsPerThread / 2>) : run(delta_rule_kernel<false, kDeltaRowsPerThread>);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda::ops

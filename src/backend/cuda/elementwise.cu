@@ -1,201 +1,360 @@
-// Row-wise and element-wise kernels: RMSNorm (plain and zero-centred, with an optional fused residual
-// add), embedding gather, silu(gate) * up. All memory-bound: 16-byte accesses. (The greedy argmax over a vocabulary
-// is ops::argmax_rows in cuda_ops_elementwise.cu.)
-#include <cuda_bf16.h>
-
-#include <cfloat>
+// CudaOps kernels over rows and elements: strided copy, max |x|, embedding, RMSNorm (plain / zero-centred /
+// gated), RoPE, add, SiLU-mul, sigmoid-mul, row gather.
+// One thread per element or a warp per row; fp32 maths in the CPU backend's order where it matters.
+#include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/device_utils.cuh"
+#include "backend/cuda/device.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
-namespace kiln::cuda {
+namespace kiln::cuda::ops {
 namespace {
 
 using namespace dev;
 
-constexpr int kNormThreads = 256;
+constexpr int kBlock = 256;
 
-__device__ float block_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < int(blockDim.x / 32); ++i) total += scratch[i];
-  __syncthreads();
-  return total;
-}
+// ---- copy
 
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+struct CopyShape {
+  int64_t shape[4], ss[4], ds[4];
+};
+
+template <typename T>
+__global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, CopyShape c, int64_t total) {
+  dev::pdl_enter();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rem = i, so = 0, dof = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = bf16_lo(u[i]);
-    f[2 * i + 1] = bf16_hi(u[i]);
-  }
-}
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
-                    pack_bf16x2(f[6], f[7]));
-}
-
-// Normalises row values already read; x is re-read from `src` (L1/L2) for the output pass.
-__device__ void norm_write(const uint16_t* src, const uint16_t* w, int H, float inv_rms, bool zero_centred,
-                           uint16_t* dst) {
-  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-    float x[8], wf[8];
-    unpack8(*reinterpret_cast<const uint4*>(src + c * 8), x);
-    unpack8(*reinterpret_cast<const uint4*>(w + c * 8), wf);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = x[i] * inv_rms * (zero_centred ? 1.0f + wf[i] : wf[i]);
-    *reinterpret_cast<uint4*>(dst + c * 8) = pack8(x);
+    for (int d = 3; d >= 0; --d) {
+      const int64_t idx = rem % c.shape[d];
+      rem /= c.shape[d];
+      so += idx * c.ss[d];
+      dof += idx * c.ds[d];
+    }
+    dst[dof] = src[so];
   }
 }
 
-__global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const uint16_t* __restrict__ x, int64_t ldx,
-                                                                const uint16_t* __restrict__ w, int H, float eps,
-                                                                bool zero_centred, uint16_t* __restrict__ out,
-                                                                int64_t ldo) {
-  __shared__ float scratch[32];
-  const uint16_t* row = x + int64_t(blockIdx.x) * ldx;
+unsigned capped_grid(int64_t n) {
+  const int64_t g = (n + kBlock - 1) / kBlock;
+  return static_cast<unsigned>(g < 65536 ? (g > 0 ? g : 1) : 65536);
+}
+
+// ---- max |x|
+
+__global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned* result) {
+  dev::pdl_enter();
+  float m = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    m = fmaxf(m, fabsf(x[i]));
+  m = warp_max(m);
+  // Non-negative floats order like their bit patterns.
+  if ((threadIdx.x & 31) == 0) atomicMax(result, __float_as_uint(m));
+}
+
+// ---- embedding / gather
+
+__global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
+                                 const int32_t* __restrict__ ids, int64_t T, float* __restrict__ out) {
+  dev::pdl_enter();
+  const int64_t total = T * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / H, h = i % H;
+    const int32_t id = ids[t];
+    out[i] = (id >= 0 && id < V) ? load_elem(table, elem, int64_t(id) * H + h) : 0.0f;
+  }
+}
+
+__global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, int64_t H,
+                                   const int32_t* __restrict__ rows, int64_t R, float* __restrict__ out) {
+  dev::pdl_enter();
+  const int64_t total = R * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / H, h = i % H;
+    const int32_t src = rows[r];
+    out[i] = (src >= 0 && src < x_rows) ? x[int64_t(src) * H + h] : 0.0f;
+  }
+}
+
+// ---- norms: a warp per row
+
+constexpr int kRowsPerBlock = 8;  // warps per block
+
+__global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
+                                ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();
+  const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= R) return;
+  const float* xr = x + r * ldx;
   float ss = 0.0f;
-  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-    float f[8];
-    unpack8(*reinterpret_cast<const uint4*>(row + c * 8), f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss += f[i] * f[i];
-  }
-  ss = block_sum(ss, scratch);
-  norm_write(row, w, H, rsqrtf(ss / H + eps), zero_centred, out + int64_t(blockIdx.x) * ldo);
+  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float one = zero_centred ? 1.0f : 0.0f;
+  for (int64_t i = lane; i < D; i += 32) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
 
-__global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(uint16_t* __restrict__ residual,
-                                                                    const uint16_t* __restrict__ delta,
-                                                                    const uint16_t* __restrict__ w, int H,
-                                                                    float eps, bool zero_centred,
-                                                                    uint16_t* __restrict__ out) {
-  __shared__ float scratch[32];
-  uint16_t* row = residual + int64_t(blockIdx.x) * H;
-  const uint16_t* drow = delta + int64_t(blockIdx.x) * H;
+// Long rows (D >= 512): a block of 256 threads per row, so that a decode step's single row is not one warp's
+// serial walk.
+template <int kWElem>  // 0: f32 weights, 1: bf16, -1: any (load_elem)
+__device__ __forceinline__ float norm_w(const void* w, ElemType w_elem, int i) {
+  if constexpr (kWElem == 0) return static_cast<const float*>(w)[i];
+  else if constexpr (kWElem == 1) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(w)[i]) << 16);
+  else return load_elem(w, w_elem, i);
+}
+
+template <int kWElem>
+__global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
+                                                           const void* w, ElemType w_elem, float eps,
+                                                           bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * ldx;
+  const float one = zero_centred ? 1.0f : 0.0f;
+  constexpr int kPer = 16;  // D <= 4096 is staged in registers: every load issued at once
+  if (D <= 256 * kPer) {
+    float v[kPer], wv[kPer];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      const int ic = i < D ? i : int(D) - 1;
+      v[j] = xr[ic];
+      wv[j] = norm_w<kWElem>(w, w_elem, ic);
+      if (i < D) ss += v[j] * v[j];
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      if (i < D) out[r * D + i] = (v[j] * inv) * (wv[j] + one);
+    }
+    return;
+  }
   float ss = 0.0f;
-  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-    float a[8], b[8];
-    unpack8(*reinterpret_cast<const uint4*>(row + c * 8), a);
-    unpack8(*reinterpret_cast<const uint4*>(drow + c * 8), b);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
+}
+
+// hidden += y, out = rmsnorm(hidden): a block per row, the row staged in registers (D <= 4096) so that the sum of
+// squares and the output come from one read.
+template <int kWElem>
+__global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
+                                                               int64_t D, const void* w, ElemType w_elem, float eps,
+                                                               bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  float* hr = hidden + r * D;
+  const float* yr = y + r * D;
+  const float one = zero_centred ? 1.0f : 0.0f;
+  constexpr int kPer = 16;
+  if (D <= 256 * kPer) {
+    float v[kPer], wv[kPer];
+    float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) a[i] += b[i];
-    const uint4 r = pack8(a);
-    *reinterpret_cast<uint4*>(row + c * 8) = r;
-    unpack8(r, a);  // the norm sees the rounded bf16 sum, as the model does
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      const int ic = i < D ? i : int(D) - 1;
+      v[j] = hr[ic] + yr[ic];
+      wv[j] = norm_w<kWElem>(w, w_elem, ic);
+      if (i < D) ss += v[j] * v[j];
+    }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) ss += a[i] * a[i];
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      if (i < D) hr[i] = v[j];
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + 256 * j;
+      if (i < D) out[r * D + i] = (v[j] * inv) * (wv[j] + one);
+    }
+    return;
   }
-  ss = block_sum(ss, scratch);  // its barrier also orders the row writes above before the re-read
-  norm_write(row, w, H, rsqrtf(ss / H + eps), zero_centred, out + int64_t(blockIdx.x) * H);
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = hr[i] + yr[i];
+    hr[i] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);  // its barrier also orders this thread's hr writes before the reads below
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (hr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
 
-__global__ void embedding_kernel(const uint16_t* __restrict__ table, const int32_t* __restrict__ ids, int H,
-                                 int64_t V, uint16_t* __restrict__ out) {
-  const int t = blockIdx.x;
-  const int64_t id = ids[t];
-  const bool ok = id >= 0 && id < V;
-  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-    const uint4 v = ok ? *reinterpret_cast<const uint4*>(table + id * H + c * 8) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(out + int64_t(t) * H + c * 8) = v;
+__global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
+                                      const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
+  dev::pdl_enter();
+  const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= R) return;
+  const float* xr = x + r * D;
+  float ss = 0.0f;
+  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  for (int64_t i = lane; i < D; i += 32)
+    out[r * D + i] = (load_elem(w, w_elem, i) * (xr[i] * inv)) * silu(z[r * D + i]);
+}
+
+// ---- RoPE: a thread per (token, head, pair)
+
+__global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
+                            const int32_t* __restrict__ positions, int rotary_dim, double theta) {
+  dev::pdl_enter();
+  const int half = rotary_dim / 2;
+  const int64_t total = T * heads * half;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int p = static_cast<int>(i % half);
+    const int64_t th = i / half, t = th / heads;
+    // Same as the CPU: inv_freq in double rounded to float, angle = float(pos) * inv_freq in fp32.
+    const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
+    const float angle = static_cast<float>(positions[t]) * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    float* v = x + th * D;
+    const float a = v[p], b = v[p + half];
+    v[p] = a * c - b * s;
+    v[p + half] = b * c + a * s;
   }
 }
 
-__global__ void silu_mul_kernel(const uint16_t* __restrict__ gu, int64_t ld_gu, int I, uint16_t* __restrict__ out,
-                                int64_t ldo) {
-  const int t = blockIdx.y;
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= I / 8) return;
-  float g[8], u[8];
-  unpack8(*reinterpret_cast<const uint4*>(gu + int64_t(t) * ld_gu + c * 8), g);
-  unpack8(*reinterpret_cast<const uint4*>(gu + int64_t(t) * ld_gu + I + c * 8), u);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) g[i] = silu(g[i]) * u[i];
-  *reinterpret_cast<uint4*>(out + int64_t(t) * ldo + c * 8) = pack8(g);
+// ---- elementwise
+
+__global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
+  dev::pdl_enter();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = a[i] + b[i];
 }
 
-__device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
-  uint32_t x = static_cast<uint32_t>(i) ^ (static_cast<uint32_t>(i >> 32) * 0x9e3779b9u) ^ (seed * 0x85ebca6bu);
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
+__global__ void silu_mul_kernel(const float* g, const float* u, float* out, int64_t n) {
+  dev::pdl_enter();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = silu(g[i]) * u[i];
 }
-__device__ __forceinline__ float unit_float(uint32_t h) { return float(h >> 8) * (1.0f / 16777216.0f); }
 
-__global__ void fill_u8_kernel(uint8_t* p, size_t n, uint32_t seed, uint32_t lo, uint32_t span) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = static_cast<uint8_t>(lo + hash32(i, seed) % span);
-}
-__global__ void fill_bf16_kernel(uint16_t* p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = __bfloat16_as_ushort(__float2bfloat16_rn((2.0f * unit_float(hash32(i, seed)) - 1.0f) * scale));
-}
-__global__ void fill_f32_kernel(float* p, size_t n, uint32_t seed, float lo, float hi) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = lo + (hi - lo) * unit_float(hash32(i, seed));
-}
-constexpr int kFillBlocks = 4096;
-
-void check_rows(int H, const char* what) {
-  if (H % 8 != 0) cuda_fail(std::string(what) + ": row length must be a multiple of 8 (got {})", {H});
+__global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols) {
+  dev::pdl_enter();
+  const int64_t total = T * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / N, c = i % N;
+    out[i] = x[i] * sigmoid(g[t * g_cols + (g_cols == 1 ? 0 : c)]);
+  }
 }
 
 }  // namespace
 
-void rmsnorm(const uint16_t* x, int64_t ldx, const uint16_t* w, int T, int H, float eps, bool zero_centred,
-             uint16_t* out, int64_t ldo, Stream stream) {
-  if (T <= 0) return;
-  check_rows(H, "rmsnorm");
-  rmsnorm_kernel<<<T, kNormThreads, 0, stream>>>(x, ldx, w, H, eps, zero_centred, out, ldo);
+void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
+                  const int64_t dst_strides[4], Stream stream) {
+  CopyShape c;
+  int64_t total = 1;
+  for (int d = 0; d < 4; ++d) {
+    c.shape[d] = shape[d];
+    c.ss[d] = src_strides[d];
+    c.ds[d] = dst_strides[d];
+    total *= shape[d];
+  }
+  if (total == 0) return;
+  const unsigned grid = capped_grid(total);
+  switch (elem_bytes) {
+    case 1: launch_kernel(copy_kernel<uint8_t>, grid, kBlock, 0, stream, static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), c, total); break;
+    case 2: launch_kernel(copy_kernel<uint16_t>, grid, kBlock, 0, stream, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), c, total); break;
+    case 4: launch_kernel(copy_kernel<uint32_t>, grid, kBlock, 0, stream, static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), c, total); break;
+    case 8: launch_kernel(copy_kernel<uint64_t>, grid, kBlock, 0, stream, static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), c, total); break;
+    default: cuda_fail("copy: element size {} is not supported (1, 2, 4 or 8 bytes)", {elem_bytes});
+  }
   KILN_CUDA_CHECK_LAUNCH();
 }
-
-void add_rmsnorm(uint16_t* residual, const uint16_t* delta, const uint16_t* w, int T, int H, float eps,
-                 bool zero_centred, uint16_t* out, Stream stream) {
-  if (T <= 0) return;
-  check_rows(H, "add_rmsnorm");
-  add_rmsnorm_kernel<<<T, kNormThreads, 0, stream>>>(residual, delta, w, H, eps, zero_centred, out);
-  KILN_CUDA_CHECK_LAUNCH();
-}
-
-void embedding(const uint16_t* table, const int32_t* ids, int T, int H, int64_t V, uint16_t* out, Stream stream) {
-  if (T <= 0) return;
-  check_rows(H, "embedding");
-  embedding_kernel<<<T, 256, 0, stream>>>(table, ids, H, V, out);
-  KILN_CUDA_CHECK_LAUNCH();
-}
-
-void silu_mul(const uint16_t* gu, int64_t ld_gu, int T, int I, uint16_t* out, int64_t ldo, Stream stream) {
-  if (T <= 0) return;
-  check_rows(I, "silu_mul");
-  const dim3 grid((I / 8 + 127) / 128, T);
-  silu_mul_kernel<<<grid, 128, 0, stream>>>(gu, ld_gu, I, out, ldo);
-  KILN_CUDA_CHECK_LAUNCH();
-}
-
-
-void fill_random_u8(uint8_t* p, size_t n, uint32_t seed, uint8_t lo, uint8_t hi, Stream stream) {
+void max_abs(const float* x, int64_t n, float* result, Stream stream) {
+  pdl_note_other_op();
+  KILN_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(float), stream));
   if (n == 0) return;
-  fill_u8_kernel<<<kFillBlocks, 256, 0, stream>>>(p, n, seed, lo, uint32_t(hi) - lo + 1);
-  KILN_CUDA_CHECK_LAUNCH();
-}
-void fill_random_bf16(uint16_t* p, size_t n, uint32_t seed, float scale, Stream stream) {
-  if (n == 0) return;
-  fill_bf16_kernel<<<kFillBlocks, 256, 0, stream>>>(p, n, seed, scale);
-  KILN_CUDA_CHECK_LAUNCH();
-}
-void fill_random_f32(float* p, size_t n, uint32_t seed, float lo, float hi, Stream stream) {
-  if (n == 0) return;
-  fill_f32_kernel<<<kFillBlocks, 256, 0, stream>>>(p, n, seed, lo, hi);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  launch_kernel(max_abs_kernel, static_cast<unsigned>(blocks < 1024 ? blocks : 1024), kBlock, 0, stream, x, n, reinterpret_cast<unsigned*>(result));
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace kiln::cuda
+void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
+               Stream stream) {
+  if (T * H == 0) return;
+  launch_kernel(embedding_kernel, capped_grid(T * H), kBlock, 0, stream, table, elem, V, H, ids, T, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void gather_rows(const float* x, int64_t x_rows, int64_t H, const int32_t* rows, int64_t R, float* out,
+                 Stream stream) {
+  if (R * H == 0) return;
+  launch_kernel(gather_rows_kernel, capped_grid(R * H), kBlock, 0, stream, x, x_rows, H, rows, R, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+              bool zero_centred, float* out, Stream stream) {
+  if (R == 0) return;
+  if (D >= 512) {
+    const unsigned g = static_cast<unsigned>(R);
+    if (w_elem == ElemType::bf16) launch_kernel(rms_norm_row_kernel<1>, g, 256, 0, stream, x, ldx, D, w, w_elem, eps, zero_centred, out);
+    else if (w_elem == ElemType::f32) launch_kernel(rms_norm_row_kernel<0>, g, 256, 0, stream, x, ldx, D, w, w_elem, eps, zero_centred, out);
+    else launch_kernel(rms_norm_row_kernel<-1>, g, 256, 0, stream, x, ldx, D, w, w_elem, eps, zero_centred, out);
+  } else {
+    launch_kernel(rms_norm_kernel, grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream, x, ldx, R, D, w, w_elem, eps,
+                                                                              zero_centred, out);
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void add_rms_norm(float* hidden, const float* y, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                  bool zero_centred, float* out, Stream stream) {
+  if (R == 0) return;
+  const unsigned g = static_cast<unsigned>(R);
+  if (w_elem == ElemType::bf16) launch_kernel(add_rms_norm_row_kernel<1>, g, 256, 0, stream, hidden, y, D, w, w_elem, eps, zero_centred, out);
+  else if (w_elem == ElemType::f32) launch_kernel(add_rms_norm_row_kernel<0>, g, 256, 0, stream, hidden, y, D, w, w_elem, eps, zero_centred, out);
+  else launch_kernel(add_rms_norm_row_kernel<-1>, g, 256, 0, stream, hidden, y, D, w, w_elem, eps, zero_centred, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                    float* out, Stream stream) {
+  if (R == 0) return;
+  launch_kernel(gated_rms_norm_kernel, grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream, x, z, R, D, w, w_elem, eps,
+                                                                                      out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, int rotary_dim, double theta,
+          Stream stream) {
+  const int64_t total = T * heads * (rotary_dim / 2);
+  if (total == 0) return;
+  launch_kernel(rope_kernel, capped_grid(total), kBlock, 0, stream, x, T, heads, D, positions, rotary_dim, theta);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void add(const float* a, const float* b, float* out, int64_t n, Stream stream) {
+  if (n == 0) return;
+  launch_kernel(add_kernel, capped_grid(n), kBlock, 0, stream, a, b, out, n);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, Stream stream) {
+  if (n == 0) return;
+  launch_kernel(silu_mul_kernel, capped_grid(n), kBlock, 0, stream, gate, up, out, n);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_mul(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols, Stream stream) {
+  if (T * N == 0) return;
+  launch_kernel(sigmoid_mul_kernel, capped_grid(T * N), kBlock, 0, stream, x, g, out, T, N, g_cols);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kiln::cuda::ops

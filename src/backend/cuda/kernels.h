@@ -1,204 +1,327 @@
-// Host API of the CUDA kernels, by family. Plain C++ (no CUDA syntax): tests, benchmarks and the CUDA
-// backend call these. All pointers are device pointers unless a comment says otherwise; bf16 data is
-// passed as uint16_t bit patterns. Every launcher checks its shape preconditions (kiln::Error naming
-// what is supported) and the launch itself (KILN_CUDA_CHECK). Nothing here synchronises the stream.
+// The host API of the CUDA kernels: the launchers behind CudaOps (cuda_ops.h), by family, each section naming the
+// .cu file that implements it. F32 activations on the device, weights read as stored. Plain C++ (no CUDA syntax, no
+// fmt) so that both nvcc (the .cu files) and g++ (cuda_ops.cpp, which validates shapes and turns them into these
+// calls; the GPU tests) can include it.
 //
-// The maths of each kernel is written out as plain C++ in reference.h; tests compare the two.
+// Pointers are device pointers. Element types of float tensors the kernels read (weights, norms, pools)
+// are passed as ElemType. Launchers only check the launch (KILN_CUDA_CHECK_LAUNCH); shapes are checked by
+// the caller. Nothing here synchronises the stream.
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
-#include <tuple>
 
-namespace kiln::cuda {
+namespace kiln::cuda::ops {
 
 using Stream = cudaStream_t;
 
-// ============================================================================================
-// NVFP4 W4A16 linear: out[m, n] = x[m, k] . W[n, k]^T, W dequantised as
-// e2m1(code) * e4m3(scale[n, k/16]) * global_scale; bf16 activations and output, fp32 accumulate.
-// ============================================================================================
-struct Nvfp4Weight {
-  const uint8_t* codes = nullptr;   // [n, k/2]   two E2M1 codes per byte, element 2i in the low nibble
-  const uint8_t* scales = nullptr;  // [n, k/16]  F8_E4M3 block scales
-  float global_scale = 1.0f;        // weight_scale_2
+// Programmatic dependent launch for the kernels launched through launch_kernel() (launch.cuh). Process-wide;
+// CudaRuntime sets it once at construction (CudaOptions::pdl, --enable-pdl; compute capability >= 9.0 only).
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
+// The stream's previous operation was not one of these kernels (a copy, a memset, a library GEMM): the next
+// launch_kernel() then launches in plain stream order. CudaOps calls it before every such operation.
+void pdl_note_other_op();
+// launch_kernel's bookkeeping: whether the stream's previous operation was a launch_kernel() kernel (and mark it so).
+bool pdl_previous_was_kernel_and_mark();
+
+// Profiling of the kernels inside one launcher (CudaOps --profile): when a hook is set, launchers of several kernels
+// call profile_mark(label) after each stage; CudaOps times the stage from the previous mark (or the op's start).
+using ProfileMarkFn = void (*)(void* ctx, const char* label);
+void set_profile_mark(ProfileMarkFn fn, void* ctx);
+void profile_mark(const char* label);
+
+enum class ElemType : int32_t { f32 = 0, bf16 = 1, f16 = 2, e4m3 = 3 };
+enum class WeightKind : int32_t { dense = 0, fp8_tensor = 1, nvfp4 = 2 };
+
+// One linear weight W [n, k] as the kernels read it (see model::LinearWeight).
+struct WeightDesc {
+  const void* data = nullptr;            // dense [n, k] (elem); fp8 [n, k] bytes; nvfp4 [n, k/2] code pairs
+  const uint8_t* block_scale = nullptr;  // nvfp4: F8_E4M3 [n, k/16]
+  const void* bias = nullptr;            // [n] (bias_elem) or null
+  float scale = 1.0f;                    // fp8: weight_scale; nvfp4: weight_scale_2
+  WeightKind kind = WeightKind::dense;
+  ElemType elem = ElemType::bf16;        // dense element type
+  ElemType bias_elem = ElemType::f32;
+  int32_t n = 0, k = 0;
 };
 
-// Which kernel runs: the GEMV path (tensor-core MMA over 8-token tiles, weights streamed once per
-// tile; best for m <= ~16) or the tiled GEMM path (128x128 tiles, FP4 decoded to bf16 in shared
-// memory). kAuto picks by m.
-enum class Nvfp4Path { kAuto, kGemv, kGemm };
-const char* nvfp4_path_name(Nvfp4Path p);
+// Which bandwidth gemv (linear.cu) can stream W: 0 bf16 (k % 8 == 0), 1 nvfp4 (k % 32 == 0), -1 none
+// (the generic kernel runs). Needs 16-byte aligned codes / values.
+inline int gemv2_kind_host(const WeightDesc& w) {
+  if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return -1;
+  if (w.kind == WeightKind::dense && w.elem == ElemType::bf16 && w.k % 8 == 0) return 0;
+  if (w.kind == WeightKind::nvfp4 && w.k % 32 == 0 && reinterpret_cast<uintptr_t>(w.block_scale) % 2 == 0) return 1;
+  return -1;
+}
 
-// n % 16 == 0 (GEMV) / n % 128 == 0 (GEMM); k % 128 == 0.
-void nvfp4_linear(const Nvfp4Weight& w, int n, int k,
-                  const uint16_t* x, int64_t ldx,  // [m, k]
-                  int m, uint16_t* out, int64_t ldo,  // [m, n]
-                  Stream stream, Nvfp4Path path = Nvfp4Path::kAuto);
-
-// ============================================================================================
-// MoE: routing (fp32 softmax over experts, top-k, optional renormalisation), grouping of the
-// (token, slot) pairs by expert, NVFP4 expert FFN down(silu(gate x) * up x) per pair, and the
-// weighted combine with an optional shared expert scaled by sigmoid(shared gate).
-// ============================================================================================
-struct MoeRouting {
-  int* topk_ids = nullptr;           // [T, k]
-  float* topk_weights = nullptr;     // [T, k]
-  int* group_expert = nullptr;       // [E]    expert of each non-empty group, in expert order
-  int* group_offset = nullptr;       // [E+1]  first sorted pair of each group
-  int* group_tile_offset = nullptr;  // [E+1]  first 128-pair GEMM tile of each group
-  int* num_groups = nullptr;         // [1]
-  int* sorted_token = nullptr;       // [T*k]  token of each sorted pair
-  int* pair_pos = nullptr;           // [T*k]  sorted position of pair (t, slot)
-  int max_tokens = 0, num_experts = 0, top_k = 0;
-};
-// Bytes of device memory moe_routing_carve needs.
-size_t moe_routing_bytes(int max_tokens, int num_experts, int top_k);
-// Lays a MoeRouting out in `mem` (moe_routing_bytes(...) bytes, 256-byte aligned).
-MoeRouting moe_routing_carve(void* mem, int max_tokens, int num_experts, int top_k);
-
-// logits[t, 0..E) (fp32, row stride ld_logits) -> topk_ids/weights and the grouping. T <= max_tokens.
-void moe_route(const float* logits, int64_t ld_logits, int T, bool renormalize, const MoeRouting& r,
-               Stream stream);
-
-struct MoeExperts {
-  const Nvfp4Weight* gate = nullptr;  // [E] device table: gate_proj [inter, hidden]
-  const Nvfp4Weight* up = nullptr;    // [E] up_proj [inter, hidden]
-  const Nvfp4Weight* down = nullptr;  // [E] down_proj [hidden, inter]
-  int hidden = 0, inter = 0;
-};
-// For every pair p of the grouping: act[p] = silu(x[tok] Wg^T) * (x[tok] Wu^T) (bf16), then
-// y[p] = act[p] Wd^T (bf16). `act` is [T*k, inter], `y` is [T*k, hidden] (sorted pair order).
-void moe_expert_ffn(const MoeExperts& experts, const uint16_t* x, int64_t ldx, int T, const MoeRouting& r,
-                    uint16_t* act, uint16_t* y, Stream stream, Nvfp4Path path = Nvfp4Path::kAuto);
-
-// out[t] = sum_slot w[t, slot] * y[pair_pos[t, slot]] (+ sigmoid(shared_gate[t]) * shared[t]).
-// shared / shared_gate may be null (no shared expert). Sums in fp32 in slot order: deterministic.
-void moe_combine(const uint16_t* y, const MoeRouting& r, int T, int hidden,
-                 const uint16_t* shared, int64_t ld_shared,          // [T, hidden] or null
-                 const float* shared_gate, int64_t ld_shared_gate,   // [T] logits (pre-sigmoid) or null
-                 uint16_t* out, int64_t ldo, Stream stream);
-
-// ============================================================================================
-// BF16 GEMMs through cuBLASLt: out[m, n] = alpha * x[m, k] . w[n, k]^T (+ beta * out),
-// fp32 accumulate; out is bf16 or fp32. One instance per stream/thread (holds a workspace).
-// ============================================================================================
-class BlasLt {
- public:
-  explicit BlasLt(size_t workspace_bytes = size_t(32) << 20);
-  ~BlasLt();
-  BlasLt(const BlasLt&) = delete;
-  BlasLt& operator=(const BlasLt&) = delete;
-
-  void gemm(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, void* out, int64_t ldo,
-            bool out_f32, int m, int n, int k, Stream stream, float alpha = 1.0f, float beta = 0.0f);
-
- private:
-  struct Plan;
-  Plan* plan_for(bool out_f32, int m, int n, int k, int64_t ldx, int64_t ldw, int64_t ldo);
-  void* handle_ = nullptr;
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
-  std::map<std::tuple<bool, int, int, int, int64_t, int64_t, int64_t>, Plan*> plans_;
+// The step layout (model::StepLayout) as device arrays.
+struct StepArgs {
+  const int32_t* token_pos = nullptr;        // [T]
+  const int32_t* seq_token_begin = nullptr;  // [S + 1]
+  const int32_t* seq_state_slot = nullptr;   // [S]
+  const int32_t* page_table = nullptr;       // [S, max_pages]
+  int32_t num_tokens = 0, num_seqs = 0, max_pages = 0, page_size = 0;
+  int32_t max_seq_tokens = 0;  // longest sequence of the step (host-known)
 };
 
-// ============================================================================================
-// Gated attention (full-attention layers), head_dim 256, paged KV cache.
-// ============================================================================================
-struct KvCache {
-  void* k = nullptr;  // [num_pages, page_size, n_kv_heads, head_dim]  bf16 or F8_E4M3
-  void* v = nullptr;  // same
-  bool fp8 = false;   // F8_E4M3 with per-tensor scales (dequantised value = code * scale)
+// One layer's paged KV pool: [pages, page_size, kv_heads, head_dim] each.
+struct KvPoolArgs {
+  void* k = nullptr;
+  void* v = nullptr;
+  ElemType elem = ElemType::bf16;  // f32, bf16 or e4m3 (value = code * scale)
   float k_scale = 1.0f, v_scale = 1.0f;
-  int page_size = 16, n_kv_heads = 0, head_dim = 256;
+  int32_t kv_heads = 0, head_dim = 0;
 };
 
-// Per token t: q = q_norm(q_proj[t, h, 0:256]) (zero-centred RMSNorm), k = k_norm(k_proj), v;
-// partial RoPE (rotate_half over the first `rotary_dim` dims, inv_freq = theta^(-2i/rotary_dim));
-// q goes to q_out, k and v to the cache at row kv_slot[t] (= page * page_size + offset).
-void attention_prep(const uint16_t* q_proj, int64_t ld_q,  // [T, n_heads * 2 * 256]: per head q | gate
-                    const uint16_t* k_proj, int64_t ld_k,  // [T, n_kv_heads * 256]
-                    const uint16_t* v_proj, int64_t ld_v,  // [T, n_kv_heads * 256]
-                    const uint16_t* q_norm_w, const uint16_t* k_norm_w,  // [256] each
-                    const int32_t* positions,  // [T]
-                    const int64_t* kv_slot,    // [T]
-                    int T, int n_heads, float rope_theta, int rotary_dim, float eps, const KvCache& cache,
-                    uint16_t* q_out,  // [T, n_heads, 256]
-                    Stream stream);
+// ---- memory-shaped ops (elementwise.cu; argmax_rows: sampling.cu)
+// dst = src over up to 4 dims (shape / strides in elements, leading dims padded with 1 / 0); elem_bytes 1..8.
+void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
+                  const int64_t dst_strides[4], Stream stream);
+// ids[r] = argmax_v logits[r * ld + v] over v < V (lowest index on ties, NaN never wins, all NaN: 0).
+// work: argmax_workspace_bytes(R, V) bytes of device memory.
+size_t argmax_workspace_bytes(int64_t R, int64_t V);
+void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream);
+// *result = max |x| (result: one device float, overwritten).
+void max_abs(const float* x, int64_t n, float* result, Stream stream);
 
-// The sequences of one attention launch (device arrays) plus host-known bounds for sizing grids.
-struct AttnBatch {
-  const int32_t* q_start = nullptr;     // [S+1] query token offsets (rows of q / out)
-  const int32_t* pos0 = nullptr;        // [S]   position of each sequence's first query token
-  const int32_t* page_table = nullptr;  // [S, page_table_stride]
-  int page_table_stride = 0;
-  int num_seqs = 0;
-  int max_q_len = 0;   // max over sequences of q_start[s+1] - q_start[s]
-  int max_kv_len = 0;  // max over sequences of pos0[s] + q_len(s)
+// ---- fills (fill.cu) and the split / sum around cuBLASLt GEMMs (linear.cu)
+// The device twin of model::fill_random_host (same bytes): bytes in [byte_lo, byte_hi) (+ random sign bit), or
+// uniform floats lo + (hi - lo) * u rounded to elem.
+void fill_random_bytes(uint8_t* out, int64_t n, uint64_t seed, uint32_t byte_lo, uint32_t byte_hi, bool random_sign,
+                       Stream stream);
+void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream);
+// Tensor-core linears at fp32 accuracy: x [T, K] (row stride ldx) = hi + mid + lo in bf16, written as the row
+// blocks of out [3T, K]; one bf16 GEMM of the 3T rows against W, then out = (lo + mid) + hi per row (sum3_rows).
+void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream);
+void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream);
+// sum3_rows for one GEMM over several adjacent weights: columns [col0[s], col0[s + 1]) (the last to N) go to out[s]
+// (row stride ldo[s]); col0 ascending, col0[0] == 0.
+struct Sum3Segments {
+  static constexpr int kMax = 4;
+  float* out[kMax] = {};
+  int64_t ldo[kMax] = {};
+  int64_t col0[kMax] = {};
+  int count = 0;
 };
+void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segments& segs, Stream stream);
+// One thread spinning for `microseconds` (the profiler queues it so that the ops after it run back to back).
+void busy_wait(double microseconds, Stream stream);
 
-// Causal GQA softmax attention over the cache (keys 0..pos inclusive for the query at pos),
-// scale 1/sqrt(256), then out = attn * sigmoid(gate). q_len 1 uses split-KV flash decoding.
-// `workspace` must hold attention_workspace_bytes(...) bytes (may be null when that is 0).
-size_t attention_workspace_bytes(const AttnBatch& b, int n_heads, const KvCache& cache);
-void attention(const uint16_t* q,  // [T, n_heads, 256]
-               const uint16_t* gate, int64_t gate_token_stride, int64_t gate_head_stride,
-               const AttnBatch& batch, int n_heads, const KvCache& cache,
-               uint16_t* out,  // [T, n_heads * 256]
+// ---- dense maths (elementwise.cu)
+// out[t] = table[ids[t]] (ids outside [0, V) give a zero row). table [V, H], out [T, H].
+void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
+               Stream stream);
+// x [R, D] with row stride ldx; w [D]; out [R, D] contiguous. out = x_hat * (w or 1 + w).
+void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+              bool zero_centred, float* out, Stream stream);
+// hidden += y, then out = rms_norm(hidden) (a block per row). hidden, y, out [R, D] contiguous.
+void add_rms_norm(float* hidden, const float* y, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                  bool zero_centred, float* out, Stream stream);
+// out = (w * x_hat) * silu(z); x, z, out [R, D].
+void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
+                    float* out, Stream stream);
+// In place on x [T, heads, D]: rotate_half RoPE over the first rotary_dim dims.
+void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, int rotary_dim, double theta,
+          Stream stream);
+void add(const float* a, const float* b, float* out, int64_t n, Stream stream);
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, Stream stream);
+// out[t, i] = x[t, i] * sigmoid(g[t, g_cols == 1 ? 0 : i]); x, out [T, N], g [T, g_cols].
+void sigmoid_mul(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols, Stream stream);
+// out[r] = x[rows[r]] (rows outside [0, x_rows) give a zero row). x [x_rows, H], out [R, H].
+void gather_rows(const float* x, int64_t x_rows, int64_t H, const int32_t* rows, int64_t R, float* out,
+                 Stream stream);
+
+// ---- Gated DeltaNet, token by token (deltanet.cu)
+// Depthwise causal conv (kernel Kc <= 8) + SiLU per sequence, continuing from / updating conv_state
+// [slots, C, Kc - 1]. x, out [T, C]; w [C, Kc].
+void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_elem, int Kc, float* conv_state,
+                        const StepArgs& step, float* out, Stream stream);
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). a, b, g, beta [T, Hv].
+void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
+                      ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream);
+// The gated delta rule, state [slots, Hv, Dk, Dv] fp32. q, k [T, Hk, Dk]; v, out [T, Hv, Dv]; g, beta [T, Hv]. q, k,
+// v rows are ldq / ldk / ldv elements apart (heads contiguous inside a row). qk_work: 2 * T * Hk * Dk floats (the
+// normalised q and k). Dk <= 256. Token by token, or with `chunked` (where gated_delta_rule_chunked_supported) in
+// chunks of 64 tokens (gated_delta_rule_chunked below; equal up to rounding).
+// The raw inputs of delta_rule_gates, for the recurrent kernel to compute g / beta itself (a, b [T, Hv]).
+struct DeltaGateArgs {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  const void* A_log = nullptr;
+  const void* dt_bias = nullptr;
+  ElemType A_log_elem = ElemType::f32, dt_bias_elem = ElemType::f32;
+};
+// `gates` (recurrent form only; ignored by the chunked one, which reads g / beta): g and beta are computed in the
+// kernel from the raw inputs and g / beta are not read.
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
+                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
+                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false,
+                      const DeltaGateArgs* gates = nullptr);
+
+// ---- paged attention, any step shape (attention_decode.cu)
+// k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
+void kv_store(const float* k, const float* v, const KvPoolArgs& pool, const StepArgs& step, Stream stream);
+// Causal GQA softmax attention over the pool. q, out [T, q_heads, head_dim]; head_dim <= 512. Keys are split over
+// blocks when T x q_heads is small (decode); `workspace` holds attention_workspace_bytes() bytes (null when 0).
+size_t attention_workspace_bytes(int64_t T, int64_t q_heads, int64_t head_dim, const StepArgs& step);
+void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale, float* out,
                void* workspace, Stream stream);
 
-// ============================================================================================
-// Gated DeltaNet (linear-attention layers).
-// ============================================================================================
-struct GdnSeqs {
-  const int32_t* seq_start = nullptr;  // [S+1] token offsets
-  const int32_t* slot = nullptr;       // [S]   state slot of each sequence
-  const int32_t* reset = nullptr;      // [S]   1: fresh sequence, start from zero state
-  int num_seqs = 0;
-};
+// ---- linear layers (linear.cu)
+// out[t, n] = sum_k x[t, k] W[n, k] (+ bias[n]); x [T, K] row stride ldx, out [T, N] row stride ldo. fp32 FMA.
+void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream);
+// Several linears of one x in a single launch (the bandwidth gemv with one segment per weight): outs[i] [T, n_i]
+// with row stride ldos[i]. Only for T <= 64 rows (tiles of 8), <= 4 weights of one gemv2 kind and one k; returns false
+// (nothing launched) otherwise.
+bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
+                  const int64_t* ldos, Stream stream);
+constexpr int64_t kGemvMaxRows = 128;  // dense layers with at most this many rows take the gemv path (8-row tiles)
+// Name of the linear path linear() picks for T tokens (for describe()).
+const char* linear_path_name(int64_t T);
 
-// out[t, c] = silu(sum_j w[c, j] * in[t - 3 + j, c]) per sequence, with in[<0] from the conv state
-// (the last 3 inputs, [slots, 3, C] bf16, updated). w is conv1d.weight [C, 1, 4] as [C, 4].
-void gdn_conv1d(const uint16_t* x, int64_t ldx,  // [T, C]
-                const uint16_t* w,               // [C, 4]
-                uint16_t* conv_state,            // [slots, 3, C]
-                const GdnSeqs& seqs, int C, uint16_t* out,  // [T, C]
-                Stream stream);
-
-struct GdnShape {
-  int n_k_heads = 16, n_v_heads = 32, k_dim = 128, v_dim = 128;
-};
-// The gated delta rule per value head (REFERENCE §1 steps 3-6): qkv = conv output [T, 2*nk*dk + nv*dv]
-// (q | k | v), z [T, nv*dv], a and b [T, nv]; state [slots, nv, dv, dk] fp32 (S transposed: one
-// value column's 128 keys contiguous); out = norm_w * rmsnorm(o) * silu(z) per head, bf16.
-void gdn_recurrent(const uint16_t* qkv, int64_t ld_qkv, const uint16_t* z, int64_t ld_z,
-                   const uint16_t* a, int64_t ld_a, const uint16_t* b, int64_t ld_b,
-                   const float* A_log, const float* dt_bias,  // [nv]
-                   const float* norm_w, float eps,           // [dv]
-                   float* state, const GdnSeqs& seqs, const GdnShape& shape,
-                   uint16_t* out,  // [T, nv * dv]
-                   Stream stream);
-
-// ============================================================================================
-// Norms, residuals, embedding, activation, sampling.
-// ============================================================================================
-// out = x * rsqrt(mean(x^2) + eps) * (zero_centred ? 1 + w : w), fp32 maths, bf16 out.
-void rmsnorm(const uint16_t* x, int64_t ldx, const uint16_t* w, int T, int H, float eps, bool zero_centred,
-             uint16_t* out, int64_t ldo, Stream stream);
-// residual = bf16(residual + delta); out = rmsnorm(residual). H % 8 == 0.
-void add_rmsnorm(uint16_t* residual, const uint16_t* delta, const uint16_t* w, int T, int H, float eps,
-                 bool zero_centred, uint16_t* out, Stream stream);
-// out[t] = table[ids[t]]; ids outside [0, V) give a zero row.
-void embedding(const uint16_t* table, const int32_t* ids, int T, int H, int64_t V, uint16_t* out,
+// ---- MoE routing, grouping, combine (moe_routing.cu)
+// softmax over E (fp32), top-k (ties: lower id first), optionally renormalised. logits [T, E]; ids, weights [T, k].
+void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renormalise, int32_t* ids, float* weights,
                Stream stream);
-// out[t, i] = silu(gu[t, i]) * gu[t, I + i].
-void silu_mul(const uint16_t* gu, int64_t ld_gu, int T, int I, uint16_t* out, int64_t ldo, Stream stream);
 
-// Pseudo-random device fills (a hash of index and seed; for benchmarks and synthetic weights).
-void fill_random_u8(uint8_t* p, size_t n, uint32_t seed, uint8_t lo, uint8_t hi, Stream stream);  // [lo, hi]
-void fill_random_bf16(uint16_t* p, size_t n, uint32_t seed, float scale, Stream stream);         // [-scale, scale)
-void fill_random_f32(float* p, size_t n, uint32_t seed, float lo, float hi, Stream stream);       // [lo, hi)
+// Routed experts: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]), summed in ascending expert id.
+// experts: device table [E][3] of {gate [I, H], up [I, H], down [H, I]}; experts_vec_ok: every one of them has
+// k % 8 == 0 and 16-byte aligned data (the 8-wide load path). workspace: moe_workspace_bytes() bytes, 256-aligned.
+size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
+// experts_gemv2_kind: the bandwidth gemv every expert matrix can use (0 bf16, 1 nvfp4), or -1. tensor_cores: NVFP4
+// experts on tensor cores (moe_experts.cu, x split into 3 bf16 parts) where moe_mma_supported; false, or experts
+// it does not serve: the fp32 CUDA-core kernels (moe_experts_fp32).
+// shared / shared_gate (both or neither): out += shared[t] * sigmoid(shared_gate[t]) ([T, H] and [T] fp32).
+void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
+                 const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
+                 void* workspace, float* out, Stream stream, bool tensor_cores = true, const float* shared = nullptr,
+                 const float* shared_gate = nullptr);
 
-}  // namespace kiln::cuda
+// The routed experts' gate/up and down GEMMs on the CUDA cores (linear.cu's kernels; moe_experts() calls it when the
+// tensor-core kernels do not serve the experts): act [P, I] = silu(x W_gate^T) * (x W_up^T), y [P, H] = act W_down^T
+// over the grouping moe_experts() built (sorted rows by expert, row tiles of tile_m rows).
+struct ExpertGroups {
+  const int32_t* group_offset = nullptr;  // [E + 1] first sorted row of each expert
+  const int32_t* tile_offset = nullptr;   // [E + 1] first row tile of each expert
+  const int32_t* tile_group = nullptr;    // [tiles] expert of each row tile
+  const int32_t* row_token = nullptr;     // [P] token of each sorted row
+  int tile_m = 0;                         // rows per row tile
+  int64_t max_tiles = 0;                  // grid bound on row tiles
+  bool gemv = false;                      // the gemv kernels (tiles of <= kGemvTileRows rows), else the gemm
+};
+void moe_experts_fp32(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
+                      bool experts_vec_ok, bool x_vec, int experts_gemv2_kind, const ExpertGroups& groups, float* act,
+                      float* y, Stream stream);
+constexpr int kGemvTileRows = 8;   // row tile of the gemv kernels
+constexpr int kGemmTileRows = 64;  // row tile of the fp32 gemm
+// Launch shapes are sized for the H200's 132 SMs (the tuned target; other GPUs get the same shapes).
+constexpr int64_t kSms = 132;
+constexpr int64_t kTwoBlocksPerSm = 2 * kSms;
+
+// ---- routed experts on tensor cores (moe_experts.cu)
+// True when the tensor-core expert kernels serve these experts: all NVFP4 (16-byte aligned codes), H and I
+// multiples of 128.
+bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind);
+// The grouping (moe_experts' workspace) and buffers one tensor-core expert pass uses.
+// x and silu(gate) * up are split into 3 bf16 parts. Row tiles of >= 16 rows run the kernel that stages x in shared
+// memory with 2 token sub-tiles per pass over the weights; smaller ones the decode-sized kernel.
+struct MoeMmaPlan {
+  int tile_m = 8;        // sorted rows per row tile
+  int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2, 4 or 8) of the decode-sized launches
+  // Blocks per SM asked of the decode-sized launches (3 or 4; 0: the register allocator's choice).
+  int occ_up = 0, occ_down = 0;
+  int64_t max_tiles = 0; // grid bound on row tiles
+  const int4* tile_info = nullptr;        // [max_tiles] {expert (-1: no tile), first sorted row, end row, 0}
+  const int32_t* row_token = nullptr;     // [P] token of each sorted row
+  uint16_t* xs = nullptr;     // [T][H/32][3][32] the split x
+  uint16_t* act_s = nullptr;  // [P][I/32][3][32] the split silu(gate) * up
+  float* y = nullptr;         // [P][H] each sorted row's expert output
+};
+// y[r] = down(silu(gate(x[row_token[r]])) * up(...)) for every sorted row r of every tile.
+void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
+                     const MoeMmaPlan& plan, Stream stream);
+
+// A dense NVFP4 linear on tensor cores (the routed-expert kernel with the weight as its only expert; x split into 3
+// bf16 parts): for many rows (prefill). Needs linear_nvfp4_mma_supported(w): no bias, K % 128 == 0, N % 64 == 0.
+// w_dev: the WeightDesc in device memory; tiles: [n_tiles] {0, first row, end row, 0} of kLinearTileRows rows;
+// xs: T * K * 3 bf16 values of scratch; out [T, N] contiguous.
+constexpr int64_t kLinearTileRows = 64;
+bool linear_nvfp4_mma_supported(const WeightDesc& w);
+void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tiles, int64_t K, int64_t N,
+                      const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream);
+
+
+// ---- paged attention for prefill-shaped steps (attention_prefill.cu)
+// Causal GQA attention over the paged KV pool for prefill-shaped steps (flash-attention style, tensor cores at fp32
+// accuracy). Same maths and layouts as attention() above: q, out
+// [T, q_heads, head_dim]; a query at position p sees keys 0..p of its own sequence; a row with no keys gives 0.
+// attention_prefill runs only when the step's longest sequence (StepArgs::max_seq_tokens, host-known) has at least
+// this many tokens: below that the split-over-keys kernels of ops::attention are the better fit.
+constexpr int kAttentionPrefillMinTokens = 16;
+
+// Launches the prefill kernel and returns true, or launches nothing and returns false when the case is not served:
+// head_dim not 64, 128 or 256; pool elements not bf16 or e4m3 (f32 pools fall back); q_heads not a multiple of
+// kv_heads; step.max_seq_tokens < kAttentionPrefillMinTokens; more than 65535 sequences; q / out / pool pointers not
+// 16-byte aligned; or the kernel's shared memory above the device's per-block limit. No workspace.
+bool attention_prefill(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
+                       float* out, Stream stream);
+
+// ---- the gated delta rule in chunks of 64 tokens, for prefill (deltanet_chunked.cu)
+// The gated delta rule in chunks of 64 tokens (the UT-transform form), for sequences with many tokens (prefill).
+// Same inputs, outputs and state as gated_delta_rule() above, except that q and k are the
+// already L2-normalised qn / kn ([T, Hk, Dk] contiguous, q also divided by sqrt(Dk)), as l2norm_qk_kernel writes
+// them. g, beta [T, Hv] contiguous; v rows ldv elements apart (heads contiguous inside a row); out [T, Hv, Dv]
+// contiguous; state [slots, Hv, Dk, Dv] fp32, indexed like delta_rule_kernel's (S[i * Dv + j], i the key index).
+// A sequence's slot must hold its running state (zeros for a fresh sequence); sequences of 0 tokens are left as
+// they are. fp32 FMA throughout (no tensor cores, no fast-math).
+// workspace: gated_delta_rule_chunked_workspace_bytes(...) bytes (0 today: the kernel needs none; pass null).
+size_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step);
+void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
+                              float* state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
+                              const StepArgs& step, float* out, void* workspace, cudaStream_t stream);
+// True when the chunked kernel serves these head sizes on the current device: 1 <= Dk <= 128 (padded to 32, 64 or
+// 128), any Dv >= 1 (tiles of 32 or 64 value columns, the last one masked), and the block's shared memory within
+// the device's opt-in limit (Dk 128: 180 KB with 32 value columns, 220 KB with 64; Dk <= 32: 97 KB). True on sm_90 /
+// sm_100 (227 KB); on parts with 99 KB per block (sm_86 / sm_89 / sm_120) only for Dk <= 32: elsewhere the caller
+// keeps the recurrent kernel.
+bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv);
+
+// ---- token sampling (sampling.cu)
+// Token sampling on the device (CudaOps::sample_rows): model::sample_row_host's definition (model/sampling.h:
+// temperature, top-k, top-p, min-p, one draw with the row's uniform) over rows of fp32 logits, so that only the ids
+// come back.
+//
+// One block of 1024 threads per row. The logits are scaled as the host scales them (x * (1.0f / T) in float, round
+// to nearest) and the probabilities are doubles exp(x - max), as on the host; what differs is the order of the sums
+// (tree and segment sums here, a running sum in ascending id / sorted order there) and the last bit of exp (CUDA's
+// vs the C library's, both within an ulp). The token is therefore the
+// host's except when a uniform or a top-p / min-p threshold lands within rounding (~1e-16 relative) of a boundary.
+// Each row's sums have a fixed order (no floating-point atomics): the same inputs give the same token on every run.
+//  - greedy (T < 1e-6): argmax, lowest id on ties;
+//  - top-k: radix select of the k-th largest value over order-preserving uint32 keys (4 passes of 8 bits, counts);
+//  - top-p: the same radix select where each bucket carries its probability mass (double) instead of its count:
+//    it finds the value at which the mass summed from the top reaches top_p * sum; of the tokens at that value
+//    (equal probabilities, ordered by ascending id on the host) as many are kept as the host's running sum
+//    (p = e / sum added one token at a time) needs to reach top_p, the crossing one included: the j lowest ids
+//    (a counting select in ascending id);
+//  - min-p: drops the tokens with e / S < min_p * (1 / S) (e = exp(x - max), S the survivors' mass);
+//  - the draw: the survivors' mass in ascending id, each thread one contiguous segment (segment sums, a block scan);
+//    the segment where the prefix passes u * S is walked in order.
+// A row with no finite largest value (all -inf / NaN, or +inf) gets -1. NaN logits are unsupported.
+// model::RowSampling as the kernel reads it.
+struct SampleRowArgs {
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  double u = 0.0;
+};
+
+// ids[r] = the token of row r (logits + r * ld, V values) drawn as rows[r] says. rows, ids: device arrays [R].
+// V at most 2^30.
+void sample_rows(const float* logits, int64_t ld, int64_t R, int64_t V, const SampleRowArgs* rows, int32_t* ids,
+                 Stream stream);
+
+}  // namespace kiln::cuda::ops

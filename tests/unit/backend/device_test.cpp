@@ -34,6 +34,23 @@ TEST(KernelChoice, AutoResolvesPerDevice) {
   EXPECT_NE(h.str().find("fp4-gemm kiln-w4a16"), std::string::npos);
 }
 
+// The CUDA-core alternatives of each kernel choice are accepted on a GPU and named as asked; the CPU has none.
+TEST(KernelChoice, Fp32AlternativesResolveOnCuda) {
+  LoadOptions o;
+  o.attention_backend = "kiln-paged-fp32";
+  o.moe_runner_backend = "kiln-grouped-fp32";
+  o.fp4_gemm_backend = "kiln-fp32";
+  const KernelChoice h = resolve_kernels("cuda", 9, o);
+  EXPECT_EQ(h.attention, "kiln-paged-fp32");
+  EXPECT_EQ(h.moe_runner, "kiln-grouped-fp32");
+  EXPECT_EQ(h.fp4_gemm, "kiln-fp32");
+  EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }), "");
+  o = LoadOptions();
+  o.moe_runner_backend = "kiln-grouped-fp16";
+  const std::string e = error_of([&] { resolve_kernels("cuda", 9, o); });
+  EXPECT_NE(e.find("kiln-grouped-fp32"), std::string::npos) << e;
+}
+
 TEST(KernelChoice, UnsupportedChoicesAreClearErrors) {
   LoadOptions o;
   o.attention_backend = "fa3";

@@ -1,0 +1,33 @@
+// BF16 GEMMs through cuBLASLt: out[m, n] = alpha * x[m, k] . w[n, k]^T (+ beta * out), fp32 accumulate; out is bf16
+// or fp32. CudaOps runs dense BF16 linears of many rows through it (x split into 3 bf16 parts, linear.cu's
+// split_bf16x3 / sum3_rows around the GEMM). One instance per stream / thread (it holds a workspace). Plain C++.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+namespace kiln::cuda {
+
+class BlasLt {
+ public:
+  explicit BlasLt(size_t workspace_bytes = size_t(32) << 20);
+  ~BlasLt();
+  BlasLt(const BlasLt&) = delete;
+  BlasLt& operator=(const BlasLt&) = delete;
+
+  void gemm(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, void* out, int64_t ldo, bool out_f32,
+            int m, int n, int k, cudaStream_t stream, float alpha = 1.0f, float beta = 0.0f);
+
+ private:
+  struct Plan;
+  Plan* plan_for(bool out_f32, int m, int n, int k, int64_t ldx, int64_t ldw, int64_t ldo);
+  void* handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<std::tuple<bool, int, int, int, int64_t, int64_t, int64_t>, Plan*> plans_;
+};
+
+}  // namespace kiln::cuda

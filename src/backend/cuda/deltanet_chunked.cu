@@ -1,0 +1,554 @@
+// The gated delta rule in chunks of 64 tokens (the UT-transform form of transformers' torch_chunk_gated_delta_rule,
+// as cpu_delta_rule.cpp's chunked_head), for prefill. A block per (sequence, value head, DVT value columns) walks
+// its sequence's chunks in order, holding its [Dk, DVT] slice of the state S in shared memory. fp32 FMA on the CUDA
+// cores, accurate expf, no fast-math.
+//
+// Per chunk of m <= 64 tokens (rows m..63 are zero-padded: k = q = v = beta = g = 0, so they add nothing), with
+// cs_i = g_0 + ... + g_i summed in token order as the CPU does:
+//   phase 1   G = [k; q] [k^T | S]        one product over the key dim: k.k, q.k, k S, q S
+//             A_ij = beta_i (k_i.k_j) e^(cs_i - cs_j)  (j < i)     P_ij = (q_i.k_j) e^(cs_i - cs_j)  (j <= i)
+//             X_i  = beta_i (v_i - e^cs_i k_i S)                   O_i  = e^cs_i q_i S
+//   solve     V = (I + A)^-1 X in blocks of 16 rows. This is the CPU's v_new = U - W S: (I + A)^-1 is linear, so
+//             (I + A)^-1 (beta v) - (I + A)^-1 (beta k e^cs) S = (I + A)^-1 X.
+//   phase 4   out_i = O_i + sum_j P_ij V_j
+//   phase 5   S = e^cs_last S + sum_i (k_i e^(cs_last - cs_i)) (outer) V_i
+// A, P and the solve depend on k, q and the gates only; every DVT tile of a head recomputes them (the price of
+// spreading a head over Dv / DVT blocks, which the short-sequence cases need to fill the GPU).
+//
+// 256 threads, one block per SM (97 .. 220 KB of shared memory), 8 barriers per chunk. The next chunk's k, q, v
+// travel global -> shared by cp.async while this chunk is solved (k and v double-buffered), so only the first
+// chunk waits for memory. Every shared buffer is written and read in barrier-separated steps; the host emulation
+// that checked this ran each interval's threads in forward, reverse and random order with identical results.
+#include <cuda_runtime.h>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/ptx.cuh"
+
+namespace kiln::cuda::ops {
+namespace {
+
+constexpr int kChunk = 64;     // tokens per chunk, as the CPU form
+constexpr int kThreads = 256;  // 8 warps; every thread mapping below is written for exactly this
+constexpr int kSub = 16;       // rows of the diagonal blocks of the triangular solve
+
+// Shared memory of one block, in floats. Row strides are multiples of 4 (float4 rows). kqs's stride is 4 mod 32:
+// the loader's transposed copies (8 key dims x 4 tokens per warp) and phase 5's float4 reads of 8 consecutive rows
+// then hit 32 distinct banks. k and v are double-buffered (chunk ci uses set ci & 1) so that the next chunk's copies
+// run while this chunk still reads them; q is read by phase 1 alone and needs one buffer.
+template <int DK, int DVT>
+struct Layout {
+  static_assert(DK == 32 || DK == 64 || DK == 128, "key dim tile");
+  static_assert(DVT == 32 || DVT == 64, "value column tile");
+  // kqs row d: k[0..64)[d] of set 0, q[0..64)[d], k[0..64)[d] of set 1, S[d][0..DVT), pad
+  static constexpr int q_col = kChunk;
+  static constexpr int s_col = 3 * kChunk;
+  static constexpr int ldk = s_col + DVT + 4;
+  static constexpr int lda = kChunk + 4;           // rows of a, p
+  static constexpr int ldv = DVT + 4;              // rows of vx, o
+  static constexpr int kqs = 0;                    // [DK][ldk]
+  static constexpr int a = kqs + DK * ldk;         // [64][lda] A; its blocks left of the diagonal become M_b
+  static constexpr int p = a + kChunk * lda;       // [64][lda] P
+  static constexpr int vx = p + kChunk * lda;      // [2][64][ldv] v, then X, then Z, then V
+  static constexpr int o = vx + 2 * kChunk * ldv;  // [64][ldv] O
+  static constexpr int tbb = o + kChunk * ldv;     // [4][16][16] (I + A_bb)^-1, zeros above the diagonal
+  static constexpr int cs = tbb + 4 * kSub * kSub; // [2][64] cumulative log-decay: chunk ci uses half ci & 1
+  static constexpr int graw = cs + 2 * kChunk;     // [64] the next chunk's g
+  static constexpr int beta = graw + kChunk;       // [64]
+  static constexpr int dec = beta + kChunk;        // [64] e^(cs_last - cs_i)
+  static constexpr int floats = dec + kChunk;
+  static constexpr size_t bytes = size_t(floats) * sizeof(float);
+  static_assert(ldk % 32 == 4, "kqs stride must be 4 mod 32 (bank spread)");
+  static constexpr int k_col(int set) { return set ? 2 * kChunk : 0; }
+};
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// dst (shared) = ok ? *src : 0 without going through registers: cp.async, zero-filled when !ok (src must be a
+// valid address either way); complete after wait_copies(). A plain copy where cp.async is missing (the host pass).
+__device__ __forceinline__ void copy_async(float* dst, const float* src, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  ptx::cp_async_4(ptx::smem_addr(dst), src, ok ? 4 : 0);
+#else
+  *dst = ok ? *src : 0.0f;
+#endif
+}
+
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  ptx::cp_async_wait_all();
+#endif
+}
+
+// Starts the copies of one chunk's k (into k set `set`), q and v tile (into vx buffer `set`), zero outside the
+// chunk's m tokens, Dk and Dv. Element n of a thread: key dim d = 8 * (tile % (DK / 8)) + lane % 8, token
+// i = 4 * (tile / (DK / 8)) + lane / 8 with tile = warp + 8 n: a warp reads 4 tokens x 32 contiguous bytes and
+// writes kqs[d][i] to 32 distinct banks.
+template <int DK, int DVT>
+__device__ __forceinline__ void copy_chunk(float* sm, int set, const float* __restrict__ qn,
+                                           const float* __restrict__ kn, const float* __restrict__ vp, int tok, int m,
+                                           int kh, int Hk, int Dk, int h, int Dv, int64_t ldv, int col0, int tid) {
+  using L = Layout<DK, DVT>;
+  const int warp = tid >> 5, lane = tid & 31, kc = L::k_col(set);
+#pragma unroll 4
+  for (int n = 0; n < DK / 4; ++n) {
+    const int tile = warp + 8 * n;
+    const int d = 8 * (tile % (DK / 8)) + (lane & 7), i = 4 * (tile / (DK / 8)) + (lane >> 3);
+    const bool ok = i < m && d < Dk;
+    const int64_t off = (int64_t(tok + imin(i, m - 1)) * Hk + kh) * Dk + imin(d, Dk - 1);
+    copy_async(sm + L::kqs + d * L::ldk + kc + i, kn + off, ok);
+    copy_async(sm + L::kqs + d * L::ldk + L::q_col + i, qn + off, ok);
+  }
+  float* vx = sm + L::vx + set * kChunk * L::ldv;
+#pragma unroll 4
+  for (int n = 0; n < DVT / 4; ++n) {
+    const int e = tid + kThreads * n, c = e % DVT, i = e / DVT, col = col0 + c;
+    const bool ok = i < m && col < Dv;
+    copy_async(vx + i * L::ldv + c, vp + int64_t(tok + imin(i, m - 1)) * ldv + int64_t(h) * Dv + imin(col, Dv - 1),
+               ok);
+  }
+}
+
+// g and beta of token i (< 64) of a chunk, zero past its m tokens. Loaded into registers a phase before they are
+// stored (graw / beta), so that the store does not wait for global memory.
+struct Gates {
+  float g, beta;
+};
+__device__ __forceinline__ Gates load_gates(const float* __restrict__ g, const float* __restrict__ beta, int tok,
+                                            int m, int h, int Hv, int i) {
+  const int64_t off = int64_t(tok + imin(i, m - 1)) * Hv + h;
+  const float gv = g[off], bv = beta[off];
+  return {i < m ? gv : 0.0f, i < m ? bv : 0.0f};
+}
+template <int DK, int DVT>
+__device__ __forceinline__ void store_gates(float* sm, Gates x, int i) {
+  using L = Layout<DK, DVT>;
+  sm[L::graw + i] = x.g;
+  sm[L::beta + i] = x.beta;
+}
+
+// Cumulative log-decay of a chunk, one thread, in token order: the exact sums of the CPU's chunked_head. Padded
+// tokens have g = 0, so cs[63] = cs[m - 1].
+template <int DK, int DVT>
+__device__ __forceinline__ void cumulative_decay(float* sm, int half) {
+  using L = Layout<DK, DVT>;
+  float cum = 0.0f;
+  for (int i = 0; i < kChunk; ++i) {
+    cum += sm[L::graw + i];
+    sm[L::cs + half * kChunk + i] = cum;
+  }
+}
+
+// Phase 1's product-column block t (32 columns each) as a column of [k^T | S]: key columns 0..63, then state
+// columns from 64. Light warps own rows 0..31 of k or q, whose key columns 32..63 lie above the diagonal: they
+// skip that block.
+template <bool LIGHT>
+__device__ __forceinline__ int product_column(int t) {
+  if (LIGHT) return t == 0 ? 0 : kChunk + 32 * (t - 1);
+  return 32 * t;
+}
+
+// Phase 1 for one warp: 16 rows of [k; q] (kqs columns row0 .. row0 + 15 of the warp, 8 per thread) times the
+// needed columns of [k^T | S] (2 adjacent columns per 32-column block per thread), then the gating into A / P / X /
+// O. Warps 0..3 are light (rows 0..31 of k and of q), warps 4..7 heavy (rows 32..63); warps w and w + 4 share a
+// scheduler, so every scheduler gets one of each.
+template <int DK, int DVT, bool LIGHT>
+__device__ __forceinline__ void chunk_products(float* sm, int set, const float* cs, int warp, int lane) {
+  using L = Layout<DK, DVT>;
+  constexpr int NT = (LIGHT ? 1 : 2) + DVT / 32;
+  const float* kqs = sm + L::kqs;
+  const bool is_q = (warp >> 1) & 1;  // warps 2, 3, 6, 7: rows of q
+  const int kc = L::k_col(set), i0 = 16 * (warp & 1) + 32 * (warp >> 2) + 8 * (lane >> 4);
+  const int row0 = (is_q ? L::q_col : kc) + i0;
+  const int g2 = 2 * (lane & 15);
+  // kqs column of product column c of [k^T | S]
+  auto kqs_col = [&](int c) { return c < kChunk ? kc + c : L::s_col + c - kChunk; };
+  float acc[8][2 * NT];
+#pragma unroll
+  for (int a = 0; a < 8; ++a)
+#pragma unroll
+    for (int t = 0; t < 2 * NT; ++t) acc[a][t] = 0.0f;
+
+#pragma unroll 4
+  for (int d = 0; d < DK; ++d) {
+    const float* row = kqs + d * L::ldk;
+    const float4 x0 = *reinterpret_cast<const float4*>(row + row0);
+    const float4 x1 = *reinterpret_cast<const float4*>(row + row0 + 4);
+    const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float2 y = *reinterpret_cast<const float2*>(row + kqs_col(product_column<LIGHT>(t)) + g2);
+#pragma unroll
+      for (int a = 0; a < 8; ++a) {
+        acc[a][2 * t] = fmaf(x[a], y.x, acc[a][2 * t]);
+        acc[a][2 * t + 1] = fmaf(x[a], y.y, acc[a][2 * t + 1]);
+      }
+    }
+  }
+
+  // Gating. The masks are selects, never multiplications: above the diagonal e^(cs_i - cs_j) may overflow.
+  float* ap = sm + (is_q ? L::p : L::a);
+  float* vx = sm + L::vx + set * kChunk * L::ldv;
+  float* o = sm + L::o;
+  const float* beta = sm + L::beta;
+#pragma unroll
+  for (int a = 0; a < 8; ++a) {
+    const int i = i0 + a;
+    const float ci = cs[i], ei = expf(ci), bi = beta[i];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int col = product_column<LIGHT>(t) + g2;
+      if (col < kChunk) {  // key columns j: P (q rows) or A (k rows)
+        float r[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int j = col + u;
+          const float decayed = acc[a][2 * t + u] * expf(ci - cs[j]);
+          r[u] = is_q ? (j <= i ? decayed : 0.0f) : (j < i ? bi * decayed : 0.0f);
+        }
+        *reinterpret_cast<float2*>(ap + i * L::lda + col) = make_float2(r[0], r[1]);
+      } else if (is_q) {  // state columns, q rows: O
+        *reinterpret_cast<float2*>(o + i * L::ldv + col - kChunk) =
+            make_float2(ei * acc[a][2 * t], ei * acc[a][2 * t + 1]);
+      } else {  // state columns, k rows: X, in place of v
+        float2* x = reinterpret_cast<float2*>(vx + i * L::ldv + col - kChunk);
+        const float2 vv = *x;
+        *x = make_float2(bi * (vv.x - ei * acc[a][2 * t]), bi * (vv.y - ei * acc[a][2 * t + 1]));
+      }
+    }
+    // The skipped block is zero. No reader looks there (the solve reads A at and left of the diagonal blocks,
+    // phase 4 stops at the diagonal block), but A and P stay what their names say.
+    if (LIGHT) *reinterpret_cast<float2*>(ap + i * L::lda + 32 + g2) = make_float2(0.0f, 0.0f);
+  }
+}
+
+// T_bb = (I + A_bb)^-1 for diagonal block b = tid / 16, column c = tid % 16 (threads 0..63): forward substitution
+// on e_c, written right-looking (x_j known, then subtracted from every later row) so that the rows' updates
+// overlap; each x_r still sums its terms in the order j = 0, 1, ..., r - 1. Rows above c come out exactly zero.
+template <int DK, int DVT>
+__device__ __forceinline__ void diagonal_inverse(float* sm, int tid) {
+  using L = Layout<DK, DVT>;
+  const int b = tid >> 4, c = tid & 15;
+  const float* ab = sm + L::a + kSub * b * L::lda + kSub * b;
+  float x[kSub];
+#pragma unroll
+  for (int r = 0; r < kSub; ++r) x[r] = r == c ? 1.0f : 0.0f;
+#pragma unroll
+  for (int j = 0; j < kSub; ++j)
+#pragma unroll
+    for (int r = j + 1; r < kSub; ++r) x[r] = fmaf(-ab[r * L::lda + j], x[j], x[r]);
+  float* t = sm + L::tbb + b * kSub * kSub;
+#pragma unroll
+  for (int r = 0; r < kSub; ++r) t[r * kSub + c] = x[r];
+}
+
+// col[r * ld] = sum_{r' <= r} t[r][r'] col[r' * ld] for the 16 rows of one column, in place (the column is read into
+// registers first and no other thread touches it). t is lower triangular with zeros above the diagonal, so whole
+// float4 groups up to the diagonal can be read.
+__device__ __forceinline__ void apply_block_inverse(float* col, int ld, const float* t) {
+  float x[kSub];
+#pragma unroll
+  for (int r = 0; r < kSub; ++r) x[r] = col[r * ld];
+#pragma unroll
+  for (int r = 0; r < kSub; ++r) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q <= r / 4; ++q) {
+      const float4 tt = *reinterpret_cast<const float4*>(t + r * kSub + 4 * q);
+      acc = fmaf(tt.x, x[4 * q], acc);
+      acc = fmaf(tt.y, x[4 * q + 1], acc);
+      acc = fmaf(tt.z, x[4 * q + 2], acc);
+      acc = fmaf(tt.w, x[4 * q + 3], acc);
+    }
+    col[r * ld] = acc;
+  }
+}
+
+template <int DK, int DVT>
+__global__ void __launch_bounds__(kThreads, 1)
+    delta_rule_chunked_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
+                              const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                              int Hk, int Hv, int Dk, int Dv, int64_t ldv, StepArgs step, float* __restrict__ out) {
+  dev::pdl_enter();
+  using L = Layout<DK, DVT>;
+  extern __shared__ float4 smem_f4[];
+  float* sm = reinterpret_cast<float*>(smem_f4);
+  float* kqs = sm + L::kqs;
+  float* am = sm + L::a;
+  const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * DVT;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int kh = h / (Hv / Hk);
+  const int tok0 = step.seq_token_begin[s], n = step.seq_token_begin[s + 1] - tok0;
+  if (n <= 0) return;  // whole block
+  float* S = state + (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;
+
+  // Chunk 0's inputs and the state slice (zero outside Dk x Dv), then chunk 0's cumulative decay.
+  copy_chunk<DK, DVT>(sm, 0, qn, kn, v, tok0, imin(kChunk, n), kh, Hk, Dk, h, Dv, ldv, col0, tid);
+#pragma unroll 4
+  for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
+    const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
+    copy_async(kqs + d * L::ldk + L::s_col + c, S + int64_t(imin(d, Dk - 1)) * Dv + imin(col, Dv - 1),
+               d < Dk && col < Dv);
+  }
+  if (tid < kChunk) store_gates<DK, DVT>(sm, load_gates(g, beta, tok0, imin(kChunk, n), h, Hv, tid), tid);
+  wait_copies();
+  __syncthreads();
+  if (tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, 0);
+
+  int ci = 0;
+  for (int c0 = 0; c0 < n; c0 += kChunk, ++ci) {
+    const int m = imin(kChunk, n - c0), set = ci & 1;
+    const bool has_next = c0 + kChunk < n;  // block-uniform, as every branch around a barrier below
+    const int next_tok = tok0 + c0 + kChunk, next_m = has_next ? imin(kChunk, n - c0 - kChunk) : 0;
+    const float* cs = sm + L::cs + set * kChunk;
+    float* vx = sm + L::vx + set * kChunk * L::ldv;
+    float* kcur = kqs + L::k_col(set);
+    Gates next_gates{0.0f, 0.0f};  // warps 2 and 3: the next chunk's, stored after phase 1
+    if (has_next && (warp >> 1) == 1) next_gates = load_gates(g, beta, next_tok, next_m, h, Hv, tid - 64);
+    __syncthreads();  // k set `set`, q, S, vx `set`, beta and cs hold this chunk
+
+    // ---- phase 1: A, P, X, O; and e^(cs_last - cs_i) for phase 5
+    if (warp < 4)
+      chunk_products<DK, DVT, true>(sm, set, cs, warp, lane);
+    else
+      chunk_products<DK, DVT, false>(sm, set, cs, warp, lane);
+    if (tid < kChunk) sm[L::dec + tid] = expf(cs[kChunk - 1] - cs[tid]);
+    __syncthreads();
+
+    // ---- the next chunk's copies start (q is free now; k and v go to the other set), waited for at the end of
+    // this chunk. Diagonal inverses; the next chunk's gates; this chunk's k scaled by e^(cs_last - cs_i), which
+    // phase 5 alone reads from here on.
+    if (has_next) copy_chunk<DK, DVT>(sm, set ^ 1, qn, kn, v, next_tok, next_m, kh, Hk, Dk, h, Dv, ldv, col0, tid);
+    if (warp < 2) {
+      diagonal_inverse<DK, DVT>(sm, tid);
+    } else if (warp < 4) {
+      if (has_next) store_gates<DK, DVT>(sm, next_gates, tid - 64);
+    } else {
+#pragma unroll 4
+      for (int n2 = 0; n2 < DK / 2; ++n2) {
+        const int e = tid - 128 + 128 * n2, d = e / kChunk, i = e % kChunk;
+        kcur[d * L::ldk + i] *= sm[L::dec + i];
+      }
+    }
+    __syncthreads();
+
+    // ---- Z_b = T_bb X_b (all four blocks) and M_b = T_bb A_b,<b (blocks 1..3, in place in A), one 16-row column
+    // per thread; the next chunk's cumulative decay by the last thread.
+    {
+      constexpr int kZ = 4 * DVT, kSegs = kZ + 16 + 32 + 48;
+      for (int seg = tid; seg < kSegs; seg += kThreads) {
+        if (seg < kZ) {
+          const int b = seg / DVT, c = seg % DVT;
+          apply_block_inverse(vx + kSub * b * L::ldv + c, L::ldv, sm + L::tbb + b * kSub * kSub);
+        } else {
+          const int mseg = seg - kZ, b = mseg < 16 ? 1 : (mseg < 48 ? 2 : 3), j = mseg - 8 * b * (b - 1);
+          apply_block_inverse(am + kSub * b * L::lda + j, L::lda, sm + L::tbb + b * kSub * kSub);
+        }
+      }
+      if (has_next && tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, set ^ 1);
+    }
+    __syncthreads();
+
+    // ---- V_b = Z_b - M_b V_<b, block by block (V_0 = Z_0). Each thread owns DVT / 16 elements of the block.
+#pragma unroll
+    for (int b = 1; b < 4; ++b) {
+      const int c = tid % DVT;
+#pragma unroll 1
+      for (int qq = 0; qq < DVT / 16; ++qq) {
+        const int r = kSub * b + tid / DVT + qq * (kThreads / DVT);
+        const float* mrow = am + r * L::lda;
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kSub * b; j += 4) {
+          const float4 mm = *reinterpret_cast<const float4*>(mrow + j);
+          acc = fmaf(mm.x, vx[(j + 0) * L::ldv + c], acc);
+          acc = fmaf(mm.y, vx[(j + 1) * L::ldv + c], acc);
+          acc = fmaf(mm.z, vx[(j + 2) * L::ldv + c], acc);
+          acc = fmaf(mm.w, vx[(j + 3) * L::ldv + c], acc);
+        }
+        vx[r * L::ldv + c] -= acc;
+      }
+      __syncthreads();
+    }
+
+    // ---- phase 4: out = O + P V. Warp w owns rows 8w .. 8w + 7 (P is zero right of the diagonal, so j stops at
+    // 8w + 8); a thread 8 / (32 / (DVT / 4)) rows x 4 columns.
+    {
+      constexpr int NCG = DVT / 4, RGW = 32 / NCG, TR = 8 / RGW;
+      const int cg = lane % NCG, rl = lane / NCG;
+      const float* pm = sm + L::p;
+      float acc[TR][4];
+#pragma unroll
+      for (int q = 0; q < TR; ++q) {
+        const float4 oo = *reinterpret_cast<const float4*>(sm + L::o + (8 * warp + rl + RGW * q) * L::ldv + 4 * cg);
+        acc[q][0] = oo.x;
+        acc[q][1] = oo.y;
+        acc[q][2] = oo.z;
+        acc[q][3] = oo.w;
+      }
+      const int jend = 8 * warp + 8;
+#pragma unroll 2
+      for (int j = 0; j < jend; j += 4) {
+        float4 vv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) vv[u] = *reinterpret_cast<const float4*>(vx + (j + u) * L::ldv + 4 * cg);
+#pragma unroll
+        for (int q = 0; q < TR; ++q) {
+          const float4 pp = *reinterpret_cast<const float4*>(pm + (8 * warp + rl + RGW * q) * L::lda + j);
+          const float pu[4] = {pp.x, pp.y, pp.z, pp.w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            acc[q][0] = fmaf(pu[u], vv[u].x, acc[q][0]);
+            acc[q][1] = fmaf(pu[u], vv[u].y, acc[q][1]);
+            acc[q][2] = fmaf(pu[u], vv[u].z, acc[q][2]);
+            acc[q][3] = fmaf(pu[u], vv[u].w, acc[q][3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < TR; ++q) {
+        const int r = 8 * warp + rl + RGW * q;
+        if (r < m) {
+          float* op = out + (int64_t(tok0 + c0 + r) * Hv + h) * Dv + col0 + 4 * cg;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (col0 + 4 * cg + e < Dv) op[e] = acc[q][e];
+        }
+      }
+    }
+
+    // ---- phase 5: S = e^cs_last S + (k e^(cs_last - cs))^T V, no barrier after phase 4: it reads neither S nor k.
+    // Warps tile (8 TD key dims) x (16 value columns); a thread owns key dims 8 TD wd + 8 r + lane % 8 (r < TD),
+    // so each float4 read of k covers 8 consecutive kqs rows, and 4 columns.
+    {
+      constexpr int WC = DVT / 16, WD = 8 / WC, TD = DK / (8 * WD);
+      static_assert(TD >= 1 && TD * 8 * WD == DK, "phase 5 tiling");
+      const int dl = lane & 7, c = 16 * (warp / WD) + 4 * (lane >> 3), dbase = 8 * TD * (warp % WD) + dl;
+      float acc[TD][4];
+#pragma unroll
+      for (int r = 0; r < TD; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
+#pragma unroll 2
+      for (int i = 0; i < kChunk; i += 4) {
+        float4 vv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) vv[u] = *reinterpret_cast<const float4*>(vx + (i + u) * L::ldv + c);
+#pragma unroll
+        for (int r = 0; r < TD; ++r) {
+          const float4 kk = *reinterpret_cast<const float4*>(kcur + (dbase + 8 * r) * L::ldk + i);
+          const float ku[4] = {kk.x, kk.y, kk.z, kk.w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            acc[r][0] = fmaf(ku[u], vv[u].x, acc[r][0]);
+            acc[r][1] = fmaf(ku[u], vv[u].y, acc[r][1]);
+            acc[r][2] = fmaf(ku[u], vv[u].z, acc[r][2]);
+            acc[r][3] = fmaf(ku[u], vv[u].w, acc[r][3]);
+          }
+        }
+      }
+      const float decay = expf(cs[kChunk - 1]);
+#pragma unroll
+      for (int r = 0; r < TD; ++r) {
+        float4* sp = reinterpret_cast<float4*>(kqs + (dbase + 8 * r) * L::ldk + L::s_col + c);
+        const float4 s0 = *sp;
+        *sp = make_float4(fmaf(s0.x, decay, acc[r][0]), fmaf(s0.y, decay, acc[r][1]), fmaf(s0.z, decay, acc[r][2]),
+                          fmaf(s0.w, decay, acc[r][3]));
+      }
+    }
+    wait_copies();    // the next chunk's k, q, v have landed (this thread's copies) ...
+    __syncthreads();  // ... everyone's, and every read of this chunk's buffers is done
+  }
+
+  // The loop's last barrier published the final state.
+#pragma unroll 4
+  for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
+    const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
+    if (d < Dk && col < Dv) S[int64_t(d) * Dv + col] = kqs[d * L::ldk + L::s_col + c];
+  }
+}
+
+}  // namespace
+
+namespace {
+
+int key_tile(int64_t Dk) { return Dk <= 32 ? 32 : (Dk <= 64 ? 64 : 128); }
+
+size_t shared_bytes(int dk, int dvt) {
+  switch (dk * 1000 + dvt) {
+    case 32032: return Layout<32, 32>::bytes;
+    case 32064: return Layout<32, 64>::bytes;
+    case 64032: return Layout<64, 32>::bytes;
+    case 64064: return Layout<64, 64>::bytes;
+    case 128032: return Layout<128, 32>::bytes;
+    case 128064: return Layout<128, 64>::bytes;
+    default: return ~size_t{0};
+  }
+}
+
+// An attribute of the current device, or `fallback` when it cannot be read (the failed call's error is cleared so
+// that a later KILN_CUDA_CHECK_LAUNCH does not report it).
+int device_attribute(cudaDeviceAttr attr, int fallback) {
+  int dev = 0, value = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fallback;
+  }
+  return value;
+}
+
+// Value columns per block. 32 spreads a head over more blocks (the short-step case: 1 sequence x 32 heads x 4
+// tiles fills an H200's 132 SMs once); 64 costs about 1.5x the time per block for 2x the columns (phase 1's shared
+// k.k / q.k columns are amortised over more value columns), which wins once the 32-column grid needs more waves.
+int value_tile(int64_t Dv, int64_t Hv, int num_seqs, int dk) {
+  if (Dv <= 32 || shared_bytes(dk, 64) > size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0)))
+    return 32;
+  const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount, 132);
+  const int64_t blocks32 = int64_t(num_seqs) * Hv * ((Dv + 31) / 32);
+  const int64_t blocks64 = int64_t(num_seqs) * Hv * ((Dv + 63) / 64);
+  const int64_t waves32 = (blocks32 + sms - 1) / sms, waves64 = (blocks64 + sms - 1) / sms;  // one block per SM
+  return 3 * waves64 < 2 * waves32 ? 64 : 32;
+}
+
+template <int DK, int DVT>
+void launch(const float* qn, const float* kn, const float* v, const float* g, const float* beta, float* state,
+            int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv, const StepArgs& step, float* out,
+            cudaStream_t stream) {
+  constexpr size_t bytes = Layout<DK, DVT>::bytes;
+  auto kernel = delta_rule_chunked_kernel<DK, DVT>;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv),
+                  static_cast<unsigned>((Dv + DVT - 1) / DVT));
+  launch_kernel(kernel, grid, kThreads, bytes, stream, qn, kn, v, g, beta, state, static_cast<int>(Hk), static_cast<int>(Hv),
+                                            static_cast<int>(Dk), static_cast<int>(Dv), ldv, step, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t gated_delta_rule_chunked_workspace_bytes(int64_t, int64_t, int64_t, int64_t, const StepArgs&) { return 0; }
+
+bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv) {
+  if (Dk < 1 || Dk > 128 || Dv < 1 || Dv > 65535 * 32) return false;
+  return shared_bytes(key_tile(Dk), 32) <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+}
+
+void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
+                              float* state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
+                              const StepArgs& step, float* out, void* /*workspace*/, cudaStream_t stream) {
+  if (step.num_tokens == 0 || step.num_seqs == 0) return;
+  if (!gated_delta_rule_chunked_supported(Dk, Dv))
+    cuda_fail("chunked gated delta rule: head dims Dk {} Dv {} are not supported here", {Dk, Dv});
+  const int dk = key_tile(Dk), dvt = value_tile(Dv, Hv, step.num_seqs, dk);
+  switch (dk * 1000 + dvt) {
+    case 32032: launch<32, 32>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 32064: launch<32, 64>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 64032: launch<64, 32>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 64064: launch<64, 64>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 128032: launch<128, 32>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    default: launch<128, 64>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+  }
+}
+
+}  // namespace kiln::cuda::ops

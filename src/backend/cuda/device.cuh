@@ -1,0 +1,230 @@
+// Device helpers of the kernels (the .cu files of this folder): element loads as fp32, FP8 / FP4 decoding, one weight
+// element or eight of them as the CPU backend decodes them, NVFP4 -> bf16 decoding for the tensor-core kernels,
+// reductions, step-layout lookups. fp32 maths with the accurate expf / cosf (no fast-math intrinsics): the kernels
+// are checked against the CPU backend at ~1e-5. The PTX wrappers are in ptx.cuh.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/kernels.h"
+
+namespace kiln::cuda::ops::dev {
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+__device__ __forceinline__ float f16_to_f32(uint16_t v) { return __half2float(__ushort_as_half(v)); }
+
+// OCP E4M3 (e4m3fn): bias 7, S.1111.111 is NaN, subnormals m * 2^-9. Exact.
+__device__ __forceinline__ float e4m3_to_f32(uint32_t b) {
+  const uint32_t e = (b >> 3) & 0xf, m = b & 0x7;
+  float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : float(m) * 0.001953125f;
+  if (e == 0xf && m == 0x7) mag = __int_as_float(0x7fc00000);
+  return (b & 0x80) ? -mag : mag;
+}
+
+// E2M1 code (bit 3 sign, bits 0-2 magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}). Exact.
+__device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * float(m);
+  return (c & 8u) ? -mag : mag;
+}
+
+// Element i of a float tensor of type `t`.
+__device__ __forceinline__ float load_elem(const void* p, ElemType t, int64_t i) {
+  switch (t) {
+    case ElemType::f32: return static_cast<const float*>(p)[i];
+    case ElemType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case ElemType::f16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case ElemType::e4m3: return e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+
+// W[n, k] as the CPU backend decodes it: dense as stored; fp8 e4m3 * scale; nvfp4 (e2m1 * block) * scale_2.
+__device__ __forceinline__ float weight_at(const WeightDesc& w, int64_t n, int64_t k) {
+  switch (w.kind) {
+    case WeightKind::dense: return load_elem(w.data, w.elem, n * w.k + k);
+    case WeightKind::fp8_tensor: return e4m3_to_f32(static_cast<const uint8_t*>(w.data)[n * w.k + k]) * w.scale;
+    case WeightKind::nvfp4: {
+      const uint8_t byte = static_cast<const uint8_t*>(w.data)[n * (w.k / 2) + k / 2];
+      const float bs = e4m3_to_f32(w.block_scale[n * (w.k / 16) + k / 16]);
+      return (e2m1_to_f32((k & 1) ? (byte >> 4) : (byte & 0xf)) * bs) * w.scale;
+    }
+  }
+  return 0.0f;
+}
+
+// W[n, k0 .. k0 + 8) with one vector load. Needs k % 8 == 0, k0 % 8 == 0 and a 16-byte aligned base (dense f32
+// loads two 16-byte vectors; fp8 8 bytes; nvfp4 4 bytes of codes: 8 elements inside one 16-element block).
+__device__ __forceinline__ void weight_at8(const WeightDesc& w, int64_t n, int64_t k0, float (&out)[8]) {
+  switch (w.kind) {
+    case WeightKind::dense:
+      if (w.elem == ElemType::f32) {
+        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(w.data) + n * w.k + k0);
+        const float4 a = p[0], b = p[1];
+        out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+        out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+      } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w.data) + n * w.k + k0);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t lo = uint16_t(words[i] & 0xffffu), hi = uint16_t(words[i] >> 16);
+          out[2 * i] = w.elem == ElemType::bf16 ? bf16_to_f32(lo) : f16_to_f32(lo);
+          out[2 * i + 1] = w.elem == ElemType::bf16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+        }
+      }
+      return;
+    case WeightKind::fp8_tensor: {
+      const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(w.data) + n * w.k + k0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        out[i] = e4m3_to_f32((v.x >> (8 * i)) & 0xffu) * w.scale;
+        out[4 + i] = e4m3_to_f32((v.y >> (8 * i)) & 0xffu) * w.scale;
+      }
+      return;
+    }
+    case WeightKind::nvfp4: {
+      const uint32_t codes = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.data) + n * (w.k / 2) + k0 / 2);
+      const float bs = e4m3_to_f32(w.block_scale[n * (w.k / 16) + k0 / 16]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = (e2m1_to_f32((codes >> (4 * i)) & 0xfu) * bs) * w.scale;
+      return;
+    }
+  }
+}
+
+// ---- FP4 E2M1 -> bf16 for the tensor-core kernels
+// Two E2M1 codes, nibbles i and i+4 of `w` (bits 4i.. and 4i+16..), become a bf16x2 pair whose values are
+// e2m1 * 2^-126: the 3 magnitude bits land on the lowest exponent bits and the top mantissa bit (exponent field 0
+// gives the bf16 subnormal 0.5 * 2^-126, matching E2M1's own subnormal). Multiplying by a bf16 scale that carries
+// 2^118 (nvfp4_scale_bf16x2) gives e2m1 * scale * 2^-8 exactly; the 2^8 goes into the fp32 epilogue. Pairing nibble i
+// with i+4 lets one shift serve both halves.
+template <int kI>
+__device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t w) {
+  constexpr int kMagShift = 6 - 4 * kI;   // bit 4i -> bit 6
+  constexpr int kSignShift = 12 - 4 * kI;  // bit 4i+3 -> bit 15
+  const uint32_t mag = kMagShift >= 0 ? (w << kMagShift) : (w >> -kMagShift);
+  const uint32_t sgn = w << kSignShift;
+  return (mag & 0x01c001c0u) | (sgn & 0x80008000u);
+}
+// bf16x2 (both halves) of e4m3 scale * 2^118. Exact: e4m3 has 4 significant bits and 448 * 2^118 < 2^127 fits
+// bf16's range.
+__device__ __forceinline__ uint32_t nvfp4_scale_bf16x2(uint32_t scale_byte) {
+  const float s = e4m3_to_f32(scale_byte) * 3.3230699894622794e+35f;  // 2^118
+  const uint32_t h = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(s)));
+  return h | (h << 16);
+}
+// The factor an accumulator of (e2m1 * scale * 2^-8) products needs.
+constexpr float kNvfp4AccumScale = 256.0f;
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum over the warp, every lane the same value (an xor butterfly: the same pairs in every lane).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// Inclusive prefix sum over the warp: lane i gets the sum of lanes 0..i (Hillis-Steele, 5 shuffles).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum / max over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red` holds
+// 32 floats of shared memory; the call synchronises the block twice.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < warps; ++i) total += red[i];  // same order in every thread
+  __syncthreads();
+  return total;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int i = 0; i < warps; ++i) m = fmaxf(m, red[i]);
+  __syncthreads();
+  return m;
+}
+
+// Argmax as a max over 64-bit keys: the value's order-preserving bits above, ~index below (the larger value wins,
+// ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t i) {
+  if (v != v) return 0;
+  uint32_t b = v == 0.0f ? 0u : __float_as_uint(v);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<unsigned long long>(b) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+}
+
+// Max of 64-bit keys over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red`
+// holds 32 keys of shared memory; the call synchronises the block twice (the first barrier also publishes the
+// caller's earlier shared-memory writes).
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  unsigned long long t = lane < warps ? red[lane] : 0ull;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long w = __shfl_xor_sync(0xffffffffu, t, o);
+    t = w > t ? w : t;
+  }
+  __syncthreads();
+  return t;
+}
+
+// The sequence of token t: the s with seq_token_begin[s] <= t < seq_token_begin[s + 1].
+__device__ __forceinline__ int seq_of_token(const StepArgs& step, int t) {
+  int lo = 0, hi = step.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (step.seq_token_begin[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Pool row of position pos of sequence s (page * page_size + pos % page_size), or -1 without a page.
+__device__ __forceinline__ int64_t kv_pool_row(const StepArgs& step, int s, int pos) {
+  const int page_index = pos / step.page_size;
+  if (page_index >= step.max_pages) return -1;
+  const int32_t page = step.page_table[int64_t(s) * step.max_pages + page_index];
+  if (page < 0) return -1;
+  return int64_t(page) * step.page_size + pos % step.page_size;
+}
+
+inline unsigned grid_for(int64_t n, int block) { return static_cast<unsigned>((n + block - 1) / block); }
+
+}  // namespace kiln::cuda::ops::dev

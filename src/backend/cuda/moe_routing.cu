@@ -1,0 +1,499 @@
+// MoE routing on the device: the router's softmax + top-k (moe_route), the grouping of (token, slot) pairs by
+// expert into row tiles (moe_group_kernel), the weighted combine of the experts' rows per token with the optional
+// gated shared expert, and moe_experts(), which runs group -> experts (tensor cores: moe_experts.cu; CUDA cores:
+// linear.cu's kernels) -> combine.
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.cuh"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
+
+namespace kiln::cuda::ops {
+namespace {
+
+using namespace dev;
+
+// ---- MoE routing: a block per token
+
+constexpr int kRouteThreads = 128;
+
+__global__ void moe_route_kernel(const float* __restrict__ logits, int E, int top_k, bool renormalise,
+                                 int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_enter();
+  extern __shared__ float p[];  // [E]
+  __shared__ float red[32];
+  __shared__ float best_val[32];
+  __shared__ int best_idx[32];
+  __shared__ float chosen_val[64];
+  __shared__ int chosen_idx[64];
+  const int t = blockIdx.x, tid = threadIdx.x;
+  const float* l = logits + int64_t(t) * E;
+  float m = -INFINITY;
+  for (int e = tid; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
+  m = block_max(m, red);
+  float sum = 0.0f;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const float x = expf(l[e] - m);
+    p[e] = x;
+    sum += x;
+  }
+  sum = block_sum(sum, red);
+  for (int e = tid; e < E; e += blockDim.x) p[e] = p[e] / sum;
+  __syncthreads();
+  for (int j = 0; j < top_k; ++j) {
+    // argmax over p (ties: lower id), chosen entries are -inf
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int e = tid; e < E; e += blockDim.x)
+      if (p[e] > bv || (p[e] == bv && e < bi)) {
+        bv = p[e];
+        bi = e;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if ((tid & 31) == 0) {
+      best_val[tid >> 5] = bv;
+      best_idx[tid >> 5] = bi;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float v = best_val[0];
+      int i = best_idx[0];
+      for (int w = 1; w < int(blockDim.x >> 5); ++w)
+        if (best_val[w] > v || (best_val[w] == v && best_idx[w] < i)) {
+          v = best_val[w];
+          i = best_idx[w];
+        }
+      if (i < 0 || i >= E) i = 0;  // only when every p is NaN
+      chosen_val[j] = p[i];
+      chosen_idx[j] = i;
+      p[i] = -INFINITY;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    float top_sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) top_sum += chosen_val[j];
+    for (int j = 0; j < top_k; ++j) {
+      ids[int64_t(t) * top_k + j] = chosen_idx[j];
+      weights[int64_t(t) * top_k + j] = renormalise ? chosen_val[j] / top_sum : chosen_val[j];
+    }
+  }
+}
+
+// Up to 1024 experts: a warp per token, lane l holding experts l, l + 32, ... in registers; the top-k picks are
+// warp argmax reductions (ties: lower id), no block barriers.
+// kPer = experts per lane (E <= 32 kPer): a template so that p[] stays in registers (every index is static).
+constexpr int kRouteWarpMaxE = 1024;
+template <int kPer>
+__global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t T, int E, int top_k,
+                                      bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_enter();
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (t >= T) return;
+  const float* l = logits + t * E;
+  float p[kPer];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? l[e] : -INFINITY;
+    m = fmaxf(m, p[i]);
+  }
+  m = warp_max(m);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? expf(p[i] - m) : 0.0f;
+    sum += p[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -INFINITY;
+  float chosen_sum = 0.0f, my_val = 0.0f;
+  int my_idx = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane + 32 * i;
+      if (p[i] > bv || (p[i] == bv && e < bi && e < E)) {
+        bv = p[i];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (bi < 0 || bi >= E) bi = 0;  // only when every p is NaN
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i == bi) p[i] = -INFINITY;
+    const float v = __shfl_sync(0xffffffffu, bv, 0);
+    chosen_sum += v;
+    if (lane == j) {
+      my_val = v;
+      my_idx = bi;
+    }
+  }
+  if (lane < top_k) {
+    ids[t * top_k + lane] = my_idx;
+    weights[t * top_k + lane] = renormalise ? my_val / chosen_sum : my_val;
+  }
+}
+
+// ---- MoE grouping: one block. Pairs p = t * k + j are grouped by expert; sorted row of pair p = pair_pos[p].
+
+struct MoeLayout {
+  int32_t* group_offset;  // [E + 1]
+  int32_t* tile_offset;   // [E + 1]
+  int32_t* tile_group;    // [max tiles] expert of each row tile
+  int4* tile_info;        // [max tiles] {expert, first sorted row, end row, 0}; expert -1 past the last tile (or null)
+  int max_tiles;          // entries of tile_info
+  int32_t* row_token;     // [P]  token of each sorted row
+  int32_t* pair_pos;      // [P]  sorted row of each pair (-1: invalid expert id)
+};
+
+// One block (a multiple of 32 threads, at most 1024): counts each expert's pairs in shared memory, scans rows and
+// row tiles over the experts (thread i owns the contiguous chunk of ceil(E / blockDim) experts from i * chunk: local
+// sums, a two-level warp-shuffle block scan, then the chunk's offsets and tiles), then places every pair through a
+// shared-memory cursor per expert (the order of rows within an expert follows the atomics).
+__global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E,
+                                                         int tile_rows_m, MoeLayout lay) {
+  dev::pdl_enter();
+  extern __shared__ int32_t cursor[];  // [E] pairs of each expert, then its next free sorted row
+  __shared__ int warp_rows[32], warp_tiles[32];
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
+  // The expert of this thread's first pair, loaded before the counters are cleared (its latency overlaps that).
+  const int first_e = tid < P ? ids[tid] : -1;
+  for (int e = tid; e < E; e += nt) cursor[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += nt) {
+    const int e = p == tid ? first_e : ids[p];
+    if (e >= 0 && e < E) atomicAdd(&cursor[e], 1);
+  }
+  __syncthreads();
+  const int chunk = (E + nt - 1) / nt, e_begin = min(E, tid * chunk), e_end = min(E, e_begin + chunk);
+  int rows = 0, tiles = 0;
+  for (int e = e_begin; e < e_end; ++e) {
+    const int c = cursor[e];
+    rows += c;
+    tiles += (c + tile_rows_m - 1) / tile_rows_m;
+  }
+  // Inclusive scans within the warp, then over the warp totals (every warp redoes that second level itself).
+  const int rows_incl = warp_inclusive_scan(rows), tiles_incl = warp_inclusive_scan(tiles);
+  if (lane == 31) {
+    warp_rows[warp] = rows_incl;
+    warp_tiles[warp] = tiles_incl;
+  }
+  __syncthreads();
+  const int wrows = warp_inclusive_scan(lane < nwarps ? warp_rows[lane] : 0);
+  const int wtiles = warp_inclusive_scan(lane < nwarps ? warp_tiles[lane] : 0);
+  const int total_rows = __shfl_sync(0xffffffffu, wrows, 31), total_tiles = __shfl_sync(0xffffffffu, wtiles, 31);
+  const int prev_rows = __shfl_sync(0xffffffffu, wrows, (warp + 31) & 31);
+  const int prev_tiles = __shfl_sync(0xffffffffu, wtiles, (warp + 31) & 31);
+  int row = (warp > 0 ? prev_rows : 0) + rows_incl - rows;  // first sorted row of the chunk
+  int tile = (warp > 0 ? prev_tiles : 0) + tiles_incl - tiles;
+  for (int e = e_begin; e < e_end; ++e) {
+    const int c = cursor[e], tl = (c + tile_rows_m - 1) / tile_rows_m;
+    lay.group_offset[e] = row;
+    lay.tile_offset[e] = tile;
+    cursor[e] = row;  // only this thread touches its chunk's entries until the barrier below
+    for (int i = 0; i < tl; ++i) lay.tile_group[tile + i] = e;
+    if (lay.tile_info)
+      for (int i = 0; i < tl; ++i) {
+        const int rb = row + i * tile_rows_m;
+        lay.tile_info[tile + i] = make_int4(e, rb, min(row + c, rb + tile_rows_m), 0);
+      }
+    row += c;
+    tile += tl;
+  }
+  if (tid == 0) {
+    lay.group_offset[E] = total_rows;
+    lay.tile_offset[E] = total_tiles;
+  }
+  if (lay.tile_info)
+    for (int i = total_tiles + tid; i < lay.max_tiles; i += nt) lay.tile_info[i] = make_int4(-1, 0, 0, 0);
+  __syncthreads();
+  for (int p = tid; p < P; p += nt) {
+    const int e = p == tid ? first_e : ids[p];
+    if (e >= 0 && e < E) {
+      const int pos = atomicAdd(&cursor[e], 1);
+      lay.row_token[pos] = p / top_k;
+      lay.pair_pos[p] = pos;
+    } else {
+      lay.pair_pos[p] = -1;
+    }
+  }
+}
+
+constexpr int kCombineThreads = 128;
+constexpr int kCombineCols = 4 * kCombineThreads;  // columns per block, 4 per thread
+constexpr int kCombineBatch = 8;                   // slots whose y loads are in flight together
+
+// out[t, h] = sum over the token's slots in ascending (expert id, slot) order of w * y[pair_pos] (pair_pos < 0:
+// skipped). Grid (T, ceil(H / 512)): every block of a token sorts the token's valid slots (top_k <= 64) in shared
+// memory, then each of its 128 threads covers 4 of the block's 512 columns (kVec: 4 consecutive, one float4; else 4
+// columns 128 apart), loading y for 8 slots at a time and summing them in order.
+// shared / shared_gate (optional): out += shared[t] * sigmoid(shared_gate[t]) after the experts' sum (written as the
+// product, then the add; nvcc contracts the two into one fma, as it did in the block-per-token kernel).
+template <bool kVec>
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, const float* __restrict__ weights,
+                       const int32_t* __restrict__ pair_pos, int top_k, int H, float* __restrict__ out,
+                       const float* __restrict__ shared, const float* __restrict__ shared_gate) {
+  dev::pdl_enter();
+  __shared__ int skey[64];       // expert id of each slot; 0x7fffffff for skipped slots (they sort last)
+  __shared__ int64_t srow[64];   // y offset pos * H of the n-th valid slot in ascending (id, slot) order
+  __shared__ float sw[64];       // its weight
+  const int t = blockIdx.x, tid = threadIdx.x;
+  int id = 0, pos = -1;
+  float w = 0.0f;
+  if (tid < top_k) {
+    const int64_t s = int64_t(t) * top_k + tid;
+    id = ids[s];
+    pos = pair_pos[s];
+    w = weights[s];
+    skey[tid] = pos >= 0 ? id : 0x7fffffff;
+  }
+  const int valid = __syncthreads_count(pos >= 0);
+  if (pos >= 0) {
+    // rank of slot tid among the valid slots in ascending (id, slot) order
+    int rank = 0;
+    for (int i = 0; i < top_k; ++i) rank += skey[i] < id || (skey[i] == id && i < tid);
+    srow[rank] = int64_t(pos) * H;
+    sw[rank] = w;
+  }
+  __syncthreads();
+  constexpr int kStep = kVec ? 1 : kCombineThreads;  // between this thread's columns
+  const int h = blockIdx.y * kCombineCols + (kVec ? 4 * tid : tid);
+  if (h >= H) return;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int n0 = 0; n0 < valid; n0 += kCombineBatch) {
+    float v[kCombineBatch][4];
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      if (n0 + u < valid) {
+        const float* src = y + srow[n0 + u] + h;
+        if constexpr (kVec) {
+          const float4 q = *reinterpret_cast<const float4*>(src);
+          v[u][0] = q.x;
+          v[u][1] = q.y;
+          v[u][2] = q.z;
+          v[u][3] = q.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[u][i] = h + i * kStep < H ? src[i * kStep] : 0.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      if (n0 + u < valid) {
+        const float wn = sw[n0 + u];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += v[u][i] * wn;
+      }
+    }
+  }
+  const int64_t o = int64_t(t) * H + h;
+  if (shared) {
+    const float gate = sigmoid(shared_gate[t]);
+    float s[4];
+    if constexpr (kVec) {
+      const float4 q = *reinterpret_cast<const float4*>(shared + o);
+      s[0] = q.x;
+      s[1] = q.y;
+      s[2] = q.z;
+      s[3] = q.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = h + i * kStep < H ? shared[o + i * kStep] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float sh = s[i] * gate;
+      acc[i] = acc[i] + sh;
+    }
+  }
+  if constexpr (kVec) {
+    *reinterpret_cast<float4*>(out + o) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (h + i * kStep < H) out[o + i * kStep] = acc[i];
+  }
+}
+
+// The combine over T tokens: float4 columns when H % 4 == 0 and y, out and shared are 16-byte aligned.
+void launch_combine(const float* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+                    int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };  // null counts as aligned
+  const bool vec = H % 4 == 0 && aligned(y) && aligned(out) && aligned(shared);
+  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>((H + kCombineCols - 1) / kCombineCols));
+  const int h = static_cast<int>(H);
+  if (vec) launch_kernel(moe_combine_kernel<true>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k, h,
+                         out, shared, shared_gate);
+  else launch_kernel(moe_combine_kernel<false>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k, h,
+                     out, shared, shared_gate);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+struct MoeCarve {
+  MoeLayout lay;
+  float* act;  // [P, I]
+  float* y;    // [P, H]
+  uint16_t* xs;     // [T, H] split in up to 3 bf16 parts (tensor-core path)
+  uint16_t* act_s;  // [P, I] split in up to 3 bf16 parts (tensor-core path)
+  size_t bytes;
+};
+MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
+  const int64_t P = T * top_k;
+  MoeCarve c{};
+  size_t off = 0;
+  char* b = static_cast<char*>(base);
+  auto take = [&](size_t bytes) {
+    void* p = b ? b + off : nullptr;
+    off += align256(bytes);
+    return p;
+  };
+  c.lay.group_offset = static_cast<int32_t*>(take((E + 1) * 4));
+  c.lay.tile_offset = static_cast<int32_t*>(take((E + 1) * 4));
+  c.lay.tile_group = static_cast<int32_t*>(take((P + E) * 4));  // tiles <= P / tm + E
+  c.lay.tile_info = static_cast<int4*>(take((P + E) * 16));
+  c.lay.max_tiles = 0;  // set per launch
+  c.lay.row_token = static_cast<int32_t*>(take(P * 4));
+  c.lay.pair_pos = static_cast<int32_t*>(take(P * 4));
+  c.act = static_cast<float*>(take(P * I * 4));
+  c.y = static_cast<float*>(take(P * H * 4));
+  c.xs = static_cast<uint16_t*>(take(T * H * 3 * 2));
+  c.act_s = static_cast<uint16_t*>(take(P * I * 3 * 2));
+  c.bytes = off;
+  return c;
+}
+
+}  // namespace
+
+void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renormalise, int32_t* ids, float* weights,
+               Stream stream) {
+  if (T == 0) return;
+  if (top_k < 1 || top_k > 64 || top_k > E) cuda_fail("moe_route: top_k {} of {} experts (1 to 64)", {top_k, E});
+  const size_t smem = static_cast<size_t>(E) * sizeof(float);
+  if (smem > 48 * 1024) cuda_fail("moe_route: {} experts is too many (at most 12288)", {E});
+  if (E <= kRouteWarpMaxE && top_k <= 32) {
+    const unsigned grid = static_cast<unsigned>((T + 3) / 4);
+    const int e = static_cast<int>(E);
+    if (E <= 64) launch_kernel(moe_route_warp_kernel<2>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 128) launch_kernel(moe_route_warp_kernel<4>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 256) launch_kernel(moe_route_warp_kernel<8>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else if (E <= 512) launch_kernel(moe_route_warp_kernel<16>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+    else launch_kernel(moe_route_warp_kernel<32>, grid, 128, 0, stream, logits, T, e, top_k, renormalise, ids, weights);
+  } else {
+    launch_kernel(moe_route_kernel, static_cast<unsigned>(T), kRouteThreads, smem, stream, logits, static_cast<int>(E), top_k,
+                                                                                renormalise, ids, weights);
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
+  return moe_carve(nullptr, T, top_k, E, H, I).bytes;
+}
+void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
+                 const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
+                 void* workspace, float* out, Stream stream, bool tensor_cores, const float* shared,
+                 const float* shared_gate) {
+  if (T == 0) return;
+  if (top_k < 1 || top_k > 64) cuda_fail("moe_experts: top_k {} is not supported (1 to 64)", {top_k});
+  if (E * 4 > 48 * 1024) cuda_fail("moe_experts: {} experts is too many (at most 12288)", {E});
+  const int64_t P = T * top_k;
+  MoeCarve c = moe_carve(workspace, T, top_k, E, H, I);
+  // Small groups (decode, small batches: a few rows per expert) take the gemv path. With the bandwidth gemv the
+  // tile height follows the expected rows per expert (pairs / experts, rounded up to 1, 2, 4 or 8): rows
+  // are registers, and fewer of them keep more warps resident.
+  const bool gemv = P <= kGemvMaxRows * E;
+  int tm = gemv ? kGemvTileRows : kGemmTileRows;
+  const bool x_vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const bool mma = tensor_cores && experts_vec_ok &&
+                   moe_mma_supported(H, I, experts_gemv2_kind);
+  if (mma) {
+    // Tensor cores: 8 rows per MMA tile; a row tile of up to 64 rows walks them with its weights in L2 (taller
+    // minimum tiles measured slower for prefill: docs/perf/cuda-ops.md).
+    tm = 8;
+    while (tm < 64 && int64_t(tm) * E < P) tm *= 2;
+  } else if (gemv && experts_gemv2_kind >= 0 && experts_vec_ok && x_vec) {
+    tm = 1;
+    while (tm < kGemvTileRows && int64_t(tm) * E < P) tm *= 2;
+  }
+  const int64_t max_tiles = (P + tm - 1) / tm + (E < P ? E : P);
+  MoeLayout lay = c.lay;
+  if (mma) lay.max_tiles = static_cast<int>(max_tiles);
+  else lay.tile_info = nullptr;
+  // One block: 256 threads for decode-sized work (at most 4 experts and 16 pairs per thread), else 1024.
+  const int group_threads = E <= 1024 && P <= 4096 ? 256 : 1024;
+  launch_kernel(moe_group_kernel, 1, group_threads, static_cast<size_t>(E) * 4, stream, ids, static_cast<int>(P), top_k,
+                static_cast<int>(E), tm, lay);
+  KILN_CUDA_CHECK_LAUNCH();
+  profile_mark("group");
+  if (mma) {
+    MoeMmaPlan plan;
+    plan.tile_m = tm;
+    // Row tiles per block: as wide as keeps >= 2 blocks per SM (132 SMs) over the tiles that have rows (about
+    // min(P, E) of them): wide blocks pay the tile and descriptor lookups once, narrow ones fill the GPU at batch 1.
+    const int64_t live_tiles = std::min<int64_t>(P, E);
+    // Up to 4 for gate/up, 8 for down, which has a quarter of the k-steps (the widths that measured best).
+    auto widest = [&](int64_t n, int most) {
+      int mt = most;
+      while (mt > 1 && live_tiles * (n / (16 * mt)) < kTwoBlocksPerSm) mt /= 2;
+      return mt;
+    };
+    plan.mt_up = widest(I, 4);
+    plan.mt_down = widest(H, 8);
+    // Blocks per SM: gate/up at 3 (80 registers, small spills) once its grid outgrows 2 blocks per SM (faster there,
+    // slower below); down at 4 (64 registers) at every batch. Measurements: docs/perf/cuda-ops.md.
+    const int64_t up_blocks = live_tiles * (I / (16 * plan.mt_up));
+    plan.occ_up = up_blocks > kTwoBlocksPerSm ? 3 : 0;
+    plan.occ_down = 4;
+    plan.max_tiles = max_tiles;
+    plan.tile_info = c.lay.tile_info;
+    plan.row_token = c.lay.row_token;
+    plan.xs = c.xs;
+    plan.act_s = c.act_s;
+    plan.y = c.y;
+    moe_experts_mma(x, T, H, I, experts, E, plan, stream);
+    launch_combine(c.y, ids, weights, c.lay.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
+    profile_mark("combine");
+    return;
+  }
+
+  ExpertGroups groups;
+  groups.group_offset = c.lay.group_offset;
+  groups.tile_offset = c.lay.tile_offset;
+  groups.tile_group = c.lay.tile_group;
+  groups.row_token = c.lay.row_token;
+  groups.tile_m = tm;
+  groups.max_tiles = max_tiles;
+  groups.gemv = gemv;
+  moe_experts_fp32(x, T, H, I, experts, E, experts_vec_ok, x_vec, experts_gemv2_kind, groups, c.act, c.y, stream);
+  launch_combine(c.y, ids, weights, c.lay.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
+}
+
+
+}  // namespace kiln::cuda::ops

@@ -1,0 +1,202 @@
+// Device sampling (sampling.cu) through CudaOps: argmax_rows against model::host_argmax (lowest index on ties, NaN
+// never wins, an all-NaN row gives 0, -0 ties +0; rows of 1 .. 248,320 values, ties across chunk boundaries, NaN /
+// inf), and sample_rows against model::sample_row_host. Skipped without a usable GPU.
+//
+// The device sums the probabilities in another order than the host (trees and per-thread segments there, running
+// sums here), so in principle a token could differ when a uniform or a top-p / min-p threshold lands within ~1e-12
+// (relative) of a boundary. With these random inputs that does not happen: the tokens must be identical, row by row.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/cuda_ops.h"
+#include "model/ops.h"
+#include "model/sampling.h"
+#include "test_util.h"
+
+namespace kiln::backend::cuda {
+namespace {
+
+TEST(CudaArgmaxRows, MatchesHostDefinition) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps ops;
+  std::mt19937 rng(123);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  int cases = 0;
+  for (int64_t V : {1, 2, 31, 4095, 4096, 4097, 50000, 248320}) {
+    for (int kind = 0; kind < 7; ++kind) {
+      const int64_t R = kind == 0 ? 37 : 3;
+      std::vector<float> h(static_cast<size_t>(R * V));
+      std::uniform_real_distribution<float> u(-20.0f, 20.0f);
+      for (float& x : h) x = kind == 4 ? std::round(u(rng)) : u(rng);  // kind 4: many exact ties
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = h.data() + r * V;
+        std::uniform_int_distribution<int64_t> pos(0, V - 1);
+        switch (kind) {
+          case 1: {  // the maximum twice, far apart (different chunks when V is large): the lower index wins
+            const int64_t a = pos(rng), b = pos(rng);
+            row[a] = row[b] = 25.0f;
+            break;
+          }
+          case 2:  // NaNs everywhere but one finite value somewhere
+            for (int64_t v = 0; v < V; ++v) row[v] = nan;
+            row[pos(rng)] = -3.0f;
+            break;
+          case 3:  // all NaN: 0
+            for (int64_t v = 0; v < V; ++v) row[v] = nan;
+            break;
+          case 5:  // -inf everywhere, +inf somewhere, NaN at the front
+            for (int64_t v = 0; v < V; ++v) row[v] = -inf;
+            row[pos(rng)] = inf;
+            row[0] = nan;
+            break;
+          case 6:  // zeros of both signs only: the first wins
+            for (int64_t v = 0; v < V; ++v) row[v] = (v % 3 == 0) ? 0.0f : -0.0f;
+            break;
+          default: break;
+        }
+      }
+      TensorView d = ops.upload(h.data(), DType::F32, Shape{R, V});
+      std::vector<int32_t> ids(static_cast<size_t>(R), -7);
+      ops.argmax_rows(d, ids);
+      for (int64_t r = 0; r < R; ++r) {
+        EXPECT_EQ(ids[static_cast<size_t>(r)], model::host_argmax(h.data() + r * V, V))
+            << "V " << V << " kind " << kind << " row " << r;
+        ++cases;
+      }
+      ops.reset_scratch();
+    }
+  }
+  EXPECT_GT(cases, 100);
+}
+
+// Logits of several kinds: continuous, heavy ties (8 levels), -inf entries, one dominant token, all equal.
+std::vector<float> sampling_test_row(std::mt19937_64& rng, int64_t V, int kind) {
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> l(static_cast<size_t>(V));
+  for (auto& x : l) {
+    switch (kind) {
+      case 0: x = normal(rng); break;
+      case 1: x = static_cast<float>(rng() % 8) * 0.5f; break;
+      case 2: x = rng() % 4 == 0 ? -INFINITY : normal(rng); break;
+      case 3: x = normal(rng) * 0.2f; break;
+      default: x = 0.25f; break;
+    }
+  }
+  if (kind == 2) l[static_cast<size_t>(rng() % static_cast<uint64_t>(V))] = 1.0f;  // a finite value
+  if (kind == 3) l[static_cast<size_t>(rng() % static_cast<uint64_t>(V))] = 12.0f;
+  return l;
+}
+
+struct SampleCase {
+  std::vector<float> logits;  // [R, V]
+  std::vector<model::RowSampling> rows;
+};
+
+// R rows of vocabulary V: parameters from the grid (every combination in turn), uniforms random.
+SampleCase sampling_case(int64_t V, int R, uint64_t seed) {
+  static const float temps[] = {0.0f, 0.3f, 0.7f, 1.0f, 1.3f, 2.0f};
+  static const float top_ps[] = {1.0f, 0.9f, 0.5f, 0.01f};
+  static const float min_ps[] = {0.0f, 0.05f};
+  const int64_t top_ks[] = {0, 1, 5, 50, V};
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  SampleCase c;
+  c.logits.reserve(static_cast<size_t>(R * V));
+  for (int r = 0; r < R; ++r) {
+    int g = r;
+    model::RowSampling rs;
+    rs.temperature = temps[g % 6];
+    g /= 6;
+    rs.top_k = static_cast<int32_t>(top_ks[g % 5]);
+    g /= 5;
+    rs.top_p = top_ps[g % 4];
+    g /= 4;
+    rs.min_p = min_ps[g % 2];
+    rs.u = uniform(rng);
+    const std::vector<float> l = sampling_test_row(rng, V, static_cast<int>((r / 240 + r) % 5));
+    c.logits.insert(c.logits.end(), l.begin(), l.end());
+    c.rows.push_back(rs);
+  }
+  return c;
+}
+
+TEST(CudaOps, SampleRowsAreTheHostsTokens) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  int checked = 0, drawn = 0;
+  for (auto [V, R] : {std::pair<int64_t, int>{1, 60}, {7, 480}, {1000, 960}, {50000, 480}, {248320, 240}}) {
+    const SampleCase c = sampling_case(V, R, 1000 + static_cast<uint64_t>(V));
+    gpu.reset_scratch();
+    const TensorView logits = gpu.upload(c.logits.data(), DType::F32, Shape{R, V});
+    std::vector<int32_t> ids(static_cast<size_t>(R), -2), again(static_cast<size_t>(R), -2);
+    gpu.sample_rows(logits, c.rows, ids);
+    gpu.sample_rows(logits, c.rows, again);
+    EXPECT_EQ(ids, again) << "V " << V << ": the same inputs, the same tokens";
+    model::SampleScratch scratch;
+    int bad = 0;
+    for (int r = 0; r < R; ++r) {
+      const model::RowSampling& rs = c.rows[static_cast<size_t>(r)];
+      const int32_t want = model::sample_row_host(c.logits.data() + r * V, V, rs, scratch);
+      if (ids[static_cast<size_t>(r)] != want && ++bad <= 10)
+        ADD_FAILURE() << "V " << V << " row " << r << ": device " << ids[static_cast<size_t>(r)] << ", host " << want
+                      << " (T " << rs.temperature << " top_k " << rs.top_k << " top_p " << rs.top_p << " min_p "
+                      << rs.min_p << " u " << rs.u << ")";
+      ++checked;
+      drawn += rs.temperature >= 1e-6f;
+    }
+    EXPECT_EQ(bad, 0) << "V " << V;
+  }
+  std::printf("[ sample   ] %d rows (%d drawn, the rest greedy): device tokens == host tokens\n", checked, drawn);
+}
+
+TEST(CudaOps, SampleRowsEdgeCases) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  const int64_t V = 4;
+  const float l3 = std::log(3.0f);
+  struct Row {
+    std::vector<float> logits;
+    model::RowSampling rs;
+    int32_t want;
+  };
+  auto rs = [](float t, int k, float p, float m, double u) { return model::RowSampling{t, k, p, m, u}; };
+  const std::vector<Row> rows = {
+      {{1, 3, 3, 2}, rs(0, 0, 1, 0, 0), 1},                    // greedy: lowest id of the tie
+      {{-0.0f, 0.0f, -1, -2}, rs(0, 0, 1, 0, 0), 0},           // -0 ties +0
+      {{-INFINITY, -INFINITY, -INFINITY, -INFINITY}, rs(1, 0, 1, 0, 0.5), -1},
+      {{-INFINITY, -INFINITY, -INFINITY, -INFINITY}, rs(0, 0, 1, 0, 0.5), -1},
+      {{0, INFINITY, 0, 0}, rs(1, 0, 1, 0, 0.5), -1},
+      {{0, 0, 0, 0}, rs(1, 0, 1, 0, 0.2499), 0},               // the draw walks ascending ids
+      {{0, 0, 0, 0}, rs(1, 0, 1, 0, 0.25), 1},
+      {{0, 0, 0, 0}, rs(1, 0, 1, 0, 0.99), 3},
+      {{5, 1, 5, 5}, rs(1, 1, 1, 0, 0.5), 2},                  // top-k keeps the ties with the k-th
+      {{0, 0, 0, 0}, rs(1, 0, 0.5f, 0, 0.99), 1},              // top-p: the lower ids of a tie
+      {{0, 0, 0, 0}, rs(1, 0, 0.6f, 0, 0.99), 2},              // the crossing token is kept
+      {{0, l3, l3, l3}, rs(1, 0, 0.5f, 0, 0.6), 2},
+      {{0, l3, l3, l3}, rs(1, 0, 0.5f, 0, 0.999), 2},
+      {{0, std::log(0.5f), std::log(0.04f), -INFINITY}, rs(1, 0, 1, 0.05f, 0.999), 1},  // min-p
+      {{0, std::log(0.5f), std::log(0.04f), -INFINITY}, rs(1, 0, 1, 0, 0.999), 2},
+  };
+  std::vector<float> logits;
+  std::vector<model::RowSampling> params;
+  for (const Row& r : rows) {
+    logits.insert(logits.end(), r.logits.begin(), r.logits.end());
+    params.push_back(r.rs);
+  }
+  const int R = static_cast<int>(rows.size());
+  const TensorView view = gpu.upload(logits.data(), DType::F32, Shape{R, V});
+  std::vector<int32_t> ids(static_cast<size_t>(R));
+  gpu.sample_rows(view, params, ids);
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(model::sample_row_host(rows[r].logits.data(), V, rows[r].rs), rows[r].want) << "host, row " << r;
+    EXPECT_EQ(ids[static_cast<size_t>(r)], rows[r].want) << "device, row " << r;
+  }
+}
+
+
+}  // namespace
+}  // namespace kiln::backend::cuda

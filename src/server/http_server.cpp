@@ -111,6 +111,7 @@ struct GenerationJob {
   Clock::time_point first_token{};
   bool got_first_token = false;
   double queue_ms = 0.0;
+  int64_t cached_tokens = 0;  // prompt tokens served from the prefix cache (first choice)
   ConnectionProbe probe;
   Clock::time_point last_probe = Clock::now();
   // Whether it is time to look at the client's socket again (a few times a second).
@@ -140,6 +141,7 @@ struct GenerationJob {
         got_first_token = true;
         first_token = Clock::now();
         queue_ms = ev.queue_ms;
+        cached_tokens = ev.cached_tokens;
       }
       ChoiceOutput& c = choices[ev.index];
       c.on_event(ev, deltas[ev.index]);
@@ -171,7 +173,7 @@ struct GenerationJob {
     json u = {{"prompt_tokens", prompt_tokens},
               {"completion_tokens", completion},
               {"total_tokens", prompt_tokens + completion},
-              {"prompt_tokens_details", {{"cached_tokens", 0}}}};
+              {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
     if (chat) u["completion_tokens_details"] = {{"reasoning_tokens", reasoning}};
     return u;
   }

@@ -133,6 +133,15 @@ void PrefixCache::insert(std::span<const int32_t> tokens, std::span<const int32_
   for (auto it = path.rbegin(); it != path.rend(); ++it) touch(*it);
 }
 
+void PrefixCache::demote_snapshot(Node* n) {
+  if (n == nullptr || n->snapshot < 0) return;
+  auto it = snap_key_.find(n->id);
+  KILN_CHECK(it != snap_key_.end(), "prefix cache: snapshot of node {} not listed", n->id);
+  snapshots_.erase(it->second);
+  it->second = LruKey{0, n->id};
+  snapshots_.emplace(it->second, n);
+}
+
 void PrefixCache::drop_snapshot(Node* n, std::vector<int32_t>& free_slots) {
   if (n->snapshot < 0) return;
   auto it = snap_key_.find(n->id);

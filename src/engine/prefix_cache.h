@@ -57,6 +57,9 @@ class PrefixCache {
   void insert(std::span<const int32_t> tokens, std::span<const int32_t> pages, int snapshot_slot,
               std::vector<int32_t>& free_pages, std::vector<int32_t>& free_slots);
 
+  // Makes n's snapshot the first to be evicted (a sequence that started from it has cached a deeper one on the
+  // same path; a later match makes it recent again).
+  void demote_snapshot(Node* n);
   // Evicts up to n pages (LRU unlocked leaves, with their snapshots); returns how many were evicted.
   int64_t evict_pages(int64_t n, std::vector<int32_t>& free_pages, std::vector<int32_t>& free_slots);
   // Evicts up to n snapshots (LRU); returns how many.

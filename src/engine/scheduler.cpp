@@ -69,8 +69,11 @@ void Scheduler::free_resources(Sequence& seq, bool cache) {
     size_t n = static_cast<size_t>(std::min<int64_t>(upto, seq.num_cached) / opts_.page_size);
     n = std::min(n, seq.pages.size());
     if (n >= shared && n > 0) {
+      const bool supersedes = opts_.needs_state && seq.snap_slot >= 0 && n > shared && shared > 0;
       cache_->insert(seq.tokens, std::span<const int32_t>(seq.pages.data(), n),
                      opts_.needs_state ? seq.snap_slot : -1, free_pages, free_slots);
+      // The snapshot this sequence started from is superseded on its path by the one it handed in.
+      if (supersedes) cache_->demote_snapshot(seq.cache_path.back());
       if (opts_.needs_state) seq.snap_slot = -1;
       inserted = n;
     }
@@ -148,12 +151,17 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
   int64_t pending = 0;  // pages the sequences admitted here take for their first chunks in this step
   while (!waiting_.empty() && num_running() < opts_.max_running_requests) {
     Sequence& seq = *waiting_.front();
-    int slot = -1;
-    if (!take_slot(slot)) break;  // head waits; no overtaking
+    // Match first (the matched snapshot becomes the most recently used), then take a slot: evicting a snapshot
+    // if needed, at worst the matched one itself, whose slot then is the sequence's (the restore copies nothing).
     PrefixCache::Match m;
     if (cache_) {
       m = cache_->match(seq.tokens, seq.prefill_target - 1);  // at least one token left to compute
       cache_->lock(m.path);
+    }
+    int slot = -1;
+    if (!take_slot(slot)) {
+      if (cache_) cache_->unlock(m.path);
+      break;  // head waits; no overtaking
     }
     // Pages for the first chunk plus a page of headroom per running sequence, counting what the cache
     // could give up.
@@ -172,7 +180,7 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
     seq.num_cached = m.tokens;
     seq.cache_path = m.path;
     for (PrefixCache::Node* n : m.path) seq.pages.push_back(n->page);
-    if (m.snapshot_slot >= 0) plan.restores.push_back({m.snapshot_slot, slot});
+    if (m.snapshot_slot >= 0 && m.snapshot_slot != slot) plan.restores.push_back({m.snapshot_slot, slot});
     if (!seq.admitted_once) {
       seq.admitted_once = true;
       seq.cached_tokens = m.tokens;

@@ -279,7 +279,8 @@ int run_serve(const ServeArgs& a) {
         d.newline = nl.size() == 1 ? nl[0] : -1;
       }
       d.vocab = std::max<int64_t>(config.vocab_size, tokenizer->vocab_size());
-      d.max_context = context > 0 ? context : std::min<int64_t>(config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096, 4096);
+      const int64_t mpe = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
+      d.max_context = context > 0 ? std::min(context, mpe) : mpe;
       d.page_size = 16;
       const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
       d.state_slots = running * slots_per_request;

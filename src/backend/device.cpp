@@ -1,5 +1,8 @@
 #include "backend/device.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "backend/op_check.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -85,9 +88,10 @@ std::string MemoryPlan::str() const {
   const double G = 1024.0 * 1024.0 * 1024.0;
   return fmt::format(
       "memory plan: {:.1f} GiB x mem-fraction-static {:.2f} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
-      "({} pages = {} tokens), state slots {:.2f} GiB, activations {:.2f} GiB (estimate){}",
+      "({} pages = {} tokens, max_total_num_tokens), state slots {:.2f} GiB ({} slots, {} running requests), "
+      "activations {:.2f} GiB (estimate); context {} tokens{}",
       gpu_bytes / G, fraction, budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
-      activation_bytes / G, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
+      state_slots, max_running, activation_bytes / G, context, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
 }
 
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o, double gpu_bytes,
@@ -106,11 +110,11 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   if (p.fraction > 0.98) fail("--mem-fraction-static {} is too high (at most 0.98)", p.fraction);
   p.budget_bytes = gpu_bytes * p.fraction;
   p.weight_bytes = static_cast<double>(cap.weight_bytes);
-  const int slots = std::max(o.state_slots, 1);
-  p.state_bytes = static_cast<double>(cap.state_bytes_per_sequence) * slots;
+  const int per = std::max(o.slots_per_request, 1);
+  const double state_per_seq = static_cast<double>(cap.state_bytes_per_sequence);
   // Scratch of one pass (nothing is freed inside a step): per token and layer the hidden-sized buffers, the
   // projections' outputs and the experts' rows (and their bf16 split for the tensor-core kernels), plus the logits
-  // of every sequence.
+  // of every running sequence.
   const double H = static_cast<double>(config.hidden_size);
   const double C = 2.0 * config.linear_num_key_heads * config.linear_key_head_dim +
                    static_cast<double>(config.linear_num_value_heads) * config.linear_value_head_dim;
@@ -121,31 +125,52 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
                                1.5 * (H + config.experts_per_tok * static_cast<double>(config.moe_intermediate_size))
                          : 3.0 * static_cast<double>(config.intermediate_size);
   const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
-  const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, slots));
-  p.activation_bytes = tokens * per_token + 4.0 * slots * static_cast<double>(config.vocab_size) + 0.5 * G;
+  auto activations = [&](int running) {
+    const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, running));
+    return tokens * per_token + 4.0 * running * static_cast<double>(config.vocab_size) + 0.5 * G;
+  };
+  int slots = o.state_slots;
+  if (slots <= 0) {
+    constexpr int kMaxRunning = 256;
+    const double left0 = p.budget_bytes - p.weight_bytes - activations(kMaxRunning);
+    int running = kMaxRunning;
+    if (state_per_seq > 0)
+      running = static_cast<int>(std::clamp(std::floor(std::max(left0, 0.0) / 4.0 / (state_per_seq * per)), 1.0,
+                                            static_cast<double>(kMaxRunning)));
+    slots = running * per;
+  }
+  p.state_slots = slots;
+  p.max_running = std::max(1, slots / per);
+  p.state_bytes = state_per_seq * slots;
+  p.activation_bytes = activations(p.max_running);
   const double kv_per_page = static_cast<double>(cap.kv_bytes_per_token) * o.page_size;
   const double left = p.budget_bytes - p.weight_bytes - p.state_bytes - p.activation_bytes;
-  const int64_t context = o.max_context > 0 ? o.max_context : std::min<int64_t>(config.max_position_embeddings, 8192);
-  const int64_t pages_per_seq = (context + o.page_size - 1) / o.page_size;
-  const int64_t wanted = o.kv_pages > 0 ? o.kv_pages : static_cast<int64_t>(slots) * pages_per_seq;
-  const int64_t fit = kv_per_page > 0 ? static_cast<int64_t>(std::max(left, 0.0) / kv_per_page) : wanted;
+  p.context = o.max_context > 0 ? std::min<int64_t>(o.max_context, config.max_position_embeddings)
+                                : config.max_position_embeddings;
+  const int64_t pages_per_seq = (p.context + o.page_size - 1) / o.page_size;
+  const int64_t fit = kv_per_page > 0 ? static_cast<int64_t>(std::max(left, 0.0) / kv_per_page)
+                                      : static_cast<int64_t>(slots) * pages_per_seq;
   auto too_big = [&](const std::string& what) {
     fail("out of GPU memory (planned before loading): {}. The budget is {:.1f} GiB ({:.1f} GiB x "
-         "--mem-fraction-static {:.2f}): weights {:.2f} GiB + state for {} sequences {:.2f} GiB + activations "
+         "--mem-fraction-static {:.2f}): weights {:.2f} GiB + state for {} slots {:.2f} GiB + activations "
          "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --chunked-prefill-size / "
          "--max-total-tokens, or use a GPU with more memory",
          what, p.budget_bytes / G, gpu_bytes / G, p.fraction, p.weight_bytes / G, slots, p.state_bytes / G,
          p.activation_bytes / G);
   };
   if (left <= 0) too_big(fmt::format("nothing is left for the KV cache ({:.2f} GiB short)", -left / G));
-  if (cap.kv_bytes_per_token > 0 && fit < pages_per_seq)
-    too_big(fmt::format("the KV cache fits {} tokens, fewer than one sequence of {} tokens", fit * o.page_size,
-                        context));
   if (o.kv_pages > 0 && o.kv_pages > fit)
     too_big(fmt::format("--max-total-tokens asks for {} tokens, {} fit", o.kv_pages * o.page_size, fit * o.page_size));
-  p.kv_pages = cap.kv_bytes_per_token > 0 ? std::min(wanted, fit) : wanted;
+  p.kv_pages = o.kv_pages > 0 ? o.kv_pages : fit;
+  if (p.kv_pages < 1) too_big("the KV cache has room for no page");
   p.kv_tokens = p.kv_pages * o.page_size;
   p.kv_bytes = static_cast<double>(p.kv_pages) * kv_per_page;
+  if (cap.kv_bytes_per_token > 0 && p.kv_pages < pages_per_seq) {
+    KILN_LOG_WARN("the KV cache holds {} tokens ({:.2f} GiB), fewer than one sequence of the context length {}: the "
+                  "context is capped at {} tokens (more memory: --mem-fraction-static, fewer --max-running-requests)",
+                  p.kv_tokens, p.kv_bytes / G, p.context, p.kv_tokens);
+    p.context = p.kv_tokens;
+  }
   if (free_bytes > 0 && p.weight_bytes + p.kv_bytes + p.state_bytes + p.activation_bytes > free_bytes)
     KILN_LOG_WARN("the memory plan ({:.1f} GiB) exceeds the GPU memory free now ({:.1f} GiB): another process holds "
                   "some; loading may fail", (p.weight_bytes + p.kv_bytes + p.state_bytes + p.activation_bytes) / G,
@@ -189,6 +214,8 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
                                              static_cast<double>(probe.free_bytes));
   KILN_LOG_INFO("{}", plan.str());
   ro.kv_pages = plan.kv_pages;
+  ro.state_slots = plan.state_slots;
+  ro.max_context = plan.context;
   ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
                            options.cuda_graphs ? "on" : "off",
                            options.pdl ? "; programmatic dependent launch on (experimental)" : "");

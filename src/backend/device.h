@@ -43,12 +43,17 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
 struct MemoryPlan {
   double gpu_bytes = 0, free_bytes = 0, fraction = 0.9, budget_bytes = 0;
   double weight_bytes = 0, state_bytes = 0, activation_bytes = 0, kv_bytes = 0;
-  int64_t kv_pages = 0, kv_tokens = 0;
+  int64_t kv_pages = 0, kv_tokens = 0;  // kv_tokens: SGLang's max_total_num_tokens
+  int state_slots = 0;                  // recurrent-state slots
+  int max_running = 0;                  // state_slots / slots_per_request: the default --max-running-requests
+  int64_t context = 0;                  // longest sequence: the model's (or --context-length), capped to the KV cache
   std::string str() const;
 };
 // Plans weights + state slots + activations (estimate for a prefill pass of options.prefill_chunk tokens) + KV
 // pages within gpu_bytes x fraction; kiln::Error (with the numbers and what to change) when it does not fit.
-// KV pages: options.kv_pages when set (checked), else the budget, capped at state_slots x max_context.
+// State slots: options.state_slots when set, else enough for min(256, the running requests whose slots fit in a
+// quarter of what weights and activations leave) x slots_per_request. KV pages: options.kv_pages when set
+// (checked), else all the rest. A context longer than the KV cache holds is capped to it with a warning.
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& options, double gpu_bytes,
                               double free_bytes);
 

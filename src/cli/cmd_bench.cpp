@@ -26,6 +26,8 @@ struct BenchArgs {
   double timeout_s = 600;
   double max_failed_fraction = 0.05;
   bool no_progress = false;
+  size_t multi_turn = 0;
+  size_t conversations = 8;
 };
 
 kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughput) against any OpenAI-compatible server",
@@ -56,6 +58,11 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
                  "Fail the run when a level has more failed requests than this fraction")
       ->capture_default_str();
   app.add_flag("--no-progress", args->no_progress, "No live progress bar");
+  app.add_option("--multi-turn", args->multi_turn,
+                 "Multi-turn mode: conversations of this many turns, each turn sending the history plus a new "
+                 "message of --input-len tokens (completions endpoint); TTFT and throughput per turn");
+  app.add_option("--conversations", args->conversations, "Multi-turn mode: conversations run at once")
+      ->capture_default_str();
   return [args]() -> int {
     using namespace kiln::clients;
     std::string api_key = args->api_key;
@@ -74,10 +81,25 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
     options.tokenizer_dir = args->tokenizer_dir;
     options.max_failed_fraction = args->max_failed_fraction;
     options.progress = !args->no_progress;
+    options.multi_turn = args->multi_turn;
+    options.conversations = args->conversations;
     std::ofstream json_file;
     if (!args->json_path.empty()) {
       json_file.open(args->json_path);
       if (!json_file) kiln::fail("cannot write the --json results to '{}'", args->json_path);
+    }
+    if (options.multi_turn > 0) {
+      MultiTurnReport mt = run_multi_turn_bench(options, stdout);
+      if (json_file.is_open()) {
+        json_file << mt.to_json().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+        if (!json_file) kiln::fail("writing the --json results to '{}' failed", args->json_path);
+      }
+      if (!mt.passed) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "error: benchmark failed: %s\n", mt.failure.c_str());
+        return 1;
+      }
+      return 0;
     }
     BenchReport report = run_bench(options, stdout);
     if (json_file.is_open()) {

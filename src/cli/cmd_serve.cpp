@@ -48,10 +48,11 @@ struct ServeArgs {
   std::string reasoning_parser = "auto";
   std::string tool_call_parser = "auto";
   std::string chat_template;
-  int max_running_requests = 32;
+  int max_running_requests = 0;  // 0: the memory plan's (cuda), 32 (cpu)
   int max_queued_requests = 256;
   int64_t chunked_prefill_size = 512;
   int64_t max_total_tokens = 0;
+  bool disable_radix_cache = false;
   int threads = 0;
   std::string device = "auto";
   bool skip_self_check = false;
@@ -132,7 +133,7 @@ class SignalWaiter {
 int run_serve(const ServeArgs& a) {
   // Validate flags before doing anything slow.
   if (a.port < 0 || a.port > 65535) fail("--port must be 0..65535 (got {})", a.port);
-  if (a.max_running_requests < 1) fail("--max-running-requests must be at least 1 (got {})", a.max_running_requests);
+  if (a.max_running_requests < 0) fail("--max-running-requests must be at least 1 (got {})", a.max_running_requests);
   if (a.max_queued_requests < 0) fail("--max-queued-requests must be 0 or more (got {})", a.max_queued_requests);
   if (a.context_length < 0) fail("--context-length must be positive (got {})", a.context_length);
   if (a.shutdown_timeout_s < 0) fail("--shutdown-timeout must be 0 or more seconds");
@@ -163,7 +164,7 @@ int run_serve(const ServeArgs& a) {
   so.reasoning_parser = a.reasoning_parser;
   so.tool_call_parser = a.tool_call_parser;
   so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
-  so.http_threads = std::min(2048, a.max_running_requests + a.max_queued_requests + 32);
+  so.http_threads = std::min(2048, (a.max_running_requests > 0 ? a.max_running_requests : 256) + a.max_queued_requests + 32);
 
   // Resolve the model folder (cheap) so the server's name and paths are known before loading.
   format::ModelDir dir = format::ModelDir::open_or_embedded(a.model_path);
@@ -219,6 +220,10 @@ int run_serve(const ServeArgs& a) {
   eo.max_queued_requests = a.max_queued_requests;
   eo.chunked_prefill_size = a.chunked_prefill_size;
   eo.context_length = a.context_length;
+  eo.enable_prefix_cache = !a.disable_radix_cache;
+  // State slots per running request: its own; with the prefix cache also its latest page-boundary snapshot and
+  // room for one cached snapshot.
+  const int slots_per_request = a.disable_radix_cache ? 1 : 3;
   for (int64_t id : config.eos_token_ids) eo.eos_token_ids.push_back(static_cast<int32_t>(id));
   // Chat models end a turn with <|im_end|> and may also end with <|endoftext|>.
   for (const char* t : {"<|im_end|>", "<|endoftext|>"})
@@ -229,6 +234,7 @@ int run_serve(const ServeArgs& a) {
   eo.eos_token_ids.erase(std::unique(eo.eos_token_ids.begin(), eo.eos_token_ids.end()), eo.eos_token_ids.end());
   so.eos_token_ids = eo.eos_token_ids;
   args_json["max_running_requests"] = a.max_running_requests;
+  args_json["disable_radix_cache"] = a.disable_radix_cache;
   args_json["max_queued_requests"] = a.max_queued_requests;
   args_json["chunked_prefill_size"] = a.chunked_prefill_size;
   so.server_args = args_json;
@@ -273,24 +279,40 @@ int run_serve(const ServeArgs& a) {
         d.newline = nl.size() == 1 ? nl[0] : -1;
       }
       d.vocab = std::max<int64_t>(config.vocab_size, tokenizer->vocab_size());
-      d.max_context = context > 0 ? context : std::min<int64_t>(config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096, 4096);
+      const int64_t mpe = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
+      d.max_context = context > 0 ? std::min(context, mpe) : mpe;
       d.page_size = 16;
-      d.state_slots = a.max_running_requests;
-      d.kv_pages = a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16
-                                          : d.state_slots * ((d.max_context + 15) / 16);
+      const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
+      d.state_slots = running * slots_per_request;
+      d.kv_pages = a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16 : running * ((d.max_context + 15) / 16);
       runner = std::make_unique<engine::DummyRunner>(d);
     } else {
       backend::CpuLoadOptions lo;
       lo.kv_dtype = kv_dtype;
       lo.max_context = context;
-      lo.state_slots = a.max_running_requests;
       lo.threads = a.threads;
+      lo.slots_per_request = slots_per_request;
       if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
+      if (device_choice.device == "cuda") {
+        lo.state_slots = a.max_running_requests * slots_per_request;  // 0: the memory plan chooses
+      } else {
+        // CPU: no memory plan; a full context for every running request, at most 256k tokens (at least one
+        // context).
+        const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
+        lo.state_slots = running * slots_per_request;
+        const int64_t ctx = context > 0 ? std::min<int64_t>(context, config.max_position_embeddings)
+                                        : config.max_position_embeddings;
+        if (lo.kv_pages == 0)
+          lo.kv_pages = (std::max<int64_t>(ctx, std::min<int64_t>(int64_t(running) * ctx, 262144)) + lo.page_size - 1) /
+                        lo.page_size;
+      }
       kiln::cli::apply_gpu_flags(a.gpu, lo);
       runner = backend::load_model(dir, device, lo, !a.skip_self_check);
     }
   }
   std::string description = runner->describe();
+  if (eo.max_running_requests <= 0)
+    eo.max_running_requests = std::max(1, runner->capacity().state_slots / slots_per_request);
   engine::Engine engine(std::move(runner), eo);
   engine.start();
   server::ModelContext mc;
@@ -308,14 +330,17 @@ int run_serve(const ServeArgs& a) {
   for (int32_t id : eo.eos_token_ids) std::printf(" %d", id);
   std::printf("\n  template:  %s\n", chat_template ? template_source.c_str() : "none (chat completions disabled)");
   std::printf("  context:   %lld tokens per sequence\n", static_cast<long long>(engine.context_length()));
-  std::printf("  KV cache:  %lld pages x %d tokens = %lld tokens (%s, %s); %d state slots (%s)\n",
+  std::printf("  KV cache:  %lld pages x %d tokens = %lld tokens, max_total_num_tokens (%s, %s); %d state slots (%s)\n",
               static_cast<long long>(cap.kv_pages), cap.page_size,
               static_cast<long long>(cap.kv_pages * cap.page_size), a.kv_cache_dtype == "auto" ? "bf16" : a.kv_cache_dtype.c_str(),
               human_bytes(double(cap.kv_pages) * cap.page_size * cap.kv_bytes_per_token).c_str(), cap.state_slots,
               human_bytes(double(cap.state_slots) * cap.state_bytes_per_slot).c_str());
-  std::printf("  batching:  up to %d running, %d queued; prefill chunks of %lld tokens; KV reserved per request "
-              "for prompt + max_tokens\n",
-              a.max_running_requests, a.max_queued_requests, static_cast<long long>(a.chunked_prefill_size));
+  std::printf("  batching:  up to %d running, %d queued; prefill chunks of %lld tokens; KV pages allocated as "
+              "sequences grow (preemption when the pool is full)\n",
+              engine.options().max_running_requests, a.max_queued_requests, static_cast<long long>(a.chunked_prefill_size));
+  std::printf("  prefix cache: %s\n", engine.options().enable_prefix_cache
+                                          ? "on (radix tree over KV pages + state snapshots; --disable-radix-cache)"
+                                          : "off");
   std::printf("  sampling:  defaults %s\n", sampling_desc.empty() ? "OpenAI's (temperature 1, top_p 1)"
                                                                   : ("from generation_config.json: " + sampling_desc).c_str());
   std::printf("  parsers:   reasoning %s, tool calls %s\n", http.reasoning_parser_on() ? "qwen3" : "off",
@@ -360,8 +385,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "Parse tool calls: auto (for Qwen3.5 / Qwen3-Coder templates), qwen3_coder, none")
       ->capture_default_str();
   app.add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
-  app.add_option("--max-running-requests", a->max_running_requests, "Sequences decoded together at most")
-      ->capture_default_str();
+  app.add_option("--max-running-requests", a->max_running_requests,
+                 "Sequences decoded together at most (default: cuda: the memory plan's, at most 256; cpu: 32)");
   app.add_option("--max-queued-requests", a->max_queued_requests,
                  "Waiting sequences at most; beyond, requests get 503 + Retry-After")
       ->capture_default_str();
@@ -369,7 +394,10 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "Prompt tokens per step (long prompts are prefilled in chunks; <= 0: whole prompts)")
       ->capture_default_str();
   app.add_option("--max-total-tokens", a->max_total_tokens,
-                 "KV cache size in tokens (default: a full context for every running request)");
+                 "KV cache size in tokens (default: cuda: all memory the plan leaves; cpu: a context per running "
+                 "request, at most 256k tokens)");
+  app.add_flag("--disable-radix-cache", a->disable_radix_cache,
+               "Turn the prefix cache (shared KV pages + state snapshots across requests) off");
   app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)");
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();
   app.add_flag("--skip-self-check", a->skip_self_check,

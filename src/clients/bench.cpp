@@ -423,4 +423,148 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
   return report;
 }
 
+nlohmann::json MultiTurnReport::to_json() const {
+  nlohmann::json j = {{"tool", "kiln bench --multi-turn"},
+                      {"url", url},
+                      {"model", model},
+                      {"input_len", options.input_len},
+                      {"output_len", options.output_len},
+                      {"turns", options.multi_turn},
+                      {"conversations", options.conversations},
+                      {"seed", options.seed},
+                      {"prompt_tokens_counted_by", prompt_tokens_counted_by},
+                      {"passed", passed},
+                      {"failure", failure}};
+  j["per_turn"] = nlohmann::json::array();
+  for (const auto& t : turns) {
+    nlohmann::json reasons = nlohmann::json::object();
+    for (const auto& [reason, count] : t.failure_reasons) reasons[reason] = count;
+    j["per_turn"].push_back({{"turn", t.turn},
+                             {"completed", t.completed},
+                             {"failed", t.failed},
+                             {"failure_reasons", reasons},
+                             {"mean_prompt_tokens", t.mean_prompt_tokens},
+                             {"ttft_ms", distribution_json(t.ttft_ms)},
+                             {"e2e_ms", distribution_json(t.e2e_ms)},
+                             {"output_throughput", t.output_throughput}});
+  }
+  return j;
+}
+
+MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out) {
+  if (options.multi_turn == 0) fail("--multi-turn must be at least 1");
+  if (options.conversations == 0) fail("--conversations must be at least 1");
+  if (options.conversations > kMaxThreads)
+    fail("--conversations {} is more than kiln bench supports ({})", options.conversations, kMaxThreads);
+  if (options.output_len == 0) fail("--output-len must be at least 1");
+  if (options.endpoint != BenchEndpoint::completions)
+    fail("--multi-turn sends the history as the prompt of /v1/completions; leave --endpoint at completions");
+  HttpClient client(options.server);
+  require_reachable(client);
+  MultiTurnReport report;
+  report.options = options;
+  report.url = options.server.display();
+  report.model = options.model.empty() ? discover_model_name(client) : options.model;
+  std::unique_ptr<TokenCounter> counter = options.tokenizer_dir.empty()
+                                              ? make_server_token_counter(options.server, report.model)
+                                              : make_local_token_counter(options.tokenizer_dir);
+  report.prompt_tokens_counted_by = counter->describe();
+  const size_t T = options.multi_turn, N = options.conversations;
+  fmt::print(out, "kiln bench --multi-turn: {} (model \"{}\"), POST /v1/completions streamed\n", report.url,
+             report.model);
+  fmt::print(out, "{} conversations at once x {} turns; each turn sends the history + a new message of {} tokens "
+             "(counted by {}), {} output tokens (ignore_eos)\n",
+             N, T, options.input_len, report.prompt_tokens_counted_by, options.output_len);
+  std::fflush(out);
+  // Every conversation's messages drawn up front (distinct across conversations).
+  std::mt19937_64 rng(options.seed);
+  std::vector<std::vector<std::string>> messages(N);
+  for (auto& conv : messages)
+    for (size_t t = 0; t < T; ++t) conv.push_back(prompt_of_exact_length(*counter, options.input_len, rng));
+
+  struct Turn {
+    bool ok = false;
+    std::string error;
+    double start_s = 0, end_s = 0, ttft_s = 0;
+    int64_t prompt_tokens = 0, output_tokens = 0;
+  };
+  std::vector<std::vector<Turn>> results(N, std::vector<Turn>(T));
+  const auto start = Clock::now();
+  auto since = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  auto worker = [&](size_t c) {
+    std::optional<HttpClient> http;
+    std::string history;
+    for (size_t t = 0; t < T; ++t) {
+      Turn& r = results[c][t];
+      history += messages[c][t];
+      try {
+        if (!http) http.emplace(options.server);
+        r.start_s = since();
+        Generation g = run_generation(*http, "/v1/completions", request_body(options, report.model, history,
+                                                                             options.output_len));
+        r.end_s = since();
+        if (!g.ok) {
+          r.error = g.error;
+        } else if (g.token_times_s.empty()) {
+          r.error = "no tokens streamed";
+        } else {
+          r.ok = true;
+          r.ttft_s = g.token_times_s.front();
+          r.prompt_tokens = g.prompt_tokens.value_or(0);
+          r.output_tokens = g.completion_tokens.value_or(static_cast<int64_t>(g.token_times_s.size()));
+          history += g.content;
+        }
+      } catch (const std::exception& e) {
+        r.error = e.what();
+      }
+      if (!r.ok) break;  // a conversation without its answer cannot go on
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t c = 0; c < N; ++c) threads.emplace_back(worker, c);
+  for (auto& th : threads) th.join();
+
+  fmt::print(out, "\n{:>5} {:>9} {:>7} {:>12} {:>13} {:>13} {:>13} {:>11}\n", "turn", "completed", "failed",
+             "prompt tok", "TTFT mean ms", "TTFT p50 ms", "E2E mean ms", "out tok/s");
+  for (size_t t = 0; t < T; ++t) {
+    TurnResult tr;
+    tr.turn = t + 1;
+    std::vector<double> ttft, e2e;
+    double first = 0, last = 0, prompt_sum = 0;
+    int64_t out_tokens = 0;
+    for (size_t c = 0; c < N; ++c) {
+      const Turn& r = results[c][t];
+      if (r.ok) {
+        if (tr.completed == 0 || r.start_s < first) first = r.start_s;
+        last = std::max(last, r.end_s);
+        ++tr.completed;
+        ttft.push_back(r.ttft_s * 1000);
+        e2e.push_back((r.end_s - r.start_s) * 1000);
+        prompt_sum += static_cast<double>(r.prompt_tokens);
+        out_tokens += r.output_tokens;
+      } else if (!r.error.empty()) {
+        ++tr.failed;
+        ++tr.failure_reasons[r.error];
+      }
+    }
+    tr.ttft_ms = describe(ttft);
+    tr.e2e_ms = describe(e2e);
+    tr.mean_prompt_tokens = tr.completed ? prompt_sum / static_cast<double>(tr.completed) : 0;
+    tr.output_throughput = last > first ? static_cast<double>(out_tokens) / (last - first) : 0;
+    fmt::print(out, "{:>5} {:>9} {:>7} {:>12} {:>13} {:>13} {:>13} {:>11}\n", tr.turn, tr.completed, tr.failed,
+               fmt_number(tr.mean_prompt_tokens, 0), fmt_number(tr.ttft_ms.mean), fmt_number(tr.ttft_ms.median),
+               fmt_number(tr.e2e_ms.mean, 1), fmt_number(tr.output_throughput, 1));
+    if (tr.failed && report.passed) {
+      report.passed = false;
+      report.failure = fmt::format("turn {}: {} of {} requests failed: {}", tr.turn, tr.failed, N,
+                                   tr.failure_reasons.begin()->first);
+    }
+    report.turns.push_back(std::move(tr));
+  }
+  fmt::print(out, "(prompt tok: the server's usage.prompt_tokens, mean; out tok/s: the turn's output tokens over "
+             "the span from its first request to its last answer)\n");
+  std::fflush(out);
+  return report;
+}
+
 }  // namespace kiln::clients

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -34,6 +35,10 @@ struct BenchOptions {
   std::string tokenizer_dir;           // count prompt tokens locally instead of with /tokenize
   double max_failed_fraction = 0.05;   // more failed requests than this in a level fails the run
   bool progress = true;                // a live progress bar on stderr when it is a terminal
+  // Multi-turn mode (run_multi_turn_bench): `conversations` conversations at once, each of multi_turn turns; turn
+  // t sends the whole history (every earlier prompt and answer) plus a new message of input_len tokens.
+  size_t multi_turn = 0;
+  size_t conversations = 8;
 };
 
 struct LevelResult {
@@ -62,6 +67,30 @@ double parse_request_rate(std::string_view text);
 std::vector<double> poisson_arrival_times(size_t n, double rate, std::mt19937_64& rng);
 // The number of prompts a level runs: --num-prompts, else max(16, 4 x concurrency), 64 when unlimited.
 size_t prompts_for_level(const BenchOptions& options, size_t max_concurrency);
+
+// One turn of a multi-turn run, over all conversations.
+struct TurnResult {
+  size_t turn = 0;  // 1-based
+  size_t completed = 0, failed = 0;
+  double mean_prompt_tokens = 0;  // the server's usage.prompt_tokens
+  Distribution ttft_ms, e2e_ms;
+  double output_throughput = 0;   // this turn's output tokens / (last end - first start of the turn)
+  std::map<std::string, size_t> failure_reasons;
+};
+
+struct MultiTurnReport {
+  std::string url, model, prompt_tokens_counted_by;
+  BenchOptions options;
+  std::vector<TurnResult> turns;
+  bool passed = true;
+  std::string failure;
+  nlohmann::json to_json() const;
+};
+
+// Multi-turn conversations over /v1/completions (the history is the prompt text: prompt, answer, next message,
+// ...), all conversations at once, turn after turn within each. TTFT and throughput per turn: with a prefix
+// cache a turn's TTFT stays near that of its new message instead of growing with the history.
+MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out);
 
 // Runs the benchmark, printing to `out` (progress to stderr). Throws kiln::Error when the server
 // cannot be reached, prompts cannot be built or the warm-up request fails; a level with too many

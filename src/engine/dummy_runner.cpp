@@ -75,6 +75,14 @@ int32_t DummyRunner::echo_token(std::span<const int32_t> pages, int64_t end, int
   return k < turn_end ? at(k) : o_.turn_end;
 }
 
+void DummyRunner::copy_state(int src_slot, int dst_slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (src_slot < 0 || src_slot >= o_.state_slots || dst_slot < 0 || dst_slot >= o_.state_slots)
+    fail("dummy runner: copy_state {} -> {} outside [0, {})", src_slot, dst_slot, o_.state_slots);
+  state_[dst_slot] = state_[src_slot];
+  logits_done_[dst_slot] = logits_done_[src_slot];
+}
+
 void DummyRunner::forward(std::span<const model::SeqChunk> chunks, std::span<float> logits) {
   if (o_.step_delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(o_.step_delay_us));
   std::lock_guard<std::mutex> lock(mu_);

@@ -47,6 +47,8 @@ class DummyRunner : public model::ModelRunner {
   int64_t vocab_size() const override { return o_.vocab; }
   std::string describe() const override;
   void forward(std::span<const model::SeqChunk> chunks, std::span<float> logits) override;
+  bool can_copy_state() const override { return true; }
+  void copy_state(int src_slot, int dst_slot) override;
 
   int64_t steps() const;
   int64_t max_batch() const;

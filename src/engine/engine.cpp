@@ -20,7 +20,8 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCapacity& cap) {
+SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCapacity& cap,
+                                   const model::ModelRunner& runner) {
   SchedulerOptions s;
   s.max_running_requests = o.max_running_requests;
   s.max_queued_requests = o.max_queued_requests;
@@ -29,12 +30,27 @@ SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCa
   s.kv_pages = cap.kv_pages;
   s.page_size = cap.page_size;
   s.state_slots = cap.state_slots;
+  s.prefix_cache = o.enable_prefix_cache;
+  s.needs_state = runner.has_recurrent_state();
   return s;
 }
 
-EngineOptions resolve_options(EngineOptions o, const model::RunnerCapacity& cap) {
+EngineOptions resolve_options(EngineOptions o, const model::ModelRunner& runner) {
+  const model::RunnerCapacity cap = runner.capacity();
   if (o.context_length <= 0 || (cap.max_context > 0 && o.context_length > cap.max_context))
     o.context_length = cap.max_context;
+  // One sequence must fit in the KV pool: a longer context could only end in a request that never finishes.
+  const int64_t pool_tokens = cap.kv_pages * cap.page_size;
+  if (pool_tokens > 0 && o.context_length > pool_tokens) {
+    KILN_LOG_WARN("the KV cache holds {} tokens ({} pages of {}), fewer than the context length of {} tokens: "
+                  "the context is capped at {} tokens (raise --max-total-tokens or the memory for the KV cache)",
+                  pool_tokens, cap.kv_pages, cap.page_size, o.context_length, pool_tokens);
+    o.context_length = pool_tokens;
+  }
+  if (o.enable_prefix_cache && !runner.can_copy_state()) {
+    KILN_LOG_INFO("prefix cache off: this model runner cannot copy state slots");
+    o.enable_prefix_cache = false;
+  }
   if (o.max_running_requests <= 0) fail("--max-running-requests must be at least 1");
   if (o.max_queued_requests < 0) fail("--max-queued-requests must be 0 or more");
   if (o.context_length <= 1) fail("the context length must be at least 2 tokens (got {})", o.context_length);
@@ -51,10 +67,10 @@ EngineOptions resolve_options(EngineOptions o, const model::RunnerCapacity& cap)
 
 Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options)
     : runner_(std::move(runner)),
-      opts_(resolve_options(std::move(options), runner_->capacity())),
+      opts_(resolve_options(std::move(options), *runner_)),
       capacity_(runner_->capacity()),
       vocab_size_(runner_->vocab_size()),
-      scheduler_(scheduler_options(opts_, capacity_)),
+      scheduler_(scheduler_options(opts_, capacity_, *runner_)),
       ttft_(latency_buckets_s()),
       itl_(latency_buckets_s()),
       e2e_(latency_buckets_s()),
@@ -64,6 +80,7 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
   gauges_.kv_pages_total = capacity_.kv_pages;
   gauges_.page_size = capacity_.page_size;
   gauges_.state_slots_total = capacity_.state_slots;
+  gauges_.prefix_cache_enabled = opts_.enable_prefix_cache;
 }
 
 Engine::~Engine() { stop(); }
@@ -167,6 +184,15 @@ void Engine::publish_gauges() {
   gauges_.num_running = scheduler_.num_running();
   gauges_.kv_pages_used = scheduler_.kv_pages_used();
   gauges_.state_slots_used = scheduler_.state_slots_used();
+  gauges_.preemptions_total = scheduler_.counters().preemptions;
+  gauges_.prefix_cache_query_tokens_total = scheduler_.counters().cache_query_tokens;
+  gauges_.prefix_cache_hit_tokens_total = scheduler_.counters().cache_hit_tokens;
+  if (const PrefixCache* pc = scheduler_.prefix_cache()) {
+    gauges_.kv_pages_cached = pc->num_pages();
+    gauges_.state_snapshots_cached = pc->num_snapshots();
+    gauges_.prefix_cache_evicted_pages_total = pc->counters().evicted_pages;
+    gauges_.prefix_cache_evicted_snapshots_total = pc->counters().evicted_snapshots;
+  }
   bool idle = scheduler_.idle() && incoming_.empty();
   if (idle != published_idle_) {
     published_idle_ = idle;
@@ -315,14 +341,16 @@ void Engine::run_step(const StepPlan& plan) {
   if (all_greedy || runner_samples) greedy_ids_.assign(static_cast<size_t>(num_logits), -1);
   else logits_.resize(static_cast<size_t>(num_logits * vocab_size_));
   try {
+    for (const StateCopy& c : plan.restores) runner_->copy_state(c.src, c.dst);
     if (all_greedy) runner_->forward_argmax(chunks_, greedy_ids_);
     else if (runner_samples) runner_->forward_sample(chunks_, row_sampling, greedy_ids_);
     else runner_->forward(chunks_, logits_);
+    for (const StateCopy& c : plan.saves) runner_->copy_state(c.src, c.dst);
   } catch (const std::exception& e) {
     // The step failed as a whole: end its sequences with the error, keep serving the others.
     KILN_LOG_ERROR("forward step failed ({} sequences): {}", plan.chunks.size(), e.what());
     for (const auto& c : plan.chunks) {
-      auto seq = scheduler_.release(c.seq);
+      auto seq = scheduler_.release(c.seq, /*cache=*/false);
       finish(*seq, FinishReason::error, fmt::format("model step failed: {}", e.what()));
     }
     return;
@@ -434,6 +462,7 @@ void Engine::run_step(const StepPlan& plan) {
       ttft_.observe(seconds_between(seq.submitted_at, now));
       queue_time_.observe(seconds_between(seq.submitted_at, seq.admitted_at));
       ev.queue_ms = seconds_between(seq.submitted_at, seq.admitted_at) * 1e3;
+      ev.cached_tokens = seq.cached_tokens;
     } else {
       itl_.observe(seconds_between(seq.last_token_at, now));
     }

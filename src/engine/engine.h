@@ -40,6 +40,9 @@ struct EngineOptions {
   // Threads that sample a step's non-greedy sequences when the step has >= 128k logits (each with its own sampler
   // and logits row, so the draws are the same for any count). 0: min(8, hardware threads).
   int sampling_threads = 0;
+  // Prefix cache over KV pages + state snapshots (SGLang's radix cache; --disable-radix-cache turns it off).
+  // Needs a runner that can copy state slots; otherwise it is off.
+  bool enable_prefix_cache = true;
 };
 
 enum class SubmitStatus { ok, queue_full, invalid, draining };

@@ -44,6 +44,15 @@ struct EngineMetricsSnapshot {
   // Finished sequences by FinishReason (stop, length, abort, error).
   uint64_t finished_stop = 0, finished_length = 0, finished_abort = 0, finished_error = 0;
   uint64_t rejected_queue_full = 0, rejected_too_long = 0;
+  // Paging and the prefix cache.
+  uint64_t preemptions_total = 0;                // running sequences retracted for pages (recomputed later)
+  bool prefix_cache_enabled = false;
+  int64_t kv_pages_cached = 0;                   // pages the prefix cache holds (shared or evictable)
+  int64_t state_snapshots_cached = 0;            // state slots holding cached snapshots
+  uint64_t prefix_cache_query_tokens_total = 0;  // prompt tokens looked up
+  uint64_t prefix_cache_hit_tokens_total = 0;    // of them, served from the cache
+  uint64_t prefix_cache_evicted_pages_total = 0;
+  uint64_t prefix_cache_evicted_snapshots_total = 0;
   Histogram::Snapshot time_to_first_token_s;
   Histogram::Snapshot inter_token_latency_s;
   Histogram::Snapshot e2e_latency_s;

@@ -51,6 +51,7 @@ struct TokenEvent {
   bool is_stop_token = false;
   // Filled on the first event: timing in the engine.
   double queue_ms = 0.0;
+  int64_t cached_tokens = 0;           // prompt tokens found in the prefix cache (not prefilled again)
 };
 
 }  // namespace kiln::engine

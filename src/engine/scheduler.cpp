@@ -6,15 +6,12 @@
 
 namespace kiln::engine {
 
-int64_t Sequence::reserved_tokens(int64_t context_length) const {
-  return std::min(prompt_len + request.max_tokens, context_length);
-}
-
 Scheduler::Scheduler(SchedulerOptions options)
     : opts_(options), pages_(options.kv_pages), slots_(options.state_slots) {
   KILN_CHECK(opts_.page_size > 0, "page_size {}", opts_.page_size);
   KILN_CHECK(opts_.max_running_requests > 0, "max_running_requests {}", opts_.max_running_requests);
   KILN_CHECK(opts_.max_queued_requests >= 0, "max_queued_requests {}", opts_.max_queued_requests);
+  if (opts_.prefix_cache) cache_ = std::make_unique<PrefixCache>(opts_.page_size, opts_.needs_state);
 }
 
 int64_t Scheduler::pages_for(int64_t prompt_len, int64_t max_tokens) const {
@@ -51,14 +48,80 @@ bool Scheduler::queue_has_room(int n) const {
 void Scheduler::enqueue(std::unique_ptr<Sequence> seq) {
   KILN_CHECK(seq && seq->prompt_len > 0 && static_cast<int64_t>(seq->tokens.size()) == seq->prompt_len,
              "enqueue: a fresh sequence with its prompt");
+  seq->prefill_target = seq->prompt_len;
   waiting_.push_back(std::move(seq));
 }
 
-void Scheduler::free_resources(Sequence& seq) {
-  if (!seq.pages.empty()) pages_.free(seq.pages);
+void Scheduler::give_back(std::vector<int32_t>& pages, std::vector<int32_t>& slots) {
+  pages_.free(pages);
+  slots_.free(slots);
+  pages.clear();
+  slots.clear();
+}
+
+void Scheduler::free_resources(Sequence& seq, bool cache) {
+  std::vector<int32_t> free_pages, free_slots;
+  const size_t shared = seq.cache_path.size();
+  size_t inserted = shared;  // pages [0, inserted) are the tree's after this
+  if (cache_ && cache) {
+    // Full pages up to the latest snapshot (models without state: every full page of computed KV).
+    int64_t upto = opts_.needs_state ? (seq.snap_slot >= 0 ? seq.snap_pos : 0) : seq.num_cached;
+    size_t n = static_cast<size_t>(std::min<int64_t>(upto, seq.num_cached) / opts_.page_size);
+    n = std::min(n, seq.pages.size());
+    if (n >= shared && n > 0) {
+      const bool supersedes = opts_.needs_state && seq.snap_slot >= 0 && n > shared && shared > 0;
+      cache_->insert(seq.tokens, std::span<const int32_t>(seq.pages.data(), n),
+                     opts_.needs_state ? seq.snap_slot : -1, free_pages, free_slots);
+      // The snapshot this sequence started from is superseded on its path by the one it handed in.
+      if (supersedes) cache_->demote_snapshot(seq.cache_path.back());
+      if (opts_.needs_state) seq.snap_slot = -1;
+      inserted = n;
+    }
+  }
+  for (size_t i = inserted; i < seq.pages.size(); ++i) free_pages.push_back(seq.pages[i]);
+  if (cache_) cache_->unlock(seq.cache_path);
+  seq.cache_path.clear();
   seq.pages.clear();
-  if (seq.state_slot >= 0) slots_.free({seq.state_slot});
+  if (seq.snap_slot >= 0) free_slots.push_back(seq.snap_slot);
+  seq.snap_slot = -1;
+  seq.snap_pos = 0;
+  if (seq.state_slot >= 0) free_slots.push_back(seq.state_slot);
   seq.state_slot = -1;
+  give_back(free_pages, free_slots);
+}
+
+bool Scheduler::take_slot(int& slot) {
+  std::vector<int32_t> got;
+  if (slots_.num_free() == 0 && cache_) {
+    std::vector<int32_t> freed;
+    cache_->evict_snapshots(1, freed);
+    slots_.free(freed);
+  }
+  if (!slots_.allocate(1, got)) return false;
+  slot = got[0];
+  return true;
+}
+
+bool Scheduler::grow_pages(Sequence& seq, int64_t tokens) {
+  const int64_t need = (tokens + opts_.page_size - 1) / opts_.page_size - static_cast<int64_t>(seq.pages.size());
+  if (need <= 0) return true;
+  if (pages_.num_free() < need && cache_) {
+    std::vector<int32_t> free_pages, free_slots;
+    cache_->evict_pages(need - pages_.num_free(), free_pages, free_slots);
+    give_back(free_pages, free_slots);
+  }
+  return pages_.allocate(need, seq.pages);
+}
+
+void Scheduler::preempt(size_t i) {
+  std::unique_ptr<Sequence> seq = std::move(running_[i]);
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+  free_resources(*seq, /*cache=*/true);
+  seq->num_cached = 0;
+  seq->prefill_target = static_cast<int64_t>(seq->tokens.size());
+  ++seq->preemptions;
+  ++counters_.preemptions;
+  waiting_.push_front(std::move(seq));
 }
 
 std::vector<std::unique_ptr<Sequence>> Scheduler::take_aborted() {
@@ -73,7 +136,7 @@ std::vector<std::unique_ptr<Sequence>> Scheduler::take_aborted() {
   }
   for (auto it = running_.begin(); it != running_.end();) {
     if ((*it)->abort_requested) {
-      free_resources(**it);
+      free_resources(**it, true);
       out.push_back(std::move(*it));
       it = running_.erase(it);
     } else {
@@ -83,43 +146,124 @@ std::vector<std::unique_ptr<Sequence>> Scheduler::take_aborted() {
   return out;
 }
 
-void Scheduler::admit(Clock::time_point now) {
+void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
+  const int64_t P = opts_.page_size;
+  int64_t pending = 0;  // pages the sequences admitted here take for their first chunks in this step
   while (!waiting_.empty() && num_running() < opts_.max_running_requests) {
     Sequence& seq = *waiting_.front();
-    int64_t need = pages_for(seq.prompt_len, seq.request.max_tokens);
-    if (slots_.num_free() == 0 || pages_.num_free() < need) break;  // head waits; no overtaking
-    std::vector<int32_t> slot;
-    KILN_CHECK(slots_.allocate(1, slot));
-    KILN_CHECK(pages_.allocate(need, seq.pages));
-    seq.state_slot = slot[0];
-    seq.num_cached = 0;
-    seq.admitted_at = now;
+    // Match first (the matched snapshot becomes the most recently used), then take a slot: evicting a snapshot
+    // if needed, at worst the matched one itself, whose slot then is the sequence's (the restore copies nothing).
+    PrefixCache::Match m;
+    if (cache_) {
+      m = cache_->match(seq.tokens, seq.prefill_target - 1);  // at least one token left to compute
+      cache_->lock(m.path);
+    }
+    int slot = -1;
+    if (!take_slot(slot)) {
+      if (cache_) cache_->unlock(m.path);
+      break;  // head waits; no overtaking
+    }
+    // Pages for the first chunk plus a page of headroom per running sequence, counting what the cache
+    // could give up.
+    int64_t first = seq.prefill_target - m.tokens;
+    if (opts_.chunked_prefill_size > 0) first = std::min(first, opts_.chunked_prefill_size);
+    const int64_t first_pages = (m.tokens + first + P - 1) / P - static_cast<int64_t>(m.path.size());
+    const int64_t need = first_pages + num_running() + pending;
+    const int64_t can = pages_.num_free() + (cache_ ? cache_->evictable_pages() : 0);
+    if (can < need && num_running() > 0) {
+      if (cache_) cache_->unlock(m.path);
+      slots_.free({slot});
+      break;
+    }
+    pending += first_pages;
+    seq.state_slot = slot;
+    seq.num_cached = m.tokens;
+    seq.cache_path = m.path;
+    for (PrefixCache::Node* n : m.path) seq.pages.push_back(n->page);
+    if (m.snapshot_slot >= 0 && m.snapshot_slot != slot) plan.restores.push_back({m.snapshot_slot, slot});
+    if (!seq.admitted_once) {
+      seq.admitted_once = true;
+      seq.cached_tokens = m.tokens;
+      seq.admitted_at = now;
+      counters_.cache_query_tokens += static_cast<uint64_t>(seq.prompt_len);
+      counters_.cache_hit_tokens += static_cast<uint64_t>(m.tokens);
+    }
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
 }
 
 StepPlan Scheduler::plan_step(Clock::time_point now) {
-  admit(now);
   StepPlan plan;
-  for (auto& s : running_) {
-    if (s->prefilling()) continue;
-    KILN_CHECK(s->num_cached + 1 == static_cast<int64_t>(s->tokens.size()),
-               "decoding sequence {} has {} cached of {} tokens", s->uid, s->num_cached, s->tokens.size());
-    plan.chunks.push_back({s.get(), s->num_cached, 1, true});
-    ++plan.num_decodes;
+  admit(now, plan);
+  // Running sequences that are all prefilling can fill the pool between them with none able to go on:
+  // then the newest is preempted until one can.
+  for (;;) {
+    plan_chunks(plan);
+    if (!plan.chunks.empty() || running_.size() <= 1) break;
+    preempt(running_.size() - 1);
   }
+  // A sequence admitted and preempted in this plan restores nothing.
+  std::erase_if(plan.restores, [&](const StateCopy& c) {
+    return std::none_of(running_.begin(), running_.end(), [&](const auto& r) { return r->state_slot == c.dst; });
+  });
+  return plan;
+}
+
+void Scheduler::plan_chunks(StepPlan& plan) {
+  const int64_t P = opts_.page_size;
+  const bool snapshots = cache_ && opts_.needs_state;
+  // A chunk that ends on a page boundary past the sequence's latest snapshot refreshes it (best effort).
+  auto plan_save = [&](Sequence& s, int64_t end) {
+    if (!snapshots || end % P != 0 || end <= s.snap_pos) return;
+    if (s.snap_slot < 0 && !take_slot(s.snap_slot)) {
+      s.snap_slot = -1;
+      return;
+    }
+    plan.saves.push_back({s.state_slot, s.snap_slot});
+    s.snap_pos = end;
+  };
+  // Decodes, oldest first; a sequence that needs a page and cannot get one preempts the newest.
+  for (size_t i = 0; i < running_.size();) {
+    Sequence& s = *running_[i];
+    if (s.prefilling()) {
+      ++i;
+      continue;
+    }
+    KILN_CHECK(s.num_cached + 1 == static_cast<int64_t>(s.tokens.size()),
+               "decoding sequence {} has {} cached of {} tokens", s.uid, s.num_cached, s.tokens.size());
+    if (!grow_pages(s, s.num_cached + 1)) {
+      preempt(running_.size() - 1);  // the newest (this one, when it is the newest)
+      continue;                      // retry i (or stop, when it was this one)
+    }
+    plan.chunks.push_back({&s, s.num_cached, 1, true});
+    ++plan.num_decodes;
+    plan_save(s, s.num_cached + 1);
+    ++i;
+  }
+  // Prefill chunks, oldest first, within the budget and the pages there are (they do not preempt).
   int64_t budget = opts_.chunked_prefill_size > 0 ? opts_.chunked_prefill_size : INT64_MAX;
-  for (auto& s : running_) {
+  for (auto& sp : running_) {
     if (budget <= 0) break;
-    if (!s->prefilling()) continue;
-    int64_t n = std::min(s->prompt_len - s->num_cached, budget);
-    bool last = s->num_cached + n == s->prompt_len;
-    plan.chunks.push_back({s.get(), s->num_cached, n, last});
+    Sequence& s = *sp;
+    if (!s.prefilling()) continue;
+    int64_t n = std::min(s.prefill_target - s.num_cached, budget);
+    // With snapshots, the prompt's last chunk stops at its last page boundary (so the state there is saved);
+    // the rest follows in the next step.
+    const int64_t aligned = s.prefill_target / P * P;
+    if (snapshots && s.num_cached + n == s.prefill_target && aligned > s.num_cached && aligned < s.prefill_target)
+      n = aligned - s.num_cached;
+    const int64_t have = static_cast<int64_t>(s.pages.size()) + pages_.num_free() +
+                         (cache_ ? cache_->evictable_pages() : 0);
+    n = std::min(n, have * P - s.num_cached);
+    if (n <= 0) continue;
+    KILN_CHECK(grow_pages(s, s.num_cached + n), "prefill pages for sequence {}", s.uid);
+    const bool last = s.num_cached + n == s.prefill_target;
+    plan.chunks.push_back({&s, s.num_cached, n, last});
     plan.num_prefill_tokens += n;
     budget -= n;
+    plan_save(s, s.num_cached + n);
   }
-  return plan;
 }
 
 void Scheduler::commit_step(const StepPlan& plan) {
@@ -129,19 +273,19 @@ void Scheduler::commit_step(const StepPlan& plan) {
   }
 }
 
-std::unique_ptr<Sequence> Scheduler::release(Sequence* seq) {
+std::unique_ptr<Sequence> Scheduler::release(Sequence* seq, bool cache) {
   auto it = std::find_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == seq; });
   KILN_CHECK(it != running_.end(), "release of a sequence that is not running");
   std::unique_ptr<Sequence> out = std::move(*it);
   running_.erase(it);
-  free_resources(*out);
+  free_resources(*out, cache);
   return out;
 }
 
 std::vector<std::unique_ptr<Sequence>> Scheduler::release_all() {
   std::vector<std::unique_ptr<Sequence>> out;
   for (auto& s : running_) {
-    free_resources(*s);
+    free_resources(*s, false);
     out.push_back(std::move(s));
   }
   running_.clear();

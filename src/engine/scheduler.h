@@ -4,16 +4,25 @@
 // Policy
 //  - Waiting queue: FIFO, bounded (max_queued_requests; beyond it the engine answers "queue full").
 //  - Admission, between steps, in arrival order: a sequence joins the running batch when a running
-//    place (max_running_requests), a recurrent-state slot and KV pages for its whole budget
-//    (prompt + max_tokens, capped at the context length) are free. Reserving the whole budget up
-//    front means a running sequence never runs out of pages, so nothing is ever preempted or
-//    recomputed; the price is that pages reserved for max_tokens the request never uses sit idle
-//    until it ends. The head of the queue blocks the ones behind it (no overtaking: no starvation).
+//    place (max_running_requests), a recurrent-state slot and KV pages for its first prompt chunk (plus
+//    one page of headroom per running sequence) are free or can be freed by evicting the prefix cache.
+//    The head of the queue blocks the ones behind it (no overtaking: no starvation).
+//  - Pages are allocated as a sequence grows, one page at a time, not reserved for max_tokens. When the
+//    pool runs out: the prefix cache is evicted first (LRU); then the newest running sequence is
+//    preempted: its pages and slot are freed (its KV and state handed to the prefix cache when it is on),
+//    and it goes back to the front of the queue to recompute prompt + tokens generated so far, then goes
+//    on generating (nothing already sent is sent again; greedy output does not change).
 //  - A sequence that can never fit (prompt + max_tokens over the context length, or more pages than
 //    the whole pool) is rejected before it is queued (check_fits) with the numbers.
 //  - Each step = one token for every running sequence that is decoding + prompt chunks for the
 //    sequences still prefilling, oldest first, up to chunked_prefill_size prompt tokens in all. Long
 //    prompts are thus prefilled over several steps while running decodes keep flowing.
+//  - Prefix cache (engine/prefix_cache.h, when on): at admission a sequence takes the longest cached
+//    prefix that ends at a state snapshot: its page table starts with the cached pages (shared, locked),
+//    the snapshot is copied into its own slot (StepPlan::restores) and only the rest is prefilled. Its
+//    state is snapshotted at page boundaries (StepPlan::saves; the last prompt chunk ends at the prompt's
+//    last page boundary for that); when it ends or is preempted its full pages up to its latest snapshot
+//    go to the tree.
 //  - A cancelled sequence (abort_requested) leaves at the next step and frees everything it held.
 #pragma once
 #include <chrono>
@@ -25,6 +34,7 @@
 #include <vector>
 
 #include "engine/kv_pool.h"
+#include "engine/prefix_cache.h"
 #include "engine/request.h"
 
 namespace kiln::engine {
@@ -39,6 +49,8 @@ struct SchedulerOptions {
   int64_t kv_pages = 0;
   int page_size = 16;
   int state_slots = 0;
+  bool prefix_cache = false;  // radix cache over KV pages + state snapshots
+  bool needs_state = true;    // the model has recurrent state: a cache hit needs a snapshot
 };
 
 using Clock = std::chrono::steady_clock;
@@ -53,8 +65,18 @@ struct Sequence {
   int64_t prompt_len = 0;
   int64_t num_cached = 0;                   // leading tokens whose KV / state the runner holds
   int64_t num_generated = 0;
-  std::vector<int32_t> pages;               // page table, covers the whole reserved budget
+  // Tokens to prefill before decoding: the prompt, or after a preemption every token so far.
+  int64_t prefill_target = 0;
+  std::vector<int32_t> pages;               // page table: the pages of [0, num_cached) and of this step
   int state_slot = -1;
+  // Prefix cache: the tree nodes whose pages lead the page table (locked while running), the slot with
+  // the state after snap_pos tokens (a page boundary), the prompt tokens found cached at first admission.
+  std::vector<PrefixCache::Node*> cache_path;
+  int snap_slot = -1;
+  int64_t snap_pos = 0;
+  int64_t cached_tokens = 0;
+  bool admitted_once = false;
+  int preemptions = 0;
   bool abort_requested = false;
   uint64_t seed = 0;
 
@@ -63,9 +85,13 @@ struct Sequence {
   Clock::time_point last_token_at{};
   bool has_first_token = false;
 
-  bool prefilling() const { return num_cached < prompt_len; }
-  // The budget this sequence reserves: prompt + max_tokens, capped at the context length.
-  int64_t reserved_tokens(int64_t context_length) const;
+  bool prefilling() const { return num_cached < prefill_target; }
+};
+
+// A state-slot copy the runner makes (ModelRunner::copy_state).
+struct StateCopy {
+  int src = -1;
+  int dst = -1;
 };
 
 // One sequence's share of a step: tokens [start_pos, start_pos + num_tokens) of seq->tokens.
@@ -77,7 +103,9 @@ struct PlannedChunk {
 };
 
 struct StepPlan {
+  std::vector<StateCopy> restores;   // before the forward, in order: cached snapshots into new sequences' slots
   std::vector<PlannedChunk> chunks;  // decodes first, then prefill chunks
+  std::vector<StateCopy> saves;      // after the forward: sequences' slots into their boundary snapshots
   int num_decodes = 0;
   int64_t num_prefill_tokens = 0;
   bool empty() const { return chunks.empty(); }
@@ -89,7 +117,7 @@ class Scheduler {
 
   const SchedulerOptions& options() const { return opts_; }
 
-  // Pages a sequence of this size reserves.
+  // Pages a sequence of this size needs at its longest.
   int64_t pages_for(int64_t prompt_len, int64_t max_tokens) const;
   // Empty if such a sequence can run once the engine is idle; otherwise why it never can (one line,
   // with the numbers).
@@ -105,8 +133,9 @@ class Scheduler {
   StepPlan plan_step(Clock::time_point now = Clock::now());
   // Records that the runner processed the planned chunks.
   void commit_step(const StepPlan& plan);
-  // Removes a running sequence (finished or failed), freeing its pages and slot.
-  std::unique_ptr<Sequence> release(Sequence* seq);
+  // Removes a running sequence (finished or failed), freeing its pages and slot. cache: hand its KV and
+  // state to the prefix cache (false after a failed step: its memory may be garbage).
+  std::unique_ptr<Sequence> release(Sequence* seq, bool cache = true);
   // Removes every sequence (shutdown, runner failure), freeing everything.
   std::vector<std::unique_ptr<Sequence>> release_all();
 
@@ -114,18 +143,38 @@ class Scheduler {
 
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int num_running() const { return static_cast<int>(running_.size()); }
-  int64_t kv_pages_used() const { return pages_.num_used(); }
+  // Pages / slots that running sequences hold (cached pages they share count; the rest of the cache not).
+  int64_t kv_pages_used() const { return pages_.num_used() - (cache_ ? cache_->evictable_pages() : 0); }
   int64_t kv_pages_total() const { return pages_.size(); }
-  int state_slots_used() const { return static_cast<int>(slots_.num_used()); }
+  int64_t kv_pages_free() const { return pages_.num_free(); }
+  int state_slots_used() const {
+    return static_cast<int>(slots_.num_used() - (cache_ ? cache_->num_snapshots() : 0));
+  }
   bool idle() const { return waiting_.empty() && running_.empty(); }
 
+  struct Counters {
+    uint64_t preemptions = 0;
+    uint64_t cache_query_tokens = 0;  // prompt tokens looked up at first admission
+    uint64_t cache_hit_tokens = 0;    // of them, found cached
+  };
+  const Counters& counters() const { return counters_; }
+  const PrefixCache* prefix_cache() const { return cache_.get(); }
+
  private:
-  void admit(Clock::time_point now);
-  void free_resources(Sequence& seq);
+  void admit(Clock::time_point now, StepPlan& plan);
+  void plan_chunks(StepPlan& plan);
+  void free_resources(Sequence& seq, bool cache);
+  // Gives seq pages up to `tokens` positions, evicting the cache if needed; false when they cannot be had.
+  bool grow_pages(Sequence& seq, int64_t tokens);
+  bool take_slot(int& slot);  // a free slot, evicting a cached snapshot if needed
+  void preempt(size_t running_index);
+  void give_back(std::vector<int32_t>& pages, std::vector<int32_t>& slots);
 
   SchedulerOptions opts_;
   IdPool pages_;
   IdPool slots_;
+  std::unique_ptr<PrefixCache> cache_;
+  Counters counters_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;  // admission order
 };

@@ -5,6 +5,10 @@
 
 namespace kiln::model {
 
+void ModelRunner::copy_state(int src_slot, int dst_slot) {
+  fail("this model runner cannot copy state slots ({} -> {})", src_slot, dst_slot);
+}
+
 void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
   int64_t rows = 0;
   for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;

@@ -61,6 +61,14 @@ class ModelRunner {
   virtual void forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
                               std::span<int32_t> tokens);
 
+  // Copies the recurrent / conv state of slot src into slot dst (every linear-attention layer), in order with the
+  // forward passes (the prefix cache snapshots a sequence's state and restores it into another's slot). Runners
+  // that cannot say false in can_copy_state(); the engine then serves without the prefix cache.
+  virtual bool can_copy_state() const { return false; }
+  virtual void copy_state(int src_slot, int dst_slot);
+  // Whether the model keeps per-sequence recurrent state (a cache hit then needs a state snapshot).
+  virtual bool has_recurrent_state() const { return true; }
+
   // Human-readable description for the startup summary (backend, kernels, memory plan).
   virtual std::string describe() const = 0;
 };

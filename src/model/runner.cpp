@@ -17,7 +17,7 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
     fail("KV cache dtype {} is not supported (BF16, F32 or F8_E4M3)", dtype_name(options_.kv_dtype));
   if (options_.page_size <= 0 || options_.state_slots <= 0 || options_.prefill_chunk <= 0)
     fail("runner options: page_size, state_slots and prefill_chunk must be positive");
-  if (options_.max_context <= 0) options_.max_context = std::min<int64_t>(c.max_position_embeddings, 8192);
+  if (options_.max_context <= 0) options_.max_context = c.max_position_embeddings;
   if (options_.kv_pages <= 0)
     options_.kv_pages = options_.state_slots * ((options_.max_context + options_.page_size - 1) / options_.page_size);
 
@@ -86,6 +86,16 @@ void Runner::reset_slot(int slot) {
   for (size_t i = 0; i < conv_state_.size(); ++i) {
     ops_->fill_zero(conv_state_[i].row(slot));
     ops_->fill_zero(recurrent_state_[i].row(slot));
+  }
+}
+
+void Runner::copy_state(int src_slot, int dst_slot) {
+  if (src_slot < 0 || src_slot >= options_.state_slots || dst_slot < 0 || dst_slot >= options_.state_slots)
+    fail("copy_state: slots {} -> {} outside [0, {})", src_slot, dst_slot, options_.state_slots);
+  if (src_slot == dst_slot) return;
+  for (size_t i = 0; i < conv_state_.size(); ++i) {  // F32 slots: Ops::copy runs on the backend's stream
+    ops_->copy(conv_state_[i].row(src_slot), conv_state_[i].row(dst_slot));
+    ops_->copy(recurrent_state_[i].row(src_slot), recurrent_state_[i].row(dst_slot));
   }
 }
 

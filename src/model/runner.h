@@ -19,7 +19,7 @@ namespace kiln::model {
 
 struct RunnerOptions {
   DType kv_dtype = DType::BF16;  // BF16 (default), F32 (exact reference checks) or F8_E4M3 (scaled)
-  int64_t max_context = 0;       // 0: min(max_position_embeddings, 8192)
+  int64_t max_context = 0;       // 0: max_position_embeddings
   int page_size = 16;
   int state_slots = 4;           // sequences alive at once
   int64_t kv_pages = 0;          // 0: state_slots * ceil(max_context / page_size)
@@ -44,6 +44,9 @@ class Runner : public ModelRunner {
   void forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
                       std::span<int32_t> tokens) override;
   std::string describe() const override;
+  bool can_copy_state() const override { return true; }
+  void copy_state(int src_slot, int dst_slot) override;
+  bool has_recurrent_state() const override { return !conv_state_.empty(); }
 
   const format::ModelConfig& config() const { return model_->config; }
   const LoadedModel& model() const { return *model_; }

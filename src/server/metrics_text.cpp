@@ -56,6 +56,23 @@ std::string render_metrics(const engine::EngineMetricsSnapshot& m, const HttpCou
   gauge("kiln:token_usage", "Fraction of KV cache token capacity in use (0..1; SGLang's name).", usage);
   gauge("kiln:state_slots_used", "Recurrent-state slots held by sequences.", m.state_slots_used);
   gauge("kiln:state_slots_total", "Recurrent-state slots.", m.state_slots_total);
+  gauge("kiln:kv_pages_cached", "KV cache pages the prefix cache holds.", static_cast<double>(m.kv_pages_cached));
+  gauge("kiln:state_snapshots_cached", "State slots holding prefix-cache snapshots.",
+        static_cast<double>(m.state_snapshots_cached));
+  counter("kiln:prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache.",
+          static_cast<double>(m.prefix_cache_query_tokens_total));
+  counter("kiln:prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
+          static_cast<double>(m.prefix_cache_hit_tokens_total));
+  gauge("kiln:cache_hit_rate", "Prefix cache hit tokens / query tokens so far (SGLang's name).",
+        m.prefix_cache_query_tokens_total > 0
+            ? static_cast<double>(m.prefix_cache_hit_tokens_total) / m.prefix_cache_query_tokens_total
+            : 0.0);
+  counter("kiln:prefix_cache_evicted_pages_total", "KV pages evicted from the prefix cache.",
+          static_cast<double>(m.prefix_cache_evicted_pages_total));
+  counter("kiln:prefix_cache_evicted_snapshots_total", "State snapshots evicted from the prefix cache.",
+          static_cast<double>(m.prefix_cache_evicted_snapshots_total));
+  counter("kiln:preemptions_total", "Running sequences retracted for KV pages (recomputed later).",
+          static_cast<double>(m.preemptions_total));
   counter("kiln:prompt_tokens_total", "Prompt tokens prefilled.", static_cast<double>(m.prompt_tokens_total));
   counter("kiln:generation_tokens_total", "Tokens generated.", static_cast<double>(m.generation_tokens_total));
   counter("kiln:forward_steps_total", "Model forward steps run.", static_cast<double>(m.steps_total));

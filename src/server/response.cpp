@@ -64,6 +64,7 @@ std::vector<ChoiceDelta> GenerationJob::absorb(const std::vector<engine::TokenEv
       got_first_token = true;
       first_token = Clock::now();
       queue_ms = ev.queue_ms;
+      cached_tokens = ev.cached_tokens;
     }
     ChoiceOutput& c = choices[ev.index];
     c.on_event(ev, deltas[ev.index]);
@@ -89,7 +90,7 @@ json GenerationJob::usage() const {
   json u = {{"prompt_tokens", prompt_tokens},
             {"completion_tokens", completion},
             {"total_tokens", prompt_tokens + completion},
-            {"prompt_tokens_details", {{"cached_tokens", 0}}}};
+            {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
   if (chat) u["completion_tokens_details"] = {{"reasoning_tokens", reasoning}};
   return u;
 }

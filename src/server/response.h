@@ -60,6 +60,7 @@ struct GenerationJob {
   Clock::time_point first_token{};
   bool got_first_token = false;
   double queue_ms = 0.0;
+  int64_t cached_tokens = 0;  // prompt tokens served from the prefix cache (first choice)
   ConnectionProbe probe;
   Clock::time_point last_probe = Clock::now();
   // Whether it is time to look at the client's socket again (a few times a second).

@@ -85,6 +85,28 @@ if "$KILN" bench --url "http://127.0.0.1:$PORT" "${BENCH[@]}" --endpoint chat --
 else
   fail "chat endpoint"; cat "$WORK/chat.txt"
 fi
+
+# 2b. Multi-turn: 2 conversations x 3 turns; every turn answered, TTFT no less than the fake's first-token delay,
+# the prompt (history + new message) longer every turn.
+if "$KILN" bench --url "http://127.0.0.1:$PORT" --input-len $INPUT --output-len $OUTPUT --no-progress --multi-turn 3 \
+     --conversations 2 --json "$WORK/multi.json" > "$WORK/multi.txt" 2>&1 &&
+   python3 - "$WORK/multi.json" "$FIRST_MS" "$INPUT" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+first_ms, input_len = float(sys.argv[2]), float(sys.argv[3])
+turns = r["per_turn"]
+assert r["passed"] and len(turns) == 3, r
+for t in turns:
+    assert t["completed"] == 2 and t["failed"] == 0, t
+    assert t["ttft_ms"]["min"] >= first_ms, t
+prompts = [t["mean_prompt_tokens"] for t in turns]
+assert prompts[0] >= input_len and prompts[0] < prompts[1] < prompts[2], prompts
+PY
+then
+  echo "ok: multi-turn 2 conversations x 3 turns"
+else
+  fail "multi-turn"; cat "$WORK/multi.txt"
+fi
 stop_fake
 
 # 3. A server that sends no usage: tokens are counted as streamed chunks, and the output says so.

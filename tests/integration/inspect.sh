@@ -43,12 +43,25 @@ if "$KILN" inspect --model-path "$ROOT/does-not-exist" 2>"$err"; then echo "FAIL
 grep -q "does not exist" "$err"
 if "$KILN" inspect --model-path "$CFG" --kv-cache-dtype int4 2>"$err"; then echo "FAIL: bad kv dtype accepted"; exit 1; fi
 grep -q "kv-cache-dtype 'int4' is not supported" "$err"
-# kiln serve's own plan on one GPU: the 35B-A3B shape with 64 requests of 8192 tokens takes a KV cache of
-# 64 x 8192 / 16 = 32768 pages (the budget holds more); the 397B does not fit one 141 GiB GPU.
+# kiln serve's own plan on one GPU: the 35B-A3B shape with 64 requests: everything the budget (141 GiB x 0.9)
+# leaves after weights, state slots and activations is KV cache (pages of 16 tokens x 20,480 bytes); the 397B
+# does not fit one 141 GiB GPU.
 out35=$("$KILN" inspect --model-path "$ROOT/configs/qwen3.5-35b-a3b-nvfp4" --gpu-mem-gib 141 --max-running-requests 64 \
   --context-length 8192)
 echo "$out35" | grep -q "kiln serve on one 141 GiB GPU (--max-running-requests 64" || { echo "FAIL: no serve plan"; exit 1; }
-echo "$out35" | grep -q "KV cache 10.00 GiB (32768 pages = 524288 tokens)" || { echo "FAIL: serve plan: $out35"; exit 1; }
+echo "$out35" | python3 -c '
+import re, sys
+t = sys.stdin.read()
+m = re.search(r"weights ([0-9.]+) GiB, KV cache ([0-9.]+) GiB \(([0-9]+) pages = ([0-9]+) tokens.*state slots ([0-9.]+) GiB \(64 slots.*activations ([0-9.]+) GiB", t)
+if not m: sys.exit("FAIL: serve plan: " + t)
+w, kv, pages, tokens, st, act = float(m[1]), float(m[2]), int(m[3]), int(m[4]), float(m[5]), float(m[6])
+budget = 141 * 0.9
+left = budget - w - st - act
+assert tokens == pages * 16, t
+assert abs(pages * 16 * 20480 / 2**30 - kv) < 0.01, t
+assert kv <= left + 0.01 and kv > left - 0.02, (kv, left, t)
+print("inspect serve plan: ok, KV", kv, "GiB of", round(left, 2), "left")
+' || exit 1
 "$KILN" inspect --model-path "$CFG" --gpu-mem-gib 141 | grep -q "does not fit: out of GPU memory" ||
   { echo "FAIL: the 397B on one GPU should not fit"; exit 1; }
 echo "inspect: all checks passed"

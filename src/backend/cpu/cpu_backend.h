@@ -13,10 +13,13 @@ namespace kiln::backend {
 struct CpuLoadOptions {
   DType kv_dtype = DType::BF16;  // KV cache: BF16 (default), F32, or F8_E4M3 (checkpoint k/v scales, else from
                                  // the first prompt chunk; logged either way)
-  int64_t max_context = 0;       // longest sequence; 0: min(max_position_embeddings, 8192)
-  int64_t kv_pages = 0;          // KV pool pages; 0: state_slots * ceil(max_context / page_size)
+  int64_t max_context = 0;       // longest sequence; 0: the model's max_position_embeddings
+  int64_t kv_pages = 0;          // KV pool pages; 0: CPU: state_slots * ceil(max_context / page_size); GPU: the
+                                 // memory the plan leaves (backend/device.h)
   int page_size = 16;            // tokens per KV page
-  int state_slots = 4;           // sequences alive at once (recurrent / conv state slots)
+  int state_slots = 4;           // recurrent / conv state slots; GPU: 0 lets the memory plan choose
+  int slots_per_request = 1;     // GPU plan: state slots per running request (3 with the prefix cache: its
+                                 // own, its boundary snapshot, one cached snapshot)
   int threads = 0;               // worker threads (0: KILN_THREADS or all cores); only before the pool starts
   int64_t prefill_chunk = 512;   // most tokens per forward pass
   DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // recurrent: token by token everywhere

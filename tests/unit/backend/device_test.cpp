@@ -77,8 +77,13 @@ TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {
   const MemoryPlan p = plan_device_memory(dir, o, 141.0 * GiB, 140.0 * GiB);
   // KV per token, from REFERENCE's 35B shape: 10 full-attention layers x (K, V) x 2 KV heads x 256 x 2 bytes.
   const double kv_per_token = 10 * 2 * 2 * 256 * 2;
-  EXPECT_EQ(p.kv_pages, 64 * (4096 / 16));  // capped at slots x context: the budget holds more
   EXPECT_DOUBLE_EQ(p.kv_bytes, p.kv_tokens * kv_per_token);
+  // All the budget leaves goes to KV pages: less than one page's bytes stays unused.
+  const double left = 141.0 * GiB * 0.9 - p.weight_bytes - p.state_bytes - p.activation_bytes;
+  EXPECT_LE(p.kv_bytes, left);
+  EXPECT_GT(p.kv_bytes, left - 16 * kv_per_token);
+  EXPECT_EQ(p.state_slots, 64);
+  EXPECT_EQ(p.context, 4096);
   EXPECT_GT(p.weight_bytes, 15.0 * GiB);
   EXPECT_LT(p.weight_bytes, 25.0 * GiB);
   // State per sequence: 30 linear layers x (32 heads x 128 x 128 fp32 + conv 8192 x 3 fp32).
@@ -92,6 +97,32 @@ TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {
   EXPECT_LT(q.kv_pages, 128 * (262144 / 16));
   EXPECT_GT(q.kv_bytes, 50.0 * GiB);
   EXPECT_LE(q.weight_bytes + q.kv_bytes + q.state_bytes + q.activation_bytes, 141.0 * GiB * 0.9 + 1);
+}
+
+TEST(MemoryPlan, StateSlotsAndContextComeFromThePlan) {
+  const format::ModelDir dir = format::ModelDir::open(kConfig35);
+  LoadOptions o;
+  o.state_slots = 0;  // the plan chooses
+  o.slots_per_request = 3;
+  const MemoryPlan p = plan_device_memory(dir, o, 141.0 * GiB, 0);
+  const double per_seq = 30 * (32.0 * 128 * 128 * 4 + 8192.0 * 3 * 4);
+  EXPECT_EQ(p.state_slots, 3 * p.max_running);
+  EXPECT_GE(p.max_running, 1);
+  EXPECT_LE(p.max_running, 256);
+  // The slots take at most a quarter of what weights and activations leave.
+  EXPECT_LE(p.state_bytes, (141.0 * GiB * 0.9 - p.weight_bytes) / 4);
+  EXPECT_DOUBLE_EQ(p.state_bytes, p.state_slots * per_seq);
+  EXPECT_EQ(p.context, 32768);  // the 35B config's max_position_embeddings (no 8192 cap)
+  EXPECT_GE(p.kv_tokens, 32768);
+  // A GPU whose KV cache holds about 16000 tokens, less than one 32768-token sequence: the context is capped to it.
+  o.state_slots = 8;
+  const MemoryPlan big = plan_device_memory(dir, o, 141.0 * GiB, 0);
+  const double kv_per_token = 10 * 2 * 2 * 256 * 2;
+  const double gpu = (big.weight_bytes + big.activation_bytes + big.state_bytes + 16000 * kv_per_token) / 0.9;
+  const MemoryPlan q = plan_device_memory(dir, o, gpu, 0);
+  EXPECT_LT(q.kv_tokens, 32768);
+  EXPECT_GT(q.kv_tokens, 15000);
+  EXPECT_EQ(q.context, q.kv_tokens);
 }
 
 TEST(MemoryPlan, TooSmallGpusAndTooLargeRequestsAreRefusedWithTheNumbers) {

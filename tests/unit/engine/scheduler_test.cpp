@@ -58,7 +58,7 @@ TEST(Scheduler, ChecksFitWithNumbers) {
   EXPECT_NE(no_pages.find("12 pages"), std::string::npos) << no_pages;
 }
 
-TEST(Scheduler, PagesCoverPromptPlusMaxTokensCappedAtContext) {
+TEST(Scheduler, PagesAtItsLongestCappedAtContext) {
   Scheduler s(small_options());
   EXPECT_EQ(s.pages_for(1, 1), 1);
   EXPECT_EQ(s.pages_for(3, 1), 1);
@@ -149,25 +149,127 @@ TEST(Scheduler, MaxRunningAndQueueBound) {
   EXPECT_EQ(s.num_waiting(), 0);
 }
 
-TEST(Scheduler, WaitsForPagesAndAdmitsInOrder) {
+TEST(Scheduler, PagesAreAllocatedAsSequencesGrow) {
   SchedulerOptions o = small_options();
-  o.kv_pages = 10;  // 40 tokens
   Scheduler s(o);
-  s.enqueue(make_seq(1, 10, 14));  // 6 pages
-  s.enqueue(make_seq(2, 10, 10));  // 5 pages: does not fit beside seq 1
+  s.enqueue(make_seq(1, 6, 14));  // needs 5 pages at its longest, holds 2 after its prompt
+  StepPlan p = s.plan_step();
+  EXPECT_EQ(s.kv_pages_used(), 2);
+  Sequence* q = p.chunks[0].seq;
+  s.commit_step(p);
+  fake_sample(p);  // 7 tokens, 6 cached
+  std::vector<int64_t> pages_at;
+  for (int i = 0; i < 6; ++i) {
+    StepPlan d = s.plan_step();  // decodes positions 6..11
+    pages_at.push_back(static_cast<int64_t>(q->pages.size()));
+    s.commit_step(d);
+    fake_sample(d);
+  }
+  // Position 6, 7 fit page 1; 8..11 need page 2.
+  EXPECT_EQ(pages_at, (std::vector<int64_t>{2, 2, 3, 3, 3, 3}));
+  s.release(q);
+  EXPECT_EQ(s.kv_pages_used(), 0);
+}
+
+TEST(Scheduler, AdmitsInOrderWhilePagesLast) {
+  SchedulerOptions o = small_options();
+  o.kv_pages = 4;
+  Scheduler s(o);
+  s.enqueue(make_seq(1, 10, 2));   // its first chunk (8 tokens): 2 pages
+  s.enqueue(make_seq(2, 10, 2));   // 2 more + 1 of headroom for seq 1: does not fit beside it
   s.enqueue(make_seq(3, 2, 2));    // 1 page: would fit, but may not overtake seq 2
   StepPlan p = s.plan_step();
   EXPECT_EQ(s.num_running(), 1);
-  EXPECT_EQ(s.kv_pages_used(), 6);
+  EXPECT_EQ(s.kv_pages_used(), 2);  // a chunk of 8 prompt tokens: 2 pages so far
   EXPECT_EQ(s.num_waiting(), 2);
   Sequence* first = p.chunks[0].seq;
   s.commit_step(p);
-  fake_sample(p);
   s.release(first);
   EXPECT_EQ(s.kv_pages_used(), 0);
   s.plan_step();
-  EXPECT_EQ(s.num_running(), 2);
-  EXPECT_EQ(s.kv_pages_used(), 6);
+  EXPECT_EQ(s.num_running(), 2);  // seq 2 and seq 3
+}
+
+TEST(Scheduler, PreemptsTheNewestAndRecomputesItsTokens) {
+  SchedulerOptions o = small_options();
+  o.kv_pages = 5;  // 20 tokens
+  o.chunked_prefill_size = 16;
+  Scheduler s(o);
+  s.enqueue(make_seq(1, 6, 9));
+  s.enqueue(make_seq(2, 6, 9));
+  StepPlan p = s.plan_step();  // both prompts: 2 pages each (+ 1 of headroom), 1 page left
+  ASSERT_EQ(p.chunks.size(), 2u);
+  Sequence* a = p.chunks[0].seq;
+  Sequence* b = p.chunks[1].seq;
+  s.commit_step(p);
+  fake_sample(p);
+  for (int i = 0; i < 2; ++i) {  // positions 6, 7: no page needed
+    StepPlan d = s.plan_step();
+    EXPECT_EQ(d.num_decodes, 2);
+    s.commit_step(d);
+    fake_sample(d);
+  }
+  // Position 8 needs a third page for each: seq 1 takes the last one, seq 2 (the newest) is preempted.
+  StepPlan d = s.plan_step();
+  ASSERT_EQ(d.chunks.size(), 1u);
+  EXPECT_EQ(d.chunks[0].seq, a);
+  EXPECT_EQ(s.counters().preemptions, 1u);
+  EXPECT_EQ(s.num_running(), 1);
+  EXPECT_EQ(s.num_waiting(), 1);
+  EXPECT_EQ(b->pages.size(), 0u);
+  EXPECT_EQ(b->state_slot, -1);
+  EXPECT_EQ(b->num_cached, 0);
+  EXPECT_EQ(b->num_generated, 3);  // what it generated stays
+  EXPECT_EQ(b->tokens.size(), 9u);
+  EXPECT_EQ(b->prefill_target, 9);  // recompute all 9 tokens, then go on from the logits of the last
+  s.commit_step(d);
+  fake_sample(d);
+  while (a->num_generated < 9) {
+    StepPlan e = s.plan_step();
+    for (auto& c : e.chunks) EXPECT_EQ(c.seq, a) << "seq 2 waits while seq 1 holds the pool";
+    s.commit_step(e);
+    fake_sample(e);
+  }
+  s.release(a);
+  StepPlan r = s.plan_step();
+  ASSERT_EQ(r.chunks.size(), 1u);
+  EXPECT_EQ(r.chunks[0].seq, b);
+  EXPECT_EQ(r.chunks[0].start_pos, 0);
+  EXPECT_EQ(r.chunks[0].num_tokens, 9);
+  EXPECT_TRUE(r.chunks[0].want_logits);
+  s.commit_step(r);
+  fake_sample(r);
+  EXPECT_EQ(b->num_generated, 4);
+  EXPECT_FALSE(b->prefilling());
+  s.release(b);
+  EXPECT_EQ(s.kv_pages_used(), 0);
+  EXPECT_EQ(s.state_slots_used(), 0);
+}
+
+TEST(Scheduler, PrefillingSequencesThatFillThePoolDoNotDeadlock) {
+  SchedulerOptions o = small_options();
+  o.kv_pages = 8;  // 32 tokens
+  o.chunked_prefill_size = 8;
+  Scheduler s(o);
+  s.enqueue(make_seq(1, 28, 2));
+  StepPlan p = s.plan_step();  // seq 1: 8 tokens
+  s.commit_step(p);
+  s.enqueue(make_seq(2, 28, 2));
+  int steps = 0;
+  std::vector<Sequence*> done;
+  while (!s.idle() && steps < 200) {
+    StepPlan q = s.plan_step();
+    ASSERT_FALSE(q.empty()) << "step " << steps;
+    s.commit_step(q);
+    fake_sample(q);
+    for (auto& c : q.chunks)
+      if (c.want_logits && c.seq->num_generated >= 2) done.push_back(c.seq);
+    for (Sequence* d : done) s.release(d);
+    done.clear();
+    ++steps;
+  }
+  EXPECT_TRUE(s.idle());
+  EXPECT_EQ(s.kv_pages_used(), 0);
 }
 
 TEST(Scheduler, StateSlotsLimitAdmission) {
@@ -183,22 +285,26 @@ TEST(Scheduler, StateSlotsLimitAdmission) {
 }
 
 TEST(Scheduler, DistinctPagesAndSlots) {
-  Scheduler s(small_options());
-  for (uint64_t i = 1; i <= 4; ++i) s.enqueue(make_seq(i, 6, 6));  // 3 pages each
+  SchedulerOptions o = small_options();
+  o.chunked_prefill_size = 0;
+  Scheduler s(o);
+  for (uint64_t i = 1; i <= 4; ++i) s.enqueue(make_seq(i, 6, 6));  // 2 pages each for the prompt
   StepPlan p = s.plan_step();
   std::vector<int> seen_pages(16, 0), seen_slots(4, 0);
   s.for_each_sequence([&](Sequence& q) {
-    EXPECT_EQ(q.pages.size(), 3u);
+    EXPECT_EQ(q.pages.size(), 2u);
     for (int32_t pg : q.pages) ++seen_pages.at(pg);
     ++seen_slots.at(q.state_slot);
   });
   for (int c : seen_pages) EXPECT_LE(c, 1);
   for (int c : seen_slots) EXPECT_EQ(c, 1);
-  EXPECT_EQ(s.kv_pages_used(), 12);
+  EXPECT_EQ(s.kv_pages_used(), 8);
 }
 
 TEST(Scheduler, AbortFreesEverything) {
-  Scheduler s(small_options());
+  SchedulerOptions o = small_options();
+  o.chunked_prefill_size = 0;
+  Scheduler s(o);
   s.enqueue(make_seq(1, 6, 6));
   s.enqueue(make_seq(2, 6, 6));
   s.enqueue(make_seq(3, 6, 6));
@@ -212,7 +318,7 @@ TEST(Scheduler, AbortFreesEverything) {
     EXPECT_EQ(a->state_slot, -1);
   }
   EXPECT_EQ(s.num_running(), 1);
-  EXPECT_EQ(s.kv_pages_used(), 3);
+  EXPECT_EQ(s.kv_pages_used(), 2);
   EXPECT_EQ(s.state_slots_used(), 1);
   auto rest = s.release_all();
   EXPECT_EQ(rest.size(), 1u);

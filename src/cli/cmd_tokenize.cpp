@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -119,10 +120,15 @@ int run_bench(const kiln::tok::Tokenizer& tokenizer, const TokenizeOptions& opts
 
 int run_tokenize(const TokenizeOptions& opts) {
   auto load_start = std::chrono::steady_clock::now();
-  const kiln::format::ModelDir dir = kiln::format::ModelDir::open_or_embedded(opts.model_path);
-  if (!dir.has("tokenizer.json")) kiln::fail("{} has no tokenizer.json", dir.display_path());
-  auto tokenizer = kiln::tok::Tokenizer::from_json(
-      dir.read_text("tokenizer.json"), dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "");
+  // A folder needs only tokenizer.json (no config.json); without one, the embedded model's tokenizer.
+  std::unique_ptr<kiln::tok::Tokenizer> tokenizer;
+  if (!opts.model_path.empty()) {
+    tokenizer = kiln::tok::Tokenizer::load_dir(opts.model_path);
+  } else {
+    const kiln::format::ModelDir dir = kiln::format::ModelDir::embedded();
+    tokenizer = kiln::tok::Tokenizer::from_json(
+        dir.read_text("tokenizer.json"), dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "");
+  }
   if (!opts.bench_file.empty()) {
     double load_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();

@@ -284,8 +284,8 @@ json GenerationJob::final_response() {
       choice["message"] = msg;
       choice["logprobs"] = fields.logprobs ? chat_logprobs(a.logprobs) : json(nullptr);
     } else {
-    const std::string& echo_text = echo_of(i);
-    std::string text = echo_text + a.content;
+      const std::string& echo_text = echo_of(i);
+      std::string text = echo_text + a.content;
       choice["text"] = text;
       int64_t offset = static_cast<int64_t>(echo_text.size());
       choice["logprobs"] = fields.logprobs ? completion_logprobs(a.logprobs, &offset) : json(nullptr);

@@ -99,14 +99,17 @@ int run_bench_engine(const BenchEngineOptions& o) {
   const int64_t pages_per_seq = (lo.max_context + cap.page_size - 1) / cap.page_size;
   if (pages_per_seq * max_batch > cap.kv_pages) fail("KV pool of {} pages cannot hold the batch", cap.kv_pages);
   std::printf("kiln bench-engine: %s | %s\n", dir.display_path().c_str(), runner->describe().c_str());
+  // CUDA graphs and device-side sampling exist on the GPU only; on the CPU backend the runner picks tokens itself.
+  const bool on_gpu = backend::resolve_device(o.device).device == "cuda";
+  const std::string where = on_gpu ? "on the device" : "in the CPU backend";
+  const std::string sampling =
+      o.host_sampling        ? std::string(on_gpu ? "host argmax over downloaded logits" : "host argmax over the logits")
+      : o.temperature > 0.0f ? fmt::format("temperature {} top-k {} top-p {} {}", o.temperature, o.top_k, o.top_p, where)
+                             : "argmax " + where;
   std::printf("input %lld, output %lld, kv %s, prefill chunk %lld, cuda graphs %s, sampling %s (load %.0f ms)\n",
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
-              static_cast<long long>(o.prefill_chunk), o.gpu.disable_cuda_graph ? "off" : "on",
-              o.host_sampling            ? "host argmax over downloaded logits"
-              : o.temperature > 0.0f     ? fmt::format("temperature {} top-k {} top-p {} on the device", o.temperature,
-                                                       o.top_k, o.top_p).c_str()
-                                         : "argmax on the device",
-              load_ms);
+              static_cast<long long>(o.prefill_chunk),
+              !on_gpu ? "n/a (cpu)" : o.gpu.disable_cuda_graph ? "off" : "on", sampling.c_str(), load_ms);
 
   for (const int B : batches) {
     std::mt19937_64 rng(o.seed);

@@ -28,7 +28,7 @@ struct GenerateOptions {
   std::string prompt;
   bool chat = false;
   bool no_think = false;
-  int64_t max_tokens = 128;
+  int64_t max_tokens = 1024;  // room for kiln-tiny's thinking on its own arithmetic before the answer
   float temperature = 0.0f;
   std::optional<uint64_t> seed;
   int threads = 0;
@@ -121,12 +121,15 @@ int run_generate(const GenerateOptions& o) {
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
+  // The text ends its line, and reaches the terminal before the stats line on stderr.
   std::printf("\n");
+  std::fflush(stdout);
   const double decode_s = seconds_since(t1);
   // Decode speed: the forward passes after the prefill (the first token comes from the prefill's logits).
   std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generated: %lld tokens%s, decode %.1f tok/s\n",
                prompt.size(), prompt.size() / std::max(prefill_s, 1e-9), static_cast<long long>(generated),
-               hit_eos ? " (eos)" : "", generated > 1 ? (generated - 1) / std::max(decode_s, 1e-9) : 0.0);
+               hit_eos ? " (eos)" : " (stopped at --max-tokens)",
+               generated > 1 ? (generated - 1) / std::max(decode_s, 1e-9) : 0.0);
   return 0;
 }
 
@@ -136,7 +139,7 @@ kiln::cli::Registrar reg{"generate", "Generate text from a prompt (CPU or CUDA e
   app.add_option("--prompt", o->prompt, "Prompt text")->required();
   app.add_flag("--chat", o->chat, "Apply the model's chat template (one user message)");
   app.add_flag("--no-think", o->no_think, "With --chat: enable_thinking=false");
-  app.add_option("--max-tokens", o->max_tokens, "Most tokens to generate (default 128)");
+  app.add_option("--max-tokens", o->max_tokens, "Most tokens to generate (default 1024)");
   app.add_option("--temperature", o->temperature, "Sampling temperature (default 0: greedy)");
   app.add_option("--seed", o->seed, "Sampling seed (default: random)");
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");

@@ -8,6 +8,7 @@
 
 #include "backend/device.h"
 #include "cli/command.h"
+#include "core/log.h"
 #include "core/error.h"
 #include "format/capacity.h"
 #include "format/model_config.h"
@@ -70,6 +71,10 @@ const char* kRoleOrder[] = {role::kRoutedExpert, role::kSharedExpert, role::kDen
 
 int run_inspect(const InspectOptions& o) {
   ModelDir dir = ModelDir::open_or_embedded(o.model_path);
+  // The router note below says what the weight map would log (once per process) while planning: keep the log
+  // quiet meanwhile so the note is printed once.
+  const LogLevel saved_level = log_level();
+  if (saved_level == LogLevel::info) set_log_level(LogLevel::warn);
   ModelConfig cfg = load_model_config(dir);
   QuantConfig quant = load_quant_config(dir);
 
@@ -90,6 +95,7 @@ int run_inspect(const InspectOptions& o) {
   }
   const std::vector<ExpectedTensor> tensors = expected_tensors(cfg, quant);
   const CapacityPlan p = plan_capacity(cfg, tensors, copt, ckpt.get());
+  set_log_level(saved_level);
 
   // Which scheme each kind of linear uses (first tensor of each role).
   std::map<std::string, std::set<std::string>> schemes_by_role;
@@ -226,8 +232,11 @@ int run_inspect(const InspectOptions& o) {
     line("  KV budget/GPU", fmt::format("{} = {} x {:g} - {} weights - {} reserve", gib(p.kv_budget_bytes),
                                         gib(p.gpu_bytes), o.mem_fraction_static, gib(p.weight_bytes_per_gpu),
                                         gib(p.activation_reserve_bytes)));
-    line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
-                                                : "0: weights + reserve exceed the budget; use more GPUs, more memory or a larger --mem-fraction-static");
+    // On one GPU the serve plan below says what kiln serve really allocates; the budget's token count is only
+    // shown where there is no such plan (tp > 1) or when nothing fits.
+    if (p.tp > 1 || p.max_kv_tokens <= 0)
+      line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
+                                                  : "0: weights + reserve exceed the budget; use more GPUs, more memory or a larger --mem-fraction-static");
   }
   for (const auto& n : notes) line("  note", n);
   if (o.gpu_mem_gib > 0 && p.tp == 1) {

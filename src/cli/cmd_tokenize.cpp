@@ -1,9 +1,10 @@
 // kiln tokenize: text <-> token ids with a model's tokenizer.
 //
-//   echo -n "Hello world" | kiln tokenize --model-path DIR            -> [9707,1879]
-//   echo "[9707,1879]" | kiln tokenize --model-path DIR --decode      -> Hello world
+//   echo -n "Hello world" | kiln tokenize [--model-path DIR]          -> [9707,1879]
+//   echo "[9707,1879]" | kiln tokenize --model-path DIR --decode      -> Hello world (and a newline)
 //   kiln tokenize --model-path DIR --jsonl < strings.jsonl            -> one id array per input line
 //   kiln tokenize --model-path DIR --bench FILE                       -> single-thread encode throughput
+// Without --model-path: the embedded model's tokenizer.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,11 +12,13 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "format/model_dir.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
@@ -30,7 +33,7 @@ struct TokenizeOptions {
   int bench_reps = 5;
 };
 
-std::vector<int32_t> parse_ids(const std::string& text, size_t line_number) {
+std::vector<int32_t> parse_ids(const std::string& text, size_t line_number, int64_t vocab_size) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -43,6 +46,9 @@ std::vector<int32_t> parse_ids(const std::string& text, size_t line_number) {
   for (const auto& v : j) {
     if (!v.is_number_integer())
       kiln::fail("--decode: token ids must be integers (input line {})", line_number);
+    if (v.get<int64_t>() < 0 || v.get<int64_t>() >= vocab_size)
+      kiln::fail("--decode: token id {} is outside this tokenizer's ids [0, {}) (input line {})", v.get<int64_t>(),
+                 vocab_size, line_number);
     ids.push_back(v.get<int32_t>());
   }
   return ids;
@@ -114,7 +120,15 @@ int run_bench(const kiln::tok::Tokenizer& tokenizer, const TokenizeOptions& opts
 
 int run_tokenize(const TokenizeOptions& opts) {
   auto load_start = std::chrono::steady_clock::now();
-  auto tokenizer = kiln::tok::Tokenizer::load_dir(opts.model_path);
+  // A folder needs only tokenizer.json (no config.json); without one, the embedded model's tokenizer.
+  std::unique_ptr<kiln::tok::Tokenizer> tokenizer;
+  if (!opts.model_path.empty()) {
+    tokenizer = kiln::tok::Tokenizer::load_dir(opts.model_path);
+  } else {
+    const kiln::format::ModelDir dir = kiln::format::ModelDir::embedded();
+    tokenizer = kiln::tok::Tokenizer::from_json(
+        dir.read_text("tokenizer.json"), dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "");
+  }
   if (!opts.bench_file.empty()) {
     double load_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
@@ -124,8 +138,9 @@ int run_tokenize(const TokenizeOptions& opts) {
   if (!opts.jsonl) {
     std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
     if (opts.decode) {
-      std::string text = tokenizer->decode(parse_ids(input, 1), opts.skip_special);
+      std::string text = tokenizer->decode(parse_ids(input, 1, tokenizer->vocab_size()), opts.skip_special);
       std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fputc('\n', stdout);
     } else {
       std::printf("%s\n", ids_json(tokenizer->encode(input, parse_special)).c_str());
     }
@@ -137,7 +152,7 @@ int run_tokenize(const TokenizeOptions& opts) {
   while (std::getline(std::cin, line)) {
     ++line_number;
     if (opts.decode) {
-      std::string text = tokenizer->decode(parse_ids(line, line_number), opts.skip_special);
+      std::string text = tokenizer->decode(parse_ids(line, line_number, tokenizer->vocab_size()), opts.skip_special);
       std::printf("%s\n", nlohmann::json(text).dump().c_str());
       continue;
     }
@@ -157,9 +172,8 @@ kiln::cli::Registrar reg{
     "tokenize", "Encode text from stdin to token ids (or decode ids with --decode)", [](CLI::App& app) {
       auto opts = std::make_shared<TokenizeOptions>();
       app.add_option("--model-path", opts->model_path,
-                     "Folder with tokenizer.json (and tokenizer_config.json)")
-          ->required();
-      app.add_flag("--decode", opts->decode, "Read a JSON array of ids and print the text");
+                     "Folder with tokenizer.json (and tokenizer_config.json); default: the embedded model");
+      app.add_flag("--decode", opts->decode, "Read a JSON array of ids and print the text (and a newline)");
       app.add_flag("--jsonl", opts->jsonl,
                    "One item per line: JSON strings in, id arrays out (or, with --decode, id arrays in, JSON "
                    "strings out)");

@@ -19,6 +19,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kiln: an inference server for Mixture-of-Experts language models (NVFP4, Qwen3.5 family)"};
   app.set_version_flag("--version", "kiln 0.1.0");
   app.require_subcommand(1);
+  // Options of the top level (--log-level) may also follow the subcommand: kiln serve --log-level debug.
+  app.fallthrough();
   std::string log_level;
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error or off (default info; env KILN_LOG)");
 

@@ -5,7 +5,8 @@
 namespace kiln::engine {
 
 RequestChannel::RequestChannel(int num_sequences)
-    : num_sequences_(num_sequences), finished_(num_sequences, false), seq_cancelled_(num_sequences, false) {
+    : num_sequences_(num_sequences), finished_(num_sequences, false), seq_cancelled_(num_sequences, false),
+      seq_stopped_(num_sequences, false) {
   KILN_CHECK(num_sequences >= 1, "a channel needs at least one sequence, got {}", num_sequences);
 }
 
@@ -44,9 +45,17 @@ bool RequestChannel::has_events() const {
 
 void RequestChannel::cancel() { cancelled_.store(true, std::memory_order_release); }
 
-void RequestChannel::cancel_sequence(int index) {
+void RequestChannel::cancel_sequence(int index, bool as_stop) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (index >= 0 && index < num_sequences_) seq_cancelled_[index] = true;
+  if (index >= 0 && index < num_sequences_) {
+    seq_cancelled_[index] = true;
+    if (as_stop) seq_stopped_[index] = true;
+  }
+}
+
+bool RequestChannel::sequence_stopped(int index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return index >= 0 && index < num_sequences_ && seq_stopped_[index];
 }
 
 bool RequestChannel::sequence_cancelled(int index) const {

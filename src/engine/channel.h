@@ -37,9 +37,11 @@ class RequestChannel {
   // answers with a final event (finish_reason abort) for each sequence still alive.
   void cancel();
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
-  // Stops one sequence of an n > 1 submission.
-  void cancel_sequence(int index);
+  // Stops one sequence of an n > 1 submission. as_stop: the client ended it on a stop string, so it counts as
+  // finished with reason stop (else abort).
+  void cancel_sequence(int index, bool as_stop = false);
   bool sequence_cancelled(int index) const;
+  bool sequence_stopped(int index) const;
 
  private:
   const int num_sequences_;
@@ -48,6 +50,7 @@ class RequestChannel {
   std::deque<TokenEvent> events_;
   std::vector<bool> finished_;       // [num_sequences]
   std::vector<bool> seq_cancelled_;  // [num_sequences]
+  std::vector<bool> seq_stopped_;    // [num_sequences]: cancelled as a stop
   int num_finished_ = 0;
   std::atomic<bool> cancelled_{false};
 };

@@ -132,8 +132,9 @@ SubmitResult Engine::submit(std::vector<GenerateRequest> sequences) {
     if (queued + static_cast<int64_t>(sequences.size()) - free_running > opts_.max_queued_requests) {
       rejected_queue_full_.fetch_add(1);
       result.status = SubmitStatus::queue_full;
-      result.message = fmt::format("the request queue is full ({} waiting, limit {}); retry later", queued,
-                                   opts_.max_queued_requests);
+      // Of the queued sequences, those that take a free running place at the next step are not waiting.
+      result.message = fmt::format("the request queue is full ({} waiting, limit {}); retry later",
+                                   std::max<int64_t>(0, queued - free_running), opts_.max_queued_requests);
       return result;
     }
     for (size_t i = 0; i < sequences.size(); ++i) {
@@ -254,7 +255,9 @@ void Engine::loop() {
     scheduler_.for_each_sequence([&](Sequence& s) {
       if (abort_all || (s.channel && s.channel->sequence_cancelled(s.index))) s.abort_requested = true;
     });
-    for (auto& s : scheduler_.take_aborted()) finish(*s, FinishReason::abort);
+    // A sequence its client stopped (a stop string matched) finishes as stop, any other as abort.
+    for (auto& s : scheduler_.take_aborted())
+      finish(*s, s->channel && s->channel->sequence_stopped(s->index) ? FinishReason::stop : FinishReason::abort);
     if (stopping) {
       publish_gauges();
       flush_outbox();
@@ -314,7 +317,7 @@ void Engine::run_step(const StepPlan& plan) {
     if (!c.want_logits) continue;
     const SamplingParams& sp = c.seq->request.sampling;
     const bool plain = sp.repetition_penalty == 1.0f && sp.presence_penalty == 0.0f && sp.frequency_penalty == 0.0f &&
-                       !c.seq->request.want_logprobs;
+                       sp.logit_bias.empty() && !c.seq->request.want_logprobs;
     all_greedy = all_greedy && sp.temperature < 1e-6f && plain;
     runner_samples = runner_samples && plain;
   }

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln::engine {
@@ -16,6 +17,7 @@ struct SamplingParams {
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
   std::optional<uint64_t> seed;  // same seed, same output
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, bias) added to the raw logits (OpenAI)
 };
 
 enum class FinishReason { none, stop, length, abort, error };

@@ -54,6 +54,10 @@ SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const in
   KILN_CHECK(V > 0, "empty logits");
   float* l = logits.data();
 
+  // 0. logit bias (OpenAI: added to the model's logits before anything else)
+  for (const auto& [t, bias] : params_.logit_bias)
+    if (t >= 0 && t < V) l[t] += bias;
+
   // 1. penalties
   if (params_.repetition_penalty != 1.0f) {
     std::vector<bool> seen(V, false);

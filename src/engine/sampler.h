@@ -1,6 +1,7 @@
 // Per-request token sampling over one step's fp32 logits.
 //
 // Order of operations (HF / vLLM conventions):
+//   0. logit_bias added to the raw logits (OpenAI);
 //   1. penalties on the raw logits: repetition_penalty over prompt + generated ids (HF / vLLM: a positive
 //      logit is divided by the penalty, a negative one multiplied); frequency_penalty * count and
 //      presence_penalty * [count > 0] subtracted over generated ids only (OpenAI semantics);

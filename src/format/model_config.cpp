@@ -6,6 +6,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/log.h"
 
 namespace kiln::format {
 namespace {
@@ -24,6 +25,30 @@ constexpr ArchInfo kArchs[] = {
     {Arch::qwen3_moe, "qwen3_moe", nullptr},
     {Arch::qwen3, "qwen3", nullptr},
 };
+
+// The transformers class names of each family (config.json "architectures").
+bool architecture_matches(Arch arch, const std::string& name) {
+  switch (arch) {
+    case Arch::qwen3_5_moe:
+      return name == "Qwen3_5MoeForConditionalGeneration" || name == "Qwen3_5MoeForCausalLM";
+    case Arch::qwen3_5: return name == "Qwen3_5ForConditionalGeneration" || name == "Qwen3_5ForCausalLM";
+    case Arch::qwen3_next: return name == "Qwen3NextForCausalLM";
+    case Arch::qwen3_moe: return name == "Qwen3MoeForCausalLM";
+    case Arch::qwen3: return name == "Qwen3ForCausalLM";
+  }
+  return false;
+}
+
+std::string architectures_of(Arch arch) {
+  switch (arch) {
+    case Arch::qwen3_5_moe: return "Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM";
+    case Arch::qwen3_5: return "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM";
+    case Arch::qwen3_next: return "Qwen3NextForCausalLM";
+    case Arch::qwen3_moe: return "Qwen3MoeForCausalLM";
+    case Arch::qwen3: return "Qwen3ForCausalLM";
+  }
+  return "";
+}
 
 std::string supported_list() {
   std::string s;
@@ -176,6 +201,11 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
 
   if (auto ar = top.find("architectures"); ar != top.end() && ar->is_array() && !ar->empty() && (*ar)[0].is_string())
     c.architecture = (*ar)[0].get<std::string>();
+  if (!c.architecture.empty() && !architecture_matches(c.arch, c.architecture))
+    c.warnings.push_back(fmt::format(
+        "{}: architectures[0] is '{}' but model_type is '{}' (whose architectures are {}); kiln loads it as "
+        "{} by model_type: check that the checkpoint really is that family",
+        source, c.architecture, c.model_type, architectures_of(c.arch), c.model_type));
 
   // Settings live under text_config for the VL families; a text-only checkpoint has them at top level.
   const json* settings = &top;
@@ -366,7 +396,9 @@ ModelConfig load_model_config(const ModelDir& dir) {
   std::string gen;
   if (dir.has("generation_config.json")) gen = dir.read_text("generation_config.json");
   if (!dir.has("config.json")) fail("{}: no config.json", dir.display_path());
-  return parse_model_config(dir.read_text("config.json"), gen, source);
+  ModelConfig c = parse_model_config(dir.read_text("config.json"), gen, source);
+  for (const auto& w : c.warnings) KILN_LOG_WARN("{}", w);
+  return c;
 }
 
 }  // namespace kiln::format

@@ -28,6 +28,9 @@ struct ModelConfig {
   Arch arch = Arch::qwen3;
   std::string model_type;    // as written at the top level of config.json ("qwen3_5_moe")
   std::string architecture;  // architectures[0] ("Qwen3_5MoeForConditionalGeneration"), may be empty
+  // Things config.json says that kiln does not act on but the user should know (architectures naming
+  // another family than model_type). load_model_config logs them as warnings.
+  std::vector<std::string> warnings;
   bool has_vision_config = false;  // a vision_config block is present (VL checkpoint)
 
   int64_t hidden_size = 0;

@@ -8,7 +8,7 @@ ChoiceOutput::ChoiceOutput(const tok::Tokenizer& tokenizer, ChoiceOptions option
       decoder_(tokenizer, opts_.skip_special_tokens),
       stops_(opts_.stop) {
   if (opts_.parse_reasoning) reasoning_.emplace(opts_.start_in_reasoning);
-  if (opts_.parse_tool_calls) tools_.emplace(opts_.tools);
+  if (opts_.parse_tool_calls) tools_.emplace(opts_.tools, opts_.max_tool_calls);
 }
 
 bool ChoiceOutput::take_cancel_request() {

@@ -21,7 +21,8 @@ struct ChoiceOptions {
   bool parse_reasoning = false;     // split reasoning_content from content
   bool start_in_reasoning = false;  // the prompt ends inside a think block
   bool parse_tool_calls = false;
-  nlohmann::json tools;             // the request's tools (schemas for value conversion)
+  nlohmann::json tools;             // the request's tools (schemas for value conversion; calls of others are dropped)
+  int max_tool_calls = -1;          // parallel_tool_calls false: 1 (later calls are dropped); -1: no limit
   bool want_logprobs = false;
 };
 
@@ -60,6 +61,8 @@ class ChoiceOutput {
   int64_t completion_tokens() const { return completion_tokens_; }
   int64_t reasoning_tokens() const { return reasoning_tokens_; }
   int num_tool_calls() const { return tools_ ? tools_->num_calls() : 0; }
+  // Tool calls the parser dropped (unknown function, over max_tool_calls): their names.
+  std::vector<std::string> dropped_tool_calls() const { return tools_ ? tools_->dropped() : std::vector<std::string>{}; }
 
  private:
   void feed(std::string_view text, ChoiceDelta& delta);

@@ -1,16 +1,26 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <mutex>
+#include <regex>
+#include <thread>
 
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/engine.h"
 #include "server/api_error.h"
+#include "server/header_gate.h"
 #include "server/metrics_text.h"
 #include "server/protocol.h"
 #include "server/response.h"
@@ -47,15 +57,175 @@ const char* status_reason(int status) {
 
 }  // namespace
 
-// cpp-httplib listens with a backlog of 5 (a compile-time constant of the system library): a burst of
-// clients would see dropped or reset connections. This subclass reaches the listening socket to
-// raise it.
+// A connection as httplib's request processing reads it: a read buffer (its line reader asks for one byte at a
+// time), the server's read and write timeouts.
+class SocketStream : public httplib::Stream {
+ public:
+  SocketStream(socket_t sock, int read_timeout_s, int write_timeout_s)
+      : sock_(sock), read_ms_(read_timeout_s * 1000), write_ms_(write_timeout_s * 1000) {}
+
+  bool is_readable() const override { return off_ < len_ || ready(POLLIN, read_ms_); }
+  bool is_writable() const override { return ready(POLLOUT, write_ms_); }
+
+  ssize_t read(char* ptr, size_t size) override {
+    if (off_ >= len_) {
+      if (!ready(POLLIN, read_ms_)) return -1;
+      ssize_t n;
+      do n = ::recv(sock_, buf_, sizeof(buf_), 0);
+      while (n < 0 && errno == EINTR);
+      if (n <= 0) return n;
+      off_ = 0;
+      len_ = static_cast<size_t>(n);
+    }
+    size_t n = std::min(size, len_ - off_);
+    std::memcpy(ptr, buf_ + off_, n);
+    off_ += n;
+    return static_cast<ssize_t>(n);
+  }
+
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!ready(POLLOUT, write_ms_)) return -1;
+    ssize_t n;
+    do n = ::send(sock_, ptr, size, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n;
+  }
+
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { address(true, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { address(false, ip, port); }
+  socket_t socket() const override { return sock_; }
+
+ private:
+  bool ready(short events, int timeout_ms) const {
+    pollfd p{sock_, events, 0};
+    int r;
+    do r = ::poll(&p, 1, timeout_ms);
+    while (r < 0 && errno == EINTR);
+    return r > 0 && (p.revents & (events | POLLHUP)) != 0 && !(p.revents & (POLLERR | POLLNVAL));
+  }
+  void address(bool remote, std::string& ip, int& port) const {
+    sockaddr_storage a{};
+    socklen_t len = sizeof(a);
+    int r = remote ? getpeername(sock_, reinterpret_cast<sockaddr*>(&a), &len)
+                   : getsockname(sock_, reinterpret_cast<sockaddr*>(&a), &len);
+    if (r != 0) return;
+    char host[NI_MAXHOST] = "";
+    if (getnameinfo(reinterpret_cast<sockaddr*>(&a), len, host, sizeof(host), nullptr, 0, NI_NUMERICHOST) == 0)
+      ip = host;
+    if (a.ss_family == AF_INET) port = ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+    else if (a.ss_family == AF_INET6) port = ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port);
+  }
+
+  socket_t sock_;
+  int read_ms_, write_ms_;
+  char buf_[4096];
+  size_t off_ = 0, len_ = 0;
+};
+
+// The httplib server with two changes. (1) The listen backlog is raised (the library's is 5, a compile-time
+// constant: a burst of clients would see dropped or reset connections). (2) A new connection waits for its
+// request headers in the HeaderGate, not in a worker of the pool: slow or silent clients cannot hold the
+// workers that real requests need. Once the headers are there, a worker serves the connection (keep-alive
+// included) as httplib would, through httplib's own request processing.
 class ListeningServer : public httplib::Server {
  public:
+  ListeningServer() = default;
+  ~ListeningServer() override { stop_gate(); }
+
   void raise_backlog(int backlog) {
     socket_t fd = svr_sock_;
     if (fd != INVALID_SOCKET) ::listen(fd, backlog);
   }
+
+  void configure(const ServerOptions& o) {
+    read_timeout_s_ = o.read_timeout_s;
+    write_timeout_s_ = o.write_timeout_s;
+    keep_alive_timeout_s_ = o.keep_alive_timeout_s;
+    HeaderGateOptions g;
+    g.timeout_ms = o.header_timeout_ms;
+    g.max_waiting = o.max_waiting_connections;
+    gate_ = std::make_unique<HeaderGate>(g, [this](int fd) { dispatch(fd); });
+    const int threads = o.http_threads > 0 ? o.http_threads : 64;
+    // A fixed pool: each connection being served (an SSE stream included) holds one worker while it is open.
+    new_task_queue = [this, threads] { return new Pool(*this, static_cast<size_t>(threads)); };
+  }
+
+  void stop_gate() {
+    if (gate_) gate_->stop();
+  }
+
+ private:
+  // The pool of workers; it tells the server while it can take connections.
+  class Pool : public httplib::ThreadPool {
+   public:
+    Pool(ListeningServer& s, size_t n) : httplib::ThreadPool(n), server_(s) {
+      std::lock_guard<std::mutex> lock(server_.pool_mu_);
+      server_.pool_ = this;
+    }
+    void shutdown() override {
+      {
+        std::lock_guard<std::mutex> lock(server_.pool_mu_);
+        server_.pool_ = nullptr;
+      }
+      httplib::ThreadPool::shutdown();
+    }
+
+   private:
+    ListeningServer& server_;
+  };
+
+  // Headers complete: a worker takes the connection.
+  void dispatch(int fd) {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    if (!pool_) {
+      ::close(fd);
+      return;
+    }
+    pool_->enqueue([this, fd] { serve(fd); });
+  }
+
+  // httplib's accept loop hands every new connection here (on a worker): into the gate.
+  bool process_and_close_socket(socket_t sock) override {
+    gate_->admit(sock);
+    return true;
+  }
+
+  // What httplib does with a connection: requests while the client keeps it alive and the server runs.
+  bool serve(socket_t sock) {
+    bool ok = false;
+    for (size_t count = keep_alive_max_count_; svr_sock_ != INVALID_SOCKET && count > 0 && next_request(sock);
+         --count) {
+      SocketStream strm(sock, read_timeout_s_, write_timeout_s_);
+      bool connection_closed = false;
+      ok = process_request(strm, /*close_connection=*/count == 1, connection_closed, nullptr);
+      if (!ok || connection_closed) break;
+    }
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+    return ok;
+  }
+
+  // Waits (up to the keep-alive timeout) for the next request's bytes; false when none come or the peer left.
+  bool next_request(socket_t sock) const {
+    const auto deadline = Clock::now() + std::chrono::seconds(keep_alive_timeout_s_);
+    while (svr_sock_ != INVALID_SOCKET) {
+      pollfd p{sock, POLLIN, 0};
+      int r = ::poll(&p, 1, 50);
+      if (r < 0 && errno != EINTR) return false;
+      if (r > 0) {
+        if (p.revents & (POLLERR | POLLNVAL)) return false;
+        char c;
+        return ::recv(sock, &c, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+      }
+      if (Clock::now() >= deadline) return false;
+    }
+    return false;
+  }
+
+  int read_timeout_s_ = 30, write_timeout_s_ = 60, keep_alive_timeout_s_ = 5;
+  std::unique_ptr<HeaderGate> gate_;
+  std::mutex pool_mu_;
+  httplib::ThreadPool* pool_ = nullptr;
 };
 
 struct HttpServer::Impl {
@@ -72,6 +242,7 @@ struct HttpServer::Impl {
   std::mutex stats_mu;
   HttpCounts http_counts;
   std::atomic<int> active_jobs{0};
+  std::vector<std::pair<std::regex, std::string>> routes;  // (path pattern, method), for 405 answers
 
   explicit Impl(ServerOptions o) : opts(std::move(o)) {}
 
@@ -126,54 +297,71 @@ struct HttpServer::Impl {
 
   // --- generation ---
 
-  std::vector<engine::GenerateRequest> make_requests(const std::string& id, const std::vector<int32_t>& prompt,
-                                                     const GenerationFields& f, int64_t max_tokens) const {
+  // n sequences per prompt, in order (choice index = prompt index x n + j, as OpenAI numbers them).
+  std::vector<engine::GenerateRequest> make_requests(const std::string& id,
+                                                     const std::vector<std::vector<int32_t>>& prompts,
+                                                     const GenerationFields& f,
+                                                     const std::vector<int64_t>& max_tokens) const {
     std::vector<engine::GenerateRequest> reqs;
-    for (int i = 0; i < f.n; ++i) {
-      engine::GenerateRequest r;
-      r.id = f.n > 1 ? id + "-" + std::to_string(i) : id;
-      r.prompt = prompt;
-      r.sampling = f.sampling;
-      if (r.sampling.seed && i > 0) r.sampling.seed = *r.sampling.seed + static_cast<uint64_t>(i);
-      r.max_tokens = max_tokens;
-      r.ignore_eos = f.ignore_eos;
-      r.stop_token_ids = f.stop_token_ids;
-      r.want_logprobs = f.logprobs;
-      r.top_logprobs = f.top_logprobs;
-      reqs.push_back(std::move(r));
-    }
+    const bool several = prompts.size() * static_cast<size_t>(f.n) > 1;
+    for (size_t p = 0; p < prompts.size(); ++p)
+      for (int j = 0; j < f.n; ++j) {
+        const size_t i = reqs.size();
+        engine::GenerateRequest r;
+        r.id = several ? id + "-" + std::to_string(i) : id;
+        r.prompt = prompts[p];
+        r.sampling = f.sampling;
+        if (r.sampling.seed && i > 0) r.sampling.seed = *r.sampling.seed + static_cast<uint64_t>(i);
+        r.max_tokens = max_tokens[p];
+        r.ignore_eos = f.ignore_eos;
+        r.stop_token_ids = f.stop_token_ids;
+        r.want_logprobs = f.logprobs;
+        r.top_logprobs = f.top_logprobs;
+        reqs.push_back(std::move(r));
+      }
     return reqs;
   }
 
   void run_generation(const httplib::Request& req, httplib::Response& res, std::shared_ptr<GenerationJob> job,
-                      const std::vector<int32_t>& prompt, const ChoiceOptions& choice_opts, const char* prompt_param) {
+                      const std::vector<std::vector<int32_t>>& prompts, const ChoiceOptions& choice_opts,
+                      const char* prompt_param) {
     engine::Engine& eng = *model.engine;
     const GenerationFields& f = job->fields;
-    int64_t prompt_len = static_cast<int64_t>(prompt.size());
-    int64_t context = eng.context_length();
-    if (prompt_len == 0) throw bad_param(prompt_param, "the prompt is empty");
-    if (prompt_len >= context)
-      throw ApiError(400,
-                     fmt::format("the prompt has {} tokens, but the context length is {} tokens; shorten it",
-                                 prompt_len, context),
-                     prompt_param, "context_length_exceeded");
-    int64_t max_tokens = f.max_tokens.value_or(context - prompt_len);
-    if (std::string why = eng.check_fits(prompt_len, max_tokens); !why.empty())
-      throw ApiError(400, why, f.max_tokens ? "max_tokens" : prompt_param, "context_length_exceeded");
+    const int64_t context = eng.context_length();
+    std::vector<int64_t> max_tokens;
+    int64_t prompt_total = 0;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      const std::string param = prompts.size() > 1 ? std::string(prompt_param) + "[" + std::to_string(p) + "]"
+                                                   : std::string(prompt_param);
+      const int64_t prompt_len = static_cast<int64_t>(prompts[p].size());
+      if (prompt_len == 0) throw bad_param(param, "the prompt is empty");
+      if (prompt_len >= context)
+        throw ApiError(400,
+                       fmt::format("the prompt{} has {} tokens, but the context length is {} tokens; shorten it",
+                                   prompts.size() > 1 ? " " + param : "", prompt_len, context),
+                       param, "context_length_exceeded");
+      max_tokens.push_back(f.max_tokens.value_or(context - prompt_len));
+      if (std::string why = eng.check_fits(prompt_len, max_tokens.back()); !why.empty())
+        throw ApiError(400, why, f.max_tokens ? "max_tokens" : param, "context_length_exceeded");
+      prompt_total += prompt_len;  // usage counts each prompt once, whatever n is
+    }
+    const size_t num_choices = prompts.size() * static_cast<size_t>(f.n);
 
-    job->prompt_tokens = prompt_len;
+    job->prompt_tokens = prompt_total;
     job->tokenizer = model.tokenizer;
-    for (int i = 0; i < f.n; ++i) job->choices.emplace_back(*model.tokenizer, choice_opts);
-    job->acc.resize(static_cast<size_t>(f.n));
+    for (size_t i = 0; i < num_choices; ++i) job->choices.emplace_back(*model.tokenizer, choice_opts);
+    job->acc.resize(num_choices);
     job->probe = ConnectionProbe(req.remote_addr, req.remote_port, req.local_port);
 
-    engine::SubmitResult sr = eng.submit(make_requests(job->id, prompt, f, max_tokens));
+    engine::SubmitResult sr = eng.submit(make_requests(job->id, prompts, f, max_tokens));
     switch (sr.status) {
       case engine::SubmitStatus::ok: break;
       case engine::SubmitStatus::queue_full: throw ApiError(503, sr.message, "", "queue_full");
       case engine::SubmitStatus::draining: throw ApiError(503, sr.message, "", "shutting_down");
       case engine::SubmitStatus::invalid: throw ApiError(400, sr.message, prompt_param, "invalid_request");
     }
+    // From here on the job writes its own request-log line (the rejection logger skips answers with this id).
+    res.set_header("X-Request-Id", job->id);
     job->channel = sr.channel;
 
     if (f.stream) {
@@ -281,9 +469,11 @@ struct HttpServer::Impl {
     co.start_in_reasoning = tmpl::ChatTemplate::prompt_ends_inside_think(prompt_text);
     co.parse_tool_calls = tools_on && !cr.tools.is_null() && !cr.tool_choice_none;
     if (co.parse_tool_calls) co.tools = json::parse(cr.tools.dump());
+    co.max_tool_calls = cr.parallel_tool_calls ? -1 : 1;
     co.want_logprobs = cr.logprobs;
     auto job = new_job(true, "/v1/chat/completions", cr);
-    run_generation(req, res, job, prompt, co, "messages");
+    job->stream_reasoning = cr.stream_reasoning;
+    run_generation(req, res, job, {prompt}, co, "messages");
   }
 
   void handle_completion(const httplib::Request& req, httplib::Response& res) {
@@ -291,22 +481,26 @@ struct HttpServer::Impl {
     CompletionRequest cr = parse_completion_request(req.body, limits);
     check_model_name(cr.model);
     if (cr.echo && cr.logprobs) throw bad_param("echo", "'echo' together with 'logprobs' is not supported");
-    std::vector<int32_t> prompt;
-    std::string echo_text;
-    if (auto* text = std::get_if<std::string>(&cr.prompt)) {
-      prompt = model.tokenizer->encode(*text, /*parse_special=*/true);
-      echo_text = *text;
-    } else {
-      prompt = std::get<std::vector<int32_t>>(cr.prompt);
-      if (cr.echo) echo_text = model.tokenizer->decode(prompt, false);
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<std::string> echo_texts;  // per choice
+    for (const auto& p : cr.prompts) {
+      std::string echo_text;
+      if (auto* text = std::get_if<std::string>(&p)) {
+        prompts.push_back(model.tokenizer->encode(*text, /*parse_special=*/true));
+        echo_text = *text;
+      } else {
+        prompts.push_back(std::get<std::vector<int32_t>>(p));
+        if (cr.echo) echo_text = model.tokenizer->decode(prompts.back(), false);
+      }
+      if (cr.echo) echo_texts.insert(echo_texts.end(), static_cast<size_t>(cr.n), echo_text);
     }
     ChoiceOptions co;
     co.stop = cr.stop;
     co.skip_special_tokens = cr.skip_special_tokens;
     co.want_logprobs = cr.logprobs;
     auto job = new_job(false, "/v1/completions", cr);
-    if (cr.echo) job->echo_text = echo_text;
-    run_generation(req, res, job, prompt, co, "prompt");
+    job->echo_texts = std::move(echo_texts);
+    run_generation(req, res, job, prompts, co, "prompt");
   }
 
   // --- operational endpoints ---
@@ -316,8 +510,13 @@ struct HttpServer::Impl {
     res.set_content("", "text/plain");
   }
 
+  // As SGLang's: healthy as soon as the engine finishes a step after the check began, whether the step served
+  // this check's own one-token generation or other requests, so a busy server (a full batch, a queue) answers
+  // at once instead of after its queue. 503 when the engine makes no step for 20 s or the generation fails.
   void handle_health_generate(const httplib::Request&, httplib::Response& res) {
     require_generation();
+    engine::Engine& eng = *model.engine;
+    const uint64_t steps_before = eng.metrics().steps_total;
     engine::GenerateRequest r;
     r.id = "health-" + random_hex(8);
     r.prompt = model.tokenizer->encode("ping", false);
@@ -325,25 +524,32 @@ struct HttpServer::Impl {
     r.max_tokens = 1;
     r.ignore_eos = true;
     r.sampling.temperature = 0.0f;
-    engine::SubmitResult sr = model.engine->submit({r});
-    if (sr.status != engine::SubmitStatus::ok) throw ApiError(503, "health generation not accepted: " + sr.message);
-    auto deadline = Clock::now() + std::chrono::seconds(60);
+    engine::SubmitResult sr = eng.submit({r});
+    if (sr.status == engine::SubmitStatus::draining) throw ApiError(503, "the server is shutting down", "", "shutting_down");
+    if (sr.status == engine::SubmitStatus::invalid) throw ApiError(503, "health generation not accepted: " + sr.message);
+    // queue_full: the queue is busy, not the engine; its steps answer.
+    std::shared_ptr<engine::RequestChannel> channel = sr.status == engine::SubmitStatus::ok ? sr.channel : nullptr;
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
     std::vector<engine::TokenEvent> events;
     bool ok = false;
-    while (Clock::now() < deadline) {
-      sr.channel->wait(events, kWaitSlice);
-      for (const auto& ev : events)
-        if (ev.finished) {
-          if (ev.finish_reason == engine::FinishReason::error)
-            throw ApiError(503, "health generation failed: " + ev.error);
-          ok = true;
-        }
-      if (ok) break;
+    std::string failure;
+    while (!ok && failure.empty() && Clock::now() < deadline) {
+      if (channel) {
+        events.clear();
+        channel->wait(events, std::chrono::milliseconds(20));
+        for (const auto& ev : events)
+          if (ev.finished) {
+            if (ev.finish_reason == engine::FinishReason::error) failure = ev.error;
+            else ok = true;
+          }
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (failure.empty() && eng.metrics().steps_total > steps_before) ok = true;
     }
-    if (!ok) {
-      sr.channel->cancel();
-      throw ApiError(503, "health generation did not finish within 60 s");
-    }
+    if (channel) channel->cancel();  // done with it: the engine drops it if it has not run yet
+    if (!failure.empty()) throw ApiError(503, "health generation failed: " + failure);
+    if (!ok) throw ApiError(503, "the engine made no step within 20 s");
     res.status = 200;
     res.set_content("", "text/plain");
   }
@@ -493,11 +699,7 @@ struct HttpServer::Impl {
   // --- wiring ---
 
   void setup() {
-    // A fixed pool: each connection (an SSE stream included) holds one thread while it is open.
-    svr.new_task_queue = [this] {
-      int n = opts.http_threads > 0 ? opts.http_threads : 64;
-      return new httplib::ThreadPool(static_cast<size_t>(n));
-    };
+    svr.configure(opts);
     svr.set_payload_max_length(opts.max_request_bytes);
     svr.set_read_timeout(opts.read_timeout_s, 0);
     svr.set_write_timeout(opts.write_timeout_s, 0);
@@ -531,8 +733,20 @@ struct HttpServer::Impl {
     svr.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;  // a handler already wrote its answer
       std::string msg;
-      if (res.status == 404)
-        msg = "no route for " + req.method + " " + req.path;
+      if (res.status == 404) {
+        // A path that exists under another method: 405 with the methods it takes.
+        std::string allowed;
+        for (const auto& [pattern, method] : routes)
+          if (method != req.method && std::regex_match(req.path, pattern) && allowed.find(method) == std::string::npos)
+            allowed += (allowed.empty() ? "" : ", ") + method;
+        if (!allowed.empty()) {
+          res.status = 405;
+          res.set_header("Allow", allowed);
+          msg = "method " + req.method + " is not allowed on " + req.path + " (use " + allowed + ")";
+        } else {
+          msg = "no route for " + req.method + " " + req.path;
+        }
+      }
       else if (res.status == 413)
         msg = "the request body is larger than the limit of " + std::to_string(opts.max_request_bytes) + " bytes";
       else
@@ -562,14 +776,26 @@ struct HttpServer::Impl {
       for (const char* k : known)
         if (req.path == k) endpoint = k;
       if (req.path.rfind("/v1/models/", 0) == 0) endpoint = "/v1/models/{id}";
+      // Rejected requests enter the request log too; generations log their own line (they carry X-Request-Id).
+      if (res.status >= 400 && !res.has_header("X-Request-Id")) {
+        std::string message;
+        auto body = json::parse(res.body, nullptr, /*allow_exceptions=*/false);
+        if (body.is_object() && body.contains("error") && body["error"].is_object() &&
+            body["error"].contains("message") && body["error"]["message"].is_string())
+          message = body["error"]["message"].get<std::string>();
+        KILN_LOG_INFO("request rejected method={} path={} remote={}:{} status={} error={}", req.method, req.path,
+                      req.remote_addr, req.remote_port, res.status, dump_json(message));
+      }
       std::lock_guard<std::mutex> lock(stats_mu);
       ++http_counts.requests[{endpoint, res.status}];
     });
 
     auto bind_get = [this](const char* path, void (Impl::*fn)(const httplib::Request&, httplib::Response&)) {
+      routes.emplace_back(std::regex(path), "GET");
       svr.Get(path, wrap([this, fn](const httplib::Request& q, httplib::Response& r) { (this->*fn)(q, r); }));
     };
     auto bind_post = [this](const char* path, void (Impl::*fn)(const httplib::Request&, httplib::Response&)) {
+      routes.emplace_back(std::regex(path), "POST");
       svr.Post(path, wrap([this, fn](const httplib::Request& q, httplib::Response& r) { (this->*fn)(q, r); }));
     };
     bind_get("/health", &Impl::handle_health);
@@ -620,7 +846,10 @@ int HttpServer::port() const { return impl_->bound_port; }
 
 void HttpServer::run() { impl_->svr.listen_after_bind(); }
 
-void HttpServer::stop() { impl_->svr.stop(); }
+void HttpServer::stop() {
+  impl_->svr.stop();
+  impl_->svr.stop_gate();
+}
 
 void HttpServer::attach(const ModelContext& model) {
   Impl& s = *impl_;

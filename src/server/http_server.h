@@ -37,6 +37,8 @@ struct ServerOptions {
   int read_timeout_s = 30;
   int write_timeout_s = 60;
   int keep_alive_timeout_s = 5;
+  int header_timeout_ms = 10000;      // a new connection's request headers must arrive within this (else 408)
+  int max_waiting_connections = 1024;  // connections waiting for their headers; beyond, the oldest is closed
   int retry_after_s = 1;  // Retry-After of 503 answers
 
   // Model facts for /get_model_info and /v1/models.

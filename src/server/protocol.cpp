@@ -1,9 +1,14 @@
 #include "server/protocol.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <fmt/format.h>
 #include <limits>
 
 #include "server/api_error.h"
+#include "tokenizer/utf8.h"
 
 namespace kiln::server {
 
@@ -91,7 +96,54 @@ class Fields {
   const ojson& obj_;
 };
 
+// The request fields kiln implements. Any other field with a value is a 400 naming it: a client must not
+// believe a setting took effect when it did not. (null counts as absent, as everywhere.)
+constexpr std::string_view kCommonFields[] = {
+    "model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "max_tokens", "max_completion_tokens", "n", "stop", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "stream", "stream_options", "logprobs", "logit_bias",
+    "user",  // an end-user id for the provider's records: nothing to act on
+};
+constexpr std::string_view kChatFields[] = {
+    "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "separate_reasoning", "stream_reasoning", "add_generation_prompt", "chat_template_kwargs",
+};
+constexpr std::string_view kCompletionFields[] = {"prompt", "echo", "suffix", "best_of"};
+
+void reject_unknown_fields(const ojson& body, bool is_chat) {
+  for (const auto& [key, value] : body.items()) {
+    if (value.is_null()) continue;
+    auto known = [&](const auto& list) { return std::find(std::begin(list), std::end(list), key) != std::end(list); };
+    if (known(kCommonFields) || (is_chat ? known(kChatFields) : known(kCompletionFields))) continue;
+    throw ApiError(400,
+                   "'" + key + "' is not supported by kiln's " + (is_chat ? "/v1/chat/completions" : "/v1/completions") +
+                       " (it would have no effect); remove it from the request",
+                   key, "unsupported_parameter");
+  }
+}
+
+// logit_bias: {"token id": bias in [-100, 100]} (OpenAI), added to the model's logits before sampling.
+std::vector<std::pair<int32_t, float>> parse_logit_bias(const ojson& v, int64_t vocab_size) {
+  if (!v.is_object())
+    throw bad_param("logit_bias", "'logit_bias' must be an object mapping token ids to a bias, e.g. {\"42\": -100}");
+  std::vector<std::pair<int32_t, float>> out;
+  for (const auto& [key, bias] : v.items()) {
+    char* end = nullptr;
+    errno = 0;
+    long long id = std::strtoll(key.c_str(), &end, 10);
+    if (key.empty() || *end != '\0' || errno != 0 || id < 0 || id >= vocab_size)
+      throw bad_param("logit_bias", "'logit_bias' keys must be token ids in [0, " + std::to_string(vocab_size) +
+                                        "), got '" + key + "'");
+    if (!bias.is_number() || !std::isfinite(bias.get<double>()) || bias.get<double>() < -100.0 ||
+        bias.get<double>() > 100.0)
+      throw bad_param("logit_bias", "'logit_bias' values must be numbers from -100 to 100 (token " + key + ")");
+    out.emplace_back(static_cast<int32_t>(id), static_cast<float>(bias.get<double>()));
+  }
+  return out;
+}
+
 void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bool is_chat, GenerationFields& out) {
+  reject_unknown_fields(body, is_chat);
   Fields f(body);
   out.model = f.string("model");
   engine::SamplingParams& s = out.sampling;
@@ -103,6 +155,7 @@ void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bo
   if (auto v = f.number("presence_penalty", -2.0, 2.0)) s.presence_penalty = static_cast<float>(*v);
   if (auto v = f.number("frequency_penalty", -2.0, 2.0)) s.frequency_penalty = static_cast<float>(*v);
   if (auto v = f.number("repetition_penalty", 0.0, 2.0, /*lo_open=*/true)) s.repetition_penalty = static_cast<float>(*v);
+  if (const ojson* lb = f.get("logit_bias")) s.logit_bias = parse_logit_bias(*lb, limits.vocab_size);
   if (const ojson* seed = f.get("seed")) {
     if (!seed->is_number_integer()) throw bad_param("seed", Fields::fmt_msg("seed", "must be an integer", *seed));
     s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : static_cast<uint64_t>(seed->get<int64_t>());
@@ -275,8 +328,26 @@ void validate_tools(const ojson& body, ChatRequest& out) {
 }  // namespace
 
 ojson parse_json_object(std::string_view body) {
-  ojson j = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) throw ApiError(400, "the request body is not valid JSON", "", "invalid_json");
+  for (size_t i = 0; i < body.size();) {
+    size_t n = tok::utf8::valid_sequence_length(body, i);
+    if (n == 0)
+      throw ApiError(400,
+                     fmt::format("the request body is not valid UTF-8: byte 0x{:02X} at offset {} does not start or "
+                                 "continue a UTF-8 sequence; send JSON text encoded as UTF-8",
+                                 static_cast<unsigned char>(body[i]), i),
+                     "", "invalid_json");
+    i += n;
+  }
+  ojson j;
+  try {
+    j = ojson::parse(body);
+  } catch (const ojson::parse_error& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 9: ...": keep the part after
+    // the tag, which says where and why.
+    std::string what = e.what();
+    if (size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
+    throw ApiError(400, "the request body is not valid JSON: " + what, "", "invalid_json");
+  }
   if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_json");
   return j;
 }
@@ -289,6 +360,8 @@ ChatRequest parse_chat_request(std::string_view body_text, const ProtocolLimits&
   validate_tools(body, r);
   Fields f(body);
   r.separate_reasoning = f.boolean("separate_reasoning").value_or(true);
+  r.stream_reasoning = f.boolean("stream_reasoning").value_or(true);
+  r.parallel_tool_calls = f.boolean("parallel_tool_calls").value_or(true);
   if (const ojson* rf = f.get("response_format")) {
     if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
       throw bad_param("response_format", "'response_format' must be an object with a 'type'");
@@ -317,24 +390,39 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Pro
   CompletionRequest r;
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) throw bad_param("prompt", "'prompt' is required");
-  const ojson* p = &*it;
-  // A list of one prompt is the same as the prompt.
-  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
-  if (p->is_string()) {
-    if (p->get<std::string>().empty()) throw bad_param("prompt", "'prompt' must not be empty");
-    r.prompt = p->get<std::string>();
-  } else if (p->is_array()) {
-    if (p->empty()) throw bad_param("prompt", "'prompt' must not be empty");
+  const ojson& p = *it;
+  auto token_ids = [&](const ojson& list, const std::string& where) {
+    if (list.empty()) throw bad_param("prompt", "'" + where + "' must not be empty");
     std::vector<int32_t> ids;
-    for (const auto& x : *p) {
-      if (x.is_string()) throw bad_param("prompt", "batched prompts (a list of several) are not supported; send one per request");
+    for (const auto& x : list) {
       if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= limits.vocab_size)
-        throw bad_param("prompt", "'prompt' token ids must be integers in [0, " + std::to_string(limits.vocab_size) + ")");
+        throw bad_param("prompt", "'" + where + "' token ids must be integers in [0, " +
+                                      std::to_string(limits.vocab_size) + ")");
       ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
     }
-    r.prompt = std::move(ids);
+    return ids;
+  };
+  auto text = [&](const ojson& s, const std::string& where) {
+    if (s.get<std::string>().empty()) throw bad_param("prompt", "'" + where + "' must not be empty");
+    return s.get<std::string>();
+  };
+  // A string, a list of token ids, or a list of prompts (strings or lists of token ids): one per choice group.
+  if (p.is_string()) {
+    r.prompts.push_back(text(p, "prompt"));
+  } else if (p.is_array() && !p.empty() && (p[0].is_string() || p[0].is_array())) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      std::string where = "prompt[" + std::to_string(i) + "]";
+      if (p[i].is_string()) r.prompts.push_back(text(p[i], where));
+      else if (p[i].is_array()) r.prompts.push_back(token_ids(p[i], where));
+      else
+        throw bad_param("prompt", "'" + where + "' must be a string or a list of token ids, got " +
+                                      json_type_name(p[i]) + " (a list of prompts holds prompts only)");
+    }
+  } else if (p.is_array()) {
+    r.prompts.push_back(token_ids(p, "prompt"));
   } else {
-    throw bad_param("prompt", "'prompt' must be a string or a list of token ids, got " + json_type_name(*p));
+    throw bad_param("prompt", "'prompt' must be a string, a list of token ids or a list of prompts, got " +
+                                  json_type_name(p));
   }
   parse_generation_fields(body, limits, /*is_chat=*/false, r);
   Fields f(body);
@@ -343,6 +431,9 @@ CompletionRequest parse_completion_request(std::string_view body_text, const Pro
     throw bad_param("suffix", "'suffix' is not supported");
   if (auto best_of = f.integer("best_of", 1, limits.max_n); best_of && *best_of != r.n)
     throw bad_param("best_of", "'best_of' is not supported (other than equal to n)");
+  if (static_cast<int64_t>(r.prompts.size()) * r.n > limits.max_n)
+    throw bad_param("prompt", fmt::format("{} prompts x n {} = {} choices; at most {} per request", r.prompts.size(), r.n,
+                                          static_cast<int64_t>(r.prompts.size()) * r.n, limits.max_n));
   return r;
 }
 

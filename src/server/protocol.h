@@ -43,12 +43,17 @@ struct ChatRequest : GenerationFields {
   ojson template_input;  // messages (text parts joined), tools, chat_template_kwargs, add_generation_prompt
   ojson tools;           // null when none
   bool tool_choice_none = false;
+  bool parallel_tool_calls = true;  // false: at most one tool call per choice (later ones are dropped)
   bool separate_reasoning = true;
+  bool stream_reasoning = true;     // false: streamed reasoning_content comes in one piece when it ends
   std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking
 };
 
+// One prompt of a completion request: text, or token ids.
+using CompletionPrompt = std::variant<std::string, std::vector<int32_t>>;
+
 struct CompletionRequest : GenerationFields {
-  std::variant<std::string, std::vector<int32_t>> prompt;
+  std::vector<CompletionPrompt> prompts;  // a list of prompts gives n choices per prompt, in order
   bool echo = false;
 };
 
@@ -56,7 +61,7 @@ struct CompletionRequest : GenerationFields {
 ChatRequest parse_chat_request(std::string_view body, const ProtocolLimits& limits);
 CompletionRequest parse_completion_request(std::string_view body, const ProtocolLimits& limits);
 
-// Parses a JSON body that must be an object (400 otherwise).
+// Parses a JSON body that must be an object (400 otherwise, saying where UTF-8 or JSON goes wrong).
 ojson parse_json_object(std::string_view body);
 
 }  // namespace kiln::server

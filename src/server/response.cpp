@@ -68,7 +68,7 @@ std::vector<ChoiceDelta> GenerationJob::absorb(const std::vector<engine::TokenEv
     }
     ChoiceOutput& c = choices[ev.index];
     c.on_event(ev, deltas[ev.index]);
-    if (c.take_cancel_request()) channel->cancel_sequence(ev.index);
+    if (c.take_cancel_request()) channel->cancel_sequence(ev.index, /*as_stop=*/true);
   }
   for (size_t i = 0; i < deltas.size(); ++i) {
     Accum& a = acc[i];
@@ -188,9 +188,9 @@ std::string GenerationJob::stream_prologue() {
   for (int i = 0; i < static_cast<int>(choices.size()); ++i) {
     if (chat) {
       out += chat_chunk(i, json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr, false);
-    } else if (!echo_text.empty()) {
-      acc[i].text_offset = static_cast<int64_t>(echo_text.size());
-      out += completion_chunk(i, echo_text, nullptr, nullptr);
+    } else if (!echo_of(i).empty()) {
+      acc[i].text_offset = static_cast<int64_t>(echo_of(i).size());
+      out += completion_chunk(i, echo_of(i), nullptr, nullptr);
     }
   }
   return out;
@@ -203,6 +203,13 @@ std::string GenerationJob::stream_events(std::vector<ChoiceDelta>& deltas) {
     ChoiceOutput& c = choices[i];
     Accum& a = acc[i];
     if (chat) {
+      if (!stream_reasoning) {
+        // Reasoning is held until it ends: the answer (or a tool call) starts, or the choice finishes.
+        a.held_reasoning += d.reasoning;
+        d.reasoning.clear();
+        if (!a.held_reasoning.empty() && (!d.content.empty() || !d.tool_calls.empty() || c.finished()))
+          d.reasoning.swap(a.held_reasoning);
+      }
       if (!d.reasoning.empty()) out += chat_chunk(i, json{{"reasoning_content", d.reasoning}}, nullptr, nullptr, true);
       if (!d.content.empty()) out += chat_chunk(i, json{{"content", d.content}}, nullptr, nullptr, true);
       if (!d.tool_calls.empty()) {
@@ -278,6 +285,7 @@ json GenerationJob::final_response() {
       choice["message"] = msg;
       choice["logprobs"] = fields.logprobs ? chat_logprobs(a.logprobs) : json(nullptr);
     } else {
+      const std::string& echo_text = echo_of(i);
       std::string text = echo_text + a.content;
       choice["text"] = text;
       int64_t offset = static_cast<int64_t>(echo_text.size());
@@ -303,6 +311,11 @@ void GenerationJob::accumulate_text(const std::vector<ChoiceDelta>& deltas) {
   }
 }
 
+const std::string& GenerationJob::echo_of(size_t choice) const {
+  static const std::string kNone;
+  return choice < echo_texts.size() ? echo_texts[choice] : kNone;
+}
+
 std::string GenerationJob::finish_summary() const {
   std::string s;
   for (const auto& c : choices) {
@@ -313,13 +326,21 @@ std::string GenerationJob::finish_summary() const {
   return s;
 }
 
+// " dropped_tool_calls=a,b" when the tool-call parser dropped calls (unknown function, parallel_tool_calls false).
+std::string GenerationJob::dropped_tool_calls() const {
+  std::string names;
+  for (const auto& c : choices)
+    for (const auto& n : c.dropped_tool_calls()) names += (names.empty() ? "" : ",") + n;
+  return names.empty() ? "" : " dropped_tool_calls=" + names;
+}
+
 void GenerationJob::log_line() const {
   auto now = Clock::now();
   KILN_LOG_INFO(
       "request id={} endpoint={} status={} stream={} n={} prompt_tokens={} output_tokens={} ttft_ms={:.1f} "
-      "queue_ms={:.1f} latency_ms={:.1f} finish={}{}",
+      "queue_ms={:.1f} latency_ms={:.1f} finish={}{}{}",
       id, endpoint, status, fields.stream ? 1 : 0, choices.size(), prompt_tokens, completion_tokens(),
       got_first_token ? ms_between(start, first_token) : -1.0, queue_ms, ms_between(start, now),
-      finish_summary(), client_gone ? " client_gone=1" : "");
+      finish_summary(), client_gone ? " client_gone=1" : "", dropped_tool_calls());
 }
 }  // namespace kiln::server

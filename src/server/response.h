@@ -38,7 +38,8 @@ struct GenerationJob {
   std::string model_name;
   GenerationFields fields;
   int64_t prompt_tokens = 0;
-  std::string echo_text;  // completions with echo: the prompt text, shown first
+  std::vector<std::string> echo_texts;  // completions with echo, per choice: its prompt's text, shown first
+  bool stream_reasoning = true;          // false: streamed reasoning_content comes in one piece when it ends
   std::shared_ptr<engine::RequestChannel> channel;
   std::vector<ChoiceOutput> choices;
   const tok::Tokenizer* tokenizer = nullptr;
@@ -52,6 +53,7 @@ struct GenerationJob {
     std::vector<Call> calls;
     std::vector<LogprobEntry> logprobs;   // all (non-streamed) or not yet sent (streamed)
     int64_t text_offset = 0;              // completions logprobs: offset of the next token's text
+    std::string held_reasoning;           // streamed with stream_reasoning false: reasoning not yet sent
     bool finish_sent = false;
   };
   std::vector<Accum> acc;
@@ -119,6 +121,8 @@ struct GenerationJob {
   void accumulate_text(const std::vector<ChoiceDelta>& deltas);
 
   std::string finish_summary() const;
+  const std::string& echo_of(size_t choice) const;
+  std::string dropped_tool_calls() const;
 
   void log_line() const;
 };

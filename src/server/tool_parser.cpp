@@ -63,7 +63,20 @@ bool parse_number(std::string_view s, double* out) {
 
 }  // namespace
 
-ToolCallParser::ToolCallParser(const nlohmann::json& tools) : tools_(tools.is_array() ? tools : nlohmann::json::array()) {}
+ToolCallParser::ToolCallParser(const nlohmann::json& tools, int max_calls)
+    : tools_(tools.is_array() ? tools : nlohmann::json::array()), max_calls_(max_calls) {}
+
+bool ToolCallParser::is_known_function(const std::string& name) const {
+  if (tools_.empty()) return true;  // no list to check against
+  for (const auto& tool : tools_) {
+    if (!tool.is_object()) continue;
+    auto fn = tool.find("function");
+    if (fn == tool.end() || !fn->is_object()) continue;
+    auto fname = fn->find("name");
+    if (fname != fn->end() && fname->is_string() && fname->get<std::string>() == name) return true;
+  }
+  return false;
+}
 
 const nlohmann::json* ToolCallParser::property_schema(std::string_view name) const {
   for (const auto& tool : tools_) {
@@ -118,6 +131,7 @@ nlohmann::json ToolCallParser::convert_value(std::string_view raw, const nlohman
 }
 
 void ToolCallParser::emit_parameter(Delta& out, std::string_view name, std::string_view raw) {
+  if (skipping_) return;
   // The value sits on its own lines: drop one newline on each side.
   if (!raw.empty() && raw.front() == '\n') raw.remove_prefix(1);
   if (!raw.empty() && raw.back() == '\n') raw.remove_suffix(1);
@@ -132,7 +146,8 @@ void ToolCallParser::emit_parameter(Delta& out, std::string_view name, std::stri
 }
 
 void ToolCallParser::close_function(Delta& out) {
-  out.calls.push_back({num_calls_ - 1, "", num_params_ == 0 ? "{}" : "}"});
+  if (!skipping_) out.calls.push_back({num_calls_ - 1, "", num_params_ == 0 ? "{}" : "}"});
+  skipping_ = false;
   num_params_ = 0;
   function_name_.clear();
 }
@@ -179,9 +194,14 @@ void ToolCallParser::run(Delta& out, bool at_end) {
             return;
           }
           function_name_ = std::string(strip(std::string_view(buf_).substr(kFunctionOpen.size(), gt - kFunctionOpen.size())));
-          ++num_calls_;
           num_params_ = 0;
-          out.calls.push_back({num_calls_ - 1, function_name_, ""});
+          skipping_ = !is_known_function(function_name_) || (max_calls_ >= 0 && num_calls_ >= max_calls_);
+          if (skipping_) {
+            dropped_.push_back(function_name_);
+          } else {
+            ++num_calls_;
+            out.calls.push_back({num_calls_ - 1, function_name_, ""});
+          }
           buf_.erase(0, gt + 1);
           state_ = State::in_function;
           continue;
@@ -231,6 +251,10 @@ void ToolCallParser::run(Delta& out, bool at_end) {
             if (!at_end) return;  // the value may go on
             size_t block_end = value_and_rest.find(kBlockClose);
             std::string_view value = value_and_rest.substr(0, block_end);
+            // Cut off mid-tag (max_tokens): the start of a closing tag is not part of the value.
+            static const std::vector<std::string> kTags = {std::string(kParamClose), std::string(kFunctionClose),
+                                                           std::string(kBlockClose), std::string(kParamOpen)};
+            value.remove_suffix(partial_suffix_any(value, kTags));
             emit_parameter(out, name, value);
             buf_.clear();
             close_function(out);

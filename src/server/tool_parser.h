@@ -17,6 +17,10 @@
 //
 // Text outside <tool_call> blocks is content; whitespace touching a block is dropped. The result is
 // the same whether the text arrives at once or cut anywhere, even inside tags.
+//
+// A call of a function that is not in `tools` is dropped (as SGLang does), and so is every call after the
+// first max_calls; dropped() names them. A call cut off by the end of the text is closed, without the
+// fragment of a closing tag the text may end on.
 #pragma once
 #include <nlohmann/json.hpp>
 #include <string>
@@ -36,7 +40,7 @@ struct ToolCallPiece {
 class ToolCallParser {
  public:
   // tools: the request's "tools" array (OpenAI form), or null / empty.
-  explicit ToolCallParser(const nlohmann::json& tools);
+  explicit ToolCallParser(const nlohmann::json& tools, int max_calls = -1);  // -1: no limit
 
   struct Delta {
     std::string content;
@@ -45,6 +49,8 @@ class ToolCallParser {
   Delta push(std::string_view text);
   Delta finish();
   int num_calls() const { return num_calls_; }
+  // Names of the calls dropped (unknown function, or over max_calls), in order.
+  const std::vector<std::string>& dropped() const { return dropped_; }
 
   // Converts one raw parameter value by its schema (the property's JSON schema, or null if unknown).
   static nlohmann::json convert_value(std::string_view raw, const nlohmann::json& schema);
@@ -55,6 +61,7 @@ class ToolCallParser {
   void emit_parameter(Delta& out, std::string_view name, std::string_view raw);
   void close_function(Delta& out);
   const nlohmann::json* property_schema(std::string_view name) const;
+  bool is_known_function(const std::string& name) const;
 
   nlohmann::json tools_;
   State state_ = State::outside;
@@ -63,6 +70,9 @@ class ToolCallParser {
   int num_calls_ = 0;
   int num_params_ = 0;  // in the current function
   std::string function_name_;
+  int max_calls_ = -1;
+  bool skipping_ = false;  // inside a dropped call: its parameters produce nothing
+  std::vector<std::string> dropped_;
 };
 
 }  // namespace kiln::server

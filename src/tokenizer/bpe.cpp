@@ -73,8 +73,8 @@ void BpeModel::MergeTable::build(const std::vector<std::pair<uint64_t, Merge>>& 
 }
 
 BpeModel::BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
-                   const std::vector<std::pair<std::string, std::string>>& merges, bool ignore_merges)
-    : ignore_merges_(ignore_merges) {
+                   const std::vector<std::pair<std::string, std::string>>& merges, const BpeOptions& options)
+    : fuse_unk_(options.fuse_unk), ignore_merges_(options.ignore_merges) {
   std::unordered_map<std::string_view, int32_t> by_token;  // byte-level string -> id
   by_token.reserve(vocab.size());
   bytes_to_id_.reserve(vocab.size());
@@ -90,12 +90,19 @@ BpeModel::BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
   }
   for (int b = 0; b < 256; ++b) {
     auto it = bytes_to_id_.find(std::string(1, static_cast<char>(b)));
-    if (it == bytes_to_id_.end())
-      fail(
-          "tokenizer.json: the BPE vocabulary has no token for byte 0x{:02X}; only complete byte-level "
-          "vocabularies are supported",
-          b);
-    byte_ids_[b] = it->second;
+    byte_ids_[b] = it == bytes_to_id_.end() ? -1 : it->second;
+    all_bytes_ = all_bytes_ && byte_ids_[b] >= 0;
+    byte_fallback_ids_[b] = -1;
+    if (options.byte_fallback) {
+      auto fb = by_token.find(fmt::format("<0x{:02X}>", b));
+      if (fb != by_token.end()) byte_fallback_ids_[b] = fb->second;
+    }
+  }
+  if (!options.unk_token.empty()) {
+    auto it = by_token.find(options.unk_token);
+    if (it == by_token.end())
+      fail("tokenizer.json: the BPE unk_token {:?} is not in the vocabulary", options.unk_token);
+    unk_id_ = it->second;
   }
 
   std::vector<std::pair<uint64_t, Merge>> entries;
@@ -248,7 +255,57 @@ void BpeModel::WordCache::insert(std::string_view word, uint64_t hash, const int
   ++n_used_;
 }
 
+void BpeModel::merge_symbols(std::vector<int32_t>& symbols) const {
+  while (symbols.size() > 1) {
+    size_t best = 0;
+    const Merge* best_merge = nullptr;
+    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+      const Merge* m = merges_.find(symbols[i], symbols[i + 1]);
+      if (m && (!best_merge || m->rank < best_merge->rank)) {
+        best = i;
+        best_merge = m;
+      }
+    }
+    if (!best_merge) break;
+    symbols[best] = best_merge->merged_id;
+    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  }
+}
+
+void BpeModel::encode_with_missing_bytes(std::string_view word, std::vector<int32_t>& out) const {
+  // The word's symbols as HF builds them: one per byte that has a token; for one that has none, its
+  // byte-fallback token, else unk (fused with a preceding unk when fuse_unk), else nothing.
+  std::vector<int32_t> symbols;
+  symbols.reserve(word.size());
+  bool last_was_unk = false;
+  for (unsigned char b : word) {
+    if (byte_ids_[b] >= 0) {
+      symbols.push_back(byte_ids_[b]);
+      last_was_unk = false;
+    } else if (byte_fallback_ids_[b] >= 0) {
+      symbols.push_back(byte_fallback_ids_[b]);
+      last_was_unk = false;
+    } else if (unk_id_ >= 0) {
+      if (!(fuse_unk_ && last_was_unk)) symbols.push_back(unk_id_);
+      last_was_unk = true;
+    }
+  }
+  merge_symbols(symbols);
+  out.insert(out.end(), symbols.begin(), symbols.end());
+}
+
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {
+  if (!all_bytes_) {
+    if (ignore_merges_) {
+      auto it = bytes_to_id_.find(std::string(word));
+      if (it != bytes_to_id_.end()) {
+        out.push_back(it->second);
+        return;
+      }
+    }
+    for (unsigned char b : word)
+      if (byte_ids_[b] < 0) return encode_with_missing_bytes(word, out);
+  }
   if (word.size() == 1) {
     out.push_back(byte_ids_[static_cast<uint8_t>(word[0])]);
     return;

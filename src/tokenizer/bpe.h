@@ -3,6 +3,11 @@
 // Words (pre-tokens) are raw UTF-8 bytes; the byte-level alphabet of tokenizer.json (GPT-2's
 // bytes_to_unicode) is undone when the vocabulary is loaded, so no per-word mapping is needed.
 // Merging applies the lowest-ranked adjacent pair first (leftmost on ties), as HF tokenizers does.
+//
+// A vocabulary may lack some of the 256 byte symbols. A byte without a token then becomes what HF
+// tokenizers makes of it: its byte_fallback token "<0xXX>" when byte_fallback is on and the vocabulary
+// has it, else the unk_token (consecutive ones fused into one with fuse_unk), else nothing (it is
+// dropped, and its neighbours may merge across the gap).
 #pragma once
 #include <cstdint>
 #include <mutex>
@@ -20,11 +25,19 @@ bool byte_level_to_bytes(std::string_view token, std::string& out);
 // Maps raw bytes to the byte-level alphabet.
 std::string bytes_to_byte_level(std::string_view bytes);
 
+// The BPE model's options of tokenizer.json besides vocab and merges.
+struct BpeOptions {
+  bool ignore_merges = false;
+  std::string unk_token;  // empty: none
+  bool fuse_unk = false;
+  bool byte_fallback = false;
+};
+
 class BpeModel {
  public:
   // vocab: byte-level token string -> id. merges: pairs of byte-level token strings, in rank order.
   BpeModel(const std::vector<std::pair<std::string, int32_t>>& vocab,
-           const std::vector<std::pair<std::string, std::string>>& merges, bool ignore_merges);
+           const std::vector<std::pair<std::string, std::string>>& merges, const BpeOptions& options);
 
   // Appends the ids of one word (raw bytes, non-empty).
   void encode_word(std::string_view word, std::vector<int32_t>& out) const;
@@ -34,7 +47,10 @@ class BpeModel {
   void merge_quadratic(std::string_view word, std::vector<int32_t>& out) const;
   void merge_with_heap(std::string_view word, std::vector<int32_t>& out) const;
 
+  // The token of one byte; -1 when the vocabulary has none.
   int32_t byte_id(uint8_t b) const { return byte_ids_[b]; }
+  // Whether every byte has its token (else encode_word takes the slower path for words that need one).
+  bool has_all_bytes() const { return all_bytes_; }
   // Id of a token given as raw bytes; -1 if absent.
   int32_t bytes_to_id(std::string_view bytes) const;
 
@@ -65,10 +81,18 @@ class BpeModel {
     }
   };
 
+  // Words with a byte that has no token: the symbols HF starts from, merged by the quadratic loop.
+  void encode_with_missing_bytes(std::string_view word, std::vector<int32_t>& out) const;
+  void merge_symbols(std::vector<int32_t>& symbols) const;
+
   static constexpr size_t kQuadraticMaxBytes = 64;
   MergeTable merges_;
   std::unordered_map<std::string, int32_t> bytes_to_id_;  // raw bytes -> id
   int32_t byte_ids_[256];
+  int32_t byte_fallback_ids_[256];  // "<0xXX>" tokens, -1 when absent or byte_fallback is off
+  int32_t unk_id_ = -1;
+  bool fuse_unk_ = false;
+  bool all_bytes_ = true;
   bool ignore_merges_;
 
   // Cache of encoded words (most text repeats a small set of words): open addressing with each entry

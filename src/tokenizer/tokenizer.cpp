@@ -268,7 +268,15 @@ std::unique_ptr<Tokenizer> Tokenizer::from_json(std::string_view tokenizer_json,
         fail("tokenizer.json: a merge must be \"a b\" or [\"a\", \"b\"]");
       }
     }
-    impl->model = std::make_unique<BpeModel>(vocab, merges, flag(model, "ignore_merges", false));
+    BpeOptions bpe_options;
+    bpe_options.ignore_merges = flag(model, "ignore_merges", false);
+    bpe_options.fuse_unk = flag(model, "fuse_unk", false);
+    bpe_options.byte_fallback = flag(model, "byte_fallback", false);
+    if (model.contains("unk_token") && !model["unk_token"].is_null()) {
+      if (!model["unk_token"].is_string()) fail("tokenizer.json: the BPE unk_token must be a string or null");
+      bpe_options.unk_token = model["unk_token"].get<std::string>();
+    }
+    impl->model = std::make_unique<BpeModel>(vocab, merges, bpe_options);
 
     // Pipeline.
     impl->normalizer = parse_normalizer(root.value("normalizer", json()));

@@ -251,6 +251,50 @@ test("text completions: string and token prompts, streamed and not, echo, logpro
   assert.ok(e.choices[0].text.startsWith(prompt));
 });
 
+test("text completions: a list of prompts gives n choices per prompt, in order (openai SDK)", async () => {
+  const model = await modelName();
+  const prompts = ["<|im_start|>user\nred<|im_end|>\n<|im_start|>assistant\n",
+                   "<|im_start|>user\nblue sky<|im_end|>\n<|im_start|>assistant\n"];
+  const alone = [];
+  for (const prompt of prompts)
+    alone.push((await sdk.completions.create({ model, prompt, max_tokens: 12, temperature: 0 })).choices[0].text);
+  const r = await sdk.completions.create({ model, prompt: prompts, n: 2, max_tokens: 12, temperature: 0 });
+  assert.equal(r.choices.length, 4);
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2, 3]);
+  assert.deepEqual(r.choices.map((c) => c.text), [alone[0], alone[0], alone[1], alone[1]]);
+  if (echo) assert.deepEqual(alone, ["red", "blue sky"]);
+  const tok0 = (await postRaw("/tokenize", { prompt: prompts[0] })).json.tokens;
+  const tok1 = (await postRaw("/tokenize", { prompt: prompts[1] })).json.tokens;
+  assert.equal(r.usage.prompt_tokens, tok0.length + tok1.length);
+  const ids = await sdk.completions.create({ model, prompt: [tok0, tok1], max_tokens: 12, temperature: 0 });
+  assert.deepEqual(ids.choices.map((c) => c.text), alone);
+});
+
+test("logit_bias steers tokens; fields kiln does not implement are refused (openai SDK)", async () => {
+  const model = await modelName();
+  // A bias of 100 on one token id: every generated token is that one (the real model's logits are far smaller;
+  // the echo runner's margin is 200, so there a negative bias on another token must leave the text unchanged).
+  const t = await postRaw("/tokenize", { prompt: "Z" });
+  const z = t.json.tokens[0];
+  const prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+  if (!echo) {
+    const r = await sdk.completions.create({ model, prompt, max_tokens: 4, temperature: 0,
+      logit_bias: { [z]: 100 } });
+    assert.equal(r.choices[0].text, "ZZZZ");
+  }
+  await assert.rejects(sdk.chat.completions.create({ model, messages: user("x"), logit_bias: { "-1": 5 } }), (e) => {
+    assert.equal(e.status, 400);
+    assert.equal(e.param, "logit_bias");
+    return true;
+  });
+  await assert.rejects(sdk.chat.completions.create({ model, messages: user("x"), reasoning_effort: "low" }), (e) => {
+    assert.equal(e.status, 400);
+    assert.equal(e.param, "reasoning_effort");
+    assert.equal(e.code, "unsupported_parameter");
+    return true;
+  });
+});
+
 test("tokenize / detokenize", async () => {
   const t = await postRaw("/tokenize", { prompt: "Hello" });
   assert.equal(t.status, 200);

@@ -297,5 +297,22 @@ TEST(Sampler, RejectsBadParameters) {
   EXPECT_THROW(s.sample(all_inf, {}, 0, 0), Error);
 }
 
+TEST(Sampler, LogitBiasIsAddedToTheRawLogits) {
+  // logits 1, 3, 2: greedy takes id 1; -100 on it leaves id 2; +5 on id 0 makes it 6, the largest.
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.logit_bias = {{1, -100.0f}};
+  std::vector<float> l = {1.0f, 3.0f, 2.0f};
+  std::vector<int32_t> history;
+  EXPECT_EQ(SequenceSampler(p, 1).sample(l, history, 0, 0).token, 2);
+  p.logit_bias = {{0, 5.0f}};
+  l = {1.0f, 3.0f, 2.0f};
+  SampleResult r = SequenceSampler(p, 1).sample(l, history, 0, 1);
+  EXPECT_EQ(r.token, 0);
+  // The reported logprob is of the biased distribution: log softmax(6, 3, 2)[0].
+  const double expected = 6.0 - std::log(std::exp(6.0) + std::exp(3.0) + std::exp(2.0));
+  EXPECT_NEAR(r.logprob, expected, 1e-5);
+}
+
 }  // namespace
 }  // namespace kiln::engine

@@ -279,5 +279,28 @@ TEST(ModelConfig, Qwen3MoeReadsNumLocalExperts) {
   EXPECT_EQ(c.num_experts, 6);
 }
 
+TEST(ModelConfig, ArchitecturesOfAnotherFamilyIsAWarning) {
+  // The issue's case: a Llama class name over a qwen3_5_moe_text model_type loads by model_type, with a warning.
+  ModelConfig c = parse_model_config(R"({"model_type": "qwen3_5_moe_text", "architectures": ["LlamaForCausalLM"]})",
+                                     "", "test/config.json");
+  EXPECT_EQ(c.arch, Arch::qwen3_5_moe);
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_THAT(c.warnings[0], HasSubstr("LlamaForCausalLM"));
+  EXPECT_THAT(c.warnings[0], HasSubstr("qwen3_5_moe_text"));
+  EXPECT_THAT(c.warnings[0], HasSubstr("test/config.json"));
+  // Another kiln family's class is a mismatch too.
+  EXPECT_EQ(parse_model_config(R"({"model_type": "qwen3", "architectures": ["Qwen3MoeForCausalLM"]})").warnings.size(),
+            1u);
+  // The transformers classes of each family, and no architectures at all, are fine.
+  for (const char* ok : {R"({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]})",
+                         R"({"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"]})",
+                         R"({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]})",
+                         R"({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]})",
+                         R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]})",
+                         R"({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})",
+                         R"({"model_type": "qwen3"})"})
+    EXPECT_TRUE(parse_model_config(ok).warnings.empty()) << ok;
+}
+
 }  // namespace
 }  // namespace kiln::format

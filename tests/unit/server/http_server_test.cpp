@@ -9,10 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <fstream>
 #include <sstream>
 #include <thread>
 
+#include "core/log.h"
 #include "engine/dummy_runner.h"
 #include "engine/engine.h"
 #include "server/http_server.h"
@@ -41,6 +44,8 @@ struct ServerConfig {
   size_t max_request_bytes = 1 << 20;
   int64_t context = 2048;
   bool echo = true;
+  int header_timeout_ms = 10000;
+  int max_waiting_connections = 1024;
 };
 
 // The byte tokenizer: ids 0-255 bytes, 508 <|im_start|>, 510 <|endoftext|>, 511 <|im_end|>.
@@ -80,6 +85,8 @@ class TestServer {
     so.max_request_bytes = cfg.max_request_bytes;
     so.http_threads = 96;
     so.read_timeout_s = 2;
+    so.header_timeout_ms = cfg.header_timeout_ms;
+    so.max_waiting_connections = cfg.max_waiting_connections;
     so.default_sampling.temperature = 0.0f;
     server_ = std::make_unique<HttpServer>(so);
     server_->bind();
@@ -648,6 +655,9 @@ TEST(Http, QueueFullIs503WithRetryAfter) {
         ++full;
         EXPECT_EQ(r.headers.count("Retry-After"), 1u);
         EXPECT_EQ(r.j["error"]["code"], "queue_full");
+        // One running, one waiting: the message counts the waiting one only.
+        EXPECT_NE(r.j["error"]["message"].get<std::string>().find("(1 waiting, limit 1)"), std::string::npos)
+            << r.j["error"]["message"];
       }
     });
   }
@@ -823,6 +833,342 @@ TEST(Http, MetricsText) {
     EXPECT_NE(m.body.find(name), std::string::npos) << name;
   EXPECT_NE(m.body.find("endpoint=\"/v1/chat/completions\",status=\"200\""), std::string::npos);
   EXPECT_GT(metric(s, "kiln:generation_tokens_total"), 0);
+}
+
+// --- issue 20: the defects found by a new user and an SRE ---
+
+int64_t finished_metric(TestServer& s, const std::string& reason) {
+  Reply r = get(s, "/metrics");
+  std::istringstream in(r.body);
+  std::string line;
+  const std::string label = "finish_reason=\"" + reason + "\"}";
+  while (std::getline(in, line))
+    if (line.rfind("kiln:requests_finished_total{", 0) == 0 && line.find(label) != std::string::npos)
+      return std::stoll(line.substr(line.rfind(' ') + 1));
+  return 0;
+}
+
+TEST(Http, UnimplementedFieldsAreRejectedNullIsAbsent) {
+  TestServer& s = shared_server();
+  Reply r = post(s, "/v1/chat/completions", chat_body("hi", {{"reasoning_effort", "high"}}));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(r.j["error"]["param"], "reasoning_effort");
+  EXPECT_EQ(r.j["error"]["code"], "unsupported_parameter");
+  Reply c = post(s, "/v1/completions", json{{"prompt", "x"}, {"functions", json::array({1})}});
+  EXPECT_EQ(c.status, 400);
+  EXPECT_EQ(c.j["error"]["param"], "functions");
+  // Chat-only fields are unknown to completions.
+  EXPECT_EQ(post(s, "/v1/completions", json{{"prompt", "x"}, {"tools", json::array()}}).status, 400);
+  // null means "not given"; user is accepted (nothing to act on).
+  EXPECT_EQ(post(s, "/v1/chat/completions", chat_body("hi", {{"reasoning_effort", nullptr}, {"user", "u1"}})).status,
+            200);
+}
+
+TEST(Http, LogitBiasChangesTheTokens) {
+  ServerConfig cfg;
+  cfg.echo = false;  // hash logits in [0, 10): a bias of 100 decides every token
+  TestServer s(cfg);
+  json body = {{"prompt", "Once"}, {"max_tokens", 5}, {"temperature", 0}};
+  Reply plain = post(s, "/v1/completions", body);
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  body["logit_bias"] = {{"90", 100}};  // 'Z'
+  Reply z = post(s, "/v1/completions", body);
+  ASSERT_EQ(z.status, 200) << z.body;
+  EXPECT_EQ(z.j["choices"][0]["text"], "ZZZZZ");
+  for (json bad : {json{{"abc", 1}}, json{{"999999", 1}}, json{{"5", 101}}, json(json::array({1}))}) {
+    body["logit_bias"] = bad;
+    Reply r = post(s, "/v1/completions", body);
+    EXPECT_EQ(r.status, 400) << bad.dump();
+    EXPECT_EQ(r.j["error"]["param"], "logit_bias");
+  }
+}
+
+const char* kTwoCallsText =
+    "r</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+    "</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n"
+    "</tool_call>";
+
+TEST(Http, ParallelToolCallsFalseKeepsTheFirstCall) {
+  TestServer& s = shared_server();
+  Reply both = post(s, "/v1/chat/completions", chat_body(kTwoCallsText, {{"tools", weather_tools()}}));
+  ASSERT_EQ(both.status, 200) << both.body;
+  EXPECT_EQ(both.j["choices"][0]["message"]["tool_calls"].size(), 2u);
+  json body = chat_body(kTwoCallsText, {{"tools", weather_tools()}, {"parallel_tool_calls", false}});
+  Reply one = post(s, "/v1/chat/completions", body);
+  ASSERT_EQ(one.j["choices"][0]["message"]["tool_calls"].size(), 1u) << one.body;
+  EXPECT_EQ(json::parse(one.j["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json::parse(R"({"city": "Paris"})"));
+  EXPECT_EQ(one.j["choices"][0]["finish_reason"], "tool_calls");
+  StreamedChat st = stream_chat(s, body);
+  EXPECT_EQ(st.tool_calls.size(), 1u);
+}
+
+TEST(Http, CallsOfUnknownFunctionsAreDropped) {
+  TestServer& s = shared_server();
+  const char* text =
+      "r</think>\n\nOk.\n<tool_call>\n<function=delete_everything>\n<parameter=really>\nyes\n</parameter>\n"
+      "</function>\n</tool_call>";
+  Reply r = post(s, "/v1/chat/completions", chat_body(text, {{"tools", weather_tools()}}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.j["choices"][0]["message"]["tool_calls"].is_null()) << r.body;
+  EXPECT_EQ(r.j["choices"][0]["message"]["content"], "Ok.");
+  EXPECT_EQ(r.j["choices"][0]["finish_reason"], "stop");
+}
+
+TEST(Http, ToolCallCutByMaxTokensLeaksNoTagFragment) {
+  TestServer& s = shared_server();
+  // The byte tokenizer: one token per byte, so max_tokens cuts the text at a byte: right inside "</parameter>".
+  const std::string answer = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</";
+  const std::string text = "r</think>\n\n" + answer + "parameter>\n</function>\n</tool_call>";
+  Reply r = post(s, "/v1/chat/completions",
+                 chat_body(text, {{"tools", weather_tools()}, {"max_tokens", 11 + static_cast<int>(answer.size())}}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json& c = r.j["choices"][0];
+  EXPECT_EQ(c["finish_reason"], "length");
+  ASSERT_EQ(c["message"]["tool_calls"].size(), 1u) << r.body;
+  EXPECT_EQ(json::parse(c["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json::parse(R"({"city": "Paris"})"));
+}
+
+TEST(Http, StreamReasoningFalseSendsReasoningInOnePiece) {
+  TestServer& s = shared_server();
+  json body = chat_body("think think think</think>\n\nanswer", {{"stream", true}, {"stream_reasoning", false}});
+  Reply r = post(s, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200);
+  bool done;
+  int reasoning_chunks = 0;
+  std::string reasoning, content;
+  bool content_before_reasoning = false;
+  for (const auto& ev : sse_events(r.body, &done))
+    for (const auto& ch : ev["choices"]) {
+      if (ch["delta"].contains("reasoning_content")) {
+        ++reasoning_chunks;
+        reasoning += ch["delta"]["reasoning_content"].get<std::string>();
+      }
+      if (ch["delta"].contains("content") && !ch["delta"]["content"].get<std::string>().empty()) {
+        if (reasoning_chunks == 0) content_before_reasoning = true;
+        content += ch["delta"]["content"].get<std::string>();
+      }
+    }
+  EXPECT_EQ(reasoning_chunks, 1);
+  EXPECT_EQ(reasoning, "think think think");
+  EXPECT_EQ(content, "answer");
+  EXPECT_FALSE(content_before_reasoning);
+  // Streamed as usual: the same reasoning.
+  body["stream_reasoning"] = true;
+  StreamedChat st = stream_chat(s, body);
+  EXPECT_EQ(st.reasoning, "think think think");
+  EXPECT_EQ(st.content, "answer");
+}
+
+TEST(Http, StopStringFinishesCountAsStopInMetrics) {
+  TestServer s;
+  for (int i = 0; i < 3; ++i) {
+    Reply r = post(s, "/v1/chat/completions", chat_body("r</think>alpha END beta gamma delta", {{"stop", "END"}}));
+    ASSERT_EQ(r.j["choices"][0]["finish_reason"], "stop");
+  }
+  // The engine learns of the stop at its next step: wait for it.
+  for (int i = 0; i < 100 && finished_metric(s, "stop") < 3; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(finished_metric(s, "stop"), 3);
+  EXPECT_EQ(finished_metric(s, "abort"), 0);
+}
+
+TEST(Http, HealthGenerateAnswersWhileBusy) {
+  ServerConfig cfg;
+  cfg.max_running = 1;
+  cfg.max_queued = 1;
+  cfg.step_delay_us = 2000;
+  TestServer s(cfg);
+  json slow = chat_body("x", {{"max_tokens", 1500}, {"ignore_eos", true}});
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) threads.emplace_back([&] { post(s, "/v1/chat/completions", slow); });
+  std::this_thread::sleep_for(200ms);  // one running, one queued: the queue is full
+  auto start = std::chrono::steady_clock::now();
+  Reply h = get(s, "/health_generate");
+  double s_taken = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(h.status, 200) << h.body;
+  EXPECT_LT(s_taken, 1.0) << "health_generate waited for the queue";
+  s.engine().drain(std::chrono::milliseconds(0));  // ends the long requests
+  for (auto& t : threads) t.join();
+}
+
+// A client that sends one header line every `gap` and never finishes its headers.
+struct SlowClients {
+  std::vector<int> fds;
+  std::atomic<bool> stop{false};
+  std::thread writer;
+  SlowClients(int port, int n, std::chrono::milliseconds gap) {
+    for (int i = 0; i < n; ++i) {
+      int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+      if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) fds.push_back(fd);
+      else close(fd);
+    }
+    writer = std::thread([this, gap] {
+      std::string first = "POST /v1/chat/completions HTTP/1.1\r\n";
+      for (int fd : fds) send(fd, first.data(), first.size(), MSG_NOSIGNAL);
+      for (int line = 0; !stop; ++line) {
+        std::this_thread::sleep_for(gap);
+        std::string h = "X-Slow-" + std::to_string(line) + ": 1\r\n";
+        for (int fd : fds) send(fd, h.data(), h.size(), MSG_NOSIGNAL);
+      }
+    });
+  }
+  ~SlowClients() {
+    stop = true;
+    writer.join();
+    for (int fd : fds) close(fd);
+  }
+};
+
+TEST(Http, SlowHeaderClientsDoNotStarveRealRequests) {
+  ServerConfig cfg;
+  cfg.header_timeout_ms = 3000;
+  cfg.max_waiting_connections = 100;
+  TestServer s(cfg);  // 96 HTTP workers
+  SlowClients slow(s.port(), 250, 200ms);  // more than the 96 workers
+  ASSERT_GT(slow.fds.size(), 200u);
+  std::this_thread::sleep_for(500ms);
+  for (int i = 0; i < 3; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    Reply r = post(s, "/v1/chat/completions", chat_body("r</think>ok"));
+    double taken = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.status, 200);
+    EXPECT_LT(taken, 1.0) << "a real request waited behind slow clients";
+  }
+  // Past the deadline every slow one has been answered 408 and closed (the oldest at once, beyond the limit of
+  // 100 waiting). The client kept writing, so its side may see the reset rather than the 408 text.
+  std::this_thread::sleep_for(3500ms);
+  char buf[256];
+  size_t closed = 0;
+  for (int fd : slow.fds) {
+    ssize_t n = recv(fd, buf, sizeof(buf) - 1, MSG_DONTWAIT);
+    if (n > 0) {
+      buf[n] = 0;
+      if (std::string(buf).rfind("HTTP/1.1 408", 0) == 0) ++closed;
+    } else if (n == 0 || errno == ECONNRESET || errno == EPIPE) {
+      ++closed;
+    }
+  }
+  EXPECT_EQ(closed, slow.fds.size());
+}
+
+// Sends raw bytes, returns what the server answered (until it closes or 3 s pass).
+std::string raw_exchange(int port, const std::string& bytes, double* seconds = nullptr) {
+  int fd = connect_to(port);
+  EXPECT_GE(fd, 0);
+  auto start = std::chrono::steady_clock::now();
+  send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  timeval tv{3, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.find("\r\n\r\n") != std::string::npos) {
+      size_t cl = out.find("Content-Length: ");
+      size_t head = out.find("\r\n\r\n") + 4;
+      if (cl != std::string::npos && out.size() >= head + std::stoul(out.substr(cl + 16))) break;
+    }
+  }
+  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  close(fd);
+  return out;
+}
+
+TEST(Http, PostWithoutBodyLengthAnswersAtOnce) {
+  TestServer& s = shared_server();
+  double taken = 0;
+  std::string out = raw_exchange(s.port(), "POST /health HTTP/1.1\r\nHost: x\r\n\r\n", &taken);
+  EXPECT_EQ(out.rfind("HTTP/1.1 411", 0), 0u) << out;
+  EXPECT_NE(out.find("Content-Length: 0"), std::string::npos) << out;
+  EXPECT_LT(taken, 2.0);
+}
+
+TEST(Http, WrongMethodIs405) {
+  TestServer& s = shared_server();
+  Reply g = get(s, "/v1/chat/completions");
+  EXPECT_EQ(g.status, 405);
+  auto it = g.headers.find("Allow");
+  ASSERT_NE(it, g.headers.end());
+  EXPECT_EQ(it->second, "POST");
+  EXPECT_NE(g.j["error"]["message"].get<std::string>().find("use POST"), std::string::npos);
+  Reply p = post(s, "/health", std::string());
+  EXPECT_EQ(p.status, 405);
+  EXPECT_EQ(get(s, "/no/such/path").status, 404);
+}
+
+TEST(Http, InvalidUtf8AndJsonSayWhere) {
+  TestServer& s = shared_server();
+  Reply u = post(s, "/v1/chat/completions", std::string("{\"model\": \"x\xff\"}"));
+  EXPECT_EQ(u.status, 400);
+  std::string m = u.j["error"]["message"];
+  EXPECT_NE(m.find("not valid UTF-8"), std::string::npos) << m;
+  EXPECT_NE(m.find("0xFF at offset 12"), std::string::npos) << m;
+  Reply j = post(s, "/v1/chat/completions", std::string("{\"model\": }"));
+  std::string jm = j.j["error"]["message"];
+  EXPECT_NE(jm.find("not valid JSON"), std::string::npos) << jm;
+  EXPECT_NE(jm.find("column 11"), std::string::npos) << jm;
+}
+
+TEST(Http, RejectedRequestsAreLogged) {
+  ServerConfig cfg;
+  cfg.max_request_bytes = 4096;
+  TestServer s(cfg);
+  // The request log goes to stderr: catch it in a file for the duration.
+  std::string path = std::string(KILN_BINARY_DIR) + "/rejected_log.txt";
+  fflush(stderr);
+  int saved = dup(2);
+  int fd = open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);
+  dup2(fd, 2);
+  LogLevel level = log_level();
+  set_log_level(LogLevel::info);
+  post(s, "/v1/chat/completions", chat_body("hi", {{"temperature", 7}}));
+  post(s, "/v1/chat/completions", chat_body(std::string(10000, 'x')));  // over the limit: 413
+  set_log_level(level);
+  fflush(stderr);
+  dup2(saved, 2);
+  close(fd);
+  close(saved);
+  std::string log = read_file(path);
+  EXPECT_NE(log.find("request rejected method=POST path=/v1/chat/completions"), std::string::npos) << log;
+  EXPECT_NE(log.find("status=400 error=\"'temperature' must be"), std::string::npos) << log;
+  EXPECT_NE(log.find("status=413"), std::string::npos) << log;
+}
+
+TEST(Http, CompletionsTakeAListOfPrompts) {
+  ServerConfig cfg;
+  cfg.echo = false;
+  TestServer s(cfg);
+  json one_a = {{"prompt", "alpha"}, {"max_tokens", 6}, {"temperature", 0}};
+  json one_b = {{"prompt", "beta"}, {"max_tokens", 6}, {"temperature", 0}};
+  std::string a = post(s, "/v1/completions", one_a).j["choices"][0]["text"];
+  std::string b = post(s, "/v1/completions", one_b).j["choices"][0]["text"];
+  Reply r = post(s, "/v1/completions", json{{"prompt", {"alpha", "beta"}}, {"n", 2}, {"max_tokens", 6},
+                                            {"temperature", 0}, {"echo", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  ASSERT_EQ(r.j["choices"].size(), 4u);
+  // OpenAI's order: n choices per prompt, prompts in order.
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(r.j["choices"][i]["index"], i);
+  EXPECT_EQ(r.j["choices"][0]["text"], "alpha" + a);
+  EXPECT_EQ(r.j["choices"][1]["text"], "alpha" + a);
+  EXPECT_EQ(r.j["choices"][2]["text"], "beta" + b);
+  EXPECT_EQ(r.j["choices"][3]["text"], "beta" + b);
+  EXPECT_EQ(r.j["usage"]["prompt_tokens"], 9);  // 5 + 4 bytes, each prompt once
+  // Token-id prompts in a list, and what is not allowed.
+  Reply ids = post(s, "/v1/completions", json{{"prompt", {{97, 108}, {98}}}, {"max_tokens", 2}});
+  EXPECT_EQ(ids.status, 200) << ids.body;
+  EXPECT_EQ(ids.j["choices"].size(), 2u);
+  EXPECT_EQ(post(s, "/v1/completions", json{{"prompt", {"a", 5}}}).status, 400);
+  EXPECT_EQ(post(s, "/v1/completions", json{{"prompt", {"a", ""}}}).status, 400);
+  Reply many = post(s, "/v1/completions", json{{"prompt", std::vector<std::string>(33, "x")}, {"n", 2}});
+  EXPECT_EQ(many.status, 400);
+  EXPECT_NE(many.j["error"]["message"].get<std::string>().find("66 choices"), std::string::npos);
 }
 
 }  // namespace

@@ -148,5 +148,49 @@ TEST(ToolCalls, ConvertValueRules) {
   EXPECT_EQ(ToolCallParser::convert_value("true", json()), "true");
 }
 
+TEST(ToolCalls, TruncatedCallDropsTheFragmentOfAClosingTag) {
+  // Cut off (max_tokens) right after a value, inside its closing tag: the fragment is not part of the value.
+  for (std::string tail : {"\n</", "\n</param", "\n</parameter", "\n<", "\n</parameter>\n</func", "\n</parameter>\n<"}) {
+    std::string text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis" + tail;
+    for (const auto& pieces : splits_of(text)) {
+      auto o = run_tools(weather_tools(), pieces);
+      ASSERT_EQ(o.names, std::vector<std::string>{"get_weather"}) << tail;
+      EXPECT_EQ(nlohmann::json::parse(o.arguments[0]), nlohmann::json::parse(R"({"city": "Paris"})")) << tail;
+    }
+  }
+}
+
+TEST(ToolCalls, CallsOfFunctionsNotInToolsAreDropped) {
+  std::string text =
+      "<tool_call>\n<function=launch_rockets>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>\n"
+      "<tool_call>\n<function=get_time>\n</function>\n</tool_call>";
+  for (const auto& pieces : splits_of(text)) {
+    auto o = run_tools(weather_tools(), pieces);
+    ASSERT_EQ(o.names, std::vector<std::string>{"get_time"});
+    EXPECT_EQ(o.arguments[0], "{}");
+    EXPECT_EQ(o.content, "");
+  }
+  ToolCallParser p(weather_tools());
+  p.push(text);
+  p.finish();
+  EXPECT_EQ(p.num_calls(), 1);
+  EXPECT_EQ(p.dropped(), std::vector<std::string>{"launch_rockets"});
+}
+
+TEST(ToolCalls, MaxCallsKeepsTheFirst) {
+  std::string text =
+      "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+      "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>";
+  ToolCallParser p(weather_tools(), /*max_calls=*/1);
+  auto d = p.push(text);
+  auto e = p.finish();
+  d.calls.insert(d.calls.end(), e.calls.begin(), e.calls.end());
+  ASSERT_EQ(p.num_calls(), 1);
+  ASSERT_FALSE(d.calls.empty());
+  EXPECT_EQ(d.calls[0].name, "get_time");
+  for (const auto& c : d.calls) EXPECT_EQ(c.index, 0);
+  EXPECT_EQ(p.dropped(), std::vector<std::string>{"get_weather"});
+}
+
 }  // namespace
 }  // namespace kiln::server

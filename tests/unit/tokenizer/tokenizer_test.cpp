@@ -112,7 +112,7 @@ TEST(TokenizerBpe, QuadraticAndHeapMergeLoopsAgree) {
   for (const auto& [token, id] : j["model"]["vocab"].items()) vocab.emplace_back(token, id.get<int32_t>());
   std::vector<std::pair<std::string, std::string>> merges;
   for (const auto& m : j["model"]["merges"]) merges.emplace_back(m[0], m[1]);
-  BpeModel model(vocab, merges, false);
+  BpeModel model(vocab, merges, BpeOptions{});
   std::mt19937 rng(7);
   const std::vector<std::string> pieces = {"the", "ing", " ", "é",    "中文", "😀",
                                            "ab",  "\n",  "0", "tion", "ll",   "  "};

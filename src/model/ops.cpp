@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "format/shard_plan.h"
 
 namespace kiln::model {
 

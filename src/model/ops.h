@@ -22,9 +22,12 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
-#include "format/shard_plan.h"
 #include "model/comm.h"
 #include "model/sampling.h"
+
+namespace kiln::format {
+struct TensorSlice;  // format/shard_plan.h
+}
 
 namespace kiln::model {
 

@@ -204,6 +204,9 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     KILN_LOG_INFO("kernels: {}", resolve_kernels("cpu", 0, options).str());
     return load_cpu_model(dir, options);
   }
+  if (options.tp_size != 1 || options.ep_size != 1)
+    fail("--tp-size {} --ep-size {} on cuda: tensor parallelism runs on the CPU backend so far (--device cpu); the "
+         "CUDA ranks (NCCL / peer all-reduce) are not implemented yet", options.tp_size, options.ep_size);
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
   model::RunnerOptions ro = runner_options(options);
 #if KILN_HAVE_CUDA

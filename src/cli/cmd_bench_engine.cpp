@@ -17,6 +17,7 @@
 #include "backend/device.h"
 #include "cli/command.h"
 #include "cli/gpu_flags.h"
+#include "cli/parallel_flags.h"
 #include "core/error.h"
 #include "format/capacity.h"
 #include "format/model_config.h"
@@ -39,6 +40,7 @@ struct BenchEngineOptions {
   int threads = 0;
   bool skip_self_check = false;
   kiln::cli::GpuFlags gpu;
+  kiln::cli::ParallelFlags parallel;
   bool profile = false;
   bool host_sampling = false;
   float temperature = 0.0f;  // > 0: sample (temperature / top-k / top-p) instead of argmax, on the device
@@ -85,6 +87,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   lo.max_context = o.input_len + o.output_len + 8;
   lo.prefill_chunk = o.prefill_chunk;
   kiln::cli::apply_gpu_flags(o.gpu, lo);
+  kiln::cli::apply_parallel_flags(o.parallel, lo);
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
@@ -266,6 +269,7 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");
   kiln::cli::add_gpu_flags(app, o->gpu);
+  kiln::cli::add_parallel_flags(app, o->parallel);
   app.add_flag("--profile", o->profile,
                "After each batch, time one decode step op by op, at batch 1 also one prefill pass (cuda)");
   app.add_option("--temperature", o->temperature,

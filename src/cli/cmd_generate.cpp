@@ -17,6 +17,7 @@
 #include "core/log.h"
 #include "engine/sampler.h"
 #include "format/model_dir.h"
+#include "cli/parallel_flags.h"
 #include "model/runner.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -35,6 +36,7 @@ struct GenerateOptions {
   std::string kv_dtype = "bf16";
   std::string device = "auto";
   bool skip_self_check = false;
+  kiln::cli::ParallelFlags parallel;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -74,8 +76,9 @@ int run_generate(const GenerateOptions& o) {
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
   else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
+  kiln::cli::apply_parallel_flags(o.parallel, lo);
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
-  const auto& config = dynamic_cast<model::Runner&>(*runner).config();
+  const format::ModelConfig config = format::load_model_config(dir);  // eos ids (any runner, TP too)
   if (tokenizer->vocab_size() > runner->vocab_size())
     KILN_LOG_WARN("tokenizer has {} ids but the model only {}", tokenizer->vocab_size(), runner->vocab_size());
 
@@ -147,6 +150,7 @@ kiln::cli::Registrar reg{"generate", "Generate text from a prompt (CPU or CUDA e
   app.add_option("--device", o->device, "auto (default: cuda when a supported GPU is present), cpu or cuda");
   app.add_flag("--skip-self-check", o->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
+  kiln::cli::add_parallel_flags(app, o->parallel);
   return [o]() -> int { return run_generate(*o); };
 }};
 

@@ -25,6 +25,7 @@ using namespace kiln::format;
 struct InspectOptions {
   std::string model_path;
   int tp = 1;
+  int ep = 1;
   double gpu_mem_gib = 0;
   std::string kv_cache_dtype = "bf16";
   double mem_fraction_static = 0.90;
@@ -80,6 +81,7 @@ int run_inspect(const InspectOptions& o) {
 
   CapacityOptions copt;
   copt.tp = o.tp;
+  copt.ep = o.ep;
   copt.gpu_mem_gib = o.gpu_mem_gib;
   copt.mem_fraction_static = o.mem_fraction_static;
   copt.activation_reserve_gib = o.activation_reserve_gib;
@@ -146,6 +148,7 @@ int run_inspect(const InspectOptions& o) {
     j["conv_state_bytes_per_layer"] = p.conv_state_bytes_per_layer;
     j["state_bytes_per_sequence"] = p.state_bytes_per_sequence;
     j["tp"] = p.tp;
+    j["ep"] = p.ep;
     j["gpu_mem_gib"] = o.gpu_mem_gib;
     j["mem_fraction_static"] = o.mem_fraction_static;
     j["activation_reserve_bytes"] = p.activation_reserve_bytes;
@@ -220,7 +223,7 @@ int run_inspect(const InspectOptions& o) {
     line("state/sequence", fmt::format("{} ({} linear layers x ({} fp32 recurrent + {} conv))",
                                        mib(p.state_bytes_per_sequence), cfg.num_linear_attention_layers(),
                                        mib(p.recurrent_state_bytes_per_layer), mib(p.conv_state_bytes_per_layer)));
-  std::printf("\nplan for tp %d%s:\n", p.tp,
+  std::printf("\nplan for tp %d%s%s:\n", p.tp, p.ep > 1 ? fmt::format(" (ep {})", p.ep).c_str() : "",
               o.gpu_mem_gib > 0 ? fmt::format(" x {:g} GiB (mem fraction {:g}, activation reserve {:g} GiB)",
                                               o.gpu_mem_gib, o.mem_fraction_static, o.activation_reserve_gib).c_str()
                                 : " (pass --gpu-mem-gib for a KV budget)");
@@ -262,7 +265,10 @@ int run_inspect(const InspectOptions& o) {
 kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weights, KV cache, state)", [](CLI::App& app) {
   auto o = std::make_shared<InspectOptions>();
   app.add_option("--model-path", o->model_path, "Model folder (default: the embedded model, if built in)");
-  app.add_option("--tp", o->tp, "GPUs to split the model over (tensor parallel)")->check(CLI::Range(1, 1024));
+  app.add_option("--tp-size,--tp", o->tp, "GPUs to split the model over (tensor parallel; the plan kiln serve --tp-size "
+                 "loads by)")->check(CLI::Range(1, 1024));
+  app.add_option("--ep-size,--ep", o->ep, "Expert-parallel groups among them (divides --tp-size): whole routed experts "
+                 "per group")->check(CLI::Range(1, 1024));
   app.add_option("--gpu-mem-gib", o->gpu_mem_gib, "Memory per GPU in GiB (enables the KV-token budget)")
       ->check(CLI::Range(0.0, 1e6));
   app.add_option("--kv-cache-dtype", o->kv_cache_dtype, "bf16 or fp8_e4m3");

@@ -23,6 +23,7 @@
 #include "backend/device.h"
 #include "cli/command.h"
 #include "cli/gpu_flags.h"
+#include "cli/parallel_flags.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/dummy_runner.h"
@@ -57,6 +58,7 @@ struct ServeArgs {
   std::string device = "auto";
   bool skip_self_check = false;
   kiln::cli::GpuFlags gpu;
+  kiln::cli::ParallelFlags parallel;
   double shutdown_timeout_s = 30;
   int64_t max_request_bytes = 32 << 20;
   std::string dummy_runner;  // "", hash or echo
@@ -189,6 +191,7 @@ int run_serve(const ServeArgs& a) {
 
   // Load everything that can fail on bad input before opening the port for traffic.
   format::ModelConfig config = format::load_model_config(dir);
+  kiln::cli::check_parallel_flags(a.parallel, config, dir);  // --tp-size / --ep-size the model cannot take
   so.model_type = config.model_type;
   if (!config.architecture.empty()) so.architectures = {config.architecture};
   if (!dir.has("tokenizer.json")) fail("{}: no tokenizer.json in the model folder", dir.display_path());
@@ -307,6 +310,7 @@ int run_serve(const ServeArgs& a) {
                         lo.page_size;
       }
       kiln::cli::apply_gpu_flags(a.gpu, lo);
+      kiln::cli::apply_parallel_flags(a.parallel, lo);
       runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);  // the user's choice: its log says why
     }
   }
@@ -403,6 +407,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_flag("--skip-self-check", a->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
   kiln::cli::add_gpu_flags(app, a->gpu);
+  kiln::cli::add_parallel_flags(app, a->parallel);
   app.add_option("--shutdown-timeout", a->shutdown_timeout_s,
                  "Seconds to let in-flight requests finish on SIGTERM / SIGINT")
       ->capture_default_str();

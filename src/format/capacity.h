@@ -8,10 +8,11 @@
 //  - kv_bytes_per_token: full-attention layers x 2 (K, V) x kv_heads x head_dim x KV dtype size.
 //  - state_bytes_per_sequence: per linear-attention layer, the fp32 recurrent state
 //    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes).
-//  - Tensor parallel over tp GPUs: routed experts, attention heads, linear-attention heads, shared expert /
-//    dense MLP rows, embedding and lm_head (vocab-parallel) split by tp; norms, routers and kv scales are
-//    replicated; KV projections are replicated once tp exceeds the KV heads (each GPU keeps one KV head);
-//    anything whose head/row count tp does not divide is replicated (listed in notes).
+//  - Tensor parallel over tp GPUs (ep of them expert-parallel groups): each GPU's bytes are the slices the
+//    loader gives its rank (format/shard_plan.h, the one definition): heads, intermediate rows / columns, experts
+//    and vocabulary rows split; norms, routers, scalar scales replicated; KV projections (and linear-attention key
+//    heads) replicated once tp exceeds them. A tp / ep that does not divide the model is a kiln::Error, as at
+//    load time. weight_bytes_per_gpu is the busiest rank's.
 //  - max_kv_tokens = (gpu_mem x mem_fraction_static - weights per GPU - activation reserve)
 //                    / kv_bytes_per_token_per_gpu  (recurrent state for live sequences not included).
 #pragma once
@@ -29,6 +30,7 @@ namespace kiln::format {
 
 struct CapacityOptions {
   int tp = 1;                          // GPUs the model is split over
+  int ep = 1;                          // expert-parallel groups among them (divides tp)
   double gpu_mem_gib = 0;              // memory per GPU; 0: skip the per-GPU budget (max_kv_tokens = -1)
   double mem_fraction_static = 0.90;   // share of GPU memory for weights + KV cache (rest: runtime)
   double activation_reserve_gib = 2.0; // per GPU, for activations / workspaces
@@ -51,8 +53,8 @@ struct CapacityPlan {
   bool sizes_from_checkpoint = false;  // real tensor sizes were used
 
   // Per GPU (tp).
-  int tp = 1;
-  uint64_t weight_bytes_per_gpu = 0;
+  int tp = 1, ep = 1;
+  uint64_t weight_bytes_per_gpu = 0;  // the busiest GPU
   uint64_t decode_bytes_per_token_per_gpu = 0;  // average over GPUs (routed experts spread evenly)
   uint64_t kv_bytes_per_token_per_gpu = 0;
   uint64_t state_bytes_per_sequence_per_gpu = 0;

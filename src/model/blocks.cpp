@@ -113,6 +113,15 @@ void bind_moe(WeightBinder& b, int layer, MoeWeights& w, bool shared_expert) {
 // ---------------------------------------------------------------------------------------------------
 // Forward
 
+void embed(Forward& f, const ModelWeights& w, const TensorView& ids, TensorView out) {
+  if (!w.vocab_parallel) {
+    f.ops.embedding(w.embed_tokens, ids, out);
+    return;
+  }
+  f.ops.embedding_shard(w.embed_tokens, ids, w.vocab_begin, out);
+  f.ops.all_reduce(out);
+}
+
 TensorView rms_norm(Forward& f, const TensorView& x, const TensorView& weight, NormKind kind) {
   TensorView out = f.f32(x.shape);
   f.ops.rms_norm(x, weight, static_cast<float>(f.config.rms_norm_eps), kind, out);

@@ -28,6 +28,9 @@ void bind_moe(WeightBinder& b, int layer, MoeWeights& w, bool shared_expert);
 void bind_layer_norms(WeightBinder& b, int layer, LayerWeights& w);
 
 // ---- forward
+// The token embeddings out [T, H] of ids I32 [T]; a vocabulary-parallel rank (tensor parallel) looks up its rows
+// (zeros for the other ranks' ids) and the group sums them (Ops::all_reduce).
+void embed(Forward& f, const ModelWeights& w, const TensorView& ids, TensorView out);
 // RMSNorm over the last dim of x [R, D] -> [R, D].
 TensorView rms_norm(Forward& f, const TensorView& x, const TensorView& weight, NormKind kind);
 // Qwen3*Attention: q/k/v projections, per-head q_norm/k_norm, RoPE on the first rotary_dim dims, causal

@@ -12,7 +12,8 @@ LoadFormat parse_load_format(const std::string& name) {
   fail("unknown --load-format '{}' (use auto, safetensors or dummy)", name);
 }
 
-std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, LoadFormat load_format) {
+std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, LoadFormat load_format,
+                                        const format::RankShard* shard) {
   auto m = std::make_unique<LoadedModel>();
   m->dir = dir;
   m->config = format::load_model_config(dir);
@@ -26,17 +27,32 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
     fail("{}: bad rotary setup: head_dim {}, rotary dim {}", dir.display_path(), c.head_dim, c.rotary_dim());
   if (load_format == LoadFormat::dummy) {
     m->checkpoint = std::make_unique<format::Checkpoint>(model::dummy_checkpoint(dir, m->config, m->quant));
-    KILN_LOG_WARN("--load-format dummy: {} random weights from config.json alone (output is meaningless; for "
-                  "benchmarks)", m->checkpoint->size());
+    if (!shard || shard->rank == 0)
+      KILN_LOG_WARN("--load-format dummy: {} random weights from config.json alone (output is meaningless; for "
+                    "benchmarks)", m->checkpoint->size());
   } else {
     m->checkpoint = std::make_unique<format::Checkpoint>(format::Checkpoint::open(dir));
   }
   // Lists every missing / mis-typed / mis-shaped tensor in one kiln::Error.
   m->report = format::verify_checkpoint(*m->checkpoint, m->config, m->quant);
 
-  WeightBinder b(*m->checkpoint, m->config, m->quant, ops, m->weights);
+  m->full_config = m->config;
+  std::unique_ptr<RankSlicing> slicing;
+  if (shard && shard->tp > 1) {
+    // A tensor-parallel rank: the binder cuts each tensor to the rank's slice; the runner sizes its KV cache and
+    // state from the rank's config.
+    m->shard = *shard;
+    slicing = std::make_unique<RankSlicing>();
+    slicing->full = m->config;
+    slicing->rank = *shard;
+    for (auto& t : format::expected_tensors(m->config, m->quant)) slicing->tensors.emplace(t.name, std::move(t));
+    m->config = format::rank_config(m->full_config, *shard);
+    m->weights.vocab_parallel = true;
+    m->weights.vocab_begin = shard->vocab.begin;
+  }
+  WeightBinder b(*m->checkpoint, m->config, m->quant, ops, m->weights, slicing.get());
   b.set_dummy_norm_kind(m->family->norm_kind());
-  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const int64_t H = c.hidden_size, V = m->shard ? m->shard->vocab.count : c.vocab_size;
   const std::string& P = c.tensor_prefix;
   m->weights.embed_tokens = b.tensor(P + "embed_tokens.weight", Shape{V, H});
   m->weights.final_norm = b.tensor(P + "norm.weight", Shape{H});
@@ -54,9 +70,13 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
     m->weights.layers[l].type = c.layer_types[l];
     m->family->bind_layer(b, l, m->weights.layers[l]);
   }
-  KILN_LOG_INFO("loaded {} ({}, {} layers: {}), {} tensors matched{}", dir.display_path(),
-                format::arch_name(c.arch), c.num_layers, c.layer_pattern(), m->report.matched,
-                m->quant.is_quantized() ? ", quantisation " + m->quant.quant_algo : std::string());
+  if (m->shard)
+    KILN_LOG_DEBUG("rank {} of {}: loaded its slices ({:.1f} MB of linear weights)", m->shard->rank, m->shard->tp,
+                   (m->weights.bytes_by_format[0] + m->weights.bytes_by_format[1] + m->weights.bytes_by_format[2]) / 1e6);
+  if (!m->shard || m->shard->rank == 0)
+    KILN_LOG_INFO("loaded {} ({}, {} layers: {}), {} tensors matched{}", dir.display_path(),
+                  format::arch_name(c.arch), c.num_layers, c.layer_pattern(), m->report.matched,
+                  m->quant.is_quantized() ? ", quantisation " + m->quant.quant_algo : std::string());
   return m;
 }
 

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "format/shard_plan.h"
 
 namespace kiln::model {
 
@@ -14,39 +15,52 @@ int32_t host_argmax(const float* row, int64_t n) {
   return static_cast<int32_t>(b < 0 ? 0 : b);
 }
 
+namespace {
+// The value of element `i` of the random tensor `fill` describes, stored as dtype at out[j].
+inline void random_element(DType dtype, const RandomFill& fill, uint64_t i, void* out, int64_t j) {
+  const uint64_t h = random_fill_hash(fill.seed, i);
+  if (fill.kind == RandomFill::Kind::bytes) {
+    uint32_t b = fill.byte_lo + static_cast<uint32_t>((h >> 32) % (fill.byte_hi - fill.byte_lo));
+    if (fill.random_sign && (h & 1)) b |= 0x80;
+    static_cast<uint8_t*>(out)[j] = static_cast<uint8_t>(b);
+    return;
+  }
+  const float d = fill.hi - fill.lo;
+  const float u = static_cast<float>(h >> 40) * 0x1p-24f;  // exact
+  const float m = d * u;
+  const float v = fill.lo + m;
+  switch (dtype) {
+    case DType::F32: static_cast<float*>(out)[j] = v; break;
+    case DType::BF16: static_cast<uint16_t*>(out)[j] = f32_to_bf16(v); break;
+    case DType::F16: static_cast<uint16_t*>(out)[j] = f32_to_f16(v); break;
+    default: fail("random uniform values for a {} tensor", dtype_name(dtype));
+  }
+}
+}  // namespace
+
 void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out) {
   fill_random_host_range(dtype, 0, numel, fill, out);
 }
 
 void fill_random_host_range(DType dtype, int64_t first, int64_t count, const RandomFill& fill, void* out) {
-  const int64_t numel = first + count;
   if (fill.kind == RandomFill::Kind::bytes) {
     KILN_CHECK(dtype_size(dtype) == 1, "random bytes for a {} tensor", dtype_name(dtype));
     KILN_CHECK(fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256, "random byte range [{}, {})", fill.byte_lo,
                fill.byte_hi);
-    auto* o = static_cast<uint8_t*>(out);
-    const uint64_t span = fill.byte_hi - fill.byte_lo;
-    for (int64_t i = first; i < numel; ++i) {
-      const uint64_t h = random_fill_hash(fill.seed, static_cast<uint64_t>(i));
-      uint32_t b = fill.byte_lo + static_cast<uint32_t>((h >> 32) % span);
-      if (fill.random_sign && (h & 1)) b |= 0x80;
-      o[i - first] = static_cast<uint8_t>(b);
-    }
-    return;
   }
-  const float d = fill.hi - fill.lo;
-  for (int64_t i = first; i < numel; ++i) {
-    const uint64_t h = random_fill_hash(fill.seed, static_cast<uint64_t>(i));
-    const float u = static_cast<float>(h >> 40) * 0x1p-24f;  // exact
-    const float m = d * u;
-    const float v = fill.lo + m;
-    switch (dtype) {
-      case DType::F32: static_cast<float*>(out)[i - first] = v; break;
-      case DType::BF16: static_cast<uint16_t*>(out)[i - first] = f32_to_bf16(v); break;
-      case DType::F16: static_cast<uint16_t*>(out)[i - first] = f32_to_f16(v); break;
-      default: fail("random uniform values for a {} tensor", dtype_name(dtype));
-    }
+  for (int64_t j = 0; j < count; ++j) random_element(dtype, fill, static_cast<uint64_t>(first + j), out, j);
+}
+
+void fill_random_host_slice(DType dtype, const Shape& stored, const format::TensorSlice& slice, const RandomFill& fill,
+                            void* out) {
+  if (fill.kind == RandomFill::Kind::bytes) {
+    KILN_CHECK(dtype_size(dtype) == 1, "random bytes for a {} tensor", dtype_name(dtype));
+    KILN_CHECK(fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256, "random byte range [{}, {})", fill.byte_lo,
+               fill.byte_hi);
   }
+  const int64_t n = slice.shape.numel();
+  for (int64_t j = 0; j < n; ++j)
+    random_element(dtype, fill, static_cast<uint64_t>(format::slice_source_index(slice, stored, j)), out, j);
 }
 
 void upload_step(Ops& ops, StepLayout& step) {
@@ -63,6 +77,17 @@ TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {
   random_storage_.push_back(std::make_unique<uint8_t[]>(std::max<size_t>(bytes, 16)));
   fill_random_host(dtype, shape.numel(), fill, random_storage_.back().get());
   return place_weight(TensorView(random_storage_.back().get(), dtype, shape));
+}
+
+void Ops::embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) {
+  (void)table, (void)ids, (void)vocab_begin, (void)out;
+  fail("the {} backend has no vocabulary-parallel embedding (needed for --tp-size > 1)", name());
+}
+
+void Ops::all_reduce(TensorView x) {
+  (void)x;
+  if (comm_ && comm_->size() > 1)
+    fail("the {} backend has no tensor-parallel all-reduce (needed for --tp-size {})", name(), comm_->size());
 }
 
 void Ops::linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws,

@@ -22,7 +22,12 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "model/comm.h"
 #include "model/sampling.h"
+
+namespace kiln::format {
+struct TensorSlice;  // format/shard_plan.h
+}
 
 namespace kiln::model {
 
@@ -111,6 +116,11 @@ inline uint64_t random_fill_hash(uint64_t seed, uint64_t i) {
 void fill_random_host(DType dtype, int64_t numel, const RandomFill& fill, void* out);
 // Elements [first, first + count) of the same fill into out[0, count) (for filling one tensor on several threads).
 void fill_random_host_range(DType dtype, int64_t first, int64_t count, const RandomFill& fill, void* out);
+// A tensor-parallel rank's slice of the same random tensor: element i of `out` (slice.shape) is element
+// format::slice_source_index(slice, stored, i) of the full tensor fill_random_host would make, so TP N loads the
+// same dummy model as TP 1.
+void fill_random_host_slice(DType dtype, const Shape& stored, const format::TensorSlice& slice, const RandomFill& fill,
+                            void* out);
 
 // argmax of row[0, n) on the host: the lowest index on ties, NaN never wins, 0 when every value is NaN.
 int32_t host_argmax(const float* row, int64_t n);
@@ -176,6 +186,10 @@ class Ops {
   // ---- dense maths
   // out[t] = table[ids[t]]. table [V, H] (BF16 / F32), ids I32 [T], out F32 [T, H].
   virtual void embedding(const TensorView& table, const TensorView& ids, TensorView out) = 0;
+  // A vocabulary-parallel rank's embedding: table holds rows [vocab_begin, vocab_begin + R) of the full table;
+  // out[t] = table[ids[t] - vocab_begin] for ids in that range, zeros for the others (the ranks' outputs are then
+  // summed by all_reduce). The default fails: a backend that shards the vocabulary implements it.
+  virtual void embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out);
   // out = x W^T (+ bias). x F32 [T, K], out F32 [T, N]. fp32 accumulation.
   virtual void linear(const TensorView& x, const LinearWeight& w, TensorView out) = 0;
   // Several linears of the same input at once: outs[i] = x W_i^T (+ bias_i). The default calls linear() for each;
@@ -250,7 +264,8 @@ class Ops {
   virtual void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                          TensorView weights) = 0;
   // out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), experts applied in ascending expert id.
-  // x F32 [T, H], out F32 [T, H], experts [E].
+  // x F32 [T, H], out F32 [T, H], experts [E]. An expert without weights (gate.present() false: held by another
+  // expert-parallel rank) contributes nothing.
   virtual void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                            std::span<const ExpertWeights> experts, TensorView out) = 0;
   // The routed experts plus a gated shared expert's output: out = moe_experts(...) + shared * sigmoid(shared_gate).
@@ -261,10 +276,15 @@ class Ops {
                                   const TensorView& shared_gate, TensorView out);
 
   // ---- tensor parallelism
+  // The rank's group (model/comm.h), set by the tensor-parallel runner before the model loads; none on one device.
+  void set_communicator(Communicator* comm) { comm_ = comm; }
+  Communicator* communicator() const { return comm_; }
   // The points where a tensor-parallel rank's partial block output is summed over the group (after the attention /
-  // DeltaNet output projection, the MLP down projection, the MoE combine): x F32 [T, H], in place. A single device
-  // holds the whole sum already: the default does nothing. (Multi-GPU backends implement it with NCCL.)
-  virtual void all_reduce(TensorView x) { (void)x; }
+  // DeltaNet output projection, the MLP down projection, the MoE combine, the vocabulary-parallel embedding):
+  // x F32 [T, H] contiguous, in place. Without a group (or a group of one) the sum is already whole: nothing to do.
+  // The default fails for a group of several ranks: a backend implements it over its communicator (the CPU backend
+  // over host memory; a GPU backend on its stream).
+  virtual void all_reduce(TensorView x);
 
   // ---- sampling
   // ids[r] = argmax_v logits[r, v] (lowest index on ties; NaN never wins; all NaN: 0), written to host memory
@@ -278,6 +298,9 @@ class Ops {
 
  private:
   std::vector<std::unique_ptr<uint8_t[]>> random_storage_;  // place_random's default
+
+ protected:
+  Communicator* comm_ = nullptr;
 };
 
 // Uploads the step's host mirrors into its device arrays with Ops::upload(), always in the same order (token_pos,

@@ -11,7 +11,7 @@ namespace kiln::model {
 
 Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const RunnerOptions& options)
     : ops_(std::move(ops)), options_(options) {
-  model_ = load_model(dir, *ops_, options_.load_format);
+  model_ = load_model(dir, *ops_, options_.load_format, options_.shard ? &*options_.shard : nullptr);
   const auto& c = model_->config;
   if (options_.kv_dtype != DType::BF16 && options_.kv_dtype != DType::F32 && options_.kv_dtype != DType::F8_E4M3)
     fail("KV cache dtype {} is not supported (BF16, F32 or F8_E4M3)", dtype_name(options_.kv_dtype));
@@ -127,7 +127,7 @@ int64_t Runner::check_chunks(std::span<const SeqChunk> chunks) const {
 }
 
 void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
-  const int64_t V = model_->config.vocab_size;
+  const int64_t V = logits_width();
   const int64_t rows = check_chunks(chunks);
   if (static_cast<int64_t>(logits.size()) < rows * V)
     fail("forward: logits buffer holds {} floats, {} rows of {} needed", logits.size(), rows, V);
@@ -141,6 +141,7 @@ void Runner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) 
 }
 
 void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
+  if (model_->weights.vocab_parallel) fail("forward_argmax on one tensor-parallel rank (its logits are a slice)");
   const int64_t rows = check_chunks(chunks);
   if (static_cast<int64_t>(tokens.size()) < rows)
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
@@ -153,6 +154,7 @@ void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t>
 
 void Runner::forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
                             std::span<int32_t> tokens) {
+  if (model_->weights.vocab_parallel) fail("forward_sample on one tensor-parallel rank (its logits are a slice)");
   const int64_t n = check_chunks(chunks);
   if (static_cast<int64_t>(tokens.size()) < n || static_cast<int64_t>(rows.size()) < n)
     fail("forward_sample: {} ids and {} sampling rows for {} rows", tokens.size(), rows.size(), n);
@@ -195,7 +197,7 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
             options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
   const int64_t T = step.num_tokens;
   TensorView hidden = f.f32(Shape{T, c.hidden_size});
-  ops.embedding(model_->weights.embed_tokens, id_view, hidden);
+  embed(f, model_->weights, id_view, hidden);
   f.name("embed", -1, hidden);
   for (int l = 0; l < c.num_layers; ++l) {
     model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
@@ -209,7 +211,7 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   ops.gather_rows(hidden, row_ids, last);
   TensorView normed = rms_norm(f, last, model_->weights.final_norm, model_->family->norm_kind());
   f.name("final_norm", -1, normed);
-  TensorView out = f.f32(Shape{R, c.vocab_size});
+  TensorView out = f.f32(Shape{R, logits_width()});
   ops.linear(normed, model_->weights.lm_head, out);
   return out;
 }

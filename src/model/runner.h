@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "core/dtype.h"
@@ -30,6 +31,9 @@ struct RunnerOptions {
   // replayed (CUDA graphs) on backends that can; 0 disables.
   int graph_max_batch = 256;
   std::string summary;  // backend-specific lines for describe() (kernel choices, memory plan)
+  // A rank of a tensor-parallel group (model/tp_runner.h): load only its slices, run with its local sizes; its
+  // Ops carry the group's communicator.
+  std::optional<format::RankShard> shard;
 };
 
 class Runner : public ModelRunner {
@@ -49,6 +53,8 @@ class Runner : public ModelRunner {
   bool has_recurrent_state() const override { return !conv_state_.empty(); }
 
   const format::ModelConfig& config() const { return model_->config; }
+  // Floats per logits row forward() writes: vocab_size(), or a tensor-parallel rank's vocabulary slice.
+  int64_t logits_width() const { return model_->weights.lm_head.out_features; }
   const LoadedModel& model() const { return *model_; }
   const RunnerOptions& options() const { return options_; }
   Ops& ops() { return *ops_; }

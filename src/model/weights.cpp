@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -24,11 +26,44 @@ int64_t LinearWeight::weight_bytes() const {
   return n;
 }
 
+format::TensorSlice WeightBinder::slice_of(const format::TensorInfo& t) const {
+  if (!slicing_ || slicing_->rank.tp == 1) {
+    format::TensorSlice s;
+    s.shape = t.shape;
+    return s;
+  }
+  auto it = slicing_->tensors.find(t.name);
+  if (it == slicing_->tensors.end()) fail("{}: not a tensor of this model's layout: cannot split it over ranks", t.name);
+  return format::slice_tensor(slicing_->full, slicing_->rank, it->second, t.shape);
+}
+
 TensorView WeightBinder::place(const format::TensorInfo& t) const {
   auto it = placed_.find(t.name);
   if (it != placed_.end()) return it->second;
-  TensorView v = t.data ? ops_.place_weight(t.view())
-                        : ops_.place_random(t.dtype, t.shape, dummy_fill(t, dummy_norm_kind_));
+  const format::TensorSlice s = slice_of(t);
+  TensorView v;
+  if (!s.held) {
+    v = TensorView();  // another rank's
+  } else if (s.whole()) {
+    v = t.data ? ops_.place_weight(t.view()) : ops_.place_random(t.dtype, t.shape, dummy_fill(t, dummy_norm_kind_));
+  } else {
+    const size_t elem = dtype_size(t.dtype);
+    const int64_t row_elems = t.shape.ndim > 0 ? t.shape.numel() / t.shape[0] : 1;
+    if (t.data && s.split_dim == 0 && s.rows.size() == 1 && s.col_parts == 1) {
+      // One range of whole rows: the checkpoint's bytes in place.
+      v = ops_.place_weight(TensorView(static_cast<char*>(const_cast<void*>(static_cast<const void*>(t.data))) +
+                                           static_cast<size_t>(s.rows[0].begin * row_elems) * elem,
+                                       t.dtype, s.shape));
+    } else {
+      auto buf = std::make_unique<uint8_t[]>(std::max<size_t>(static_cast<size_t>(s.shape.numel()) * elem, 16));
+      if (t.data)
+        format::copy_slice(s, t.shape, elem, t.data, buf.get());
+      else  // dummy: the slice of the same full random tensor
+        fill_random_host_slice(t.dtype, t.shape, s, dummy_fill(t, dummy_norm_kind_), buf.get());
+      v = ops_.place_weight(TensorView(buf.get(), t.dtype, s.shape));
+      model_.slice_storage.push_back(std::move(buf));
+    }
+  }
   placed_.emplace(t.name, v);
   return v;
 }
@@ -37,9 +72,11 @@ std::string WeightBinder::layer_prefix(int layer) const { return format::layer_p
 
 TensorView WeightBinder::tensor(const std::string& name, Shape shape) const {
   const format::TensorInfo& t = ckpt_.get(name);
-  if (t.shape.numel() != shape.numel())
-    fail("{}: shape {} does not match the config (expected {} elements as {})", name, t.shape.str(),
-         shape.numel(), shape.str());
+  const format::TensorSlice s = slice_of(t);
+  if (!s.held) return TensorView();
+  if (s.shape.numel() != shape.numel())
+    fail("{}: shape {} does not match the config (expected {} elements as {}){}", name, s.shape.str(),
+         shape.numel(), shape.str(), s.whole() ? "" : " (this rank's slice)");
   TensorView v = place(t);
   v.shape = shape;
   v.set_contiguous_strides();
@@ -60,10 +97,12 @@ LinearWeight WeightBinder::linear(const std::string& module, int64_t out_feature
   w.in_features = in_features;
   const format::TensorInfo& t = ckpt_.get(module + ".weight");
   const format::QuantScheme scheme = format::effective_scheme(config_, quant_, module);
+  if (!slice_of(t).held) return w;  // another expert-parallel rank's expert
   auto expect = [&](const format::TensorInfo& ti, DType dtype, Shape shape) {
-    if (ti.dtype != dtype || !(ti.shape == shape))
-      fail("{}: {} {} in the checkpoint, expected {} {} ({} storage)", ti.name, dtype_name(ti.dtype), ti.shape.str(),
-           dtype_name(dtype), shape.str(), format::quant_scheme_name(scheme));
+    const format::TensorSlice s = slice_of(ti);
+    if (ti.dtype != dtype || !(s.shape == shape))
+      fail("{}: {} {} in the checkpoint{}, expected {} {} ({} storage)", ti.name, dtype_name(ti.dtype), s.shape.str(),
+           s.whole() ? "" : " (this rank's slice)", dtype_name(dtype), shape.str(), format::quant_scheme_name(scheme));
   };
   switch (scheme) {
     case format::QuantScheme::none:
@@ -100,18 +139,27 @@ LinearWeight WeightBinder::linear(const std::string& module, int64_t out_feature
 LinearWeight WeightBinder::dense_slice(const std::string& name, int64_t expert, int64_t row_begin,
                                        int64_t rows) const {
   const format::TensorInfo& t = ckpt_.get(name);
-  if (t.shape.ndim != 3 || expert >= t.shape[0] || row_begin + rows > t.shape[1])
-    fail("{}: shape {} cannot hold expert {} rows [{}, {})", name, t.shape.str(), expert, row_begin, row_begin + rows);
+  // A tensor-parallel rank holds experts [outer.begin, outer.end()) of it, each cut to its intermediate slice.
+  const format::TensorSlice s = slice_of(t);
+  const Shape& shape = s.shape;
+  const int64_t local = expert - s.outer.begin;
+  LinearWeight w;
+  w.format = WeightFormat::dense;
+  w.out_features = rows;
+  if (s.outer.count && (local < 0 || local >= s.outer.count)) {  // another expert-parallel rank's expert
+    w.in_features = shape.ndim == 3 ? shape[2] : 0;
+    return w;
+  }
+  if (shape.ndim != 3 || local >= shape[0] || row_begin + rows > shape[1])
+    fail("{}: shape {}{} cannot hold expert {} rows [{}, {})", name, shape.str(), s.whole() ? "" : " (this rank's slice)",
+         expert, row_begin, row_begin + rows);
   if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32)
     fail("{}: dtype {}, expected BF16, F16 or F32", name, dtype_name(t.dtype));
   // Placed once as a whole tensor (a GPU backend copies it once), then sliced.
   TensorView whole = place(t);
-  const int64_t k = t.shape[2];
-  LinearWeight w;
-  w.format = WeightFormat::dense;
-  w.out_features = rows;
+  const int64_t k = shape[2];
   w.in_features = k;
-  w.weight = TensorView(static_cast<char*>(whole.data) + ((expert * t.shape[1] + row_begin) * k) * dtype_size(t.dtype),
+  w.weight = TensorView(static_cast<char*>(whole.data) + ((local * shape[1] + row_begin) * k) * dtype_size(t.dtype),
                         t.dtype, Shape{rows, k});
   model_.bytes_by_format[0] += static_cast<int64_t>(w.weight.nbytes());
   return w;

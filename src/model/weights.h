@@ -2,6 +2,7 @@
 // CPU; device copies on a GPU). Built by a family's bind_layer() through a WeightBinder.
 #pragma once
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,8 @@
 #include "format/model_config.h"
 #include "format/quant_config.h"
 #include "format/safetensors.h"
+#include "format/shard_plan.h"
+#include "format/weight_map.h"
 #include "model/ops.h"
 
 namespace kiln::model {
@@ -67,20 +70,35 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
-  TensorView embed_tokens;  // [V, H]
+  TensorView embed_tokens;  // [V, H]; a vocabulary-parallel rank: its rows [vocab_begin, vocab_begin + V / tp)
   TensorView final_norm;    // [H]
-  LinearWeight lm_head;     // [V, H] (the embedding when tied)
+  LinearWeight lm_head;     // [V, H] (the embedding when tied); a vocabulary-parallel rank: the same rows
+  bool vocab_parallel = false;  // embed_tokens / lm_head hold only the rows from vocab_begin (tensor-parallel rank)
+  int64_t vocab_begin = 0;
   std::vector<LayerWeights> layers;
   int64_t bytes_by_format[3] = {0, 0, 0};  // linear weight bytes per WeightFormat
+  // Host copies of tensor-parallel slices that are not contiguous in the checkpoint (the CPU reads them in place).
+  std::vector<std::unique_ptr<uint8_t[]>> slice_storage;
+};
+
+// A tensor-parallel rank's view of the checkpoint: the full config (what the checkpoint stores), the rank's shard
+// (format/shard_plan.h) and every expected tensor by name, for slice_tensor().
+struct RankSlicing {
+  format::ModelConfig full;
+  format::RankShard rank;
+  std::map<std::string, format::ExpectedTensor, std::less<>> tensors;
 };
 
 // Looks tensors up by name and turns them into backend views (Ops::place_weight), choosing each linear's
-// storage from the quantisation config (format::effective_scheme) and checking shapes.
+// storage from the quantisation config (format::effective_scheme) and checking shapes. With a RankSlicing, every
+// tensor is first cut to the rank's slice (rows / columns / heads / experts; NVFP4 bytes and block scales alike) and
+// shapes are checked against the rank's config (`config`, format::rank_config); another rank's expert comes back
+// empty (present() false).
 class WeightBinder {
  public:
   WeightBinder(const format::Checkpoint& ckpt, const format::ModelConfig& config, const format::QuantConfig& quant,
-               Ops& ops, ModelWeights& model)
-      : ckpt_(ckpt), config_(config), quant_(quant), ops_(ops), model_(model) {}
+               Ops& ops, ModelWeights& model, const RankSlicing* slicing = nullptr)
+      : ckpt_(ckpt), config_(config), quant_(quant), ops_(ops), model_(model), slicing_(slicing) {}
 
   const format::ModelConfig& config() const { return config_; }
   // Norm weights' identity for a synthetic (--load-format dummy) checkpoint's random fill.
@@ -97,8 +115,11 @@ class WeightBinder {
   float scalar(const std::string& name) const;
 
  private:
-  // Ops::place_weight once per checkpoint tensor (slices of one tensor share the placement).
+  // Ops::place_weight once per checkpoint tensor (slices of one tensor share the placement); the rank's slice of
+  // it with a RankSlicing (data null when the rank holds none of it).
   TensorView place(const format::TensorInfo& t) const;
+  // The rank's slice of t (whole without a RankSlicing).
+  format::TensorSlice slice_of(const format::TensorInfo& t) const;
 
   const format::Checkpoint& ckpt_;
   const format::ModelConfig& config_;
@@ -107,6 +128,7 @@ class WeightBinder {
   ModelWeights& model_;
   mutable std::map<std::string, TensorView, std::less<>> placed_;
   NormKind dummy_norm_kind_ = NormKind::plain;
+  const RankSlicing* slicing_ = nullptr;
 };
 
 }  // namespace kiln::model

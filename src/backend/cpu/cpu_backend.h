@@ -32,6 +32,10 @@ struct CpuLoadOptions {
   std::string fp4_gemm_backend = "auto";
   bool cuda_graphs = true;  // capture and replay decode steps
   bool pdl = false;         // cuda: programmatic dependent launch between kernels (--enable-pdl, experimental)
+  // Tensor / expert parallelism (--tp-size, --ep-size; SGLang's names): tp ranks, ep expert-parallel groups among
+  // them. On the CPU the ranks are threads of this process over the in-process communicator (backend/comm_local.h).
+  int tp_size = 1;
+  int ep_size = 1;
 };
 // The name the load options go by outside the CPU backend.
 using LoadOptions = CpuLoadOptions;

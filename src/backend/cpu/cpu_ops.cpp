@@ -157,6 +157,26 @@ void CpuOps::embedding(const TensorView& table, const TensorView& ids, TensorVie
   }
 }
 
+void CpuOps::embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) {
+  const int64_t T = ids.numel(), H = table.dim(1), R = table.dim(0);
+  const int32_t* id = i32_data(ids);
+  float* o = f32_mut(out);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t row = id[t] - vocab_begin;
+    if (row < 0 || row >= R) {
+      std::memset(o + t * H, 0, static_cast<size_t>(H) * sizeof(float));
+      continue;
+    }
+    for (int64_t h = 0; h < H; ++h) o[t * H + h] = load_f32(table, row * H + h);
+  }
+}
+
+void CpuOps::all_reduce(TensorView x) {
+  if (!comm_ || comm_->size() == 1) return;
+  KILN_CHECK(x.is_contiguous() && x.dtype == DType::F32, "all_reduce of a strided or non-F32 view");
+  comm_->all_reduce_sum(f32_mut(x), x.numel());
+}
+
 void CpuOps::linear(const TensorView& x, const LinearWeight& w, TensorView out) {
   KILN_CHECK(x.ndim() == 2 && x.dim(1) == w.in_features && x.is_contiguous(), "linear: x {} for W [{}, {}]",
              x.shape.str(), w.out_features, w.in_features);
@@ -328,8 +348,8 @@ void CpuOps::moe_experts(const TensorView& x, const TensorView& expert_ids, cons
     }
   std::vector<float> xg, gate, up, y;
   for (int64_t e = 0; e < E; ++e) {
-    if (routed[e].empty()) continue;
     const ExpertWeights& ew = experts[e];
+    if (routed[e].empty() || !ew.gate.present()) continue;  // not routed to, or another EP rank's expert
     const int64_t n = static_cast<int64_t>(routed[e].size()), I = ew.gate.out_features;
     xg.resize(n * H);
     for (int64_t i = 0; i < n; ++i) std::memcpy(&xg[i * H], px + routed[e][i].first * H, H * sizeof(float));

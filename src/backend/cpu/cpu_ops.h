@@ -38,6 +38,8 @@ class CpuOps final : public model::Ops {
   float max_abs(const TensorView& x) override;
 
   void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
+  void embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) override;
+  void all_reduce(TensorView x) override;  // over the rank's communicator (host memory)
   void linear(const TensorView& x, const LinearWeight& w, TensorView out) override;
   void rms_norm(const TensorView& x, const TensorView& weight, float eps, NormKind kind, TensorView out) override;
   void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,

@@ -98,10 +98,11 @@ TEST(Capacity, Qwen35_397B_Tp8At96GiB) {
   o.tp = 8;
   o.gpu_mem_gib = 96;
   CapacityPlan p = plan_capacity(x.config, x.tensors, o);
-  // Per GPU: experts, query heads, linear-attention heads, shared expert, embedding and lm_head / 8;
-  // 2 KV heads over 8 GPUs: one KV head each (k_proj, v_proj / 2); norms and routers whole.
-  const double fp4_expert = 2.0 * (I * H / 2 + I * H / 16 + 8) + (H * I / 2 + H * I / 16 + 8);
-  const double per_gpu = L * E * fp4_expert / 8 +
+  // Per GPU: each expert's intermediate (its FP4 bytes and block scales; its two f32 scalars per linear are
+  // replicated), query heads, linear-attention heads, shared expert, embedding and lm_head / 8; 2 KV heads over 8
+  // GPUs: one KV head each (k_proj, v_proj / 2); norms and routers whole.
+  const double fp4_expert = 2.0 * (I * H / 2 + I * H / 16) + (H * I / 2 + H * I / 16);
+  const double per_gpu = L * E * fp4_expert / 8 + L * E * 3 * 8.0 +
                          FULL * 2.0 * (2 * NQ * D * H + H * NQ * D) / 8 + FULL * 2.0 * (2 * NKV * D * H) / 2 +
                          FULL * 2.0 * 2 * D + LIN * 2.0 * (kLinearAttnParams - DV) / 8 + LIN * 2.0 * DV +
                          L * 2.0 * kSharedParamsPerLayer / 8 + L * 2.0 * kRouterParamsPerLayer +
@@ -127,11 +128,12 @@ TEST(Capacity, Qwen35_397B_Tp2At141GiB) {
   CapacityPlan p = plan_capacity(x.config, x.tensors, o);
   const double norms_and_routers = FULL * 2.0 * 2 * D + LIN * 2.0 * DV + L * 2.0 * kRouterParamsPerLayer +
                                    L * 2.0 * kLayerNormParams + 2.0 * H;
-  const double split = p.weight_bytes - norms_and_routers;
-  EXPECT_NEAR(double(p.weight_bytes_per_gpu), split / 2 + norms_and_routers, 2.0);
+  const double expert_scalars = L * E * 3 * 8.0;  // weight_scale_2 + input_scale per expert linear: replicated
+  const double split = p.weight_bytes - norms_and_routers - expert_scalars;
+  EXPECT_NEAR(double(p.weight_bytes_per_gpu), split / 2 + norms_and_routers + expert_scalars, 2.0);
   EXPECT_EQ(p.kv_bytes_per_token_per_gpu, 15360u);
   const double gib = 1024.0 * 1024 * 1024;
-  const double budget = 141 * gib * 0.90 - (split / 2 + norms_and_routers) - 2 * gib;
+  const double budget = 141 * gib * 0.90 - (split / 2 + norms_and_routers + expert_scalars) - 2 * gib;
   EXPECT_NEAR(double(p.max_kv_tokens), std::floor(budget / 15360), 1.0);
 }
 
@@ -155,18 +157,34 @@ TEST(Capacity, Qwen35_35B_DecodeBytes) {
   EXPECT_NEAR(p.params_active / 1e9, 3, 0.5);
 }
 
-TEST(Capacity, ReplicationWhenTpDoesNotDivide) {
+TEST(Capacity, TpThatDoesNotDivideIsAnError) {
+  // The plan is the loader's shard plan: a size the model cannot be split by fails with the numbers, as serve does.
   Loaded x = load_bundled("qwen3.5-397b-a17b-nvfp4");
   CapacityOptions o;
   o.tp = 3;
-  CapacityPlan p = plan_capacity(x.config, x.tensors, o);
-  std::string all;
-  for (const auto& n : p.notes) all += n + "\n";
-  EXPECT_THAT(all, ::testing::HasSubstr("KV heads do not split over tp 3"));
-  EXPECT_THAT(all, ::testing::HasSubstr("linear attention"));
-  EXPECT_THAT(all, ::testing::HasSubstr("routed experts: 512 experts do not divide evenly over 3 GPUs"));
-  EXPECT_EQ(p.kv_bytes_per_token_per_gpu, p.kv_bytes_per_token);
-  EXPECT_EQ(p.state_bytes_per_sequence_per_gpu, p.state_bytes_per_sequence);
+  try {
+    plan_capacity(x.config, x.tensors, o);
+    FAIL() << "tp 3 accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("32 query heads do not split over 3 ranks"));
+  }
+  o.tp = 8;
+  o.ep = 3;
+  EXPECT_THROW(plan_capacity(x.config, x.tensors, o), Error);
+}
+
+TEST(Capacity, Qwen35_397B_Tp8Ep8) {
+  // EP 8: 64 whole experts per GPU (their scalars too); everything else as at TP 8.
+  Loaded x = load_bundled("qwen3.5-397b-a17b-nvfp4");
+  CapacityOptions o;
+  o.tp = 8;
+  CapacityPlan tp8 = plan_capacity(x.config, x.tensors, o);
+  o.ep = 8;
+  CapacityPlan ep8 = plan_capacity(x.config, x.tensors, o);
+  EXPECT_EQ(ep8.ep, 8);
+  const double scalars_saved = L * E * 3 * 8.0 * 7 / 8;  // TP keeps every expert's scalars, EP 1/8 of them
+  EXPECT_NEAR(double(tp8.weight_bytes_per_gpu) - double(ep8.weight_bytes_per_gpu), scalars_saved, 2.0);
+  EXPECT_EQ(ep8.kv_bytes_per_token_per_gpu, tp8.kv_bytes_per_token_per_gpu);
 }
 
 TEST(Capacity, BadOptions) {

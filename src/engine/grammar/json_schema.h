@@ -1,0 +1,50 @@
+// Grammars for structured output: any JSON object, a JSON Schema, Qwen3.5 XML tool calls.
+//
+// JSON Schema subset (draft 2020-12 keywords; anything else is a kiln::Error naming the keyword and where
+// it is, so the server can answer 400):
+//   type (one or a list): object, array, string, number, integer, boolean, null
+//   object: properties, required, additionalProperties (false, true or a schema)
+//   array: items, minItems, maxItems
+//   string: minLength, maxLength (counted in code points, as JSON Schema does)
+//   enum, const (any JSON values), anyOf, $ref to "#", "#/$defs/NAME" or "#/definitions/NAME", $defs,
+//   definitions; annotations are ignored: title, description, default, examples, $schema, $id, $comment,
+//   deprecated, readOnly, writeOnly.
+// The generated text is compact-or-lightly-spaced JSON: at most kMaxWhitespace whitespace bytes between
+// tokens. Object members come in the order of "properties"; extra members (additionalProperties true or a
+// schema) are only generated for objects that declare no properties (a free-form map), so that an
+// extra key can never repeat a declared one. Numbers have at most 15 integer and 15 fraction digits.
+//
+// The JSON text of a schema is parsed here (engine layer): the server passes it on as text.
+#pragma once
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/grammar/grammar.h"
+
+namespace kiln::grammar {
+
+inline constexpr int kMaxWhitespace = 16;
+
+// Any JSON object (OpenAI's response_format json_object).
+std::shared_ptr<const Grammar> json_object_grammar();
+
+// A JSON value valid against the schema (JSON text). Throws kiln::Error on a bad or unsupported schema.
+std::shared_ptr<const Grammar> json_schema_grammar(std::string_view schema_json);
+
+// One function a tool call may name: its parameters' JSON schema as JSON text ("" = no parameters).
+struct ToolSpec {
+  std::string name;
+  std::string parameters_json;
+};
+
+// Qwen3.5 / Qwen3-Coder XML tool calls (the format of server/tool_parser.h) of the given functions, with
+// arguments valid against each function's parameters schema:
+//   <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+// String arguments are raw text (they may not contain "</" or "<p"; with minLength / maxLength or no '<' at all);
+// other types are JSON. Parameters come in the order of "properties"; required ones always, others optional.
+// Leading whitespace is allowed; with parallel, one or more calls separated by a newline, else exactly one.
+std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, bool parallel);
+
+}  // namespace kiln::grammar

@@ -1,0 +1,208 @@
+#include "engine/grammar/token_mask.h"
+
+#include <algorithm>
+#include <bit>
+#include <limits>
+#include <numeric>
+#include <optional>
+
+#include "core/error.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kiln::grammar {
+
+namespace {
+
+// GPT-2 byte-level alphabet: code point -> byte (the inverse of bytes_to_unicode).
+const std::unordered_map<uint32_t, uint8_t>& byte_level_inverse() {
+  static const auto table = [] {
+    std::unordered_map<uint32_t, uint8_t> inv;
+    std::vector<bool> direct(256, false);
+    for (int b = '!'; b <= '~'; ++b) direct[static_cast<size_t>(b)] = true;
+    for (int b = 0xA1; b <= 0xAC; ++b) direct[static_cast<size_t>(b)] = true;
+    for (int b = 0xAE; b <= 0xFF; ++b) direct[static_cast<size_t>(b)] = true;
+    uint32_t n = 0;
+    for (int b = 0; b < 256; ++b) {
+      if (direct[static_cast<size_t>(b)]) inv[static_cast<uint32_t>(b)] = static_cast<uint8_t>(b);
+      else inv[256 + n++] = static_cast<uint8_t>(b);
+    }
+    return inv;
+  }();
+  return table;
+}
+
+// A vocabulary string in the byte-level alphabet -> its bytes; nullopt when some character is outside
+// the alphabet (an added token written as plain text).
+std::optional<std::string> byte_level_decode(const std::string& s) {
+  const auto& inv = byte_level_inverse();
+  std::string out;
+  for (size_t i = 0; i < s.size();) {
+    auto c = static_cast<unsigned char>(s[i]);
+    uint32_t cp;
+    size_t len;
+    if (c < 0x80) cp = c, len = 1;
+    else if ((c >> 5) == 6 && i + 1 < s.size()) cp = ((c & 0x1Fu) << 6) | (static_cast<unsigned char>(s[i + 1]) & 0x3Fu), len = 2;
+    else return std::nullopt;  // the alphabet has nothing above U+0143
+    auto it = inv.find(cp);
+    if (it == inv.end()) return std::nullopt;
+    out.push_back(static_cast<char>(it->second));
+    i += len;
+  }
+  return out;
+}
+
+}  // namespace
+
+TokenTable::TokenTable(std::vector<std::string> bytes) : bytes_(std::move(bytes)) {
+  std::vector<int32_t> order;
+  for (size_t i = 0; i < bytes_.size(); ++i)
+    if (!bytes_[i].empty()) order.push_back(static_cast<int32_t>(i));
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const std::string &x = bytes_[static_cast<size_t>(a)], &y = bytes_[static_cast<size_t>(b)];
+    return x != y ? x < y : a < b;
+  });
+  // Preorder trie from the sorted strings: `path` holds the node index at each depth of the last string.
+  std::vector<int32_t> path;
+  const std::string* prev = nullptr;
+  for (int32_t id : order) {
+    const std::string& s = bytes_[static_cast<size_t>(id)];
+    KILN_CHECK(s.size() < 65535, "token {} is {} bytes long", id, s.size());
+    size_t common = 0;
+    if (prev)
+      while (common < prev->size() && common < s.size() && (*prev)[common] == s[common]) ++common;
+    while (path.size() > common) {
+      trie_[static_cast<size_t>(path.back())].subtree_end = static_cast<int32_t>(trie_.size());
+      path.pop_back();
+    }
+    for (size_t d = common; d < s.size(); ++d) {
+      TrieNode n{static_cast<uint8_t>(s[d]), static_cast<uint16_t>(d + 1), -1, 0, 0};
+      n.tokens_begin = n.tokens_end = static_cast<int32_t>(tokens_.size());
+      path.push_back(static_cast<int32_t>(trie_.size()));
+      trie_.push_back(n);
+    }
+    TrieNode& last = trie_[static_cast<size_t>(path.back())];
+    if (last.tokens_end != static_cast<int32_t>(tokens_.size()))
+      last.tokens_begin = static_cast<int32_t>(tokens_.size());  // first token of this node
+    tokens_.push_back(id);
+    last.tokens_end = static_cast<int32_t>(tokens_.size());
+    max_depth_ = std::max(max_depth_, static_cast<int>(s.size()));
+    prev = &s;
+  }
+  while (!path.empty()) {
+    trie_[static_cast<size_t>(path.back())].subtree_end = static_cast<int32_t>(trie_.size());
+    path.pop_back();
+  }
+}
+
+std::shared_ptr<const TokenTable> TokenTable::from_tokenizer(const tok::Tokenizer& tokenizer, int64_t vocab_size) {
+  const int64_t n = std::max<int64_t>(vocab_size, tokenizer.vocab_size());
+  std::vector<std::string> bytes(static_cast<size_t>(n));
+  for (int64_t i = 0; i < tokenizer.vocab_size(); ++i) {
+    auto id = static_cast<int32_t>(i);
+    if (tokenizer.is_special(id)) continue;
+    std::string raw = tokenizer.id_to_token(id);
+    if (raw.empty()) continue;
+    auto b = byte_level_decode(raw);
+    bytes[static_cast<size_t>(i)] = b ? *b : raw;
+  }
+  return std::make_shared<TokenTable>(std::move(bytes));
+}
+
+int64_t TokenBitmask::count() const {
+  int64_t c = 0;
+  for (uint64_t w : words) c += std::popcount(w);
+  return c;
+}
+
+Matcher::Matcher(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenTable> tokens,
+                 std::vector<int32_t> stop_ids)
+    : automaton_(std::move(grammar)), tokens_(std::move(tokens)), stop_ids_(std::move(stop_ids)) {
+  state_ = automaton_.initial_state();
+  walk_.resize(static_cast<size_t>(tokens_->max_depth()) + 1);
+}
+
+void Matcher::compute(int32_t state, TokenBitmask& out) {
+  out.resize(tokens_->vocab_size());
+  const auto& trie = tokens_->trie();
+  const auto& toks = tokens_->trie_tokens();
+  const int32_t n = static_cast<int32_t>(trie.size());
+  walk_[0] = state;
+  for (int32_t i = 0; i < n;) {
+    const TokenTable::TrieNode& node = trie[static_cast<size_t>(i)];
+    int32_t s = automaton_.step(walk_[node.depth - 1u], node.byte);
+    if (s == Automaton::kDead) {
+      i = node.subtree_end;
+      continue;
+    }
+    walk_[node.depth] = s;
+    for (int32_t t = node.tokens_begin; t < node.tokens_end; ++t) out.set(toks[static_cast<size_t>(t)]);
+    ++i;
+  }
+  if (automaton_.accepting(state))
+    for (int32_t id : stop_ids_)
+      if (id >= 0 && id < tokens_->vocab_size()) out.set(id);
+}
+
+const TokenBitmask& Matcher::mask() {
+  if (current_ && current_state_ == state_) {
+    ++cache_hits_;
+    return *current_;
+  }
+  auto it = cache_.find(state_);
+  if (it != cache_.end()) {
+    ++cache_hits_;
+  } else {
+    ++cache_misses_;
+    if (cache_.size() >= 64) cache_.clear();  // bounded memory: masks are vocab/8 bytes each
+    auto m = std::make_shared<TokenBitmask>();
+    compute(state_, *m);
+    it = cache_.emplace(state_, std::move(m)).first;
+  }
+  current_ = it->second;
+  current_state_ = state_;
+  return *current_;
+}
+
+int64_t Matcher::apply(std::span<float> logits) {
+  const TokenBitmask& m = mask();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t allowed = 0;
+  const size_t n = logits.size();
+  for (size_t w = 0; w * 64 < n; ++w) {
+    uint64_t bits = w < m.words.size() ? m.words[w] : 0;
+    size_t end = std::min(n, w * 64 + 64);
+    if (bits == ~uint64_t(0) && end == w * 64 + 64) {
+      allowed += 64;
+      continue;
+    }
+    for (size_t i = w * 64; i < end; ++i) {
+      if ((bits >> (i - w * 64)) & 1) ++allowed;
+      else logits[i] = ninf;
+    }
+  }
+  return allowed;
+}
+
+bool Matcher::accept(int32_t token) {
+  if (finished_ || token < 0) return false;
+  if (std::find(stop_ids_.begin(), stop_ids_.end(), token) != stop_ids_.end() && automaton_.accepting(state_)) {
+    finished_ = true;
+    return true;
+  }
+  if (token >= tokens_->vocab_size()) return false;
+  const std::string& b = tokens_->bytes(token);
+  if (b.empty()) return false;
+  int32_t s = automaton_.step_bytes(state_, b);
+  if (s == Automaton::kDead) return false;
+  state_ = s;
+  return true;
+}
+
+bool Matcher::accept_bytes(std::string_view bytes) {
+  int32_t s = automaton_.step_bytes(state_, bytes);
+  if (s == Automaton::kDead) return false;
+  state_ = s;
+  return true;
+}
+
+}  // namespace kiln::grammar

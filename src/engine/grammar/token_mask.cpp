@@ -168,16 +168,21 @@ int64_t Matcher::apply(std::span<float> logits) {
   const float ninf = -std::numeric_limits<float>::infinity();
   int64_t allowed = 0;
   const size_t n = logits.size();
-  for (size_t w = 0; w * 64 < n; ++w) {
+  float* out = logits.data();
+  for (size_t w = 0, base = 0; base < n; ++w, base += 64) {
     uint64_t bits = w < m.words.size() ? m.words[w] : 0;
-    size_t end = std::min(n, w * 64 + 64);
-    if (bits == ~uint64_t(0) && end == w * 64 + 64) {
-      allowed += 64;
+    const size_t len = std::min<size_t>(64, n - base);
+    if (len < 64) bits &= (uint64_t(1) << len) - 1;
+    allowed += std::popcount(bits);
+    if (bits == 0) {
+      std::fill(out + base, out + base + len, ninf);
       continue;
     }
-    for (size_t i = w * 64; i < end; ++i) {
-      if ((bits >> (i - w * 64)) & 1) ++allowed;
-      else logits[i] = ninf;
+    uint64_t off = ~bits;
+    if (len < 64) off &= (uint64_t(1) << len) - 1;
+    while (off) {
+      out[base + static_cast<size_t>(std::countr_zero(off))] = ninf;
+      off &= off - 1;
     }
   }
   return allowed;

@@ -50,6 +50,15 @@ class TokenTable {
   int max_depth_ = 0;
 };
 
+// What a request carries: the grammar, the tokenizer's table, and where the constraint starts.
+struct Constraint {
+  std::shared_ptr<const Grammar> grammar;
+  std::shared_ptr<const TokenTable> tokens;
+  // >= 0: the sequence is free until it generates this token (the end of the reasoning, "</think>"); the
+  // token itself is not part of the constrained text. -1: constrained from the first token.
+  int32_t start_after_token = -1;
+};
+
 // A bit per vocabulary id.
 struct TokenBitmask {
   std::vector<uint64_t> words;
@@ -80,6 +89,10 @@ class Matcher {
   bool finished() const { return finished_; }  // a stop token was accepted
   // Accepts text (bytes) directly; false when it does not fit. For tests and forced prefixes.
   bool accept_bytes(std::string_view bytes);
+  void clear_mask_cache() {
+    cache_.clear();
+    current_.reset();
+  }
   size_t num_automaton_states() const { return automaton_.num_states(); }
   size_t cache_hits() const { return cache_hits_; }
   size_t cache_misses() const { return cache_misses_; }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kiln quantize from the command line: a real run is covered by tests/unit/quantize; here the CLI's
+# kiln quantize from the command line: a real run is covered by tests/unit/format/quantize_checkpoint_test.cpp
+# and tests/unit/backend/calibration_test.cpp; here the CLI's
 # wiring and its one-line errors (already-quantised input, unknown scheme, missing calibration file,
 # calibration alternatives, bad calibration prompts).
 # Args: $1 = kiln binary, $2 = repo root.

@@ -1,13 +1,14 @@
 // Oracle for kiln's tokenizer: encodes a corpus with the HF tokenizers JS implementation
 // (@huggingface/tokenizers) and writes the expected results as JSON lines.
 //
-//   node tests/js/tokenize_oracle.mjs TOKENIZER_DIR CORPUS_DIR OUT.jsonl [--random N] [--seed S]
+//   node tests/js/tokenize_oracle.mjs TOKENIZER_DIR CORPUS_DIR OUT.jsonl [--random N] [--seed S] [--no-decode]
 //
 // Lines written:
 //   {"kind":"encode","source":...,"text":...,"ids":[...],"nfc":...,"decoded":...}
 //       ids: encode(text) (special tokens parsed); nfc: text.normalize("NFC"); decoded: decode(ids)
 //   {"kind":"decode","ids":[...],"text":...,"text_skip_special":...}
 //       decode of random id sequences (split multi-byte characters, special tokens)
+// --no-decode: encode lines only (the decode cases assume Qwen3's ids: every byte has its token).
 // Samples: each corpus .txt file split at lines "---8<---", each whole file, one long text made of
 // all files, and N seeded random strings (deterministic: same seed, same strings).
 import fs from "node:fs";
@@ -53,7 +54,7 @@ const byteLevel = (b) => {
   return String.fromCodePoint(256 + n);
 };
 const singleByteId = (b) => tokenizer.token_to_id(byteLevel(b));
-const nDecode = Math.max(200, Math.floor(nRandom / 5));
+const nDecode = args.includes("--no-decode") ? 0 : Math.max(200, Math.floor(nRandom / 5));
 for (let i = 0; i < nDecode; i++) {
   const ids = [];
   for (let n = randint(1, 20); n > 0; n--) {

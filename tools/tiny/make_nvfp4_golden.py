@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes tests/unit/quantize/nvfp4_golden.json: NVFP4 quantisations computed by the pure-Python
+"""Writes tests/fixtures/nvfp4_golden.json: NVFP4 quantisations computed by the pure-Python
 reference (tools/tiny/nvfp4.py), for kiln's C++ quantiser to match byte for byte.
 
   python3 tools/tiny/make_nvfp4_golden.py      (run from anywhere; rewrites the fixture)
@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import nvfp4  # noqa: E402
 
-OUT = os.path.join(HERE, "..", "..", "tests", "unit", "quantize", "nvfp4_golden.json")
+OUT = os.path.join(HERE, "..", "..", "tests", "fixtures", "nvfp4_golden.json")
 
 
 def f32_bits(x):

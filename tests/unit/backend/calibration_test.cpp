@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "../format/fixture_util.h"
+#include "fixture_util.h"
 #include "backend/calibration.h"
 #include "backend/cpu/cpu_backend.h"
 #include "core/dtype.h"

@@ -30,7 +30,7 @@ uint32_t to_bits(float f) {
 }
 
 nlohmann::json load_golden() {
-  std::ifstream f(std::string(KILN_SOURCE_DIR) + "/tests/unit/quantize/nvfp4_golden.json");
+  std::ifstream f(std::string(KILN_SOURCE_DIR) + "/tests/fixtures/nvfp4_golden.json");
   EXPECT_TRUE(f.good()) << "missing nvfp4_golden.json (regenerate: python3 tools/tiny/make_nvfp4_golden.py)";
   std::stringstream ss;
   ss << f.rdbuf();

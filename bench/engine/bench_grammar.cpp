@@ -17,13 +17,14 @@
 #include <random>
 #include <vector>
 
-#include "engine/grammar/json_schema.h"
 #include "engine/grammar/token_mask.h"
+#include "server/structured_output.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
 
 using namespace kiln::grammar;
+using kiln::server::json_schema_grammar;
 
 constexpr int64_t kVocab = 248320;
 
@@ -43,7 +44,7 @@ const Fixture& fixture() {
       return f;
     }
     f.tok = kiln::tok::Tokenizer::load_dir(dir);
-    auto base = TokenTable::from_tokenizer(*f.tok, f.tok->vocab_size());
+    auto base = kiln::server::token_table(*f.tok, f.tok->vocab_size());
     std::vector<std::string> bytes;
     std::vector<int32_t> real;
     for (int64_t i = 0; i < base->vocab_size(); ++i) {

@@ -1,6 +1,7 @@
 // Per-step token masks from a grammar: which vocabulary tokens may come next.
 //
-// TokenTable holds every token's byte string and a byte trie over them, built once per tokenizer. The
+// TokenTable holds every token's byte string and a byte trie over them, built once per tokenizer (the server
+// makes it from the tokenizer: server/structured_output.h). The
 // trie is stored in preorder with each node's subtree end, so a mask is one linear pass that runs the
 // automaton one byte per trie node and skips a whole subtree as soon as its prefix is dead. Automaton
 // transitions are memoised and masks are cached per automaton state (inside a JSON string the state
@@ -15,10 +16,6 @@
 
 #include "engine/grammar/grammar.h"
 
-namespace kiln::tok {
-class Tokenizer;
-}
-
 namespace kiln::grammar {
 
 class TokenTable {
@@ -26,8 +23,6 @@ class TokenTable {
   // bytes[i]: token i's byte string; an empty string is a token no grammar allows (special tokens,
   // padding ids past the tokenizer).
   explicit TokenTable(std::vector<std::string> bytes);
-  // Byte strings from a byte-level BPE tokenizer; ids in [tokenizer vocab, vocab_size) are padding.
-  static std::shared_ptr<const TokenTable> from_tokenizer(const tok::Tokenizer& tokenizer, int64_t vocab_size);
 
   struct TrieNode {
     uint8_t byte;

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <random>
 
-#include "engine/grammar/json_schema.h"
 #include "engine/grammar/token_mask.h"
 
 namespace kiln::grammar {
@@ -22,6 +21,43 @@ std::vector<std::string> small_vocab() {
   v.push_back("");  // a special token: never allowed by the grammar
   v.push_back("");  // the stop token
   return v;
+}
+
+// {"name":"<letters, spaces, \xc3\xa9 or \\n>"} with an optional ,"n":[1-3 integers] (hand-built).
+std::shared_ptr<const Grammar> record_grammar() {
+  auto g = std::make_shared<Grammar>();
+  std::array<bool, 256> letters{};
+  for (int c = 'a'; c <= 'z'; ++c) letters[static_cast<size_t>(c)] = true;
+  letters[' '] = true;
+  int32_t str = g->new_rule("string");
+  g->define_rule(str, g->seq({g->literal("\""), g->star(g->alt({g->byte_set(letters), g->literal("\xc3\xa9"), g->literal("\\n")})),
+                              g->literal("\"")}));
+  int32_t num = g->new_rule("integer");
+  g->define_rule(num, g->seq({g->opt(g->literal("-")), g->bytes('1', '9'), g->repeat([&] { return g->bytes('0', '9'); }, 0, 3)}));
+  int32_t root = g->new_rule("root");
+  Frag list = g->seq({g->literal(",\"n\":["), g->call(num), g->repeat([&] { return g->seq({g->literal(","), g->call(num)}); }, 0, 2),
+                      g->literal("]")});
+  g->define_rule(root, g->seq({g->literal("{\"name\":"), g->call(str), g->opt(list), g->literal("}")}));
+  g->set_root(root);
+  return g;
+}
+
+std::shared_ptr<const Grammar> boolean_grammar() {
+  auto g = std::make_shared<Grammar>();
+  int32_t root = g->new_rule("root");
+  g->define_rule(root, g->alt({g->literal("true"), g->literal("false")}));
+  g->set_root(root);
+  return g;
+}
+
+std::shared_ptr<const Grammar> string_grammar() {
+  auto g = std::make_shared<Grammar>();
+  int32_t root = g->new_rule("root");
+  std::array<bool, 256> letters{};
+  for (int c = 'a'; c <= 'z'; ++c) letters[static_cast<size_t>(c)] = true;
+  g->define_rule(root, g->seq({g->literal("\""), g->star(g->alt({g->byte_set(letters), g->literal("\xc3\xa9")})), g->literal("\"")}));
+  g->set_root(root);
+  return g;
 }
 
 // The independent check: a token fits when stepping its bytes one by one from the state stays alive.
@@ -49,8 +85,7 @@ TEST(TokenMask, MatchesTokenByTokenCheckAlongRandomWalks) {
   auto vocab = small_vocab();
   const int32_t stop = static_cast<int32_t>(vocab.size()) - 1;
   auto table = std::make_shared<TokenTable>(vocab);
-  auto g = json_schema_grammar(R"({"type":"object","properties":{"name":{"type":"string"},"n":{"type":"array",
-      "items":{"type":"number"},"maxItems":3},"ok":{"type":"boolean"}},"required":["name"]})");
+  auto g = record_grammar();
   std::mt19937 rng(7);
   int finished = 0;
   for (int walk = 0; walk < 40; ++walk) {
@@ -86,7 +121,7 @@ TEST(TokenMask, StopOnlyWhenAcceptingAndForcedAtTheEnd) {
   auto vocab = small_vocab();
   const int32_t stop = static_cast<int32_t>(vocab.size()) - 1;
   auto table = std::make_shared<TokenTable>(vocab);
-  Matcher m(json_schema_grammar(R"({"type":"boolean"})"), table, {stop});
+  Matcher m(boolean_grammar(), table, {stop});
   EXPECT_FALSE(m.mask().test(stop));
   EXPECT_FALSE(m.accept(stop));
   EXPECT_FALSE(m.accept(static_cast<int32_t>('x')));
@@ -106,7 +141,7 @@ TEST(TokenMask, StopOnlyWhenAcceptingAndForcedAtTheEnd) {
 
 TEST(TokenMask, MaskCacheGivesTheSameMaskForARepeatedState) {
   auto table = std::make_shared<TokenTable>(small_vocab());
-  Matcher m(json_schema_grammar(R"({"type":"string"})"), table, {});
+  Matcher m(string_grammar(), table, {});
   ASSERT_TRUE(m.accept_bytes("\"x"));
   TokenBitmask first = m.mask();
   ASSERT_TRUE(m.accept_bytes("abc"));  // same automaton state inside the string

@@ -14,7 +14,7 @@
 // schema) are only generated for objects that declare no properties (a free-form map), so that an
 // extra key can never repeat a declared one. Numbers have at most 15 integer and 15 fraction digits.
 //
-// The JSON text of a schema is parsed here (engine layer): the server passes it on as text.
+// The grammars are built here (server layer: JSON in, engine/grammar automata out); the engine only runs them.
 #pragma once
 #include <memory>
 #include <string>
@@ -22,8 +22,15 @@
 #include <vector>
 
 #include "engine/grammar/grammar.h"
+#include "engine/grammar/token_mask.h"
 
-namespace kiln::grammar {
+namespace kiln::tok {
+class Tokenizer;
+}
+
+namespace kiln::server {
+
+using grammar::Grammar;
 
 inline constexpr int kMaxWhitespace = 16;
 
@@ -47,4 +54,8 @@ struct ToolSpec {
 // Leading whitespace is allowed; with parallel, one or more calls separated by a newline, else exactly one.
 std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, bool parallel);
 
-}  // namespace kiln::grammar
+// Every token's byte string from a byte-level BPE tokenizer (special tokens and ids past the tokenizer,
+// up to vocab_size, get none: no grammar allows them). Built once per server.
+std::shared_ptr<const grammar::TokenTable> token_table(const tok::Tokenizer& tokenizer, int64_t vocab_size);
+
+}  // namespace kiln::server

@@ -5,10 +5,13 @@
 
 #include "core/error.h"
 #include "engine/grammar/grammar.h"
-#include "engine/grammar/json_schema.h"
+#include "server/structured_output.h"
 
-namespace kiln::grammar {
+namespace kiln::server {
 namespace {
+
+using grammar::Automaton;
+using grammar::Grammar;
 
 // Whole-text match: every byte fits and the root rule ends there.
 bool full(const std::shared_ptr<const Grammar>& g, std::string_view text) {
@@ -227,4 +230,4 @@ TEST(GrammarToolCall, BadToolsAreErrors) {
 }
 
 }  // namespace
-}  // namespace kiln::grammar
+}  // namespace kiln::server

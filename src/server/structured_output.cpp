@@ -1,12 +1,17 @@
-#include "engine/grammar/json_schema.h"
+#include "server/structured_output.h"
 
 #include <map>
+#include <optional>
+#include <unordered_map>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "core/error.h"
+#include "tokenizer/tokenizer.h"
 
-namespace kiln::grammar {
+namespace kiln::server {
+
+using grammar::Frag;
 
 namespace {
 
@@ -520,4 +525,60 @@ std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& to
   return g;
 }
 
-}  // namespace kiln::grammar
+namespace {
+
+// GPT-2 byte-level alphabet: code point -> byte (the inverse of bytes_to_unicode).
+const std::unordered_map<uint32_t, uint8_t>& byte_level_inverse() {
+  static const auto table = [] {
+    std::unordered_map<uint32_t, uint8_t> inv;
+    std::vector<bool> direct(256, false);
+    for (int b = '!'; b <= '~'; ++b) direct[static_cast<size_t>(b)] = true;
+    for (int b = 0xA1; b <= 0xAC; ++b) direct[static_cast<size_t>(b)] = true;
+    for (int b = 0xAE; b <= 0xFF; ++b) direct[static_cast<size_t>(b)] = true;
+    uint32_t n = 0;
+    for (int b = 0; b < 256; ++b) {
+      if (direct[static_cast<size_t>(b)]) inv[static_cast<uint32_t>(b)] = static_cast<uint8_t>(b);
+      else inv[256 + n++] = static_cast<uint8_t>(b);
+    }
+    return inv;
+  }();
+  return table;
+}
+
+// A vocabulary string in the byte-level alphabet -> its bytes; nullopt when some character is outside
+// the alphabet (an added token written as plain text).
+std::optional<std::string> byte_level_decode(const std::string& s) {
+  const auto& inv = byte_level_inverse();
+  std::string out;
+  for (size_t i = 0; i < s.size();) {
+    auto c = static_cast<unsigned char>(s[i]);
+    uint32_t cp;
+    size_t len;
+    if (c < 0x80) cp = c, len = 1;
+    else if ((c >> 5) == 6 && i + 1 < s.size()) cp = ((c & 0x1Fu) << 6) | (static_cast<unsigned char>(s[i + 1]) & 0x3Fu), len = 2;
+    else return std::nullopt;  // the alphabet has nothing above U+0143
+    auto it = inv.find(cp);
+    if (it == inv.end()) return std::nullopt;
+    out.push_back(static_cast<char>(it->second));
+    i += len;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<const grammar::TokenTable> token_table(const tok::Tokenizer& tokenizer, int64_t vocab_size) {
+  const int64_t n = std::max<int64_t>(vocab_size, tokenizer.vocab_size());
+  std::vector<std::string> bytes(static_cast<size_t>(n));
+  for (int64_t i = 0; i < tokenizer.vocab_size(); ++i) {
+    auto id = static_cast<int32_t>(i);
+    if (tokenizer.is_special(id)) continue;
+    std::string raw = tokenizer.id_to_token(id);
+    if (raw.empty()) continue;
+    auto b = byte_level_decode(raw);
+    bytes[static_cast<size_t>(i)] = b ? *b : raw;
+  }
+  return std::make_shared<grammar::TokenTable>(std::move(bytes));
+}
+
+}  // namespace kiln::server

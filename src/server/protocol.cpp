@@ -92,6 +92,11 @@ class Fields {
 };
 
 void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bool is_chat, GenerationFields& out) {
+  if (auto rf = body.find("response_format"); rf != body.end() && !rf->is_null()) {
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+      throw bad_param("response_format", "'response_format' must be an object with a 'type' (text, json_object or json_schema)");
+    out.response_format = *rf;
+  }
   Fields f(body);
   out.model = f.string("model");
   engine::SamplingParams& s = out.sampling;
@@ -262,10 +267,12 @@ void validate_tools(const ojson& body, ChatRequest& out) {
       if (c != "none" && c != "auto" && c != "required")
         throw bad_param("tool_choice", "'tool_choice' must be none, auto, required or a function");
       out.tool_choice_none = c == "none";
+      out.tool_choice = *choice;
     } else if (choice->is_object()) {
       if (!choice->contains("function") || !(*choice)["function"].is_object() ||
           !(*choice)["function"].contains("name") || !(*choice)["function"]["name"].is_string())
         throw bad_param("tool_choice", "'tool_choice' object needs function.name");
+      out.tool_choice = *choice;
     } else {
       throw bad_param("tool_choice", "'tool_choice' must be a string or an object");
     }
@@ -289,12 +296,9 @@ ChatRequest parse_chat_request(std::string_view body_text, const ProtocolLimits&
   validate_tools(body, r);
   Fields f(body);
   r.separate_reasoning = f.boolean("separate_reasoning").value_or(true);
-  if (const ojson* rf = f.get("response_format")) {
-    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
-      throw bad_param("response_format", "'response_format' must be an object with a 'type'");
-    if ((*rf)["type"].get<std::string>() != "text")
-      throw bad_param("response_format", "response_format type '" + (*rf)["type"].get<std::string>() +
-                                             "' is not supported (only 'text')");
+  if (const ojson* ptc = f.get("parallel_tool_calls")) {
+    if (!ptc->is_boolean()) throw bad_param("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+    r.parallel_tool_calls = ptc->get<bool>();
   }
   r.template_input = ojson::object();
   r.template_input["messages"] = std::move(messages);

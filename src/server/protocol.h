@@ -2,6 +2,7 @@
 // parameter, so nothing malformed reaches the engine.
 #pragma once
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -37,12 +38,17 @@ struct GenerationFields {
   bool logprobs = false;
   int top_logprobs = 0;
   bool skip_special_tokens = true;
+  ojson response_format;  // null or {type: text | json_object | json_schema, ...} (checked by structured_output)
+  // Set by the server from response_format / tool_choice (server/structured_output.h): the engine's grammar.
+  std::shared_ptr<const grammar::Constraint> constraint;
 };
 
 struct ChatRequest : GenerationFields {
   ojson template_input;  // messages (text parts joined), tools, chat_template_kwargs, add_generation_prompt
   ojson tools;           // null when none
   bool tool_choice_none = false;
+  ojson tool_choice;                // null, "none" / "auto" / "required", or {type: function, function: {name}}
+  bool parallel_tool_calls = true;
   bool separate_reasoning = true;
   std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking
 };

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "server/api_error.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kiln::server {
@@ -15,7 +16,7 @@ using grammar::Frag;
 
 namespace {
 
-using json = nlohmann::ordered_json;  // keeps "properties" in declaration order
+using json = ojson;  // ordered: keeps "properties" in declaration order
 
 std::array<bool, 256> no_bytes() {
   std::array<bool, 256> a{};
@@ -470,7 +471,7 @@ void check_tag_name(const std::string& name, const char* what) {
 
 }  // namespace
 
-std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, bool parallel) {
+std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, bool parallel, bool text_first) {
   if (tools.empty()) fail("no tools to call (give 'tools')");
   auto g = std::make_shared<Grammar>();
   JsonBuilder b(*g);
@@ -519,10 +520,91 @@ std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& to
   Frag head = g->repeat([&] { return g->byte_set(lead); }, 0, 4);
   Frag body = parallel ? g->seq({g->call(call_rule), g->star(g->seq({g->literal("\n"), g->call(call_rule)}))})
                        : g->call(call_rule);
-  g->define_rule(root, g->seq({head, body}));
+  if (text_first) {
+    std::array<bool, 128> no_lt{};
+    for (int i = 1; i < 128; ++i) no_lt[static_cast<size_t>(i)] = i != '<';
+    std::array<bool, 128> after_lt = no_lt;  // "<t" could start <tool_call>, "</" a closing tag
+    after_lt['t'] = after_lt['/'] = false;
+    Frag text = g->star(g->alt({b.utf8_char(no_lt), g->seq({g->literal("<"), b.utf8_char(after_lt)})}));
+    g->define_rule(root, g->seq({text, g->opt(g->seq({head, body}))}));
+  } else {
+    g->define_rule(root, g->seq({head, body}));
+  }
   g->set_root(root);
   g->validate();
   return g;
+}
+
+namespace {
+
+std::shared_ptr<const Grammar> response_format_grammar(const ojson& rf) {
+  if (rf.is_null()) return nullptr;
+  const std::string type = rf["type"].get<std::string>();
+  if (type == "text") return nullptr;
+  if (type == "json_object") return json_object_grammar();
+  if (type == "json_schema") {
+    auto js = rf.find("json_schema");
+    if (js == rf.end() || !js->is_object())
+      throw bad_param("response_format", "response_format json_schema needs 'json_schema': {name, schema, strict}");
+    auto schema = js->find("schema");
+    if (schema == js->end()) throw bad_param("response_format", "response_format.json_schema needs a 'schema'");
+    if (auto st = js->find("strict"); st != js->end() && !st->is_boolean() && !st->is_null())
+      throw bad_param("response_format", "response_format.json_schema.strict must be a boolean");
+    try {
+      return json_schema_grammar(schema->dump());
+    } catch (const InternalError&) {
+      throw;
+    } catch (const Error& e) {
+      throw bad_param("response_format", std::string("response_format.json_schema.schema: ") + e.what());
+    }
+  }
+  throw bad_param("response_format", "response_format type '" + type +
+                                         "' is not supported (use text, json_object or json_schema)");
+}
+
+}  // namespace
+
+std::shared_ptr<const Grammar> completion_grammar(const CompletionRequest& r) {
+  return response_format_grammar(r.response_format);
+}
+
+std::shared_ptr<const Grammar> chat_grammar(const ChatRequest& r, bool tool_parser_on) {
+  auto format = response_format_grammar(r.response_format);
+  // Which tools a call may name, and whether a call is required.
+  std::string mode = "auto", name;
+  if (r.tool_choice.is_string()) mode = r.tool_choice.get<std::string>();
+  else if (r.tool_choice.is_object()) mode = "function", name = r.tool_choice["function"]["name"].get<std::string>();
+  bool any_strict = false;
+  std::vector<ToolSpec> specs;
+  if (r.tools.is_array()) {
+    for (const auto& t : r.tools) {
+      const auto& fn = t["function"];
+      std::string fname = fn["name"].get<std::string>();
+      if (mode == "function" && fname != name) continue;
+      if (auto st = fn.find("strict"); st != fn.end() && st->is_boolean() && st->get<bool>()) any_strict = true;
+      auto params = fn.find("parameters");
+      specs.push_back({fname, params == fn.end() || params->is_null() ? "" : params->dump()});
+    }
+  }
+  const bool forced = mode == "required" || mode == "function";
+  if (forced && r.tools.is_null()) throw bad_param("tool_choice", "tool_choice '" + mode + "' needs 'tools'");
+  if (mode == "function" && specs.empty())
+    throw bad_param("tool_choice", "tool_choice names function '" + name + "', which is not in 'tools'");
+  const bool constrain_tools = forced || (mode == "auto" && any_strict);
+  if (!constrain_tools) return format;
+  if (format)
+    throw bad_param("response_format", "response_format json_object / json_schema cannot be combined with tool_choice '" +
+                                           mode + "' or strict tools");
+  if (!tool_parser_on)
+    throw bad_param("tool_choice", "constrained tool calls need the tool-call parser (start kiln serve with "
+                                   "--tool-call-parser qwen3_coder)");
+  try {
+    return tool_call_grammar(specs, mode != "function" && r.parallel_tool_calls, /*text_first=*/!forced);
+  } catch (const InternalError&) {
+    throw;
+  } catch (const Error& e) {
+    throw bad_param("tools", e.what());
+  }
 }
 
 namespace {

@@ -23,6 +23,7 @@
 
 #include "engine/grammar/grammar.h"
 #include "engine/grammar/token_mask.h"
+#include "server/protocol.h"
 
 namespace kiln::tok {
 class Tokenizer;
@@ -52,7 +53,17 @@ struct ToolSpec {
 // String arguments are raw text (they may not contain "</" or "<p"; with minLength / maxLength or no '<' at all);
 // other types are JSON. Parameters come in the order of "properties"; required ones always, others optional.
 // Leading whitespace is allowed; with parallel, one or more calls separated by a newline, else exactly one.
-std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, bool parallel);
+// text_first (tool_choice auto with strict tools): free text first (without "<t" or "</" ), then optionally the calls.
+std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, bool parallel,
+                                                 bool text_first = false);
+
+// The grammar a request's answer (after the reasoning) must follow, or null when it is free:
+//   response_format json_object / json_schema {schema}; tool_choice "required" (a call of any tool) or
+//   {"type": "function", "function": {"name"}} (a call of that one); tool_choice "auto" with a tool marked
+//   "strict": true (text, then calls whose arguments fit). An invalid or unsupported request is an ApiError 400
+//   naming the parameter (and, for a schema, the keyword).
+std::shared_ptr<const Grammar> chat_grammar(const ChatRequest& r, bool tool_parser_on);
+std::shared_ptr<const Grammar> completion_grammar(const CompletionRequest& r);
 
 // Every token's byte string from a byte-level BPE tokenizer (special tokens and ids past the tokenizer,
 // up to vocab_size, get none: no grammar allows them). Built once per server.

@@ -132,6 +132,8 @@ Frag Grammar::repeat(const std::function<Frag()>& make, int64_t min, int64_t max
 
 Automaton::Automaton(std::shared_ptr<const Grammar> grammar) : grammar_(std::move(grammar)) {
   grammar_->validate();
+  stacks_.push_back({-1, -1});  // the opaque bottom: never returned to
+  opaque_bottom_ = 0;
   std::vector<Config> seeds{{grammar_->rule_start(grammar_->root()), -1}};
   initial_ = close_and_intern(seeds);
 }
@@ -148,7 +150,7 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
   work_.assign(seeds.begin(), seeds.end());
   out_.clear();
   std::unordered_set<uint64_t> seen;
-  bool accepting = false;
+  bool accepting = false, popped = false;
   size_t steps = 0;
   auto key_of = [](const Config& c) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(c.node)) << 32) | static_cast<uint32_t>(c.stack);
@@ -162,6 +164,8 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
     if (n.end_of_rule >= 0) {
       if (c.stack < 0) {
         if (n.end_of_rule == g.root()) accepting = true;
+      } else if (c.stack == opaque_bottom_) {
+        popped = true;
       } else {
         const StackEntry e = stacks_[static_cast<size_t>(c.stack)];
         work_.push_back({e.ret, e.parent});
@@ -181,12 +185,13 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
   std::sort(out_.begin(), out_.end());
   std::string key(out_.size() * sizeof(Config) + 1, '\0');
   if (!out_.empty()) std::memcpy(key.data(), out_.data(), out_.size() * sizeof(Config));
-  key.back() = accepting ? '\1' : '\0';
+  key.back() = static_cast<char>((accepting ? 1 : 0) | (popped ? 2 : 0));
   auto [it, fresh] = state_ids_.emplace(std::move(key), static_cast<int32_t>(states_.size()));
   if (fresh) {
     State s;
     s.configs = out_;
     s.accepting = accepting;
+    s.popped = popped;
     states_.push_back(std::move(s));
   }
   return it->second;
@@ -208,6 +213,24 @@ int32_t Automaton::step(int32_t s, uint8_t b) {
   int32_t next = seeds.empty() ? kDead : close_and_intern(seeds);
   (*states_[static_cast<size_t>(s)].next)[b] = next;  // states_ may have grown
   return next;
+}
+
+int32_t Automaton::opaque_view(int32_t s) {
+  State& st = states_[static_cast<size_t>(s)];
+  if (st.opaque >= 0) return st.opaque;
+  std::vector<Config> seeds;
+  bool deeper = false;
+  for (const Config& c : st.configs) {
+    if (c.stack < 0 || stacks_[static_cast<size_t>(c.stack)].parent < 0) {
+      seeds.push_back(c);
+    } else {
+      seeds.push_back({c.node, push(stacks_[static_cast<size_t>(c.stack)].ret, opaque_bottom_)});
+      deeper = true;
+    }
+  }
+  int32_t o = deeper ? close_and_intern(seeds) : s;
+  states_[static_cast<size_t>(s)].opaque = o;
+  return o;
 }
 
 int32_t Automaton::step_bytes(int32_t s, std::string_view bytes) {

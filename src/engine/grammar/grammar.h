@@ -94,6 +94,11 @@ class Automaton {
   // Some byte can follow.
   bool can_continue(int32_t s) const { return !states_[static_cast<size_t>(s)].configs.empty(); }
   size_t num_states() const { return states_.size(); }
+  // Context-independent view of s: each configuration keeps its innermost call frame, the rest of its stack
+  // becomes an opaque bottom (a return into it sets popped_context). Bytes that never return below the
+  // innermost frame behave the same from either state. Returns s when no configuration has a deeper stack.
+  int32_t opaque_view(int32_t s);
+  bool popped_context(int32_t s) const { return states_[static_cast<size_t>(s)].popped; }
   const Grammar& grammar() const { return *grammar_; }
 
  private:
@@ -110,6 +115,8 @@ class Automaton {
   struct State {
     std::vector<Config> configs;  // sorted; only nodes with range edges
     bool accepting = false;
+    bool popped = false;   // the closure returned into an opaque bottom (opaque_view states only)
+    int32_t opaque = -1;   // memoised opaque_view (-1: not computed)
     std::unique_ptr<std::array<int32_t, 256>> next;  // memoised transitions (kUnknown until computed)
   };
   static constexpr int32_t kUnknown = -2;
@@ -124,6 +131,7 @@ class Automaton {
   std::vector<State> states_;
   std::unordered_map<std::string, int32_t> state_ids_;  // key: the sorted configs' bytes + accepting
   int32_t initial_ = kDead;
+  int32_t opaque_bottom_ = -1;  // the stack entry that stands for an unknown context
   // closure scratch
   std::vector<Config> work_, out_;
   std::vector<uint64_t> seen_;

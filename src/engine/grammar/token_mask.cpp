@@ -63,7 +63,7 @@ Matcher::Matcher(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const T
   walk_.resize(static_cast<size_t>(tokens_->max_depth()) + 1);
 }
 
-void Matcher::compute(int32_t state, TokenBitmask& out) {
+void Matcher::walk(int32_t state, TokenBitmask& out, std::vector<int32_t>* uncertain) {
   out.resize(tokens_->vocab_size());
   const auto& trie = tokens_->trie();
   const auto& toks = tokens_->trie_tokens();
@@ -76,9 +76,37 @@ void Matcher::compute(int32_t state, TokenBitmask& out) {
       i = node.subtree_end;
       continue;
     }
+    if (uncertain && automaton_.popped_context(s)) {
+      // This prefix returns into the unknown context: its tokens are checked against the real state.
+      const int32_t last = node.subtree_end - 1;
+      for (int32_t t = node.tokens_begin; t < trie[static_cast<size_t>(last)].tokens_end; ++t)
+        uncertain->push_back(toks[static_cast<size_t>(t)]);
+      i = node.subtree_end;
+      continue;
+    }
     walk_[node.depth] = s;
     for (int32_t t = node.tokens_begin; t < node.tokens_end; ++t) out.set(toks[static_cast<size_t>(t)]);
     ++i;
+  }
+}
+
+void Matcher::compute(int32_t state, TokenBitmask& out) {
+  const int32_t view = automaton_.opaque_view(state);
+  if (view == state) {
+    walk(state, out, nullptr);
+  } else {
+    // Context-independent part, shared by every state with the same innermost frames (e.g. each string value of
+    // a schema), then the few tokens that leave the frame, checked with the full stack.
+    auto it = independent_.find(view);
+    if (it == independent_.end()) {
+      if (independent_.size() >= 64) independent_.clear();
+      Independent part;
+      walk(view, part.mask, &part.uncertain);
+      it = independent_.emplace(view, std::move(part)).first;
+    }
+    out = it->second.mask;
+    for (int32_t t : it->second.uncertain)
+      if (automaton_.step_bytes(state, tokens_->bytes(t)) != Automaton::kDead) out.set(t);
   }
   if (automaton_.accepting(state))
     for (int32_t id : stop_ids_)

@@ -86,6 +86,7 @@ class Matcher {
   bool accept_bytes(std::string_view bytes);
   void clear_mask_cache() {
     cache_.clear();
+    independent_.clear();
     current_.reset();
   }
   size_t num_automaton_states() const { return automaton_.num_states(); }
@@ -94,6 +95,15 @@ class Matcher {
 
  private:
   void compute(int32_t state, TokenBitmask& out);
+  // The trie walk from state; with `uncertain`, prefixes that return into an opaque bottom are not followed and
+  // their tokens are listed there instead.
+  void walk(int32_t state, TokenBitmask& out, std::vector<int32_t>* uncertain);
+
+  struct Independent {
+    TokenBitmask mask;                // tokens that fit without leaving the innermost frames
+    std::vector<int32_t> uncertain;   // tokens that leave them (need the full stack)
+  };
+  std::unordered_map<int32_t, Independent> independent_;
 
   Automaton automaton_;
   std::shared_ptr<const TokenTable> tokens_;

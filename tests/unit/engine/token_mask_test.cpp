@@ -23,7 +23,8 @@ std::vector<std::string> small_vocab() {
   return v;
 }
 
-// {"name":"<letters, spaces, \xc3\xa9 or \\n>"} with an optional ,"n":[1-3 integers] (hand-built).
+// One or two records {"name":"<letters, spaces, \xc3\xa9 or \\n>"} with an optional ,"n":[1-3 integers]
+// (hand-built), comma-separated.
 std::shared_ptr<const Grammar> record_grammar() {
   auto g = std::make_shared<Grammar>();
   std::array<bool, 256> letters{};
@@ -37,7 +38,11 @@ std::shared_ptr<const Grammar> record_grammar() {
   int32_t root = g->new_rule("root");
   Frag list = g->seq({g->literal(",\"n\":["), g->call(num), g->repeat([&] { return g->seq({g->literal(","), g->call(num)}); }, 0, 2),
                       g->literal("]")});
-  g->define_rule(root, g->seq({g->literal("{\"name\":"), g->call(str), g->opt(list), g->literal("}")}));
+  // The record is its own rule, called twice from the root: strings and numbers run two calls deep, so the
+  // masks take the context-independent path (innermost frame + opaque bottom) and its uncertain tokens.
+  int32_t rec = g->new_rule("record");
+  g->define_rule(rec, g->seq({g->literal("{\"name\":"), g->call(str), g->opt(list), g->literal("}")}));
+  g->define_rule(root, g->seq({g->call(rec), g->opt(g->seq({g->literal(","), g->call(rec)}))}));
   g->set_root(root);
   return g;
 }

@@ -386,7 +386,9 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "Split reasoning_content from content: auto (when the template opens <think>), qwen3, none")
       ->capture_default_str();
   app.add_option("--tool-call-parser", a->tool_call_parser,
-                 "Parse tool calls: auto (for Qwen3.5 / Qwen3-Coder templates), qwen3_coder, none")
+                 "Parse tool calls: auto (for Qwen3.5 / Qwen3-Coder templates), qwen3_coder, none. With it, "
+                 "tool_choice required / {function: {name}} and strict tools are enforced by constrained decoding; "
+                 "response_format json_object / json_schema (a subset: docs/deploy.md) works either way")
       ->capture_default_str();
   app.add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
   app.add_option("--max-running-requests", a->max_running_requests,

@@ -312,12 +312,32 @@ void Engine::run_step(const StepPlan& plan) {
   // Every sequence greedy with no penalties and no logprobs: the runner picks the tokens (on the GPU, only the ids
   // come back instead of a vocabulary of logits per sequence). No penalties and no logprobs but some sequence samples:
   // the runner draws the tokens (forward_sample, model/sampling.h's definition) with each sequence's next uniform.
+  // A sequence under a grammar constraint needs its logits on the host (the mask): the whole step takes that path.
+  auto sampler_of = [&](const Sequence& seq) -> SequenceSampler* {
+    auto it = samplers_.find(seq.uid);
+    if (it == samplers_.end()) {
+      auto s = std::make_unique<SequenceSampler>(seq.request.sampling, seq.seed);
+      std::vector<int32_t> stop_ids = opts_.eos_token_ids;
+      stop_ids.insert(stop_ids.end(), seq.request.stop_token_ids.begin(), seq.request.stop_token_ids.end());
+      s->set_constraint(seq.request.constraint, std::move(stop_ids));
+      it = samplers_.emplace(seq.uid, std::move(s)).first;
+    }
+    return it->second.get();
+  };
   bool all_greedy = true, runner_samples = true;
   for (const auto& c : plan.chunks) {
     if (!c.want_logits) continue;
     const SamplingParams& sp = c.seq->request.sampling;
+    bool constrained = false;
+    if (c.seq->request.constraint) {
+      try {
+        constrained = sampler_of(*c.seq)->constrained_now();
+      } catch (const std::exception&) {
+        constrained = true;  // host path: the sampler's error is reported below
+      }
+    }
     const bool plain = sp.repetition_penalty == 1.0f && sp.presence_penalty == 0.0f && sp.frequency_penalty == 0.0f &&
-                       sp.logit_bias.empty() && !c.seq->request.want_logprobs;
+                       sp.logit_bias.empty() && !c.seq->request.want_logprobs && !constrained;
     all_greedy = all_greedy && sp.temperature < 1e-6f && plain;
     runner_samples = runner_samples && plain;
   }
@@ -329,15 +349,10 @@ void Engine::run_step(const StepPlan& plan) {
     for (const auto& c : plan.chunks) {
       if (!c.want_logits) continue;
       model::RowSampling rs;  // greedy
-      auto it = samplers_.find(c.seq->uid);
-      if (it == samplers_.end()) {
-        try {
-          it = samplers_.emplace(c.seq->uid, std::make_unique<SequenceSampler>(c.seq->request.sampling, c.seq->seed))
-                   .first;
-        } catch (const std::exception&) {
-        }
+      try {
+        rs = sampler_of(*c.seq)->next_row_sampling();
+      } catch (const std::exception&) {
       }
-      if (it != samplers_.end()) rs = it->second->next_row_sampling();
       row_sampling.push_back(rs);
     }
   }
@@ -383,16 +398,11 @@ void Engine::run_step(const StepPlan& plan) {
       if (all_greedy || runner_samples) j.greedy_token = greedy_ids_[static_cast<size_t>(row)];
       else j.logits = std::span<float>(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
       ++row;
-      auto it = samplers_.find(c.seq->uid);
-      if (it == samplers_.end()) {
-        try {
-          it = samplers_.emplace(c.seq->uid, std::make_unique<SequenceSampler>(c.seq->request.sampling, c.seq->seed))
-                   .first;
-        } catch (const std::exception& e) {
-          j.error = e.what();
-        }
+      try {
+        j.sampler = sampler_of(*c.seq);
+      } catch (const std::exception& e) {
+        j.error = e.what();
       }
-      if (it != samplers_.end()) j.sampler = it->second.get();
       jobs.push_back(std::move(j));
     }
   }
@@ -403,6 +413,7 @@ void Engine::run_step(const StepPlan& plan) {
       if (all_greedy || runner_samples) {
         if (j.greedy_token < 0) fail("sampling: no finite logit (all -inf or NaN)");
         j.result.token = j.greedy_token;
+        j.sampler->observe(j.greedy_token);
       } else {
         const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
         j.result = j.sampler->sample(j.logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
@@ -474,7 +485,8 @@ void Engine::run_step(const StepPlan& plan) {
     const auto& req = seq.request;
     bool is_eos = !req.ignore_eos && std::binary_search(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end(), ev.token);
     bool is_stop = is_eos || std::find(req.stop_token_ids.begin(), req.stop_token_ids.end(), ev.token) !=
-                                 req.stop_token_ids.end();
+                                 req.stop_token_ids.end() ||
+                   (job.sampler && job.sampler->constraint_finished());  // the grammar ended (even with ignore_eos)
     if (is_stop) {
       ev.finished = true;
       ev.finish_reason = FinishReason::stop;

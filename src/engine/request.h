@@ -1,10 +1,15 @@
 // What a client asks the engine for, and what comes back. Plain host types: no HTTP, no JSON.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+namespace kiln::grammar {
+struct Constraint;  // engine/grammar/token_mask.h
+}
 
 namespace kiln::engine {
 
@@ -32,6 +37,10 @@ struct GenerateRequest {
   std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
   int top_logprobs = 0;                 // >0: report that many alternatives per token
   bool want_logprobs = false;
+  // Grammar-constrained decoding (null: free). The sequence is sampled on the host with the grammar's token
+  // mask (never by the device's argmax / sampling) once the constraint is active; the eos / stop tokens are
+  // allowed only where the grammar accepts, and forced where nothing else fits.
+  std::shared_ptr<const grammar::Constraint> constraint;
 };
 
 struct TokenLogprob {

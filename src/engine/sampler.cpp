@@ -48,8 +48,42 @@ SequenceSampler::SequenceSampler(const SamplingParams& params, uint64_t seed) : 
     fail("repetition_penalty must be > 0, got {}", params_.repetition_penalty);
 }
 
+void SequenceSampler::set_constraint(std::shared_ptr<const grammar::Constraint> constraint,
+                                     std::vector<int32_t> stop_ids) {
+  if (!constraint) return;
+  KILN_CHECK(constraint->grammar && constraint->tokens, "a constraint without a grammar or a token table");
+  stop_ids_ = std::move(stop_ids);
+  matcher_ = std::make_unique<grammar::Matcher>(constraint->grammar, constraint->tokens, stop_ids_);
+  constraint_start_token_ = constraint->start_after_token;
+  constraint_active_ = constraint_start_token_ < 0;
+}
+
+void SequenceSampler::observe(int32_t token) {
+  if (matcher_ && !constraint_active_ && token == constraint_start_token_) constraint_active_ = true;
+}
+
 SampleResult SequenceSampler::sample(std::span<float> logits, std::span<const int32_t> history,
                                      size_t generated_begin, int top_logprobs, bool want_logprob) {
+  if (!constrained_now()) {
+    SampleResult r = sample_free(logits, history, generated_begin, top_logprobs, want_logprob);
+    observe(r.token);
+    return r;
+  }
+  SampleResult r;
+  if (matcher_->apply(logits) == 0) {
+    // The grammar allows nothing more (complete, or a dead end no token can leave): end the sequence.
+    if (stop_ids_.empty()) fail("constrained decoding: the grammar is complete but the model has no end-of-sequence token");
+    r.token = stop_ids_.front();
+    forced_end_ = true;
+    return r;
+  }
+  r = sample_free(logits, history, generated_begin, top_logprobs, want_logprob);
+  if (!matcher_->accept(r.token)) fail("constrained decoding: sampled token {} does not fit the grammar", r.token);
+  return r;
+}
+
+SampleResult SequenceSampler::sample_free(std::span<float> logits, std::span<const int32_t> history,
+                                          size_t generated_begin, int top_logprobs, bool want_logprob) {
   const int64_t V = static_cast<int64_t>(logits.size());
   KILN_CHECK(V > 0, "empty logits");
   float* l = logits.data();

@@ -18,9 +18,11 @@
 
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "engine/grammar/token_mask.h"
 #include "engine/request.h"
 #include "model/sampling.h"
 
@@ -60,12 +62,32 @@ class SequenceSampler {
 
   const SamplingParams& params() const { return params_; }
 
+  // Grammar constraint (engine/grammar). stop_ids: the tokens that may end the sequence (allowed only where
+  // the grammar accepts). While it is active, sample() masks the logits, forces a stop token when nothing
+  // else fits, and advances the grammar over the chosen token; before it is active (reasoning), sample()
+  // only watches for the start token.
+  void set_constraint(std::shared_ptr<const grammar::Constraint> constraint, std::vector<int32_t> stop_ids);
+  // The next token must be sampled on the host with the mask.
+  bool constrained_now() const { return matcher_ != nullptr && constraint_active_; }
+  // The grammar took a stop token: the sequence is complete.
+  bool constraint_finished() const { return matcher_ && (matcher_->finished() || forced_end_); }
+  // A token chosen without sample() (the device picked it): starts the constraint on its start token.
+  void observe(int32_t token);
+
  private:
+  SampleResult sample_free(std::span<float> logits, std::span<const int32_t> history, size_t generated_begin,
+                           int top_logprobs, bool want_logprob);
+
   SamplingParams params_;
   Xoshiro256 rng_;
   std::vector<int32_t> order_;   // scratch: token ids sorted by logit (top_logprobs)
   model::SampleScratch scratch_; // scratch of the filters and the draw
   std::vector<int32_t> counts_;  // scratch: generated-token counts
+  std::unique_ptr<grammar::Matcher> matcher_;
+  std::vector<int32_t> stop_ids_;
+  int32_t constraint_start_token_ = -1;
+  bool constraint_active_ = false;
+  bool forced_end_ = false;
 };
 
 }  // namespace kiln::engine

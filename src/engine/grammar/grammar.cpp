@@ -1,0 +1,244 @@
+#include "engine/grammar/grammar.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+#include "core/error.h"
+
+namespace kiln::grammar {
+
+int32_t Grammar::add_node() {
+  nodes_.emplace_back();
+  return static_cast<int32_t>(nodes_.size() - 1);
+}
+
+int32_t Grammar::new_rule(std::string name) {
+  int32_t r = static_cast<int32_t>(rule_start_.size());
+  int32_t start = add_node();
+  int32_t end = add_node();
+  nodes_[static_cast<size_t>(end)].end_of_rule = r;
+  rule_start_.push_back(start);
+  rule_end_.push_back(end);
+  rule_names_.push_back(std::move(name));
+  return r;
+}
+
+void Grammar::define_rule(int32_t rule, Frag body) {
+  KILN_CHECK(rule >= 0 && static_cast<size_t>(rule) < rule_start_.size(), "no rule {}", rule);
+  int32_t start = rule_start_[static_cast<size_t>(rule)];
+  KILN_CHECK(nodes_[static_cast<size_t>(start)].edges.empty(), "rule {} defined twice", rule_names_[static_cast<size_t>(rule)]);
+  add_edge(start, {Edge::epsilon, 0, 0, -1, body.start});
+  add_edge(body.end, {Edge::epsilon, 0, 0, -1, rule_end_[static_cast<size_t>(rule)]});
+}
+
+void Grammar::validate() const {
+  KILN_CHECK(root_ >= 0 && static_cast<size_t>(root_) < rule_start_.size(), "grammar has no root rule");
+  for (size_t r = 0; r < rule_start_.size(); ++r)
+    KILN_CHECK(!nodes_[static_cast<size_t>(rule_start_[r])].edges.empty(), "grammar rule {} is not defined",
+               rule_names_[r]);
+}
+
+Frag Grammar::empty() {
+  int32_t n = add_node();
+  return {n, n};
+}
+
+Frag Grammar::bytes(uint8_t lo, uint8_t hi) {
+  int32_t a = add_node(), b = add_node();
+  add_edge(a, {Edge::range, lo, hi, -1, b});
+  return {a, b};
+}
+
+Frag Grammar::byte_set(const std::array<bool, 256>& allowed) {
+  int32_t a = add_node(), b = add_node();
+  for (int i = 0; i < 256;) {
+    if (!allowed[static_cast<size_t>(i)]) {
+      ++i;
+      continue;
+    }
+    int j = i;
+    while (j + 1 < 256 && allowed[static_cast<size_t>(j + 1)]) ++j;
+    add_edge(a, {Edge::range, static_cast<uint8_t>(i), static_cast<uint8_t>(j), -1, b});
+    i = j + 1;
+  }
+  return {a, b};
+}
+
+Frag Grammar::literal(std::string_view s) {
+  int32_t a = add_node(), cur = a;
+  for (char ch : s) {
+    int32_t n = add_node();
+    auto b = static_cast<uint8_t>(ch);
+    add_edge(cur, {Edge::range, b, b, -1, n});
+    cur = n;
+  }
+  return {a, cur};
+}
+
+Frag Grammar::call(int32_t rule) {
+  int32_t a = add_node(), b = add_node();
+  add_edge(a, {Edge::call, 0, 0, rule, b});
+  return {a, b};
+}
+
+Frag Grammar::seq(std::vector<Frag> parts) {
+  if (parts.empty()) return empty();
+  for (size_t i = 0; i + 1 < parts.size(); ++i) add_edge(parts[i].end, {Edge::epsilon, 0, 0, -1, parts[i + 1].start});
+  return {parts.front().start, parts.back().end};
+}
+
+Frag Grammar::alt(std::vector<Frag> options) {
+  int32_t a = add_node(), b = add_node();
+  for (const Frag& f : options) {
+    add_edge(a, {Edge::epsilon, 0, 0, -1, f.start});
+    add_edge(f.end, {Edge::epsilon, 0, 0, -1, b});
+  }
+  return {a, b};
+}
+
+Frag Grammar::opt(Frag f) {
+  int32_t a = add_node(), b = add_node();
+  add_edge(a, {Edge::epsilon, 0, 0, -1, f.start});
+  add_edge(a, {Edge::epsilon, 0, 0, -1, b});
+  add_edge(f.end, {Edge::epsilon, 0, 0, -1, b});
+  return {a, b};
+}
+
+Frag Grammar::star(Frag f) {
+  int32_t a = add_node(), b = add_node();
+  add_edge(a, {Edge::epsilon, 0, 0, -1, f.start});
+  add_edge(a, {Edge::epsilon, 0, 0, -1, b});
+  add_edge(f.end, {Edge::epsilon, 0, 0, -1, a});
+  return {a, b};
+}
+
+Frag Grammar::repeat(const std::function<Frag()>& make, int64_t min, int64_t max) {
+  KILN_CHECK(min >= 0 && (max < 0 || max >= min), "bad repeat bounds {}..{}", min, max);
+  std::vector<Frag> parts;
+  for (int64_t i = 0; i < min; ++i) parts.push_back(make());
+  if (max < 0) {
+    parts.push_back(star(make()));
+  } else if (max > min) {
+    // Nested optionals: x (x (x)?)? -- each copy may only follow the previous one.
+    Frag tail = opt(make());
+    for (int64_t i = min + 1; i < max; ++i) tail = opt(seq({make(), tail}));
+    parts.push_back(tail);
+  }
+  return seq(std::move(parts));
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+Automaton::Automaton(std::shared_ptr<const Grammar> grammar) : grammar_(std::move(grammar)) {
+  grammar_->validate();
+  stacks_.push_back({-1, -1});  // the opaque bottom: never returned to
+  opaque_bottom_ = 0;
+  std::vector<Config> seeds{{grammar_->rule_start(grammar_->root()), -1}};
+  initial_ = close_and_intern(seeds);
+}
+
+int32_t Automaton::push(int32_t ret, int32_t parent) {
+  uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ret)) << 32) | static_cast<uint32_t>(parent);
+  auto [it, fresh] = stack_ids_.emplace(key, static_cast<int32_t>(stacks_.size()));
+  if (fresh) stacks_.push_back({ret, parent});
+  return it->second;
+}
+
+int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
+  const Grammar& g = *grammar_;
+  work_.assign(seeds.begin(), seeds.end());
+  out_.clear();
+  std::unordered_set<uint64_t> seen;
+  bool accepting = false, popped = false;
+  size_t steps = 0;
+  auto key_of = [](const Config& c) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(c.node)) << 32) | static_cast<uint32_t>(c.stack);
+  };
+  while (!work_.empty()) {
+    Config c = work_.back();
+    work_.pop_back();
+    if (!seen.insert(key_of(c)).second) continue;
+    if (++steps > 2'000'000) fail("grammar: the closure of a state does not end (a left-recursive rule?)");
+    const Node& n = g.node(c.node);
+    if (n.end_of_rule >= 0) {
+      if (c.stack < 0) {
+        if (n.end_of_rule == g.root()) accepting = true;
+      } else if (c.stack == opaque_bottom_) {
+        popped = true;
+      } else {
+        const StackEntry e = stacks_[static_cast<size_t>(c.stack)];
+        work_.push_back({e.ret, e.parent});
+      }
+      continue;
+    }
+    bool consumes = false;
+    for (const Edge& e : n.edges) {
+      switch (e.kind) {
+        case Edge::range: consumes = true; break;
+        case Edge::epsilon: work_.push_back({e.target, c.stack}); break;
+        case Edge::call: work_.push_back({g.rule_start(e.rule), push(e.target, c.stack)}); break;
+      }
+    }
+    if (consumes) out_.push_back(c);
+  }
+  std::sort(out_.begin(), out_.end());
+  std::string key(out_.size() * sizeof(Config) + 1, '\0');
+  if (!out_.empty()) std::memcpy(key.data(), out_.data(), out_.size() * sizeof(Config));
+  key.back() = static_cast<char>((accepting ? 1 : 0) | (popped ? 2 : 0));
+  auto [it, fresh] = state_ids_.emplace(std::move(key), static_cast<int32_t>(states_.size()));
+  if (fresh) {
+    State s;
+    s.configs = out_;
+    s.accepting = accepting;
+    s.popped = popped;
+    states_.push_back(std::move(s));
+  }
+  return it->second;
+}
+
+int32_t Automaton::step(int32_t s, uint8_t b) {
+  if (s < 0) return kDead;
+  State& st = states_[static_cast<size_t>(s)];
+  if (!st.next) {
+    st.next = std::make_unique<std::array<int32_t, 256>>();
+    st.next->fill(kUnknown);
+  }
+  int32_t known = (*st.next)[b];
+  if (known != kUnknown) return known;
+  std::vector<Config> seeds;
+  for (const Config& c : st.configs)
+    for (const Edge& e : grammar_->node(c.node).edges)
+      if (e.kind == Edge::range && e.lo <= b && b <= e.hi) seeds.push_back({e.target, c.stack});
+  int32_t next = seeds.empty() ? kDead : close_and_intern(seeds);
+  (*states_[static_cast<size_t>(s)].next)[b] = next;  // states_ may have grown
+  return next;
+}
+
+int32_t Automaton::opaque_view(int32_t s) {
+  State& st = states_[static_cast<size_t>(s)];
+  if (st.opaque >= 0) return st.opaque;
+  std::vector<Config> seeds;
+  bool deeper = false;
+  for (const Config& c : st.configs) {
+    if (c.stack < 0 || stacks_[static_cast<size_t>(c.stack)].parent < 0) {
+      seeds.push_back(c);
+    } else {
+      seeds.push_back({c.node, push(stacks_[static_cast<size_t>(c.stack)].ret, opaque_bottom_)});
+      deeper = true;
+    }
+  }
+  int32_t o = deeper ? close_and_intern(seeds) : s;
+  states_[static_cast<size_t>(s)].opaque = o;
+  return o;
+}
+
+int32_t Automaton::step_bytes(int32_t s, std::string_view bytes) {
+  for (char ch : bytes) {
+    s = step(s, static_cast<uint8_t>(ch));
+    if (s < 0) return kDead;
+  }
+  return s;
+}
+
+}  // namespace kiln::grammar

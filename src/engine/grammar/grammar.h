@@ -1,0 +1,140 @@
+// Byte-level context-free grammars for constrained decoding, and the pushdown automaton that runs them.
+//
+// A Grammar is a set of rules; each rule is a small NFA over bytes (Thompson construction) whose edges
+// consume a byte range, move without input (epsilon) or call another rule (push the return node, run the
+// callee, pop at its end node). Recursion (nested JSON values, $ref) goes through calls; everything else
+// is inlined. The automaton state is the set of live configurations (node, call stack) after the epsilon
+// closure, so ambiguous grammars (anyOf, enum alternatives with a common prefix) need no backtracking.
+//
+// Runtime states are interned (equal configuration sets get one id) and byte transitions between them are
+// memoised, so the token-mask walk over the vocabulary trie (token_mask.h) is mostly table lookups.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace kiln::grammar {
+
+struct Edge {
+  enum Kind : uint8_t { range, epsilon, call } kind = epsilon;
+  uint8_t lo = 0, hi = 0;  // range: bytes lo..hi inclusive
+  int32_t rule = -1;       // call: the callee
+  int32_t target = -1;     // the next node (call: the return node)
+};
+
+struct Node {
+  std::vector<Edge> edges;
+  int32_t end_of_rule = -1;  // >= 0: this node is the end of that rule (returns to the caller)
+};
+
+// A fragment of a rule under construction: enter at start, leave from end.
+struct Frag {
+  int32_t start = -1, end = -1;
+};
+
+class Grammar {
+ public:
+  // Rules: new_rule() reserves one (so that rules may call each other before they are defined);
+  // define_rule() sets its body. root is the rule the automaton starts in.
+  int32_t new_rule(std::string name);
+  void define_rule(int32_t rule, Frag body);
+  void set_root(int32_t rule) { root_ = rule; }
+  int32_t root() const { return root_; }
+
+  // Fragment builders (each call makes fresh nodes; a fragment is used once).
+  Frag empty();
+  void link(int32_t from, int32_t to) { add_edge(from, {Edge::epsilon, 0, 0, -1, to}); }  // epsilon edge
+  Frag bytes(uint8_t lo, uint8_t hi);
+  Frag byte_set(const std::array<bool, 256>& allowed);  // one byte from a set (merged into ranges)
+  Frag literal(std::string_view s);
+  Frag call(int32_t rule);
+  Frag seq(std::vector<Frag> parts);
+  Frag alt(std::vector<Frag> options);
+  Frag opt(Frag f);
+  Frag star(Frag f);  // zero or more
+  // Between min and max (max < 0: unbounded) copies of make().
+  Frag repeat(const std::function<Frag()>& make, int64_t min, int64_t max);
+
+  const std::vector<Node>& nodes() const { return nodes_; }
+  const Node& node(int32_t i) const { return nodes_[static_cast<size_t>(i)]; }
+  int32_t rule_start(int32_t r) const { return rule_start_[static_cast<size_t>(r)]; }
+  const std::string& rule_name(int32_t r) const { return rule_names_[static_cast<size_t>(r)]; }
+  size_t num_rules() const { return rule_start_.size(); }
+  // Checks every rule is defined and the root is set; a broken grammar is an InternalError.
+  void validate() const;
+
+ private:
+  int32_t add_node();
+  void add_edge(int32_t from, Edge e) { nodes_[static_cast<size_t>(from)].edges.push_back(e); }
+
+  std::vector<Node> nodes_;
+  std::vector<int32_t> rule_start_, rule_end_;
+  std::vector<std::string> rule_names_;
+  int32_t root_ = -1;
+};
+
+// The pushdown automaton over one grammar. Not thread-safe: one per sequence (or per thread).
+class Automaton {
+ public:
+  static constexpr int32_t kDead = -1;
+
+  explicit Automaton(std::shared_ptr<const Grammar> grammar);
+
+  int32_t initial_state() const { return initial_; }
+  // The state after consuming byte b from state s, or kDead. Memoised.
+  int32_t step(int32_t s, uint8_t b);
+  int32_t step_bytes(int32_t s, std::string_view bytes);  // kDead as soon as a byte does not fit
+  // The grammar's root rule has ended on some configuration: the text so far is a complete sentence.
+  bool accepting(int32_t s) const { return states_[static_cast<size_t>(s)].accepting; }
+  // Some byte can follow.
+  bool can_continue(int32_t s) const { return !states_[static_cast<size_t>(s)].configs.empty(); }
+  size_t num_states() const { return states_.size(); }
+  // Context-independent view of s: each configuration keeps its innermost call frame, the rest of its stack
+  // becomes an opaque bottom (a return into it sets popped_context). Bytes that never return below the
+  // innermost frame behave the same from either state. Returns s when no configuration has a deeper stack.
+  int32_t opaque_view(int32_t s);
+  bool popped_context(int32_t s) const { return states_[static_cast<size_t>(s)].popped; }
+  const Grammar& grammar() const { return *grammar_; }
+
+ private:
+  struct Config {
+    int32_t node;
+    int32_t stack;  // index into stacks_, -1 = empty
+    bool operator==(const Config& o) const { return node == o.node && stack == o.stack; }
+    bool operator<(const Config& o) const { return node != o.node ? node < o.node : stack < o.stack; }
+  };
+  struct StackEntry {
+    int32_t ret;     // node to continue at after the callee ends
+    int32_t parent;  // -1 = bottom
+  };
+  struct State {
+    std::vector<Config> configs;  // sorted; only nodes with range edges
+    bool accepting = false;
+    bool popped = false;   // the closure returned into an opaque bottom (opaque_view states only)
+    int32_t opaque = -1;   // memoised opaque_view (-1: not computed)
+    std::unique_ptr<std::array<int32_t, 256>> next;  // memoised transitions (kUnknown until computed)
+  };
+  static constexpr int32_t kUnknown = -2;
+
+  int32_t push(int32_t ret, int32_t parent);
+  // The epsilon / call / return closure of seeds, interned.
+  int32_t close_and_intern(std::vector<Config>& seeds);
+
+  std::shared_ptr<const Grammar> grammar_;
+  std::vector<StackEntry> stacks_;
+  std::unordered_map<uint64_t, int32_t> stack_ids_;
+  std::vector<State> states_;
+  std::unordered_map<std::string, int32_t> state_ids_;  // key: the sorted configs' bytes + accepting
+  int32_t initial_ = kDead;
+  int32_t opaque_bottom_ = -1;  // the stack entry that stands for an unknown context
+  // closure scratch
+  std::vector<Config> work_, out_;
+  std::vector<uint64_t> seen_;
+};
+
+}  // namespace kiln::grammar

@@ -36,7 +36,7 @@ if [ -x "$CARRY/new/test_cuda" ]; then
   grep -E "^\[  (PASSED|FAILED) |FAILED  \]" "$OUT/test_cuda.log" | head -20
 fi
 echo "== dummy-checkpoint $CFG"
-[ -f "$CK/model.safetensors.index.json" ] || "$K" dummy-checkpoint --model-path "$CFG" --output "$CK" 2>/dev/null | tail -2
+[ -f "$CK/model.safetensors.index.json" ] || "$K" dummy-checkpoint --model-path "$CFG" --output "$CK" --tokenizer-from models/kiln-tiny 2>&1 | tail -3
 for mode in on off; do
   flags=""; [ $mode = off ] && flags="--disable-radix-cache"
   echo "== prefix cache $mode"

@@ -743,8 +743,12 @@ TEST(Http, ManyIdleStreamsDoNotStarveOtherClients) {
     EXPECT_EQ(get(s, "/health").status, 200);
     EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
   }
-  EXPECT_EQ(metric(s, "kiln:num_running_reqs"), 8);
-  EXPECT_EQ(metric(s, "kiln:num_queue_reqs"), 52);
+  // Every stream is running or queued (none rejected); how many run at once depends on the pages and state
+  // slots the scheduler grants (at most the 8 running requests of the config).
+  const double running = metric(s, "kiln:num_running_reqs");
+  EXPECT_GE(running, 1);
+  EXPECT_LE(running, 8);
+  EXPECT_EQ(running + metric(s, "kiln:num_queue_reqs"), 60);
   for (int fd : fds) close(fd);
   EXPECT_TRUE(wait_for_zero(s, "kiln:num_queue_reqs", 5000ms));
   EXPECT_TRUE(wait_for_zero(s, "kiln:kv_pages_used", 5000ms));

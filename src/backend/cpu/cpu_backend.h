@@ -1,5 +1,6 @@
 // Loading a model on the CPU backend.
 #pragma once
+#include <string>
 #include <memory>
 
 #include "backend/backend.h"
@@ -36,6 +37,15 @@ struct CpuLoadOptions {
   // them. On the CPU the ranks are threads of this process over the in-process communicator (backend/comm_local.h).
   int tp_size = 1;
   int ep_size = 1;
+  // GPU ranks (SGLang's names): rank r of this node runs on CUDA device base_gpu_id + r * gpu_id_step; a step of 0
+  // puts every rank on one GPU (correctness runs: the ranks share its memory, the peer all-reduce joins them).
+  int base_gpu_id = 0;
+  int gpu_id_step = 1;
+  // Several machines (--nnodes, --node-rank, --dist-init-addr host:port): tp_size ranks over nnodes nodes, this
+  // node's tp_size / nnodes of them; NCCL's unique id is exchanged over dist_init_addr (node 0 listens there).
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string dist_init_addr;
 };
 // The name the load options go by outside the CPU backend.
 using LoadOptions = CpuLoadOptions;

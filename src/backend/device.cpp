@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "backend/op_check.h"
 #include "core/error.h"
@@ -12,8 +13,10 @@
 #include "format/quant_config.h"
 #include "format/weight_map.h"
 #include "model/runner.h"
+#include "model/tp_runner.h"
 
 #if KILN_HAVE_CUDA
+#include "backend/cuda/comm_cuda.h"
 #include "backend/cuda/cuda_ops.h"
 #endif
 
@@ -73,8 +76,9 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
 #if KILN_HAVE_CUDA
 namespace {
 // The CudaOptions of a resolved cuda kernel choice.
-cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o) {
+cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int device = -1) {
   cuda::CudaOptions c;
+  c.device = device;
   c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
   c.moe_tensor_cores = k.moe_runner == "kiln-grouped";
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
@@ -178,12 +182,14 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   return p;
 }
 
-std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check, const LoadOptions& options) {
+namespace {
+std::unique_ptr<model::Ops> make_ops_on(const std::string& device, bool self_check, const LoadOptions& options,
+                                        int gpu) {
   if (device == "cpu") return make_cpu_backend();
 #if KILN_HAVE_CUDA
   if (device == "cuda") {
-    const KernelChoice kernels = resolve_kernels("cuda", cuda::probe_cuda_device().major, options);
-    auto ops = std::make_unique<cuda::CudaOps>(cuda_options(kernels, options));
+    const KernelChoice kernels = resolve_kernels("cuda", cuda::probe_cuda_device(gpu).major, options);
+    auto ops = std::make_unique<cuda::CudaOps>(cuda_options(kernels, options, gpu));
     if (self_check) {
       auto reference = make_cpu_backend();
       startup_op_check(*ops, *reference);
@@ -192,8 +198,17 @@ std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check,
     }
     return ops;
   }
+#else
+  (void)self_check;
+  (void)options;
+  (void)gpu;
 #endif
   fail("no backend for device '{}'", device);
+}
+}  // namespace
+
+std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check, const LoadOptions& options) {
+  return make_ops_on(device, self_check, options, -1);
 }
 
 std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, const std::string& device,
@@ -204,28 +219,101 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     KILN_LOG_INFO("kernels: {}", resolve_kernels("cpu", 0, options).str());
     return load_cpu_model(dir, options);
   }
-  if (options.tp_size != 1 || options.ep_size != 1)
-    fail("--tp-size {} --ep-size {} on cuda: tensor parallelism runs on the CPU backend so far (--device cpu); the "
-         "CUDA ranks (NCCL / peer all-reduce) are not implemented yet", options.tp_size, options.ep_size);
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
   model::RunnerOptions ro = runner_options(options);
 #if KILN_HAVE_CUDA
-  const cuda::CudaDeviceProbe probe = cuda::probe_cuda_device();
+  if (options.nnodes > 1)
+    fail("--nnodes {}: serving over several machines is not implemented yet (node 0's scheduler does not drive the "
+         "other nodes' ranks); use one machine with --tp-size up to its GPU count", options.nnodes);
+  const bool parallel = options.tp_size != 1 || options.ep_size != 1;
+  if (options.single_rank >= 0 && (options.single_rank >= options.tp_size || !parallel))
+    fail("--single-rank {} needs --tp-size greater than it (got --tp-size {})", options.single_rank, options.tp_size);
+  const int local_ranks = parallel && options.single_rank < 0 ? options.tp_size : 1;
+  // Rank r on GPU base_gpu_id + r * gpu_id_step (SGLang's flags); all checked before anything is allocated.
+  const std::vector<cuda::CudaDeviceProbe> gpus = cuda::probe_cuda_devices();
+  std::vector<int> devices(local_ranks);
+  std::map<int, int> ranks_on;
+  for (int r = 0; r < local_ranks; ++r) {
+    devices[r] = options.base_gpu_id + r * options.gpu_id_step;
+    if (devices[r] < 0 || devices[r] >= static_cast<int>(gpus.size()))
+      fail("--tp-size {} puts rank {} on GPU {} (--base-gpu-id {} --gpu-id-step {}), but this machine has {} GPU(s){}: "
+           "lower --tp-size, or --gpu-id-step 0 to run every rank on one GPU (for correctness checks)",
+           options.tp_size, r, devices[r], options.base_gpu_id, options.gpu_id_step, gpus.size(),
+           gpus.empty() ? "" : fmt::format(" (0..{})", gpus.size() - 1));
+    const cuda::CudaDeviceProbe& g = gpus[devices[r]];
+    if (!g.usable) fail("rank {} on GPU {}: {}", r, devices[r], g.reason);
+    const cuda::CudaDeviceProbe& g0 = gpus[devices[0]];
+    if (g.name != g0.name || g.memory_bytes != g0.memory_bytes)
+      fail("tensor parallel needs GPUs of one kind: GPU {} is {} ({:.1f} GiB), GPU {} is {} ({:.1f} GiB); choose "
+           "matching GPUs with --base-gpu-id / --gpu-id-step (or CUDA_VISIBLE_DEVICES)",
+           devices[0], g0.name, g0.memory_bytes / 1073741824.0, devices[r], g.name, g.memory_bytes / 1073741824.0);
+    ++ranks_on[devices[r]];
+  }
+  const cuda::CudaDeviceProbe& probe = gpus[devices[0]];
   const KernelChoice kernels = resolve_kernels("cuda", probe.major, options);
   KILN_LOG_INFO("kernels: {}", kernels.str());
-  const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes),
-                                             static_cast<double>(probe.free_bytes));
-  KILN_LOG_INFO("{}", plan.str());
+  // Ranks sharing a GPU share its memory: each plans for its part.
+  const int sharing = ranks_on[devices[0]];
+  double free_bytes = static_cast<double>(probe.free_bytes);
+  for (int d : devices) free_bytes = std::min(free_bytes, static_cast<double>(gpus[d].free_bytes));
+  const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes) / sharing,
+                                             free_bytes / sharing);
+  KILN_LOG_INFO("{}{}", parallel ? fmt::format("per GPU{}: ", sharing > 1 ? fmt::format(" share ({} ranks on each)", sharing) : std::string()) : std::string(), plan.str());
   ro.kv_pages = plan.kv_pages;
   ro.state_slots = plan.state_slots;
   ro.max_context = plan.context;
-  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
-                           options.cuda_graphs ? "on" : "off",
+  const bool graphs_on = options.cuda_graphs;
+  std::string group_desc;
+  cuda::CudaGroupOptions go;
+  go.devices = devices;
+  if (options.disable_custom_all_reduce) go.transport = cuda::CudaGroupOptions::Transport::nccl;
+  if (parallel && options.single_rank < 0) {
+    group_desc = cuda::describe_cuda_group(go);
+    if (sharing > 1 && graphs_on)
+      group_desc += "; CUDA graphs off (ranks sharing a GPU meet on the host)";
+  }
+  ro.summary = fmt::format("kernels: {}; {}{}; CUDA graphs for decode {}{}", kernels.str(),
+                           parallel ? "per GPU: " : "", plan.str(), graphs_on ? "on" : "off",
                            options.pdl ? "; programmatic dependent launch on (experimental)" : "");
-#endif
-  auto runner = std::make_unique<model::Runner>(make_ops(choice.device, self_check, options), dir, ro);
+  if (!parallel) {
+    auto runner = std::make_unique<model::Runner>(make_ops_on(choice.device, self_check, options, devices[0]), dir, ro);
+    KILN_LOG_INFO("{}", runner->describe());
+    return runner;
+  }
+  const format::ShardPlan shards = format::plan_shards(format::load_model_config(dir), format::load_quant_config(dir),
+                                                       options.tp_size, options.ep_size);
+  if (options.single_rank >= 0) {
+    // One rank of the plan alone; its all-reduces are a copy of the same size.
+    ro.shard = shards.ranks[options.single_rank];
+    auto ops = make_ops_on(choice.device, self_check, options, devices[0]);
+    auto comm = cuda::make_copy_communicator(options.single_rank, options.tp_size);
+    ops->set_communicator(comm.get());
+    KILN_LOG_WARN("--single-rank {}: only rank {} of --tp-size {} runs; its all-reduces are device copies of the same "
+                  "size (a benchmark of one GPU's share; output is meaningless)",
+                  options.single_rank, options.single_rank, options.tp_size);
+    auto runner = std::make_unique<model::Runner>(std::move(ops), dir, ro);
+    runner->keep_alive(std::move(comm));
+    KILN_LOG_INFO("{}", runner->describe());
+    return runner;
+  }
+  KILN_LOG_INFO("tensor parallel {} on GPUs {}: {}", options.tp_size, [&] {
+    std::string s;
+    for (size_t i = 0; i < devices.size(); ++i) s += fmt::format("{}{}", i ? "," : "", devices[i]);
+    return s;
+  }(), group_desc);
+  ro.summary += "; " + group_desc;
+  model::TpOptions tp;
+  tp.tp = options.tp_size;
+  tp.ep = options.ep_size;
+  auto runner = std::make_unique<model::TpRunner>(
+      dir, ro, tp,
+      [&](int r) -> std::unique_ptr<model::Ops> { return make_ops_on(choice.device, self_check, options, devices[r]); },
+      cuda::make_cuda_group(go));
   KILN_LOG_INFO("{}", runner->describe());
   return runner;
+#else
+  fail("--device cuda: this kiln binary was built without the CUDA backend");
+#endif
 }
 
 }  // namespace kiln::backend

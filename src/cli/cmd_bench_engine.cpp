@@ -41,6 +41,7 @@ struct BenchEngineOptions {
   bool skip_self_check = false;
   kiln::cli::GpuFlags gpu;
   kiln::cli::ParallelFlags parallel;
+  int single_rank = -1;
   bool profile = false;
   bool host_sampling = false;
   float temperature = 0.0f;  // > 0: sample (temperature / top-k / top-p) instead of argmax, on the device
@@ -88,6 +89,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   lo.prefill_chunk = o.prefill_chunk;
   kiln::cli::apply_gpu_flags(o.gpu, lo);
   kiln::cli::apply_parallel_flags(o.parallel, lo);
+  lo.single_rank = o.single_rank;
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
@@ -270,6 +272,11 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");
   kiln::cli::add_gpu_flags(app, o->gpu);
   kiln::cli::add_parallel_flags(app, o->parallel);
+  app.add_option("--single-rank", o->single_rank,
+                 "cuda, with --tp-size N: run only rank R of the N-rank plan on one GPU, its all-reduces replaced by a "
+                 "device copy of the same size (one GPU's share of a model too large for one GPU; tokens are "
+                 "meaningless)")
+      ->check(CLI::Range(0, 1023));
   app.add_flag("--profile", o->profile,
                "After each batch, time one decode step op by op, at batch 1 also one prefill pass (cuda)");
   app.add_option("--temperature", o->temperature,

@@ -15,6 +15,7 @@ struct GpuFlags {
   std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
   bool disable_cuda_graph = false;
   bool enable_pdl = false;
+  bool disable_custom_all_reduce = false;
 };
 
 inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
@@ -39,6 +40,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   app.add_flag("--enable-pdl", f.enable_pdl,
                "cuda, experimental: overlap each kernel's launch with the previous kernel (programmatic dependent "
                "launch, sm_90+); wrong tokens have been seen with it in serving, so it is off by default");
+  app.add_flag("--disable-custom-all-reduce", f.disable_custom_all_reduce,
+               "cuda, --tp-size > 1: all-reduce through NCCL only (default: the one-shot peer-memory all-reduce for "
+               "messages up to 8 MiB, NCCL above)");
 }
 
 inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
@@ -49,6 +53,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.fp4_gemm_backend = f.fp4_gemm_backend;
   lo.cuda_graphs = !f.disable_cuda_graph;
   lo.pdl = f.enable_pdl;
+  lo.disable_custom_all_reduce = f.disable_custom_all_reduce;
 }
 
 }  // namespace kiln::cli

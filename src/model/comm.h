@@ -29,6 +29,9 @@ class Communicator {
   // out[r * bytes, (r + 1) * bytes) = rank r's in[0, bytes), on every rank. out holds size() * bytes.
   virtual void all_gather(const void* in, int64_t bytes, void* out, void* stream = nullptr) = 0;
   virtual void barrier() = 0;
+  // Whether all_reduce_sum may be captured in a CUDA graph (no host step inside it). A backend captures steps only
+  // over a communicator that says so.
+  virtual bool capturable() const { return false; }
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
   virtual void abort() = 0;
   virtual void reset() = 0;

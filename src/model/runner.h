@@ -64,6 +64,8 @@ class Runner : public ModelRunner {
   void set_graphs_enabled(bool on) { graphs_enabled_ = on; }
   // The KV-cache scales in use per full-attention layer (FP8 pools; 1 otherwise).
   std::vector<std::pair<float, float>> kv_scales() const;
+  // Keeps a communicator the runner's Ops uses (set_communicator) alive as long as the runner.
+  void keep_alive(std::unique_ptr<Communicator> comm) { owned_comm_ = std::move(comm); }
 
  private:
   struct Piece {
@@ -83,6 +85,7 @@ class Runner : public ModelRunner {
   TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids);
   void reset_slot(int slot);
 
+  std::unique_ptr<Communicator> owned_comm_;  // destroyed after ops_
   std::unique_ptr<Ops> ops_;
   std::unique_ptr<LoadedModel> model_;
   RunnerOptions options_;

@@ -106,7 +106,25 @@ TpRunner::TpRunner(const format::ModelDir& dir, const RunnerOptions& options, co
 }
 
 TpRunner::~TpRunner() {
-  threads_.reset();  // joins the rank threads before the runners go
+  // Each rank's runner goes on its own thread (a GPU rank frees its memory with its device current), then the
+  // threads are joined.
+  if (threads_) {
+    try {
+      run_all([&](int r) { ranks_[r].reset(); });
+    } catch (...) {
+    }
+  }
+  threads_.reset();
+}
+
+bool TpRunner::can_copy_state() const {
+  for (const auto& r : ranks_)
+    if (!r->can_copy_state()) return false;
+  return true;
+}
+
+void TpRunner::copy_state(int src_slot, int dst_slot) {
+  run_all([&](int r) { ranks_[r]->copy_state(src_slot, dst_slot); });
 }
 
 void TpRunner::run_all(const std::function<void(int)>& fn) {

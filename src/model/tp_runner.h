@@ -42,6 +42,10 @@ class TpRunner : public ModelRunner {
   void forward(std::span<const SeqChunk> chunks, std::span<float> logits) override;
   void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) override;
   std::string describe() const override;
+  // Every rank copies its share of the state (its value heads' slices), on its own thread.
+  bool can_copy_state() const override;
+  void copy_state(int src_slot, int dst_slot) override;
+  bool has_recurrent_state() const override { return ranks_[0]->has_recurrent_state(); }
 
   int size() const { return static_cast<int>(ranks_.size()); }
   Runner& rank(int r) { return *ranks_[r]; }

@@ -46,6 +46,11 @@ struct CpuLoadOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string dist_init_addr;
+  // cuda: all-reduces through NCCL only, not the one-shot peer-memory kernel (--disable-custom-all-reduce).
+  bool disable_custom_all_reduce = false;
+  // bench-engine --single-rank R: load only rank R of the --tp-size plan on one GPU, its all-reduces replaced by a
+  // device copy of the same size (the decode cost of one GPU of a larger group); -1: off.
+  int single_rank = -1;
 };
 // The name the load options go by outside the CPU backend.
 using LoadOptions = CpuLoadOptions;

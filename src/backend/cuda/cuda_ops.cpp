@@ -178,7 +178,7 @@ struct CudaOps::Impl {
   std::unique_ptr<::kiln::cuda::BlasLt> blas;
   DeviceBuffer blas_x, blas_out;  // reused by every such linear (one stream: calls never overlap)
 
-  explicit Impl(const CudaOptions& o) : rt(o.pdl), options(o) {}
+  explicit Impl(const CudaOptions& o) : rt(o.device, o.pdl), options(o) {}
 };
 
 namespace {
@@ -235,7 +235,11 @@ int CudaOps::graphs() const { return impl_->rt.graphs(); }
 const CudaDeviceProbe& CudaOps::device() const { return impl_->rt.device(); }
 size_t CudaOps::weight_bytes() const { return impl_->rt.weight_bytes(); }
 
-bool CudaOps::graph_capture_begin() { return impl_->rt.graph_capture_begin(); }
+bool CudaOps::graph_capture_begin() {
+  // A tensor-parallel rank whose all-reduce meets its peers on the host (ranks sharing a GPU) runs eagerly.
+  if (comm_ && comm_->size() > 1 && !comm_->capturable()) return false;
+  return impl_->rt.graph_capture_begin();
+}
 int CudaOps::graph_capture_end() { return impl_->rt.graph_capture_end(); }
 bool CudaOps::graph_launch(int handle) { return impl_->rt.graph_launch(handle); }
 void CudaOps::graph_reset() { impl_->rt.graph_reset(); }
@@ -392,8 +396,27 @@ void CudaOps::embedding(const TensorView& table, const TensorView& ids, TensorVi
   expect_f32(out, "embedding out");
   const int64_t T = ids.numel(), H = table.dim(1);
   KILN_CHECK(out.numel() == T * H && out.is_contiguous(), "embedding out {} for {} ids x {}", out.shape.str(), T, H);
-  kops::embedding(table.data, elem_of(table.dtype, "embedding table"), table.dim(0), H, i32(ids), T, f32_mut(out),
+  kops::embedding(table.data, elem_of(table.dtype, "embedding table"), table.dim(0), H, i32(ids), 0, T, f32_mut(out),
                   impl_->rt.stream());
+}
+
+void CudaOps::embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) {
+  OpScope prof(impl_->rt, [&] { return std::string("embedding (vocabulary shard)"); });
+  KILN_CHECK(table.ndim() == 2 && table.is_contiguous(), "embedding table {}", table.shape.str());
+  expect_i32(ids, "embedding ids");
+  expect_f32(out, "embedding out");
+  const int64_t T = ids.numel(), H = table.dim(1);
+  KILN_CHECK(out.numel() == T * H && out.is_contiguous(), "embedding out {} for {} ids x {}", out.shape.str(), T, H);
+  kops::embedding(table.data, elem_of(table.dtype, "embedding table"), table.dim(0), H, i32(ids), vocab_begin, T,
+                  f32_mut(out), impl_->rt.stream());
+}
+
+void CudaOps::all_reduce(TensorView x) {
+  if (!comm_ || comm_->size() == 1) return;
+  KILN_CHECK(x.is_contiguous() && x.dtype == DType::F32, "all_reduce of a strided or non-F32 view {}", x.shape.str());
+  OpScope prof(impl_->rt, [&] { return fmt::format("all-reduce {} floats", x.numel()); });
+  kops::pdl_note_other_op();  // the collective's kernels are not launched through launch_kernel
+  comm_->all_reduce_sum(f32_mut(x), x.numel(), impl_->rt.stream());
 }
 
 void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out) {
@@ -818,7 +841,27 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   expect_f32(weights, "moe_experts weights");
   expect_f32(out, "moe_experts out");
   KILN_CHECK(!experts.empty(), "moe_experts without experts");
-  const int64_t T = x.dim(0), H = x.dim(1), k = expert_ids.dim(1), E = static_cast<int64_t>(experts.size());
+  const int64_t T = x.dim(0), H = x.dim(1), k = expert_ids.dim(1);
+  // An expert-parallel rank holds one contiguous range of the layer's experts (format/shard_plan.h); the others'
+  // are absent. Its pairs are renumbered into that range, the rest skipped (their share comes from other ranks
+  // through the all-reduce after the block).
+  int64_t held_begin = 0;
+  while (held_begin < static_cast<int64_t>(experts.size()) && !experts[held_begin].gate.present()) ++held_begin;
+  int64_t held_end = held_begin;
+  while (held_end < static_cast<int64_t>(experts.size()) && experts[held_end].gate.present()) ++held_end;
+  for (int64_t e = held_end; e < static_cast<int64_t>(experts.size()); ++e)
+    KILN_CHECK(!experts[e].gate.present(), "moe_experts: the held experts are not one range ({} after [{}, {}))", e,
+               held_begin, held_end);
+  const int32_t* ids = i32(expert_ids);
+  if (held_begin > 0 || held_end < static_cast<int64_t>(experts.size())) {
+    KILN_CHECK(held_end > held_begin, "moe_experts: this rank holds none of the {} experts", experts.size());
+    auto* local = static_cast<int32_t*>(impl_->rt.scratch(static_cast<size_t>(expert_ids.numel()) * 4));
+    kops::moe_local_ids(ids, expert_ids.numel(), static_cast<int32_t>(held_begin),
+                        static_cast<int32_t>(held_end - held_begin), local, impl_->rt.stream());
+    ids = local;
+    experts = experts.subspan(static_cast<size_t>(held_begin), static_cast<size_t>(held_end - held_begin));
+  }
+  const int64_t E = static_cast<int64_t>(experts.size());
 
   // The device table of this layer's expert descriptors, built on first use. Placed weights are never freed while
   // the Ops lives, so the weight pointers identify the layer.
@@ -854,7 +897,7 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   }
   const size_t ws_bytes = kops::moe_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter);
   void* ws = impl_->rt.scratch(ws_bytes);
-  kops::moe_experts(f32(x), T, H, i32(expert_ids), f32(weights), static_cast<int>(k),
+  kops::moe_experts(f32(x), T, H, ids, f32(weights), static_cast<int>(k),
                     tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
                     impl_->rt.stream(), impl_->options.moe_tensor_cores, shared, shared_gate);
 }

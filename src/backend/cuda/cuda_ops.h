@@ -18,7 +18,7 @@ namespace kiln::backend::cuda {
 
 class CudaOps final : public model::Ops {
  public:
-  // Uses probe_cuda_device()'s device; throws kiln::Error with the probe's reason when there is none.
+  // Runs on options.device (< 0: probe_cuda_device()'s first supported one); throws kiln::Error with the probe's reason when there is none.
   explicit CudaOps(const CudaOptions& options = {});
   ~CudaOps() override;
   CudaOps(const CudaOps&) = delete;
@@ -49,6 +49,9 @@ class CudaOps final : public model::Ops {
                    std::span<int32_t> ids) override;
 
   void embedding(const TensorView& table, const TensorView& ids, TensorView out) override;
+  void embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) override;
+  // Over the rank's communicator (comm_cuda.h), enqueued on this Ops' stream.
+  void all_reduce(TensorView x) override;
   void linear(const TensorView& x, const model::LinearWeight& w, TensorView out) override;
   void linear_multi(const TensorView& x, std::span<const model::LinearWeight* const> ws,
                     std::span<const TensorView> outs) override;

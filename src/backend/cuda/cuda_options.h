@@ -5,6 +5,8 @@
 namespace kiln::backend::cuda {
 
 struct CudaOptions {
+  // The CUDA device (a tensor-parallel rank's, from --base-gpu-id / --gpu-id-step); < 0: the first supported one.
+  int device = -1;
   // --attention-backend: prefill-shaped steps on the flash-style tensor-core kernel (attention_prefill.cu, q and p in
   // 3 bf16 parts), or every step on the split-over-keys kernel on the CUDA cores (kiln-paged-fp32).
   bool prefill_attention_tensor_cores = true;

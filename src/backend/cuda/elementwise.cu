@@ -57,13 +57,13 @@ __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned*
 // ---- embedding / gather
 
 __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
-                                 const int32_t* __restrict__ ids, int64_t T, float* __restrict__ out) {
+                                 const int32_t* __restrict__ ids, int64_t id_begin, int64_t T, float* __restrict__ out) {
   dev::pdl_enter();
   const int64_t total = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H, h = i % H;
-    const int32_t id = ids[t];
-    out[i] = (id >= 0 && id < V) ? load_elem(table, elem, int64_t(id) * H + h) : 0.0f;
+    const int64_t row = int64_t(ids[t]) - id_begin;
+    out[i] = (row >= 0 && row < V) ? load_elem(table, elem, row * H + h) : 0.0f;
   }
 }
 
@@ -284,10 +284,10 @@ void max_abs(const float* x, int64_t n, float* result, Stream stream) {
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
-               Stream stream) {
+void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t id_begin, int64_t T,
+               float* out, Stream stream) {
   if (T * H == 0) return;
-  launch_kernel(embedding_kernel, capped_grid(T * H), kBlock, 0, stream, table, elem, V, H, ids, T, out);
+  launch_kernel(embedding_kernel, capped_grid(T * H), kBlock, 0, stream, table, elem, V, H, ids, id_begin, T, out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

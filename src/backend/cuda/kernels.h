@@ -110,9 +110,10 @@ void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segme
 void busy_wait(double microseconds, Stream stream);
 
 // ---- dense maths (elementwise.cu)
-// out[t] = table[ids[t]] (ids outside [0, V) give a zero row). table [V, H], out [T, H].
-void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t T, float* out,
-               Stream stream);
+// out[t] = table[ids[t] - id_begin] (ids outside [id_begin, id_begin + V) give a zero row: a vocabulary shard of
+// a tensor-parallel rank holds rows [id_begin, id_begin + V)). table [V, H], out [T, H].
+void embedding(const void* table, ElemType elem, int64_t V, int64_t H, const int32_t* ids, int64_t id_begin, int64_t T,
+               float* out, Stream stream);
 // x [R, D] with row stride ldx; w [D]; out [R, D] contiguous. out = x_hat * (w or 1 + w).
 void rms_norm(const float* x, int64_t ldx, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
               bool zero_centred, float* out, Stream stream);
@@ -189,6 +190,9 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 // Routed experts: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]), summed in ascending expert id.
 // experts: device table [E][3] of {gate [I, H], up [I, H], down [H, I]}; experts_vec_ok: every one of them has
 // k % 8 == 0 and 16-byte aligned data (the 8-wide load path). workspace: moe_workspace_bytes() bytes, 256-aligned.
+// out[i] = ids[i] - begin when that lies in [0, count), else -1 (an expert-parallel rank holds experts
+// [begin, begin + count) of the layer; moe_experts skips pairs of id -1).
+void moe_local_ids(const int32_t* ids, int64_t n, int32_t begin, int32_t count, int32_t* out, Stream stream);
 size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
 // experts_gemv2_kind: the bandwidth gemv every expert matrix can use (0 bf16, 1 nvfp4), or -1. tensor_cores: NVFP4
 // experts on tensor cores (moe_experts.cu, x split into 3 bf16 parts) where moe_mma_supported; false, or experts
@@ -323,5 +327,30 @@ struct SampleRowArgs {
 // V at most 2^30.
 void sample_rows(const float* logits, int64_t ld, int64_t R, int64_t V, const SampleRowArgs* rows, int32_t* ids,
                  Stream stream);
+
+// ---- tensor-parallel collectives (allreduce.cu)
+constexpr int kPeerMaxRanks = 16;
+constexpr int kPeerBlocks = 32;  // every launch: the per-block counters advance in step on every rank
+struct PeerAllReduceArgs {
+  int rank = 0, nranks = 1;
+  int64_t capacity = 0;                   // floats per half of each exchange buffer
+  float* exchange[kPeerMaxRanks] = {};    // rank r's exchange buffer [2][capacity] (device memory, peer-accessible)
+  uint32_t* flags[kPeerMaxRanks] = {};    // rank r's notices [kPeerBlocks][kPeerMaxRanks], written by its peers
+  uint32_t* counter = nullptr;            // this rank's calls per block [kPeerBlocks]
+  const uint32_t* abort = nullptr;        // mapped host word: non-zero makes waiting kernels trap
+  uint64_t timeout_ns = 0;                // a wait longer than this traps; 0: wait for the peers or abort
+};
+// data[0, n) = sum over ranks of each rank's data[0, n), in rank order (bitwise the same on every rank); every rank
+// of the group launches it with the same n, in the same order of calls. n <= capacity. Its blocks wait on the GPU
+// for the peers' kernels: every rank needs a GPU of its own (ranks sharing one could wait on each other behind a
+// device-wide synchronisation such as cudaFree).
+void peer_all_reduce(const PeerAllReduceArgs& args, float* data, int64_t n, Stream stream);
+// out[i] = sum over r < nranks of inputs[r][i], in rank order (the host has made every input ready). No waiting on
+// the GPU: the transport of ranks that share a GPU.
+struct PeerInputs {
+  int nranks = 0;
+  const float* in[kPeerMaxRanks] = {};
+};
+void sum_rank_buffers(const PeerInputs& inputs, int64_t n, float* out, Stream stream);
 
 }  // namespace kiln::cuda::ops

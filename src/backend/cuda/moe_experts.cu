@@ -24,6 +24,7 @@
 // in flight while this one is multiplied, one __syncthreads per stage), and the 4 row-tile warps read their B
 // fragments from there with 128-bit shared loads (padded, swizzled: no bank conflicts) instead of 4 copies of the
 // same global loads. The k-split reduction reuses the stage buffers. Shared memory: 56 KB (2 blocks per SM).
+#include <atomic>
 #include <cuda_bf16.h>
 
 #include "backend/cuda/cuda_check.h"
@@ -445,11 +446,16 @@ template <int kMats, int kParts, int kSub>
 void launch_mma_xsmem(const MmaArgs& a, int64_t max_tiles, Stream stream) {
   constexpr size_t bytes = XStage<kParts, kSub>::template bytes<kMats>();
   auto kernel = moe_mma_xsmem_kernel<kMats, kParts, kSub>;
-  static const bool attr_set = [&] {
+  // The dynamic shared memory limit is a per-device attribute: set once per device (per instantiation), so every
+  // GPU of a tensor-parallel group gets it.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (!bit || !(configured.load(std::memory_order_acquire) & bit)) {
     KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    return true;
-  }();
-  (void)attr_set;
+    configured.fetch_or(bit, std::memory_order_release);
+  }
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(a.N / 64));
   launch_kernel(kernel, grid, 256, bytes, stream, a);
   KILN_CUDA_CHECK_LAUNCH();

@@ -496,4 +496,20 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
 }
 
 
+__global__ void moe_local_ids_kernel(const int32_t* __restrict__ ids, int64_t n, int32_t begin, int32_t count,
+                                     int32_t* __restrict__ out) {
+  dev::pdl_enter();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t e = ids[i] - begin;
+    out[i] = e >= 0 && e < count ? e : -1;
+  }
+}
+
+void moe_local_ids(const int32_t* ids, int64_t n, int32_t begin, int32_t count, int32_t* out, Stream stream) {
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 1024));
+  launch_kernel(moe_local_ids_kernel, blocks, 256, 0, stream, ids, n, begin, count, out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace kiln::cuda::ops

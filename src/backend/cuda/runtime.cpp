@@ -13,10 +13,11 @@
 namespace kiln::cuda::ops {
 
 namespace {
-bool g_pdl = false;
-bool g_prev_kernel = false;
-ProfileMarkFn g_mark_fn = nullptr;
-void* g_mark_ctx = nullptr;
+bool g_pdl = false;  // set once at startup, the same for every rank
+// Per thread: each tensor-parallel rank launches on its own thread and stream.
+thread_local bool g_prev_kernel = false;
+thread_local ProfileMarkFn g_mark_fn = nullptr;
+thread_local void* g_mark_ctx = nullptr;
 }  // namespace
 
 bool pdl_enabled() { return g_pdl; }
@@ -48,52 +49,87 @@ constexpr size_t kFirstScratchBytes = size_t{64} << 20;
 
 }  // namespace
 
-CudaDeviceProbe probe_cuda_device() {
+namespace {
 
+// The probe of device i (its properties fetched); supported: the architectures kiln's kernels are built for.
+CudaDeviceProbe probe_one(int i) {
   CudaDeviceProbe p;
+  p.index = i;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
+    cudaGetLastError();
+    p.reason = fmt::format("CUDA device {} could not be queried", i);
+    return p;
+  }
+  p.name = prop.name;
+  p.major = prop.major;
+  p.minor = prop.minor;
+  p.multiprocessors = prop.multiProcessorCount;
+  p.memory_bytes = prop.totalGlobalMem;
+  const bool supported = (prop.major == 9 && prop.minor == 0) || prop.major == 12;
+  if (!supported) {
+    p.reason = fmt::format("compute capability {}.{} not supported ({}): kiln's CUDA kernels target sm_90a and sm_120a",
+                           prop.major, prop.minor, prop.name);
+    return p;
+  }
+  p.usable = true;
+  int current = 0;
+  const bool had_current = cudaGetDevice(&current) == cudaSuccess;
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) p.free_bytes = free_b;
+  else cudaGetLastError();
+  if (had_current && current != i) cudaSetDevice(current);
+  return p;
+}
+
+// The number of CUDA devices, or 0 with the reason.
+int device_count(std::string& reason) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess || n == 0) {
-    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice || err == cudaSuccess)
-      p.reason = err == cudaErrorInsufficientDriver ? "no CUDA device (no NVIDIA driver, or one older than this "
-                                                      "build's CUDA runtime)"
-                                                    : "no CUDA device";
-    else
-      p.reason = fmt::format("no CUDA device ({})", cudaGetErrorString(err));
-    cudaGetLastError();  // clear the sticky error
-    return p;
+  if (err == cudaSuccess && n > 0) return n;
+  if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice || err == cudaSuccess)
+    reason = err == cudaErrorInsufficientDriver ? "no CUDA device (no NVIDIA driver, or one older than this "
+                                                  "build's CUDA runtime)"
+                                                : "no CUDA device";
+  else
+    reason = fmt::format("no CUDA device ({})", cudaGetErrorString(err));
+  cudaGetLastError();  // clear the sticky error
+  return 0;
+}
+
+}  // namespace
+
+std::vector<CudaDeviceProbe> probe_cuda_devices() {
+  std::string reason;
+  const int n = device_count(reason);
+  std::vector<CudaDeviceProbe> out;
+  for (int i = 0; i < n; ++i) out.push_back(probe_one(i));
+  return out;
+}
+
+CudaDeviceProbe probe_cuda_device(int index) {
+  CudaDeviceProbe p;
+  const int n = device_count(p.reason);
+  if (n == 0) return p;
+  if (index >= 0) {
+    if (index >= n) {
+      p.reason = fmt::format("CUDA device {} does not exist (this machine has {}: 0..{})", index, n, n - 1);
+      return p;
+    }
+    return probe_one(index);
   }
   std::string found;
   for (int i = 0; i < n; ++i) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
-      cudaGetLastError();
-      continue;
-    }
-    const bool supported = (prop.major == 9 && prop.minor == 0) || prop.major == 12;
-    if (supported) {
-      p.usable = true;
-      p.index = i;
-      p.name = prop.name;
-      p.major = prop.major;
-      p.minor = prop.minor;
-      p.multiprocessors = prop.multiProcessorCount;
-      p.memory_bytes = prop.totalGlobalMem;
-      size_t free_b = 0, total_b = 0;
-      if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) p.free_bytes = free_b;
-      else cudaGetLastError();
-      return p;
-    }
-    if (found.empty())
-      found = fmt::format("compute capability {}.{} not supported ({}): kiln's CUDA kernels target sm_90a and sm_120a",
-                          prop.major, prop.minor, prop.name);
+    CudaDeviceProbe d = probe_one(i);
+    if (d.usable) return d;
+    if (found.empty()) found = d.reason;
   }
   p.reason = found.empty() ? std::string("no CUDA device could be queried") : found;
   return p;
 }
 
-CudaRuntime::CudaRuntime(bool pdl) {
-  device_ = probe_cuda_device();
+CudaRuntime::CudaRuntime(int device, bool pdl) {
+  device_ = probe_cuda_device(device);
   if (!device_.usable) fail("cannot use the CUDA backend: {}", device_.reason);
   KILN_CUDA_CHECK(cudaSetDevice(device_.index));
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

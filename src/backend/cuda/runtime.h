@@ -26,14 +26,18 @@ struct CudaDeviceProbe {
   size_t free_bytes = 0;      // free when probed (other processes may hold some)
   std::string reason;         // why not usable: "no CUDA device ...", "compute capability 8.0 not supported ..."
 };
-// Never throws: a machine without a driver or GPU gives usable = false and a reason.
-CudaDeviceProbe probe_cuda_device();
+// Never throws: a machine without a driver or GPU gives usable = false and a reason. index < 0: the first supported
+// device; else that CUDA device (usable = false with the reason when it does not exist or is not supported).
+CudaDeviceProbe probe_cuda_device(int index = -1);
+// Every CUDA device of this machine (usable or not, each with its reason); empty without a driver or GPU.
+std::vector<CudaDeviceProbe> probe_cuda_devices();
 
 class CudaRuntime {
  public:
-  // Uses probe_cuda_device()'s device; throws kiln::Error with the probe's reason when there is none. pdl: launch
-  // adjacent kernels with programmatic dependent launch (launch.cuh; sm_90 and newer only).
-  explicit CudaRuntime(bool pdl);
+  // Runs on CUDA device `device` (< 0: probe_cuda_device()'s first supported one) and makes it the calling thread's
+  // current device; throws kiln::Error with the probe's reason when it cannot be used. pdl: launch adjacent kernels
+  // with programmatic dependent launch (launch.cuh; sm_90 and newer only).
+  CudaRuntime(int device, bool pdl);
   ~CudaRuntime();
   CudaRuntime(const CudaRuntime&) = delete;
   CudaRuntime& operator=(const CudaRuntime&) = delete;

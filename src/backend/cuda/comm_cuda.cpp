@@ -1,0 +1,502 @@
+// The CUDA tensor-parallel group (comm_cuda.h): the peer transport over allreduce.cu, NCCL through dlopen, and the
+// host barrier both share (backend/comm_local.h's group, for barrier / time-out / abort).
+#include "backend/cuda/comm_cuda.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "backend/comm_local.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace kiln::backend::cuda {
+namespace {
+
+namespace kops = ::kiln::cuda::ops;
+
+// Floats per half of a rank's exchange buffer: a larger all-reduce runs in pieces of this size.
+constexpr int64_t kPeerCapacity = int64_t(4) << 20;
+
+// Sets the calling thread's current device for a scope.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&saved_) != cudaSuccess) {
+      cudaGetLastError();
+      saved_ = -1;
+    }
+    KILN_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() {
+    if (saved_ >= 0) cudaSetDevice(saved_);
+  }
+
+ private:
+  int saved_ = -1;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// NCCL, loaded at run time: kiln runs without it (one GPU, or ranks on the peer transport).
+
+struct Nccl {
+  decltype(&ncclGetVersion) get_version = nullptr;
+  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&ncclCommInitRankConfig) init_rank_config = nullptr;
+  decltype(&ncclCommGetAsyncError) get_async_error = nullptr;
+  decltype(&ncclCommAbort) abort = nullptr;
+  decltype(&ncclCommDestroy) destroy = nullptr;
+  decltype(&ncclAllReduce) all_reduce = nullptr;
+  decltype(&ncclAllGather) all_gather = nullptr;
+  decltype(&ncclGroupStart) group_start = nullptr;
+  decltype(&ncclGroupEnd) group_end = nullptr;
+  decltype(&ncclGetErrorString) error_string = nullptr;
+  std::string error;  // why it is not usable (empty: usable)
+  int version = 0;
+
+  static const Nccl& get() {
+    static const Nccl n = load();
+    return n;
+  }
+
+ private:
+  static Nccl load() {
+    Nccl n;
+    void* h = nullptr;
+    for (const char* name : {"libnccl.so.2", "libnccl.so"})
+      if ((h = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+    if (!h) {
+      n.error = fmt::format("libnccl.so.2 not found ({}); install NCCL (e.g. the libnccl2 package or the CUDA "
+                            "toolkit's) or keep every rank on the peer transport",
+                            dlerror());
+      return n;
+    }
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+      if (!fn) {
+        ok = false;
+        n.error = fmt::format("libnccl.so.2 lacks {} (too old an NCCL: 2.18 or newer is needed)", name);
+      }
+    };
+    sym(n.get_version, "ncclGetVersion");
+    sym(n.get_unique_id, "ncclGetUniqueId");
+    sym(n.init_rank_config, "ncclCommInitRankConfig");
+    sym(n.get_async_error, "ncclCommGetAsyncError");
+    sym(n.abort, "ncclCommAbort");
+    sym(n.destroy, "ncclCommDestroy");
+    sym(n.all_reduce, "ncclAllReduce");
+    sym(n.all_gather, "ncclAllGather");
+    sym(n.group_start, "ncclGroupStart");
+    sym(n.group_end, "ncclGroupEnd");
+    sym(n.error_string, "ncclGetErrorString");
+    if (ok && n.get_version(&n.version) != ncclSuccess) n.error = "ncclGetVersion failed";
+    return n;
+  }
+};
+
+std::string nccl_version_str(int v) { return fmt::format("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100); }
+
+void nccl_check(const Nccl& n, ncclResult_t r, const char* what) {
+  if (r != ncclSuccess && r != ncclInProgress)
+    fail("NCCL {} failed: {} (set NCCL_DEBUG=WARN for NCCL's own account)", what, n.error_string(r));
+}
+
+// Waits until a non-blocking communicator's last call has been enqueued (or its init finished).
+void nccl_wait(const Nccl& n, ncclComm_t comm, const char* what,
+               std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) {
+  for (;;) {
+    ncclResult_t st = ncclSuccess;
+    nccl_check(n, n.get_async_error(comm, &st), what);
+    if (st == ncclSuccess) return;
+    if (st != ncclInProgress) fail("NCCL {} failed: {}", what, n.error_string(st));
+    if (std::chrono::steady_clock::now() > deadline) {
+      n.abort(comm);
+      fail("NCCL {} did not finish in time (a GPU or peer hangs; NCCL_DEBUG=INFO shows where)", what);
+    }
+    std::this_thread::yield();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The group's shared state.
+
+struct PeerState {
+  int n = 0;
+  bool spin = true;  // the GPU-waiting kernel; false: host-coordinated (ranks share a GPU)
+  std::vector<int> devices;
+  kops::PeerAllReduceArgs args;  // rank field set per communicator
+  std::vector<void*> allocations;  // device memory to free (exchange, flags, counters), with its device
+  std::vector<int> allocation_devices;
+  uint32_t* abort_word = nullptr;  // mapped host memory
+
+  ~PeerState() {
+    for (size_t i = 0; i < allocations.size(); ++i) {
+      cudaSetDevice(allocation_devices[i]);
+      cudaFree(allocations[i]);
+    }
+    if (abort_word) cudaFreeHost(abort_word);
+  }
+  void* alloc(int device, size_t bytes) {
+    DeviceScope on(device);
+    void* p = nullptr;
+    KILN_CUDA_CHECK(cudaMalloc(&p, bytes));
+    allocations.push_back(p);
+    allocation_devices.push_back(device);
+    KILN_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    return p;
+  }
+};
+
+struct NcclState {
+  std::vector<ncclComm_t> comms;
+  std::vector<int> devices;
+  ~NcclState() {
+    const Nccl& n = Nccl::get();
+    for (size_t r = 0; r < comms.size(); ++r)
+      if (comms[r]) {
+        cudaSetDevice(devices[r]);
+        n.destroy(comms[r]);
+      }
+  }
+};
+
+class CudaComm final : public model::Communicator {
+ public:
+  CudaComm(int rank, int size, std::shared_ptr<PeerState> peer, std::shared_ptr<NcclState> nccl,
+           int64_t peer_max_bytes, std::unique_ptr<model::Communicator> host)
+      : rank_(rank), size_(size), peer_(std::move(peer)), nccl_(std::move(nccl)), peer_max_bytes_(peer_max_bytes),
+        host_(std::move(host)) {
+    if (peer_) {
+      args_ = peer_->args;
+      args_.rank = rank;
+    }
+  }
+  ~CudaComm() override {
+    for (cudaEvent_t e : {ready_, done_})
+      if (e) cudaEventDestroy(e);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void all_reduce_sum(float* data, int64_t count, void* stream) override {
+    if (size_ == 1 || count == 0) return;
+    auto s = static_cast<cudaStream_t>(stream);
+    const bool use_peer = peer_ && (!nccl_ || count * 4 <= peer_max_bytes_);
+    if (use_peer && peer_->spin) {
+      for (int64_t off = 0; off < count; off += kPeerCapacity)
+        kops::peer_all_reduce(args_, data + off, std::min(kPeerCapacity, count - off), s);
+    } else if (use_peer) {
+      for (int64_t off = 0; off < count; off += kPeerCapacity)
+        hosted_all_reduce(data + off, std::min(kPeerCapacity, count - off), s);
+    } else {
+      const Nccl& n = Nccl::get();
+      nccl_check(n, n.all_reduce(data, data, static_cast<size_t>(count), ncclFloat32, ncclSum, nccl_->comms[rank_], s),
+                 "all-reduce");
+      nccl_wait(n, nccl_->comms[rank_], "all-reduce");
+    }
+    if (!stream) KILN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+
+  // out[r * bytes, (r + 1) * bytes) = rank r's in. NCCL when the group has it; else every rank copies from its
+  // peers' buffers after a host barrier (not graph-capturable: the forward never gathers inside a graph).
+  void all_gather(const void* in, int64_t bytes, void* out, void* stream) override {
+    auto s = static_cast<cudaStream_t>(stream);
+    if (nccl_) {
+      const Nccl& n = Nccl::get();
+      nccl_check(n, n.all_gather(in, out, static_cast<size_t>(bytes), ncclUint8, nccl_->comms[rank_], s), "all-gather");
+      nccl_wait(n, nccl_->comms[rank_], "all-gather");
+    } else {
+      ensure_events();
+      KILN_CUDA_CHECK(cudaEventRecord(ready_, s));
+      post_.in = in;
+      post_.ready = ready_;
+      post_.done = done_;
+      gather_table()[rank_] = &post_;
+      host_->barrier();
+      for (int r = 0; r < size_; ++r) {
+        const Post& p = *gather_table()[r];
+        if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, p.ready, 0));
+        KILN_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + r * bytes, p.in, static_cast<size_t>(bytes),
+                                        cudaMemcpyDefault, s));
+      }
+      KILN_CUDA_CHECK(cudaEventRecord(done_, s));
+      host_->barrier();
+      // Nobody's input may change before every peer has copied it.
+      for (int r = 0; r < size_; ++r)
+        if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, gather_table()[r]->done, 0));
+      host_->barrier();
+    }
+    if (!stream) KILN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+
+  void barrier() override { host_->barrier(); }
+  bool capturable() const override { return !peer_ || peer_->spin; }
+  void set_timeout(std::chrono::milliseconds t) override {
+    host_->set_timeout(t);
+    if (peer_) args_.timeout_ns = static_cast<uint64_t>(t.count()) * 1000000ull;
+  }
+  void abort() override {
+    host_->abort();
+    if (peer_) *reinterpret_cast<volatile uint32_t*>(peer_->abort_word) = 1;
+  }
+  void reset() override {
+    host_->reset();
+    if (peer_) *reinterpret_cast<volatile uint32_t*>(peer_->abort_word) = 0;
+  }
+
+  // Ranks on one GPU: every rank's data ready (events) -> host barrier -> each rank sums all ranks' data in rank
+  // order into its exchange buffer -> host barrier (every rank has read every input) -> copy back.
+  void hosted_all_reduce(float* data, int64_t n, cudaStream_t s) {
+    ensure_events();
+    KILN_CUDA_CHECK(cudaEventRecord(ready_, s));
+    post_.in = data;
+    post_.ready = ready_;
+    post_.done = done_;
+    gather_table()[rank_] = &post_;
+    host_->barrier();
+    kops::PeerInputs in;
+    in.nranks = size_;
+    for (int r = 0; r < size_; ++r) {
+      const Post& p = *gather_table()[r];
+      if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, p.ready, 0));
+      in.in[r] = static_cast<const float*>(p.in);
+    }
+    float* sum = args_.exchange[rank_];
+    kops::sum_rank_buffers(in, n, sum, s);
+    KILN_CUDA_CHECK(cudaEventRecord(done_, s));
+    host_->barrier();
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, gather_table()[r]->done, 0));
+    KILN_CUDA_CHECK(cudaMemcpyAsync(data, sum, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, s));
+    // No third barrier: the posted pointers are read before the second one, and a rank re-records its events only
+    // after every peer has passed it (and enqueued its waits on them).
+  }
+
+  void ensure_events() {
+    if (ready_) return;
+    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+  }
+
+  // Shared by the group's communicators: each rank's posted all-gather input.
+  struct Post {
+    const void* in = nullptr;
+    cudaEvent_t ready = nullptr, done = nullptr;
+  };
+  std::vector<Post*>& gather_table() { return *table_; }
+  void set_gather_table(std::shared_ptr<std::vector<Post*>> t) { table_ = std::move(t); }
+  void set_counter(uint32_t* counter) { args_.counter = counter; }
+
+ private:
+  int rank_, size_;
+  std::shared_ptr<PeerState> peer_;
+  std::shared_ptr<NcclState> nccl_;
+  int64_t peer_max_bytes_;
+  std::unique_ptr<model::Communicator> host_;
+  kops::PeerAllReduceArgs args_;
+  cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  Post post_;
+  std::shared_ptr<std::vector<Post*>> table_;
+};
+
+// Which transports a group of these options gets (and why not the others).
+struct Plan {
+  bool peer = false, nccl = false;
+  std::string why_not_peer, why_not_nccl;
+};
+
+Plan plan_group(const CudaGroupOptions& o) {
+  Plan p;
+  const std::vector<int>& d = o.devices;
+  const std::set<int> distinct(d.begin(), d.end());
+  const bool shared_gpu = distinct.size() < d.size();
+  // Peer: every pair of distinct devices must map each other's memory.
+  p.peer = static_cast<int>(d.size()) <= kops::kPeerMaxRanks;
+  if (!p.peer) p.why_not_peer = fmt::format("more than {} ranks", kops::kPeerMaxRanks);
+  for (int a : distinct)
+    for (int b : distinct) {
+      if (a == b || !p.peer) continue;
+      int can = 0;
+      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
+        cudaGetLastError();
+        can = 0;
+      }
+      if (!can) {
+        p.peer = false;
+        p.why_not_peer = fmt::format("GPU {} cannot access GPU {}'s memory (no peer access)", a, b);
+      }
+    }
+  std::string reason;
+  p.nccl = !shared_gpu && nccl_available(&reason);
+  if (shared_gpu) p.why_not_nccl = "ranks share a GPU (NCCL needs one GPU per rank)";
+  else if (!p.nccl) p.why_not_nccl = reason;
+  if (o.transport == CudaGroupOptions::Transport::peer) p.nccl = false;
+  if (o.transport == CudaGroupOptions::Transport::nccl) p.peer = false;
+  return p;
+}
+
+std::string device_list(const std::vector<int>& d) {
+  std::string s;
+  for (size_t i = 0; i < d.size(); ++i) s += fmt::format("{}{}", i ? "," : "", d[i]);
+  return s;
+}
+
+}  // namespace
+
+bool nccl_available(std::string* reason) {
+  const Nccl& n = Nccl::get();
+  if (reason) *reason = n.error.empty() ? "NCCL " + nccl_version_str(n.version) : n.error;
+  return n.error.empty();
+}
+
+std::string describe_cuda_group(const CudaGroupOptions& o) {
+  if (o.devices.size() <= 1) return "one rank (no collectives)";
+  const Plan p = plan_group(o);
+  std::string v;
+  nccl_available(&v);
+  if (p.peer && p.nccl)
+    return fmt::format("all-reduce: one-shot over peer memory up to {} KiB, {} above", o.peer_max_bytes >> 10, v);
+  if (p.peer) return fmt::format("all-reduce: one-shot over peer memory (NCCL not used: {})", p.why_not_nccl);
+  if (p.nccl) return fmt::format("all-reduce: {} (peer transport not used: {})", v, p.why_not_peer);
+  return "no transport";
+}
+
+std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGroupOptions& o) {
+  const int n = static_cast<int>(o.devices.size());
+  if (n < 1) fail("a tensor-parallel group needs at least 1 rank");
+  const Plan plan = n > 1 ? plan_group(o) : Plan{};
+  if (n > 1 && !plan.peer && !plan.nccl)
+    fail("tensor parallel over GPUs {}: no transport joins them: {}; {}", device_list(o.devices),
+         plan.why_not_peer.empty() ? "peer transport not chosen" : plan.why_not_peer,
+         plan.why_not_nccl.empty() ? "NCCL not chosen (drop --disable-custom-all-reduce)" : plan.why_not_nccl);
+
+  std::shared_ptr<PeerState> peer;
+  if (n > 1 && plan.peer) {
+    peer = std::make_shared<PeerState>();
+    peer->n = n;
+    peer->spin = o.spin_on_shared_gpu || std::set<int>(o.devices.begin(), o.devices.end()).size() == o.devices.size();
+    peer->devices = o.devices;
+    // Peer access between the distinct devices (both directions).
+    const std::set<int> distinct(o.devices.begin(), o.devices.end());
+    for (int a : distinct) {
+      DeviceScope on(a);
+      for (int b : distinct) {
+        if (a == b) continue;
+        const cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
+        if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+        else KILN_CUDA_CHECK(err);
+      }
+    }
+    kops::PeerAllReduceArgs& a = peer->args;
+    a.nranks = n;
+    a.capacity = kPeerCapacity;
+    for (int r = 0; r < n; ++r) {
+      a.exchange[r] = static_cast<float*>(peer->alloc(o.devices[r], static_cast<size_t>(2 * kPeerCapacity) * 4));
+      a.flags[r] = static_cast<uint32_t*>(peer->alloc(o.devices[r], kops::kPeerBlocks * kops::kPeerMaxRanks * 4));
+    }
+    {
+      DeviceScope on(o.devices[0]);
+      KILN_CUDA_CHECK(cudaHostAlloc(&peer->abort_word, 4, cudaHostAllocMapped | cudaHostAllocPortable));
+      *peer->abort_word = 0;
+    }
+    a.abort = peer->abort_word;  // unified addressing: the host pointer is the device pointer
+    a.timeout_ns = static_cast<uint64_t>(o.timeout.count()) * 1000000ull;
+  }
+
+  std::shared_ptr<NcclState> nccl;
+  if (n > 1 && plan.nccl) {
+    const Nccl& lib = Nccl::get();
+    // NVLink multicast (NVLS) stays off: the GPU machines this runs on require it, and the all-reduces here are
+    // latency-bound decode messages.
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    ncclUniqueId id;
+    nccl_check(lib, lib.get_unique_id(&id), "unique id");
+    nccl = std::make_shared<NcclState>();
+    nccl->comms.assign(n, nullptr);
+    nccl->devices = o.devices;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // init polled below, with a deadline
+    nccl_check(lib, lib.group_start(), "group start");
+    for (int r = 0; r < n; ++r) {
+      DeviceScope on(o.devices[r]);
+      nccl_check(lib, lib.init_rank_config(&nccl->comms[r], n, id, r, &config), "communicator init");
+    }
+    nccl_check(lib, lib.group_end(), "communicator init");
+    const auto deadline = std::chrono::steady_clock::now() + o.timeout;
+    for (int r = 0; r < n; ++r) nccl_wait(lib, nccl->comms[r], "communicator init", deadline);
+  }
+
+  auto host = make_local_group(n, o.timeout);
+  auto table = std::make_shared<std::vector<CudaComm::Post*>>(n, nullptr);
+  std::vector<std::unique_ptr<model::Communicator>> out;
+  for (int r = 0; r < n; ++r) {
+    auto c = std::make_unique<CudaComm>(r, n, peer, nccl, o.peer_max_bytes, std::move(host[r]));
+    c->set_gather_table(table);
+    if (peer) {
+      DeviceScope on(o.devices[r]);
+      void* counter = peer->alloc(o.devices[r], kops::kPeerBlocks * 4);
+      c->set_counter(static_cast<uint32_t*>(counter));
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+namespace {
+
+// A rank timed alone: its all-reduces become one device copy of the same size (into a buffer of its own).
+class CopyComm final : public model::Communicator {
+ public:
+  CopyComm(int rank, int size) : rank_(rank), size_(size) {}
+  ~CopyComm() override {
+    if (buf_) cudaFree(buf_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce_sum(float* data, int64_t count, void* stream) override {
+    const size_t bytes = static_cast<size_t>(count) * 4;
+    if (bytes > cap_) {
+      if (buf_) {
+        KILN_CUDA_CHECK(cudaDeviceSynchronize());
+        cudaFree(buf_);
+      }
+      cap_ = std::max(bytes, size_t(64) << 20);
+      KILN_CUDA_CHECK(cudaMalloc(&buf_, cap_));
+    }
+    KILN_CUDA_CHECK(cudaMemcpyAsync(buf_, data, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+  }
+  void all_gather(const void* in, int64_t bytes, void* out, void* stream) override {
+    for (int r = 0; r < size_; ++r)
+      KILN_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + r * bytes, in, static_cast<size_t>(bytes),
+                                      cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+  }
+  void barrier() override {}
+  void set_timeout(std::chrono::milliseconds) override {}
+  void abort() override {}
+  void reset() override {}
+
+ private:
+  int rank_, size_;
+  void* buf_ = nullptr;
+  size_t cap_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<model::Communicator> make_copy_communicator(int rank, int size) {
+  return std::make_unique<CopyComm>(rank, size);
+}
+
+}  // namespace kiln::backend::cuda

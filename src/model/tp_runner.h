@@ -42,6 +42,8 @@ class TpRunner : public ModelRunner {
   void forward(std::span<const SeqChunk> chunks, std::span<float> logits) override;
   void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) override;
   std::string describe() const override;
+  // Every rank's device figures (rank r's entry has rank r).
+  std::vector<DeviceMemory> device_memory() const override;
 
   int size() const { return static_cast<int>(ranks_.size()); }
   Runner& rank(int r) { return *ranks_[r]; }

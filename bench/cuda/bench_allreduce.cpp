@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
     for (int d : o.devices) std::printf(" %d", d);
     std::printf(", %s: %s\n", transport.c_str(), backend::cuda::describe_cuda_group(o).c_str());
     auto comms = backend::cuda::make_cuda_group(o);
+    // One buffer per rank for every size (cudaFree synchronises the device: on a shared GPU it could wait for a
+    // peer's kernel that waits for this rank).
+    const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
+    std::vector<float*> buffers(ranks, nullptr);
     for (int64_t n : sizes) {
       std::vector<double> us(ranks);
       std::vector<std::string> err(ranks);
@@ -74,8 +78,8 @@ int main(int argc, char** argv) {
             KILN_CUDA_CHECK(cudaSetDevice(o.devices[r]));
             cudaStream_t s;
             KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-            float* d = nullptr;
-            KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(n) * 4));
+            float*& d = buffers[r];
+            if (!d) KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(largest) * 4));
             KILN_CUDA_CHECK(cudaMemsetAsync(d, 0, static_cast<size_t>(n) * 4, s));
             cudaGraph_t g;
             cudaGraphExec_t exec;
@@ -98,7 +102,6 @@ int main(int argc, char** argv) {
             us[r] = t[2];
             cudaGraphExecDestroy(exec);
             cudaGraphDestroy(g);
-            cudaFree(d);
             cudaStreamDestroy(s);
           } catch (const std::exception& e) {
             err[r] = e.what();

@@ -11,6 +11,7 @@
 #include "format/capacity.h"
 #include "format/model_config.h"
 #include "format/quant_config.h"
+#include "format/shard_plan.h"
 #include "format/weight_map.h"
 #include "model/runner.h"
 #include "model/tp_runner.h"
@@ -90,11 +91,16 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
 
 std::string MemoryPlan::str() const {
   const double G = 1024.0 * 1024.0 * 1024.0;
+  std::string who;
+  if (tp > 1)
+    who = fmt::format(" per GPU of tp {}{}", tp, ep > 1 ? fmt::format(" (ep {})", ep) : "");
+  if (ranks_per_gpu > 1) who = fmt::format(" per rank of tp {} ({} ranks share each GPU)", tp, ranks_per_gpu);
   return fmt::format(
-      "memory plan: {:.1f} GiB x mem-fraction-static {:.2f} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
+      "memory plan{}: {:.1f} GiB x mem-fraction-static {:.2f}{} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
       "({} pages = {} tokens, max_total_num_tokens), state slots {:.2f} GiB ({} slots, {} running requests), "
       "activations {:.2f} GiB (estimate); context {} tokens{}",
-      gpu_bytes / G, fraction, budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
+      who, gpu_bytes / G, fraction, ranks_per_gpu > 1 ? fmt::format(" / {} ranks", ranks_per_gpu) : "",
+      budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
       state_slots, max_running, activation_bytes / G, context, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
 }
 
@@ -104,21 +110,35 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   format::ModelConfig config = format::load_model_config(dir);
   const format::QuantConfig quant = format::load_quant_config(dir);
   const auto tensors = format::expected_tensors(config, quant);
+  MemoryPlan p;
+  p.tp = std::max(o.tp_size, 1);
+  p.ep = std::max(o.ep_size, 1);
+  if (o.nnodes < 1 || p.tp % o.nnodes)
+    fail("--tp-size {} does not divide over --nnodes {}", p.tp, o.nnodes);
+  p.ranks_per_gpu = o.gpu_id_step == 0 ? p.tp / o.nnodes : 1;
   format::CapacityOptions co;
   co.kv_dtype = o.kv_dtype;
+  co.tp = p.tp;
+  co.ep = p.ep;
+  // Per rank (capacity.h's per-GPU figures come from the shard plan the loader slices by; at tp 1 they are the
+  // whole model's): the busiest rank's weights, the rank's KV heads and linear-attention heads.
   const format::CapacityPlan cap = format::plan_capacity(config, tensors, co);
-  MemoryPlan p;
+  const format::ShardPlan shards = format::plan_shards(config, tensors, p.tp, p.ep);
+  const format::RankShard& rank0 = shards.ranks.front();  // heads and intermediate are the same on every rank
+  const double vocab_rows = p.tp > 1 ? static_cast<double>(rank0.vocab.count) : static_cast<double>(config.vocab_size);
+  const format::ModelConfig full = config;
+  config = format::rank_config(full, rank0);
   p.gpu_bytes = gpu_bytes;
   p.free_bytes = free_bytes;
   p.fraction = o.mem_fraction_static > 0 ? o.mem_fraction_static : 0.90;
   if (p.fraction > 0.98) fail("--mem-fraction-static {} is too high (at most 0.98)", p.fraction);
-  p.budget_bytes = gpu_bytes * p.fraction;
-  p.weight_bytes = static_cast<double>(cap.weight_bytes);
+  p.budget_bytes = gpu_bytes * p.fraction / p.ranks_per_gpu;
+  p.weight_bytes = static_cast<double>(cap.weight_bytes_per_gpu);
   const int per = std::max(o.slots_per_request, 1);
-  const double state_per_seq = static_cast<double>(cap.state_bytes_per_sequence);
+  const double state_per_seq = static_cast<double>(cap.state_bytes_per_sequence_per_gpu);
   // Scratch of one pass (nothing is freed inside a step): per token and layer the hidden-sized buffers, the
   // projections' outputs and the experts' rows (and their bf16 split for the tensor-core kernels), plus the logits
-  // of every running sequence.
+  // of every running sequence (a rank's vocabulary rows). Head counts and intermediate sizes are the rank's.
   const double H = static_cast<double>(config.hidden_size);
   const double C = 2.0 * config.linear_num_key_heads * config.linear_key_head_dim +
                    static_cast<double>(config.linear_num_value_heads) * config.linear_value_head_dim;
@@ -131,7 +151,7 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
   auto activations = [&](int running) {
     const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, running));
-    return tokens * per_token + 4.0 * running * static_cast<double>(config.vocab_size) + 0.5 * G;
+    return tokens * per_token + 4.0 * running * vocab_rows + 0.5 * G;
   };
   int slots = o.state_slots;
   if (slots <= 0) {
@@ -147,7 +167,7 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   p.max_running = std::max(1, slots / per);
   p.state_bytes = state_per_seq * slots;
   p.activation_bytes = activations(p.max_running);
-  const double kv_per_page = static_cast<double>(cap.kv_bytes_per_token) * o.page_size;
+  const double kv_per_page = static_cast<double>(cap.kv_bytes_per_token_per_gpu) * o.page_size;
   const double left = p.budget_bytes - p.weight_bytes - p.state_bytes - p.activation_bytes;
   p.context = o.max_context > 0 ? std::min<int64_t>(o.max_context, config.max_position_embeddings)
                                 : config.max_position_embeddings;
@@ -155,12 +175,13 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   const int64_t fit = kv_per_page > 0 ? static_cast<int64_t>(std::max(left, 0.0) / kv_per_page)
                                       : static_cast<int64_t>(slots) * pages_per_seq;
   auto too_big = [&](const std::string& what) {
-    fail("out of GPU memory (planned before loading): {}. The budget is {:.1f} GiB ({:.1f} GiB x "
-         "--mem-fraction-static {:.2f}): weights {:.2f} GiB + state for {} slots {:.2f} GiB + activations "
+    fail("out of GPU memory (planned before loading){}: {}. The budget is {:.1f} GiB ({:.1f} GiB x "
+         "--mem-fraction-static {:.2f}{}): weights {:.2f} GiB + state for {} slots {:.2f} GiB + activations "
          "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --chunked-prefill-size / "
-         "--max-total-tokens, or use a GPU with more memory",
-         what, p.budget_bytes / G, gpu_bytes / G, p.fraction, p.weight_bytes / G, slots, p.state_bytes / G,
-         p.activation_bytes / G);
+         "--max-total-tokens, or use more GPUs (--tp-size) or GPUs with more memory",
+         p.tp > 1 ? fmt::format(" on each GPU of tp {}", p.tp) : "", what, p.budget_bytes / G, gpu_bytes / G,
+         p.fraction, p.ranks_per_gpu > 1 ? fmt::format(" / {} ranks sharing it", p.ranks_per_gpu) : "",
+         p.weight_bytes / G, slots, p.state_bytes / G, p.activation_bytes / G);
   };
   if (left <= 0) too_big(fmt::format("nothing is left for the KV cache ({:.2f} GiB short)", -left / G));
   if (o.kv_pages > 0 && o.kv_pages > fit)
@@ -169,7 +190,7 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   if (p.kv_pages < 1) too_big("the KV cache has room for no page");
   p.kv_tokens = p.kv_pages * o.page_size;
   p.kv_bytes = static_cast<double>(p.kv_pages) * kv_per_page;
-  if (cap.kv_bytes_per_token > 0 && p.kv_pages < pages_per_seq) {
+  if (cap.kv_bytes_per_token_per_gpu > 0 && p.kv_pages < pages_per_seq) {
     KILN_LOG_WARN("the KV cache holds {} tokens ({:.2f} GiB), fewer than one sequence of the context length {}: the "
                   "context is capped at {} tokens (more memory: --mem-fraction-static, fewer --max-running-requests)",
                   p.kv_tokens, p.kv_bytes / G, p.context, p.kv_tokens);
@@ -252,13 +273,12 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   const cuda::CudaDeviceProbe& probe = gpus[devices[0]];
   const KernelChoice kernels = resolve_kernels("cuda", probe.major, options);
   KILN_LOG_INFO("kernels: {}", kernels.str());
-  // Ranks sharing a GPU share its memory: each plans for its part.
+  // Ranks sharing a GPU (--gpu-id-step 0) split it: the plan gives each its part.
   const int sharing = ranks_on[devices[0]];
   double free_bytes = static_cast<double>(probe.free_bytes);
   for (int d : devices) free_bytes = std::min(free_bytes, static_cast<double>(gpus[d].free_bytes));
-  const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes) / sharing,
-                                             free_bytes / sharing);
-  KILN_LOG_INFO("{}{}", parallel ? fmt::format("per GPU{}: ", sharing > 1 ? fmt::format(" share ({} ranks on each)", sharing) : std::string()) : std::string(), plan.str());
+  const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes), free_bytes);
+  KILN_LOG_INFO("{}", plan.str());
   ro.kv_pages = plan.kv_pages;
   ro.state_slots = plan.state_slots;
   ro.max_context = plan.context;
@@ -272,8 +292,8 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     if (sharing > 1 && graphs_on)
       group_desc += "; CUDA graphs off (ranks sharing a GPU meet on the host)";
   }
-  ro.summary = fmt::format("kernels: {}; {}{}; CUDA graphs for decode {}{}", kernels.str(),
-                           parallel ? "per GPU: " : "", plan.str(), graphs_on ? "on" : "off",
+  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
+                           graphs_on && sharing == 1 ? "on" : "off",
                            options.pdl ? "; programmatic dependent launch on (experimental)" : "");
   if (!parallel) {
     auto runner = std::make_unique<model::Runner>(make_ops_on(choice.device, self_check, options, devices[0]), dir, ro);

@@ -39,8 +39,12 @@ struct KernelChoice {
 // compute_major: the GPU's compute capability major (0 for the CPU).
 KernelChoice resolve_kernels(const std::string& device, int compute_major, const LoadOptions& options);
 
-// The device memory plan of a CUDA load, made from config.json before any weight is placed.
+// The device memory plan of a CUDA load, made from config.json before any weight is placed. With tp > 1 it is the
+// plan of one rank's GPU (every rank allocates the same: the busiest rank's weights, the rank's KV heads per token,
+// its recurrent / conv state per slot, its activations), so the KV pages and state slots match over the ranks.
 struct MemoryPlan {
+  int tp = 1, ep = 1;     // the split planned for (options.tp_size / ep_size)
+  int ranks_per_gpu = 1;  // ranks sharing one GPU (--gpu-id-step 0: all of a node's ranks); each gets 1 / this of it
   double gpu_bytes = 0, free_bytes = 0, fraction = 0.9, budget_bytes = 0;
   double weight_bytes = 0, state_bytes = 0, activation_bytes = 0, kv_bytes = 0;
   int64_t kv_pages = 0, kv_tokens = 0;  // kv_tokens: SGLang's max_total_num_tokens
@@ -50,7 +54,8 @@ struct MemoryPlan {
   std::string str() const;
 };
 // Plans weights + state slots + activations (estimate for a prefill pass of options.prefill_chunk tokens) + KV
-// pages within gpu_bytes x fraction; kiln::Error (with the numbers and what to change) when it does not fit.
+// pages within gpu_bytes x fraction (divided among the ranks sharing the GPU), per rank for options.tp_size > 1
+// (the shard plan's figures, format/capacity.h); kiln::Error (with the numbers and what to change) when it does not fit.
 // State slots: options.state_slots when set, else enough for min(256, the running requests whose slots fit in a
 // quarter of what weights and activations leave) x slots_per_request. KV pages: options.kv_pages when set
 // (checked), else all the rest. A context longer than the KV cache holds is capped to it with a warning.

@@ -88,7 +88,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   lo.max_context = o.input_len + o.output_len + 8;
   lo.prefill_chunk = o.prefill_chunk;
   kiln::cli::apply_gpu_flags(o.gpu, lo);
-  kiln::cli::apply_parallel_flags(o.parallel, lo);
+  kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
   lo.single_rank = o.single_rank;
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -31,7 +32,7 @@ struct InspectOptions {
   double mem_fraction_static = 0.90;
   double activation_reserve_gib = 2.0;
   bool json = false;
-  // `kiln serve`'s own plan on one GPU of --gpu-mem-gib (tp 1): its flags, its defaults.
+  // `kiln serve`'s own plan on each GPU of --gpu-mem-gib: its flags, its defaults.
   int max_running_requests = 32;
   int64_t context_length = 0;
   int64_t chunked_prefill_size = 512;
@@ -118,6 +119,26 @@ int run_inspect(const InspectOptions& o) {
     notes.insert(notes.begin(), fmt::format("{} router linears are kept BF16 although {} would quantise them "
                                             "(its exclude list misses them)", routers_overridden, quant.source));
 
+  // The plan `kiln serve --device cuda --tp-size N` makes at startup on each such GPU (backend::plan_device_memory,
+  // the same function): one rank's GPU.
+  std::optional<backend::MemoryPlan> serve_plan;
+  std::string serve_error;
+  if (o.gpu_mem_gib > 0) {
+    backend::LoadOptions lo;
+    lo.tp_size = o.tp;
+    lo.ep_size = o.ep;
+    lo.kv_dtype = copt.kv_dtype;
+    lo.state_slots = o.max_running_requests;
+    lo.max_context = o.context_length;
+    lo.prefill_chunk = o.chunked_prefill_size;
+    lo.mem_fraction_static = o.mem_fraction_static;
+    try {
+      serve_plan = backend::plan_device_memory(dir, lo, o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0, 0);
+    } catch (const Error& e) {
+      serve_error = e.what();
+    }
+  }
+
   if (o.json) {
     nlohmann::ordered_json j;
     j["model"] = dir.display_path();
@@ -160,6 +181,19 @@ int run_inspect(const InspectOptions& o) {
     if (o.gpu_mem_gib > 0) j["max_kv_tokens"] = p.max_kv_tokens;
     else j["max_kv_tokens"] = nullptr;
     j["notes"] = notes;
+    // kiln serve's plan of each GPU (one rank's), null without --gpu-mem-gib.
+    if (serve_plan) {
+      const backend::MemoryPlan& sp = *serve_plan;
+      j["serve_plan_per_gpu"] = {{"budget_bytes", sp.budget_bytes}, {"weight_bytes", sp.weight_bytes},
+                                 {"kv_bytes", sp.kv_bytes}, {"kv_tokens", sp.kv_tokens},
+                                 {"state_bytes", sp.state_bytes}, {"state_slots", sp.state_slots},
+                                 {"activation_bytes", sp.activation_bytes}, {"context", sp.context},
+                                 {"ranks_per_gpu", sp.ranks_per_gpu}};
+    } else if (o.gpu_mem_gib > 0) {
+      j["serve_plan_per_gpu"] = {{"error", serve_error}};
+    } else {
+      j["serve_plan_per_gpu"] = nullptr;
+    }
     if (ckpt) {
       j["checkpoint_tensors"] = ckpt->size();
       j["ignored_vision_tensors"] = report.ignored_vision;
@@ -235,29 +269,21 @@ int run_inspect(const InspectOptions& o) {
     line("  KV budget/GPU", fmt::format("{} = {} x {:g} - {} weights - {} reserve", gib(p.kv_budget_bytes),
                                         gib(p.gpu_bytes), o.mem_fraction_static, gib(p.weight_bytes_per_gpu),
                                         gib(p.activation_reserve_bytes)));
-    // On one GPU the serve plan below says what kiln serve really allocates; the budget's token count is only
-    // shown where there is no such plan (tp > 1) or when nothing fits.
-    if (p.tp > 1 || p.max_kv_tokens <= 0)
+    // The serve plan below says what kiln serve really allocates on each GPU; the budget's token count is only
+    // shown when nothing fits.
+    if (p.max_kv_tokens <= 0)
       line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
                                                   : "0: weights + reserve exceed the budget; use more GPUs, more memory or a larger --mem-fraction-static");
   }
   for (const auto& n : notes) line("  note", n);
-  if (o.gpu_mem_gib > 0 && p.tp == 1) {
-    // The plan `kiln serve --device cuda` makes at startup on such a GPU (backend::plan_device_memory).
-    backend::LoadOptions lo;
-    lo.kv_dtype = copt.kv_dtype;
-    lo.state_slots = o.max_running_requests;
-    lo.max_context = o.context_length;
-    lo.prefill_chunk = o.chunked_prefill_size;
-    lo.mem_fraction_static = o.mem_fraction_static;
-    const double bytes = o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0;
-    std::printf("\nkiln serve on one %g GiB GPU (--max-running-requests %d, --chunked-prefill-size %lld):\n",
-                o.gpu_mem_gib, o.max_running_requests, static_cast<long long>(o.chunked_prefill_size));
-    try {
-      line("  " , backend::plan_device_memory(dir, lo, bytes, 0).str());
-    } catch (const Error& e) {
-      line("  ", std::string("does not fit: ") + e.what());
-    }
+  if (o.gpu_mem_gib > 0) {
+    const std::string gpus = o.tp > 1 ? fmt::format("each of {} x {:g} GiB GPUs (--tp-size {}{})", o.tp, o.gpu_mem_gib,
+                                                    o.tp, o.ep > 1 ? fmt::format(" --ep-size {}", o.ep) : "")
+                                      : fmt::format("one {:g} GiB GPU", o.gpu_mem_gib);
+    std::printf("\nkiln serve on %s (--max-running-requests %d, --chunked-prefill-size %lld):\n", gpus.c_str(),
+                o.max_running_requests, static_cast<long long>(o.chunked_prefill_size));
+    if (serve_plan) line("  ", serve_plan->str());
+    else line("  ", "does not fit: " + serve_error);
   }
   return 0;
 }
@@ -278,10 +304,10 @@ kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weigh
       ->check(CLI::Range(0.0, 1e6));
   app.add_flag("--json", o->json, "Machine-readable output");
   app.add_option("--max-running-requests", o->max_running_requests,
-                 "For kiln serve's own plan (tp 1, with --gpu-mem-gib): sequences decoded together")
+                 "For kiln serve's own plan (with --gpu-mem-gib): sequences decoded together")
       ->capture_default_str();
   app.add_option("--context-length", o->context_length,
-                 "For kiln serve's own plan: longest sequence (default: the model's, at most 8192)");
+                 "For kiln serve's own plan: longest sequence (default: the model's)");
   app.add_option("--chunked-prefill-size", o->chunked_prefill_size, "For kiln serve's own plan: tokens per prefill pass")
       ->capture_default_str();
   return [o]() -> int { return run_inspect(*o); };

@@ -192,6 +192,7 @@ int run_serve(const ServeArgs& a) {
   // Load everything that can fail on bad input before opening the port for traffic.
   format::ModelConfig config = format::load_model_config(dir);
   kiln::cli::check_parallel_flags(a.parallel, config, dir);  // --tp-size / --ep-size the model cannot take
+  if (a.dummy_runner.empty()) kiln::cli::check_parallel_device(a.parallel, device_choice.device);
   so.model_type = config.model_type;
   if (!config.architecture.empty()) so.architectures = {config.architecture};
   if (!dir.has("tokenizer.json")) fail("{}: no tokenizer.json in the model folder", dir.display_path());
@@ -310,7 +311,7 @@ int run_serve(const ServeArgs& a) {
                         lo.page_size;
       }
       kiln::cli::apply_gpu_flags(a.gpu, lo);
-      kiln::cli::apply_parallel_flags(a.parallel, lo);
+      kiln::cli::apply_parallel_flags(a.parallel, lo, device_choice.device);
       runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);  // the user's choice: its log says why
     }
   }

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "model/device_memory.h"
 #include "model/sampling.h"
 
 namespace kiln::model {
@@ -71,6 +72,11 @@ class ModelRunner {
 
   // Human-readable description for the startup summary (backend, kernels, memory plan).
   virtual std::string describe() const = 0;
+
+  // The memory each of this node's ranks holds on its device, one entry per rank (/get_server_info, /metrics);
+  // empty when the model runs on no device (the CPU backend). Figures fixed at load (weights, KV pool, state), the
+  // scratch arena as of the last step.
+  virtual std::vector<DeviceMemory> device_memory() const { return {}; }
 };
 
 }  // namespace kiln::model

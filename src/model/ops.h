@@ -16,6 +16,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "model/comm.h"
+#include "model/device_memory.h"
 #include "model/sampling.h"
 
 namespace kiln::format {
@@ -295,6 +297,11 @@ class Ops {
   // contiguous. The default downloads the logits and samples on the host; a GPU backend samples on the device and
   // copies back only the ids (the same tokens up to the rounding of its sums, see backend/cuda/kernels.h).
   virtual void sample_rows(const TensorView& logits, std::span<const RowSampling> rows, std::span<int32_t> ids);
+
+  // ---- reporting
+  // The device's memory figures (its index, name, weights, scratch, total memory; the runner adds its KV pool and
+  // state slots). Empty for a backend without a device (the CPU).
+  virtual std::optional<DeviceMemory> device_memory() const { return std::nullopt; }
 
  private:
   std::vector<std::unique_ptr<uint8_t[]>> random_storage_;  // place_random's default

@@ -317,4 +317,12 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   if (!rows.empty()) emit(out, out_rows);
 }
 
+std::vector<DeviceMemory> Runner::device_memory() const {
+  std::optional<DeviceMemory> d = ops_->device_memory();
+  if (!d) return {};
+  d->kv_bytes = capacity_.kv_pages * capacity_.page_size * capacity_.kv_bytes_per_token;
+  d->state_bytes = static_cast<int64_t>(capacity_.state_slots) * capacity_.state_bytes_per_slot;
+  return {*d};
+}
+
 }  // namespace kiln::model

@@ -51,6 +51,8 @@ class Runner : public ModelRunner {
   bool can_copy_state() const override { return true; }
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return !conv_state_.empty(); }
+  // Its Ops' device figures with the KV pool and state slots it allocated (one entry, rank 0; none on the CPU).
+  std::vector<DeviceMemory> device_memory() const override;
 
   const format::ModelConfig& config() const { return model_->config; }
   // Floats per logits row forward() writes: vocab_size(), or a tensor-parallel rank's vocabulary slice.

@@ -227,4 +227,14 @@ std::string TpRunner::describe() const {
       lc.moe_intermediate_size, plan_.ranks[0].vocab.count, per_rank, ranks_[0]->describe());
 }
 
+std::vector<DeviceMemory> TpRunner::device_memory() const {
+  std::vector<DeviceMemory> out;
+  for (int r = 0; r < size(); ++r)
+    for (DeviceMemory d : ranks_[r]->device_memory()) {
+      d.rank = r;
+      out.push_back(std::move(d));
+    }
+  return out;
+}
+
 }  // namespace kiln::model

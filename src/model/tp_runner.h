@@ -46,6 +46,8 @@ class TpRunner : public ModelRunner {
   bool can_copy_state() const override;
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return ranks_[0]->has_recurrent_state(); }
+  // Every rank's device figures (rank r's entry has rank r).
+  std::vector<DeviceMemory> device_memory() const override;
 
   int size() const { return static_cast<int>(ranks_.size()); }
   Runner& rank(int r) { return *ranks_[r]; }

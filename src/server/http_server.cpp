@@ -637,6 +637,13 @@ struct HttpServer::Impl {
       info["max_queued_requests"] = eng.options().max_queued_requests;
       info["chunked_prefill_size"] = eng.options().chunked_prefill_size;
       info["backend"] = eng.describe();
+      // One entry per GPU rank of this node (empty on the CPU backend).
+      json gpus = json::array();
+      for (const model::DeviceMemory& d : eng.device_memory())
+        gpus.push_back({{"rank", d.rank}, {"gpu", d.device}, {"name", d.name}, {"weight_bytes", d.weight_bytes},
+                        {"kv_cache_bytes", d.kv_bytes}, {"state_bytes", d.state_bytes},
+                        {"scratch_bytes", d.scratch_bytes}, {"total_bytes", d.total_bytes}});
+      info["gpus"] = gpus;
       info["internal_states"] = json::array({{{"num_running_reqs", m.num_running},
                                               {"num_queue_reqs", m.num_waiting},
                                               {"kv_pages_used", m.kv_pages_used},
@@ -647,14 +654,18 @@ struct HttpServer::Impl {
 
   void handle_metrics(const httplib::Request&, httplib::Response& res) {
     engine::EngineMetricsSnapshot m;
-    if (ready.load()) m = model.engine->metrics();
+    std::vector<model::DeviceMemory> devices;
+    if (ready.load()) {
+      m = model.engine->metrics();
+      devices = model.engine->device_memory();
+    }
     HttpCounts counts;
     {
       std::lock_guard<std::mutex> lock(stats_mu);
       counts = http_counts;
     }
     res.status = 200;
-    res.set_content(render_metrics(m, counts, opts.served_model_name), "text/plain; version=0.0.4");
+    res.set_content(render_metrics(m, counts, opts.served_model_name, devices), "text/plain; version=0.0.4");
   }
 
   void handle_tokenize(const httplib::Request& req, httplib::Response& res) {

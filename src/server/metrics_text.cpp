@@ -36,7 +36,7 @@ void histogram(std::string& out, const char* name, const char* help, const engin
 }  // namespace
 
 std::string render_metrics(const engine::EngineMetricsSnapshot& m, const HttpCounts& http,
-                           const std::string& model_name) {
+                           const std::string& model_name, const std::vector<model::DeviceMemory>& devices) {
   std::string out;
   std::string model = fmt::format("model_name=\"{}\"", escape_label(model_name));
   auto gauge = [&](const char* name, const char* help, double v) {
@@ -99,6 +99,28 @@ std::string render_metrics(const engine::EngineMetricsSnapshot& m, const HttpCou
   histogram(out, "kiln:e2e_request_latency_seconds", "Time from submission to the end of a sequence.",
             m.e2e_latency_s, model);
   histogram(out, "kiln:queue_time_seconds", "Time a sequence waited before admission.", m.queue_time_s, model);
+  // Per GPU rank: one series per device, labelled by its CUDA ordinal and tensor-parallel rank.
+  if (!devices.empty()) {
+    auto per_gpu = [&](const char* name, const char* help, auto field) {
+      header(out, name, "gauge", help);
+      for (const model::DeviceMemory& d : devices)
+        out += fmt::format("{}{{{},gpu=\"{}\",rank=\"{}\"}} {}\n", name, model, d.device, d.rank,
+                           static_cast<double>(field(d)));
+    };
+    header(out, "kiln:gpu_info", "gauge", "The GPU of each rank (value 1; its name in the label).");
+    for (const model::DeviceMemory& d : devices)
+      out += fmt::format("kiln:gpu_info{{{},gpu=\"{}\",rank=\"{}\",name=\"{}\"}} 1\n", model, d.device, d.rank,
+                         escape_label(d.name));
+    per_gpu("kiln:gpu_weight_bytes", "Device memory held by the rank's weights.",
+            [](const model::DeviceMemory& d) { return d.weight_bytes; });
+    per_gpu("kiln:gpu_kv_cache_bytes", "Device memory of the rank's KV page pool.",
+            [](const model::DeviceMemory& d) { return d.kv_bytes; });
+    per_gpu("kiln:gpu_state_bytes", "Device memory of the rank's recurrent / conv state slots.",
+            [](const model::DeviceMemory& d) { return d.state_bytes; });
+    per_gpu("kiln:gpu_scratch_bytes", "Device memory of the rank's per-step scratch arena.",
+            [](const model::DeviceMemory& d) { return d.scratch_bytes; });
+    per_gpu("kiln:gpu_total_bytes", "The GPU's memory.", [](const model::DeviceMemory& d) { return d.total_bytes; });
+  }
   return out;
 }
 

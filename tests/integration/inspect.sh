@@ -32,6 +32,11 @@ gib = 1024 ** 3
 budget = 96 * gib * 0.90 - j["weight_bytes_per_gpu"] - 2 * gib
 check(abs(j["max_kv_tokens"] - math.floor(budget / 15360)) <= 1, "max_kv_tokens %d" % j["max_kv_tokens"])
 check(j["weight_bytes_by_dtype"]["U8"] == 60 * 512 * 3 * 1024 * 4096 // 2, "FP4 expert bytes")
+# kiln serve's plan of each GPU: the same per-GPU weights and KV bytes per token, every part inside the budget.
+sp = j["serve_plan_per_gpu"]
+check(sp["weight_bytes"] == j["weight_bytes_per_gpu"], "serve plan weights = the rank's weights")
+check(sp["kv_bytes"] == sp["kv_tokens"] * 15360, "serve plan KV = tokens x one KV head's bytes")
+check(sp["weight_bytes"] + sp["kv_bytes"] + sp["state_bytes"] + sp["activation_bytes"] <= 96 * 2**30 * 0.9 + 1, "within budget")
 print("inspect 397B tp8/96GiB: ok, max_kv_tokens", j["max_kv_tokens"])
 PY
 

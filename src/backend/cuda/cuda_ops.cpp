@@ -902,4 +902,15 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
                     impl_->rt.stream(), impl_->options.moe_tensor_cores, shared, shared_gate);
 }
 
+std::optional<model::DeviceMemory> CudaOps::device_memory() const {
+  model::DeviceMemory d;
+  const CudaDeviceProbe& dev = device();
+  d.device = dev.index;
+  d.name = dev.name;
+  d.total_bytes = static_cast<int64_t>(dev.memory_bytes);
+  d.weight_bytes = static_cast<int64_t>(weight_bytes());
+  d.scratch_bytes = static_cast<int64_t>(scratch_bytes());
+  return d;
+}
+
 }  // namespace kiln::backend::cuda

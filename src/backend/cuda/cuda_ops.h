@@ -99,6 +99,8 @@ class CudaOps final : public model::Ops {
   size_t persistent_bytes() const;  // device memory from allocate() (KV pool, state slots)
   size_t scratch_bytes() const;     // the per-step scratch arena
   int graphs() const;               // captured step graphs alive
+  // The device (index, name, memory) with the weight and scratch bytes held; the runner adds KV and state.
+  std::optional<model::DeviceMemory> device_memory() const override;
 
  private:
   struct Impl;

@@ -2,6 +2,7 @@
 // host-only: the plan is made from config.json before anything touches a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "backend/device.h"
@@ -138,6 +139,83 @@ TEST(MemoryPlan, TooSmallGpusAndTooLargeRequestsAreRefusedWithTheNumbers) {
   o = LoadOptions();
   o.mem_fraction_static = 0.99;
   EXPECT_NE(error_of([&] { plan_device_memory(dir, o, 141.0 * GiB, 0); }), "");
+}
+
+
+// The plan of one rank's GPU at tp 1 / 2 / 8 (what kiln serve --tp-size N allocates on each GPU, and kiln inspect
+// --tp N prints), against figures worked out here from the configs (REFERENCE's shapes).
+struct Shape {
+  const char* dir;
+  int full_layers, linear_layers, kv_heads, key_heads, value_heads, layers, experts, inter, hidden;
+};
+const Shape k397{"/configs/qwen3.5-397b-a17b-nvfp4", 15, 45, 2, 16, 64, 60, 512, 1024, 4096};
+const Shape k35{"/configs/qwen3.5-35b-a3b-nvfp4", 10, 30, 2, 16, 32, 40, 256, 512, 2048};
+
+TEST(MemoryPlan, PerRankPlanAtTp1To8) {
+  for (const Shape& m : {k397, k35}) {
+    const format::ModelDir dir = format::ModelDir::open(std::string(KILN_SOURCE_DIR) + m.dir);
+    // Routed experts: gate, up, down of inter x hidden each, NVFP4 (half a byte per weight + one E4M3 scale per 16).
+    const double routed = double(m.layers) * m.experts * 3.0 * m.inter * m.hidden * (0.5 + 1.0 / 16);
+    double whole = 0;
+    for (int tp : {1, 2, 8}) {
+      LoadOptions o;
+      o.tp_size = tp;
+      o.state_slots = 16;
+      o.max_context = 8192;
+      const MemoryPlan p = plan_device_memory(dir, o, 400.0 * GiB, 0);
+      SCOPED_TRACE(std::string(m.dir) + " tp " + std::to_string(tp));
+      EXPECT_EQ(p.tp, tp);
+      EXPECT_EQ(p.ranks_per_gpu, 1);
+      // KV: one KV head per rank once tp >= the 2 KV heads (replicated), x 2 (K, V) x 256 x bf16.
+      const int kv_local = std::max(1, m.kv_heads / tp);
+      const double kv_per_token = m.full_layers * 2.0 * kv_local * 256 * 2;
+      EXPECT_DOUBLE_EQ(p.kv_bytes, p.kv_tokens * kv_per_token);
+      // State per slot: the rank's value heads' fp32 128 x 128 state + conv state (q, k of its key heads, v of its
+      // value heads) x 3 taps x fp32.
+      const double vh = m.value_heads / tp, kh = std::max(1, m.key_heads / tp);
+      const double state = m.linear_layers * (vh * 128 * 128 * 4 + (2 * kh * 128 + vh * 128) * 3 * 4);
+      EXPECT_DOUBLE_EQ(p.state_bytes, 16 * state);
+      // Weights: each rank holds 1 / tp of every routed expert, plus at most everything else whole.
+      if (tp == 1) whole = p.weight_bytes;
+      EXPECT_GE(p.weight_bytes, routed / tp);
+      EXPECT_LE(p.weight_bytes, routed / tp + (whole - routed));
+      if (tp > 1) EXPECT_LT(p.weight_bytes, whole / tp * 1.2);
+      // The KV cache takes what is left of the rank's budget, to within one page.
+      const double left = 400.0 * GiB * 0.9 - p.weight_bytes - p.state_bytes - p.activation_bytes;
+      EXPECT_LE(p.kv_bytes, left);
+      EXPECT_GT(p.kv_bytes, left - 16 * kv_per_token);
+      if (tp > 1) EXPECT_NE(p.str().find("per GPU of tp " + std::to_string(tp)), std::string::npos) << p.str();
+    }
+  }
+}
+
+TEST(MemoryPlan, RanksSharingOneGpuSplitItsBudget) {
+  const format::ModelDir dir = format::ModelDir::open(kConfig35);
+  LoadOptions o;
+  o.tp_size = 2;
+  o.state_slots = 8;
+  o.max_context = 4096;
+  const MemoryPlan own = plan_device_memory(dir, o, 141.0 * GiB, 0);
+  o.gpu_id_step = 0;  // both ranks on one GPU
+  const MemoryPlan shared = plan_device_memory(dir, o, 141.0 * GiB, 0);
+  EXPECT_EQ(shared.ranks_per_gpu, 2);
+  EXPECT_DOUBLE_EQ(shared.budget_bytes, 141.0 * GiB * 0.9 / 2);
+  EXPECT_DOUBLE_EQ(shared.weight_bytes, own.weight_bytes);
+  EXPECT_LT(shared.kv_pages, own.kv_pages);
+  EXPECT_LE(2 * (shared.weight_bytes + shared.kv_bytes + shared.state_bytes + shared.activation_bytes),
+            141.0 * GiB * 0.9 + 1);
+  EXPECT_NE(shared.str().find("2 ranks share each GPU"), std::string::npos) << shared.str();
+}
+
+TEST(MemoryPlan, ShardErrorsAndTooSmallGpusNameTheTpSize) {
+  const format::ModelDir dir = format::ModelDir::open(std::string(KILN_SOURCE_DIR) + k397.dir);
+  LoadOptions o;
+  o.tp_size = 3;  // does not divide 32 heads
+  EXPECT_NE(error_of([&] { plan_device_memory(dir, o, 141.0 * GiB, 0); }), "");
+  o.tp_size = 2;
+  const std::string e = error_of([&] { plan_device_memory(dir, o, 96.0 * GiB, 0); });
+  EXPECT_NE(e.find("on each GPU of tp 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("--tp-size"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -61,9 +62,13 @@ void check_all_reduce(int n, bool spin, bool graphs, const std::vector<int64_t>&
         cudaStream_t s;
         KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
         int call = 0;
+        // One buffer for every size: cudaFree synchronises the whole device, and on a shared GPU that would wait
+        // for a peer's all-reduce kernel that waits for this rank (the hazard the host-coordinated form avoids).
+        float* d = nullptr;
+        KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(
+                                                                     *std::max_element(sizes.begin(), sizes.end())) *
+                                                                     4));
         for (int64_t count : sizes) {
-          float* d = nullptr;
-          KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(count) * 4));
           std::vector<float> host(count), got(count), want(count);
           cudaGraphExec_t exec = nullptr;
           if (graphs) {
@@ -95,9 +100,10 @@ void check_all_reduce(int n, bool spin, bool graphs, const std::vector<int64_t>&
             }
           }
           if (exec) cudaGraphExecDestroy(exec);
-          cudaFree(d);
           if (!failures[r].empty()) break;
         }
+        comms[r]->barrier();  // every rank done with its kernels before any frees
+        cudaFree(d);
         cudaStreamDestroy(s);
       } catch (const std::exception& e) {
         failures[r] = e.what();
@@ -217,7 +223,7 @@ std::vector<Case> cases() {
 
 LoadOptions small_options() {
   LoadOptions lo;
-  lo.kv_dtype = DType::F32;
+  lo.kv_dtype = DType::BF16;  // the GPU memory plan's KV types: bf16 or fp8
   lo.state_slots = 2;
   lo.max_context = 256;
   lo.kv_pages = 2 * 256 / 16;
@@ -235,6 +241,9 @@ bool plannable(const std::string& dir, int tp, int ep) {
 }
 
 constexpr int kSteps = 12;
+// Both runs keep a BF16 KV cache; they differ only in the order of the partial sums (rank slices, then the
+// all-reduce), which moves fp32 logits by ~1e-5 and, through a rounding of K/V to bf16, rarely more.
+constexpr double kTol = 5e-3;
 
 // One split against one rank: greedy identical, logits within `tol`.
 void expect_same_as_one_rank(const Case& c, model::ModelRunner& one, model::ModelRunner& split, const std::string& how,
@@ -267,7 +276,7 @@ TEST(CudaTensorParallel, RanksSharingOneGpuGiveTheOneRankGreedyOutput) {
       lo.ep_size = ep;
       lo.gpu_id_step = 0;
       auto split = load_model(dir, "cuda", lo, /*self_check=*/false);
-      expect_same_as_one_rank(c, *one, *split, fmt::format("tp {} ep {} (host-coordinated)", tp, ep), 2e-4);
+      expect_same_as_one_rank(c, *one, *split, fmt::format("tp {} ep {} (host-coordinated)", tp, ep), kTol);
       ++checked;
     }
   }
@@ -297,7 +306,7 @@ TEST(CudaTensorParallel, GraphCapturedPeerAllReduceGivesTheOneRankGreedyOutput) 
       model::TpRunner split(
           dir, ro, tpo, [&](int) -> std::unique_ptr<model::Ops> { return std::make_unique<CudaOps>(); },
           make_cuda_group(go));
-      expect_same_as_one_rank(c, *one, split, fmt::format("tp {} (GPU-waiting, graphs)", tp), 2e-4);
+      expect_same_as_one_rank(c, *one, split, fmt::format("tp {} (GPU-waiting, graphs)", tp), kTol);
       int graphs = 0;
       for (int r = 0; r < tp; ++r) graphs += static_cast<CudaOps&>(split.rank(r).ops()).graphs();
       EXPECT_GT(graphs, 0) << c.name << ": no decode step was captured";

@@ -80,6 +80,8 @@ int main(int argc, char** argv) {
             KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
             float*& d = buffers[r];
             if (!d) KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(largest) * 4));
+            // Nobody launches before every rank has allocated (an allocation waits for the GPU's running kernels).
+            comms[r]->barrier();
             KILN_CUDA_CHECK(cudaMemsetAsync(d, 0, static_cast<size_t>(n) * 4, s));
             cudaGraph_t g;
             cudaGraphExec_t exec;

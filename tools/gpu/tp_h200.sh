@@ -48,6 +48,7 @@ if has rank397; then
   echo "== bench-engine: 397B shape, rank 0 of TP 2 alone (dummy weights)"
   timeout 420 "$K" bench-engine --device cuda --model-path configs/qwen3.5-397b-a17b-nvfp4 --load-format dummy \
     --tp 2 --single-rank 0 --batch ${BATCHES:-1,8,32} --input-len 512 --output-len 32 --skip-self-check \
+    --mem-fraction-static 0.95 \
     > "$OUT/rank397.log" 2>&1
   echo "rc=$?"
   grep -E "^batch|memory plan|single-rank|error" "$OUT/rank397.log" | head -20

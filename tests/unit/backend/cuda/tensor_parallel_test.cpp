@@ -1,9 +1,11 @@
 // Tensor parallelism on CUDA, on one GPU (NCCL refuses two ranks on one GPU; the peer transport does not):
 //  - the peer all-reduce (comm_cuda.h) against the rank-order sum done on the host, bit for bit, for the GPU-waiting
 //    kernel (eager and replayed from CUDA graphs) and for the host-coordinated form of ranks sharing a GPU;
-//  - whole models split over ranks on one GPU (backend::load_model with --gpu-id-step 0, and TpRunner over the
-//    GPU-waiting kernel with graphs on) against the same model on one rank: greedy tokens identical, logits close,
-//    on every transformers fixture the split fits and on kiln-tiny, with --ep-size on the MoE models.
+//  - whole models split over ranks on one GPU (backend::load_model with --gpu-id-step 0: the host-coordinated
+//    transport, eager steps) against the same model on one rank: greedy tokens identical, logits close, on every
+//    transformers fixture the split fits and on kiln-tiny, with --ep-size on the MoE models. (The GPU-waiting
+//    kernel cannot run a whole model on one shared GPU: the runner's allocations mid-step wait for the GPU's
+//    running kernels, which would be peers waiting for the allocating rank. It is checked at the collective level.)
 // Skipped without a usable GPU.
 #include <gtest/gtest.h>
 
@@ -30,7 +32,6 @@
 #include "format/model_dir.h"
 #include "format/quant_config.h"
 #include "format/shard_plan.h"
-#include "model/tp_runner.h"
 #include "test_util.h"
 
 namespace kiln::backend::cuda {
@@ -62,12 +63,15 @@ void check_all_reduce(int n, bool spin, bool graphs, const std::vector<int64_t>&
         cudaStream_t s;
         KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
         int call = 0;
-        // One buffer for every size: cudaFree synchronises the whole device, and on a shared GPU that would wait
-        // for a peer's all-reduce kernel that waits for this rank (the hazard the host-coordinated form avoids).
+        // One buffer for every size: cudaMalloc / cudaFree wait for the device's running kernels, and on a shared
+        // GPU those may be a peer's all-reduce waiting for this rank (the hazard the host-coordinated form avoids).
         float* d = nullptr;
         KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(
                                                                      *std::max_element(sizes.begin(), sizes.end())) *
                                                                      4));
+        // Every rank allocated before any launches: a device allocation waits for the GPU's running kernels, and
+        // on a shared GPU those may be peers waiting for this rank.
+        comms[r]->barrier();
         for (int64_t count : sizes) {
           std::vector<float> host(count), got(count), want(count);
           cudaGraphExec_t exec = nullptr;
@@ -281,39 +285,6 @@ TEST(CudaTensorParallel, RanksSharingOneGpuGiveTheOneRankGreedyOutput) {
     }
   }
   EXPECT_GE(checked, 10);
-}
-
-// The GPU-waiting all-reduce inside captured decode graphs, through a whole model (the transport of distinct GPUs,
-// here with every rank on one GPU).
-TEST(CudaTensorParallel, GraphCapturedPeerAllReduceGivesTheOneRankGreedyOutput) {
-  KILN_REQUIRE_CUDA_DEVICE();
-  int checked = 0;
-  for (const Case& c : cases()) {
-    if (c.name != "kiln-tiny" && c.name.find("moe") == std::string::npos && c.name.find("next") == std::string::npos)
-      continue;
-    const format::ModelDir dir = format::ModelDir::open(c.dir);
-    auto one = load_model(dir, "cuda", small_options(), /*self_check=*/false);
-    for (int tp : {2, 4}) {
-      if (!plannable(c.dir, tp, 1)) continue;
-      CudaGroupOptions go;
-      go.devices.assign(tp, probe_cuda_device().index);
-      go.spin_on_shared_gpu = true;
-      go.timeout = std::chrono::seconds(60);
-      model::TpOptions tpo;
-      tpo.tp = tp;
-      model::RunnerOptions ro = runner_options(small_options());
-      ro.kv_pages = small_options().kv_pages;
-      model::TpRunner split(
-          dir, ro, tpo, [&](int) -> std::unique_ptr<model::Ops> { return std::make_unique<CudaOps>(); },
-          make_cuda_group(go));
-      expect_same_as_one_rank(c, *one, split, fmt::format("tp {} (GPU-waiting, graphs)", tp), kTol);
-      int graphs = 0;
-      for (int r = 0; r < tp; ++r) graphs += static_cast<CudaOps&>(split.rank(r).ops()).graphs();
-      EXPECT_GT(graphs, 0) << c.name << ": no decode step was captured";
-      ++checked;
-    }
-  }
-  EXPECT_GE(checked, 2);
 }
 
 }  // namespace

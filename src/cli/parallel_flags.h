@@ -46,7 +46,7 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& f) {
       ->check(CLI::Range(0, 1023))
       ->capture_default_str();
   app.add_option("--nnodes", f.nnodes,
-                 "Machines the tensor-parallel ranks span (cuda; divides --tp-size): each runs one kiln process with "
+                 "Machines the tensor-parallel ranks span (cuda; --tp-size must be a multiple): each runs one kiln process with "
                  "tp-size / nnodes ranks")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
@@ -61,8 +61,10 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& f) {
 // Checks the flags on their own (no model, no device), naming the numbers; kiln::Error otherwise.
 inline void validate_parallel_flags(const ParallelFlags& f) {
   if (f.tp_size < 1) fail("--tp-size must be at least 1, got {}", f.tp_size);
-  if (f.ep_size < 1 || f.tp_size % f.ep_size)
-    fail("--ep-size {} must be at least 1 and divide --tp-size {}", f.ep_size, f.tp_size);
+  if (f.ep_size < 1) fail("--ep-size must be at least 1, got {}", f.ep_size);
+  if (f.tp_size % f.ep_size)
+    fail("--ep-size {} must divide --tp-size {} (expert-parallel groups are made of tensor-parallel ranks)", f.ep_size,
+         f.tp_size);
   if (f.base_gpu_id < 0) fail("--base-gpu-id must not be negative, got {}", f.base_gpu_id);
   if (f.gpu_id_step < 0) fail("--gpu-id-step must not be negative, got {}", f.gpu_id_step);
   if (f.nnodes < 1) fail("--nnodes must be at least 1, got {}", f.nnodes);

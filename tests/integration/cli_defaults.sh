@@ -57,12 +57,14 @@ grep -q "unknown --log-level 'loud'" "$DIR/err" || fail "--log-level loud: $(cat
 "$KILN" serve --help > "$DIR/help" 2>&1
 grep -q "/health, /health_generate, /metrics stay open" "$DIR/help" || fail "serve --help: $(grep -- --api-key "$DIR/help")"
 
-# inspect: the router note once, no unused KV-token count on one GPU (kept with --tp 2, where no serve plan shows).
+# inspect: the router note once, no unused KV-token count beside serve's plan (on one GPU and per GPU at --tp 2).
 CFG="$ROOT/configs/qwen3.5-35b-a3b-nvfp4"
 "$KILN" inspect --model-path "$CFG" --gpu-mem-gib 141 > "$DIR/insp" 2>&1 || fail "inspect 35B"
 [ "$(grep -c "quantise" "$DIR/insp")" = 1 ] || fail "inspect: the router note $(grep -c quantise "$DIR/insp") times: $(grep quantise "$DIR/insp")"
 grep -q "max KV tokens" "$DIR/insp" && fail "inspect: a max KV tokens line beside the serve plan"
-"$KILN" inspect --model-path "$CFG" --tp 2 --gpu-mem-gib 141 2>&1 | grep -q "max KV tokens" || fail "inspect --tp 2: no max KV tokens"
+"$KILN" inspect --model-path "$CFG" --tp 2 --gpu-mem-gib 141 > "$DIR/insp2" 2>&1 || fail "inspect 35B --tp 2"
+grep -q "max KV tokens" "$DIR/insp2" && fail "inspect --tp 2: a max KV tokens line beside the serve plan"
+grep -q "memory plan per GPU of tp 2" "$DIR/insp2" || fail "inspect --tp 2: no per-GPU serve plan: $(cat "$DIR/insp2")"
 
 # bench-engine on the CPU says what it does there.
 "$KILN" bench-engine --device cpu --threads 2 --batch 1 --input-len 4 --output-len 2 > "$DIR/bench" 2>&1 || fail "bench-engine: $(cat "$DIR/bench")"

@@ -11,23 +11,34 @@
 namespace kiln {
 
 namespace {
-double gb(uint64_t bytes) { return static_cast<double>(bytes) / 1e9; }
+// GB from 1 GB up, MB below (a small model's load would read "0.0 GB").
+struct Unit {
+  double div;
+  const char* name;
+};
+Unit unit_for(uint64_t bytes) { return bytes >= 1'000'000'000ull ? Unit{1e9, "GB"} : Unit{1e6, "MB"}; }
+std::string rate_str(double bytes_per_s) {
+  return bytes_per_s >= 1e9 ? fmt::format("{:.1f} GB/s", bytes_per_s / 1e9) : fmt::format("{:.0f} MB/s", bytes_per_s / 1e6);
+}
 }  // namespace
 
 std::string format_progress(uint64_t done_bytes, uint64_t total_bytes, double elapsed_s) {
   total_bytes = std::max(total_bytes, done_bytes);  // a total estimated low never shows more done than total
-  std::string s = fmt::format("{:.1f} / {:.1f} GB", gb(done_bytes), gb(total_bytes));
+  const Unit u = unit_for(total_bytes);
+  std::string s = fmt::format("{:.1f} / {:.1f} {}", static_cast<double>(done_bytes) / u.div,
+                              static_cast<double>(total_bytes) / u.div, u.name);
   if (elapsed_s > 0 && done_bytes > 0) {
     const double rate = static_cast<double>(done_bytes) / elapsed_s;
     const double eta = static_cast<double>(total_bytes - done_bytes) / rate;
-    s += fmt::format(", {:.1f} GB/s, ETA {:.0f} s", rate / 1e9, std::ceil(eta));
+    s += fmt::format(", {}, ETA {:.0f} s", rate_str(rate), std::ceil(eta));
   }
   return s;
 }
 
 std::string format_progress_done(uint64_t done_bytes, double elapsed_s) {
-  std::string s = fmt::format("{:.1f} GB in {:.1f} s", gb(done_bytes), elapsed_s);
-  if (elapsed_s > 0) s += fmt::format(" ({:.1f} GB/s)", static_cast<double>(done_bytes) / elapsed_s / 1e9);
+  const Unit u = unit_for(done_bytes);
+  std::string s = fmt::format("{:.1f} {} in {:.1f} s", static_cast<double>(done_bytes) / u.div, u.name, elapsed_s);
+  if (elapsed_s > 0) s += fmt::format(" ({})", rate_str(static_cast<double>(done_bytes) / elapsed_s));
   return s;
 }
 

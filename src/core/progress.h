@@ -11,7 +11,8 @@
 
 namespace kiln {
 
-// "12.3 / 23.0 GB, 10.5 GB/s, ETA 1 s" (the rate and ETA left out while elapsed_s is 0 or nothing is done).
+// "12.3 / 23.0 GB, 10.5 GB/s, ETA 1 s" (the rate and ETA left out while elapsed_s is 0 or nothing is done; MB and
+// MB/s below 1 GB and 1 GB/s).
 std::string format_progress(uint64_t done_bytes, uint64_t total_bytes, double elapsed_s);
 // "23.0 GB in 2.2 s (10.5 GB/s)".
 std::string format_progress_done(uint64_t done_bytes, double elapsed_s);

@@ -24,13 +24,19 @@ TEST(Progress, NoRateBeforeAnyTimeOrBytes) {
   EXPECT_EQ(format_progress(1'000'000'000ull, 23'000'000'000ull, 0.0), "1.0 / 23.0 GB");
 }
 
+TEST(Progress, MegabytesForSmallLoads) {
+  // 8 MB of 16 MB in 0.01 s: 800 MB/s, 8 MB left: 0.01 s, shown rounded up to 1 s.
+  EXPECT_EQ(format_progress(8'000'000ull, 16'000'000ull, 0.01), "8.0 / 16.0 MB, 800 MB/s, ETA 1 s");
+}
+
 TEST(Progress, TotalNeverShownBelowDone) {
   EXPECT_EQ(format_progress(3'000'000'000ull, 2'000'000'000ull, 1.0), "3.0 / 3.0 GB, 3.0 GB/s, ETA 0 s");
 }
 
 TEST(Progress, FinalLine) {
   EXPECT_EQ(format_progress_done(23'000'000'000ull, 2.0), "23.0 GB in 2.0 s (11.5 GB/s)");
-  EXPECT_EQ(format_progress_done(5'000'000ull, 0.0), "0.0 GB in 0.0 s");
+  EXPECT_EQ(format_progress_done(5'000'000ull, 0.0), "5.0 MB in 0.0 s");  // below 1 GB: MB
+  EXPECT_EQ(format_progress_done(17'000'000ull, 0.5), "17.0 MB in 0.5 s (34 MB/s)");
 }
 
 struct Harness {

@@ -71,7 +71,7 @@ std::optional<StagingBatch> StagingPlanner::flush() {
 WeightUploader::WeightUploader(int device, const UploadOptions& options)
     : device_(device), options_(options), planner_(options.buffer_bytes) {
   if (options_.threads <= 0)
-    options_.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 4, 2, 8);
+    options_.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 2, 8);
   options_.buffers_per_thread = std::max(options_.buffers_per_thread, 1);
   KILN_CUDA_CHECK(cudaSetDevice(device_));
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

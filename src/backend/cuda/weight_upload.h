@@ -55,7 +55,7 @@ class StagingPlanner {
 };
 
 struct UploadOptions {
-  int threads = 0;                       // host copy threads; 0: from the core count (2 to 8)
+  int threads = 0;                       // host copy threads; 0: half the cores, 2 to 8
   size_t buffer_bytes = size_t(32) << 20;  // per staging buffer
   int buffers_per_thread = 2;            // one filled while the other's copy runs
   bool pinned = true;                    // false: copy from pageable memory (what a failed cudaHostAlloc falls to)

@@ -43,6 +43,7 @@ class CalibratingOps final : public model::Ops {
   std::string describe() const override { return "calibrating(" + inner_->describe() + ")"; }
   TensorView allocate(DType dtype, Shape shape) override { return inner_->allocate(dtype, shape); }
   TensorView place_weight(const TensorView& host) override;
+  void finish_weights() override { inner_->finish_weights(); }
   TensorView scratch(DType dtype, Shape shape) override { return inner_->scratch(dtype, shape); }
   void reset_scratch() override { inner_->reset_scratch(); }
   TensorView upload(const void* host, DType dtype, Shape shape) override { return inner_->upload(host, dtype, shape); }

@@ -98,7 +98,12 @@ class Harness {
     return t;
   }
 
-  Pair place(const TensorView& h) { return {t_.place_weight(h), r_.place_weight(h)}; }
+  Pair place(const TensorView& h) {
+    Pair p{t_.place_weight(h), r_.place_weight(h)};
+    t_.finish_weights();  // h may go once placed
+    r_.finish_weights();
+    return p;
+  }
   Pair upload(const TensorView& h) { return {t_.upload(h.data, h.dtype, h.shape), r_.upload(h.data, h.dtype, h.shape)}; }
   Pair scratch(DType dtype, Shape shape) { return {t_.scratch(dtype, shape), r_.scratch(dtype, shape)}; }
   Pair alloc(DType dtype, Shape shape) { return {t_.allocate(dtype, shape), r_.allocate(dtype, shape)}; }

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/progress.h"
 #include "model/dummy_weights.h"
 
 namespace kiln::model {
@@ -37,6 +38,7 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
   m->report = format::verify_checkpoint(*m->checkpoint, m->config, m->quant);
 
   m->full_config = m->config;
+  std::vector<format::ExpectedTensor> expected = format::expected_tensors(m->config, m->quant);
   std::unique_ptr<RankSlicing> slicing;
   if (shard && shard->tp > 1) {
     // A tensor-parallel rank: the binder cuts each tensor to the rank's slice; the runner sizes its KV cache and
@@ -45,13 +47,30 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
     slicing = std::make_unique<RankSlicing>();
     slicing->full = m->config;
     slicing->rank = *shard;
-    for (auto& t : format::expected_tensors(m->config, m->quant)) slicing->tensors.emplace(t.name, std::move(t));
+    for (const auto& t : expected) slicing->tensors.emplace(t.name, t);
     m->config = format::rank_config(m->full_config, *shard);
     m->weights.vocab_parallel = true;
     m->weights.vocab_begin = shard->vocab.begin;
   }
   WeightBinder b(*m->checkpoint, m->config, m->quant, ops, m->weights, slicing.get());
   b.set_dummy_norm_kind(m->family->norm_kind());
+  // The process's progress line (one for all ranks loading at once; silent when nothing is copied, as on the CPU).
+  // Until `loaded`, an error must wait for the backend's copies before their host bytes go (reverse order below).
+  struct LoadGuard {
+    WeightBinder& b;
+    bool loaded = false;
+    ~LoadGuard() {
+      if (loaded) return;
+      try {
+        b.finish();
+      } catch (...) {  // the first error is the one being reported
+      }
+      weight_progress().end(false);
+    }
+  };
+  weight_progress().begin(b.bytes_to_place(expected),
+                          load_format == LoadFormat::dummy ? "loading random weights" : "loading weights");
+  LoadGuard guard{b};
   const int64_t H = c.hidden_size, V = m->shard ? m->shard->vocab.count : c.vocab_size;
   const std::string& P = c.tensor_prefix;
   m->weights.embed_tokens = b.tensor(P + "embed_tokens.weight", Shape{V, H});
@@ -70,6 +89,13 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
     m->weights.layers[l].type = c.layer_types[l];
     m->family->bind_layer(b, l, m->weights.layers[l]);
   }
+  try {
+    b.finish();  // every placed weight holds its bytes before anything runs
+  } catch (const Error& e) {
+    fail("{}: loading the weights failed: {}", dir.display_path(), e.what());
+  }
+  guard.loaded = true;
+  weight_progress().end(true);
   if (m->shard)
     KILN_LOG_DEBUG("rank {} of {}: loaded its slices ({:.1f} MB of linear weights)", m->shard->rank, m->shard->tp,
                    (m->weights.bytes_by_format[0] + m->weights.bytes_by_format[1] + m->weights.bytes_by_format[2]) / 1e6);

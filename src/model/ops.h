@@ -150,11 +150,16 @@ class Ops {
   // Long-lived device memory owned by the Ops (KV pool, state slots), zero-filled.
   virtual TensorView allocate(DType dtype, Shape shape) = 0;
   // A weight tensor as the backend will read it: the CPU returns the (mmapped) view itself; a GPU copies it
-  // to device memory it owns.
+  // to device memory it owns (the view's address is final at once; the bytes are there after finish_weights()).
   virtual TensorView place_weight(const TensorView& host) = 0;
   // A weight with no bytes (--load-format dummy): memory of the backend's own, filled as `fill` says. The default
   // fills a host buffer (kept alive by the Ops) and places it; a GPU backend fills device memory directly.
   virtual TensorView place_random(DType dtype, Shape shape, const RandomFill& fill);
+  // place_weight / place_random may return before the bytes are on the device (a GPU backend copies in the
+  // background): this waits until every placed weight holds its bytes and throws kiln::Error if a copy failed. Call
+  // it after placing and before any op reads a placed weight (load_model does); the host bytes given to
+  // place_weight must stay alive and unchanged until it returns. Default: nothing to wait for.
+  virtual void finish_weights() {}
   // Per-step scratch, valid until reset_scratch() (called by the runner at the start of each step).
   virtual TensorView scratch(DType dtype, Shape shape) = 0;
   virtual void reset_scratch() = 0;

@@ -61,11 +61,28 @@ TensorView WeightBinder::place(const format::TensorInfo& t) const {
       else  // dummy: the slice of the same full random tensor
         fill_random_host_slice(t.dtype, t.shape, s, dummy_fill(t, dummy_norm_kind_), buf.get());
       v = ops_.place_weight(TensorView(buf.get(), t.dtype, s.shape));
-      model_.slice_storage.push_back(std::move(buf));
+      // Alive as long as the model when viewed in place, else until the copy is done (finish()).
+      (v.data == buf.get() ? model_.slice_storage : copying_from_).push_back(std::move(buf));
     }
   }
   placed_.emplace(t.name, v);
   return v;
+}
+
+uint64_t WeightBinder::bytes_to_place(const std::vector<format::ExpectedTensor>& expected) const {
+  uint64_t total = 0;
+  for (const format::ExpectedTensor& e : expected) {
+    const format::TensorInfo* t = ckpt_.find(e.name);
+    if (!t || t->shape.numel() <= 1) continue;
+    const format::TensorSlice s = slice_of(*t);
+    if (s.held) total += static_cast<uint64_t>(s.shape.numel()) * dtype_size(t->dtype);
+  }
+  return total;
+}
+
+void WeightBinder::finish() {
+  ops_.finish_weights();
+  copying_from_.clear();
 }
 
 std::string WeightBinder::layer_prefix(int layer) const { return format::layer_prefix(config_, layer); }

@@ -77,7 +77,8 @@ struct ModelWeights {
   int64_t vocab_begin = 0;
   std::vector<LayerWeights> layers;
   int64_t bytes_by_format[3] = {0, 0, 0};  // linear weight bytes per WeightFormat
-  // Host copies of tensor-parallel slices that are not contiguous in the checkpoint (the CPU reads them in place).
+  // Host copies of tensor-parallel slices that are not contiguous in the checkpoint, kept where the backend reads
+  // them in place (the CPU); a backend that copies them gets them freed once its copies are done.
   std::vector<std::unique_ptr<uint8_t[]>> slice_storage;
 };
 
@@ -113,6 +114,12 @@ class WeightBinder {
   // A view of rows [row_begin, row_begin + rows) of a dense 3-D tensor [E, R, K], as a dense LinearWeight.
   LinearWeight dense_slice(const std::string& name, int64_t expert, int64_t row_begin, int64_t rows) const;
   float scalar(const std::string& name) const;
+  // The bytes this binder will place for the tensors of `expected` found in the checkpoint (the rank's slices;
+  // scalars read on the host left out): the total of the load's progress line.
+  uint64_t bytes_to_place(const std::vector<format::ExpectedTensor>& expected) const;
+  // Ops::finish_weights(): every placed weight holds its bytes; then frees the host copies of slices the backend
+  // copied from (the CPU backend reads its slices in place: those stay in ModelWeights::slice_storage).
+  void finish();
 
  private:
   // Ops::place_weight once per checkpoint tensor (slices of one tensor share the placement); the rank's slice of
@@ -127,6 +134,8 @@ class WeightBinder {
   Ops& ops_;
   ModelWeights& model_;
   mutable std::map<std::string, TensorView, std::less<>> placed_;
+  // Host copies of slices a backend is copying from: alive until finish().
+  mutable std::vector<std::unique_ptr<uint8_t[]>> copying_from_;
   NormKind dummy_norm_kind_ = NormKind::plain;
   const RankSlicing* slicing_ = nullptr;
 };

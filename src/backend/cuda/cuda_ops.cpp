@@ -15,8 +15,10 @@
 #include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/step_args.h"
+#include "backend/cuda/weight_upload.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/progress.h"
 
 namespace kiln::backend::cuda {
 namespace {
@@ -310,10 +312,22 @@ TensorView CudaOps::place_weight(const TensorView& host) {
   KILN_CHECK(host.is_contiguous(), "place_weight of a strided view {}", host.shape.str());
   const size_t bytes = host.nbytes();
   void* d = impl_->rt.weight(bytes);
-  if (bytes) KILN_CUDA_CHECK(cudaMemcpy(d, host.data, bytes, cudaMemcpyHostToDevice));
+  if (bytes) {  // the address is final now; the copy runs in the background until finish_weights()
+    if (!uploader_) uploader_ = std::make_unique<WeightUploader>(impl_->rt.device().index);
+    uploader_->enqueue(d, host.data, bytes);
+  }
   TensorView v = host;
   v.data = d;
   return v;
+}
+
+void CudaOps::finish_weights() {
+  if (uploader_) uploader_->finish();
+}
+
+void CudaOps::set_weight_upload(const UploadOptions& options) {
+  finish_weights();
+  uploader_ = std::make_unique<WeightUploader>(impl_->rt.device().index, options);
 }
 
 TensorView CudaOps::place_random(DType dtype, Shape shape, const model::RandomFill& fill) {
@@ -328,6 +342,7 @@ TensorView CudaOps::place_random(DType dtype, Shape shape, const model::RandomFi
     kops::fill_random_uniform(d, elem_of(dtype, "random weight"), shape.numel(), fill.seed, fill.lo, fill.hi,
                               impl_->rt.stream());
   }
+  weight_progress().add(bytes);  // filled on the compute stream, ahead of any op that reads it
   return TensorView(d, dtype, shape);
 }
 

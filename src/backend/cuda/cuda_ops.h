@@ -16,6 +16,9 @@
 
 namespace kiln::backend::cuda {
 
+class WeightUploader;
+struct UploadOptions;
+
 class CudaOps final : public model::Ops {
  public:
   // Runs on options.device (< 0: probe_cuda_device()'s first supported one); throws kiln::Error with the probe's reason when there is none.
@@ -30,6 +33,10 @@ class CudaOps final : public model::Ops {
   TensorView allocate(DType dtype, Shape shape) override;
   TensorView place_weight(const TensorView& host) override;
   TensorView place_random(DType dtype, Shape shape, const model::RandomFill& fill) override;
+  // place_weight queues its copy (weight_upload.h); this waits for all of them.
+  void finish_weights() override;
+  // Staging buffers / threads of the weight copies (tests use small ones); finishes the copies queued so far.
+  void set_weight_upload(const UploadOptions& options);
   TensorView scratch(DType dtype, Shape shape) override;
   void reset_scratch() override;
   TensorView upload(const void* host, DType dtype, Shape shape) override;
@@ -114,6 +121,7 @@ class CudaOps final : public model::Ops {
                        std::span<const model::ExpertWeights> experts, const float* shared, const float* shared_gate,
                        TensorView out);
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<WeightUploader> uploader_;  // after impl_: gone before the memory it copies into
 };
 
 }  // namespace kiln::backend::cuda

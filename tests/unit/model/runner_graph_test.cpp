@@ -33,6 +33,7 @@ class RecordingOps final : public Ops {
   std::string describe() const override { return in_->describe(); }
   TensorView allocate(DType d, Shape s) override { return in_->allocate(d, s); }
   TensorView place_weight(const TensorView& h) override { return in_->place_weight(h); }
+  void finish_weights() override { in_->finish_weights(); }
   TensorView scratch(DType d, Shape s) override { return in_->scratch(d, s); }
   void reset_scratch() override { in_->reset_scratch(); }
   TensorView upload(const void* h, DType d, Shape s) override { return in_->upload(h, d, s); }

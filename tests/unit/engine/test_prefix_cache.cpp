@@ -230,22 +230,40 @@ TEST(SchedulerCache, SecondTurnSharesPagesAndRestoresTheSnapshot) {
   std::vector<int32_t> prompt(10);
   std::iota(prompt.begin(), prompt.end(), 1);
   s.enqueue(make_seq(1, prompt, 3));
-  // The 10-token prompt's last chunk stops at its page boundary (8) so the state there is saved.
+  // The 10-token prompt's chunks stop at its second-to-last page boundary (4) and at its last (8) so that the
+  // state there is saved, then the last 2 tokens give the logits.
   StepPlan p = s.plan_step();
   ASSERT_EQ(p.chunks.size(), 1u);
-  EXPECT_EQ(p.chunks[0].num_tokens, 8);
+  EXPECT_EQ(p.chunks[0].num_tokens, 4);
   EXPECT_FALSE(p.chunks[0].want_logits);
   ASSERT_EQ(p.saves.size(), 1u);
-  const int first_slot = p.saves[0].src;
   Sequence* q = p.chunks[0].seq;
-  const std::vector<int32_t> first_pages(q->pages.begin(), q->pages.begin() + 2);
+  const std::vector<int32_t> first_pages(q->pages.begin(), q->pages.begin() + 1);
   s.commit_step(p);
+  p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].start_pos, 4);
+  EXPECT_EQ(p.chunks[0].num_tokens, 4);
+  EXPECT_FALSE(p.chunks[0].want_logits);
+  ASSERT_EQ(p.saves.size(), 1u);
+  s.commit_step(p);
+  p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].num_tokens, 2);
+  EXPECT_TRUE(p.chunks[0].want_logits);
+  EXPECT_TRUE(p.saves.empty());
+  s.commit_step(p);
+  q->tokens.push_back(7);
+  ++q->num_generated;
   std::vector<StateCopy> saves;
-  run_to_end(s, nullptr, &saves);  // 10 + 3 tokens: 12 cached at the end, snapshot at 12
+  // 10 + 3 tokens: 12 cached at the end; the snapshot at 12 replaces the one at 8, the one at 4 (a page or more
+  // before the prompt's end) stays.
+  run_to_end(s, nullptr, &saves);
+  ASSERT_EQ(saves.size(), 1u);
   EXPECT_EQ(s.kv_pages_used(), 0);
   EXPECT_EQ(s.state_slots_used(), 0);
   EXPECT_EQ(s.prefix_cache()->num_pages(), 3);
-  EXPECT_EQ(s.prefix_cache()->num_snapshots(), 1);
+  EXPECT_EQ(s.prefix_cache()->num_snapshots(), 2);
 
   // Turn 2: the history (13 tokens) + 5 new ones.
   std::vector<int32_t> turn2 = prompt;
@@ -259,9 +277,8 @@ TEST(SchedulerCache, SecondTurnSharesPagesAndRestoresTheSnapshot) {
   ASSERT_EQ(t.restores.size(), 1u);
   EXPECT_EQ(t.restores[0].dst, r->state_slot);
   EXPECT_NE(t.restores[0].src, r->state_slot);
-  EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.begin() + 2), first_pages);  // shared, not copied
+  EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.begin() + 1), first_pages);  // shared, not copied
   EXPECT_EQ(s.kv_pages_used(), 4);  // 3 shared + 1 own for positions 12..15 (the 18-token prompt stops at 16)
-  (void)first_slot;
   s.commit_step(t);
   run_to_end(s, nullptr, nullptr);
   EXPECT_EQ(s.counters().cache_hit_tokens, 12u);

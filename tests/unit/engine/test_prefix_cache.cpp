@@ -427,6 +427,61 @@ TEST(EngineCache, OnAndOffGiveTheSameOutputsSequentialAndConcurrent) {
   }
 }
 
+// The case that got 0 hits on the GPU: a client that re-sends the previous turn as text, re-tokenized. The next
+// prompt then leaves the previous one's ids within its last page (its last token merges with the answer's first
+// characters, or a chat template renders the generation-prompt tail otherwise for a past turn) and the answer
+// comes back as other ids. Emulated here on ids: turn t+1 = turn t's prompt with its last 1..3 ids changed + an
+// answer of other ids + a new message. Each turn must reuse the previous prompt up to the page boundary a page or
+// more before its end (page 4: at least prompt - 7 tokens), and the outputs equal those without the cache.
+TEST(EngineCache, ReTokenizedHistoryStillReusesThePreviousPrompt) {
+  constexpr int kConvs = 4, kTurns = 5, kPage = 4;
+  auto run = [&](bool cache, std::vector<std::vector<int64_t>>* cached, std::vector<std::vector<int64_t>>* need) {
+    // Slots as kiln serve gives them: 3 per running request.
+    Engine e(std::make_unique<DummyRunner>(dummy(800, 3 * kConvs)), engine_options(kConvs, 16, cache));
+    e.start();
+    std::mt19937 rng(41);
+    std::vector<std::vector<int32_t>> prompt(kConvs);
+    std::vector<std::vector<std::vector<int32_t>>> answers(kConvs);
+    for (int t = 0; t < kTurns; ++t) {
+      std::vector<std::shared_ptr<RequestChannel>> chans;
+      std::vector<int64_t> reusable(kConvs, 0);
+      for (int c = 0; c < kConvs; ++c) {
+        auto& p = prompt[static_cast<size_t>(c)];
+        if (t > 0) {
+          const size_t changed = 1 + rng() % 3;  // the re-tokenized edge
+          const int64_t prev = static_cast<int64_t>(p.size());
+          reusable[c] = prev / kPage * kPage - kPage;  // the prompt's second-to-last page boundary
+          for (size_t k = p.size() - changed; k < p.size(); ++k) p[k] = static_cast<int32_t>(1 + (p[k] + 7) % 49);
+          auto answer = new_message(rng, 8);  // the answer, re-tokenized into other ids
+          p.insert(p.end(), answer.begin(), answer.end());
+        }
+        auto m = new_message(rng, 9 + static_cast<int>(rng() % 9));
+        p.insert(p.end(), m.begin(), m.end());
+        auto r = e.submit({greedy(p, 6)});
+        EXPECT_EQ(r.status, SubmitStatus::ok) << r.message;
+        chans.push_back(r.channel);
+      }
+      std::vector<int64_t> got(kConvs);
+      for (int c = 0; c < kConvs; ++c) {
+        Out o = collect(chans[static_cast<size_t>(c)]);
+        answers[static_cast<size_t>(c)].push_back(o.tokens);
+        got[c] = o.cached;
+      }
+      if (cached) cached->push_back(got);
+      if (need) need->push_back(reusable);
+    }
+    expect_idle_and_clean(e);
+    return answers;
+  };
+  auto ref = run(false, nullptr, nullptr);
+  std::vector<std::vector<int64_t>> cached, need;
+  auto got = run(true, &cached, &need);
+  EXPECT_EQ(got, ref);
+  for (int t = 1; t < kTurns; ++t)
+    for (int c = 0; c < kConvs; ++c)
+      EXPECT_GE(cached[t][c], need[t][c]) << "turn " << t + 1 << ", conversation " << c;
+}
+
 TEST(EngineCache, PreemptionAndEvictionInTheMiddleChangeNothing) {
   Engine off(std::make_unique<DummyRunner>(dummy(400, 8)), engine_options(8, 8, false));
   off.start();

@@ -444,6 +444,7 @@ nlohmann::json MultiTurnReport::to_json() const {
                              {"failed", t.failed},
                              {"failure_reasons", reasons},
                              {"mean_prompt_tokens", t.mean_prompt_tokens},
+                             {"mean_cached_tokens", t.mean_cached_tokens},
                              {"ttft_ms", distribution_json(t.ttft_ms)},
                              {"e2e_ms", distribution_json(t.e2e_ms)},
                              {"output_throughput", t.output_throughput}});
@@ -486,7 +487,7 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
     bool ok = false;
     std::string error;
     double start_s = 0, end_s = 0, ttft_s = 0;
-    int64_t prompt_tokens = 0, output_tokens = 0;
+    int64_t prompt_tokens = 0, output_tokens = 0, cached_tokens = 0;
   };
   std::vector<std::vector<Turn>> results(N, std::vector<Turn>(T));
   const auto start = Clock::now();
@@ -511,6 +512,7 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
           r.ok = true;
           r.ttft_s = g.token_times_s.front();
           r.prompt_tokens = g.prompt_tokens.value_or(0);
+          r.cached_tokens = g.cached_tokens.value_or(0);
           r.output_tokens = g.completion_tokens.value_or(static_cast<int64_t>(g.token_times_s.size()));
           history += g.content;
         }
@@ -524,13 +526,13 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
   for (size_t c = 0; c < N; ++c) threads.emplace_back(worker, c);
   for (auto& th : threads) th.join();
 
-  fmt::print(out, "\n{:>5} {:>9} {:>7} {:>12} {:>13} {:>13} {:>13} {:>11}\n", "turn", "completed", "failed",
-             "prompt tok", "TTFT mean ms", "TTFT p50 ms", "E2E mean ms", "out tok/s");
+  fmt::print(out, "\n{:>5} {:>9} {:>7} {:>12} {:>12} {:>13} {:>13} {:>13} {:>11}\n", "turn", "completed", "failed",
+             "prompt tok", "cached tok", "TTFT mean ms", "TTFT p50 ms", "E2E mean ms", "out tok/s");
   for (size_t t = 0; t < T; ++t) {
     TurnResult tr;
     tr.turn = t + 1;
     std::vector<double> ttft, e2e;
-    double first = 0, last = 0, prompt_sum = 0;
+    double first = 0, last = 0, prompt_sum = 0, cached_sum = 0;
     int64_t out_tokens = 0;
     for (size_t c = 0; c < N; ++c) {
       const Turn& r = results[c][t];
@@ -541,6 +543,7 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
         ttft.push_back(r.ttft_s * 1000);
         e2e.push_back((r.end_s - r.start_s) * 1000);
         prompt_sum += static_cast<double>(r.prompt_tokens);
+        cached_sum += static_cast<double>(r.cached_tokens);
         out_tokens += r.output_tokens;
       } else if (!r.error.empty()) {
         ++tr.failed;
@@ -550,9 +553,11 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
     tr.ttft_ms = describe(ttft);
     tr.e2e_ms = describe(e2e);
     tr.mean_prompt_tokens = tr.completed ? prompt_sum / static_cast<double>(tr.completed) : 0;
+    tr.mean_cached_tokens = tr.completed ? cached_sum / static_cast<double>(tr.completed) : 0;
     tr.output_throughput = last > first ? static_cast<double>(out_tokens) / (last - first) : 0;
-    fmt::print(out, "{:>5} {:>9} {:>7} {:>12} {:>13} {:>13} {:>13} {:>11}\n", tr.turn, tr.completed, tr.failed,
-               fmt_number(tr.mean_prompt_tokens, 0), fmt_number(tr.ttft_ms.mean), fmt_number(tr.ttft_ms.median),
+    fmt::print(out, "{:>5} {:>9} {:>7} {:>12} {:>12} {:>13} {:>13} {:>13} {:>11}\n", tr.turn, tr.completed, tr.failed,
+               fmt_number(tr.mean_prompt_tokens, 0), fmt_number(tr.mean_cached_tokens, 0), fmt_number(tr.ttft_ms.mean),
+               fmt_number(tr.ttft_ms.median),
                fmt_number(tr.e2e_ms.mean, 1), fmt_number(tr.output_throughput, 1));
     if (tr.failed && report.passed) {
       report.passed = false;
@@ -561,7 +566,8 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
     }
     report.turns.push_back(std::move(tr));
   }
-  fmt::print(out, "(prompt tok: the server's usage.prompt_tokens, mean; out tok/s: the turn's output tokens over "
+  fmt::print(out, "(prompt tok / cached tok: the server's usage.prompt_tokens / prompt_tokens_details.cached_tokens, "
+             "means; out tok/s: the turn's output tokens over "
              "the span from its first request to its last answer)\n");
   std::fflush(out);
   return report;

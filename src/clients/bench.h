@@ -73,6 +73,7 @@ struct TurnResult {
   size_t turn = 0;  // 1-based
   size_t completed = 0, failed = 0;
   double mean_prompt_tokens = 0;  // the server's usage.prompt_tokens
+  double mean_cached_tokens = 0;  // the server's usage.prompt_tokens_details.cached_tokens (0 when not sent)
   Distribution ttft_ms, e2e_ms;
   double output_throughput = 0;   // this turn's output tokens / (last end - first start of the turn)
   std::map<std::string, size_t> failure_reasons;

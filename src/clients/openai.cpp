@@ -42,6 +42,10 @@ void read_usage(const nlohmann::json& root, Generation& generation) {
     generation.prompt_tokens = (*usage)["prompt_tokens"].get<int64_t>();
   if (usage->contains("completion_tokens") && (*usage)["completion_tokens"].is_number_integer())
     generation.completion_tokens = (*usage)["completion_tokens"].get<int64_t>();
+  auto details = usage->find("prompt_tokens_details");
+  if (details != usage->end() && details->is_object() && details->contains("cached_tokens") &&
+      (*details)["cached_tokens"].is_number_integer())
+    generation.cached_tokens = (*details)["cached_tokens"].get<int64_t>();
 }
 
 // The server's error object inside a 200 response or a stream chunk, if any.

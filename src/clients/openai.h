@@ -42,6 +42,7 @@ struct Generation {
   std::string finish_reason;
   std::optional<int64_t> prompt_tokens;      // usage, when the server sent it
   std::optional<int64_t> completion_tokens;  // usage, when the server sent it
+  std::optional<int64_t> cached_tokens;      // usage.prompt_tokens_details.cached_tokens, when sent
 
   // Streamed requests only. Times are seconds since the request was sent.
   double e2e_s = 0;                   // until the stream ended

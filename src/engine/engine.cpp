@@ -32,6 +32,9 @@ SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCa
   s.state_slots = cap.state_slots;
   s.prefix_cache = o.enable_prefix_cache;
   s.needs_state = runner.has_recurrent_state();
+  // Slots for pending snapshots: what the runner has per running request beyond its own, at least one and at
+  // most two (the prompt's second-to-last page boundary and the latest one after it).
+  s.max_snapshots_per_sequence = std::clamp(cap.state_slots / std::max(1, o.max_running_requests) - 1, 1, 2);
   return s;
 }
 

@@ -89,10 +89,26 @@ void PrefixCache::unlock(const std::vector<Node*>& path) {
 
 void PrefixCache::insert(std::span<const int32_t> tokens, std::span<const int32_t> pages, int snapshot_slot,
                          std::vector<int32_t>& free_pages, std::vector<int32_t>& free_slots) {
+  std::vector<SnapshotAt> snaps;
+  if (snapshot_slot >= 0) {
+    if (pages.empty()) free_slots.push_back(snapshot_slot);  // the root holds no snapshot
+    else snaps.push_back({static_cast<int64_t>(pages.size()), snapshot_slot});
+  }
+  insert(tokens, pages, snaps, free_pages, free_slots);
+}
+
+void PrefixCache::insert(std::span<const int32_t> tokens, std::span<const int32_t> pages,
+                         std::span<const SnapshotAt> snapshots, std::vector<int32_t>& free_pages,
+                         std::vector<int32_t>& free_slots) {
   KILN_CHECK(static_cast<int64_t>(tokens.size()) >= static_cast<int64_t>(pages.size()) * page_size_,
              "prefix cache: insert of {} pages with {} tokens", pages.size(), tokens.size());
+  for (const SnapshotAt& s : snapshots)
+    KILN_CHECK(s.slot >= 0 && s.pages >= 1 && s.pages <= static_cast<int64_t>(pages.size()),
+               "prefix cache: snapshot after {} pages (slot {}) on an insert of {} pages", s.pages, s.slot,
+               pages.size());
   Node* n = &root_;
   std::vector<int32_t> key;
+  std::vector<Node*> path;  // root's child first
   for (size_t p = 0; p < pages.size(); ++p) {
     key.assign(tokens.begin() + static_cast<int64_t>(p) * page_size_,
                tokens.begin() + static_cast<int64_t>(p + 1) * page_size_);
@@ -115,22 +131,26 @@ void PrefixCache::insert(std::span<const int32_t> tokens, std::span<const int32_
       update_leaf(n);  // n has a child now: no longer a leaf
       n = c;
     }
+    path.push_back(n);
   }
-  if (snapshot_slot >= 0) {
-    if (n == &root_ || n->snapshot >= 0) {
-      free_slots.push_back(snapshot_slot);
+  for (const SnapshotAt& s : snapshots) {
+    Node* at = path[static_cast<size_t>(s.pages - 1)];
+    if (at->snapshot >= 0) {
+      free_slots.push_back(s.slot);  // the tree has the state there already
     } else {
-      n->snapshot = snapshot_slot;
-      LruKey k{n->last_access, n->id};
-      snapshots_.emplace(k, n);
-      snap_key_[n->id] = k;
-      update_leaf(n);
+      at->snapshot = s.slot;
+      LruKey k{at->last_access, at->id};
+      snapshots_.emplace(k, at);
+      snap_key_[at->id] = k;
+      update_leaf(at);
     }
   }
   // Root first: a deeper node is never older than its ancestors.
-  std::vector<Node*> path;
-  for (Node* w = n; w != &root_; w = w->parent) path.push_back(w);
-  for (auto it = path.rbegin(); it != path.rend(); ++it) touch(*it);
+  for (Node* w : path) touch(w);
+  for (const SnapshotAt& s : snapshots) {
+    Node* at = path[static_cast<size_t>(s.pages - 1)];
+    if (s.demote && at->snapshot == s.slot) demote_snapshot(at);
+  }
 }
 
 void PrefixCache::demote_snapshot(Node* n) {

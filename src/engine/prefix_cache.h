@@ -56,6 +56,15 @@ class PrefixCache {
   // are the tree's own (the sequence matched them) are left alone.
   void insert(std::span<const int32_t> tokens, std::span<const int32_t> pages, int snapshot_slot,
               std::vector<int32_t>& free_pages, std::vector<int32_t>& free_slots);
+  // The same with several snapshots along the path: (pages from the root, slot), 1 <= pages <= pages.size();
+  // `demote`: file it as the first to be evicted (as demote_snapshot does).
+  struct SnapshotAt {
+    int64_t pages = 0;
+    int slot = -1;
+    bool demote = false;
+  };
+  void insert(std::span<const int32_t> tokens, std::span<const int32_t> pages, std::span<const SnapshotAt> snapshots,
+              std::vector<int32_t>& free_pages, std::vector<int32_t>& free_slots);
 
   // Makes n's snapshot the first to be evicted (a sequence that started from it has cached a deeper one on the
   // same path; a later match makes it recent again).

@@ -61,30 +61,44 @@ void Scheduler::give_back(std::vector<int32_t>& pages, std::vector<int32_t>& slo
 
 void Scheduler::free_resources(Sequence& seq, bool cache) {
   std::vector<int32_t> free_pages, free_slots;
+  const int64_t P = opts_.page_size;
   const size_t shared = seq.cache_path.size();
   size_t inserted = shared;  // pages [0, inserted) are the tree's after this
+  // Snapshots of computed tokens only (a save planned in a step that never ran holds nothing).
+  std::vector<PrefixCache::SnapshotAt> snaps;
+  for (const auto& sn : seq.snaps) {
+    const int64_t pages = sn.pos / P;
+    if (cache_ && cache && opts_.needs_state && sn.pos <= seq.num_cached && pages > static_cast<int64_t>(shared) &&
+        pages <= static_cast<int64_t>(seq.pages.size()))
+      snaps.push_back({pages, sn.slot});
+    else
+      free_slots.push_back(sn.slot);
+  }
+  seq.snaps.clear();
+  // Under slot pressure the shallowest snapshot (the prompt's second-to-last boundary) is the one to keep: it
+  // matches the next turn whatever the client re-sends; the deeper ones match only a client that re-sends the
+  // same ids, so they are evicted first.
+  for (size_t i = 1; i < snaps.size(); ++i) snaps[i].demote = true;
   if (cache_ && cache) {
-    // Full pages up to the latest snapshot (models without state: every full page of computed KV).
-    int64_t upto = opts_.needs_state ? (seq.snap_slot >= 0 ? seq.snap_pos : 0) : seq.num_cached;
-    size_t n = static_cast<size_t>(std::min<int64_t>(upto, seq.num_cached) / opts_.page_size);
+    // Full pages up to the deepest snapshot (models without state: every full page of computed KV).
+    size_t n = opts_.needs_state ? (snaps.empty() ? 0 : static_cast<size_t>(snaps.back().pages))
+                                 : static_cast<size_t>(seq.num_cached / P);
     n = std::min(n, seq.pages.size());
-    if (n >= shared && n > 0) {
-      const bool supersedes = opts_.needs_state && seq.snap_slot >= 0 && n > shared && shared > 0;
-      cache_->insert(seq.tokens, std::span<const int32_t>(seq.pages.data(), n),
-                     opts_.needs_state ? seq.snap_slot : -1, free_pages, free_slots);
-      // The snapshot this sequence started from is superseded on its path by the one it handed in.
-      if (supersedes) cache_->demote_snapshot(seq.cache_path.back());
-      if (opts_.needs_state) seq.snap_slot = -1;
+    if (n > shared) {
+      cache_->insert(seq.tokens, std::span<const int32_t>(seq.pages.data(), n), snaps, free_pages, free_slots);
+      // The snapshot this sequence started from is superseded on its path by the deeper ones it handed in, unless
+      // other sequences branch off there too (a shared prefix: the others still need it).
+      if (!snaps.empty() && shared > 0 && seq.cache_path.back()->children.size() <= 1)
+        cache_->demote_snapshot(seq.cache_path.back());
       inserted = n;
+    } else {
+      for (const auto& sn : snaps) free_slots.push_back(sn.slot);
     }
   }
   for (size_t i = inserted; i < seq.pages.size(); ++i) free_pages.push_back(seq.pages[i]);
   if (cache_) cache_->unlock(seq.cache_path);
   seq.cache_path.clear();
   seq.pages.clear();
-  if (seq.snap_slot >= 0) free_slots.push_back(seq.snap_slot);
-  seq.snap_slot = -1;
-  seq.snap_pos = 0;
   if (seq.state_slot >= 0) free_slots.push_back(seq.state_slot);
   seq.state_slot = -1;
   give_back(free_pages, free_slots);
@@ -213,15 +227,26 @@ StepPlan Scheduler::plan_step(Clock::time_point now) {
 void Scheduler::plan_chunks(StepPlan& plan) {
   const int64_t P = opts_.page_size;
   const bool snapshots = cache_ && opts_.needs_state;
-  // A chunk that ends on a page boundary past the sequence's latest snapshot refreshes it (best effort).
+  // The prompt's second-to-last page boundary (at least a page before its end; 0: none) and the prefill's last.
+  auto tail_boundary = [&](const Sequence& s) { return std::max<int64_t>(0, s.prompt_len / P * P - P); };
+  auto last_boundary = [&](const Sequence& s) { return s.prefill_target / P * P; };
+  // A chunk that ends on a page boundary past the sequence's latest snapshot saves the state there (best
+  // effort): into a new slot while it holds fewer than max_snapshots_per_sequence, else into the slot of its
+  // oldest snapshot that is not the prompt tail's.
   auto plan_save = [&](Sequence& s, int64_t end) {
-    if (!snapshots || end % P != 0 || end <= s.snap_pos) return;
-    if (s.snap_slot < 0 && !take_slot(s.snap_slot)) {
-      s.snap_slot = -1;
-      return;
+    if (!snapshots || end % P != 0 || end <= 0 || (!s.snaps.empty() && end <= s.snaps.back().pos)) return;
+    const bool keep = end == tail_boundary(s) && end < s.prompt_len;
+    int slot = -1;
+    if (static_cast<int>(s.snaps.size()) < opts_.max_snapshots_per_sequence) {
+      if (!take_slot(slot)) return;
+    } else {
+      auto it = std::find_if(s.snaps.begin(), s.snaps.end(), [](const Sequence::Snapshot& x) { return !x.keep; });
+      if (it == s.snaps.end()) return;
+      slot = it->slot;
+      s.snaps.erase(it);
     }
-    plan.saves.push_back({s.state_slot, s.snap_slot});
-    s.snap_pos = end;
+    s.snaps.push_back({end, slot, keep});
+    plan.saves.push_back({s.state_slot, slot});
   };
   // Decodes, oldest first; a sequence that needs a page and cannot get one preempts the newest.
   for (size_t i = 0; i < running_.size();) {
@@ -248,11 +273,14 @@ void Scheduler::plan_chunks(StepPlan& plan) {
     Sequence& s = *sp;
     if (!s.prefilling()) continue;
     int64_t n = std::min(s.prefill_target - s.num_cached, budget);
-    // With snapshots, the prompt's last chunk stops at its last page boundary (so the state there is saved);
-    // the rest follows in the next step.
-    const int64_t aligned = s.prefill_target / P * P;
-    if (snapshots && s.num_cached + n == s.prefill_target && aligned > s.num_cached && aligned < s.prefill_target)
-      n = aligned - s.num_cached;
+    // With snapshots, a chunk stops at the prompt's second-to-last page boundary and at the prefill's last one
+    // (so the state there is saved); the rest follows in the next step.
+    if (snapshots && opts_.max_snapshots_per_sequence > 0)
+      for (int64_t cut : {tail_boundary(s), last_boundary(s)})
+        if (cut > s.num_cached && cut < s.num_cached + n && cut < s.prefill_target) {
+          n = cut - s.num_cached;
+          break;
+        }
     const int64_t have = static_cast<int64_t>(s.pages.size()) + pages_.num_free() +
                          (cache_ ? cache_->evictable_pages() : 0);
     n = std::min(n, have * P - s.num_cached);

@@ -20,9 +20,16 @@
 //  - Prefix cache (engine/prefix_cache.h, when on): at admission a sequence takes the longest cached
 //    prefix that ends at a state snapshot: its page table starts with the cached pages (shared, locked),
 //    the snapshot is copied into its own slot (StepPlan::restores) and only the rest is prefilled. Its
-//    state is snapshotted at page boundaries (StepPlan::saves; the last prompt chunk ends at the prompt's
-//    last page boundary for that); when it ends or is preempted its full pages up to its latest snapshot
-//    go to the tree.
+//    state is snapshotted at page boundaries (StepPlan::saves), into at most max_snapshots_per_sequence
+//    slots of its own: the prompt's chunks stop at the prompt's second-to-last page boundary (one page or
+//    more before its end) and at its last one so that the state there is saved; further boundaries
+//    (decode) replace the newest snapshot but never the second-to-last boundary's. When the sequence ends
+//    or is preempted its full pages up to its deepest snapshot go to the tree with all its snapshots.
+//    Why two: the next turn of a conversation re-sends this prompt + the answer + a new message, but
+//    re-tokenized text (the answer's, a last word merging with what follows) or a chat template's
+//    generation-prompt tail (`<|im_start|>assistant\n<think>\n`, rendered otherwise for a past turn) makes
+//    the new prompt leave this one's tokens within its last page; a snapshot a page or more before the end
+//    still matches, one deep in the answer matches when the client re-sends the same token ids.
 //  - A cancelled sequence (abort_requested) leaves at the next step and frees everything it held.
 #pragma once
 #include <chrono>
@@ -51,6 +58,10 @@ struct SchedulerOptions {
   int state_slots = 0;
   bool prefix_cache = false;  // radix cache over KV pages + state snapshots
   bool needs_state = true;    // the model has recurrent state: a cache hit needs a snapshot
+  // State slots a running sequence may hold for its pending snapshots (besides its own state slot). The engine
+  // gives state_slots / max_running_requests - 1, so that running sequences never hold the slots that
+  // admitting more needs.
+  int max_snapshots_per_sequence = 2;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -69,11 +80,16 @@ struct Sequence {
   int64_t prefill_target = 0;
   std::vector<int32_t> pages;               // page table: the pages of [0, num_cached) and of this step
   int state_slot = -1;
-  // Prefix cache: the tree nodes whose pages lead the page table (locked while running), the slot with
-  // the state after snap_pos tokens (a page boundary), the prompt tokens found cached at first admission.
+  // Prefix cache: the tree nodes whose pages lead the page table (locked while running), the slots with
+  // the state after `pos` tokens (page boundaries, ascending; `keep`: the prompt's second-to-last boundary,
+  // which later saves do not replace), the prompt tokens found cached at first admission.
+  struct Snapshot {
+    int64_t pos = 0;
+    int slot = -1;
+    bool keep = false;
+  };
   std::vector<PrefixCache::Node*> cache_path;
-  int snap_slot = -1;
-  int64_t snap_pos = 0;
+  std::vector<Snapshot> snaps;
   int64_t cached_tokens = 0;
   bool admitted_once = false;
   int preemptions = 0;

@@ -21,6 +21,17 @@ TEST(ParseResponse, SglangChatWithReasoningContent) {
   EXPECT_EQ(g.completion_tokens, 40);
 }
 
+TEST(ParseResponse, CachedTokensFromPromptTokensDetails) {
+  Generation g = parse_generation_response(R"({"choices":[{"text":"a","finish_reason":"length"}],
+      "usage":{"prompt_tokens":1058,"completion_tokens":32,"prompt_tokens_details":{"cached_tokens":496}}})");
+  ASSERT_TRUE(g.ok) << g.error;
+  EXPECT_EQ(g.cached_tokens, 496);
+  Generation none = parse_generation_response(R"({"choices":[{"text":"a"}],"usage":{"prompt_tokens":3,
+      "completion_tokens":1,"prompt_tokens_details":null}})");
+  ASSERT_TRUE(none.ok) << none.error;
+  EXPECT_FALSE(none.cached_tokens.has_value());
+}
+
 TEST(ParseResponse, VllmReasoningFieldAndNullContent) {
   Generation g = parse_generation_response(
       R"({"choices":[{"message":{"role":"assistant","content":null,"reasoning":"thinking..."},"finish_reason":"length"}]})");

@@ -230,22 +230,40 @@ TEST(SchedulerCache, SecondTurnSharesPagesAndRestoresTheSnapshot) {
   std::vector<int32_t> prompt(10);
   std::iota(prompt.begin(), prompt.end(), 1);
   s.enqueue(make_seq(1, prompt, 3));
-  // The 10-token prompt's last chunk stops at its page boundary (8) so the state there is saved.
+  // The 10-token prompt's chunks stop at its second-to-last page boundary (4) and at its last (8) so that the
+  // state there is saved, then the last 2 tokens give the logits.
   StepPlan p = s.plan_step();
   ASSERT_EQ(p.chunks.size(), 1u);
-  EXPECT_EQ(p.chunks[0].num_tokens, 8);
+  EXPECT_EQ(p.chunks[0].num_tokens, 4);
   EXPECT_FALSE(p.chunks[0].want_logits);
   ASSERT_EQ(p.saves.size(), 1u);
-  const int first_slot = p.saves[0].src;
   Sequence* q = p.chunks[0].seq;
-  const std::vector<int32_t> first_pages(q->pages.begin(), q->pages.begin() + 2);
+  const std::vector<int32_t> first_pages(q->pages.begin(), q->pages.begin() + 1);
   s.commit_step(p);
+  p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].start_pos, 4);
+  EXPECT_EQ(p.chunks[0].num_tokens, 4);
+  EXPECT_FALSE(p.chunks[0].want_logits);
+  ASSERT_EQ(p.saves.size(), 1u);
+  s.commit_step(p);
+  p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].num_tokens, 2);
+  EXPECT_TRUE(p.chunks[0].want_logits);
+  EXPECT_TRUE(p.saves.empty());
+  s.commit_step(p);
+  q->tokens.push_back(7);
+  ++q->num_generated;
   std::vector<StateCopy> saves;
-  run_to_end(s, nullptr, &saves);  // 10 + 3 tokens: 12 cached at the end, snapshot at 12
+  // 10 + 3 tokens: 12 cached at the end; the snapshot at 12 replaces the one at 8, the one at 4 (a page or more
+  // before the prompt's end) stays.
+  run_to_end(s, nullptr, &saves);
+  ASSERT_EQ(saves.size(), 1u);
   EXPECT_EQ(s.kv_pages_used(), 0);
   EXPECT_EQ(s.state_slots_used(), 0);
   EXPECT_EQ(s.prefix_cache()->num_pages(), 3);
-  EXPECT_EQ(s.prefix_cache()->num_snapshots(), 1);
+  EXPECT_EQ(s.prefix_cache()->num_snapshots(), 2);
 
   // Turn 2: the history (13 tokens) + 5 new ones.
   std::vector<int32_t> turn2 = prompt;
@@ -259,9 +277,8 @@ TEST(SchedulerCache, SecondTurnSharesPagesAndRestoresTheSnapshot) {
   ASSERT_EQ(t.restores.size(), 1u);
   EXPECT_EQ(t.restores[0].dst, r->state_slot);
   EXPECT_NE(t.restores[0].src, r->state_slot);
-  EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.begin() + 2), first_pages);  // shared, not copied
+  EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.begin() + 1), first_pages);  // shared, not copied
   EXPECT_EQ(s.kv_pages_used(), 4);  // 3 shared + 1 own for positions 12..15 (the 18-token prompt stops at 16)
-  (void)first_slot;
   s.commit_step(t);
   run_to_end(s, nullptr, nullptr);
   EXPECT_EQ(s.counters().cache_hit_tokens, 12u);
@@ -408,6 +425,61 @@ TEST(EngineCache, OnAndOffGiveTheSameOutputsSequentialAndConcurrent) {
     expect_idle_and_clean(off);
     EXPECT_EQ(off.metrics().prefix_cache_hit_tokens_total, 0u);
   }
+}
+
+// The case that got 0 hits on the GPU: a client that re-sends the previous turn as text, re-tokenized. The next
+// prompt then leaves the previous one's ids within its last page (its last token merges with the answer's first
+// characters, or a chat template renders the generation-prompt tail otherwise for a past turn) and the answer
+// comes back as other ids. Emulated here on ids: turn t+1 = turn t's prompt with its last 1..3 ids changed + an
+// answer of other ids + a new message. Each turn must reuse the previous prompt up to the page boundary a page or
+// more before its end (page 4: at least prompt - 7 tokens), and the outputs equal those without the cache.
+TEST(EngineCache, ReTokenizedHistoryStillReusesThePreviousPrompt) {
+  constexpr int kConvs = 4, kTurns = 5, kPage = 4;
+  auto run = [&](bool cache, std::vector<std::vector<int64_t>>* cached, std::vector<std::vector<int64_t>>* need) {
+    // Slots as kiln serve gives them: 3 per running request.
+    Engine e(std::make_unique<DummyRunner>(dummy(800, 3 * kConvs)), engine_options(kConvs, 16, cache));
+    e.start();
+    std::mt19937 rng(41);
+    std::vector<std::vector<int32_t>> prompt(kConvs);
+    std::vector<std::vector<std::vector<int32_t>>> answers(kConvs);
+    for (int t = 0; t < kTurns; ++t) {
+      std::vector<std::shared_ptr<RequestChannel>> chans;
+      std::vector<int64_t> reusable(kConvs, 0);
+      for (int c = 0; c < kConvs; ++c) {
+        auto& p = prompt[static_cast<size_t>(c)];
+        if (t > 0) {
+          const size_t changed = 1 + rng() % 3;  // the re-tokenized edge
+          const int64_t prev = static_cast<int64_t>(p.size());
+          reusable[c] = prev / kPage * kPage - kPage;  // the prompt's second-to-last page boundary
+          for (size_t k = p.size() - changed; k < p.size(); ++k) p[k] = static_cast<int32_t>(1 + (p[k] + 7) % 49);
+          auto answer = new_message(rng, 8);  // the answer, re-tokenized into other ids
+          p.insert(p.end(), answer.begin(), answer.end());
+        }
+        auto m = new_message(rng, 9 + static_cast<int>(rng() % 9));
+        p.insert(p.end(), m.begin(), m.end());
+        auto r = e.submit({greedy(p, 6)});
+        EXPECT_EQ(r.status, SubmitStatus::ok) << r.message;
+        chans.push_back(r.channel);
+      }
+      std::vector<int64_t> got(kConvs);
+      for (int c = 0; c < kConvs; ++c) {
+        Out o = collect(chans[static_cast<size_t>(c)]);
+        answers[static_cast<size_t>(c)].push_back(o.tokens);
+        got[c] = o.cached;
+      }
+      if (cached) cached->push_back(got);
+      if (need) need->push_back(reusable);
+    }
+    expect_idle_and_clean(e);
+    return answers;
+  };
+  auto ref = run(false, nullptr, nullptr);
+  std::vector<std::vector<int64_t>> cached, need;
+  auto got = run(true, &cached, &need);
+  EXPECT_EQ(got, ref);
+  for (int t = 1; t < kTurns; ++t)
+    for (int c = 0; c < kConvs; ++c)
+      EXPECT_GE(cached[t][c], need[t][c]) << "turn " << t + 1 << ", conversation " << c;
 }
 
 TEST(EngineCache, PreemptionAndEvictionInTheMiddleChangeNothing) {

@@ -109,9 +109,9 @@ TEST(TinyPrefixCache, GreedyOutputsWithTheCacheEqualThoseWithout) {
     const char* what;
   } cases[] = {{1, 400, "one at a time"}, {4, 400, "concurrent"}, {4, 24, "concurrent, 384-token pool"}};
   for (const Case& c : cases) {
-    // Slots: each running sequence's own and its boundary snapshot, one cached snapshot per conversation and the
-    // one the running sequence started from.
-    Engine on(tiny(c.pages, 2 * c.running + convs + 1), opts(c.running, true));
+    // Slots: each running sequence's own and its two pending snapshots (the prompt's second-to-last page boundary,
+    // the latest), two cached snapshots per conversation (the same two of its last turn) and a spare.
+    Engine on(tiny(c.pages, 3 * c.running + 2 * convs + 1), opts(c.running, true));
     on.start();
     int64_t hits = 0;
     auto got = converse(on, convs, turns, &hits);

@@ -11,8 +11,12 @@
 //   BM_ApplyMask: -inf over the disallowed logits of one 248k row.
 //   BM_DecodeJson/<rows>: replaying a tokenized JSON answer through `rows` fresh matchers, mask + apply +
 //     accept per token: the mean per-row cost of one decode step, misses included (one thread).
+//   BM_DecodeJsonSteps: the same replay at batch 1, timed per token (mean, p50, p90, max; slow steps listed).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <random>
 #include <vector>
@@ -86,6 +90,12 @@ const char* state_prefix(int64_t which) {
 std::shared_ptr<const Grammar> schema_grammar() {
   static auto g = json_schema_grammar(kSchema);
   return g;
+}
+
+std::string json_escape_token(const Fixture& f, int32_t id) {
+  std::string out;
+  for (char c : f.table->bytes(id)) out += (c == ' ' ? std::string("_") : std::string(1, c));
+  return "[" + out + "]";
 }
 
 bool ready(benchmark::State& st) {
@@ -176,6 +186,38 @@ void BM_DecodeJson(benchmark::State& st) {
   st.counters["tokens"] = static_cast<double>(answer.size());
 }
 
+// One fresh matcher replaying the answer, mask + apply + accept timed per token: the distribution of per-step
+// costs (counters in microseconds, wall time); the steps over 1 ms are printed to stderr.
+void BM_DecodeJsonSteps(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  const std::vector<int32_t> answer = f.tok->encode(kAnswer, false);
+  std::vector<float> logits(static_cast<size_t>(kVocab), 0.5f);
+  std::vector<double> us;
+  for (auto _ : st) {
+    Matcher m(schema_grammar(), f.table, {f.eos});
+    us.clear();
+    for (int32_t t : answer) {
+      auto t0 = std::chrono::steady_clock::now();
+      benchmark::DoNotOptimize(m.apply(logits));
+      m.accept(t);
+      us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  std::vector<double> sorted = us;
+  std::sort(sorted.begin(), sorted.end());
+  double sum = 0;
+  for (double x : us) sum += x;
+  st.counters["mean_us"] = sum / static_cast<double>(us.size());
+  st.counters["p50_us"] = sorted[sorted.size() / 2];
+  st.counters["p90_us"] = sorted[sorted.size() * 9 / 10];
+  st.counters["max_us"] = sorted.back();
+  std::string slow;
+  for (size_t i = 0; i < us.size(); ++i)
+    if (us[i] > 1000) slow += " " + std::to_string(i) + ":" + json_escape_token(f, answer[i]) + "=" + std::to_string(static_cast<int>(us[i]));
+  if (!slow.empty()) std::fprintf(stderr, "steps over 1 ms (index:token=us):%s\n", slow.c_str());
+}
+
 }  // namespace
 
 BENCHMARK(BM_MaskCold)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
@@ -183,5 +225,7 @@ BENCHMARK(BM_MaskWarmMiss)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MaskHit)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ApplyMask)->Arg(1)->Arg(3)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeJson)->Arg(1)->Arg(16)->Unit(benchmark::kMillisecond)->Iterations(3);
+
+BENCHMARK(BM_DecodeJsonSteps)->Unit(benchmark::kMillisecond)->Iterations(1);
 
 BENCHMARK_MAIN();

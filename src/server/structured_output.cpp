@@ -64,25 +64,24 @@ class JsonBuilder {
   }
 
   // One character of a JSON string: unescaped (not '"', '\\' or a control byte) or an escape. \u escapes
-  // of UTF-16 surrogates are not generated (a lone one is not valid text for many parsers).
+  // of UTF-16 surrogates are not generated (a lone one is not valid text for many parsers). Inlined (fresh nodes
+  // each time), not a rule of its own: inside a string the innermost call frame is then the string, and only a
+  // closing quote leaves it, so the token masks' context-independent part (engine/grammar/token_mask.h) covers
+  // almost every token.
   Frag string_char() {
-    if (string_char_rule_ < 0) {
-      string_char_rule_ = g_.new_rule("string-char");
-      std::array<bool, 128> ascii{};
-      for (int i = 0x20; i < 128; ++i) ascii[static_cast<size_t>(i)] = i != '"' && i != '\\';
-      auto simple = no_bytes();
-      for (char c : std::string_view("\"\\/bfnrt")) simple[static_cast<uint8_t>(c)] = true;
-      auto first_hex = no_bytes();  // not d / D: the rest of the BMP
-      for (char c : std::string_view("0123456789abcefABCEF")) first_hex[static_cast<uint8_t>(c)] = true;
-      Frag esc = g_.seq({g_.literal("\\"),
-                         g_.alt({g_.byte_set(simple),
-                                 g_.seq({g_.literal("u"), g_.alt({g_.seq({g_.byte_set(first_hex), hex()}),
-                                                                  g_.seq({g_.alt({g_.literal("d"), g_.literal("D")}),
-                                                                          g_.bytes('0', '7')})}),
-                                         hex(), hex()})})});
-      g_.define_rule(string_char_rule_, g_.alt({utf8_char(ascii), esc}));
-    }
-    return g_.call(string_char_rule_);
+    std::array<bool, 128> ascii{};
+    for (int i = 0x20; i < 128; ++i) ascii[static_cast<size_t>(i)] = i != '"' && i != '\\';
+    auto simple = no_bytes();
+    for (char c : std::string_view("\"\\/bfnrt")) simple[static_cast<uint8_t>(c)] = true;
+    auto first_hex = no_bytes();  // not d / D: the rest of the BMP
+    for (char c : std::string_view("0123456789abcefABCEF")) first_hex[static_cast<uint8_t>(c)] = true;
+    Frag esc = g_.seq({g_.literal("\\"),
+                       g_.alt({g_.byte_set(simple),
+                               g_.seq({g_.literal("u"), g_.alt({g_.seq({g_.byte_set(first_hex), hex()}),
+                                                                g_.seq({g_.alt({g_.literal("d"), g_.literal("D")}),
+                                                                        g_.bytes('0', '7')})}),
+                                       hex(), hex()})})});
+    return g_.alt({utf8_char(ascii), esc});
   }
 
   Frag string(int64_t min_len = 0, int64_t max_len = -1) {
@@ -159,7 +158,7 @@ class JsonBuilder {
 
  private:
   Grammar& g_;
-  int32_t ws_rule_ = -1, string_char_rule_ = -1, string_rule_ = -1, integer_rule_ = -1, number_rule_ = -1,
+  int32_t ws_rule_ = -1, string_rule_ = -1, integer_rule_ = -1, number_rule_ = -1,
           value_rule_ = -1;
 };
 

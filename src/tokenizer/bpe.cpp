@@ -273,25 +273,30 @@ void BpeModel::merge_symbols(std::vector<int32_t>& symbols) const {
 }
 
 void BpeModel::encode_with_missing_bytes(std::string_view word, std::vector<int32_t>& out) const {
-  // The word's symbols as HF builds them: one per byte that has a token; for one that has none, its
-  // byte-fallback token, else unk (fused with a preceding unk when fuse_unk), else nothing.
+  // The word's symbols as the JS tokenizers build them: one per byte that has a token; one that has none stays a
+  // symbol of its own (-1 - byte: no merge involves a negative id), and after merging becomes its byte-fallback
+  // token, else unk, else nothing.
   std::vector<int32_t> symbols;
   symbols.reserve(word.size());
-  bool last_was_unk = false;
-  for (unsigned char b : word) {
-    if (byte_ids_[b] >= 0) {
-      symbols.push_back(byte_ids_[b]);
-      last_was_unk = false;
-    } else if (byte_fallback_ids_[b] >= 0) {
-      symbols.push_back(byte_fallback_ids_[b]);
-      last_was_unk = false;
-    } else if (unk_id_ >= 0) {
-      if (!(fuse_unk_ && last_was_unk)) symbols.push_back(unk_id_);
-      last_was_unk = true;
-    }
-  }
+  for (unsigned char b : word) symbols.push_back(byte_ids_[b] >= 0 ? byte_ids_[b] : -1 - static_cast<int32_t>(b));
   merge_symbols(symbols);
-  out.insert(out.end(), symbols.begin(), symbols.end());
+  for (int32_t sym : symbols) {
+    if (sym >= 0) {
+      out.push_back(sym);
+      continue;
+    }
+    const auto b = static_cast<unsigned char>(-1 - sym);
+    if (byte_fallback_ids_[b] >= 0) out.push_back(byte_fallback_ids_[b]);
+    else if (unk_id_ >= 0) out.push_back(unk_id_);
+  }
+}
+
+void BpeModel::fuse_unk_run(std::vector<int32_t>& ids, size_t begin) const {
+  if (!fuse_unk_ || unk_id_ < 0 || ids.size() <= begin + 1) return;
+  size_t w = begin + 1;
+  for (size_t r = begin + 1; r < ids.size(); ++r)
+    if (!(ids[r] == unk_id_ && ids[w - 1] == unk_id_)) ids[w++] = ids[r];
+  ids.resize(w);
 }
 
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {

@@ -6,8 +6,9 @@
 //
 // A vocabulary may lack some of the 256 byte symbols. A byte without a token then becomes what HF
 // tokenizers makes of it: its byte_fallback token "<0xXX>" when byte_fallback is on and the vocabulary
-// has it, else the unk_token (consecutive ones fused into one with fuse_unk), else nothing (it is
-// dropped, and its neighbours may merge across the gap).
+// has it, else the unk_token, else nothing. Either way the byte stays a symbol of its own while merging (no
+// merge crosses it) and a dropped one is removed afterwards, as the JS tokenizers (the oracle) do. With fuse_unk,
+// consecutive unk tokens of one pre-tokenized section (across words) become one: fuse_unk_run().
 #pragma once
 #include <cstdint>
 #include <mutex>
@@ -51,6 +52,8 @@ class BpeModel {
   int32_t byte_id(uint8_t b) const { return byte_ids_[b]; }
   // Whether every byte has its token (else encode_word takes the slower path for words that need one).
   bool has_all_bytes() const { return all_bytes_; }
+  // fuse_unk: collapses each run of consecutive unk ids in ids[begin, end) into one (a no-op without fuse_unk).
+  void fuse_unk_run(std::vector<int32_t>& ids, size_t begin) const;
   // Id of a token given as raw bytes; -1 if absent.
   int32_t bytes_to_id(std::string_view bytes) const;
 

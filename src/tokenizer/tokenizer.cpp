@@ -184,8 +184,10 @@ std::string read_file(const std::string& path) {
 // --- encoding ------------------------------------------------------------------------------------
 
 void TokenizerImpl::encode_normalized(std::string_view text, std::vector<int32_t>& out) const {
+  const size_t begin = out.size();
   auto encode_word = [&](std::string_view word) { model->encode_word(word, out); };
   pre_tokenizer->split(text, PieceSink(encode_word));
+  model->fuse_unk_run(out, begin);  // fuse_unk works on a whole section's tokens, across words
 }
 
 void TokenizerImpl::encode_plain(std::string_view text, bool parse_special, std::vector<int32_t>& out) const {

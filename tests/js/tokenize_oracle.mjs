@@ -35,7 +35,9 @@ const { samples, files, corpusBytes, random, pick, randint } = buildSamples(corp
 const out = fs.createWriteStream(outPath);
 for (const { source, text } of samples) {
   const ids = tokenizer.encode(text).ids;
-  const line = { kind: "encode", source, text, ids, nfc: text.normalize("NFC"), decoded: tokenizer.decode(ids) };
+  // decode([]) throws: a text of dropped bytes only (a vocabulary without some bytes and no unk_token) decodes to "".
+  const decoded = ids.length ? tokenizer.decode(ids) : "";
+  const line = { kind: "encode", source, text, ids, nfc: text.normalize("NFC"), decoded };
   out.write(JSON.stringify(line) + "\n");
 }
 

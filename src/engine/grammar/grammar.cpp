@@ -218,17 +218,19 @@ int32_t Automaton::step(int32_t s, uint8_t b) {
 int32_t Automaton::opaque_view(int32_t s) {
   State& st = states_[static_cast<size_t>(s)];
   if (st.opaque >= 0) return st.opaque;
+  // Each configuration inside a call keeps its node and loses its whole stack, the return node included: the
+  // view of a string value is then the same wherever the string rule was called from.
   std::vector<Config> seeds;
-  bool deeper = false;
+  bool inside = false;
   for (const Config& c : st.configs) {
-    if (c.stack < 0 || stacks_[static_cast<size_t>(c.stack)].parent < 0) {
+    if (c.stack < 0) {
       seeds.push_back(c);
     } else {
-      seeds.push_back({c.node, push(stacks_[static_cast<size_t>(c.stack)].ret, opaque_bottom_)});
-      deeper = true;
+      seeds.push_back({c.node, opaque_bottom_});
+      inside = true;
     }
   }
-  int32_t o = deeper ? close_and_intern(seeds) : s;
+  int32_t o = inside ? close_and_intern(seeds) : s;
   states_[static_cast<size_t>(s)].opaque = o;
   return o;
 }

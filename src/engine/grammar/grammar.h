@@ -94,9 +94,9 @@ class Automaton {
   // Some byte can follow.
   bool can_continue(int32_t s) const { return !states_[static_cast<size_t>(s)].configs.empty(); }
   size_t num_states() const { return states_.size(); }
-  // Context-independent view of s: each configuration keeps its innermost call frame, the rest of its stack
-  // becomes an opaque bottom (a return into it sets popped_context). Bytes that never return below the
-  // innermost frame behave the same from either state. Returns s when no configuration has a deeper stack.
+  // Context-independent view of s: each configuration inside a call keeps its node, its whole stack (the return
+  // node included) becomes an opaque bottom (a return into it sets popped_context). Bytes that never return from
+  // the innermost rule behave the same from either state. Returns s when no configuration is inside a call.
   int32_t opaque_view(int32_t s);
   bool popped_context(int32_t s) const { return states_[static_cast<size_t>(s)].popped; }
   const Grammar& grammar() const { return *grammar_; }

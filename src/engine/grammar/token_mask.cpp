@@ -63,50 +63,62 @@ Matcher::Matcher(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const T
   walk_.resize(static_cast<size_t>(tokens_->max_depth()) + 1);
 }
 
-void Matcher::walk(int32_t state, TokenBitmask& out, std::vector<int32_t>* uncertain) {
-  out.resize(tokens_->vocab_size());
+void Matcher::walk(int32_t state, int32_t begin, int32_t end, TokenBitmask& out, std::vector<int32_t>* exits) {
   const auto& trie = tokens_->trie();
   const auto& toks = tokens_->trie_tokens();
-  const int32_t n = static_cast<int32_t>(trie.size());
-  walk_[0] = state;
-  for (int32_t i = 0; i < n;) {
-    const TokenTable::TrieNode& node = trie[static_cast<size_t>(i)];
-    int32_t s = automaton_.step(walk_[node.depth - 1u], node.byte);
+  const TokenTable::TrieNode* nodes = trie.data();
+  const int32_t* tok = toks.data();
+  uint64_t* words = out.words.data();
+  int32_t* at = walk_.data();
+  at[nodes[begin].depth - 1u] = state;
+  for (int32_t i = begin; i < end;) {
+    const TokenTable::TrieNode& node = nodes[i];
+    const int32_t s = automaton_.step(at[node.depth - 1u], node.byte);
     if (s == Automaton::kDead) {
       i = node.subtree_end;
       continue;
     }
-    if (uncertain && automaton_.popped_context(s)) {
-      // This prefix returns into the unknown context: its tokens are checked against the real state.
-      const int32_t last = node.subtree_end - 1;
-      for (int32_t t = node.tokens_begin; t < trie[static_cast<size_t>(last)].tokens_end; ++t)
-        uncertain->push_back(toks[static_cast<size_t>(t)]);
+    if (exits && automaton_.popped_context(s)) {
+      // This prefix returns into the unknown context: the subtree is walked again from the real state.
+      exits->push_back(i);
       i = node.subtree_end;
       continue;
     }
-    walk_[node.depth] = s;
-    for (int32_t t = node.tokens_begin; t < node.tokens_end; ++t) out.set(toks[static_cast<size_t>(t)]);
+    at[node.depth] = s;
+    for (int32_t t = node.tokens_begin; t < node.tokens_end; ++t)
+      words[static_cast<uint32_t>(tok[t]) >> 6] |= uint64_t(1) << (tok[t] & 63);
     ++i;
   }
 }
 
 void Matcher::compute(int32_t state, TokenBitmask& out) {
   const int32_t view = automaton_.opaque_view(state);
+  const int32_t n = static_cast<int32_t>(tokens_->trie().size());
   if (view == state) {
-    walk(state, out, nullptr);
+    out.resize(tokens_->vocab_size());
+    if (n > 0) walk(state, 0, n, out, nullptr);
   } else {
     // Context-independent part, shared by every state with the same innermost frames (e.g. each string value of
-    // a schema), then the few tokens that leave the frame, checked with the full stack.
+    // a schema), then the subtrees whose prefix leaves the frame, walked from the real state (early rejection:
+    // after a closing quote only a few bytes fit).
     auto it = independent_.find(view);
     if (it == independent_.end()) {
       if (independent_.size() >= 64) independent_.clear();
       Independent part;
-      walk(view, part.mask, &part.uncertain);
+      part.mask.resize(tokens_->vocab_size());
+      if (n > 0) walk(view, 0, n, part.mask, &part.exits);
       it = independent_.emplace(view, std::move(part)).first;
     }
     out = it->second.mask;
-    for (int32_t t : it->second.uncertain)
-      if (automaton_.step_bytes(state, tokens_->bytes(t)) != Automaton::kDead) out.set(t);
+    const auto& trie = tokens_->trie();
+    for (int32_t i : it->second.exits) {
+      const TokenTable::TrieNode& node = trie[static_cast<size_t>(i)];
+      // The prefix of this node: the first bytes of the first token in its subtree (preorder, sorted).
+      const std::string& first = tokens_->bytes(tokens_->trie_tokens()[static_cast<size_t>(node.tokens_begin)]);
+      const int32_t parent = automaton_.step_bytes(state, std::string_view(first).substr(0, node.depth - 1u));
+      if (parent == Automaton::kDead) continue;
+      walk(parent, i, node.subtree_end, out, nullptr);
+    }
   }
   if (automaton_.accepting(state))
     for (int32_t id : stop_ids_)

@@ -95,13 +95,14 @@ class Matcher {
 
  private:
   void compute(int32_t state, TokenBitmask& out);
-  // The trie walk from state; with `uncertain`, prefixes that return into an opaque bottom are not followed and
-  // their tokens are listed there instead.
-  void walk(int32_t state, TokenBitmask& out, std::vector<int32_t>* uncertain);
+  // The trie walk over nodes [begin, end) (one node's subtree, or the whole trie) from state, the automaton state
+  // before node `begin`'s byte; sets the allowed tokens in out (sized). With `exits`, a prefix that returns into
+  // an opaque bottom is not followed: its trie node is listed there instead.
+  void walk(int32_t state, int32_t begin, int32_t end, TokenBitmask& out, std::vector<int32_t>* exits);
 
   struct Independent {
     TokenBitmask mask;                // tokens that fit without leaving the innermost frames
-    std::vector<int32_t> uncertain;   // tokens that leave them (need the full stack)
+    std::vector<int32_t> exits;       // trie nodes whose prefix leaves them (walked again with the full stack)
   };
   std::unordered_map<int32_t, Independent> independent_;
 

@@ -47,6 +47,22 @@ std::shared_ptr<const Grammar> record_grammar() {
   return g;
 }
 
+// One string rule called from two sites with different continuations ({"a":STR,"b":[STR,STR]}): both calls share
+// the string's context-independent mask (the opaque view drops the return node), the closing quote's continuation
+// differs ('","' / '"]' / '",') and must come from the real stack.
+std::shared_ptr<const Grammar> two_sites_grammar() {
+  auto g = std::make_shared<Grammar>();
+  std::array<bool, 256> letters{};
+  for (int c = 'a'; c <= 'z'; ++c) letters[static_cast<size_t>(c)] = true;
+  int32_t str = g->new_rule("string");
+  g->define_rule(str, g->seq({g->literal("\""), g->star(g->alt({g->byte_set(letters), g->literal("\xc3\xa9")})), g->literal("\"")}));
+  int32_t root = g->new_rule("root");
+  g->define_rule(root, g->seq({g->literal("{\"a\":"), g->call(str), g->literal(",\"b\":["), g->call(str),
+                               g->opt(g->seq({g->literal(","), g->call(str)})), g->literal("]}")}));
+  g->set_root(root);
+  return g;
+}
+
 std::shared_ptr<const Grammar> boolean_grammar() {
   auto g = std::make_shared<Grammar>();
   int32_t root = g->new_rule("root");
@@ -90,10 +106,10 @@ TEST(TokenMask, MatchesTokenByTokenCheckAlongRandomWalks) {
   auto vocab = small_vocab();
   const int32_t stop = static_cast<int32_t>(vocab.size()) - 1;
   auto table = std::make_shared<TokenTable>(vocab);
-  auto g = record_grammar();
   std::mt19937 rng(7);
   int finished = 0;
-  for (int walk = 0; walk < 40; ++walk) {
+  for (int walk = 0; walk < 80; ++walk) {
+    auto g = walk % 2 ? two_sites_grammar() : record_grammar();
     Matcher m(g, table, {stop});
     Automaton oracle(g);
     int32_t os = oracle.initial_state();

@@ -1,7 +1,7 @@
 // A byte-level BPE whose vocabulary lacks some of the 256 byte symbols loads, and encodes as HF tokenizers
 // does (the JS implementation, @huggingface/tokenizers, is the oracle): Qwen3's tokenizer.json with the
 // tokens of a few bytes (and the merges using them) removed, without unk_token, with one, and with
-// fuse_unk (only the unk case is checked so far, see below). The texts are the tokenizer corpus plus seeded random strings, which contain those bytes.
+// fuse_unk. The texts are the tokenizer corpus plus seeded random strings, which contain those bytes.
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
@@ -87,9 +87,22 @@ void check_against_oracle(const std::string& name, bool unk, bool fuse_unk) {
 TEST(PartialByteVocab, MatchesHfTokenizersJs) {
   KILN_REQUIRE_QWEN3_TOKENIZER();
   if (std::system("node --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "node is not installed";
-  // With unk_token: each missing byte becomes <unk>. (Not covered yet: fuse_unk, where 6 of 726 samples still
-  // differ from the oracle, and no unk_token, where the JS oracle itself fails on Qwen3's vocabulary.)
+  // With unk_token: each missing byte becomes <unk>; no merge crosses it.
   check_against_oracle("unk", true, false);
+}
+
+TEST(PartialByteVocab, FuseUnkMatchesHfTokenizersJs) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  if (std::system("node --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "node is not installed";
+  // fuse_unk: consecutive <unk> of one section become one, also across pre-tokenized words ("\n\n" then "A").
+  check_against_oracle("fuse_unk", true, true);
+}
+
+TEST(PartialByteVocab, NoUnkMatchesHfTokenizersJs) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  if (std::system("node --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "node is not installed";
+  // No unk_token: a missing byte is dropped, after merging (its neighbours do not merge across it).
+  check_against_oracle("no_unk", false, false);
 }
 
 TEST(PartialByteVocab, UnknownUnkTokenIsAClearError) {

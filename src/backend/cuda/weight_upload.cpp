@@ -26,7 +26,7 @@ void StagingPlanner::add(uint8_t* dst, const uint8_t* src, size_t bytes, uint64_
     if (open_.used >= buffer_bytes_) close();
     size_t offset = 0, n = 0;
     bool joined = false;
-    if (!open_.copies.empty()) {
+    if (!open_.copies.empty() && max_gap_ != kNoJoin) {
       StagingBatch::DeviceCopy& last = open_.copies.back();
       uint8_t* end = last.dst + last.bytes;
       if (dst >= end && static_cast<size_t>(dst - end) <= max_gap_ &&
@@ -69,7 +69,9 @@ std::optional<StagingBatch> StagingPlanner::flush() {
 // WeightUploader
 
 WeightUploader::WeightUploader(int device, const UploadOptions& options)
-    : device_(device), options_(options), planner_(options.buffer_bytes) {
+    // No joined device copies: two weight allocations of the runtime may be separate cudaMalloc blocks that happen
+    // to lie back to back, and one copy across both is an invalid argument (seen on the H200 with 24 MiB tensors).
+    : device_(device), options_(options), planner_(options.buffer_bytes, StagingPlanner::kNoJoin) {
   if (options_.threads <= 0)
     options_.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 2, 8);
   options_.buffers_per_thread = std::max(options_.buffers_per_thread, 1);

@@ -42,6 +42,7 @@ struct StagingBatch {
 // 256-byte aligned with sizes rounded up to 256, so a gap under 256 bytes belongs to no other tensor).
 class StagingPlanner {
  public:
+  static constexpr size_t kNoJoin = ~size_t{0};  // max_gap: every copy its own device copy
   explicit StagingPlanner(size_t buffer_bytes, size_t max_gap = 255);
   // Plans dst[0, bytes) <- src[0, bytes); batches it fills are appended to `closed`.
   void add(uint8_t* dst, const uint8_t* src, size_t bytes, uint64_t placement, std::vector<StagingBatch>& closed);

@@ -83,6 +83,9 @@ void check_all_reduce(int n, bool spin, bool graphs, const std::vector<int64_t>&
             KILN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
             cudaGraphDestroy(g);
           }
+          // Instantiating (and destroying) a graph may allocate or free device memory, which waits for the GPU's
+          // running kernels: nobody launches until every rank is past it.
+          comms[r]->barrier();
           for (int rep = 0; rep < 3; ++rep, ++call) {
             for (int64_t i = 0; i < count; ++i) host[i] = input(r, call, i);
             KILN_CUDA_CHECK(cudaMemcpyAsync(d, host.data(), count * 4, cudaMemcpyHostToDevice, s));
@@ -103,6 +106,7 @@ void check_all_reduce(int n, bool spin, bool graphs, const std::vector<int64_t>&
               break;
             }
           }
+          comms[r]->barrier();
           if (exec) cudaGraphExecDestroy(exec);
           if (!failures[r].empty()) break;
         }

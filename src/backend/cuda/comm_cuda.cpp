@@ -218,24 +218,15 @@ class CudaComm final : public model::Communicator {
       nccl_check(n, n.all_gather(in, out, static_cast<size_t>(bytes), ncclUint8, nccl_->comms[rank_], s), "all-gather");
       nccl_wait(n, nccl_->comms[rank_], "all-gather");
     } else {
-      ensure_events();
-      KILN_CUDA_CHECK(cudaEventRecord(ready_, s));
-      post_.in = in;
-      post_.ready = ready_;
-      post_.done = done_;
-      gather_table()[rank_] = &post_;
-      host_->barrier();
+      post_and_meet(in, s);
       for (int r = 0; r < size_; ++r) {
         const Post& p = *gather_table()[r];
         if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, p.ready, 0));
         KILN_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + r * bytes, p.in, static_cast<size_t>(bytes),
                                         cudaMemcpyDefault, s));
       }
-      KILN_CUDA_CHECK(cudaEventRecord(done_, s));
-      host_->barrier();
       // Nobody's input may change before every peer has copied it.
-      for (int r = 0; r < size_; ++r)
-        if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, gather_table()[r]->done, 0));
+      wait_until_all_have_read(s);
       host_->barrier();
     }
     if (!stream) KILN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
@@ -259,13 +250,7 @@ class CudaComm final : public model::Communicator {
   // Ranks on one GPU: every rank's data ready (events) -> host barrier -> each rank sums all ranks' data in rank
   // order into its exchange buffer -> host barrier (every rank has read every input) -> copy back.
   void hosted_all_reduce(float* data, int64_t n, cudaStream_t s) {
-    ensure_events();
-    KILN_CUDA_CHECK(cudaEventRecord(ready_, s));
-    post_.in = data;
-    post_.ready = ready_;
-    post_.done = done_;
-    gather_table()[rank_] = &post_;
-    host_->barrier();
+    post_and_meet(data, s);
     kops::PeerInputs in;
     in.nranks = size_;
     for (int r = 0; r < size_; ++r) {
@@ -275,19 +260,33 @@ class CudaComm final : public model::Communicator {
     }
     float* sum = args_.exchange[rank_];
     kops::sum_rank_buffers(in, n, sum, s);
-    KILN_CUDA_CHECK(cudaEventRecord(done_, s));
-    host_->barrier();
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, gather_table()[r]->done, 0));
+    wait_until_all_have_read(s);
     KILN_CUDA_CHECK(cudaMemcpyAsync(data, sum, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, s));
     // No third barrier: the posted pointers are read before the second one, and a rank re-records its events only
     // after every peer has passed it (and enqueued its waits on them).
   }
 
-  void ensure_events() {
-    if (ready_) return;
-    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+  // Posts this rank's buffer with an event marking it ready on `s`, then meets every rank on the host: after it,
+  // gather_table()[r] holds rank r's post.
+  void post_and_meet(const void* in, cudaStream_t s) {
+    if (!ready_) {
+      KILN_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+      KILN_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    }
+    KILN_CUDA_CHECK(cudaEventRecord(ready_, s));
+    post_.in = in;
+    post_.ready = ready_;
+    post_.done = done_;
+    gather_table()[rank_] = &post_;
+    host_->barrier();
+  }
+  // After this rank's reads of its peers' posted buffers (enqueued on `s`): marks them done, meets every rank, and
+  // makes `s` wait until every peer has finished reading this rank's buffer.
+  void wait_until_all_have_read(cudaStream_t s) {
+    KILN_CUDA_CHECK(cudaEventRecord(done_, s));
+    host_->barrier();
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) KILN_CUDA_CHECK(cudaStreamWaitEvent(s, gather_table()[r]->done, 0));
   }
 
   // Shared by the group's communicators: each rank's posted all-gather input.

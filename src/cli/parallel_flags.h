@@ -46,7 +46,7 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& f) {
       ->check(CLI::Range(0, 1023))
       ->capture_default_str();
   app.add_option("--nnodes", f.nnodes,
-                 "Machines the tensor-parallel ranks span (cuda; --tp-size must be a multiple): each runs one kiln process with "
+                 "Machines the tensor-parallel ranks span (cuda; not served yet: more than 1 is refused when the model loads; --tp-size must be a multiple): each runs one kiln process with "
                  "tp-size / nnodes ranks")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();

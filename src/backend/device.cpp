@@ -305,6 +305,7 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   if (options.single_rank >= 0) {
     // One rank of the plan alone; its all-reduces are a copy of the same size.
     ro.shard = shards.ranks[options.single_rank];
+    ro.lone_rank = true;
     auto ops = make_ops_on(choice.device, self_check, options, devices[0]);
     auto comm = cuda::make_copy_communicator(options.single_rank, options.tp_size);
     ops->set_communicator(comm.get());

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_set>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -41,6 +42,46 @@ std::string shape_str(const std::vector<uint64_t>& dims) {
   return s + "]";
 }
 
+// The first key of the top-level object that appears twice ("" when none, or when the text is not valid JSON: the
+// DOM parse reports that). Linear in the header's size.
+std::string first_duplicate_top_level_key(const char* begin, const char* end) {
+  struct Keys : nlohmann::json_sax<json> {
+    int depth = 0;
+    std::unordered_set<std::string> seen;
+    std::string duplicate;
+    bool null() override { return true; }
+    bool boolean(bool) override { return true; }
+    bool number_integer(number_integer_t) override { return true; }
+    bool number_unsigned(number_unsigned_t) override { return true; }
+    bool number_float(number_float_t, const string_t&) override { return true; }
+    bool string(string_t&) override { return true; }
+    bool binary(binary_t&) override { return true; }
+    bool start_object(std::size_t) override {
+      ++depth;
+      return true;
+    }
+    bool key(string_t& k) override {
+      if (depth == 1 && duplicate.empty() && !seen.insert(k).second) duplicate = k;
+      return true;
+    }
+    bool end_object() override {
+      --depth;
+      return true;
+    }
+    bool start_array(std::size_t) override {
+      ++depth;
+      return true;
+    }
+    bool end_array() override {
+      --depth;
+      return true;
+    }
+    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+  } keys;
+  json::sax_parse(begin, end, &keys, nlohmann::detail::input_format_t::json, /*strict=*/true);
+  return keys.duplicate;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------
@@ -63,17 +104,11 @@ SafetensorsFile::SafetensorsFile(std::span<const uint8_t> bytes, std::string dis
   const uint8_t* data_begin = bytes.data() + 8 + header_len;
   const uint64_t data_size = bytes.size() - 8 - header_len;
 
-  // The JSON object keeps only the last of duplicate keys: catch duplicates while parsing.
-  std::set<std::string> seen_keys;
-  std::string duplicate;
-  json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      if (!seen_keys.insert(parsed.get<std::string>()).second && duplicate.empty())
-        duplicate = parsed.get<std::string>();
-    }
-    return true;
-  };
-  json header = json::parse(header_begin, header_begin + header_len, on_event, /*allow_exceptions=*/false);
+  // The JSON object keeps only the last of duplicate keys: a SAX pass over the header finds them first. (A parse
+  // callback would do it in one pass, but nlohmann's callback parser rescans the enclosing object at the end of each
+  // tensor's entry: quadratic, 69 s for the 123,493 tensors of a 35B-A3B checkpoint.)
+  const std::string duplicate = first_duplicate_top_level_key(header_begin, header_begin + header_len);
+  json header = json::parse(header_begin, header_begin + header_len, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded()) fail("{}: safetensors header is not valid JSON", file);
   if (!header.is_object()) fail("{}: safetensors header is not a JSON object", file);
   if (!duplicate.empty()) fail("{}: tensor '{}' appears more than once in the header", file, duplicate);

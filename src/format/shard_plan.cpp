@@ -339,6 +339,20 @@ int64_t split_source(const TensorSlice& s, int64_t j) {
 
 }  // namespace
 
+SliceLoops slice_loops(const TensorSlice& s, const Shape& stored) {
+  const Loops L = loops_of(s, stored);
+  SliceLoops out;
+  out.outer_begin = L.outer_begin;
+  out.split_full = L.split_full;
+  out.split_local = L.split_local;
+  out.mid = L.mid;
+  out.last_full = L.last_full;
+  out.last_local = L.last_local;
+  out.last_begin = L.last_begin;
+  out.rows = s.rows;
+  return out;
+}
+
 int64_t slice_source_index(const TensorSlice& s, const Shape& stored, int64_t i) {
   if (s.whole()) return i;
   const Loops L = loops_of(s, stored);

@@ -90,6 +90,16 @@ TensorSlice slice_tensor(const ModelConfig& full, const RankShard& rank, const E
 // slice.shape). For synthetic (dummy) weights: a rank's slice is the slice of the same full random tensor.
 int64_t slice_source_index(const TensorSlice& slice, const Shape& stored, int64_t i);
 
+// The same index map as loops, for filling a synthetic slice on a device: local element
+// i = (((o * split_local + j) * mid + m) * last_local + c) comes from full element
+// (((outer_begin + o) * split_full + split_source(j)) * mid + m) * last_full + last_begin + c, where split_source(j)
+// walks `rows` (empty: j itself).
+struct SliceLoops {
+  int64_t outer_begin = 0, split_full = 1, split_local = 1, mid = 1, last_full = 1, last_local = 1, last_begin = 0;
+  std::vector<Range> rows;
+};
+SliceLoops slice_loops(const TensorSlice& slice, const Shape& stored);
+
 // Copies the slice's elements from `full` (row-major `stored`, elem_size bytes each) into `out`
 // (slice.shape.numel() * elem_size bytes). elem_size 1 for NVFP4 packed bytes / E4M3 scales: a column part of a
 // packed [N, K/2] tensor is whole bytes.

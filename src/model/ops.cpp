@@ -79,6 +79,14 @@ TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {
   return place_weight(TensorView(random_storage_.back().get(), dtype, shape));
 }
 
+TensorView Ops::place_random_slice(DType dtype, const Shape& stored, const format::TensorSlice& slice,
+                                   const RandomFill& fill) {
+  const size_t bytes = static_cast<size_t>(slice.shape.numel()) * dtype_size(dtype);
+  random_storage_.push_back(std::make_unique<uint8_t[]>(std::max<size_t>(bytes, 16)));
+  fill_random_host_slice(dtype, stored, slice, fill, random_storage_.back().get());
+  return place_weight(TensorView(random_storage_.back().get(), dtype, slice.shape));
+}
+
 void Ops::embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) {
   (void)table, (void)ids, (void)vocab_begin, (void)out;
   fail("the {} backend has no vocabulary-parallel embedding (needed for --tp-size > 1)", name());

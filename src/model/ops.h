@@ -155,6 +155,10 @@ class Ops {
   // A weight with no bytes (--load-format dummy): memory of the backend's own, filled as `fill` says. The default
   // fills a host buffer (kept alive by the Ops) and places it; a GPU backend fills device memory directly.
   virtual TensorView place_random(DType dtype, Shape shape, const RandomFill& fill);
+  // A tensor-parallel rank's slice (shape slice.shape) of the random tensor place_random(dtype, stored, fill) would
+  // make: the values of fill_random_host_slice. Default: filled on the host and placed; a GPU fills it in place.
+  virtual TensorView place_random_slice(DType dtype, const Shape& stored, const format::TensorSlice& slice,
+                                        const RandomFill& fill);
   // place_weight / place_random may return before the bytes are on the device (a GPU backend copies in the
   // background): this waits until every placed weight holds its bytes and throws kiln::Error if a copy failed. Call
   // it after placing and before any op reads a placed weight (load_model does); the host bytes given to

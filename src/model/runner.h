@@ -34,6 +34,9 @@ struct RunnerOptions {
   // A rank of a tensor-parallel group (model/tp_runner.h): load only its slices, run with its local sizes; its
   // Ops carry the group's communicator.
   std::optional<format::RankShard> shard;
+  // One rank run alone (bench-engine --single-rank): forward_argmax / forward_sample take the best id of the
+  // rank's vocabulary slice (a benchmark of one GPU's share; the ids mean nothing).
+  bool lone_rank = false;
 };
 
 class Runner : public ModelRunner {

@@ -54,12 +54,11 @@ TensorView WeightBinder::place(const format::TensorInfo& t) const {
       v = ops_.place_weight(TensorView(static_cast<char*>(const_cast<void*>(static_cast<const void*>(t.data))) +
                                            static_cast<size_t>(s.rows[0].begin * row_elems) * elem,
                                        t.dtype, s.shape));
+    } else if (!t.data) {  // dummy: the slice of the same full random tensor, filled by the backend
+      v = ops_.place_random_slice(t.dtype, t.shape, s, dummy_fill(t, dummy_norm_kind_));
     } else {
       auto buf = std::make_unique<uint8_t[]>(std::max<size_t>(static_cast<size_t>(s.shape.numel()) * elem, 16));
-      if (t.data)
-        format::copy_slice(s, t.shape, elem, t.data, buf.get());
-      else  // dummy: the slice of the same full random tensor
-        fill_random_host_slice(t.dtype, t.shape, s, dummy_fill(t, dummy_norm_kind_), buf.get());
+      format::copy_slice(s, t.shape, elem, t.data, buf.get());
       v = ops_.place_weight(TensorView(buf.get(), t.dtype, s.shape));
       // Alive as long as the model when viewed in place, else until the copy is done (finish()).
       (v.data == buf.get() ? model_.slice_storage : copying_from_).push_back(std::move(buf));

@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/progress.h"
+#include "format/shard_plan.h"
 
 namespace kiln::backend::cuda {
 namespace {
@@ -330,20 +331,52 @@ void CudaOps::set_weight_upload(const UploadOptions& options) {
   uploader_ = std::make_unique<WeightUploader>(impl_->rt.device().index, options);
 }
 
-TensorView CudaOps::place_random(DType dtype, Shape shape, const model::RandomFill& fill) {
-  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
-  void* d = impl_->rt.weight(bytes);
+namespace {
+void fill_random_device(void* d, DType dtype, int64_t n, const model::RandomFill& fill, cudaStream_t stream,
+                        const kops::FillSlice* slice) {
   if (fill.kind == model::RandomFill::Kind::bytes) {
     KILN_CHECK(dtype_size(dtype) == 1 && fill.byte_hi > fill.byte_lo && fill.byte_hi <= 256,
                "random bytes for {} in [{}, {})", dtype_name(dtype), fill.byte_lo, fill.byte_hi);
-    kops::fill_random_bytes(static_cast<uint8_t*>(d), shape.numel(), fill.seed, fill.byte_lo, fill.byte_hi,
-                            fill.random_sign, impl_->rt.stream());
+    kops::fill_random_bytes(static_cast<uint8_t*>(d), n, fill.seed, fill.byte_lo, fill.byte_hi, fill.random_sign,
+                            stream, slice);
   } else {
-    kops::fill_random_uniform(d, elem_of(dtype, "random weight"), shape.numel(), fill.seed, fill.lo, fill.hi,
-                              impl_->rt.stream());
+    kops::fill_random_uniform(d, elem_of(dtype, "random weight"), n, fill.seed, fill.lo, fill.hi, stream, slice);
   }
+}
+}  // namespace
+
+TensorView CudaOps::place_random(DType dtype, Shape shape, const model::RandomFill& fill) {
+  const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  void* d = impl_->rt.weight(bytes);
+  fill_random_device(d, dtype, shape.numel(), fill, impl_->rt.stream(), nullptr);
   weight_progress().add(bytes);  // filled on the compute stream, ahead of any op that reads it
   return TensorView(d, dtype, shape);
+}
+
+TensorView CudaOps::place_random_slice(DType dtype, const Shape& stored, const format::TensorSlice& slice,
+                                       const model::RandomFill& fill) {
+  const format::SliceLoops L = format::slice_loops(slice, stored);
+  if (L.rows.size() > static_cast<size_t>(kops::FillSlice::kMaxRows))
+    return Ops::place_random_slice(dtype, stored, slice, fill);  // rare: filled on the host
+  kops::FillSlice s;
+  s.outer_begin = L.outer_begin;
+  s.split_full = L.split_full;
+  s.split_local = L.split_local;
+  s.mid = L.mid;
+  s.last_full = L.last_full;
+  s.last_local = L.last_local;
+  s.last_begin = L.last_begin;
+  s.num_rows = static_cast<int>(L.rows.size());
+  for (size_t r = 0; r < L.rows.size(); ++r) {
+    s.row_begin[r] = L.rows[r].begin;
+    s.row_count[r] = L.rows[r].count;
+  }
+  const int64_t n = slice.shape.numel();
+  const size_t bytes = static_cast<size_t>(n) * dtype_size(dtype);
+  void* d = impl_->rt.weight(bytes);
+  fill_random_device(d, dtype, n, fill, impl_->rt.stream(), slice.whole() ? nullptr : &s);
+  weight_progress().add(bytes);
+  return TensorView(d, dtype, slice.shape);
 }
 
 TensorView CudaOps::scratch(DType dtype, Shape shape) {

@@ -33,6 +33,8 @@ class CudaOps final : public model::Ops {
   TensorView allocate(DType dtype, Shape shape) override;
   TensorView place_weight(const TensorView& host) override;
   TensorView place_random(DType dtype, Shape shape, const model::RandomFill& fill) override;
+  TensorView place_random_slice(DType dtype, const Shape& stored, const format::TensorSlice& slice,
+                                const model::RandomFill& fill) override;
   // place_weight queues its copy (weight_upload.h); this waits for all of them.
   void finish_weights() override;
   // Staging buffers / threads of the weight copies (tests use small ones); finishes the copies queued so far.

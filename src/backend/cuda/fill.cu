@@ -18,21 +18,46 @@ __device__ __forceinline__ uint64_t fill_hash(uint64_t seed, uint64_t i) {
   return z ^ (z >> 31);
 }
 
-__global__ void fill_bytes_kernel(uint8_t* out, int64_t n, uint64_t seed, uint32_t lo, uint32_t span, bool sign) {
+// Index in the full tensor of slice element i (format::slice_source_index).
+__device__ __forceinline__ int64_t slice_source(const FillSlice& s, int64_t i) {
+  const int64_t c = i % s.last_local;
+  int64_t rest = i / s.last_local;
+  const int64_t m = rest % s.mid;
+  rest /= s.mid;
+  int64_t j = rest % s.split_local;
+  const int64_t o = rest / s.split_local;
+  int64_t src = j;
+  if (s.num_rows > 0) {
+    for (int r = 0; r < s.num_rows; ++r) {
+      if (j < s.row_count[r]) {
+        src = s.row_begin[r] + j;
+        break;
+      }
+      j -= s.row_count[r];
+    }
+  }
+  return (((s.outer_begin + o) * s.split_full + src) * s.mid + m) * s.last_full + s.last_begin + c;
+}
+
+template <bool kSliced>
+__global__ void fill_bytes_kernel(uint8_t* out, int64_t n, uint64_t seed, uint32_t lo, uint32_t span, bool sign,
+                                  const FillSlice slice) {
   dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = fill_hash(seed, static_cast<uint64_t>(i));
+    const int64_t src = kSliced ? slice_source(slice, i) : i;
+    const uint64_t h = fill_hash(seed, static_cast<uint64_t>(src));
     uint32_t b = lo + static_cast<uint32_t>((h >> 32) % span);
     if (sign && (h & 1)) b |= 0x80u;
     out[i] = static_cast<uint8_t>(b);
   }
 }
 
-template <int kElem>  // 0 f32, 1 bf16, 2 f16
-__global__ void fill_uniform_kernel(void* out, int64_t n, uint64_t seed, float lo, float d) {
+template <int kElem, bool kSliced>  // kElem 0 f32, 1 bf16, 2 f16
+__global__ void fill_uniform_kernel(void* out, int64_t n, uint64_t seed, float lo, float d, const FillSlice slice) {
   dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = fill_hash(seed, static_cast<uint64_t>(i));
+    const int64_t src = kSliced ? slice_source(slice, i) : i;
+    const uint64_t h = fill_hash(seed, static_cast<uint64_t>(src));
     const float u = static_cast<float>(h >> 40) * 0x1p-24f;
     const float v = __fadd_rn(lo, __fmul_rn(d, u));  // no contraction: the host computes the same two roundings
     if constexpr (kElem == 0) static_cast<float*>(out)[i] = v;
@@ -58,21 +83,37 @@ unsigned fill_grid(int64_t n) {
 }  // namespace
 
 void fill_random_bytes(uint8_t* out, int64_t n, uint64_t seed, uint32_t byte_lo, uint32_t byte_hi, bool random_sign,
-                       Stream stream) {
+                       Stream stream, const FillSlice* slice) {
   if (n == 0) return;
-  launch_kernel(fill_bytes_kernel, fill_grid(n), 256, 0, stream, out, n, seed, byte_lo, byte_hi - byte_lo, random_sign);
+  const FillSlice s = slice ? *slice : FillSlice{};
+  if (slice)
+    launch_kernel(fill_bytes_kernel<true>, fill_grid(n), 256, 0, stream, out, n, seed, byte_lo, byte_hi - byte_lo,
+                  random_sign, s);
+  else
+    launch_kernel(fill_bytes_kernel<false>, fill_grid(n), 256, 0, stream, out, n, seed, byte_lo, byte_hi - byte_lo,
+                  random_sign, s);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream) {
-  if (n == 0) return;
-  const float d = hi - lo;
+namespace {
+template <bool kSliced>
+void launch_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float d, Stream stream,
+                    const FillSlice& s) {
   switch (elem) {
-    case ElemType::f32: launch_kernel(fill_uniform_kernel<0>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d); break;
-    case ElemType::bf16: launch_kernel(fill_uniform_kernel<1>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d); break;
-    case ElemType::f16: launch_kernel(fill_uniform_kernel<2>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d); break;
+    case ElemType::f32: launch_kernel(fill_uniform_kernel<0, kSliced>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d, s); break;
+    case ElemType::bf16: launch_kernel(fill_uniform_kernel<1, kSliced>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d, s); break;
+    case ElemType::f16: launch_kernel(fill_uniform_kernel<2, kSliced>, fill_grid(n), 256, 0, stream, out, n, seed, lo, d, s); break;
     default: cuda_fail("random uniform fill: element type {} is not a float type", {static_cast<int>(elem)});
   }
+}
+}  // namespace
+
+void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream,
+                         const FillSlice* slice) {
+  if (n == 0) return;
+  const float d = hi - lo;
+  if (slice) launch_uniform<true>(out, elem, n, seed, lo, d, stream, *slice);
+  else launch_uniform<false>(out, elem, n, seed, lo, d, stream, FillSlice{});
   KILN_CUDA_CHECK_LAUNCH();
 }
 

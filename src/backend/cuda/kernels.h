@@ -87,11 +87,20 @@ void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t*
 void max_abs(const float* x, int64_t n, float* result, Stream stream);
 
 // ---- fills (fill.cu) and the split / sum around cuBLASLt GEMMs (linear.cu)
+// A tensor-parallel rank's slice of a random tensor (format::SliceLoops): out element i holds element source(i) of the
+// full fill, so a rank fills its slice on the device with the same values as the whole tensor of TP 1.
+struct FillSlice {
+  static constexpr int kMaxRows = 8;
+  int64_t outer_begin = 0, split_full = 1, split_local = 1, mid = 1, last_full = 1, last_local = 1, last_begin = 0;
+  int num_rows = 0;  // 0: split rows [0, split_local)
+  int64_t row_begin[kMaxRows] = {}, row_count[kMaxRows] = {};
+};
 // The device twin of model::fill_random_host (same bytes): bytes in [byte_lo, byte_hi) (+ random sign bit), or
-// uniform floats lo + (hi - lo) * u rounded to elem.
+// uniform floats lo + (hi - lo) * u rounded to elem. With `slice`: n elements of the slice (fill_random_host_slice).
 void fill_random_bytes(uint8_t* out, int64_t n, uint64_t seed, uint32_t byte_lo, uint32_t byte_hi, bool random_sign,
-                       Stream stream);
-void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream);
+                       Stream stream, const FillSlice* slice = nullptr);
+void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, float lo, float hi, Stream stream,
+                         const FillSlice* slice = nullptr);
 // Tensor-core linears at fp32 accuracy: x [T, K] (row stride ldx) = hi + mid + lo in bf16, written as the row
 // blocks of out [3T, K]; one bf16 GEMM of the 3T rows against W, then out = (lo + mid) + hi per row (sum3_rows).
 void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream);

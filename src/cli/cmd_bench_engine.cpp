@@ -209,10 +209,12 @@ int run_bench_engine(const BenchEngineOptions& o) {
       const format::QuantConfig quant = format::load_quant_config(dir);
       format::CapacityOptions co;
       co.kv_dtype = lo.kv_dtype;
+      co.tp = lo.single_rank >= 0 ? lo.tp_size : 1;  // one rank alone reads its share (kiln inspect --tp: per GPU)
+      co.ep = lo.single_rank >= 0 ? lo.ep_size : 1;
       const auto plan = format::plan_capacity(config, format::expected_tensors(config, quant), co);
-      const double bytes = static_cast<double>(plan.decode_bytes_per_token);
-      std::printf("  batch-1 bandwidth: %.4g GB read per token (kiln inspect) / %.3f ms = %.3g TB/s\n", bytes / 1e9,
-                  median, bytes / (median * 1e-3) / 1e12);
+      const double bytes = static_cast<double>(co.tp > 1 ? plan.decode_bytes_per_token_per_gpu : plan.decode_bytes_per_token);
+      std::printf("  batch-1 bandwidth: %.4g GB read per token%s (kiln inspect) / %.3f ms = %.3g TB/s\n", bytes / 1e9,
+                  co.tp > 1 ? " per GPU" : "", median, bytes / (median * 1e-3) / 1e12);
     }
     std::fflush(stdout);
 

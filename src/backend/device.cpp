@@ -215,7 +215,7 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   auto too_big = [&](const std::string& what) {
     fail("out of GPU memory (planned before loading){}: {}. The budget is {:.1f} GiB ({:.1f} GiB x "
          "--mem-fraction-static {:.2f}{}): weights {:.2f} GiB + state for {} slots {:.2f} GiB + activations "
-         "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --chunked-prefill-size / "
+         "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --max-pass-tokens / "
          "--max-total-tokens, or use more GPUs (--tp-size) or GPUs with more memory",
          p.tp > 1 ? fmt::format(" on each GPU of tp {}", p.tp) : "", what, p.budget_bytes / G, gpu_bytes / G,
          p.fraction, p.ranks_per_gpu > 1 ? fmt::format(" / {} ranks sharing it", p.ranks_per_gpu) : "",

@@ -53,12 +53,16 @@ namespace kiln::engine {
 
 class RequestChannel;
 
+// The step budget of an engine made without one (tests, library use). kiln's commands resolve --chunked-prefill-size
+// per device instead (backend::resolve_prefill_sizes: auto is 8192 on a GPU of 80 GB or more, 2048 below, 512 on
+// the CPU) and pass the result in.
+constexpr int64_t kDefaultChunkedPrefillSize = 2048;
+
 struct SchedulerOptions {
   int max_running_requests = 64;
   int max_queued_requests = 256;
-  // Tokens per step, decodes + prompt chunks (the policy above); <= 0: whole prompts in one step. The default is a
-  // unit-test value: kiln serve resolves --chunked-prefill-size per device (backend::resolve_prefill_sizes).
-  int64_t chunked_prefill_size = 2048;
+  // Tokens per step, decodes + prompt chunks (the policy above); <= 0: whole prompts in one step.
+  int64_t chunked_prefill_size = kDefaultChunkedPrefillSize;
   int64_t context_length = 4096;        // longest sequence (prompt + output), tokens
   int64_t kv_pages = 0;
   int page_size = 16;

@@ -30,14 +30,52 @@ DeviceChoice resolve_device(const std::string& requested) {
 #if KILN_HAVE_CUDA
   const cuda::CudaDeviceProbe probe = cuda::probe_cuda_device();
   if (probe.usable)
-    return {"cuda", fmt::format("{} (device {}, compute capability {}.{})", probe.name, probe.index, probe.major,
-                                probe.minor)};
+    return {"cuda",
+            fmt::format("{} (device {}, compute capability {}.{})", probe.name, probe.index, probe.major, probe.minor),
+            static_cast<double>(probe.memory_bytes)};
   if (requested == "cuda") fail("--device cuda: {}", probe.reason);
   return {"cpu", probe.reason};
 #else
   if (requested == "cuda") fail("--device cuda: this kiln binary was built without the CUDA backend (use --device cpu)");
   return {"cpu", "built without the CUDA backend"};
 #endif
+}
+
+int64_t default_chunked_prefill_size(const std::string& device, double gpu_bytes) {
+  if (device != "cuda") return 512;
+  return gpu_bytes >= 80e9 ? 8192 : 2048;
+}
+
+int64_t resolve_pass_tokens(int64_t max_pass_tokens, int64_t step_tokens) {
+  if (max_pass_tokens < 1) fail("--max-pass-tokens must be at least 1 (got {})", max_pass_tokens);
+  return step_tokens > 0 ? std::min(max_pass_tokens, step_tokens) : max_pass_tokens;
+}
+
+PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, int64_t max_pass_tokens,
+                                   const std::string& device, double gpu_bytes) {
+  PrefillSizes p;
+  const double GiB = 1024.0 * 1024.0 * 1024.0;
+  if (chunked_prefill_size == "auto") {
+    p.step_tokens = default_chunked_prefill_size(device, gpu_bytes);
+    p.reason = device != "cuda" ? std::string("auto: the CPU backend")
+                                : fmt::format("auto: a GPU of {:.1f} GiB, {} 80 GB", gpu_bytes / GiB,
+                                              gpu_bytes >= 80e9 ? "at least" : "under");
+  } else {
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(chunked_prefill_size, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != chunked_prefill_size.size())
+      fail("--chunked-prefill-size '{}' is neither auto nor a number of tokens", chunked_prefill_size);
+    p.step_tokens = std::max<int64_t>(v, 0);
+    p.reason = v > 0 ? std::string("set by --chunked-prefill-size")
+                     : fmt::format("--chunked-prefill-size {}: no per-step budget, whole prompts in one step", v);
+  }
+  p.pass_tokens = resolve_pass_tokens(max_pass_tokens, p.step_tokens);
+  return p;
 }
 
 std::string KernelChoice::str() const {
@@ -177,7 +215,7 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   auto too_big = [&](const std::string& what) {
     fail("out of GPU memory (planned before loading){}: {}. The budget is {:.1f} GiB ({:.1f} GiB x "
          "--mem-fraction-static {:.2f}{}): weights {:.2f} GiB + state for {} slots {:.2f} GiB + activations "
-         "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --chunked-prefill-size / "
+         "{:.2f} GiB. Raise --mem-fraction-static, lower --max-running-requests / --max-pass-tokens / "
          "--max-total-tokens, or use more GPUs (--tp-size) or GPUs with more memory",
          p.tp > 1 ? fmt::format(" on each GPU of tp {}", p.tp) : "", what, p.budget_bytes / G, gpu_bytes / G,
          p.fraction, p.ranks_per_gpu > 1 ? fmt::format(" / {} ranks sharing it", p.ranks_per_gpu) : "",

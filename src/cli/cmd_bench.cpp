@@ -28,6 +28,8 @@ struct BenchArgs {
   bool no_progress = false;
   size_t multi_turn = 0;
   size_t conversations = 8;
+  size_t long_input_len = 0;
+  size_t long_every = 0;
 };
 
 kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughput) against any OpenAI-compatible server",
@@ -63,6 +65,11 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
                  "message of --input-len tokens (completions endpoint); TTFT and throughput per turn");
   app.add_option("--conversations", args->conversations, "Multi-turn mode: conversations run at once")
       ->capture_default_str();
+  app.add_option("--long-input-len", args->long_input_len,
+                 "Mixed load, with --long-every: the prompt length in tokens of the long requests");
+  app.add_option("--long-every", args->long_every,
+                 "Mixed load: every Nth request of a level sends --long-input-len prompt tokens instead of "
+                 "--input-len; TTFT and ITL are also reported for the short and the long requests apart");
   return [args]() -> int {
     using namespace kiln::clients;
     std::string api_key = args->api_key;
@@ -83,6 +90,8 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
     options.progress = !args->no_progress;
     options.multi_turn = args->multi_turn;
     options.conversations = args->conversations;
+    options.long_input_len = args->long_input_len;
+    options.long_every = args->long_every;
     std::ofstream json_file;
     if (!args->json_path.empty()) {
       json_file.open(args->json_path);

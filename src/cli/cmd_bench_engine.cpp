@@ -35,7 +35,7 @@ struct BenchEngineOptions {
   int64_t input_len = 128;
   int64_t output_len = 32;
   std::string kv_dtype = "bf16";
-  int64_t prefill_chunk = 512;
+  int64_t prefill_chunk = kiln::backend::kDefaultMaxPassTokens;  // --max-pass-tokens
   uint64_t seed = 1;
   int threads = 0;
   bool skip_self_check = false;
@@ -86,7 +86,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   lo.threads = o.threads;
   lo.state_slots = max_batch;
   lo.max_context = o.input_len + o.output_len + 8;
-  lo.prefill_chunk = o.prefill_chunk;
+  lo.prefill_chunk = backend::resolve_pass_tokens(o.prefill_chunk, 0);  // no engine steps here
   kiln::cli::apply_gpu_flags(o.gpu, lo);
   kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
   lo.single_rank = o.single_rank;
@@ -268,7 +268,10 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_option("--input-len", o->input_len, "Prompt tokens per sequence (random ids)")->capture_default_str();
   app.add_option("--output-len", o->output_len, "Decode steps (greedy)")->capture_default_str();
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: bf16, fp8 or f32")->capture_default_str();
-  app.add_option("--prefill-chunk", o->prefill_chunk, "Most tokens per forward pass")->capture_default_str();
+  app.add_option("--max-pass-tokens,--prefill-chunk", o->prefill_chunk,
+                 "Most tokens per forward pass (kiln serve's --max-pass-tokens; cuda: the memory plan reserves "
+                 "activations for one)")
+      ->capture_default_str();
   app.add_option("--seed", o->seed, "Prompt seed")->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");

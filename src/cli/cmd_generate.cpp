@@ -72,6 +72,7 @@ int run_generate(const GenerateOptions& o) {
   lo.threads = o.threads;
   lo.state_slots = 1;
   lo.max_context = static_cast<int64_t>(prompt.size()) + o.max_tokens;
+  lo.prefill_chunk = backend::resolve_pass_tokens(backend::kDefaultMaxPassTokens, 0);  // serve's default pass
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;

@@ -35,7 +35,8 @@ struct InspectOptions {
   // `kiln serve`'s own plan on each GPU of --gpu-mem-gib: its flags, its defaults.
   int max_running_requests = 32;
   int64_t context_length = 0;
-  int64_t chunked_prefill_size = 512;
+  std::string chunked_prefill_size = "auto";  // resolved as kiln serve does (backend::resolve_prefill_sizes)
+  int64_t max_pass_tokens = backend::kDefaultMaxPassTokens;
 };
 
 // Decimal units, scaled to the size (a tiny test model shows MB/KB, not 0.00 GB).
@@ -123,6 +124,10 @@ int run_inspect(const InspectOptions& o) {
   // the same function): one rank's GPU.
   std::optional<backend::MemoryPlan> serve_plan;
   std::string serve_error;
+  // The step budget and pass size serve would pick on such a GPU (its activations are planned for the pass).
+  const double gpu_bytes = o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0;
+  const backend::PrefillSizes prefill =
+      backend::resolve_prefill_sizes(o.chunked_prefill_size, o.max_pass_tokens, "cuda", gpu_bytes);
   if (o.gpu_mem_gib > 0) {
     backend::LoadOptions lo;
     lo.tp_size = o.tp;
@@ -130,10 +135,10 @@ int run_inspect(const InspectOptions& o) {
     lo.kv_dtype = copt.kv_dtype;
     lo.state_slots = o.max_running_requests;
     lo.max_context = o.context_length;
-    lo.prefill_chunk = o.chunked_prefill_size;
+    lo.prefill_chunk = prefill.pass_tokens;
     lo.mem_fraction_static = o.mem_fraction_static;
     try {
-      serve_plan = backend::plan_device_memory(dir, lo, o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0, 0);
+      serve_plan = backend::plan_device_memory(dir, lo, gpu_bytes, 0);
     } catch (const Error& e) {
       serve_error = e.what();
     }
@@ -188,7 +193,9 @@ int run_inspect(const InspectOptions& o) {
                                  {"kv_bytes", sp.kv_bytes}, {"kv_tokens", sp.kv_tokens},
                                  {"state_bytes", sp.state_bytes}, {"state_slots", sp.state_slots},
                                  {"activation_bytes", sp.activation_bytes}, {"context", sp.context},
-                                 {"ranks_per_gpu", sp.ranks_per_gpu}};
+                                 {"ranks_per_gpu", sp.ranks_per_gpu},
+                                 {"chunked_prefill_size", prefill.step_tokens},
+                                 {"max_pass_tokens", prefill.pass_tokens}};
     } else if (o.gpu_mem_gib > 0) {
       j["serve_plan_per_gpu"] = {{"error", serve_error}};
     } else {
@@ -280,8 +287,10 @@ int run_inspect(const InspectOptions& o) {
     const std::string gpus = o.tp > 1 ? fmt::format("each of {} x {:g} GiB GPUs (--tp-size {}{})", o.tp, o.gpu_mem_gib,
                                                     o.tp, o.ep > 1 ? fmt::format(" --ep-size {}", o.ep) : "")
                                       : fmt::format("one {:g} GiB GPU", o.gpu_mem_gib);
-    std::printf("\nkiln serve on %s (--max-running-requests %d, --chunked-prefill-size %lld):\n", gpus.c_str(),
-                o.max_running_requests, static_cast<long long>(o.chunked_prefill_size));
+    std::printf("\nkiln serve on %s (--max-running-requests %d, --chunked-prefill-size %lld (%s), --max-pass-tokens "
+                "%lld):\n",
+                gpus.c_str(), o.max_running_requests, static_cast<long long>(prefill.step_tokens),
+                prefill.reason.c_str(), static_cast<long long>(prefill.pass_tokens));
     if (serve_plan) line("  ", serve_plan->str());
     else line("  ", "does not fit: " + serve_error);
   }
@@ -308,7 +317,12 @@ kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weigh
       ->capture_default_str();
   app.add_option("--context-length", o->context_length,
                  "For kiln serve's own plan: longest sequence (default: the model's)");
-  app.add_option("--chunked-prefill-size", o->chunked_prefill_size, "For kiln serve's own plan: tokens per prefill pass")
+  app.add_option("--chunked-prefill-size", o->chunked_prefill_size,
+                 "For kiln serve's own plan: tokens per engine step (auto: by --gpu-mem-gib, as serve picks); the "
+                 "forward pass, which the activations are planned for, is never larger")
+      ->capture_default_str();
+  app.add_option("--max-pass-tokens", o->max_pass_tokens,
+                 "For kiln serve's own plan: most tokens in one forward pass (activation memory is planned for one)")
       ->capture_default_str();
   return [o]() -> int { return run_inspect(*o); };
 }};

@@ -51,7 +51,8 @@ struct ServeArgs {
   std::string chat_template;
   int max_running_requests = 0;  // 0: the memory plan's (cuda), 32 (cpu)
   int max_queued_requests = 256;
-  int64_t chunked_prefill_size = 512;
+  std::string chunked_prefill_size = "auto";  // backend::resolve_prefill_sizes
+  int64_t max_pass_tokens = backend::kDefaultMaxPassTokens;
   int64_t max_total_tokens = 0;
   bool disable_radix_cache = false;
   int threads = 0;
@@ -153,6 +154,9 @@ int run_serve(const ServeArgs& a) {
   const std::string device = a.dummy_runner.empty() ? device_choice.device : "dummy-" + a.dummy_runner;
   if (!a.dummy_runner.empty() && a.dummy_runner != "hash" && a.dummy_runner != "echo")
     fail("unknown --dummy-runner '{}' (use hash or echo)", a.dummy_runner);
+  // The per-step token budget and the forward-pass size, from the device (the plan reserves the pass's activations).
+  const backend::PrefillSizes prefill = backend::resolve_prefill_sizes(a.chunked_prefill_size, a.max_pass_tokens,
+                                                                       device_choice.device, device_choice.gpu_bytes);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -222,7 +226,7 @@ int run_serve(const ServeArgs& a) {
   engine::EngineOptions eo;
   eo.max_running_requests = a.max_running_requests;
   eo.max_queued_requests = a.max_queued_requests;
-  eo.chunked_prefill_size = a.chunked_prefill_size;
+  eo.chunked_prefill_size = prefill.step_tokens;
   eo.context_length = a.context_length;
   eo.enable_prefix_cache = !a.disable_radix_cache;
   // State slots per running request: its own; with the prefix cache also its two pending page-boundary snapshots
@@ -240,7 +244,9 @@ int run_serve(const ServeArgs& a) {
   args_json["max_running_requests"] = a.max_running_requests;
   args_json["disable_radix_cache"] = a.disable_radix_cache;
   args_json["max_queued_requests"] = a.max_queued_requests;
-  args_json["chunked_prefill_size"] = a.chunked_prefill_size;
+  args_json["chunked_prefill_size_flag"] = a.chunked_prefill_size;
+  args_json["chunked_prefill_size"] = prefill.step_tokens;
+  args_json["max_pass_tokens"] = prefill.pass_tokens;
   so.server_args = args_json;
 
   server::HttpServer http(so);
@@ -296,6 +302,7 @@ int run_serve(const ServeArgs& a) {
       lo.max_context = context;
       lo.threads = a.threads;
       lo.slots_per_request = slots_per_request;
+      lo.prefill_chunk = prefill.pass_tokens;
       if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
       if (device_choice.device == "cuda") {
         lo.state_slots = a.max_running_requests * slots_per_request;  // 0: the memory plan chooses
@@ -340,9 +347,16 @@ int run_serve(const ServeArgs& a) {
               static_cast<long long>(cap.kv_pages * cap.page_size), a.kv_cache_dtype == "auto" ? "bf16" : a.kv_cache_dtype.c_str(),
               human_bytes(double(cap.kv_pages) * cap.page_size * cap.kv_bytes_per_token).c_str(), cap.state_slots,
               human_bytes(double(cap.state_slots) * cap.state_bytes_per_slot).c_str());
-  std::printf("  batching:  up to %d running, %d queued; prefill chunks of %lld tokens; KV pages allocated as "
-              "sequences grow (preemption when the pool is full)\n",
-              engine.options().max_running_requests, a.max_queued_requests, static_cast<long long>(a.chunked_prefill_size));
+  std::printf("  batching:  up to %d running, %d queued; KV pages allocated as sequences grow (preemption when the "
+              "pool is full)\n",
+              engine.options().max_running_requests, a.max_queued_requests);
+  std::printf("  prefill:   %s; forward passes of at most %lld tokens (--max-pass-tokens; activation memory is "
+              "planned for one)\n",
+              prefill.step_tokens > 0
+                  ? fmt::format("steps of at most {} tokens, decodes + prompt chunks ({})", prefill.step_tokens,
+                                prefill.reason).c_str()
+                  : prefill.reason.c_str(),
+              static_cast<long long>(prefill.pass_tokens));
   std::printf("  prefix cache: %s\n", engine.options().enable_prefix_cache
                                           ? "on (radix tree over KV pages + state snapshots; --disable-radix-cache)"
                                           : "off");
@@ -398,7 +412,14 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "Waiting sequences at most; beyond, requests get 503 + Retry-After")
       ->capture_default_str();
   app.add_option("--chunked-prefill-size", a->chunked_prefill_size,
-                 "Prompt tokens per step (long prompts are prefilled in chunks; <= 0: whole prompts)")
+                 "Tokens per engine step, decodes included: every step carries each decoding sequence's token plus "
+                 "prompt chunks up to the rest, so long prompts are prefilled over several steps while streams keep "
+                 "flowing. auto: 8192 on a GPU of 80 GB or more, 2048 on a smaller GPU, 512 on the CPU; <= 0: whole "
+                 "prompts in one step")
+      ->capture_default_str();
+  app.add_option("--max-pass-tokens", a->max_pass_tokens,
+                 "Most tokens in one forward pass (a larger step runs as several passes); cuda: the memory plan "
+                 "reserves activation scratch for one such pass. Never more than --chunked-prefill-size")
       ->capture_default_str();
   app.add_option("--max-total-tokens", a->max_total_tokens,
                  "KV cache size in tokens (default: cuda: all memory the plan leaves; cpu: a context per running "

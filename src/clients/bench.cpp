@@ -42,7 +42,7 @@ nlohmann::json request_body(const BenchOptions& options, const std::string& mode
 }
 
 RequestRecord measure_request(HttpClient& client, const BenchOptions& options, const std::string& model,
-                              const std::string& prompt, size_t output_len) {
+                              const std::string& prompt, size_t input_len, size_t output_len) {
   Generation g = run_generation(client, endpoint_path(options.endpoint), request_body(options, model, prompt, output_len));
   RequestRecord record;
   if (!g.ok) {
@@ -59,7 +59,7 @@ RequestRecord measure_request(HttpClient& client, const BenchOptions& options, c
   record.token_times_s = std::move(g.token_times_s);
   record.output_tokens_from_usage = g.completion_tokens.has_value();
   record.output_tokens = g.completion_tokens ? *g.completion_tokens : static_cast<int64_t>(record.token_times_s.size());
-  record.input_tokens = g.prompt_tokens ? *g.prompt_tokens : static_cast<int64_t>(options.input_len);
+  record.input_tokens = g.prompt_tokens ? *g.prompt_tokens : static_cast<int64_t>(input_len);
   return record;
 }
 
@@ -136,7 +136,8 @@ LevelResult run_level(const BenchOptions& options, const std::string& model, con
                                                 std::chrono::duration<double>(arrivals[i])));
       try {
         if (!client) client.emplace(options.server);
-        records[i] = measure_request(*client, options, model, prompts[i], options.output_len);
+        records[i] = measure_request(*client, options, model, prompts[i], bench_prompt_len(options, i),
+                                     options.output_len);
       } catch (const std::exception& e) {
         records[i].error = e.what();
       }
@@ -155,6 +156,14 @@ LevelResult run_level(const BenchOptions& options, const std::string& model, con
   level.max_concurrency = max_concurrency;
   level.num_prompts = n;
   level.metrics = compute_bench_metrics(records, duration_s);
+  if (options.long_every > 0) {
+    std::vector<RequestRecord> short_records, long_records;
+    for (size_t i = 0; i < n; ++i)
+      ((i + 1) % options.long_every == 0 ? long_records : short_records).push_back(records[i]);
+    level.mixed = true;
+    level.short_prompts = compute_bench_metrics(short_records, duration_s);
+    level.long_prompts = compute_bench_metrics(long_records, duration_s);
+  }
   for (const auto& r : records)
     if (r.ok && r.output_tokens < static_cast<int64_t>(options.output_len)) ++level.short_outputs;
   return level;
@@ -208,6 +217,12 @@ void print_level(std::FILE* out, const BenchOptions& options, const LevelResult&
   dist("TPOT (ms)", m.tpot_ms);
   dist("ITL (ms)", m.itl_ms);
   dist("E2E latency (ms)", m.e2e_ms);
+  if (level.mixed) {
+    dist(fmt::format("TTFT, {}-tok (ms)", options.input_len), level.short_prompts.ttft_ms);
+    dist(fmt::format("ITL, {}-tok (ms)", options.input_len), level.short_prompts.itl_ms);
+    dist(fmt::format("TTFT, {}-tok (ms)", options.long_input_len), level.long_prompts.ttft_ms);
+    dist(fmt::format("ITL, {}-tok (ms)", options.long_input_len), level.long_prompts.itl_ms);
+  }
   if (level.short_outputs)
     fmt::print(out, "note: {} requests returned fewer than {} tokens: the server may not honour ignore_eos\n",
                level.short_outputs, options.output_len);
@@ -290,6 +305,10 @@ std::vector<double> poisson_arrival_times(size_t n, double rate, std::mt19937_64
   return times;
 }
 
+size_t bench_prompt_len(const BenchOptions& options, size_t i) {
+  return options.long_every > 0 && (i + 1) % options.long_every == 0 ? options.long_input_len : options.input_len;
+}
+
 size_t prompts_for_level(const BenchOptions& options, size_t max_concurrency) {
   if (options.num_prompts) return *options.num_prompts;
   if (max_concurrency == 0) return 64;
@@ -302,6 +321,8 @@ nlohmann::json BenchReport::to_json() const {
                       {"model", model},
                       {"endpoint", endpoint},
                       {"input_len", options.input_len},
+                      {"long_input_len", options.long_input_len},
+                      {"long_every", options.long_every},
                       {"output_len", options.output_len},
                       {"request_rate", std::isinf(options.request_rate) ? nlohmann::json("inf")
                                                                         : nlohmann::json(options.request_rate)},
@@ -335,6 +356,17 @@ nlohmann::json BenchReport::to_json() const {
         {"itl_ms", distribution_json(m.itl_ms)},
         {"e2e_ms", distribution_json(m.e2e_ms)},
     });
+    if (level.mixed) {
+      auto part = [&](const BenchMetrics& pm, size_t len) {
+        return nlohmann::json{{"input_len", len},
+                              {"completed", pm.completed},
+                              {"ttft_ms", distribution_json(pm.ttft_ms)},
+                              {"itl_ms", distribution_json(pm.itl_ms)},
+                              {"tpot_ms", distribution_json(pm.tpot_ms)}};
+      };
+      j["levels"].back()["short_prompts"] = part(level.short_prompts, options.input_len);
+      j["levels"].back()["long_prompts"] = part(level.long_prompts, options.long_input_len);
+    }
   }
   return j;
 }
@@ -344,6 +376,8 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
   if (options.max_concurrency.empty()) fail("--max-concurrency names no level");
   if (!(options.max_failed_fraction >= 0 && options.max_failed_fraction <= 1))
     fail("--max-failed-fraction must be between 0 and 1 (got {})", options.max_failed_fraction);
+  if ((options.long_every > 0) != (options.long_input_len > 0))
+    fail("--long-input-len and --long-every go together (got {} and {})", options.long_input_len, options.long_every);
   HttpClient client(options.server);
   require_reachable(client);
 
@@ -371,6 +405,9 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
                for (size_t c : options.max_concurrency) s += (s.empty() ? "" : ",") + concurrency_name(c);
                return s;
              }());
+  if (options.long_every > 0)
+    fmt::print(out, "mixed load: every {}th request of a level sends {} prompt tokens instead\n", options.long_every,
+               options.long_input_len);
   if (options.endpoint == BenchEndpoint::chat)
     fmt::print(out, "(chat: the input length is the user message's; the chat template adds its own tokens, and the "
                "input totals below are the server's usage.prompt_tokens when it reports them)\n");
@@ -384,13 +421,13 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
   for (size_t c : options.max_concurrency) {
     std::vector<std::string> prompts;
     for (size_t i = 0, n = prompts_for_level(options, c); i < n; ++i)
-      prompts.push_back(prompt_of_exact_length(*counter, options.input_len, prompt_rng));
+      prompts.push_back(prompt_of_exact_length(*counter, bench_prompt_len(options, i), prompt_rng));
     level_prompts.push_back(std::move(prompts));
   }
   fmt::print(out, "built {} prompts in {:.1f} s\n", total_prompts + 1,
              std::chrono::duration<double>(Clock::now() - build_start).count());
 
-  RequestRecord warmup = measure_request(client, options, report.model, warmup_prompt,
+  RequestRecord warmup = measure_request(client, options, report.model, warmup_prompt, options.input_len,
                                          std::min(options.output_len, kWarmupOutputTokens));
   if (!warmup.ok)
     fail("the warm-up request to {}{} failed: {} (check the server with `kiln smoke --url {}`)", report.url,

@@ -39,13 +39,24 @@ struct BenchOptions {
   // t sends the whole history (every earlier prompt and answer) plus a new message of input_len tokens.
   size_t multi_turn = 0;
   size_t conversations = 8;
+  // Mixed load: request i of a level (0-based) with (i + 1) % long_every == 0 sends a prompt of long_input_len
+  // tokens instead of input_len (0: none). The level then also reports TTFT / ITL of the short-prompt and the
+  // long-prompt requests apart: what long prompts arriving cost the streams beside them.
+  size_t long_input_len = 0;
+  size_t long_every = 0;
 };
+
+// The prompt length of request i (0-based) of a level: long_input_len for every long_every-th, else input_len.
+size_t bench_prompt_len(const BenchOptions& options, size_t i);
 
 struct LevelResult {
   size_t max_concurrency = 0;  // 0 = unlimited
   size_t num_prompts = 0;
   size_t short_outputs = 0;  // successful requests with fewer than output_len tokens
   BenchMetrics metrics;
+  // Mixed load (long_every > 0): the short-prompt and the long-prompt requests apart.
+  bool mixed = false;
+  BenchMetrics short_prompts, long_prompts;
 };
 
 struct BenchReport {

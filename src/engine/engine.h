@@ -34,7 +34,7 @@ class SequenceSampler;
 struct EngineOptions {
   int max_running_requests = 64;
   int max_queued_requests = 256;
-  int64_t chunked_prefill_size = 2048;
+  int64_t chunked_prefill_size = kDefaultChunkedPrefillSize;  // tokens per step, decodes included (scheduler.h)
   int64_t context_length = 0;          // 0: the runner's max_context; never more than it
   std::vector<int32_t> eos_token_ids;  // end a sequence unless ignore_eos
   // Threads that sample a step's non-greedy sequences when the step has >= 128k logits (each with its own sampler

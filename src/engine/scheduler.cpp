@@ -266,8 +266,12 @@ void Scheduler::plan_chunks(StepPlan& plan) {
     plan_save(s, s.num_cached + 1);
     ++i;
   }
-  // Prefill chunks, oldest first, within the budget and the pages there are (they do not preempt).
-  int64_t budget = opts_.chunked_prefill_size > 0 ? opts_.chunked_prefill_size : INT64_MAX;
+  // Prefill chunks, oldest first, within what the decodes leave of the step's budget (at least a page: prompts
+  // are never starved by a full batch of decodes) and the pages there are (they do not preempt).
+  int64_t budget = INT64_MAX;
+  if (opts_.chunked_prefill_size > 0)
+    budget = std::max<int64_t>(opts_.chunked_prefill_size - plan.num_decodes,
+                               std::min<int64_t>(P, opts_.chunked_prefill_size));
   for (auto& sp : running_) {
     if (budget <= 0) break;
     Sequence& s = *sp;

@@ -14,9 +14,14 @@
 //    on generating (nothing already sent is sent again; greedy output does not change).
 //  - A sequence that can never fit (prompt + max_tokens over the context length, or more pages than
 //    the whole pool) is rejected before it is queued (check_fits) with the numbers.
-//  - Each step = one token for every running sequence that is decoding + prompt chunks for the
-//    sequences still prefilling, oldest first, up to chunked_prefill_size prompt tokens in all. Long
-//    prompts are thus prefilled over several steps while running decodes keep flowing.
+//  - Per-step token budget (chunked_prefill_size, decodes included): each step carries one token for every
+//    running sequence that is decoding, then prompt chunks for the sequences still prefilling, oldest first,
+//    up to (budget - decode tokens) prompt tokens in all. Long prompts are thus prefilled over several steps
+//    while running decodes keep flowing, and a step's size (what its decodes wait for) stays within the
+//    budget. Every decode is in every step: when the decodes alone leave less than one page of the budget, the
+//    step still takes one page (page_size tokens) of prompt so that prompts are never starved; only then does a
+//    step exceed the budget (decodes + page_size tokens at most). chunked_prefill_size <= 0: no budget (whole
+//    prompts in one step).
 //  - Prefix cache (engine/prefix_cache.h, when on): at admission a sequence takes the longest cached
 //    prefix that ends at a state snapshot: its page table starts with the cached pages (shared, locked),
 //    the snapshot is copied into its own slot (StepPlan::restores) and only the rest is prefilled. Its
@@ -48,10 +53,16 @@ namespace kiln::engine {
 
 class RequestChannel;
 
+// The step budget of an engine made without one (tests, library use). kiln's commands resolve --chunked-prefill-size
+// per device instead (backend::resolve_prefill_sizes: auto is 8192 on a GPU of 80 GB or more, 2048 below, 512 on
+// the CPU) and pass the result in.
+constexpr int64_t kDefaultChunkedPrefillSize = 2048;
+
 struct SchedulerOptions {
   int max_running_requests = 64;
   int max_queued_requests = 256;
-  int64_t chunked_prefill_size = 2048;  // prompt tokens per step; <= 0: whole prompts in one step
+  // Tokens per step, decodes + prompt chunks (the policy above); <= 0: whole prompts in one step.
+  int64_t chunked_prefill_size = kDefaultChunkedPrefillSize;
   int64_t context_length = 4096;        // longest sequence (prompt + output), tokens
   int64_t kv_pages = 0;
   int page_size = 16;

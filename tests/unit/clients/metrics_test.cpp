@@ -123,5 +123,16 @@ TEST(PromptsPerLevel, DefaultScalesWithConcurrency) {
   EXPECT_EQ(prompts_for_level(options, 8), 5u);
 }
 
+TEST(PromptsPerLevel, MixedLoadMakesEveryNthPromptLong) {
+  BenchOptions options;
+  options.input_len = 512;
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(bench_prompt_len(options, i), 512u);  // off by default
+  options.long_input_len = 8192;
+  options.long_every = 4;
+  std::vector<size_t> lens;
+  for (size_t i = 0; i < 8; ++i) lens.push_back(bench_prompt_len(options, i));
+  EXPECT_EQ(lens, (std::vector<size_t>{512, 512, 512, 8192, 512, 512, 512, 8192}));
+}
+
 }  // namespace
 }  // namespace kiln::clients

@@ -96,20 +96,107 @@ TEST(Scheduler, DecodesKeepFlowingWhileALongPromptPrefills) {
   s.commit_step(p);
   fake_sample(p);  // seq 1 now decodes
   s.enqueue(make_seq(2, 30, 5));
-  for (int step = 0; step < 4; ++step) {
+  std::vector<int64_t> prefill;
+  for (int step = 0; step < 5; ++step) {
     StepPlan q = s.plan_step();
-    // Every step: seq 1's decode token first, then at most 8 prompt tokens of seq 2.
+    // Every step: seq 1's decode token first, then what is left of the budget of 8 for seq 2's prompt.
     ASSERT_GE(q.chunks.size(), 1u);
     EXPECT_EQ(q.chunks[0].seq->uid, 1u);
     EXPECT_EQ(q.num_decodes, 1);
-    EXPECT_LE(q.num_prefill_tokens, 8);
+    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, 8);
+    prefill.push_back(q.num_prefill_tokens);
     s.commit_step(q);
     fake_sample(q);
   }
-  // 30 prompt tokens = 8 + 8 + 8 + 6: seq 2 decodes from now on.
+  // 30 prompt tokens = 7 + 7 + 7 + 7 + 2: seq 2 decodes from now on.
+  EXPECT_EQ(prefill, (std::vector<int64_t>{7, 7, 7, 7, 2}));
   StepPlan q = s.plan_step();
   EXPECT_EQ(q.num_decodes, 2);
   EXPECT_EQ(q.num_prefill_tokens, 0);
+}
+
+// The step budget counts decodes: 16 sequences decoding and a 20k-token prompt arriving. Every step carries all
+// 16 decodes (first), the prompt goes in chunks of what they leave of the budget, and no step exceeds it. With the
+// prefix cache on the chunks also stop at the prompt's snapshot boundaries; the bounds are the same.
+void sixteen_decodes_and_a_long_prompt(bool prefix_cache) {
+  SchedulerOptions o;
+  o.max_running_requests = 32;
+  o.max_queued_requests = 32;
+  o.chunked_prefill_size = 8192;
+  o.context_length = 32768;
+  o.page_size = 16;
+  o.kv_pages = 4096;  // 65,536 tokens: room for everything, no preemption
+  o.state_slots = 96;
+  o.prefix_cache = prefix_cache;
+  Scheduler s(o);
+  // Prompts of 1..16 tokens: none crosses a page boundary, so all 16 go in one step with the cache on too.
+  for (uint64_t i = 1; i <= 16; ++i) s.enqueue(make_seq(i, static_cast<int64_t>(i), 1000));
+  StepPlan first = s.plan_step();
+  ASSERT_EQ(first.num_prefill_tokens, 136);
+  s.commit_step(first);
+  fake_sample(first);
+  ASSERT_EQ(s.num_running(), 16);
+  constexpr int64_t kLong = 20000;
+  s.enqueue(make_seq(100, kLong, 8));
+  int64_t prefilled = 0;
+  int steps = 0;
+  while (prefilled < kLong) {
+    ASSERT_LT(steps, 64) << "the long prompt never finished";
+    StepPlan q = s.plan_step();
+    EXPECT_EQ(q.num_decodes, 16) << "step " << steps;
+    for (int i = 0; i < 16; ++i) {
+      EXPECT_EQ(q.chunks[static_cast<size_t>(i)].num_tokens, 1);
+      EXPECT_NE(q.chunks[static_cast<size_t>(i)].seq->uid, 100u);
+    }
+    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, o.chunked_prefill_size) << "step " << steps;
+    EXPECT_GT(q.num_prefill_tokens, 0) << "step " << steps;
+    int64_t tokens = 0;
+    for (const auto& c : q.chunks) tokens += c.num_tokens;
+    EXPECT_EQ(tokens, q.num_decodes + q.num_prefill_tokens);
+    prefilled += q.num_prefill_tokens;
+    s.commit_step(q);
+    fake_sample(q);
+    ++steps;
+  }
+  EXPECT_EQ(prefilled, kLong);
+  // 20,000 tokens in chunks of at most 8,192 - 16 = 8,176: 8,176 + 8,176 + 3,648. With the cache the third stops
+  // at the prompt's second-to-last page boundary (19,968) and the last 32 tokens take a fourth step.
+  EXPECT_EQ(steps, prefix_cache ? 4 : 3);
+  StepPlan after = s.plan_step();
+  EXPECT_EQ(after.num_decodes, 17);
+  EXPECT_EQ(after.num_prefill_tokens, 0);
+}
+
+TEST(Scheduler, StepBudgetCountsDecodesWithALongPromptArriving) { sixteen_decodes_and_a_long_prompt(false); }
+TEST(Scheduler, StepBudgetCountsDecodesWithThePrefixCacheOn) { sixteen_decodes_and_a_long_prompt(true); }
+
+// Decodes that fill the whole budget still leave one page per step to the prompts (no starvation).
+TEST(Scheduler, FullBatchOfDecodesStillPrefillsAPagePerStep) {
+  SchedulerOptions o = small_options();
+  o.max_running_requests = 12;
+  o.max_queued_requests = 12;
+  o.kv_pages = 64;
+  o.state_slots = 12;
+  o.chunked_prefill_size = 8;
+  Scheduler s(o);
+  for (uint64_t i = 1; i <= 10; ++i) s.enqueue(make_seq(i, 1, 40));
+  StepPlan p = s.plan_step();  // ten 1-token prompts: 8 in the first step, 2 in the next
+  s.commit_step(p);
+  fake_sample(p);
+  p = s.plan_step();
+  s.commit_step(p);
+  fake_sample(p);
+  ASSERT_EQ(p.num_decodes, 8);
+  s.enqueue(make_seq(50, 10, 2));
+  std::vector<int64_t> prefill;
+  for (int step = 0; step < 3; ++step) {
+    StepPlan q = s.plan_step();
+    EXPECT_EQ(q.num_decodes, 10);  // more than the budget: all of them all the same
+    prefill.push_back(q.num_prefill_tokens);
+    s.commit_step(q);
+    fake_sample(q);
+  }
+  EXPECT_EQ(prefill, (std::vector<int64_t>{4, 4, 2}));  // a page (4 tokens) per step
 }
 
 TEST(Scheduler, PrefillBudgetSharedOldestFirst) {

@@ -19,10 +19,10 @@
 // land as codes in a staging area and are decoded to the bf16 tile in shared memory. The pool rows of a tile's keys
 // (page table lookups) are computed one tile ahead, into a double-buffered table in shared memory.
 //
-// Shared memory (bytes): q kParts x 64 x (2D + 16), K and V tiles kKeys x (2D + 16) each (rows padded by 16 bytes so the 8
-// rows of an ldmatrix hit distinct banks), e4m3 staging 2 x kKeys x D, small tables. With 3 parts: D = 256: 135,696
-// (bf16) / 152,080 (e4m3); D = 128: 87,824 / 104,208; D = 64: 46,864 / 55,056 (one block of 128 threads per SM at
-// D = 256, two at D = 128). With 1 part, 2 x 64 x (2D + 16) bytes less (D = 256: 68,112 / 84,496).
+// Shared memory (bytes): q kParts x 64 x (2D + 16), K and V tiles kKeys x (2D + 16) each (rows padded by 16 bytes so
+// the 8 rows of an ldmatrix hit distinct banks), e4m3 staging 2 x kKeys x D, small tables. With 3 parts: D = 256:
+// 135,696 (bf16) / 152,080 (e4m3); D = 128: 87,824 / 104,208; D = 64: 46,864 / 55,056 (one block of 128 threads per
+// SM at D = 256, two at D = 128). With 1 part, 2 x 64 x (2D + 16) bytes less (D = 256: 68,112 / 84,496).
 //
 // Grid: x = kv_heads x (row chunks of the longest sequence), heaviest chunks (latest positions) first; y = sequences.
 // Blocks past the end of a shorter sequence exit at once.
@@ -199,7 +199,8 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
       split_parts<kParts>(x.z, x.w, p1);
 #pragma unroll
       for (int part = 0; part < kParts; ++part)
-        *reinterpret_cast<uint2*>(smem + L::q + part * L::kQPart + r * kRowBytes + c4 * 8) = make_uint2(p0[part], p1[part]);
+        *reinterpret_cast<uint2*>(smem + L::q + part * L::kQPart + r * kRowBytes + c4 * 8) =
+            make_uint2(p0[part], p1[part]);
     }
   }
   __syncthreads();
@@ -424,8 +425,8 @@ bool launch_prefill(const float* q, int q_heads, const KvPoolArgs& pool, const S
   const int64_t blocks_x = chunks * pool.kv_heads;
   if (blocks_x > 0x7fffffff) return false;
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(step.num_seqs));
-  launch_kernel(attention_prefill_kernel<D, kElem, kParts>, grid, dim3(kThreads), static_cast<size_t>(L::bytes), stream, q,
-                q_heads, pool, step, scale, static_cast<int>(chunks), out);
+  launch_kernel(attention_prefill_kernel<D, kElem, kParts>, grid, dim3(kThreads), static_cast<size_t>(L::bytes), stream,
+                q, q_heads, pool, step, scale, static_cast<int>(chunks), out);
   return true;
 }
 

@@ -21,6 +21,7 @@
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/step_args.h"
 #include "backend/op_check.h"
+#include "core/error.h"
 #include "test_util.h"
 
 namespace kiln::backend::cuda {
@@ -213,7 +214,8 @@ bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uin
     // CudaOps::attention took the prefill kernel with the same parts (no short sequence with a long context here:
     // the rule in CudaOps::attention that keeps those steps on the split kernel): the same result, bit for bit.
     bool long_decode = false;
-    for (const PrefillSeq& q : c.seqs) long_decode |= q.fresh < kops::kAttentionPrefillMinTokens && q.cached + q.fresh > 2048;
+    for (const PrefillSeq& q : c.seqs)
+      long_decode |= q.fresh < kops::kAttentionPrefillMinTokens && q.cached + q.fresh > 2048;
     if (!long_decode) EXPECT_EQ(test::rel_err(got, pre), 0.0) << "CudaOps::attention vs attention_prefill " << label;
   }
   std::printf("[ prefill  ] %s%-62s ops %.2e | prefill %s\n", prec.parts == 1 ? "bf16 in: " : "", label.c_str(),

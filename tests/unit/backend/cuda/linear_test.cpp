@@ -45,7 +45,8 @@ CudaOptions options_of(const LinearPaths& p) {
 // gtest prints the parameter by its name (not as bytes).
 void PrintTo(const LinearPaths& p, std::ostream* os) { *os << p.name; }
 std::string path_name(const ::testing::TestParamInfo<LinearPaths>& info) { return info.param.name; }
-const auto kLinearPaths = ::testing::Values(LinearPaths{"TensorCores", true}, LinearPaths{"TensorCoresBf16", true, true},
+const auto kLinearPaths = ::testing::Values(LinearPaths{"TensorCores", true},
+                                            LinearPaths{"TensorCoresBf16", true, true},
                                             LinearPaths{"Fp32Kernels", false});
 
 // Dense linears at 16..64 rows: the gemv for small weights (multi-linear launches included), cuBLASLt for large ones,

@@ -165,8 +165,7 @@ TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
     const double vs_rounded = test::rel_err(got, run(*cpu, w_cpu, x_rounded));
     const double vs_exact = test::rel_err(got, run(*cpu, w_cpu, x));
     const std::string label = fmt::format("{} T={} K={} N={}", model::weight_format_name(c.format), c.T, c.K, c.N);
-    std::printf("[ bf16 in  ] linear %s: vs cpu on bf16(x) %.2e, vs cpu on x %.2e
-", label.c_str(), vs_rounded,
+    std::printf("[ bf16 in  ] linear %s: vs cpu on bf16(x) %.2e, vs cpu on x %.2e\n", label.c_str(), vs_rounded,
                 vs_exact);
     EXPECT_LE(vs_rounded, 1e-5) << label;
     EXPECT_LE(vs_exact, kBf16InputLinearTol) << label;

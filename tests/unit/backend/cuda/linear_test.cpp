@@ -99,9 +99,12 @@ INSTANTIATE_TEST_SUITE_P(Paths, Nvfp4LinearManyRows, kLinearPaths, path_name);
 //    (nothing more is lost, nothing is split) and that the one-part GEMM / kernel writes every output;
 //  - the CPU on x itself: within kBf16InputLinearTol (5e-3; ~1.7e-3 expected, op_check.h), and above 2e-4, so a
 //    path that silently kept fp32 accuracy (3 parts) would fail too.
+// out_row0: the output is rows [out_row0, out_row0 + T) of a larger buffer (an output that is only 16-byte aligned:
+// the one-part GEMM writes it directly, so cuBLASLt must pick an algorithm for that alignment).
 struct Bf16LinearCase {
   WeightFormat format;
   int64_t T, K, N;
+  int64_t out_row0 = 0;
 };
 
 TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
@@ -117,6 +120,7 @@ TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
   std::uniform_real_distribution<float> octave(-2.0f, 2.0f);
   for (const Bf16LinearCase& c : {Bf16LinearCase{WeightFormat::dense, 33, 384, 96},
                                   Bf16LinearCase{WeightFormat::dense, 200, 1024, 512},
+                                  Bf16LinearCase{WeightFormat::dense, 48, 256, 100, 1},  // out at byte 400
                                   Bf16LinearCase{WeightFormat::nvfp4, 129, 384, 192},
                                   Bf16LinearCase{WeightFormat::nvfp4, 517, 1024, 256}}) {
     const float std_w = 1.0f / std::sqrt(static_cast<float>(c.K));
@@ -155,7 +159,8 @@ TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
     auto run = [&](model::Ops& ops, const model::LinearWeight& w, const std::vector<float>& in) {
       ops.reset_scratch();
       const TensorView xv = ops.upload(in.data(), DType::F32, Shape{c.T, c.K});
-      const TensorView out = ops.scratch(DType::F32, Shape{c.T, c.N});
+      const TensorView buf = ops.scratch(DType::F32, Shape{c.T + c.out_row0, c.N});
+      const TensorView out(buf.ptr<float>() + c.out_row0 * c.N, DType::F32, Shape{c.T, c.N});
       ops.linear(xv, w, out);
       std::vector<float> h(size_t(c.T * c.N));
       ops.download(out, h.data());
@@ -164,7 +169,8 @@ TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
     const std::vector<float> got = run(gpu, w_gpu, x);
     const double vs_rounded = test::rel_err(got, run(*cpu, w_cpu, x_rounded));
     const double vs_exact = test::rel_err(got, run(*cpu, w_cpu, x));
-    const std::string label = fmt::format("{} T={} K={} N={}", model::weight_format_name(c.format), c.T, c.K, c.N);
+    const std::string label = fmt::format("{} T={} K={} N={}{}", model::weight_format_name(c.format), c.T, c.K, c.N,
+                                          c.out_row0 ? " (output 16-byte aligned)" : "");
     std::printf("[ bf16 in  ] linear %s: vs cpu on bf16(x) %.2e, vs cpu on x %.2e\n", label.c_str(), vs_rounded,
                 vs_exact);
     EXPECT_LE(vs_rounded, 1e-5) << label;

@@ -40,9 +40,11 @@ DeviceChoice resolve_device(const std::string& requested) {
 #endif
 }
 
-std::string resolve_dtype(const std::string& device, const std::string& requested) {
+std::string resolve_dtype(const std::string& device, const std::string& asked) {
+  // SGLang's aliases: half = float16, float = float32.
+  const std::string requested = asked == "half" ? "float16" : asked == "float" ? "float32" : asked;
   if (requested != "auto" && requested != "bfloat16" && requested != "float16" && requested != "float32")
-    fail("unknown --dtype '{}' (use auto, bfloat16, float16 or float32)", requested);
+    fail("unknown --dtype '{}' (use auto, bfloat16, float16 or float32)", asked);
   if (device == "cpu") {
     if (requested == "auto" || requested == "float32") return "float32";
     fail("--dtype {}: the CPU backend always runs fp32 (use --dtype auto or float32 with --device cpu, or a CUDA "

@@ -23,7 +23,8 @@ struct DeviceChoice {
 DeviceChoice resolve_device(const std::string& requested);
 
 // --dtype (SGLang's flag): the precision activations enter the tensor cores with, for a resolved device ("cpu" or
-// "cuda"). Returns "float32" or "bfloat16"; throws kiln::Error for a value the device cannot run.
+// "cuda"). Returns "float32" or "bfloat16"; throws kiln::Error for a value the device cannot run. SGLang's aliases
+// half (float16) and float (float32) are accepted.
 //   cuda: float32 = fp32 activations split into 3 bf16 parts at every tensor-core input (the CPU oracle's accuracy);
 //         bfloat16 = fp32 activations rounded once to bf16 there (a third of the MMA work); fp32 accumulation and
 //         fp32 storage of activations either way. float16 is refused (not built). auto: kCudaAutoDtype.

@@ -86,6 +86,9 @@ TEST(Dtype, ResolvesPerDevice) {
     e = error_of([&] { resolve_dtype("cpu", d); });
     EXPECT_NE(e.find("the CPU backend always runs fp32"), std::string::npos) << d << ": " << e;
   }
+  EXPECT_EQ(resolve_dtype("cuda", "float"), "float32");  // SGLang's aliases
+  EXPECT_EQ(resolve_dtype("cpu", "float"), "float32");
+  EXPECT_NE(error_of([] { resolve_dtype("cuda", "half"); }).find("float16 is not supported"), std::string::npos);
   e = error_of([] { resolve_dtype("cuda", "bf16"); });
   EXPECT_NE(e.find("auto, bfloat16, float16 or float32"), std::string::npos) << e;
 }

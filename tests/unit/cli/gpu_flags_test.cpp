@@ -49,7 +49,8 @@ TEST(DtypeFlag, ParsesIntoLoadOptions) {
   // float16 is a known name (refused when the model loads, with the reason); other names fail at parse time.
   EXPECT_EQ(parse_dtype({"--dtype", "float16"}), "float16");
   EXPECT_THROW(parse_gpu({"--dtype", "bf16"}), CLI::ValidationError);
-  EXPECT_THROW(parse_dtype({"--dtype", "half"}), CLI::ValidationError);
+  EXPECT_EQ(parse_dtype({"--dtype", "float"}), "float");  // SGLang's alias of float32 (resolve_dtype maps it)
+  EXPECT_THROW(parse_dtype({"--dtype", "fp16"}), CLI::ValidationError);
 }
 
 // What each command's value becomes on each device: the one resolution the three commands share.
@@ -58,6 +59,7 @@ TEST(DtypeFlag, ResolvesPerDevice) {
   EXPECT_EQ(backend::resolve_kernels("cuda", 9, bf16).dtype, "bfloat16");
   EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({})).dtype, "float32");  // auto, for now
   EXPECT_EQ(backend::resolve_kernels("cpu", 0, parse_gpu({})).dtype, "float32");
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({"--dtype", "float"})).dtype, "float32");
   EXPECT_THAT([&] { backend::resolve_kernels("cpu", 0, bf16); }, ThrowsMessage<Error>(HasSubstr("CPU backend")));
   const backend::LoadOptions f16 = parse_gpu({"--dtype", "float16"});
   EXPECT_THAT([&] { backend::resolve_kernels("cuda", 9, f16); },

@@ -64,8 +64,8 @@ struct OpCheckConfig {
 // a layer's outputs (the weights are exact in bf16; accumulation is fp32). A CPU emulation of the harness's random
 // inputs gives 1.63-1.69e-3 for K = 64 .. 4096 and NVFP4-shaped weights. The routed experts round twice in series
 // (x, then silu(gate) * up): ~3.0e-3; attention rounds q and the softmax weights p: 1.9-2.7e-3 (19 to 300 keys,
-// head_dim 32 .. 256). The budgets leave ~3x of that for the spread of small shapes; a wrong layout, a lost part or
-// a missing scale is off by O(1) and still fails.
+// head_dim 32 .. 256). The budgets leave ~3x of that for the spread of small shapes; a wrong layout, a skipped tile
+// or a missing scale is off by O(1) and still fails.
 constexpr double kBf16InputLinearTol = 5e-3;
 constexpr double kBf16InputTol = 1e-2;  // experts (two roundings in series), attention (q and p)
 // config with the tensor-core budgets of bf16 inputs (the other ops keep config.tol).

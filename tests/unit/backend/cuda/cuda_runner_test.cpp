@@ -1,8 +1,8 @@
 // Whole models through the generic Runner on CudaOps and on the CPU backend: every transformers reference fixture
 // and kiln-tiny, prefill + 20 greedy decode steps (identical greedy tokens, logits within 2e-4; also against
-// transformers' own logits), a batch of mixed lengths against each sequence alone, batches of 1..64 copies of one
-// request giving identical greedy output, graph replay, dummy weights, device argmax and sampling. Skipped without a
-// usable GPU.
+// transformers' own logits), the same models with --dtype bfloat16 (prefill logits within rel-L2 2e-2), a batch of
+// mixed lengths against each sequence alone, batches of 1..64 copies of one request giving identical greedy output,
+// graph replay, dummy weights, device argmax and sampling. Skipped without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>

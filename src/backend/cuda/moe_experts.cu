@@ -473,15 +473,15 @@ void launch_mma_mt(const MmaArgs& a, int64_t max_tiles, Stream stream) {
 }
 
 // A decode-sized launch (one token sub-tile) with kMT row tiles, at `occ` blocks per SM (3 or 4; others: the
-// allocator's choice). The occupancy hints were measured with 3 parts; 1 part (a third of the MMAs and x registers)
-// keeps the allocator's choice (one instantiation per shape instead of three).
+// allocator's choice). The hints were measured with 3 parts. 1 part takes them too, and 3 where 3 parts leave the
+// allocator free: left free it gives the 1-part kernels more registers than the 3-part ones (gate/up 142-152
+// against 122: one block of 8 warps per SM where 3 parts get two), while at 3 blocks per SM they need 80 and spill
+// at most 4 bytes (ptxas, sm_90a; down at 4 blocks: 64, no spills). Not yet timed on the GPU.
 template <int kMats, int kParts, int kMT>
 void launch_mma_decode(const MmaArgs& a, int64_t max_tiles, int occ, Stream stream) {
-  if constexpr (kParts == 3) {
-    if (occ == 3) return launch_mma_mt<kMats, kParts, kMT, 1, 3>(a, max_tiles, stream);
-    if (occ == 4) return launch_mma_mt<kMats, kParts, kMT, 1, 4>(a, max_tiles, stream);
-  }
-  launch_mma_mt<kMats, kParts, kMT, 1>(a, max_tiles, stream);
+  if (occ == 4) return launch_mma_mt<kMats, kParts, kMT, 1, 4>(a, max_tiles, stream);
+  if (occ == 3 || kParts == kMmaPartsBf16) return launch_mma_mt<kMats, kParts, kMT, 1, 3>(a, max_tiles, stream);
+  if constexpr (kParts != kMmaPartsBf16) launch_mma_mt<kMats, kParts, kMT, 1>(a, max_tiles, stream);
 }
 
 // Row tiles of >= 16 rows (prefill): moe_mma_xsmem_kernel with 2 token sub-tiles per pass over the weights (each

@@ -48,10 +48,10 @@ std::string resolve_dtype(const std::string& device, const std::string& asked) {
   if (device == "cpu") {
     if (requested == "auto" || requested == "float32") return "float32";
     fail("--dtype {}: the CPU backend always runs fp32 (use --dtype auto or float32 with --device cpu, or a CUDA "
-         "device for bfloat16)", requested);
+         "device for bfloat16)", asked);
   }
   if (requested == "float16")
-    fail("--dtype float16 is not supported by the CUDA backend yet; use bfloat16 or float32");
+    fail("--dtype {} is not supported by the CUDA backend yet; use bfloat16 or float32", requested);
   return requested == "auto" ? std::string(kCudaAutoDtype) : requested;
 }
 

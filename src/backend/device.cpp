@@ -78,8 +78,23 @@ PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, int6
   return p;
 }
 
+std::string resolve_dtype(const std::string& device, const std::string& asked) {
+  // SGLang's aliases: half = float16, float = float32.
+  const std::string requested = asked == "half" ? "float16" : asked == "float" ? "float32" : asked;
+  if (requested != "auto" && requested != "bfloat16" && requested != "float16" && requested != "float32")
+    fail("unknown --dtype '{}' (use auto, bfloat16, float16 or float32)", asked);
+  if (device == "cpu") {
+    if (requested == "auto" || requested == "float32") return "float32";
+    fail("--dtype {}: the CPU backend always runs fp32 (use --dtype auto or float32 with --device cpu, or a CUDA "
+         "device for bfloat16)", asked);
+  }
+  if (requested == "float16")
+    fail("--dtype {} is not supported by the CUDA backend yet; use bfloat16 or float32", requested);
+  return requested == "auto" ? std::string(kCudaAutoDtype) : requested;
+}
+
 std::string KernelChoice::str() const {
-  return fmt::format("attention {}, moe-runner {}, fp4-gemm {}", attention, moe_runner, fp4_gemm);
+  return fmt::format("dtype {}, attention {}, moe-runner {}, fp4-gemm {}", dtype, attention, moe_runner, fp4_gemm);
 }
 
 KernelChoice resolve_kernels(const std::string& device, int compute_major, const LoadOptions& o) {
@@ -95,6 +110,7 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
          "as flashinfer, fa3, triton or cutlass are not part of it", flag, asked,
          device == "cpu" ? std::string("the CPU backend") : fmt::format("this GPU (sm_{}x)", compute_major), list);
   };
+  k.dtype = resolve_dtype(device, o.dtype);
   if (device == "cpu") {
     k.attention = pick("--attention-backend", o.attention_backend, {"cpu"}, "cpu");
     k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend, {"cpu"}, "cpu");
@@ -121,6 +137,8 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
   c.moe_tensor_cores = k.moe_runner == "kiln-grouped";
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
+  c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
+                                  : cuda::CudaOptions::ActivationDtype::float32;
   c.pdl = o.pdl;
   return c;
 }
@@ -251,7 +269,8 @@ std::unique_ptr<model::Ops> make_ops_on(const std::string& device, bool self_che
     auto ops = std::make_unique<cuda::CudaOps>(cuda_options(kernels, options, gpu));
     if (self_check) {
       auto reference = make_cpu_backend();
-      startup_op_check(*ops, *reference);
+      // bfloat16: the tensor-core ops are held to the budgets of bf16-rounded inputs (op_check.h), the rest to 1e-5.
+      startup_op_check(*ops, *reference, kernels.dtype == "bfloat16");
     } else {
       KILN_LOG_WARN("CUDA self-check skipped (--skip-self-check): results are not checked against the CPU backend");
     }

@@ -47,10 +47,27 @@ PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, int6
 // positive step_tokens. kiln generate and bench-engine, which run the runner without engine steps, pass 0.
 int64_t resolve_pass_tokens(int64_t max_pass_tokens, int64_t step_tokens);
 
-// The kernels a device runs (--attention-backend, --moe-runner-backend, --fp4-gemm-backend; SGLang's flag names,
-// kiln's own kernels). "auto" resolves per device and GPU architecture (to the fast paths); a choice the device
+
+// --dtype (SGLang's flag): the precision activations enter the tensor cores with, for a resolved device ("cpu" or
+// "cuda"). Returns "float32" or "bfloat16"; throws kiln::Error for a value the device cannot run. SGLang's aliases
+// half (float16) and float (float32) are accepted.
+//   cuda: float32 = fp32 activations split into 3 bf16 parts at every tensor-core input (the CPU oracle's accuracy);
+//         bfloat16 = fp32 activations rounded once to bf16 there (a third of the MMA work); fp32 accumulation and
+//         fp32 storage of activations either way. float16 is refused (not built). auto: kCudaAutoDtype.
+//   cpu:  fp32 throughout: auto and float32 give "float32", bfloat16 / float16 are refused with a message naming the
+//         CPU backend.
+// The one place "auto" is decided.
+std::string resolve_dtype(const std::string& device, const std::string& requested);
+// What --dtype auto runs on CUDA: float32 until bfloat16's accuracy has been measured on the model; flipping the
+// default is this line.
+inline constexpr const char* kCudaAutoDtype = "float32";
+
+// The kernels a device runs (--dtype, --attention-backend, --moe-runner-backend, --fp4-gemm-backend; SGLang's flag
+// names, kiln's own kernels). "auto" resolves per device and GPU architecture (to the fast paths); a choice the device
 // cannot run is a kiln::Error that says which choices it can. The cuda choices become the CudaOptions of the backend.
 struct KernelChoice {
+  // resolve_dtype's answer: "float32" (cpu: always) or "bfloat16"
+  std::string dtype;
   // cpu: "cpu"; cuda: "kiln-paged" (prefill-shaped steps on the tensor-core flash kernel, decode on the split-KV
   // kernel) or "kiln-paged-fp32" (the split-KV kernel on CUDA cores for every step)
   std::string attention;

@@ -50,14 +50,34 @@ struct OpCheckConfig {
   bool chunked_reference = false;
   double tol = 1e-5;             // fp32 paths: summation order is the only difference
   double delta_rule_tol = 1e-5;  // with chunked_reference: ~1e-4
+  // The ops a CUDA backend may run on tensor cores: dense BF16 and NVFP4 linears (tensor_core_linear_tol), NVFP4
+  // routed experts and attention over bf16 / fp8 pools (tensor_core_tol). With --dtype float32 (x split into 3 bf16
+  // parts) they are fp32 paths like the rest; with --dtype bfloat16 use_bf16_input_budgets() sets the budgets below.
+  double tensor_core_linear_tol = 1e-5;
+  double tensor_core_tol = 1e-5;
 };
+
+// rel-L2 budgets of the tensor-core ops when their activation inputs are rounded once to bf16 (--dtype bfloat16).
+// Rounding to bf16 (8 significant bits) changes a value by at most 2^-8 relative and by ~2^-9 RMS (1.6e-3 for values
+// spread over octaves). A dot product sum_k x_k w_k whose x_k are rounded is off by sum_k d_k x_k w_k with
+// independent d_k, so its error relative to the product's size is that RMS again, whatever K: rel-L2 ~1.7e-3 over
+// a layer's outputs (the weights are exact in bf16; accumulation is fp32). A CPU emulation of the harness's random
+// inputs gives 1.63-1.69e-3 for K = 64 .. 4096 and NVFP4-shaped weights. The routed experts round twice in series
+// (x, then silu(gate) * up): ~3.0e-3; attention rounds q and the softmax weights p: 1.9-3.1e-3 (19 to 4096 keys,
+// head_dim 32 .. 256). The budgets leave ~3x of that for the spread of small shapes; a wrong layout, a skipped tile
+// or a missing scale is off by O(1) and still fails.
+constexpr double kBf16InputLinearTol = 5e-3;
+constexpr double kBf16InputTol = 1e-2;  // experts (two roundings in series), attention (q and p)
+// config with the tensor-core budgets of bf16 inputs (the other ops keep config.tol).
+OpCheckConfig use_bf16_input_budgets(OpCheckConfig config);
 
 // Runs every op of `test` and `reference` on the same random inputs; one OpCheck per op and variant. Resets both
 // Ops' scratch; allocates (and keeps) a little persistent memory on each.
 std::vector<OpCheck> compare_ops(model::Ops& test, model::Ops& reference, const OpCheckConfig& config);
 
 // The startup check: compare_ops at a small shape (a few ms). Logs one summary line; throws kiln::Error naming the
-// failing ops when any disagrees with the reference or produces NaN / inf.
-void startup_op_check(model::Ops& test, model::Ops& reference);
+// failing ops when any disagrees with the reference or produces NaN / inf. bf16_inputs: the test backend runs
+// --dtype bfloat16 (the tensor-core ops get use_bf16_input_budgets' tolerances; every other op keeps 1e-5).
+void startup_op_check(model::Ops& test, model::Ops& reference, bool bf16_inputs = false);
 
 }  // namespace kiln::backend

@@ -1,7 +1,8 @@
 // kiln generate: one prompt through the engine (CPU or CUDA), text streamed to stdout as it is generated, speeds on stderr.
 //
 //   kiln generate [--model-path DIR] --prompt TEXT [--chat] [--no-think] [--max-tokens N] [--temperature T]
-//                 [--seed S] [--threads N] [--device auto|cpu|cuda] [--skip-self-check]
+//                 [--seed S] [--threads N] [--device auto|cpu|cuda] [--dtype auto|bfloat16|float32]
+//                 [--skip-self-check]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include "core/log.h"
 #include "engine/sampler.h"
 #include "format/model_dir.h"
+#include "cli/gpu_flags.h"
 #include "cli/parallel_flags.h"
 #include "model/runner.h"
 #include "template/chat_template.h"
@@ -35,6 +37,7 @@ struct GenerateOptions {
   int threads = 0;
   std::string kv_dtype = "bf16";
   std::string device = "auto";
+  std::string dtype = "auto";
   bool skip_self_check = false;
   kiln::cli::ParallelFlags parallel;
 };
@@ -77,6 +80,7 @@ int run_generate(const GenerateOptions& o) {
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
   else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
+  lo.dtype = o.dtype;
   kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const format::ModelConfig config = format::load_model_config(dir);  // eos ids (any runner, TP too)
@@ -149,6 +153,7 @@ kiln::cli::Registrar reg{"generate", "Generate text from a prompt (CPU or CUDA e
   app.add_option("--threads", o->threads, "CPU threads (default: KILN_THREADS or all cores)");
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: bf16 (default), fp8, f32");
   app.add_option("--device", o->device, "auto (default: cuda when a supported GPU is present), cpu or cuda");
+  kiln::cli::add_dtype_flag(app, o->dtype);
   app.add_flag("--skip-self-check", o->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
   kiln::cli::add_parallel_flags(app, o->parallel);

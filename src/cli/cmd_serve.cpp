@@ -184,6 +184,7 @@ int run_serve(const ServeArgs& a) {
                               {"api_key_set", !a.api_key.empty()},
                               {"context_length_flag", a.context_length},
                               {"kv_cache_dtype", a.kv_cache_dtype},
+                              {"dtype", a.gpu.dtype},  // as given; the resolved one is in "backend" (kernels: dtype)
                               {"reasoning_parser_flag", a.reasoning_parser},
                               {"tool_call_parser_flag", a.tool_call_parser},
                               {"chat_template", a.chat_template},

@@ -1,16 +1,18 @@
 // The flags that choose how a model is loaded on the GPU, shared by `kiln serve` and `kiln bench-engine`
-// (SGLang's names where the concept is the same).
+// (SGLang's names where the concept is the same); --dtype also by `kiln generate` (add_dtype_flag).
 #pragma once
 #include <CLI/CLI.hpp>
 #include <string>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/device.h"
 #include "model/model.h"
 
 namespace kiln::cli {
 
 struct GpuFlags {
   std::string load_format = "auto";
+  std::string dtype = "auto";
   double mem_fraction_static = 0;
   std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
   bool disable_cuda_graph = false;
@@ -18,7 +20,20 @@ struct GpuFlags {
   bool disable_custom_all_reduce = false;
 };
 
+// --dtype: checked against the device when the model loads (backend::resolve_dtype), the same for every command.
+inline void add_dtype_flag(CLI::App& app, std::string& dtype) {
+  app.add_option("--dtype", dtype,
+                 std::string("precision of activations at the tensor cores: auto (cuda: ") + backend::kCudaAutoDtype +
+                     " for now), bfloat16 (cuda: rounded once to bf16 at each tensor-core input, a third of the MMA "
+                     "work), float32 (cuda: split into 3 bf16 parts, the CPU oracle's accuracy); float16 is not "
+                     "supported yet (SGLang's half / float: float16 / float32). Activations are stored and "
+                     "accumulated in fp32 either way; the CPU backend always runs fp32 (auto or float32)")
+      ->check(CLI::IsMember({"auto", "bfloat16", "float16", "float32", "half", "float"}))
+      ->capture_default_str();
+}
+
 inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
+  add_dtype_flag(app, f.dtype);
   app.add_option("--load-format", f.load_format,
                  "auto (the checkpoint's safetensors) or dummy (random weights from config.json: benchmarks only)")
       ->capture_default_str();
@@ -47,6 +62,7 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
 
 inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.load_format = model::parse_load_format(f.load_format);
+  lo.dtype = f.dtype;
   lo.mem_fraction_static = f.mem_fraction_static;
   lo.attention_backend = f.attention_backend;
   lo.moe_runner_backend = f.moe_runner_backend;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kiln bench-engine on the CPU: a batch list prints one result line per batch with its numbers, the batch-1 line
 # reports the bandwidth from `kiln inspect`'s bytes per token, --load-format dummy runs kiln-tiny's config with
-# random weights, and bad flags are one clear error line with exit status 1 (nothing else printed to stdout).
+# random weights, and bad flags are one clear error line with exit status 1 (nothing else printed to stdout), --dtype
+# included (the CPU backend runs fp32 only).
 # $1 = kiln binary, $2 = repo root.
 set -uo pipefail
 KILN=${1:?usage: bench_engine.sh KILN_BINARY REPO_ROOT}
@@ -43,6 +44,10 @@ expect_error batch0 "not a batch size" --batch 0
 expect_error batchx "not a batch size" --batch 1,x
 expect_error format "unknown --load-format 'bogus'" --load-format bogus
 expect_error kernel "--fp4-gemm-backend 'cutlass' is not available" --fp4-gemm-backend cutlass
+expect_error dtype "the CPU backend always runs fp32" --dtype bfloat16
+expect_error dtype_name "--dtype: fp16 not in" --dtype fp16
+# --dtype float32 is the CPU's own precision: accepted.
+run dtype_f32 --dtype float32 --batch 1 --input-len 4 --output-len 2 || fail "--dtype float32: $(cat "$DIR/dtype_f32.err")"
 expect_error nomodel "no config.json" --model-path "$DIR"
 
 [ $fails = 0 ] && echo "bench_engine: all checks passed"

@@ -31,6 +31,9 @@ struct CpuLoadOptions {
   std::string attention_backend = "auto";
   std::string moe_runner_backend = "auto";
   std::string fp4_gemm_backend = "auto";
+  // --dtype (SGLang's name): auto, bfloat16, float16 or float32, the precision activations enter the tensor cores
+  // with; resolved per device by backend::resolve_dtype (device.h). The CPU backend always runs fp32.
+  std::string dtype = "auto";
   bool cuda_graphs = true;  // capture and replay decode steps
   bool pdl = false;         // cuda: programmatic dependent launch between kernels (--enable-pdl, experimental)
   // Tensor / expert parallelism (--tp-size, --ep-size; SGLang's names): tp ranks, ep expert-parallel groups among

@@ -8,20 +8,21 @@
 //   S = Q K^T     mma.sync m16n8k16 (bf16 in, fp32 accumulate), Q from shared memory, K tile by ldmatrix;
 //   online softmax per row in fp32 (running max, running sum, accurate expf), causal mask per row;
 //   O += P V      P from the S accumulators (registers), V tile by ldmatrix.trans; O in fp32 registers.
-// fp32 accuracy: q and p are split into three bf16 parts (x = hi + mid + lo, ~24 significant bits) and each part goes
-// through the MMA with the same K / V fragment; K and V are exact in bf16 (bf16 pools as stored; e4m3 codes decoded to
-// bf16 exactly, the k / v scales applied to the fp32 scores / outputs). So the result matches the fp32 kernels up to
-// summation order.
+// q and p enter the MMAs in kParts bf16 parts, each part with the same K / V fragment; K and V are exact in bf16 (bf16
+// pools as stored; e4m3 codes decoded to bf16 exactly, the k / v scales applied to the fp32 scores / outputs).
+// kParts 3 (--dtype float32): x = hi + mid + lo (~24 significant bits), so the result matches the fp32 kernels up to
+// summation order. kParts 1 (--dtype bfloat16): q and p rounded once to bf16 (relative error <= 2^-8 each; the
+// softmax denominator l sums the fp32 p), a third of the MMAs and of q's shared memory.
 //
 // Tiles travel global -> shared by cp.async (zero-filled for keys past the block's range or without a page, which are
 // also masked): V of tile i loads while S of tile i is computed, K of tile i + 1 while P V of tile i is. e4m3 tiles
 // land as codes in a staging area and are decoded to the bf16 tile in shared memory. The pool rows of a tile's keys
 // (page table lookups) are computed one tile ahead, into a double-buffered table in shared memory.
 //
-// Shared memory (bytes): q 3 x 64 x (2D + 16), K and V tiles kKeys x (2D + 16) each (rows padded by 16 bytes so the 8
-// rows of an ldmatrix hit distinct banks), e4m3 staging 2 x kKeys x D, small tables. D = 256: 135,696 (bf16) /
-// 152,080 (e4m3); D = 128: 87,824 / 104,208; D = 64: 46,864 / 55,056. One block of 128 threads per SM at D = 256,
-// two at D = 128.
+// Shared memory (bytes): q kParts x 64 x (2D + 16), K and V tiles kKeys x (2D + 16) each (rows padded by 16 bytes so
+// the 8 rows of an ldmatrix hit distinct banks), e4m3 staging 2 x kKeys x D, small tables. With 3 parts: D = 256:
+// 135,696 (bf16) / 152,080 (e4m3); D = 128: 87,824 / 104,208; D = 64: 46,864 / 55,056 (one block of 128 threads per
+// SM at D = 256, two at D = 128). With 1 part, 2 x 64 x (2D + 16) bytes less (D = 256: 68,112 / 84,496).
 //
 // Grid: x = kv_heads x (row chunks of the longest sequence), heaviest chunks (latest positions) first; y = sequences.
 // Blocks past the end of a shorter sequence exit at once.
@@ -44,10 +45,9 @@ namespace {
 constexpr int kRows = 64;  // query rows per block
 constexpr int kWarps = 4;  // 16 rows each
 constexpr int kThreads = kWarps * 32;
-constexpr int kParts = 3;   // bf16 parts of q and p
 
-// kElem: 1 bf16, 3 e4m3 (ElemType values).
-template <int D, int kElem>
+// kElem: 1 bf16, 3 e4m3 (ElemType values); kParts: bf16 parts of q and p (3 or 1).
+template <int D, int kElem, int kParts>
 struct PrefillSmem {
   // Keys per tile: 64, or 32 at D = 256 (the 128 fp32 O accumulators of a lane leave no room for 32 S ones).
   static constexpr int kKeys = D == 256 ? 32 : 64;
@@ -76,15 +76,17 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ float bf16x2_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16x2_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
-// (x0, x1) = hi + mid + lo, three bf16x2 (each residual is exact in fp32).
-__device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
-  hi = pack_bf16x2(x0, x1);
-  x0 -= bf16x2_lo(hi);
-  x1 -= bf16x2_hi(hi);
-  mid = pack_bf16x2(x0, x1);
-  x0 -= bf16x2_lo(mid);
-  x1 -= bf16x2_hi(mid);
-  lo = pack_bf16x2(x0, x1);
+// (x0, x1) as kParts bf16x2, largest first: 3: hi + mid + lo (each residual is exact in fp32); 1: x rounded to bf16.
+template <int kParts>
+__device__ __forceinline__ void split_parts(float x0, float x1, uint32_t (&p)[kParts]) {
+#pragma unroll
+  for (int i = 0; i < kParts; ++i) {
+    p[i] = pack_bf16x2(x0, x1);
+    if (i + 1 < kParts) {
+      x0 -= bf16x2_lo(p[i]);
+      x1 -= bf16x2_hi(p[i]);
+    }
+  }
 }
 
 // Two e4m3 codes (low byte first) -> bf16x2, exact (e4m3 -> f16 -> f32 -> bf16 loses nothing; NaN stays NaN).
@@ -108,7 +110,7 @@ __device__ __forceinline__ int key_row(const StepArgs& step, int s, int j, int n
 // into the [kKeys][D] staging area.
 template <int D, int kElem>
 __device__ __forceinline__ void issue_tile(const char* head, int row_bytes, const int* krow, uint32_t dst, int tid) {
-  using L = PrefillSmem<D, kElem>;
+  using L = PrefillSmem<D, kElem, 1>;  // tile sizes (the parts only size q)
   constexpr int kChunks = D * L::kElemBytes / 16;  // 16-byte chunks per key row
   constexpr int kDstRow = kElem == 3 ? D : L::kRowBytes;
   constexpr int kKeys = L::kKeys;
@@ -126,8 +128,8 @@ __device__ __forceinline__ void issue_tile(const char* head, int row_bytes, cons
 // e4m3 staging [kKeys][D] codes -> bf16 tile [kKeys][kRowBytes].
 template <int D>
 __device__ __forceinline__ void decode_tile(const unsigned char* raw, unsigned char* tile, int tid) {
-  constexpr int kRowBytes = PrefillSmem<D, 3>::kRowBytes;
-  constexpr int kKeys = PrefillSmem<D, 3>::kKeys;
+  constexpr int kRowBytes = PrefillSmem<D, 3, 1>::kRowBytes;
+  constexpr int kKeys = PrefillSmem<D, 3, 1>::kKeys;
   constexpr int kChunks = D / 16;  // 16 codes each
 #pragma unroll 1
   for (int u = 0; u < kKeys * kChunks / kThreads; ++u) {
@@ -148,10 +150,10 @@ __device__ __forceinline__ void decode_tile(const unsigned char* raw, unsigned c
 }
 
 // The block's work (see the top of the file).
-template <int D, int kElem>
+template <int D, int kElem, int kParts>
 __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q_heads, const KvPoolArgs& pool,
                                               const StepArgs& step, float scale, int chunks, float* __restrict__ out) {
-  using L = PrefillSmem<D, kElem>;
+  using L = PrefillSmem<D, kElem, kParts>;
   constexpr int kRowBytes = L::kRowBytes;
   constexpr int kKeys = L::kKeys;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -181,7 +183,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
     for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) s_red[warp] = m;
   }
-  // q rows -> three bf16 parts in shared memory (rows past the sequence: zeros).
+  // q rows -> kParts bf16 parts in shared memory (rows past the sequence: zeros).
   {
     constexpr int kC4 = D / 4;
     for (int i = tid; i < kRows * kC4; i += kThreads) {
@@ -192,13 +194,13 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
       const int64_t t = tok0 + (ok ? tok : 0);
       float4 x = *reinterpret_cast<const float4*>(q + (t * q_heads + int64_t(kvh) * G + g) * D + c4 * 4);
       if (!ok) x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      uint32_t p[kParts][2];
-      split3(x.x, x.y, p[0][0], p[1][0], p[2][0]);
-      split3(x.z, x.w, p[0][1], p[1][1], p[2][1]);
+      uint32_t p0[kParts], p1[kParts];
+      split_parts<kParts>(x.x, x.y, p0);
+      split_parts<kParts>(x.z, x.w, p1);
 #pragma unroll
       for (int part = 0; part < kParts; ++part)
         *reinterpret_cast<uint2*>(smem + L::q + part * L::kQPart + r * kRowBytes + c4 * 8) =
-            make_uint2(p[part][0], p[part][1]);
+            make_uint2(p0[part], p1[part]);
     }
   }
   __syncthreads();
@@ -328,11 +330,15 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, int q
           s_acc[2 * kk + h][e] = p;
           l_run[e >> 1] += p;
         }
-      uint32_t a[kParts][4];
-      split3(s_acc[2 * kk][0], s_acc[2 * kk][1], a[0][0], a[1][0], a[2][0]);
-      split3(s_acc[2 * kk][2], s_acc[2 * kk][3], a[0][1], a[1][1], a[2][1]);
-      split3(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1], a[0][2], a[1][2], a[2][2]);
-      split3(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3], a[0][3], a[1][3], a[2][3]);
+      uint32_t a[kParts][4], pp[4][kParts];
+      split_parts<kParts>(s_acc[2 * kk][0], s_acc[2 * kk][1], pp[0]);
+      split_parts<kParts>(s_acc[2 * kk][2], s_acc[2 * kk][3], pp[1]);
+      split_parts<kParts>(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1], pp[2]);
+      split_parts<kParts>(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3], pp[3]);
+#pragma unroll
+      for (int part = 0; part < kParts; ++part)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) a[part][f] = pp[f][part];
 #pragma unroll
       for (int np = 0; np < D / 16; ++np) {
         uint32_t b[4];
@@ -373,16 +379,16 @@ constexpr int kArchMaxSmem = 101376;
 constexpr int kArchMaxSmem = 232448;
 #endif
 
-template <int D, int kElem>
+template <int D, int kElem, int kParts>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_kernel(const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale,
                              int chunks, float* __restrict__ out) {
   dev::pdl_enter();
-  static_assert(PrefillSmem<D, kElem>::kElemBytes == (kElem == 3 ? 1 : 2), "bf16 or e4m3 pools");
-  if constexpr (PrefillSmem<D, kElem>::bytes > kArchMaxSmem)
+  static_assert(PrefillSmem<D, kElem, kParts>::kElemBytes == (kElem == 3 ? 1 : 2), "bf16 or e4m3 pools");
+  if constexpr (PrefillSmem<D, kElem, kParts>::bytes > kArchMaxSmem)
     __trap();
   else
-    prefill_block<D, kElem>(q, q_heads, pool, step, scale, chunks, out);
+    prefill_block<D, kElem, kParts>(q, q_heads, pool, step, scale, chunks, out);
 }
 
 // The device's opt-in shared memory per block (cached per device).
@@ -398,10 +404,10 @@ int max_smem_optin(int device) {
   return v;
 }
 
-template <int D, int kElem>
+template <int D, int kElem, int kParts>
 bool launch_prefill(const float* q, int q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
                     float* out, Stream stream) {
-  using L = PrefillSmem<D, kElem>;
+  using L = PrefillSmem<D, kElem, kParts>;
   int device = 0;
   KILN_CUDA_CHECK(cudaGetDevice(&device));
   if (L::bytes > max_smem_optin(device)) return false;
@@ -410,7 +416,8 @@ bool launch_prefill(const float* q, int q_heads, const KvPoolArgs& pool, const S
   const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
   if (!bit || !(configured.load(std::memory_order_acquire) & bit)) {
     KILN_CUDA_CHECK(
-        cudaFuncSetAttribute(attention_prefill_kernel<D, kElem>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::bytes));
+        cudaFuncSetAttribute(attention_prefill_kernel<D, kElem, kParts>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             L::bytes));
     configured.fetch_or(bit, std::memory_order_release);
   }
   const int G = q_heads / pool.kv_heads;
@@ -418,17 +425,28 @@ bool launch_prefill(const float* q, int q_heads, const KvPoolArgs& pool, const S
   const int64_t blocks_x = chunks * pool.kv_heads;
   if (blocks_x > 0x7fffffff) return false;
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(step.num_seqs));
-  launch_kernel(attention_prefill_kernel<D, kElem>, grid, dim3(kThreads), static_cast<size_t>(L::bytes), stream, q,
-                q_heads, pool, step, scale, static_cast<int>(chunks), out);
+  launch_kernel(attention_prefill_kernel<D, kElem, kParts>, grid, dim3(kThreads), static_cast<size_t>(L::bytes), stream,
+                q, q_heads, pool, step, scale, static_cast<int>(chunks), out);
   return true;
 }
 
-template <int D>
+template <int D, int kParts>
 bool launch_prefill_elem(const float* q, int q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
                          float* out, Stream stream) {
   switch (pool.elem) {
-    case ElemType::bf16: return launch_prefill<D, 1>(q, q_heads, pool, step, scale, out, stream);
-    case ElemType::e4m3: return launch_prefill<D, 3>(q, q_heads, pool, step, scale, out, stream);
+    case ElemType::bf16: return launch_prefill<D, 1, kParts>(q, q_heads, pool, step, scale, out, stream);
+    case ElemType::e4m3: return launch_prefill<D, 3, kParts>(q, q_heads, pool, step, scale, out, stream);
+    default: return false;
+  }
+}
+
+template <int kParts>
+bool launch_prefill_dim(const float* q, int q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
+                        float* out, Stream stream) {
+  switch (pool.head_dim) {
+    case 64: return launch_prefill_elem<64, kParts>(q, q_heads, pool, step, scale, out, stream);
+    case 128: return launch_prefill_elem<128, kParts>(q, q_heads, pool, step, scale, out, stream);
+    case 256: return launch_prefill_elem<256, kParts>(q, q_heads, pool, step, scale, out, stream);
     default: return false;
   }
 }
@@ -438,19 +456,17 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 bool attention_prefill(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
-                       float* out, Stream stream) {
+                       float* out, Stream stream, int mma_parts) {
+  if (mma_parts != kMmaPartsFp32 && mma_parts != kMmaPartsBf16)
+    cuda_fail("attention_prefill: {} bf16 parts (1 or 3)", {mma_parts});
   if (step.max_seq_tokens < kAttentionPrefillMinTokens || step.num_tokens <= 0 || step.num_seqs <= 0 ||
       step.num_seqs > 65535 || step.page_size <= 0 || step.max_pages <= 0)
     return false;
   if (pool.kv_heads <= 0 || q_heads <= 0 || q_heads % pool.kv_heads != 0 || q_heads > (int64_t{1} << 20)) return false;
   if (!aligned16(q) || !aligned16(out) || !aligned16(pool.k) || !aligned16(pool.v)) return false;
   const int qh = static_cast<int>(q_heads);
-  switch (pool.head_dim) {
-    case 64: return launch_prefill_elem<64>(q, qh, pool, step, scale, out, stream);
-    case 128: return launch_prefill_elem<128>(q, qh, pool, step, scale, out, stream);
-    case 256: return launch_prefill_elem<256>(q, qh, pool, step, scale, out, stream);
-    default: return false;
-  }
+  return mma_parts == kMmaPartsFp32 ? launch_prefill_dim<kMmaPartsFp32>(q, qh, pool, step, scale, out, stream)
+                                    : launch_prefill_dim<kMmaPartsBf16>(q, qh, pool, step, scale, out, stream);
 }
 
 }  // namespace kiln::cuda::ops

@@ -36,8 +36,9 @@ BlasLt::~BlasLt() {
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
-BlasLt::Plan* BlasLt::plan_for(bool out_f32, int m, int n, int k, int64_t ldx, int64_t ldw, int64_t ldo) {
-  const auto key = std::make_tuple(out_f32, m, n, k, ldx, ldw, ldo);
+BlasLt::Plan* BlasLt::plan_for(bool out_f32, int m, int n, int k, int64_t ldx, int64_t ldw, int64_t ldo,
+                               Align align) {
+  const auto key = std::make_tuple(out_f32, m, n, k, ldx, ldw, ldo, align.w, align.x, align.out);
   if (auto it = plans_.find(key); it != plans_.end()) return it->second;
   auto plan = std::make_unique<Plan>();
   KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -53,6 +54,13 @@ BlasLt::Plan* BlasLt::plan_for(bool out_f32, int m, int n, int k, int64_t ldx, i
   const size_t ws = workspace_bytes_;
   KILN_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  const uint32_t align_bytes[4] = {align.w, align.x, align.out, align.out};
+  for (int i = 0; i < 4; ++i)
+    KILN_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align_bytes[i], sizeof(align_bytes[i])));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->op, plan->a,
@@ -69,7 +77,11 @@ BlasLt::Plan* BlasLt::plan_for(bool out_f32, int m, int n, int k, int64_t ldx, i
 void BlasLt::gemm(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, void* out, int64_t ldo,
                   bool out_f32, int m, int n, int k, cudaStream_t stream, float alpha, float beta) {
   if (m <= 0 || n <= 0) return;
-  Plan* plan = plan_for(out_f32, m, n, k, ldx, ldw, ldo);
+  auto align_of = [](const void* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    return static_cast<uint32_t>(a % 256 == 0 ? 256 : a & (~a + 1));  // the lowest set bit, at most 256
+  };
+  Plan* plan = plan_for(out_f32, m, n, k, ldx, ldw, ldo, Align{align_of(w), align_of(x), align_of(out)});
   KILN_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan->op, &alpha, w, plan->a, x, plan->b,
                                    &beta, out, plan->c, out, plan->c, &plan->algo, workspace_, workspace_bytes_,
                                    stream));

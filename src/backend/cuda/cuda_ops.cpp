@@ -33,7 +33,7 @@ using model::NormKind;
 using model::StepLayout;
 using model::WeightFormat;
 
-// Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, split-bf16 activations): below it
+// Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, bf16 activations): below it
 // the 8-row-tile gemv is faster (docs/perf/cuda-ops.md).
 constexpr int64_t kBlasMinRows = 16;
 constexpr int kDeltaGatesFusedMaxSeqs = 8;  // gated_delta_rule_with_gates: gates in the recurrent kernel up to here
@@ -50,7 +50,7 @@ bool blas_rows(int64_t T, int64_t N, int64_t K) {
   return T >= kBlasMinRows && (T > kGemvMaxRowsSmallW || N * K >= kBlasMinElemsFewRows);
 }
 
-// A linear that takes cuBLASLt (x split into 3 bf16 parts) at T rows.
+// A linear that takes cuBLASLt (x in CudaOptions::mma_parts() bf16 parts) at T rows.
 bool blas_dense(const model::LinearWeight& w, int64_t T) {
   return w.format == model::WeightFormat::dense && w.weight.dtype == DType::BF16 && !w.bias.data &&
          blas_rows(T, w.out_features, w.in_features) && w.in_features % 8 == 0 && w.out_features % 4 == 0 &&
@@ -201,28 +201,35 @@ CudaOps::~CudaOps() {
 std::string CudaOps::describe() const {
   const CudaDeviceProbe& d = impl_->rt.device();
   const CudaOptions& o = impl_->options;
+  // How activations enter the tensor cores (--dtype): the phrase every tensor-core path below names.
+  const bool bf16 = o.dtype == CudaOptions::ActivationDtype::bfloat16;
+  const char* x_in = bf16 ? "x rounded once to bf16" : "x split into 3 bf16 parts";
   const std::string dense =
       !o.dense_bf16_blas ? std::string("dense BF16 on the fp32 kernels")
                          : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
-                                       "(cuBLASLt, x split into 3 bf16 parts)",
-                                       kGemvMaxRowsSmallW, kBlasMinRows);
+                                       "(cuBLASLt, {})",
+                                       kGemvMaxRowsSmallW, kBlasMinRows, x_in);
   return fmt::format(
-      "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); fp32 activations; linear: {}, "
-      "else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem tiles); weights decoded in-kernel "
-      "(bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: experts grouped on the device, {}; attention: paged, split-KV, "
-      "online softmax (f32/bf16/fp8 KV){}; delta rule: {}; decode steps as CUDA graphs; {}",
-      d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30), dense,
-      kops::linear_path_name(1),
-      o.fp4_linear_tensor_cores ? "NVFP4 on tensor cores (the expert kernel, x split into 3 bf16 parts)"
-                                : "NVFP4 on the fp32 gemm [--fp4-gemm-backend kiln-fp32]",
-      o.moe_tensor_cores ? std::string("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, x split "
-                                       "into 3 bf16 parts; prefill tiles stage x in shared memory), others on the "
-                                       "fp32 kernels")
+      "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "
+      "fp32 accumulation); linear: {}, else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem "
+      "tiles); weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: experts grouped on the device, "
+      "{}; attention: paged, split-KV, online softmax (f32/bf16/fp8 KV){}; delta rule: {}; decode steps as CUDA "
+      "graphs; {}",
+      d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
+      bf16 ? "bfloat16" : "float32",
+      bf16 ? ", rounded to bf16 at each tensor-core input" : ", split into 3 bf16 parts at each tensor-core input",
+      dense, kops::linear_path_name(1),
+      o.fp4_linear_tensor_cores ? fmt::format("NVFP4 on tensor cores (the expert kernel, {})", x_in)
+                                : std::string("NVFP4 on the fp32 gemm [--fp4-gemm-backend kiln-fp32]"),
+      o.moe_tensor_cores ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, {}; prefill "
+                                       "tiles stage x in shared memory), others on the fp32 kernels",
+                                       x_in)
                          : std::string("fp32 kernels, tile height from the rows per expert [--moe-runner-backend "
                                        "kiln-grouped-fp32]"),
       o.prefill_attention_tensor_cores
-          ? ", prefill (>= 16 tokens in a sequence) flash-style on tensor cores (q and p in 3 bf16 parts)"
-          : ", prefill on the split-KV kernel too [--attention-backend kiln-paged-fp32]",
+          ? fmt::format(", prefill (>= 16 tokens in a sequence) flash-style on tensor cores ({})",
+                        bf16 ? "q and p rounded once to bf16" : "q and p in 3 bf16 parts")
+          : std::string(", prefill on the split-KV kernel too [--attention-backend kiln-paged-fp32]"),
       o.delta_rule == CudaOptions::DeltaRule::chunked
           ? "chunks of 64 tokens wherever supported [every step]"
           : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
@@ -477,13 +484,22 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   expect_f32(out, "linear out");
   const int64_t ldx = x.dim(0) > 1 ? x.strides[0] : w.in_features;
   const int64_t T = x.dim(0), N = w.out_features, K = w.in_features;
-  // Dense BF16 weights and many rows (prefill, large decode batches): tensor cores through cuBLASLt. x is split
-  // into three bf16 parts (hi + mid + lo carry x's 24 bits), the 3T rows go through one GEMM (W read once), and
-  // the three partial outputs are summed: products are exact in fp32, so the result matches the fp32 kernels to
-  // summation order.
+  // Dense BF16 weights and many rows (prefill, large decode batches): tensor cores through cuBLASLt.
+  //  --dtype float32: x is split into three bf16 parts (hi + mid + lo carry x's 24 bits), the 3T rows go through one
+  //  GEMM (W read once), and the three partial outputs are summed: products are exact in fp32, so the result matches
+  //  the fp32 kernels to summation order.
+  //  --dtype bfloat16: x rounded once to bf16, one GEMM of the T rows writes out itself (fp32 accumulate).
   if (blas_dense(w, T) && impl_->options.dense_bf16_blas) {
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
-    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
+    const int parts = impl_->options.mma_parts();
+    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(parts * T * K) * 2));
+    if (parts == kops::kMmaPartsBf16) {
+      kops::round_bf16(f32(x), ldx, T, K, xs, impl_->rt.stream());
+      kops::pdl_note_other_op();
+      impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, f32_mut(out), N, true,
+                        static_cast<int>(T), static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
+      return;
+    }
     auto* part = static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
     kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
     kops::pdl_note_other_op();
@@ -493,7 +509,8 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
     return;
   }
   // NVFP4 weights and more rows than the gemv takes: the routed-expert tensor-core kernel with this weight as its
-  // only expert (W4A16, x in 3 bf16 parts), instead of the fp32 gemm (which --fp4-gemm-backend kiln-fp32 keeps).
+  // only expert (W4A16, x in mma_parts() bf16 parts), instead of the fp32 gemm (which --fp4-gemm-backend kiln-fp32
+  // keeps).
   const kops::WeightDesc desc = desc_of(w);
   // (Not while a graph is being captured: the tile table and descriptor travel by a host copy, which a capture
   // cannot hold; a decode step of > 128 sequences then records the fp32 gemm.)
@@ -511,9 +528,10 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
     }
     TensorView d_info = upload(info.data(), DType::I32, Shape{tiles * 4});
     TensorView d_desc = upload(&desc, DType::U8, Shape{static_cast<int64_t>(sizeof desc)});
-    auto* xs = static_cast<uint16_t*>(impl_->rt.scratch(static_cast<size_t>(3 * T * K) * 2));
+    const int parts = impl_->options.mma_parts();
+    auto* xs = static_cast<uint16_t*>(impl_->rt.scratch(static_cast<size_t>(parts * T * K) * 2));
     kops::linear_nvfp4_mma(static_cast<const kops::WeightDesc*>(d_desc.data), static_cast<const int4*>(d_info.data),
-                           tiles, K, N, f32(x), ldx, T, xs, f32_mut(out), impl_->rt.stream());
+                           tiles, K, N, f32(x), ldx, T, xs, f32_mut(out), impl_->rt.stream(), parts);
     return;
   }
   kops::linear(desc, f32(x), ldx, x.dim(0), f32_mut(out), w.out_features, impl_->rt.stream());
@@ -529,8 +547,9 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
     return ws[i]->in_features == x.dim(1) && o.dtype == DType::F32 && o.ndim() == 2 && o.dim(0) == T &&
            o.dim(1) == ws[i]->out_features && o.is_contiguous();
   };
-  // Weights that take cuBLASLt share one split of x; weights placed back to back (the arena keeps the binder's
-  // order) run as one GEMM whose columns are summed into their outputs by one launch.
+  // Weights that take cuBLASLt share one split of x. --dtype float32: weights placed back to back (the arena keeps
+  // the binder's order) run as one GEMM whose columns are summed into their outputs by one launch. --dtype bfloat16:
+  // one GEMM per weight writes its output itself (nothing to sum).
   size_t blas[4], n_blas = 0, rest[4], n_rest = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     if (simple && impl_->options.dense_bf16_blas && blas_dense(*ws[i], T) && plain_out(i)) blas[n_blas++] = i;
@@ -547,8 +566,21 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
     std::sort(blas, blas + n_blas, [&](size_t a, size_t b) { return ws[a]->weight.data < ws[b]->weight.data; });
     const int64_t K = x.dim(1), ldx = T > 1 ? x.strides[0] : K;
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
-    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(3 * T * K) * 2));
-    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
+    const int parts = impl_->options.mma_parts();
+    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(parts * T * K) * 2));
+    if (parts == kops::kMmaPartsBf16) {
+      kops::round_bf16(f32(x), ldx, T, K, xs, impl_->rt.stream());
+      for (size_t r = 0; r < n_blas; ++r) {
+        const LinearWeight& w = *ws[blas[r]];
+        kops::pdl_note_other_op();
+        impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, f32_mut(outs[blas[r]]),
+                          w.out_features, true, static_cast<int>(T), static_cast<int>(w.out_features),
+                          static_cast<int>(K), impl_->rt.stream());
+      }
+      n_blas = 0;  // done
+    } else {
+      kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
+    }
     for (size_t r0 = 0; r0 < n_blas;) {
       // The run of weights adjacent in memory starting at r0.
       size_t r1 = r0 + 1;
@@ -722,16 +754,19 @@ void CudaOps::attention(const TensorView& q, KvLayerView cache, const StepLayout
   expect_f32(q, "attention q");
   expect_f32(out, "attention out");
   const kops::StepArgs sa = step_args(step);
-  // Prefill-shaped steps: the flash-style kernel (query tiles share each K / V tile; tensor cores at fp32 accuracy),
-  // unless a short sequence of the step has a long context (one block would walk all of it: the split-over-keys
-  // kernel serves that better). It declines shapes it does not serve (f32 pools, head_dim not 64 / 128 / 256).
+  // Prefill-shaped steps: the flash-style kernel (query tiles share each K / V tile; tensor cores, q and p in
+  // mma_parts() bf16 parts), unless a short sequence of the step has a long context (one block would walk all of it:
+  // the split-over-keys kernel serves that better). It declines shapes it does not serve (f32 pools, head_dim not
+  // 64 / 128 / 256).
   if (impl_->options.prefill_attention_tensor_cores && sa.max_seq_tokens >= kops::kAttentionPrefillMinTokens) {
     bool long_decode = false;
     for (int s = 0; s < step.num_seqs && !long_decode; ++s) {
       const int32_t n = step.host_seq_token_begin[s + 1] - step.host_seq_token_begin[s];
       long_decode = n < kops::kAttentionPrefillMinTokens && step.host_seq_start_pos[s] + n > kAttnPrefillMaxShortContext;
     }
-    if (!long_decode && kops::attention_prefill(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), impl_->rt.stream())) return;
+    if (!long_decode && kops::attention_prefill(f32(q), q.dim(1), pool, sa, scale, f32_mut(out), impl_->rt.stream(),
+                                                impl_->options.mma_parts()))
+      return;
   }
   const size_t ws_bytes = kops::attention_workspace_bytes(q.dim(0), q.dim(1), pool.head_dim, sa);
   void* ws = ws_bytes ? impl_->rt.scratch(ws_bytes) : nullptr;
@@ -947,7 +982,8 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   void* ws = impl_->rt.scratch(ws_bytes);
   kops::moe_experts(f32(x), T, H, ids, f32(weights), static_cast<int>(k),
                     tab.table.as<kops::WeightDesc>(), tab.vec_ok, tab.gemv2_kind, E, tab.inter, ws, f32_mut(out),
-                    impl_->rt.stream(), impl_->options.moe_tensor_cores, shared, shared_gate);
+                    impl_->rt.stream(), impl_->options.moe_tensor_cores, shared, shared_gate,
+                    impl_->options.mma_parts());
 }
 
 std::optional<model::DeviceMemory> CudaOps::device_memory() const {

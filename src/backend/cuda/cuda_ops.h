@@ -1,7 +1,9 @@
 // The CUDA backend's model::Ops: the same interface as the CPU oracle (cpu/cpu_ops.h), with every tensor in
 // device memory and F32 activations on the device. Weights are copied to the device once (place_weight) and read
 // as stored (BF16 / F16 / F32, per-tensor FP8, NVFP4) by kernels that decode them in registers; accumulation is
-// fp32 everywhere, so results match the CPU backend to rounding (rel ~1e-6), not to a BF16 tolerance.
+// fp32 everywhere. With --dtype float32 (CudaOptions::dtype) results match the CPU backend to rounding (rel ~1e-6),
+// not to a BF16 tolerance; with --dtype bfloat16 the tensor-core paths round their activation inputs to bf16 once
+// (rel ~2^-9 per op; the op checks' budgets: op_check.h).
 // CudaOps is the binding: it validates views, picks a kernel (by shape and CudaOptions) and launches it (the
 // launchers: kernels.h, one .cu file per family). Device, stream, memory, graphs and the profiler are the
 // CudaRuntime's (runtime.h). All work runs on its one stream; download() and max_abs() synchronise it, and CUDA

@@ -7,17 +7,26 @@ namespace kiln::backend::cuda {
 struct CudaOptions {
   // The CUDA device (a tensor-parallel rank's, from --base-gpu-id / --gpu-id-step); < 0: the first supported one.
   int device = -1;
+  // --dtype: how the fp32 activations enter the bf16 tensor-core MMAs (the expert and NVFP4 linear kernels, cuBLASLt
+  // dense linears, prefill attention's q and p). float32: split into 3 bf16 parts (hi + mid + lo carry ~24 bits: the
+  // fp32 kernels' result up to summation order); bfloat16: rounded once to bf16 (one MMA per weight fragment instead
+  // of three; relative error <= 2^-8 per input, ~2^-9 RMS). Activations stay stored in fp32 and every accumulation
+  // is fp32 either way; the CUDA-core kernels are the same for both.
+  enum class ActivationDtype { float32, bfloat16 };
+  ActivationDtype dtype = ActivationDtype::float32;
+  // bf16 parts per activation at a tensor-core input: 3 (float32) or 1 (bfloat16).
+  int mma_parts() const { return dtype == ActivationDtype::bfloat16 ? 1 : 3; }
   // --attention-backend: prefill-shaped steps on the flash-style tensor-core kernel (attention_prefill.cu, q and p in
-  // 3 bf16 parts), or every step on the split-over-keys kernel on the CUDA cores (kiln-paged-fp32).
+  // mma_parts() bf16 parts), or every step on the split-over-keys kernel on the CUDA cores (kiln-paged-fp32).
   bool prefill_attention_tensor_cores = true;
-  // --moe-runner-backend: NVFP4 routed experts on tensor cores (moe_experts.cu, x in 3 bf16 parts), or on the fp32
-  // CUDA-core kernels (kiln-grouped-fp32). Other weight formats always take the CUDA-core kernels.
+  // --moe-runner-backend: NVFP4 routed experts on tensor cores (moe_experts.cu, x in mma_parts() bf16 parts), or on
+  // the fp32 CUDA-core kernels (kiln-grouped-fp32). Other weight formats always take the CUDA-core kernels.
   bool moe_tensor_cores = true;
   // --fp4-gemm-backend: dense NVFP4 linears of more rows than the gemv takes on tensor cores (the expert kernel with
   // the weight as its only expert), or on the fp32 gemm (kiln-fp32).
   bool fp4_linear_tensor_cores = true;
-  // Dense BF16 linears of many rows through cuBLASLt (x in 3 bf16 parts); false keeps them on the fp32 kernels.
-  // No flag: the tests cover both paths.
+  // Dense BF16 linears of many rows through cuBLASLt (x in mma_parts() bf16 parts); false keeps them on the fp32
+  // kernels. No flag: the tests cover both paths.
   bool dense_bf16_blas = true;
   // --enable-pdl (experimental): programmatic dependent launch between adjacent kernels (launch.cuh), sm_90+.
   bool pdl = false;

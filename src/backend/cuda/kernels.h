@@ -104,6 +104,13 @@ void fill_random_uniform(void* out, ElemType elem, int64_t n, uint64_t seed, flo
 // Tensor-core linears at fp32 accuracy: x [T, K] (row stride ldx) = hi + mid + lo in bf16, written as the row
 // blocks of out [3T, K]; one bf16 GEMM of the 3T rows against W, then out = (lo + mid) + hi per row (sum3_rows).
 void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream);
+// Tensor-core linears with bf16 inputs (--dtype bfloat16): out [T, K] = x rounded to bf16 (nearest even); the GEMM of
+// the T rows writes the fp32 output itself.
+void round_bf16(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream);
+// bf16 parts per fp32 activation at a tensor-core input (CudaOptions::mma_parts(), --dtype): 3 (x = hi + mid + lo,
+// fp32 accuracy) or 1 (x rounded once to bf16). The tensor-core launchers below take no other value.
+constexpr int kMmaPartsFp32 = 3;
+constexpr int kMmaPartsBf16 = 1;
 void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream);
 // sum3_rows for one GEMM over several adjacent weights: columns [col0[s], col0[s + 1]) (the last to N) go to out[s]
 // (row stride ldo[s]); col0 ascending, col0[0] == 0.
@@ -204,13 +211,14 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 void moe_local_ids(const int32_t* ids, int64_t n, int32_t begin, int32_t count, int32_t* out, Stream stream);
 size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
 // experts_gemv2_kind: the bandwidth gemv every expert matrix can use (0 bf16, 1 nvfp4), or -1. tensor_cores: NVFP4
-// experts on tensor cores (moe_experts.cu, x split into 3 bf16 parts) where moe_mma_supported; false, or experts
-// it does not serve: the fp32 CUDA-core kernels (moe_experts_fp32).
-// shared / shared_gate (both or neither): out += shared[t] * sigmoid(shared_gate[t]) ([T, H] and [T] fp32).
+// experts on tensor cores (moe_experts.cu, x and silu(gate) * up in mma_parts bf16 parts: kMmaPartsFp32 or
+// kMmaPartsBf16) where moe_mma_supported; false, or experts it does not serve: the fp32 CUDA-core kernels
+// (moe_experts_fp32). shared / shared_gate (both or neither): out += shared[t] * sigmoid(shared_gate[t]) ([T, H] and
+// [T] fp32).
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
                  void* workspace, float* out, Stream stream, bool tensor_cores = true, const float* shared = nullptr,
-                 const float* shared_gate = nullptr);
+                 const float* shared_gate = nullptr, int mma_parts = kMmaPartsFp32);
 
 // The routed experts' gate/up and down GEMMs on the CUDA cores (linear.cu's kernels; moe_experts() calls it when the
 // tensor-core kernels do not serve the experts): act [P, I] = silu(x W_gate^T) * (x W_up^T), y [P, H] = act W_down^T
@@ -238,37 +246,41 @@ constexpr int64_t kTwoBlocksPerSm = 2 * kSms;
 // multiples of 128.
 bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind);
 // The grouping (moe_experts' workspace) and buffers one tensor-core expert pass uses.
-// x and silu(gate) * up are split into 3 bf16 parts. Row tiles of >= 16 rows run the kernel that stages x in shared
-// memory with 2 token sub-tiles per pass over the weights; smaller ones the decode-sized kernel.
+// x and silu(gate) * up are split into `parts` bf16 parts (3: fp32 accuracy; 1: rounded to bf16). Row tiles of >= 16
+// rows run the kernel that stages x in shared memory with 2 token sub-tiles per pass over the weights; smaller ones
+// the decode-sized kernel.
 struct MoeMmaPlan {
   int tile_m = 8;        // sorted rows per row tile
   int mt_up = 2, mt_down = 4;  // 16-row weight tiles per block (1, 2, 4 or 8) of the decode-sized launches
   // Blocks per SM asked of the decode-sized launches (3 or 4; 0: the register allocator's choice).
   int occ_up = 0, occ_down = 0;
   int64_t max_tiles = 0; // grid bound on row tiles
+  int parts = kMmaPartsFp32;              // bf16 parts per value of x and silu(gate) * up (3 or 1)
   const int4* tile_info = nullptr;        // [max_tiles] {expert (-1: no tile), first sorted row, end row, 0}
   const int32_t* row_token = nullptr;     // [P] token of each sorted row
-  uint16_t* xs = nullptr;     // [T][H/32][3][32] the split x
-  uint16_t* act_s = nullptr;  // [P][I/32][3][32] the split silu(gate) * up
+  uint16_t* xs = nullptr;     // [T][H/32][parts][32] the split x
+  uint16_t* act_s = nullptr;  // [P][I/32][parts][32] the split silu(gate) * up
   float* y = nullptr;         // [P][H] each sorted row's expert output
 };
 // y[r] = down(silu(gate(x[row_token[r]])) * up(...)) for every sorted row r of every tile.
 void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
                      const MoeMmaPlan& plan, Stream stream);
 
-// A dense NVFP4 linear on tensor cores (the routed-expert kernel with the weight as its only expert; x split into 3
-// bf16 parts): for many rows (prefill). Needs linear_nvfp4_mma_supported(w): no bias, K % 128 == 0, N % 64 == 0.
-// w_dev: the WeightDesc in device memory; tiles: [n_tiles] {0, first row, end row, 0} of kLinearTileRows rows;
-// xs: T * K * 3 bf16 values of scratch; out [T, N] contiguous.
+// A dense NVFP4 linear on tensor cores (the routed-expert kernel with the weight as its only expert; x split into
+// mma_parts bf16 parts, 3 or 1): for many rows (prefill). Needs linear_nvfp4_mma_supported(w): no bias,
+// K % 128 == 0, N % 64 == 0. w_dev: the WeightDesc in device memory; tiles: [n_tiles] {0, first row, end row, 0} of
+// kLinearTileRows rows; xs: T * K * mma_parts bf16 values of scratch; out [T, N] contiguous.
 constexpr int64_t kLinearTileRows = 64;
 bool linear_nvfp4_mma_supported(const WeightDesc& w);
 void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tiles, int64_t K, int64_t N,
-                      const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream);
+                      const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream,
+                      int mma_parts = kMmaPartsFp32);
 
 
 // ---- paged attention for prefill-shaped steps (attention_prefill.cu)
-// Causal GQA attention over the paged KV pool for prefill-shaped steps (flash-attention style, tensor cores at fp32
-// accuracy). Same maths and layouts as attention() above: q, out
+// Causal GQA attention over the paged KV pool for prefill-shaped steps (flash-attention style, tensor cores; q and
+// the softmax weights p enter the MMAs in mma_parts bf16 parts: 3, fp32 accuracy, or 1, rounded to bf16). Same maths
+// and layouts as attention() above: q, out
 // [T, q_heads, head_dim]; a query at position p sees keys 0..p of its own sequence; a row with no keys gives 0.
 // attention_prefill runs only when the step's longest sequence (StepArgs::max_seq_tokens, host-known) has at least
 // this many tokens: below that the split-over-keys kernels of ops::attention are the better fit.
@@ -279,7 +291,7 @@ constexpr int kAttentionPrefillMinTokens = 16;
 // kv_heads; step.max_seq_tokens < kAttentionPrefillMinTokens; more than 65535 sequences; q / out / pool pointers not
 // 16-byte aligned; or the kernel's shared memory above the device's per-block limit. No workspace.
 bool attention_prefill(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
-                       float* out, Stream stream);
+                       float* out, Stream stream, int mma_parts = kMmaPartsFp32);
 
 // ---- the gated delta rule in chunks of 64 tokens, for prefill (deltanet_chunked.cu)
 // The gated delta rule in chunks of 64 tokens (the UT-transform form), for sequences with many tokens (prefill).

@@ -11,7 +11,8 @@
 // rows were grouped or tiled.
 //
 // Also here: the routed experts' two GEMMs on these kernels (moe_experts_fp32, over moe_routing.cu's grouping) and
-// the split / sum kernels around the cuBLASLt GEMMs of dense BF16 linears (split_bf16x3, sum3_rows).
+// the split / sum kernels around the cuBLASLt GEMMs of dense BF16 linears (split_bf16x3, sum3_rows; round_bf16 for
+// --dtype bfloat16, whose GEMM writes the output itself).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -515,7 +516,17 @@ __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, in
   }
 }
 
-// out[t, :] = (lo + mid) + hi of the three row blocks of part [3T, N].
+// out [T, K] = x rounded to bf16 (round to nearest even), the input of a one-part GEMM (--dtype bfloat16).
+__global__ void round_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
+                                  __nv_bfloat16* __restrict__ out) {
+  dev::pdl_enter();
+  const int64_t n = T * K;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / K, k = i % K;
+    out[i] = __float2bfloat16_rn(x[t * ldx + k]);
+  }
+}
+
 // out = (lo + mid) + hi of the three partial GEMM outputs, column c of part into the segment whose column range
 // holds it (one segment: a plain linear; several: one GEMM over adjacent weights).
 __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, int64_t N, Sum3Segments segs) {
@@ -640,6 +651,12 @@ void moe_experts_fp32(const float* x, int64_t T, int64_t H, int64_t I, const Wei
 void split_bf16x3(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream) {
   if (T * K == 0) return;
   launch_kernel(split_bf16x3_kernel, fill_grid(T * K), 256, 0, stream, x, ldx, T, K, reinterpret_cast<__nv_bfloat16*>(out));
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void round_bf16(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out, Stream stream) {
+  if (T * K == 0) return;
+  launch_kernel(round_bf16_kernel, fill_grid(T * K), 256, 0, stream, x, ldx, T, K, reinterpret_cast<__nv_bfloat16*>(out));
   KILN_CUDA_CHECK_LAUNCH();
 }
 

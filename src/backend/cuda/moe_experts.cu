@@ -3,9 +3,11 @@
 //
 // Hopper has no FP4 MMA, so NVFP4 codes are decoded to bf16 in registers: e2m1 * e4m3 block scale is exact in bf16
 // (at most 6 significant bits; the 2^118 / 2^-8 bookkeeping of device.cuh keeps it in range). The fp32
-// activations are split into bf16 parts x = hi + mid + lo once per launch (split_rows_kernel), and every part goes
-// through the same weight fragment: the products carry ~24 bits of x, so the result matches the fp32 CUDA-core path
-// up to summation order (the op checks hold at 1e-5 rel-L2).
+// activations are split into kParts bf16 parts once per launch (split_rows_kernel), and every part goes through the
+// same weight fragment. kParts 3 (--dtype float32): x = hi + mid + lo, the products carry ~24 bits of x, so the
+// result matches the fp32 CUDA-core path up to summation order (the op checks hold at 1e-5 rel-L2). kParts 1
+// (--dtype bfloat16): x rounded once to bf16 (relative error <= 2^-8 per value), one MMA per weight fragment instead
+// of three; accumulation stays fp32. Only these two are instantiated.
 //
 // Layout: the weight tile is the MMA's A operand (16 weight rows per warp), the rows of x (tokens) its B operand,
 // 8 per MMA tile. Warps split K in 128-wide steps (lane q of a quad streams k [32q, 32q + 32) of two weight rows:
@@ -471,14 +473,15 @@ void launch_mma_mt(const MmaArgs& a, int64_t max_tiles, Stream stream) {
 }
 
 // A decode-sized launch (one token sub-tile) with kMT row tiles, at `occ` blocks per SM (3 or 4; others: the
-// allocator's choice).
+// allocator's choice). The hints were measured with 3 parts. 1 part takes them too, and 3 where 3 parts leave the
+// allocator free: left free it gives the 1-part kernels more registers than the 3-part ones (gate/up 142-152
+// against 122: one block of 8 warps per SM where 3 parts get two), while at 3 blocks per SM they need 80 and spill
+// at most 4 bytes (ptxas, sm_90a; down at 4 blocks: 64, no spills). Not yet timed on the GPU.
 template <int kMats, int kParts, int kMT>
 void launch_mma_decode(const MmaArgs& a, int64_t max_tiles, int occ, Stream stream) {
-  if constexpr (kParts == 3) {
-    if (occ == 3) return launch_mma_mt<kMats, kParts, kMT, 1, 3>(a, max_tiles, stream);
-    if (occ == 4) return launch_mma_mt<kMats, kParts, kMT, 1, 4>(a, max_tiles, stream);
-  }
-  launch_mma_mt<kMats, kParts, kMT, 1>(a, max_tiles, stream);
+  if (occ == 4) return launch_mma_mt<kMats, kParts, kMT, 1, 4>(a, max_tiles, stream);
+  if (occ == 3 || kParts == kMmaPartsBf16) return launch_mma_mt<kMats, kParts, kMT, 1, 3>(a, max_tiles, stream);
+  if constexpr (kParts != kMmaPartsBf16) launch_mma_mt<kMats, kParts, kMT, 1>(a, max_tiles, stream);
 }
 
 // Row tiles of >= 16 rows (prefill): moe_mma_xsmem_kernel with 2 token sub-tiles per pass over the weights (each
@@ -536,7 +539,9 @@ bool moe_mma_supported(int64_t H, int64_t I, int experts_gemv2_kind) {
 void moe_experts_mma(const float* x, int64_t T, int64_t H, int64_t I, const WeightDesc* experts, int64_t E,
                      const MoeMmaPlan& plan, Stream stream) {
   if (T == 0) return;
-  run_experts_mma<3>(x, T, H, I, experts, E, plan, stream);
+  if (plan.parts == kMmaPartsFp32) return run_experts_mma<kMmaPartsFp32>(x, T, H, I, experts, E, plan, stream);
+  if (plan.parts == kMmaPartsBf16) return run_experts_mma<kMmaPartsBf16>(x, T, H, I, experts, E, plan, stream);
+  cuda_fail("moe_experts_mma: {} bf16 parts (1 or 3)", {plan.parts});
 }
 
 bool linear_nvfp4_mma_supported(const WeightDesc& w) {
@@ -546,13 +551,14 @@ bool linear_nvfp4_mma_supported(const WeightDesc& w) {
 
 // The routed-expert kernel with one "expert" (the weight) and row tiles of kLinearTileRows rows: the prefill tiles
 // (4 x 16 weight rows x 2 k-splits per block, x staged in shared memory, 2 token sub-tiles per pass over the weights).
-void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tiles, int64_t K, int64_t N,
-                      const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream) {
-  if (T == 0) return;
+namespace {
+template <int kParts>
+void run_linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tiles, int64_t K, int64_t N,
+                          const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream) {
   const int64_t n = T * K;
   const int64_t blocks = (n + 255) / 256;
-  launch_kernel(split_rows_kernel<3>, static_cast<unsigned>(blocks < 8192 ? blocks : 8192), 256, 0, stream, x, ldx, T,
-                K, xs);
+  launch_kernel(split_rows_kernel<kParts>, static_cast<unsigned>(blocks < 8192 ? blocks : 8192), 256, 0, stream, x,
+                ldx, T, K, xs);
   KILN_CUDA_CHECK_LAUNCH();
   MmaArgs a;
   a.table = w_dev;
@@ -562,7 +568,19 @@ void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tile
   a.K = static_cast<int>(K);
   a.N = static_cast<int>(N);
   a.y = out;
-  launch_mma<1, 3>(a, n_tiles, 4, kLinearTileRows, 0, stream);
+  launch_mma<1, kParts>(a, n_tiles, 4, kLinearTileRows, 0, stream);
+}
+}  // namespace
+
+void linear_nvfp4_mma(const WeightDesc* w_dev, const int4* tiles, int64_t n_tiles, int64_t K, int64_t N,
+                      const float* x, int64_t ldx, int64_t T, uint16_t* xs, float* out, Stream stream,
+                      int mma_parts) {
+  if (T == 0) return;
+  if (mma_parts == kMmaPartsFp32)
+    return run_linear_nvfp4_mma<kMmaPartsFp32>(w_dev, tiles, n_tiles, K, N, x, ldx, T, xs, out, stream);
+  if (mma_parts == kMmaPartsBf16)
+    return run_linear_nvfp4_mma<kMmaPartsBf16>(w_dev, tiles, n_tiles, K, N, x, ldx, T, xs, out, stream);
+  cuda_fail("linear_nvfp4_mma: {} bf16 parts (1 or 3)", {mma_parts});
 }
 
 }  // namespace kiln::cuda::ops

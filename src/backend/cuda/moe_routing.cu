@@ -419,7 +419,7 @@ size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I
 void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                  const WeightDesc* experts, bool experts_vec_ok, int experts_gemv2_kind, int64_t E, int64_t I,
                  void* workspace, float* out, Stream stream, bool tensor_cores, const float* shared,
-                 const float* shared_gate) {
+                 const float* shared_gate, int mma_parts) {
   if (T == 0) return;
   if (top_k < 1 || top_k > 64) cuda_fail("moe_experts: top_k {} is not supported (1 to 64)", {top_k});
   if (E * 4 > 48 * 1024) cuda_fail("moe_experts: {} experts is too many (at most 12288)", {E});
@@ -472,6 +472,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
     plan.occ_up = up_blocks > kTwoBlocksPerSm ? 3 : 0;
     plan.occ_down = 4;
     plan.max_tiles = max_tiles;
+    plan.parts = mma_parts;  // the workspace holds 3 parts: the most either form needs
     plan.tile_info = c.lay.tile_info;
     plan.row_token = c.lay.row_token;
     plan.xs = c.xs;

@@ -1,5 +1,5 @@
-// Kernel choices (--attention-backend / --moe-runner-backend / --fp4-gemm-backend) and the device memory plan,
-// host-only: the plan is made from config.json before anything touches a GPU.
+// Kernel choices (--dtype / --attention-backend / --moe-runner-backend / --fp4-gemm-backend) and the device memory
+// plan, host-only: the plan is made from config.json before anything touches a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -67,6 +67,43 @@ TEST(KernelChoice, UnsupportedChoicesAreClearErrors) {
   o.moe_runner_backend = "kiln-grouped";
   EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }), "");
   EXPECT_EQ(error_of([&] { resolve_kernels("cuda", 9, o); }), "");
+}
+
+// --dtype: auto is float32 on CUDA for now (kCudaAutoDtype, the one line that flips it); bfloat16 and float32 pass;
+// float16 is refused with the reason; the CPU backend takes auto / float32 only.
+TEST(Dtype, ResolvesPerDevice) {
+  EXPECT_STREQ(kCudaAutoDtype, "float32");  // flip with the default (after the GPU accuracy runs)
+  EXPECT_EQ(resolve_dtype("cuda", "auto"), kCudaAutoDtype);
+  EXPECT_EQ(resolve_dtype("cuda", "bfloat16"), "bfloat16");
+  EXPECT_EQ(resolve_dtype("cuda", "float32"), "float32");
+  EXPECT_EQ(resolve_dtype("cpu", "auto"), "float32");
+  EXPECT_EQ(resolve_dtype("cpu", "float32"), "float32");
+  std::string e = error_of([] { resolve_dtype("cuda", "float16"); });
+  EXPECT_NE(e.find("--dtype float16 is not supported by the CUDA backend yet; use bfloat16 or float32"),
+            std::string::npos)
+      << e;
+  for (const char* d : {"bfloat16", "float16"}) {
+    e = error_of([&] { resolve_dtype("cpu", d); });
+    EXPECT_NE(e.find("the CPU backend always runs fp32"), std::string::npos) << d << ": " << e;
+  }
+  EXPECT_EQ(resolve_dtype("cuda", "float"), "float32");  // SGLang's aliases
+  EXPECT_EQ(resolve_dtype("cpu", "float"), "float32");
+  EXPECT_NE(error_of([] { resolve_dtype("cuda", "half"); }).find("float16 is not supported"), std::string::npos);
+  e = error_of([] { resolve_dtype("cuda", "bf16"); });
+  EXPECT_NE(e.find("auto, bfloat16, float16 or float32"), std::string::npos) << e;
+}
+
+TEST(Dtype, IsPartOfTheKernelChoice) {
+  LoadOptions o;
+  EXPECT_EQ(resolve_kernels("cpu", 0, o).dtype, "float32");
+  KernelChoice h = resolve_kernels("cuda", 9, o);
+  EXPECT_EQ(h.dtype, "float32");
+  EXPECT_NE(h.str().find("dtype float32"), std::string::npos) << h.str();
+  o.dtype = "bfloat16";
+  h = resolve_kernels("cuda", 9, o);
+  EXPECT_EQ(h.dtype, "bfloat16");
+  EXPECT_NE(h.str().find("dtype bfloat16"), std::string::npos) << h.str();
+  EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }).find("CPU backend"), std::string::npos);
 }
 
 TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {

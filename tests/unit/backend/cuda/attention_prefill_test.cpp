@@ -3,7 +3,9 @@
 // (attention_decode.cu) on the same inputs; CudaOps::attention (whichever path it takes) against the CPU too. Prefills
 // from scratch, second chunks over a cached prefix, mixed prefill + decode steps, page sizes that tiles and lengths do
 // not line up with, GQA ratios 1 to 16, head_dim 64 / 128 / 256, f32 (declined: the fallback's business), bf16 and
-// e4m3 pools (k / v scales != 1). fp32-class accuracy: rel-L2 <= 1e-5. Skipped without a usable GPU.
+// e4m3 pools (k / v scales != 1). q and p in 3 bf16 parts (--dtype float32): fp32-class accuracy, rel-L2 <= 1e-5.
+// Rounded once to bf16 (--dtype bfloat16): within kBf16InputTol (op_check.h; ~2-3e-3 expected) and above 2e-4 (the
+// rounding happened). Skipped without a usable GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +21,7 @@
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/step_args.h"
 #include "backend/op_check.h"
+#include "core/error.h"
 #include "test_util.h"
 
 namespace kiln::backend::cuda {
@@ -27,6 +30,20 @@ namespace {
 namespace kops = ::kiln::cuda::ops;
 
 constexpr double kPrefillTol = 1e-5;  // the op checks' fp32 tolerance
+
+// How q and p enter the tensor cores, and what the results are held to.
+struct Precision {
+  int parts = kops::kMmaPartsFp32;
+  double tol = kPrefillTol;
+  double min_err = 0;  // bf16 inputs: the prefill kernel's error must show the rounding
+};
+const Precision kFp32Parts;
+const Precision kBf16Parts{kops::kMmaPartsBf16, kBf16InputTol, 2e-4};
+CudaOptions options_for(const Precision& p) {
+  CudaOptions o;
+  if (p.parts == kops::kMmaPartsBf16) o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  return o;
+}
 
 struct PrefillSeq {
   int cached = 0;  // tokens already in the pool (positions 0 .. cached - 1), stored by an earlier step
@@ -128,14 +145,13 @@ PrefillSetup prefill_setup(model::Ops& a, model::Ops* b, const PrefillCase& c, u
 // attention_prefill on the GPU setup's device inputs into a NaN-poisoned output (stream 0, synchronised). Returns
 // whether it ran; `out` holds its result then.
 bool run_attention_prefill(CudaOps& gpu, const PrefillSetup& st, const PrefillCase& c, float scale,
-                           std::vector<float>& out) {
+                           std::vector<float>& out, int parts = kops::kMmaPartsFp32) {
   const int64_t T = st.now.num_tokens(), Hq = c.q_heads, D = c.head_dim;
   const TensorView o = gpu.allocate(DType::F32, Shape{T, Hq, D});
   gpu.synchronize();
   KILN_CUDA_CHECK(cudaMemset(o.data, 0xff, o.nbytes()));
   const bool ran = kops::attention_prefill(st.q_a.ptr<const float>(), Hq, pool_args(st.cache_a),
-                                           step_args(st.layout_a), scale,
-                                           o.ptr<float>(), nullptr);
+                                           step_args(st.layout_a), scale, o.ptr<float>(), nullptr, parts);
   KILN_CUDA_CHECK(cudaDeviceSynchronize());
   if (ran) {
     out.resize(static_cast<size_t>(o.numel()));
@@ -167,8 +183,9 @@ bool prefill_expected(const PrefillCase& c, int max_seq_tokens) {
 }
 
 // One case against the CPU: CudaOps::attention, attention_prefill (when it serves the case) and the split kernel.
-// Returns whether attention_prefill ran.
-bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uint32_t seed) {
+// Returns whether attention_prefill ran. `gpu` runs the dtype `prec` is for (options_for).
+bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uint32_t seed,
+                        const Precision& prec = kFp32Parts) {
   const std::string label = c.str();
   const PrefillSetup st = prefill_setup(gpu, &cpu, c, seed);
   const int64_t T = st.now.num_tokens(), Hq = c.q_heads, D = c.head_dim;
@@ -182,26 +199,33 @@ bool check_prefill_case(CudaOps& gpu, model::Ops& cpu, const PrefillCase& c, uin
   gpu.attention(st.q_a, st.cache_a, st.layout_a, scale, out_t);
   gpu.download(out_t, got.data());
   const double e_ops = test::rel_err(got, want);
-  EXPECT_LE(e_ops, kPrefillTol) << "CudaOps::attention " << label;
+  EXPECT_LE(e_ops, prec.tol) << "CudaOps::attention " << label;
 
   std::vector<float> pre;
-  const bool ran = run_attention_prefill(gpu, st, c, scale, pre);
+  const bool ran = run_attention_prefill(gpu, st, c, scale, pre, prec.parts);
   EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << label;
   double e_pre = -1, e_split = -1;
   if (ran) {
     e_pre = test::rel_err(pre, want);
-    EXPECT_LE(e_pre, kPrefillTol) << "attention_prefill vs cpu " << label;
+    EXPECT_LE(e_pre, prec.tol) << "attention_prefill vs cpu " << label;
+    EXPECT_GE(e_pre, prec.min_err) << "attention_prefill vs cpu " << label << ": no sign of bf16 rounding";
     e_split = test::rel_err(pre, run_attention_split(gpu, st, c, scale));
-    EXPECT_LE(e_split, kPrefillTol) << "attention_prefill vs ops::attention " << label;
+    EXPECT_LE(e_split, prec.tol) << "attention_prefill vs ops::attention " << label;
+    // CudaOps::attention took the prefill kernel with the same parts (no short sequence with a long context here:
+    // the rule in CudaOps::attention that keeps those steps on the split kernel): the same result, bit for bit.
+    bool long_decode = false;
+    for (const PrefillSeq& q : c.seqs)
+      long_decode |= q.fresh < kops::kAttentionPrefillMinTokens && q.cached + q.fresh > 2048;
+    if (!long_decode) EXPECT_EQ(test::rel_err(got, pre), 0.0) << "CudaOps::attention vs attention_prefill " << label;
   }
-  std::printf("[ prefill  ] %-62s ops %.2e | prefill %s\n", label.c_str(), e_ops,
+  std::printf("[ prefill  ] %s%-62s ops %.2e | prefill %s\n", prec.parts == 1 ? "bf16 in: " : "", label.c_str(),
+              e_ops,
               ran ? (fmt::format("{:.2e} (vs split {:.2e})", e_pre, e_split)).c_str() : "declined");
   return ran;
 }
 
-TEST(CudaAttentionPrefill, MatchesCpuAcrossShapesAndPools) {
-  KILN_REQUIRE_CUDA_DEVICE();
-  CudaOps gpu;
+void shapes_and_pools_match_cpu(const Precision& prec) {
+  CudaOps gpu(options_for(prec));
   auto cpu = make_cpu_backend();
   struct Heads {
     int64_t q_heads, kv_heads, head_dim;
@@ -232,44 +256,67 @@ TEST(CudaAttentionPrefill, MatchesCpuAcrossShapesAndPools) {
         c.head_dim = h.head_dim;
         c.page_size = h.page_size;
         c.kv = kv;
-        ran += check_prefill_case(gpu, *cpu, c, ++seed) ? 1 : 0;
+        ran += check_prefill_case(gpu, *cpu, c, ++seed, prec) ? 1 : 0;
         ++cases;
       }
-  std::printf("[ prefill  ] attention_prefill served %d of %d cases\n", ran, cases);
+  std::printf("[ prefill  ] attention_prefill (%d bf16 parts) served %d of %d cases\n", prec.parts, ran, cases);
 }
 
-TEST(CudaAttentionPrefill, LongPromptsMatchCpu) {
+TEST(CudaAttentionPrefill, MatchesCpuAcrossShapesAndPools) {
   KILN_REQUIRE_CUDA_DEVICE();
-  CudaOps gpu;
+  shapes_and_pools_match_cpu(kFp32Parts);
+}
+
+// --dtype bfloat16: q and p rounded once to bf16, the same cases within the budget of bf16 inputs.
+TEST(CudaAttentionPrefill, Bf16InputsMatchCpuAcrossShapesAndPools) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  shapes_and_pools_match_cpu(kBf16Parts);
+}
+
+void long_prompts_match_cpu(const Precision& prec) {
+  CudaOps gpu(options_for(prec));
   auto cpu = make_cpu_backend();
   for (DType kv : {DType::BF16, DType::F8_E4M3}) {
     PrefillCase c;
     c.kv = kv;
     c.seqs = {{0, 1000}};  // 125 blocks per KV head, up to 32 tiles of keys each
-    check_prefill_case(gpu, *cpu, c, 7);
+    check_prefill_case(gpu, *cpu, c, 7, prec);
     c.seqs = {{700, 333}, {0, 16}, {5, 1}};  // a long second chunk, the shortest prefill the rule takes, a decode
-    check_prefill_case(gpu, *cpu, c, 8);
+    check_prefill_case(gpu, *cpu, c, 8, prec);
   }
 }
 
-// 4096-token prompts (the CPU oracle would take too long): attention_prefill against the split-over-keys kernel.
+TEST(CudaAttentionPrefill, LongPromptsMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  long_prompts_match_cpu(kFp32Parts);
+}
+
+TEST(CudaAttentionPrefill, Bf16InputsLongPromptsMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  long_prompts_match_cpu(kBf16Parts);
+}
+
+// 4096-token prompts (the CPU oracle would take too long): attention_prefill against the split-over-keys kernel
+// (fp32 CUDA cores), with q and p in 3 bf16 parts and rounded once to bf16.
 TEST(CudaAttentionPrefill, FourThousandTokenPromptMatchesSplitKernel) {
   KILN_REQUIRE_CUDA_DEVICE();
   CudaOps gpu;
-  for (DType kv : {DType::BF16, DType::F8_E4M3}) {
-    PrefillCase c;
-    c.kv = kv;
-    c.seqs = {{0, 4096}};
-    const PrefillSetup st = prefill_setup(gpu, nullptr, c, 11);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    std::vector<float> pre;
-    const bool ran = run_attention_prefill(gpu, st, c, scale, pre);
-    EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << c.str();
-    if (!ran) continue;
-    const double e = test::rel_err(pre, run_attention_split(gpu, st, c, scale));
-    EXPECT_LE(e, kPrefillTol) << c.str();
-    std::printf("[ prefill  ] %s: vs split kernel %.2e\n", c.str().c_str(), e);
-  }
+  for (const Precision& prec : {kFp32Parts, kBf16Parts})
+    for (DType kv : {DType::BF16, DType::F8_E4M3}) {
+      PrefillCase c;
+      c.kv = kv;
+      c.seqs = {{0, 4096}};
+      const PrefillSetup st = prefill_setup(gpu, nullptr, c, 11);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+      std::vector<float> pre;
+      const bool ran = run_attention_prefill(gpu, st, c, scale, pre, prec.parts);
+      EXPECT_EQ(ran, prefill_expected(c, st.now.max_seq_tokens)) << c.str();
+      if (!ran) continue;
+      const double e = test::rel_err(pre, run_attention_split(gpu, st, c, scale));
+      EXPECT_LE(e, prec.tol) << c.str() << " parts " << prec.parts;
+      EXPECT_GE(e, prec.min_err) << c.str() << " parts " << prec.parts << ": no sign of bf16 rounding";
+      std::printf("[ prefill  ] %s, %d bf16 parts: vs split kernel %.2e\n", c.str().c_str(), prec.parts, e);
+    }
 }
 
 // The rule: steps, pools and shapes attention_prefill declines (host checks only: no device needed).
@@ -301,6 +348,8 @@ TEST(CudaAttentionPrefill, DeclinesWhatItDoesNotServe) {
   }
   EXPECT_FALSE(kops::attention_prefill(dummy, 15, pool, step, 0.0625f, dummy, nullptr));  // 15 heads over 2
   EXPECT_FALSE(kops::attention_prefill(dummy, 16, pool, step, 0.0625f, dummy + 1, nullptr));  // misaligned out
+  // Parts other than 3 (fp32 accuracy) and 1 (bf16 inputs) are not built: an error, not a fallback.
+  EXPECT_THROW(kops::attention_prefill(dummy, 16, pool, step, 0.0625f, dummy, nullptr, 2), Error);
 }
 
 }  // namespace

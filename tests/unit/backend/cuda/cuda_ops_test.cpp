@@ -1,8 +1,10 @@
 // CudaOps against the CPU oracle, every op on random inputs at several shapes (op_check.h's compare_ops: tiny, odd
-// sizes, the 397B's head / state sizes), fp32 paths at rel-L2 <= 1e-5; the startup op check itself; describe().
+// sizes, the 397B's head / state sizes), fp32 paths at rel-L2 <= 1e-5, and with --dtype bfloat16 (the tensor-core
+// ops within the budgets of bf16 inputs, every other op still at 1e-5); the startup op check itself; describe().
 // Skipped without a usable GPU (CI has none).
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,10 +55,7 @@ TEST(CudaOps, EveryOpMatchesCpuOddShapes) {
   expect_all_pass(compare_ops(gpu, *cpu, c), "odd shapes");
 }
 
-TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
-  KILN_REQUIRE_CUDA_DEVICE();
-  CudaOps gpu;
-  auto cpu = make_cpu_backend();
+OpCheckConfig qwen35_head_sizes() {
   OpCheckConfig c;  // 397B-A17B head / state sizes, fewer heads and a smaller hidden size
   c.seed = 3;
   c.hidden = 1024;
@@ -76,7 +75,26 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
   c.expert_inter = 128;
   c.vocab = 1000;
   c.page_size = 16;
-  expect_all_pass(compare_ops(gpu, *cpu, c), "qwen3.5 head sizes");
+  return c;
+}
+
+TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizes) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  expect_all_pass(compare_ops(gpu, *cpu, qwen35_head_sizes()), "qwen3.5 head sizes");
+}
+
+// --dtype bfloat16 at the same shapes (dense linears of 24 / 200 rows through cuBLASLt, NVFP4 ones of 200 rows and
+// the NVFP4 experts on the MMA kernels, prefill attention at head_dim 256 over bf16 / fp8 pools): the tensor-core ops
+// within use_bf16_input_budgets, everything else at 1e-5.
+TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizesWithBf16Inputs) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  CudaOps gpu(o);
+  auto cpu = make_cpu_backend();
+  expect_all_pass(compare_ops(gpu, *cpu, use_bf16_input_budgets(qwen35_head_sizes())), "qwen3.5 head sizes, bf16 in");
 }
 
 TEST(CudaOps, SelfCheckPasses) {
@@ -88,6 +106,18 @@ TEST(CudaOps, SelfCheckPasses) {
   const DeviceChoice choice = resolve_device("auto");
   EXPECT_EQ(choice.device, "cuda") << choice.reason;
   EXPECT_NO_THROW(make_ops("cuda", true));
+  // --dtype bfloat16 through the factory: its self-check at the budgets of bf16 inputs.
+  LoadOptions bf16;
+  bf16.dtype = "bfloat16";
+  std::unique_ptr<model::Ops> ops;
+  EXPECT_NO_THROW(ops = make_ops("cuda", true, bf16));
+  ASSERT_TRUE(ops);
+  EXPECT_NE(ops->describe().find("dtype bfloat16"), std::string::npos) << ops->describe();
+  EXPECT_NE(ops->describe().find("x rounded once to bf16"), std::string::npos) << ops->describe();
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  CudaOps gpu_bf16(o);
+  EXPECT_NO_THROW(startup_op_check(gpu_bf16, *cpu, true));
 }
 
 TEST(CudaOps, DescribesTheDevice) {
@@ -95,6 +125,9 @@ TEST(CudaOps, DescribesTheDevice) {
   CudaOps gpu;
   std::printf("[ describe ] %s\n", gpu.describe().c_str());
   EXPECT_NE(gpu.describe().find("compute capability"), std::string::npos);
+  EXPECT_NE(gpu.describe().find("dtype float32"), std::string::npos);  // the default (--dtype auto, for now)
+  EXPECT_NE(gpu.describe().find("x split into 3 bf16 parts"), std::string::npos);
+  EXPECT_EQ(gpu.describe().find("rounded once to bf16"), std::string::npos);
 }
 
 

@@ -1,8 +1,8 @@
 // Whole models through the generic Runner on CudaOps and on the CPU backend: every transformers reference fixture
 // and kiln-tiny, prefill + 20 greedy decode steps (identical greedy tokens, logits within 2e-4; also against
-// transformers' own logits), a batch of mixed lengths against each sequence alone, batches of 1..64 copies of one
-// request giving identical greedy output, graph replay, dummy weights, device argmax and sampling. Skipped without a
-// usable GPU.
+// transformers' own logits), the same models with --dtype bfloat16 (prefill logits within rel-L2 2e-2), a batch of
+// mixed lengths against each sequence alone, batches of 1..64 copies of one request giving identical greedy output,
+// graph replay, dummy weights, device argmax and sampling. Skipped without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -176,6 +176,41 @@ TEST(CudaRunner, LogitsAndGreedyTokensMatchCpuOnEveryModel) {
     EXPECT_LT(decode_err, kLogitTol) << mc.name;
     if (mc.fixture) EXPECT_LT(vs_transformers, kLogitTol) << mc.name;
   }
+}
+
+// --dtype bfloat16 on whole models (F32 KV cache, so that only the tensor-core inputs differ): the prefill logits
+// against the CPU's. Each tensor-core op is off by ~1.7e-3 (linears) to ~3e-3 (experts, attention) relative to its
+// output (op_check.h); a block adds its sublayers' outputs to the residual stream, so over the fixtures' 2-8 layers
+// the errors add up to a few times that at most (their sum of squares, each sublayer's output no larger than the
+// stream). Budget: rel-L2 2e-2 on the logits of each prompt's last token (the float32 path stays at kLogitTol above).
+// Greedy tokens are reported, not required: they may differ where the two best logits lie within the error.
+constexpr double kBf16LogitRelTol = 2e-2;
+
+TEST(CudaRunner, Bf16InputsLogitsNearCpuOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  double worst = 0;
+  for (const ModelCase& mc : cases) {
+    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
+    Engine gpu(std::make_unique<CudaOps>(o), mc.dir, DType::F32, 4, 256);
+    double err = 0;
+    int identical = 0;
+    for (size_t p = 0; p < mc.prompts.size(); ++p) {
+      const Generation a = generate(gpu, {mc.prompts[p]}, 4), b = generate(cpu, {mc.prompts[p]}, 4);
+      err = std::max(err, test::rel_err(a.logits[0][0], b.logits[0][0]));
+      identical += a.tokens[0] == b.tokens[0];
+    }
+    worst = std::max(worst, err);
+    std::printf("[ model    ] %-22s --dtype bfloat16 cuda vs cpu: prefill logits rel-L2 %.2e (budget %.0e), 4 greedy "
+                "steps identical %d/%zu\n",
+                mc.name.c_str(), err, kBf16LogitRelTol, identical, mc.prompts.size());
+    EXPECT_LE(err, kBf16LogitRelTol) << mc.name;
+  }
+  std::printf("[ model    ] --dtype bfloat16: worst prefill logits rel-L2 %.2e\n", worst);
 }
 
 TEST(CudaRunner, Bf16KvCacheGreedyMatchesCpu) {

@@ -1,6 +1,8 @@
 // The linear layers (linear.cu, blas_lt.cpp, and the NVFP4 tensor-core linear of moe_experts.cu) against the CPU:
 // dense linears at 16..64 rows (gemv, multi-linear launches, cuBLASLt), NVFP4 linears with more rows than the gemv
-// takes, and the cuBLASLt wrapper against a double-precision product. Skipped without a usable GPU.
+// takes, both tensor-core paths with x in 3 bf16 parts (--dtype float32, rel-L2 1e-5) and rounded once to bf16
+// (--dtype bfloat16: the CPU on the rounded x at 1e-5, the CPU on x within the bf16 budget), and the cuBLASLt
+// wrapper against a double-precision product. Skipped without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,18 +23,31 @@
 namespace kiln::backend::cuda {
 namespace {
 
-using test::expect_all_pass;
+using model::WeightFormat;
 using test::checks_of;
+using test::expect_all_pass;
 
-// Each linear test runs with the tensor-core paths on (the default) and off (every linear on the fp32 kernels).
+// Each linear test runs with the tensor-core paths on (the default: x in 3 bf16 parts), on with x rounded once to
+// bf16 (--dtype bfloat16: the tensor-core checks at the budget of bf16 inputs, op_check.h) and off (every linear on
+// the fp32 kernels).
 struct LinearPaths {
   const char* name;
   bool tensor_cores;
+  bool bf16 = false;
 };
+CudaOptions options_of(const LinearPaths& p) {
+  CudaOptions o;
+  o.dense_bf16_blas = p.tensor_cores;
+  o.fp4_linear_tensor_cores = p.tensor_cores;
+  if (p.bf16) o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  return o;
+}
 // gtest prints the parameter by its name (not as bytes).
 void PrintTo(const LinearPaths& p, std::ostream* os) { *os << p.name; }
 std::string path_name(const ::testing::TestParamInfo<LinearPaths>& info) { return info.param.name; }
-const auto kLinearPaths = ::testing::Values(LinearPaths{"TensorCores", true}, LinearPaths{"Fp32Kernels", false});
+const auto kLinearPaths = ::testing::Values(LinearPaths{"TensorCores", true},
+                                            LinearPaths{"TensorCoresBf16", true, true},
+                                            LinearPaths{"Fp32Kernels", false});
 
 // Dense linears at 16..64 rows: the gemv for small weights (multi-linear launches included), cuBLASLt for large ones,
 // or everything on the fp32 kernels (CudaOptions::dense_bf16_blas off), against the CPU.
@@ -41,10 +56,9 @@ class DenseLinear : public ::testing::TestWithParam<LinearPaths> {};
 TEST_P(DenseLinear, PathsMatchCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();
-  CudaOptions o;
-  o.dense_bf16_blas = GetParam().tensor_cores;
-  CudaOps gpu(o);
+  CudaOps gpu(options_of(GetParam()));
   OpCheckConfig c;
+  if (GetParam().bf16) c = use_bf16_input_budgets(c);
   c.seed = 8;
   c.hidden = 384;
   c.out_features = 96;
@@ -57,17 +71,16 @@ TEST_P(DenseLinear, PathsMatchCpu) {
 INSTANTIATE_TEST_SUITE_P(Paths, DenseLinear, kLinearPaths, path_name);
 
 // Dense NVFP4 linears with more rows than the gemv takes (prefill): on tensor cores (the routed-expert kernel with
-// the weight as its only expert, x split into 3 bf16 parts) or on the fp32 gemm (--fp4-gemm-backend kiln-fp32),
-// against the CPU at the op checks' tolerance (rel-L2 1e-5).
+// the weight as its only expert, x split into 3 bf16 parts or rounded once to bf16) or on the fp32 gemm
+// (--fp4-gemm-backend kiln-fp32), against the CPU at the op checks' tolerance (rel-L2 1e-5; bf16 inputs: the budget).
 class Nvfp4LinearManyRows : public ::testing::TestWithParam<LinearPaths> {};
 
 TEST_P(Nvfp4LinearManyRows, MatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   auto cpu = make_cpu_backend();
-  CudaOptions o;
-  o.fp4_linear_tensor_cores = GetParam().tensor_cores;
-  CudaOps gpu(o);
+  CudaOps gpu(options_of(GetParam()));
   OpCheckConfig c;
+  if (GetParam().bf16) c = use_bf16_input_budgets(c);
   c.seed = 11;
   c.hidden = 384;        // K: 3 k-steps of 128
   c.out_features = 192;  // N: 3 blocks of 64 weight rows
@@ -78,6 +91,93 @@ TEST_P(Nvfp4LinearManyRows, MatchesCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, Nvfp4LinearManyRows, kLinearPaths, path_name);
+
+// --dtype bfloat16 on the two tensor-core linears (dense BF16 through cuBLASLt at > 32 rows, NVFP4 on the expert
+// kernel at > 128 rows), against two oracles:
+//  - the CPU on x already rounded to bf16 (round to nearest even, as the device rounds): the same products, exact in
+//    fp32, summed in another order: rel-L2 <= 1e-5, the op checks' fp32 tolerance. This pins that x is rounded once
+//    (nothing more is lost, nothing is split) and that the one-part GEMM / kernel writes every output;
+//  - the CPU on x itself: within kBf16InputLinearTol (5e-3; ~1.7e-3 expected, op_check.h), and above 2e-4, so a
+//    path that silently kept fp32 accuracy (3 parts) would fail too.
+// out_row0: the output is rows [out_row0, out_row0 + T) of a larger buffer (an output that is only 16-byte aligned:
+// the one-part GEMM writes it directly, so cuBLASLt must pick an algorithm for that alignment).
+struct Bf16LinearCase {
+  WeightFormat format;
+  int64_t T, K, N;
+  int64_t out_row0 = 0;
+};
+
+TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  auto cpu = make_cpu_backend();
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  CudaOps gpu(o);
+  EXPECT_NE(gpu.describe().find("x rounded once to bf16"), std::string::npos) << gpu.describe();
+  EXPECT_EQ(gpu.describe().find("x split into 3 bf16 parts"), std::string::npos) << gpu.describe();
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> octave(-2.0f, 2.0f);
+  for (const Bf16LinearCase& c : {Bf16LinearCase{WeightFormat::dense, 33, 384, 96},
+                                  Bf16LinearCase{WeightFormat::dense, 200, 1024, 512},
+                                  Bf16LinearCase{WeightFormat::dense, 48, 256, 100, 1},  // out at byte 400
+                                  Bf16LinearCase{WeightFormat::nvfp4, 129, 384, 192},
+                                  Bf16LinearCase{WeightFormat::nvfp4, 517, 1024, 256}}) {
+    const float std_w = 1.0f / std::sqrt(static_cast<float>(c.K));
+    model::LinearWeight host;
+    host.format = c.format;
+    host.out_features = c.N;
+    host.in_features = c.K;
+    std::vector<uint16_t> w_bf16;
+    std::vector<uint8_t> codes, scales;
+    if (c.format == WeightFormat::dense) {
+      w_bf16.resize(size_t(c.N * c.K));
+      for (auto& v : w_bf16) v = f32_to_bf16(normal(rng) * std_w);
+      host.weight = TensorView(w_bf16.data(), DType::BF16, Shape{c.N, c.K});
+    } else {
+      codes.resize(size_t(c.N * c.K / 2));
+      for (auto& v : codes) v = static_cast<uint8_t>(rng() & 0xff);
+      scales.resize(size_t(c.N * c.K / 16));
+      for (auto& v : scales) v = f32_to_e4m3(std::exp2(octave(rng)));
+      host.weight = TensorView(codes.data(), DType::U8, Shape{c.N, c.K / 2});
+      host.block_scale = TensorView(scales.data(), DType::F8_E4M3, Shape{c.N, c.K / 16});
+      host.scale = std_w / 3.0f;
+    }
+    auto place = [&](model::Ops& ops) {
+      model::LinearWeight w = host;
+      w.weight = ops.place_weight(host.weight);
+      if (host.block_scale.data) w.block_scale = ops.place_weight(host.block_scale);
+      ops.finish_weights();
+      return w;
+    };
+    const model::LinearWeight w_gpu = place(gpu), w_cpu = place(*cpu);
+    std::vector<float> x(size_t(c.T * c.K)), x_rounded(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = normal(rng);
+      x_rounded[i] = bf16_to_f32(f32_to_bf16(x[i]));
+    }
+    auto run = [&](model::Ops& ops, const model::LinearWeight& w, const std::vector<float>& in) {
+      ops.reset_scratch();
+      const TensorView xv = ops.upload(in.data(), DType::F32, Shape{c.T, c.K});
+      const TensorView buf = ops.scratch(DType::F32, Shape{c.T + c.out_row0, c.N});
+      const TensorView out(buf.ptr<float>() + c.out_row0 * c.N, DType::F32, Shape{c.T, c.N});
+      ops.linear(xv, w, out);
+      std::vector<float> h(size_t(c.T * c.N));
+      ops.download(out, h.data());
+      return h;
+    };
+    const std::vector<float> got = run(gpu, w_gpu, x);
+    const double vs_rounded = test::rel_err(got, run(*cpu, w_cpu, x_rounded));
+    const double vs_exact = test::rel_err(got, run(*cpu, w_cpu, x));
+    const std::string label = fmt::format("{} T={} K={} N={}{}", model::weight_format_name(c.format), c.T, c.K, c.N,
+                                          c.out_row0 ? " (output 16-byte aligned)" : "");
+    std::printf("[ bf16 in  ] linear %s: vs cpu on bf16(x) %.2e, vs cpu on x %.2e\n", label.c_str(), vs_rounded,
+                vs_exact);
+    EXPECT_LE(vs_rounded, 1e-5) << label;
+    EXPECT_LE(vs_exact, kBf16InputLinearTol) << label;
+    EXPECT_GE(vs_exact, 2e-4) << label << ": no sign of bf16 rounding";
+  }
+}
 
 // cuBLASLt's BF16 GEMM (bf16 and f32 outputs) against the product in double of the same bf16 values.
 TEST(CudaBlas, Bf16GemmMatchesReference) {

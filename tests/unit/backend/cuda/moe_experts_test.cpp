@@ -16,14 +16,18 @@ namespace {
 
 using test::expect_all_pass;
 
-// The routed experts on each runner (--moe-runner-backend): NVFP4 experts on tensor cores (x split into 3 bf16 parts;
-// decode-sized row tiles on the register kernel at the block widths and occupancies the launch picks, prefill-sized
-// ones on the kernel that stages x in shared memory) and on the fp32 CUDA-core kernels, against the CPU at shapes the
-// tensor-core path takes (H, I multiples of 128; 1 to 20 rows per expert, so row tiles of 8 to 32 rows; 200 rows give
-// row tiles of 16).
+// The routed experts on each runner (--moe-runner-backend): NVFP4 experts on tensor cores (x split into 3 bf16 parts,
+// or rounded once to bf16 with --dtype bfloat16; decode-sized row tiles on the register kernel at the block widths
+// and occupancies the launch picks, prefill-sized ones on the kernel that stages x in shared memory) and on the fp32
+// CUDA-core kernels, against the CPU at shapes the tensor-core path takes (H, I multiples of 128; 1 to 20 rows per
+// expert, so row tiles of 8 to 32 rows; 200 rows give row tiles of 16). 3 parts and the CUDA cores: rel-L2 1e-5.
+// 1 part: x and silu(gate) * up are rounded to bf16 in series, ~3e-3 expected (op_check.h): kBf16InputTol (1e-2),
+// and above 2e-4 for the NVFP4 experts (the rounding happened: a path still in 3 parts would fail); BF16 experts
+// always take the CUDA cores and keep 1e-5.
 struct MoeRunner {
   const char* name;
   bool tensor_cores;
+  bool bf16 = false;
 };
 // gtest prints the parameter by its name (not as bytes).
 void PrintTo(const MoeRunner& p, std::ostream* os) { *os << p.name; }
@@ -35,10 +39,12 @@ TEST_P(RoutedExperts, MatchCpu) {
   auto cpu = make_cpu_backend();
   CudaOptions o;
   o.moe_tensor_cores = GetParam().tensor_cores;
+  if (GetParam().bf16) o.dtype = CudaOptions::ActivationDtype::bfloat16;
   CudaOps gpu(o);
   EXPECT_EQ(gpu.describe().find("--moe-runner-backend kiln-grouped-fp32") == std::string::npos, o.moe_tensor_cores)
       << gpu.describe();
   OpCheckConfig c;
+  if (GetParam().bf16) c = use_bf16_input_budgets(c);
   c.seed = 7;
   c.hidden = 256;
   c.expert_inter = 384;
@@ -51,10 +57,20 @@ TEST_P(RoutedExperts, MatchCpu) {
   // routing ids and weights, renormalised or not; 2 weight formats x (7 row counts + shared)
   EXPECT_EQ(moe.size(), 20u);
   expect_all_pass(moe, GetParam().name);
+  if (GetParam().bf16) {
+    int rounded = 0;
+    for (const OpCheck& r : moe)
+      if (r.op.rfind("moe_experts", 0) == 0 && r.op.find(" nvfp4 ") != std::string::npos) {
+        EXPECT_GE(r.rel_err, 2e-4) << r.str() << ": no sign of bf16 rounding";
+        ++rounded;
+      }
+    EXPECT_EQ(rounded, 8);  // 7 row counts + shared
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Runners, RoutedExperts,
-                         ::testing::Values(MoeRunner{"TensorCores", true}, MoeRunner{"Fp32CudaCores", false}),
+                         ::testing::Values(MoeRunner{"TensorCores", true}, MoeRunner{"TensorCoresBf16", true, true},
+                                           MoeRunner{"Fp32CudaCores", false}),
                          [](const ::testing::TestParamInfo<MoeRunner>& info) { return std::string(info.param.name); });
 
 }  // namespace

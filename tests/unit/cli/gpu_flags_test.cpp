@@ -1,0 +1,71 @@
+// The GPU load flags (cli/gpu_flags.h): --dtype as `kiln serve` / `kiln bench-engine` (add_gpu_flags) and
+// `kiln generate` (add_dtype_flag) parse it, into the load options that backend::resolve_kernels resolves per device.
+#include "cli/gpu_flags.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "backend/device.h"
+#include "core/error.h"
+
+namespace kiln::cli {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+// Parses argv (after the program name) the way serve and bench-engine do, into load options.
+backend::LoadOptions parse_gpu(std::vector<std::string> args) {
+  CLI::App app;
+  GpuFlags f;
+  add_gpu_flags(app, f);
+  std::reverse(args.begin(), args.end());  // CLI11 takes the vector form last-first
+  app.parse(args);
+  backend::LoadOptions lo;
+  apply_gpu_flags(f, lo);
+  return lo;
+}
+
+// The way generate does (the --dtype flag alone).
+std::string parse_dtype(std::vector<std::string> args) {
+  CLI::App app;
+  std::string dtype = "auto";
+  add_dtype_flag(app, dtype);
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+  return dtype;
+}
+
+TEST(DtypeFlag, ParsesIntoLoadOptions) {
+  EXPECT_EQ(parse_gpu({}).dtype, "auto");
+  EXPECT_EQ(parse_gpu({"--dtype", "bfloat16"}).dtype, "bfloat16");
+  EXPECT_EQ(parse_gpu({"--dtype", "float32"}).dtype, "float32");
+  EXPECT_EQ(parse_dtype({}), "auto");
+  EXPECT_EQ(parse_dtype({"--dtype", "bfloat16"}), "bfloat16");
+  // float16 is a known name (refused when the model loads, with the reason); other names fail at parse time.
+  EXPECT_EQ(parse_dtype({"--dtype", "float16"}), "float16");
+  EXPECT_THROW(parse_gpu({"--dtype", "bf16"}), CLI::ValidationError);
+  EXPECT_EQ(parse_dtype({"--dtype", "float"}), "float");  // SGLang's alias of float32 (resolve_dtype maps it)
+  EXPECT_THROW(parse_dtype({"--dtype", "fp16"}), CLI::ValidationError);
+}
+
+// What each command's value becomes on each device: the one resolution the three commands share.
+TEST(DtypeFlag, ResolvesPerDevice) {
+  const backend::LoadOptions bf16 = parse_gpu({"--dtype", "bfloat16"});
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, bf16).dtype, "bfloat16");
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({})).dtype, "float32");  // auto, for now
+  EXPECT_EQ(backend::resolve_kernels("cpu", 0, parse_gpu({})).dtype, "float32");
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({"--dtype", "float"})).dtype, "float32");
+  EXPECT_THAT([&] { backend::resolve_kernels("cpu", 0, bf16); }, ThrowsMessage<Error>(HasSubstr("CPU backend")));
+  const backend::LoadOptions f16 = parse_gpu({"--dtype", "float16"});
+  EXPECT_THAT([&] { backend::resolve_kernels("cuda", 9, f16); },
+              ThrowsMessage<Error>(HasSubstr(
+                  "--dtype float16 is not supported by the CUDA backend yet; use bfloat16 or float32")));
+}
+
+}  // namespace
+}  // namespace kiln::cli

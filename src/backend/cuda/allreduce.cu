@@ -87,6 +87,15 @@ __global__ void sum_rank_buffers_kernel(PeerInputs a, int64_t n, float* __restri
 
 }  // namespace
 
+void preload_all_reduce_kernels() {
+  // With lazy module loading (CUDA's default) a kernel's code is loaded at its first launch, and loading may wait
+  // for the device's running kernels: a rank's first launch could then wait for a peer's all-reduce that waits for
+  // this rank. Querying the attributes loads them now, before any rank launches one.
+  cudaFuncAttributes attr;
+  KILN_CUDA_CHECK(cudaFuncGetAttributes(&attr, peer_all_reduce_kernel));
+  KILN_CUDA_CHECK(cudaFuncGetAttributes(&attr, sum_rank_buffers_kernel));
+}
+
 void sum_rank_buffers(const PeerInputs& inputs, int64_t n, float* out, Stream stream) {
   if (n <= 0) return;
   const int64_t blocks = std::min<int64_t>((n + 255) / 256, 1024);

@@ -412,6 +412,10 @@ std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGrou
     }
     a.abort = peer->abort_word;  // unified addressing: the host pointer is the device pointer
     a.timeout_ns = static_cast<uint64_t>(o.timeout.count()) * 1000000ull;
+    for (int d : o.devices) {  // the kernels' code on every device now, not at a first launch (lazy loading)
+      DeviceScope on(d);
+      kops::preload_all_reduce_kernels();
+    }
   }
 
   std::shared_ptr<NcclState> nccl;

@@ -366,6 +366,8 @@ struct PeerAllReduceArgs {
 // for the peers' kernels: every rank needs a GPU of its own (ranks sharing one could wait on each other behind a
 // device-wide synchronisation such as cudaFree).
 void peer_all_reduce(const PeerAllReduceArgs& args, float* data, int64_t n, Stream stream);
+// Loads both all-reduce kernels on the current device (call on every rank's device before the first all-reduce).
+void preload_all_reduce_kernels();
 // out[i] = sum over r < nranks of inputs[r][i], in rank order (the host has made every input ready). No waiting on
 // the GPU: the transport of ranks that share a GPU.
 struct PeerInputs {

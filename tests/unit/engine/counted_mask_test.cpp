@@ -233,6 +233,59 @@ TEST(CountedMask, ViewMasksAreSharedAcrossGrammars) {
   EXPECT_EQ(table->num_shared_view_masks(), shared);
 }
 
+// A frame where one byte counts on one path and not on another ("ab" is a unit, "ac" is not: after 'a' the two
+// configurations disagree): such prefixes are walked from the real state. At most 2 "ab" in ["..."].
+TEST(CountedMask, BytesThatCountOnOnePathOnly) {
+  auto g = std::make_shared<Grammar>();
+  int32_t r = g->new_rule("pairs");
+  g->define_rule(r, g->seq({g->literal("\""), g->star(g->alt({g->count_units(g->literal("ab")), g->literal("ac")})),
+                            g->literal("\"")}));
+  int32_t root = g->new_rule("root");
+  g->define_rule(root, g->seq({g->literal("["), g->counted_call(r, 0, 2), g->literal("]")}));
+  g->set_root(root);
+  // The recogniser: [" then pairs ab / ac with at most two ab, then "].
+  auto viable = [](const std::string& t) {
+    const std::string head = "[\"";
+    if (t.size() <= head.size()) return head.compare(0, t.size(), t) == 0;
+    if (t.compare(0, head.size(), head) != 0) return false;
+    size_t i = head.size();
+    int ab = 0;
+    while (i < t.size() && t[i] != '"') {
+      if (t[i] != 'a') return false;
+      if (i + 1 == t.size()) return true;
+      if (t[i + 1] == 'b') ++ab;
+      else if (t[i + 1] != 'c') return false;
+      if (ab > 2) return false;
+      i += 2;
+    }
+    if (i == t.size()) return true;
+    return t.compare(i, std::string::npos, std::string("\"]").substr(0, t.size() - i)) == 0 && t.size() - i <= 2;
+  };
+  std::vector<std::string> v;
+  for (const char* x : {"[", "\"", "a", "b", "c", "]", "ab", "ac", "abab", "abac", "acab", "ababab", "acacac", "ab\"",
+                        "ac\"", "b\"", "c\"]", "\"]", "[\"ab", "aba", "aca", "bab", "cab"})
+    v.push_back(x);
+  auto table = std::make_shared<TokenTable>(v);
+  std::mt19937 rng(5);
+  auto compiled = std::make_shared<CompiledGrammar>(g, table);
+  for (int walk = 0; walk < 40; ++walk) {
+    Matcher m(compiled, {});
+    std::string text;
+    for (int step = 0; step < 12; ++step) {
+      const TokenBitmask& mask = m.mask();
+      std::vector<int32_t> allowed;
+      for (int32_t i = 0; i < table->vocab_size(); ++i) {
+        ASSERT_EQ(mask.test(i), viable(text + v[static_cast<size_t>(i)])) << "[" << v[static_cast<size_t>(i)] << "] after [" << text << "]";
+        if (mask.test(i)) allowed.push_back(i);
+      }
+      if (allowed.empty()) break;
+      int32_t pick = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
+      ASSERT_TRUE(m.accept(pick));
+      text += v[static_cast<size_t>(pick)];
+    }
+  }
+}
+
 TEST(GrammarCache, SameGrammarSameCompiledBounded) {
   auto table = std::make_shared<TokenTable>(vocab());
   GrammarCache cache(2, 1000);

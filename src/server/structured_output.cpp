@@ -663,4 +663,13 @@ std::shared_ptr<const grammar::TokenTable> token_table(const tok::Tokenizer& tok
   return std::make_shared<grammar::TokenTable>(std::move(bytes));
 }
 
+void warm_token_table(const std::shared_ptr<const grammar::TokenTable>& table) {
+  grammar::CompiledGrammar g(json_object_grammar(), table);
+  // Inside a string (at a character boundary, and after a backslash): the views every JSON string shares.
+  for (std::string_view prefix : {"{\"", "{\"\\"}) {
+    const int32_t s = g.step_bytes(g.initial_state(), prefix);
+    if (s >= 0) g.mask(s);
+  }
+}
+
 }  // namespace kiln::server

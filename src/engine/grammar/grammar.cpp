@@ -302,16 +302,27 @@ Automaton::CountedFrame Automaton::counted_frame(int32_t s) const {
   return f;
 }
 
-std::string Automaton::view_key(int32_t s, size_t max_nodes) const {
+std::string Automaton::view_key(int32_t s, size_t max_nodes) {
   const Grammar& g = *grammar_;
   const State& st = states_[static_cast<size_t>(s)];
   std::vector<int32_t> out{static_cast<int32_t>(st.configs.size())};
-  std::unordered_map<int32_t, int32_t> index;
-  std::vector<int32_t> order;
+  if (key_index_.size() != g.nodes().size()) key_index_.assign(g.nodes().size(), -1);
+  std::vector<int32_t>& order = key_order_;
+  order.clear();
+  struct Reset {  // leaves key_index_ all -1 again, whichever way this returns
+    std::vector<int32_t>& index;
+    std::vector<int32_t>& order;
+    ~Reset() {
+      for (int32_t n : order) index[static_cast<size_t>(n)] = -1;
+    }
+  } reset{key_index_, order};
   auto id_of = [&](int32_t node) {
-    auto [it, fresh] = index.emplace(node, static_cast<int32_t>(order.size()));
-    if (fresh) order.push_back(node);
-    return it->second;
+    int32_t& id = key_index_[static_cast<size_t>(node)];
+    if (id < 0) {
+      id = static_cast<int32_t>(order.size());
+      order.push_back(node);
+    }
+    return id;
   };
   for (const Config& c : st.configs) {
     if (c.stack != -1 && c.stack != opaque_bottom_) return "";  // not an opaque view

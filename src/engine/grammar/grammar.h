@@ -141,7 +141,7 @@ class Automaton {
   // The structure an opaque_view state can reach (its configurations, and every node, edge and callee reachable from
   // them, renumbered in discovery order) as bytes: two views with equal keys, in any grammars, allow the same tokens
   // with the same exits and counts. Empty when more than max_nodes nodes are reachable.
-  std::string view_key(int32_t s, size_t max_nodes) const;
+  std::string view_key(int32_t s, size_t max_nodes);
   const Grammar& grammar() const { return *grammar_; }
 
  private:
@@ -190,6 +190,8 @@ class Automaton {
   int32_t opaque_bottom_ = -1;  // the stack entry that stands for an unknown context
   // closure scratch
   std::vector<Config> work_, out_;
+  // view_key scratch: canonical index per grammar node (-1: not reached), the nodes in discovery order
+  std::vector<int32_t> key_index_, key_order_;
   std::vector<uint64_t> seen_;
 };
 

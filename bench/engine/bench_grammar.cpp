@@ -19,6 +19,7 @@
 //       2 = one fresh compiled grammar for the rows, table warmed (server::warm_token_table): a new schema on a
 //           running server;
 //       3 = the same compiled grammar every iteration (GrammarCache hit: a schema the server has seen).
+//   BM_DecodeJsonMask/<rows>/<sharing>: the same without apply (mask + accept: the mask's own cost).
 //   BM_DecodeJsonSteps/<sharing>: the same replay at batch 1, timed per token (mean, p50, p90, max; slow steps listed).
 #include <benchmark/benchmark.h>
 
@@ -186,7 +187,8 @@ std::vector<std::shared_ptr<CompiledGrammar>> compiled_for(int rows, int64_t sha
   return out;
 }
 
-void BM_DecodeJson(benchmark::State& st) {
+// apply: mask + apply (-inf over the row) + accept per token; otherwise mask + accept (the mask's own cost).
+void decode_json(benchmark::State& st, bool apply) {
   if (!ready(st)) return;
   const auto& f = fixture();
   const std::vector<int32_t> answer = f.tok->encode(kAnswer, false);
@@ -208,7 +210,8 @@ void BM_DecodeJson(benchmark::State& st) {
     for (auto& c : compiled_for(rows, sharing)) ms.push_back(std::make_unique<Matcher>(c, std::vector<int32_t>{f.eos}));
     for (int32_t t : answer) {
       for (auto& m : ms) {
-        benchmark::DoNotOptimize(m->apply(logits));
+        if (apply) benchmark::DoNotOptimize(m->apply(logits));
+        else benchmark::DoNotOptimize(m->mask().words.data());
         if (!m->accept(t)) {
           st.SkipWithError("the answer does not fit the schema");
           return;
@@ -225,6 +228,9 @@ void BM_DecodeJson(benchmark::State& st) {
   st.counters["ms_per_step"] = benchmark::Counter(static_cast<double>(steps) / 1000.0,
                                                   benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
+
+void BM_DecodeJson(benchmark::State& st) { decode_json(st, true); }
+void BM_DecodeJsonMask(benchmark::State& st) { decode_json(st, false); }
 
 // One matcher replaying the answer, mask + apply + accept timed per token: the distribution of per-step costs
 // (counters in microseconds, wall time); the steps over 1 ms are printed to stderr.
@@ -265,6 +271,7 @@ BENCHMARK(BM_MaskWarmMiss)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MaskHit)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ApplyMask)->Arg(1)->Arg(3)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeJson)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_DecodeJsonMask)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK(BM_DecodeJsonSteps)->DenseRange(0, 3)->Unit(benchmark::kMillisecond)->Iterations(1);
 
 BENCHMARK_MAIN();

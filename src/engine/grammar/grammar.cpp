@@ -189,7 +189,8 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
   const Grammar& g = *grammar_;
   work_.assign(seeds.begin(), seeds.end());
   out_.clear();
-  std::unordered_set<uint64_t> seen;
+  std::unordered_set<uint64_t>& seen = seen_;
+  seen.clear();
   bool accepting = false, popped = false;
   size_t steps = 0;
   auto key_of = [](const Config& c) {
@@ -254,7 +255,8 @@ Automaton::Step Automaton::step_counted(int32_t s, uint8_t b) {
   const int32_t known = st.trans->next[b];
   if (known != kUnknown) return {known, st.trans->delta[b]};
   const Grammar& g = *grammar_;
-  std::vector<Config> seeds;
+  std::vector<Config>& seeds = seeds_;
+  seeds.clear();
   size_t counting = 0;
   for (const Config& c : st.configs)
     for (const Edge& e : g.node(c.node).edges) {

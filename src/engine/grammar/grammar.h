@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace kiln::grammar {
@@ -192,7 +193,8 @@ class Automaton {
   std::vector<Config> work_, out_;
   // view_key scratch: canonical index per grammar node (-1: not reached), the nodes in discovery order
   std::vector<int32_t> key_index_, key_order_;
-  std::vector<uint64_t> seen_;
+  std::unordered_set<uint64_t> seen_;
+  std::vector<Config> seeds_;  // step scratch
 };
 
 }  // namespace kiln::grammar

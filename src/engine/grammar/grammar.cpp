@@ -177,6 +177,7 @@ Automaton::Automaton(std::shared_ptr<const Grammar> grammar) : grammar_(std::mov
   opaque_bottom_ = 0;
   std::vector<Config> seeds{{grammar_->rule_start(grammar_->root()), -1}};
   initial_ = close_and_intern(seeds);
+  KILN_CHECK(initial_ != kDead, "grammar: the root rule can match nothing");
 }
 
 int32_t Automaton::push(int32_t ret, int32_t parent, int32_t bound, int32_t count) {

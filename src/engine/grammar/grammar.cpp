@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -297,12 +298,44 @@ Automaton::CountedFrame Automaton::counted_frame(int32_t s) const {
     else if (c.stack != frame) one_frame = false;
     if (stacks_[static_cast<size_t>(c.stack)].bound >= 0) f.counted = true;
   }
+  if (one_frame) f.frame = frame;
   if (!f.counted || !one_frame) return f;
   const StackEntry& top = stacks_[static_cast<size_t>(frame)];
   const int32_t max = grammar_->bounds()[static_cast<size_t>(top.bound)].max;
   f.uniform = true;
   f.remaining = max < 0 ? -1 : max - top.count;
   return f;
+}
+
+int32_t Automaton::rebase(int32_t real, int32_t view_state, int32_t units) {
+  const std::array<int32_t, 3> key{real, view_state, units};
+  if (auto it = rebased_.find(key); it != rebased_.end()) return it->second;
+  const CountedFrame f = counted_frame(real);
+  KILN_CHECK(f.frame >= 0, "grammar: rebase from a state without one frame");
+  int32_t base = f.frame;
+  const StackEntry top = stacks_[static_cast<size_t>(base)];
+  int32_t result = kDead;
+  if (top.bound >= 0 && units > 0) {
+    const int32_t max = grammar_->bounds()[static_cast<size_t>(top.bound)].max;
+    base = max >= 0 && top.count + units > max ? -2 : push(top.ret, top.parent, top.bound, top.count + units);
+  }
+  if (base != -2) {
+    // Stacks above the opaque bottom are pushed again onto the real frame.
+    std::unordered_map<int32_t, int32_t> mapped{{opaque_bottom_, base}, {-1, -1}};
+    std::function<int32_t(int32_t)> map = [&](int32_t id) {
+      auto it = mapped.find(id);
+      if (it != mapped.end()) return it->second;
+      const StackEntry e = stacks_[static_cast<size_t>(id)];
+      const int32_t m = push(e.ret, map(e.parent), e.bound, e.count);
+      mapped.emplace(id, m);
+      return m;
+    };
+    std::vector<Config> seeds;
+    for (const Config& c : states_[static_cast<size_t>(view_state)].configs) seeds.push_back({c.node, map(c.stack)});
+    result = seeds.empty() ? kDead : close_and_intern(seeds);
+  }
+  rebased_.emplace(key, result);
+  return result;
 }
 
 std::string Automaton::view_key(int32_t s, size_t max_nodes) {

@@ -137,8 +137,15 @@ class Automaton {
   struct CountedFrame {
     bool counted = false, uniform = false;
     int32_t remaining = -1;
+    int32_t frame = -1;  // the one stack every configuration inside a call has (-1: none, or several)
   };
   CountedFrame counted_frame(int32_t s) const;
+  // The state real + p, from view_state = opaque_view(real) + p for a p that neither returns below the innermost
+  // frame nor counts differently on two paths (a prefix the view walk followed), and the units p counted there:
+  // the view's configurations with the opaque bottom replaced by real's one frame (its count + units). Needs
+  // counted_frame(real).frame >= 0. kDead when the count passes the frame's max. Memoised. Equal to
+  // step_bytes(real, p) but for the accepting flag (not kept: only the transitions matter to a mask walk).
+  int32_t rebase(int32_t real, int32_t view_state, int32_t units);
   // The structure an opaque_view state can reach (its configurations, and every node, edge and callee reachable from
   // them, renumbered in discovery order) as bytes: two views with equal keys, in any grammars, allow the same tokens
   // with the same exits and counts. Empty when more than max_nodes nodes are reachable.
@@ -191,6 +198,14 @@ class Automaton {
   int32_t opaque_bottom_ = -1;  // the stack entry that stands for an unknown context
   // closure scratch
   std::vector<Config> work_, out_;
+  struct RebaseKeyHash {
+    size_t operator()(const std::array<int32_t, 3>& k) const {
+      uint64_t h = 0x9e3779b97f4a7c15ull;
+      for (int32_t x : k) h = (h ^ static_cast<uint32_t>(x)) * 0x100000001b3ull;
+      return static_cast<size_t>(h ^ (h >> 29));
+    }
+  };
+  std::unordered_map<std::array<int32_t, 3>, int32_t, RebaseKeyHash> rebased_;  // (real, view state, units) -> state
   // view_key scratch: canonical index per grammar node (-1: not reached), the nodes in discovery order
   std::vector<int32_t> key_index_, key_order_;
   std::unordered_set<uint64_t> seen_;

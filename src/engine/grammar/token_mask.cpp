@@ -82,6 +82,16 @@ size_t TokenTable::num_shared_view_masks() const {
 
 // ---------------------------------------------------------------------------------------------------
 
+namespace {
+
+// The bytes before a trie node's own: the first bytes of the first token in its subtree (preorder, sorted).
+std::string_view exit_prefix(const TokenTable& t, const TokenTable::TrieNode& node) {
+  const std::string& first = t.bytes(t.trie_tokens()[static_cast<size_t>(node.tokens_begin)]);
+  return std::string_view(first).substr(0, node.depth - 1u);
+}
+
+}  // namespace
+
 CompiledGrammar::CompiledGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenTable> tokens)
     : automaton_(std::move(grammar)), tokens_(std::move(tokens)) {
   KILN_CHECK(tokens_, "a compiled grammar without a token table");
@@ -124,6 +134,7 @@ void CompiledGrammar::clear_mask_caches() {
   masks_.clear();
   lru_.clear();
   views_.clear();
+  exit_parents_.clear();
 }
 
 std::shared_ptr<const TokenBitmask> CompiledGrammar::mask(int32_t state, bool* hit) {
@@ -188,7 +199,10 @@ void CompiledGrammar::walk(int32_t state, int32_t begin, int32_t end, TokenBitma
 std::shared_ptr<const ViewMask> CompiledGrammar::view_mask(int32_t view) {
   auto it = views_.find(view);
   if (it != views_.end()) return it->second;
-  if (views_.size() >= kViewCacheEntries) views_.clear();
+  if (views_.size() >= kViewCacheEntries) {
+    views_.clear();
+    exit_parents_.clear();
+  }
   // The same frame structure in another grammar over this table (every JSON string) has the same view mask.
   // (At most 256 nodes: a JSON string frame reaches about 80; a view that reaches a whole schema is cheap to walk.)
   const std::string key = automaton_.view_key(view, 256);
@@ -248,14 +262,42 @@ void CompiledGrammar::compute(int32_t state, TokenBitmask& out) {
     out = v.mask;
   }
   const auto& trie = tokens_->trie();
+  if (frame.frame >= 0) {
+    // One real frame: each exit's parent is its view parent rebased onto that frame (a memoised lookup), not a
+    // re-walk of the exit's prefix.
+    const std::vector<ExitParent>& parents = exit_parents(view, v);
+    for (size_t k = 0; k < v.exits.size(); ++k) {
+      const TokenTable::TrieNode& node = trie[static_cast<size_t>(v.exits[k])];
+      const int32_t parent = automaton_.rebase(state, parents[k].view_state, parents[k].units);
+      if (parent != Automaton::kDead) walk(parent, v.exits[k], node.subtree_end, out, nullptr, nullptr);
+    }
+    return;
+  }
   for (int32_t i : v.exits) {
     const TokenTable::TrieNode& node = trie[static_cast<size_t>(i)];
-    // The prefix of this node: the first bytes of the first token in its subtree (preorder, sorted).
-    const std::string& first = tokens_->bytes(tokens_->trie_tokens()[static_cast<size_t>(node.tokens_begin)]);
-    const int32_t parent = automaton_.step_bytes(state, std::string_view(first).substr(0, node.depth - 1u));
+    const int32_t parent = automaton_.step_bytes(state, exit_prefix(*tokens_, node));
     if (parent == Automaton::kDead) continue;
     walk(parent, i, node.subtree_end, out, nullptr, nullptr);
   }
+}
+
+const std::vector<CompiledGrammar::ExitParent>& CompiledGrammar::exit_parents(int32_t view, const ViewMask& v) {
+  auto it = exit_parents_.find(view);
+  if (it != exit_parents_.end()) return it->second;
+  std::vector<ExitParent> parents;
+  parents.reserve(v.exits.size());
+  const auto& trie = tokens_->trie();
+  for (int32_t i : v.exits) {
+    int32_t s = view, units = 0;
+    for (char ch : exit_prefix(*tokens_, trie[static_cast<size_t>(i)])) {
+      const Automaton::Step st = automaton_.step_counted(s, static_cast<uint8_t>(ch));
+      KILN_CHECK(st.next != Automaton::kDead && st.delta != Automaton::kMixedCount, "grammar: a view exit's prefix changed");
+      units += st.delta == Automaton::kCount ? 1 : 0;
+      s = st.next;
+    }
+    parents.push_back({s, units});
+  }
+  return exit_parents_.emplace(view, std::move(parents)).first->second;
 }
 
 // ---------------------------------------------------------------------------------------------------

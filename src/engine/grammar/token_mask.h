@@ -145,6 +145,13 @@ class CompiledGrammar {
   std::unordered_map<int32_t, CachedMask> masks_;
   std::list<int32_t> lru_;  // most recent first
   std::unordered_map<int32_t, std::shared_ptr<const ViewMask>> views_;
+  // Per view state: for each of its view mask's exits, the view state before the exit's byte and the units its
+  // prefix counted (this automaton's ids: a shared ViewMask holds only trie nodes).
+  struct ExitParent {
+    int32_t view_state, units;
+  };
+  std::unordered_map<int32_t, std::vector<ExitParent>> exit_parents_;
+  const std::vector<ExitParent>& exit_parents(int32_t view, const ViewMask& v);
   std::vector<int32_t> walk_;   // automaton state per trie depth
   std::vector<int32_t> units_;  // units counted per trie depth (view walks)
   size_t hits_ = 0, misses_ = 0;

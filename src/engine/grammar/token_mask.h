@@ -5,12 +5,12 @@
 // trie is stored in preorder with each node's subtree end, so a mask is one linear pass that runs the
 // automaton one byte per trie node and skips a whole subtree as soon as its prefix is dead. Automaton
 // transitions are memoised and masks are cached per automaton state (inside a JSON string the state
-// repeats token after token), so a repeated state costs a copy of the mask.
+// repeats token after token), so a repeated state costs a lookup.
 //
 // Where the work is shared:
 //   - CompiledGrammar: one grammar over one table, its memoised automaton and mask caches, behind one lock; every
 //     matcher of the grammar uses it (the n choices of a request; requests with the same grammar through
-//     GrammarCache), so a state's mask is computed once per server, not once per sequence.
+//     GrammarCache), so a state's mask is computed once while the grammar is cached, not once per sequence.
 //   - TokenTable's view masks: the context-independent part of a mask (the tokens that fit without leaving the
 //     innermost call frame, e.g. a JSON string's content) is keyed by the structure the frame can reach
 //     (Automaton::view_key), so every grammar over the table that builds its strings the same way shares it.

@@ -5,13 +5,22 @@
 // Qwen3 tokens joined, like the merges a bigger BPE adds). A Qwen3.5 tokenizer.json is not available here.
 // Without tests/js/node_modules the benchmarks report an error and do nothing.
 //
-//   BM_MaskCold/<state>: a fresh matcher's first mask at a state (transitions not yet memoised).
-//   BM_MaskWarmMiss/<state>: the trie walk with memoised transitions (mask cache emptied each time).
+//   BM_MaskCold/<state>: a fresh matcher's first mask at a state (nothing memoised: transitions, masks, the table's
+//     shared view masks all empty).
+//   BM_MaskWarmMiss/<state>: the trie walk with memoised transitions (mask caches and the table's view masks emptied
+//     each time).
 //   BM_MaskHit: a state whose mask is cached (inside a JSON string).
 //   BM_ApplyMask: -inf over the disallowed logits of one 248k row.
-//   BM_DecodeJson/<rows>: replaying a tokenized JSON answer through `rows` fresh matchers, mask + apply +
-//     accept per token: the mean per-row cost of one decode step, misses included (one thread).
-//   BM_DecodeJsonSteps: the same replay at batch 1, timed per token (mean, p50, p90, max; slow steps listed).
+//   BM_DecodeJson/<rows>/<sharing>: replaying a tokenized JSON answer through `rows` matchers, mask + apply + accept
+//     per token: the mean cost of one decode step (all rows, one thread), misses included. sharing:
+//       0 = every row its own compiled grammar and the table's view masks emptied first (nothing shared but what
+//           the rows share through the table: `rows` different requests on a cold server);
+//       1 = one compiled grammar for the rows, table emptied first (one request with n = rows, cold server);
+//       2 = one fresh compiled grammar for the rows, table warmed (server::warm_token_table): a new schema on a
+//           running server;
+//       3 = the same compiled grammar every iteration (GrammarCache hit: a schema the server has seen).
+//   BM_DecodeJsonMask/<rows>/<sharing>: the same without apply (mask + accept: the mask's own cost).
+//   BM_DecodeJsonSteps/<sharing>: the same replay at batch 1, timed per token (mean, p50, p90, max; slow steps listed).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -29,6 +38,7 @@ namespace {
 
 using namespace kiln::grammar;
 using kiln::server::json_schema_grammar;
+using kiln::server::warm_token_table;
 
 constexpr int64_t kVocab = 248320;
 
@@ -111,6 +121,7 @@ void BM_MaskCold(benchmark::State& st) {
   const auto& f = fixture();
   int64_t allowed = 0;
   for (auto _ : st) {
+    f.table->clear_shared_view_masks();
     Matcher m(schema_grammar(), f.table, {f.eos});
     m.accept_bytes(state_prefix(st.range(0)));
     allowed = m.mask().count();
@@ -126,6 +137,7 @@ void BM_MaskWarmMiss(benchmark::State& st) {
   m.mask();
   for (auto _ : st) {
     m.clear_mask_cache();
+    f.table->clear_shared_view_masks();
     benchmark::DoNotOptimize(m.mask().words.data());
   }
   st.counters["allowed"] = static_cast<double>(m.mask().count());
@@ -158,19 +170,48 @@ void BM_ApplyMask(benchmark::State& st) {
   }
 }
 
-void BM_DecodeJson(benchmark::State& st) {
+// The compiled grammars of one iteration for `rows` rows under a sharing mode (see the header).
+std::vector<std::shared_ptr<CompiledGrammar>> compiled_for(int rows, int64_t sharing) {
+  const auto& f = fixture();
+  static std::shared_ptr<CompiledGrammar> cached;
+  std::vector<std::shared_ptr<CompiledGrammar>> out;
+  if (sharing == 0 || sharing == 1) f.table->clear_shared_view_masks();
+  if (sharing == 2 && f.table->num_shared_view_masks() == 0) warm_token_table(f.table);
+  if (sharing == 3 && !cached) cached = std::make_shared<CompiledGrammar>(schema_grammar(), f.table);
+  for (int r = 0; r < rows; ++r) {
+    if (sharing == 0 || out.empty())
+      out.push_back(sharing == 3 ? cached : std::make_shared<CompiledGrammar>(schema_grammar(), f.table));
+    else
+      out.push_back(out.front());
+  }
+  return out;
+}
+
+// apply: mask + apply (-inf over the row) + accept per token; otherwise mask + accept (the mask's own cost).
+void decode_json(benchmark::State& st, bool apply) {
   if (!ready(st)) return;
   const auto& f = fixture();
   const std::vector<int32_t> answer = f.tok->encode(kAnswer, false);
   const int rows = static_cast<int>(st.range(0));
+  const int64_t sharing = st.range(1);
   std::vector<float> logits(static_cast<size_t>(kVocab), 0.5f);
   size_t steps = 0;
+  if (sharing == 3) {  // the schema seen before: one untimed replay fills the shared grammar
+    for (auto& c : compiled_for(1, 3)) {
+      Matcher m(c, {f.eos});
+      for (int32_t t : answer) {
+        m.apply(logits);
+        m.accept(t);
+      }
+    }
+  }
   for (auto _ : st) {
     std::vector<std::unique_ptr<Matcher>> ms;
-    for (int r = 0; r < rows; ++r) ms.push_back(std::make_unique<Matcher>(schema_grammar(), f.table, std::vector<int32_t>{f.eos}));
+    for (auto& c : compiled_for(rows, sharing)) ms.push_back(std::make_unique<Matcher>(c, std::vector<int32_t>{f.eos}));
     for (int32_t t : answer) {
       for (auto& m : ms) {
-        benchmark::DoNotOptimize(m->apply(logits));
+        if (apply) benchmark::DoNotOptimize(m->apply(logits));
+        else benchmark::DoNotOptimize(m->mask().words.data());
         if (!m->accept(t)) {
           st.SkipWithError("the answer does not fit the schema");
           return;
@@ -184,10 +225,15 @@ void BM_DecodeJson(benchmark::State& st) {
   // items/s = decode steps per second (all rows of a step, one thread).
   st.SetItemsProcessed(static_cast<int64_t>(steps));
   st.counters["tokens"] = static_cast<double>(answer.size());
+  st.counters["ms_per_step"] = benchmark::Counter(static_cast<double>(steps) / 1000.0,
+                                                  benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
-// One fresh matcher replaying the answer, mask + apply + accept timed per token: the distribution of per-step
-// costs (counters in microseconds, wall time); the steps over 1 ms are printed to stderr.
+void BM_DecodeJson(benchmark::State& st) { decode_json(st, true); }
+void BM_DecodeJsonMask(benchmark::State& st) { decode_json(st, false); }
+
+// One matcher replaying the answer, mask + apply + accept timed per token: the distribution of per-step costs
+// (counters in microseconds, wall time); the steps over 1 ms are printed to stderr.
 void BM_DecodeJsonSteps(benchmark::State& st) {
   if (!ready(st)) return;
   const auto& f = fixture();
@@ -195,7 +241,7 @@ void BM_DecodeJsonSteps(benchmark::State& st) {
   std::vector<float> logits(static_cast<size_t>(kVocab), 0.5f);
   std::vector<double> us;
   for (auto _ : st) {
-    Matcher m(schema_grammar(), f.table, {f.eos});
+    Matcher m(compiled_for(1, st.range(0)).front(), {f.eos});
     us.clear();
     for (int32_t t : answer) {
       auto t0 = std::chrono::steady_clock::now();
@@ -215,7 +261,7 @@ void BM_DecodeJsonSteps(benchmark::State& st) {
   std::string slow;
   for (size_t i = 0; i < us.size(); ++i)
     if (us[i] > 1000) slow += " " + std::to_string(i) + ":" + json_escape_token(f, answer[i]) + "=" + std::to_string(static_cast<int>(us[i]));
-  if (!slow.empty()) std::fprintf(stderr, "steps over 1 ms (index:token=us):%s\n", slow.c_str());
+  if (!slow.empty()) std::fprintf(stderr, "sharing %d, steps over 1 ms (index:token=us):%s\n", static_cast<int>(st.range(0)), slow.c_str());
 }
 
 }  // namespace
@@ -224,8 +270,8 @@ BENCHMARK(BM_MaskCold)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MaskWarmMiss)->DenseRange(0, 4)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MaskHit)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ApplyMask)->Arg(1)->Arg(3)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_DecodeJson)->Arg(1)->Arg(16)->Unit(benchmark::kMillisecond)->Iterations(3);
-
-BENCHMARK(BM_DecodeJsonSteps)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK(BM_DecodeJson)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_DecodeJsonMask)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_DecodeJsonSteps)->DenseRange(0, 3)->Unit(benchmark::kMillisecond)->Iterations(1);
 
 BENCHMARK_MAIN();

@@ -53,7 +53,10 @@ void SequenceSampler::set_constraint(std::shared_ptr<const grammar::Constraint> 
   if (!constraint) return;
   KILN_CHECK(constraint->grammar && constraint->tokens, "a constraint without a grammar or a token table");
   stop_ids_ = std::move(stop_ids);
-  matcher_ = std::make_unique<grammar::Matcher>(constraint->grammar, constraint->tokens, stop_ids_);
+  // A shared compiled grammar (the request's other choices, earlier requests with the same grammar) when the server
+  // gave one, else one of its own.
+  matcher_ = constraint->compiled ? std::make_unique<grammar::Matcher>(constraint->compiled, stop_ids_)
+                                  : std::make_unique<grammar::Matcher>(constraint->grammar, constraint->tokens, stop_ids_);
   constraint_start_token_ = constraint->start_after_token;
   constraint_active_ = constraint_start_token_ < 0;
 }

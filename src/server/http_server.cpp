@@ -247,18 +247,23 @@ struct HttpServer::Impl {
 
   explicit Impl(ServerOptions o) : opts(std::move(o)) {}
 
-  // Constrained decoding: the vocabulary's byte strings, built on the first constrained request.
+  // Constrained decoding: the vocabulary's byte strings, built (and the JSON string masks warmed) on the first
+  // constrained request; compiled grammars shared by the requests with the same grammar.
   std::once_flag token_table_once;
   std::shared_ptr<const grammar::TokenTable> token_table_;
+  grammar::GrammarCache grammar_cache_;
 
   std::shared_ptr<const grammar::Constraint> make_constraint(std::shared_ptr<const grammar::Grammar> g,
                                                              bool starts_in_reasoning) {
     if (!g) return nullptr;
-    std::call_once(token_table_once,
-                   [&] { token_table_ = token_table(*model.tokenizer, model.engine->vocab_size()); });
+    std::call_once(token_table_once, [&] {
+      token_table_ = token_table(*model.tokenizer, model.engine->vocab_size());
+      warm_token_table(token_table_);
+    });
     auto c = std::make_shared<grammar::Constraint>();
     c->grammar = std::move(g);
     c->tokens = token_table_;
+    c->compiled = grammar_cache_.get(c->grammar, token_table_);  // shared by the choices and by later requests
     // Thinking stays free: the grammar starts after "</think>".
     if (starts_in_reasoning) c->start_after_token = model.tokenizer->token_to_id("</think>");
     return c;

@@ -81,18 +81,19 @@ class JsonBuilder {
                                                                 g_.seq({g_.alt({g_.literal("d"), g_.literal("D")}),
                                                                         g_.bytes('0', '7')})}),
                                        hex(), hex()})})});
-    return g_.alt({utf8_char(ascii), esc});
+    // Each character is one counted unit (its first byte a counting edge): a bounded string is a counted call of
+    // the one string rule, so minLength / maxLength count characters (code points, as JSON Schema does; an escape is
+    // one) without a copy of the rule per position.
+    return g_.count_units(g_.alt({utf8_char(ascii), esc}));
   }
 
   Frag string(int64_t min_len = 0, int64_t max_len = -1) {
-    if (min_len == 0 && max_len < 0) {
-      if (string_rule_ < 0) {
-        string_rule_ = g_.new_rule("string");
-        g_.define_rule(string_rule_, g_.seq({g_.literal("\""), g_.star(string_char()), g_.literal("\"")}));
-      }
-      return g_.call(string_rule_);
+    if (string_rule_ < 0) {
+      string_rule_ = g_.new_rule("string");
+      g_.define_rule(string_rule_, g_.seq({g_.literal("\""), g_.star(string_char()), g_.literal("\"")}));
     }
-    return g_.seq({g_.literal("\""), g_.repeat([&] { return string_char(); }, min_len, max_len), g_.literal("\"")});
+    if (min_len == 0 && max_len < 0) return g_.call(string_rule_);
+    return g_.counted_call(string_rule_, min_len, max_len);
   }
 
   Frag digits(int64_t min, int64_t max) {
@@ -660,6 +661,15 @@ std::shared_ptr<const grammar::TokenTable> token_table(const tok::Tokenizer& tok
     bytes[static_cast<size_t>(i)] = b ? *b : raw;
   }
   return std::make_shared<grammar::TokenTable>(std::move(bytes));
+}
+
+void warm_token_table(const std::shared_ptr<const grammar::TokenTable>& table) {
+  grammar::CompiledGrammar g(json_object_grammar(), table);
+  // Inside a string (at a character boundary, and after a backslash): the views every JSON string shares.
+  for (std::string_view prefix : {"{\"", "{\"\\"}) {
+    const int32_t s = g.step_bytes(g.initial_state(), prefix);
+    if (s >= 0) g.mask(s);
+  }
 }
 
 }  // namespace kiln::server

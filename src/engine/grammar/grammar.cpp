@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -82,6 +83,47 @@ Frag Grammar::call(int32_t rule) {
   return {a, b};
 }
 
+Frag Grammar::counted_call(int32_t rule, int64_t min, int64_t max) {
+  KILN_CHECK(min >= 0 && min < (int64_t(1) << 30) && max < (int64_t(1) << 30) && (max < 0 || max >= min),
+             "bad counted call bounds {}..{}", min, max);
+  bounds_.push_back({static_cast<int32_t>(min), max < 0 ? -1 : static_cast<int32_t>(max)});
+  int32_t a = add_node(), b = add_node();
+  Edge e{Edge::call, 0, 0, rule, b, static_cast<int32_t>(bounds_.size() - 1), false};
+  add_edge(a, e);
+  return {a, b};
+}
+
+Frag Grammar::count_units(Frag f) {
+  std::vector<int32_t> todo{f.start};
+  std::unordered_set<int32_t> seen;
+  while (!todo.empty()) {
+    int32_t n = todo.back();
+    todo.pop_back();
+    if (!seen.insert(n).second) continue;
+    KILN_CHECK(n != f.end, "count_units over a fragment that can be empty");
+    for (Edge& e : nodes_[static_cast<size_t>(n)].edges) {
+      KILN_CHECK(e.kind != Edge::call, "count_units over a fragment that starts with a call");
+      if (e.kind == Edge::range) e.counts = true;
+      else todo.push_back(e.target);
+    }
+  }
+  return f;
+}
+
+std::string Grammar::structure_key() const {
+  std::vector<int32_t> v{root_, static_cast<int32_t>(nodes_.size()), static_cast<int32_t>(rule_start_.size()),
+                         static_cast<int32_t>(bounds_.size())};
+  for (size_t r = 0; r < rule_start_.size(); ++r) v.insert(v.end(), {rule_start_[r], rule_end_[r]});
+  for (const CountBound& b : bounds_) v.insert(v.end(), {b.min, b.max});
+  for (const Node& n : nodes_) {
+    v.insert(v.end(), {n.end_of_rule, static_cast<int32_t>(n.edges.size())});
+    for (const Edge& e : n.edges)
+      v.insert(v.end(), {static_cast<int32_t>(e.kind) | (e.lo << 8) | (e.hi << 16) | (e.counts ? 1 << 24 : 0), e.rule,
+                         e.target, e.bound});
+  }
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int32_t));
+}
+
 Frag Grammar::seq(std::vector<Frag> parts) {
   if (parts.empty()) return empty();
   for (size_t i = 0; i + 1 < parts.size(); ++i) add_edge(parts[i].end, {Edge::epsilon, 0, 0, -1, parts[i + 1].start});
@@ -136,12 +178,12 @@ Automaton::Automaton(std::shared_ptr<const Grammar> grammar) : grammar_(std::mov
   opaque_bottom_ = 0;
   std::vector<Config> seeds{{grammar_->rule_start(grammar_->root()), -1}};
   initial_ = close_and_intern(seeds);
+  KILN_CHECK(initial_ != kDead, "grammar: the root rule can match nothing");
 }
 
-int32_t Automaton::push(int32_t ret, int32_t parent) {
-  uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ret)) << 32) | static_cast<uint32_t>(parent);
-  auto [it, fresh] = stack_ids_.emplace(key, static_cast<int32_t>(stacks_.size()));
-  if (fresh) stacks_.push_back({ret, parent});
+int32_t Automaton::push(int32_t ret, int32_t parent, int32_t bound, int32_t count) {
+  auto [it, fresh] = stack_ids_.emplace(std::array<int32_t, 4>{ret, parent, bound, count}, static_cast<int32_t>(stacks_.size()));
+  if (fresh) stacks_.push_back({ret, parent, bound, count});
   return it->second;
 }
 
@@ -149,7 +191,8 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
   const Grammar& g = *grammar_;
   work_.assign(seeds.begin(), seeds.end());
   out_.clear();
-  std::unordered_set<uint64_t> seen;
+  std::unordered_set<uint64_t>& seen = seen_;
+  seen.clear();
   bool accepting = false, popped = false;
   size_t steps = 0;
   auto key_of = [](const Config& c) {
@@ -168,6 +211,8 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
         popped = true;
       } else {
         const StackEntry e = stacks_[static_cast<size_t>(c.stack)];
+        // A counted frame returns only once it has counted min units.
+        if (e.bound >= 0 && e.count < g.bounds()[static_cast<size_t>(e.bound)].min) continue;
         work_.push_back({e.ret, e.parent});
       }
       continue;
@@ -177,11 +222,13 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
       switch (e.kind) {
         case Edge::range: consumes = true; break;
         case Edge::epsilon: work_.push_back({e.target, c.stack}); break;
-        case Edge::call: work_.push_back({g.rule_start(e.rule), push(e.target, c.stack)}); break;
+        case Edge::call: work_.push_back({g.rule_start(e.rule), push(e.target, c.stack, e.bound, 0)}); break;
       }
     }
     if (consumes) out_.push_back(c);
   }
+  // Nothing consumes, accepts or returns (every path failed a counted frame's minimum): dead.
+  if (out_.empty() && !accepting && !popped) return kDead;
   std::sort(out_.begin(), out_.end());
   std::string key(out_.size() * sizeof(Config) + 1, '\0');
   if (!out_.empty()) std::memcpy(key.data(), out_.data(), out_.size() * sizeof(Config));
@@ -197,22 +244,144 @@ int32_t Automaton::close_and_intern(std::vector<Config>& seeds) {
   return it->second;
 }
 
-int32_t Automaton::step(int32_t s, uint8_t b) {
-  if (s < 0) return kDead;
+int32_t Automaton::step(int32_t s, uint8_t b) { return step_counted(s, b).next; }
+
+Automaton::Step Automaton::step_counted(int32_t s, uint8_t b) {
+  if (s < 0) return {kDead, kNoCount};
   State& st = states_[static_cast<size_t>(s)];
-  if (!st.next) {
-    st.next = std::make_unique<std::array<int32_t, 256>>();
-    st.next->fill(kUnknown);
+  if (!st.trans) {
+    st.trans = std::make_unique<State::Transitions>();
+    st.trans->next.fill(kUnknown);
+    st.trans->delta.fill(kNoCount);
   }
-  int32_t known = (*st.next)[b];
-  if (known != kUnknown) return known;
-  std::vector<Config> seeds;
+  const int32_t known = st.trans->next[b];
+  if (known != kUnknown) return {known, st.trans->delta[b]};
+  const Grammar& g = *grammar_;
+  std::vector<Config>& seeds = seeds_;
+  seeds.clear();
+  size_t counting = 0;
   for (const Config& c : st.configs)
-    for (const Edge& e : grammar_->node(c.node).edges)
-      if (e.kind == Edge::range && e.lo <= b && b <= e.hi) seeds.push_back({e.target, c.stack});
-  int32_t next = seeds.empty() ? kDead : close_and_intern(seeds);
-  (*states_[static_cast<size_t>(s)].next)[b] = next;  // states_ may have grown
-  return next;
+    for (const Edge& e : g.node(c.node).edges) {
+      if (e.kind != Edge::range || b < e.lo || b > e.hi) continue;
+      int32_t stack = c.stack;
+      bool bottom_count = false;
+      if (e.counts && stack >= 0) {
+        if (stack == opaque_bottom_) {
+          bottom_count = true;  // counted in the real frame, whatever it is: the view only reports it
+        } else {
+          const StackEntry top = stacks_[static_cast<size_t>(stack)];
+          if (top.bound >= 0) {
+            const int32_t max = g.bounds()[static_cast<size_t>(top.bound)].max;
+            if (max >= 0 && top.count >= max) continue;  // one unit too many
+            stack = push(top.ret, top.parent, top.bound, top.count + 1);
+          }
+        }
+      }
+      seeds.push_back({e.target, stack});
+      counting += bottom_count ? 1 : 0;
+    }
+  const int32_t next = seeds.empty() ? kDead : close_and_intern(seeds);
+  const uint8_t delta = counting == 0 ? kNoCount : counting == seeds.size() ? kCount : kMixedCount;
+  State::Transitions& t = *states_[static_cast<size_t>(s)].trans;  // states_ may have grown
+  t.next[b] = next;
+  t.delta[b] = delta;
+  return {next, delta};
+}
+
+Automaton::CountedFrame Automaton::counted_frame(int32_t s) const {
+  CountedFrame f;
+  int32_t frame = -1;
+  bool one_frame = true;
+  for (const Config& c : states_[static_cast<size_t>(s)].configs) {
+    if (c.stack < 0) continue;
+    if (frame < 0) frame = c.stack;
+    else if (c.stack != frame) one_frame = false;
+    if (stacks_[static_cast<size_t>(c.stack)].bound >= 0) f.counted = true;
+  }
+  if (one_frame) f.frame = frame;
+  if (!f.counted || !one_frame) return f;
+  const StackEntry& top = stacks_[static_cast<size_t>(frame)];
+  const int32_t max = grammar_->bounds()[static_cast<size_t>(top.bound)].max;
+  f.uniform = true;
+  f.remaining = max < 0 ? -1 : max - top.count;
+  return f;
+}
+
+int32_t Automaton::rebase(int32_t real, int32_t view_state, int32_t units) {
+  const std::array<int32_t, 3> key{real, view_state, units};
+  if (auto it = rebased_.find(key); it != rebased_.end()) return it->second;
+  const CountedFrame f = counted_frame(real);
+  KILN_CHECK(f.frame >= 0, "grammar: rebase from a state without one frame");
+  int32_t base = f.frame;
+  const StackEntry top = stacks_[static_cast<size_t>(base)];
+  int32_t result = kDead;
+  if (top.bound >= 0 && units > 0) {
+    const int32_t max = grammar_->bounds()[static_cast<size_t>(top.bound)].max;
+    base = max >= 0 && top.count + units > max ? -2 : push(top.ret, top.parent, top.bound, top.count + units);
+  }
+  if (base != -2) {
+    // Stacks above the opaque bottom are pushed again onto the real frame.
+    std::unordered_map<int32_t, int32_t> mapped{{opaque_bottom_, base}, {-1, -1}};
+    std::function<int32_t(int32_t)> map = [&](int32_t id) {
+      auto it = mapped.find(id);
+      if (it != mapped.end()) return it->second;
+      const StackEntry e = stacks_[static_cast<size_t>(id)];
+      const int32_t m = push(e.ret, map(e.parent), e.bound, e.count);
+      mapped.emplace(id, m);
+      return m;
+    };
+    std::vector<Config> seeds;
+    for (const Config& c : states_[static_cast<size_t>(view_state)].configs) seeds.push_back({c.node, map(c.stack)});
+    result = seeds.empty() ? kDead : close_and_intern(seeds);
+  }
+  rebased_.emplace(key, result);
+  return result;
+}
+
+std::string Automaton::view_key(int32_t s, size_t max_nodes) {
+  const Grammar& g = *grammar_;
+  const State& st = states_[static_cast<size_t>(s)];
+  std::vector<int32_t> out{static_cast<int32_t>(st.configs.size())};
+  if (key_index_.size() != g.nodes().size()) key_index_.assign(g.nodes().size(), -1);
+  std::vector<int32_t>& order = key_order_;
+  order.clear();
+  struct Reset {  // leaves key_index_ all -1 again, whichever way this returns
+    std::vector<int32_t>& index;
+    std::vector<int32_t>& order;
+    ~Reset() {
+      for (int32_t n : order) index[static_cast<size_t>(n)] = -1;
+    }
+  } reset{key_index_, order};
+  auto id_of = [&](int32_t node) {
+    int32_t& id = key_index_[static_cast<size_t>(node)];
+    if (id < 0) {
+      id = static_cast<int32_t>(order.size());
+      order.push_back(node);
+    }
+    return id;
+  };
+  for (const Config& c : st.configs) {
+    if (c.stack != -1 && c.stack != opaque_bottom_) return "";  // not an opaque view
+    out.insert(out.end(), {id_of(c.node), c.stack == -1 ? 0 : 1});
+  }
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order.size() > max_nodes) return "";
+    const Node& n = g.node(order[i]);
+    if (n.end_of_rule >= 0) {
+      out.push_back(n.end_of_rule == g.root() ? -2 : -3);
+      continue;
+    }
+    out.push_back(static_cast<int32_t>(n.edges.size()));
+    for (const Edge& e : n.edges) {
+      out.insert(out.end(), {static_cast<int32_t>(e.kind) | (e.lo << 8) | (e.hi << 16) | (e.counts ? 1 << 24 : 0),
+                             id_of(e.target)});
+      if (e.kind == Edge::call) {
+        const CountBound b = e.bound >= 0 ? g.bounds()[static_cast<size_t>(e.bound)] : CountBound{-1, -1};
+        out.insert(out.end(), {id_of(g.rule_start(e.rule)), b.min, b.max});
+      }
+    }
+  }
+  return std::string(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int32_t));
 }
 
 int32_t Automaton::opaque_view(int32_t s) {

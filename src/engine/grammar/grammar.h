@@ -8,6 +8,11 @@
 //
 // Runtime states are interned (equal configuration sets get one id) and byte transitions between them are
 // memoised, so the token-mask walk over the vocabulary trie (token_mask.h) is mostly table lookups.
+//
+// Counted calls (string lengths): a call may carry bounds [min, max] on the number of "counting" range edges its
+// callee's own frame consumes (a JSON string's characters: each character's first byte is a counting edge). The
+// count lives in the call's stack entry, not in the callee's nodes, so every bounded string runs the one shared
+// string rule: a byte that would start character max + 1 is dead, and the callee cannot end (return) below min.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -16,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace kiln::grammar {
@@ -25,6 +31,13 @@ struct Edge {
   uint8_t lo = 0, hi = 0;  // range: bytes lo..hi inclusive
   int32_t rule = -1;       // call: the callee
   int32_t target = -1;     // the next node (call: the return node)
+  int32_t bound = -1;      // call: index into Grammar::bounds() (-1: the callee's frame is not counted)
+  bool counts = false;     // range: consuming this byte starts one counted unit (see counted_call)
+};
+
+// Bounds of a counted call: the callee's frame consumes between min and max counting edges (max < 0: no upper bound).
+struct CountBound {
+  int32_t min = 0, max = -1;
 };
 
 struct Node {
@@ -53,6 +66,11 @@ class Grammar {
   Frag byte_set(const std::array<bool, 256>& allowed);  // one byte from a set (merged into ranges)
   Frag literal(std::string_view s);
   Frag call(int32_t rule);
+  // A call whose frame must consume between min and max (< 0: unbounded) counting edges before it returns.
+  Frag counted_call(int32_t rule, int64_t min, int64_t max);
+  // Marks the range edges that f can consume first (reachable from f.start through epsilon edges only) as counting
+  // edges: each pass through f is one counted unit. f must not be nullable and must not be linked yet.
+  Frag count_units(Frag f);
   Frag seq(std::vector<Frag> parts);
   Frag alt(std::vector<Frag> options);
   Frag opt(Frag f);
@@ -65,6 +83,9 @@ class Grammar {
   int32_t rule_start(int32_t r) const { return rule_start_[static_cast<size_t>(r)]; }
   const std::string& rule_name(int32_t r) const { return rule_names_[static_cast<size_t>(r)]; }
   size_t num_rules() const { return rule_start_.size(); }
+  const std::vector<CountBound>& bounds() const { return bounds_; }
+  // Every node, edge, rule and bound as bytes: two grammars with equal keys run identically (GrammarCache's key).
+  std::string structure_key() const;
   // Checks every rule is defined and the root is set; a broken grammar is an InternalError.
   void validate() const;
 
@@ -75,6 +96,7 @@ class Grammar {
   std::vector<Node> nodes_;
   std::vector<int32_t> rule_start_, rule_end_;
   std::vector<std::string> rule_names_;
+  std::vector<CountBound> bounds_;
   int32_t root_ = -1;
 };
 
@@ -88,6 +110,15 @@ class Automaton {
   int32_t initial_state() const { return initial_; }
   // The state after consuming byte b from state s, or kDead. Memoised.
   int32_t step(int32_t s, uint8_t b);
+  // With step(s, b): how the byte counted for configurations whose frame is the opaque bottom (opaque_view states):
+  // kNoCount (no seed came through a counting edge consumed in the bottom frame), kCount (every seed did),
+  // kMixedCount (some did, some did not: the configurations' counts diverge). Memoised with the transition.
+  enum CountDelta : uint8_t { kNoCount = 0, kCount = 1, kMixedCount = 2 };
+  struct Step {
+    int32_t next;
+    uint8_t delta;
+  };
+  Step step_counted(int32_t s, uint8_t b);
   int32_t step_bytes(int32_t s, std::string_view bytes);  // kDead as soon as a byte does not fit
   // The grammar's root rule has ended on some configuration: the text so far is a complete sentence.
   bool accepting(int32_t s) const { return states_[static_cast<size_t>(s)].accepting; }
@@ -99,6 +130,26 @@ class Automaton {
   // the innermost rule behave the same from either state. Returns s when no configuration is inside a call.
   int32_t opaque_view(int32_t s);
   bool popped_context(int32_t s) const { return states_[static_cast<size_t>(s)].popped; }
+  // The counted frame a state is in. counted: some configuration's innermost frame is a counted call. uniform: every
+  // configuration inside a call has the same innermost frame, that counted one (then its opaque view's tokens that
+  // stay in the frame fit exactly when the units they count are at most `remaining`). remaining: max - count so
+  // far (-1: no upper bound).
+  struct CountedFrame {
+    bool counted = false, uniform = false;
+    int32_t remaining = -1;
+    int32_t frame = -1;  // the one stack every configuration inside a call has (-1: none, or several)
+  };
+  CountedFrame counted_frame(int32_t s) const;
+  // The state real + p, from view_state = opaque_view(real) + p for a p that neither returns below the innermost
+  // frame nor counts differently on two paths (a prefix the view walk followed), and the units p counted there:
+  // the view's configurations with the opaque bottom replaced by real's one frame (its count + units). Needs
+  // counted_frame(real).frame >= 0. kDead when the count passes the frame's max. Memoised. Equal to
+  // step_bytes(real, p) but for the accepting flag (not kept: only the transitions matter to a mask walk).
+  int32_t rebase(int32_t real, int32_t view_state, int32_t units);
+  // The structure an opaque_view state can reach (its configurations, and every node, edge and callee reachable from
+  // them, renumbered in discovery order) as bytes: two views with equal keys, in any grammars, allow the same tokens
+  // with the same exits and counts. Empty when more than max_nodes nodes are reachable.
+  std::string view_key(int32_t s, size_t max_nodes);
   const Grammar& grammar() const { return *grammar_; }
 
  private:
@@ -109,32 +160,56 @@ class Automaton {
     bool operator<(const Config& o) const { return node != o.node ? node < o.node : stack < o.stack; }
   };
   struct StackEntry {
-    int32_t ret;     // node to continue at after the callee ends
-    int32_t parent;  // -1 = bottom
+    int32_t ret;        // node to continue at after the callee ends
+    int32_t parent;     // -1 = bottom
+    int32_t bound = -1; // counted call: index into the grammar's bounds
+    int32_t count = 0;  // counted call: counting edges consumed in this frame so far
   };
   struct State {
     std::vector<Config> configs;  // sorted; only nodes with range edges
     bool accepting = false;
     bool popped = false;   // the closure returned into an opaque bottom (opaque_view states only)
     int32_t opaque = -1;   // memoised opaque_view (-1: not computed)
-    std::unique_ptr<std::array<int32_t, 256>> next;  // memoised transitions (kUnknown until computed)
+    struct Transitions {
+      std::array<int32_t, 256> next;  // kUnknown until computed
+      std::array<uint8_t, 256> delta;
+    };
+    std::unique_ptr<Transitions> trans;  // memoised transitions
   };
   static constexpr int32_t kUnknown = -2;
 
-  int32_t push(int32_t ret, int32_t parent);
-  // The epsilon / call / return closure of seeds, interned.
+  int32_t push(int32_t ret, int32_t parent, int32_t bound = -1, int32_t count = 0);
+  // The epsilon / call / return closure of seeds, interned; kDead when nothing is left to consume, accept or return.
   int32_t close_and_intern(std::vector<Config>& seeds);
 
   std::shared_ptr<const Grammar> grammar_;
   std::vector<StackEntry> stacks_;
-  std::unordered_map<uint64_t, int32_t> stack_ids_;
+  struct StackKeyHash {
+    size_t operator()(const std::array<int32_t, 4>& k) const {
+      uint64_t h = 0x9e3779b97f4a7c15ull;
+      for (int32_t x : k) h = (h ^ static_cast<uint32_t>(x)) * 0x100000001b3ull;
+      return static_cast<size_t>(h ^ (h >> 29));
+    }
+  };
+  std::unordered_map<std::array<int32_t, 4>, int32_t, StackKeyHash> stack_ids_;  // key: ret, parent, bound, count
   std::vector<State> states_;
   std::unordered_map<std::string, int32_t> state_ids_;  // key: the sorted configs' bytes + accepting
   int32_t initial_ = kDead;
   int32_t opaque_bottom_ = -1;  // the stack entry that stands for an unknown context
   // closure scratch
   std::vector<Config> work_, out_;
-  std::vector<uint64_t> seen_;
+  struct RebaseKeyHash {
+    size_t operator()(const std::array<int32_t, 3>& k) const {
+      uint64_t h = 0x9e3779b97f4a7c15ull;
+      for (int32_t x : k) h = (h ^ static_cast<uint32_t>(x)) * 0x100000001b3ull;
+      return static_cast<size_t>(h ^ (h >> 29));
+    }
+  };
+  std::unordered_map<std::array<int32_t, 3>, int32_t, RebaseKeyHash> rebased_;  // (real, view state, units) -> state
+  // view_key scratch: canonical index per grammar node (-1: not reached), the nodes in discovery order
+  std::vector<int32_t> key_index_, key_order_;
+  std::unordered_set<uint64_t> seen_;
+  std::vector<Config> seeds_;  // step scratch
 };
 
 }  // namespace kiln::grammar

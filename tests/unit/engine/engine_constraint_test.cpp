@@ -115,5 +115,43 @@ TEST(EngineConstraint, StartsAfterItsStartToken) {
   EXPECT_TRUE(eos);
 }
 
+// Requests in one batch that share one compiled grammar (the server's GrammarCache) each follow it on their own.
+TEST(EngineConstraint, RequestsSharingACompiledGrammar) {
+  EngineOptions eo;
+  eo.eos_token_ids = {0};
+  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eo);
+  e.start();
+  auto c = std::make_shared<grammar::Constraint>();
+  c->grammar = brackets();
+  c->tokens = table();
+  grammar::GrammarCache cache;
+  c->compiled = cache.get(c->grammar, c->tokens);
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int i = 0; i < 8; ++i) {
+    GenerateRequest r;
+    r.prompt = {static_cast<int32_t>(2 + i), 9};
+    r.max_tokens = 40;
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = static_cast<uint64_t>(100 + i);
+    r.constraint = c;
+    channels.push_back(e.submit({r}).channel);
+  }
+  for (auto& ch : channels) {
+    std::vector<int32_t> toks;
+    auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (!(ch->all_finished() && !ch->has_events()) && std::chrono::steady_clock::now() < deadline) {
+      std::vector<TokenEvent> evs;
+      ch->wait(evs, 100ms);
+      for (auto& ev : evs)
+        if (ev.token >= 0) toks.push_back(ev.token);
+    }
+    bool eos = false;
+    std::string s = text_of(toks, &eos);
+    EXPECT_TRUE(valid(s)) << s;
+    EXPECT_TRUE(eos) << s;
+  }
+  EXPECT_GT(c->compiled->mask_hits(), 0u);
+}
+
 }  // namespace
 }  // namespace kiln::engine

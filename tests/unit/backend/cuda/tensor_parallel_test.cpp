@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <string>
 #include <memory>
 #include <random>
 #include <string>
@@ -134,14 +136,45 @@ void check_all_reduce(int n, bool spin, bool graphs, const std::vector<int64_t>&
 // Sizes: one float, a decode step's hidden row, odd lengths, and one beyond the 4M-float exchange half (pieces).
 const std::vector<int64_t> kSizes = {1, 7, 2048, 4096 * 3 + 5, 65536, (int64_t(4) << 20) + 4099};
 
-TEST(CudaTensorParallel, PeerAllReduceOnTheGpuIsTheRankOrderSum) {
+// The GPU-waiting kernel on ranks that share one GPU (spin_on_shared_gpu) runs in a child process of its own (this
+// binary, filtered to the CudaTensorParallelGpuWaiting suite, started by GpuWaitingKernelInAFreshProcess below):
+// in the same process after the rest of test_cuda it has timed out (the ranks' kernels did not all run at once,
+// probably queued behind one another: comm_cuda.h), and its trap leaves the process's CUDA context unusable for
+// every later test. In a fresh process, as in tools/gpu/tp_h200.sh, it passes; distinct GPUs are not affected.
+bool in_gpu_waiting_child() {
+  const char* v = std::getenv("KILN_TP_GPU_WAITING_CHILD");
+  return v && std::string(v) == "1";
+}
+
+TEST(CudaTensorParallelGpuWaiting, PeerAllReduceOnTheGpuIsTheRankOrderSum) {
+  if (!in_gpu_waiting_child()) GTEST_SKIP() << "runs in a child process (CudaTensorParallel.GpuWaitingKernelInAFreshProcess)";
   KILN_REQUIRE_CUDA_DEVICE();
   for (int n : {2, 3, 4}) check_all_reduce(n, /*spin=*/true, /*graphs=*/false, kSizes);
 }
 
-TEST(CudaTensorParallel, PeerAllReduceReplayedFromGraphsIsTheRankOrderSum) {
+TEST(CudaTensorParallelGpuWaiting, PeerAllReduceReplayedFromGraphsIsTheRankOrderSum) {
+  if (!in_gpu_waiting_child()) GTEST_SKIP() << "runs in a child process (CudaTensorParallel.GpuWaitingKernelInAFreshProcess)";
   KILN_REQUIRE_CUDA_DEVICE();
   for (int n : {2, 4}) check_all_reduce(n, /*spin=*/true, /*graphs=*/true, {1, 4096, 4096 * 64, 1 << 20});
+}
+
+TEST(CudaTensorParallel, GpuWaitingKernelInAFreshProcess) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  if (in_gpu_waiting_child()) GTEST_SKIP() << "the child itself";
+  std::error_code ec;
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  ASSERT_FALSE(ec) << "cannot find this test binary: " << ec.message();
+  const std::string cmd = "KILN_TP_GPU_WAITING_CHILD=1 '" + exe +
+                          "' --gtest_filter='CudaTensorParallelGpuWaiting.*' --gtest_brief=1 2>&1";
+  std::string output;
+  FILE* child = popen(cmd.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  char buf[4096];
+  while (size_t got = std::fread(buf, 1, sizeof buf, child)) output.append(buf, got);
+  const int status = pclose(child);
+  std::printf("%s", output.c_str());
+  EXPECT_EQ(status, 0) << "the child process failed:\n" << output;
+  EXPECT_EQ(output.find("SKIPPED"), std::string::npos) << output;
 }
 
 TEST(CudaTensorParallel, HostCoordinatedAllReduceOfRanksSharingAGpuIsTheRankOrderSum) {

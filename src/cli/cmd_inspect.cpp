@@ -9,6 +9,7 @@
 
 #include "backend/device.h"
 #include "cli/command.h"
+#include "engine/scheduler.h"
 #include "core/log.h"
 #include "core/error.h"
 #include "format/capacity.h"
@@ -33,7 +34,8 @@ struct InspectOptions {
   double activation_reserve_gib = 2.0;
   bool json = false;
   // `kiln serve`'s own plan on each GPU of --gpu-mem-gib: its flags, its defaults.
-  int max_running_requests = 32;
+  int max_running_requests = 0;  // 0: the memory plan's, as kiln serve on CUDA
+  bool disable_radix_cache = false;
   int64_t context_length = 0;
   std::string chunked_prefill_size = "auto";  // resolved as kiln serve does (backend::resolve_prefill_sizes)
   int64_t max_pass_tokens = backend::kDefaultMaxPassTokens;
@@ -133,7 +135,9 @@ int run_inspect(const InspectOptions& o) {
     lo.tp_size = o.tp;
     lo.ep_size = o.ep;
     lo.kv_dtype = copt.kv_dtype;
-    lo.state_slots = o.max_running_requests;
+    // Slots as kiln serve takes them: per running request its own, plus the prefix cache's snapshots when on.
+    lo.slots_per_request = engine::state_slots_per_request(!o.disable_radix_cache);
+    lo.state_slots = o.max_running_requests * lo.slots_per_request;  // 0: the memory plan chooses
     lo.max_context = o.context_length;
     lo.prefill_chunk = prefill.pass_tokens;
     lo.mem_fraction_static = o.mem_fraction_static;
@@ -287,9 +291,11 @@ int run_inspect(const InspectOptions& o) {
     const std::string gpus = o.tp > 1 ? fmt::format("each of {} x {:g} GiB GPUs (--tp-size {}{})", o.tp, o.gpu_mem_gib,
                                                     o.tp, o.ep > 1 ? fmt::format(" --ep-size {}", o.ep) : "")
                                       : fmt::format("one {:g} GiB GPU", o.gpu_mem_gib);
-    std::printf("\nkiln serve on %s (--max-running-requests %d, --chunked-prefill-size %lld (%s), --max-pass-tokens "
-                "%lld):\n",
-                gpus.c_str(), o.max_running_requests, static_cast<long long>(prefill.step_tokens),
+    const std::string running = o.max_running_requests > 0 ? std::to_string(o.max_running_requests) : "the plan's";
+    std::printf("\nkiln serve on %s (--max-running-requests %s, prefix cache %s, --chunked-prefill-size %lld (%s), "
+                "--max-pass-tokens %lld):\n",
+                gpus.c_str(), running.c_str(), o.disable_radix_cache ? "off" : "on",
+                static_cast<long long>(prefill.step_tokens),
                 prefill.reason.c_str(), static_cast<long long>(prefill.pass_tokens));
     if (serve_plan) line("  ", serve_plan->str());
     else line("  ", "does not fit: " + serve_error);
@@ -313,8 +319,10 @@ kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weigh
       ->check(CLI::Range(0.0, 1e6));
   app.add_flag("--json", o->json, "Machine-readable output");
   app.add_option("--max-running-requests", o->max_running_requests,
-                 "For kiln serve's own plan (with --gpu-mem-gib): sequences decoded together")
+                 "For kiln serve's own plan (with --gpu-mem-gib): sequences decoded together (0: the plan's)")
       ->capture_default_str();
+  app.add_flag("--disable-radix-cache", o->disable_radix_cache,
+               "For kiln serve's own plan: without the prefix cache (one state slot per request instead of 3)");
   app.add_option("--context-length", o->context_length,
                  "For kiln serve's own plan: longest sequence (default: the model's)");
   app.add_option("--chunked-prefill-size", o->chunked_prefill_size,

@@ -232,7 +232,7 @@ int run_serve(const ServeArgs& a) {
   eo.enable_prefix_cache = !a.disable_radix_cache;
   // State slots per running request: its own; with the prefix cache also its two pending page-boundary snapshots
   // (engine/scheduler.h); slots that running requests do not hold keep cached snapshots.
-  const int slots_per_request = a.disable_radix_cache ? 1 : 3;
+  const int slots_per_request = engine::state_slots_per_request(!a.disable_radix_cache);
   for (int64_t id : config.eos_token_ids) eo.eos_token_ids.push_back(static_cast<int32_t>(id));
   // Chat models end a turn with <|im_end|> and may also end with <|endoftext|>.
   for (const char* t : {"<|im_end|>", "<|endoftext|>"})

@@ -58,6 +58,14 @@ class RequestChannel;
 // the CPU) and pass the result in.
 constexpr int64_t kDefaultChunkedPrefillSize = 2048;
 
+// A running sequence's own state slot plus, with the prefix cache, the page-boundary snapshots it keeps in slots of
+// its own (see the policy above).
+constexpr int kDefaultMaxSnapshotsPerSequence = 2;
+// State slots kiln serve plans per running request (serve and inspect's plan of serve use this one rule).
+constexpr int state_slots_per_request(bool prefix_cache) {
+  return prefix_cache ? 1 + kDefaultMaxSnapshotsPerSequence : 1;
+}
+
 struct SchedulerOptions {
   int max_running_requests = 64;
   int max_queued_requests = 256;
@@ -72,7 +80,7 @@ struct SchedulerOptions {
   // State slots a running sequence may hold for its pending snapshots (besides its own state slot). The engine
   // gives state_slots / max_running_requests - 1, so that running sequences never hold the slots that
   // admitting more needs.
-  int max_snapshots_per_sequence = 2;
+  int max_snapshots_per_sequence = kDefaultMaxSnapshotsPerSequence;
 };
 
 using Clock = std::chrono::steady_clock;

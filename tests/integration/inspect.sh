@@ -52,8 +52,13 @@ grep -q "kv-cache-dtype 'int4' is not supported" "$err"
 # leaves after weights, state slots and activations is KV cache (pages of 16 tokens x 20,480 bytes); the 397B
 # does not fit one 141 GiB GPU.
 out35=$("$KILN" inspect --model-path "$ROOT/configs/qwen3.5-35b-a3b-nvfp4" --gpu-mem-gib 141 --max-running-requests 64 \
-  --context-length 8192)
-echo "$out35" | grep -q "kiln serve on one 141 GiB GPU (--max-running-requests 64" || { echo "FAIL: no serve plan"; exit 1; }
+  --context-length 8192 --disable-radix-cache)
+echo "$out35" | grep -q "kiln serve on one 141 GiB GPU (--max-running-requests 64, prefix cache off" ||
+  { echo "FAIL: no serve plan"; exit 1; }
+# With the prefix cache (serve's default) each running request takes 3 state slots: its own and two snapshots
+# (engine/scheduler.h, the rule kiln serve sizes its slots by).
+"$KILN" inspect --model-path "$ROOT/configs/qwen3.5-35b-a3b-nvfp4" --gpu-mem-gib 141 --max-running-requests 64 \
+  --context-length 8192 | grep -q "(192 slots, 64 running requests)" || { echo "FAIL: cache-on slots"; exit 1; }
 echo "$out35" | python3 -c '
 import re, sys
 t = sys.stdin.read()

@@ -69,10 +69,10 @@ TEST(KernelChoice, UnsupportedChoicesAreClearErrors) {
   EXPECT_EQ(error_of([&] { resolve_kernels("cuda", 9, o); }), "");
 }
 
-// --dtype: auto is float32 on CUDA for now (kCudaAutoDtype, the one line that flips it); bfloat16 and float32 pass;
+// --dtype: auto is bfloat16 on CUDA (kCudaAutoDtype, the one line that decides it); bfloat16 and float32 pass;
 // float16 is refused with the reason; the CPU backend takes auto / float32 only.
 TEST(Dtype, ResolvesPerDevice) {
-  EXPECT_STREQ(kCudaAutoDtype, "float32");  // flip with the default (after the GPU accuracy runs)
+  EXPECT_STREQ(kCudaAutoDtype, "bfloat16");  // docs/perf/dtype-h200.md: within the budget, faster
   EXPECT_EQ(resolve_dtype("cuda", "auto"), kCudaAutoDtype);
   EXPECT_EQ(resolve_dtype("cuda", "bfloat16"), "bfloat16");
   EXPECT_EQ(resolve_dtype("cuda", "float32"), "float32");
@@ -96,7 +96,11 @@ TEST(Dtype, ResolvesPerDevice) {
 TEST(Dtype, IsPartOfTheKernelChoice) {
   LoadOptions o;
   EXPECT_EQ(resolve_kernels("cpu", 0, o).dtype, "float32");
-  KernelChoice h = resolve_kernels("cuda", 9, o);
+  KernelChoice h = resolve_kernels("cuda", 9, o);  // auto
+  EXPECT_EQ(h.dtype, "bfloat16");
+  EXPECT_NE(h.str().find("dtype bfloat16"), std::string::npos) << h.str();
+  o.dtype = "float32";
+  h = resolve_kernels("cuda", 9, o);
   EXPECT_EQ(h.dtype, "float32");
   EXPECT_NE(h.str().find("dtype float32"), std::string::npos) << h.str();
   o.dtype = "bfloat16";

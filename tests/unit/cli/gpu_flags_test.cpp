@@ -57,7 +57,7 @@ TEST(DtypeFlag, ParsesIntoLoadOptions) {
 TEST(DtypeFlag, ResolvesPerDevice) {
   const backend::LoadOptions bf16 = parse_gpu({"--dtype", "bfloat16"});
   EXPECT_EQ(backend::resolve_kernels("cuda", 9, bf16).dtype, "bfloat16");
-  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({})).dtype, "float32");  // auto, for now
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({})).dtype, "bfloat16");  // auto
   EXPECT_EQ(backend::resolve_kernels("cpu", 0, parse_gpu({})).dtype, "float32");
   EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({"--dtype", "float"})).dtype, "float32");
   EXPECT_THAT([&] { backend::resolve_kernels("cpu", 0, bf16); }, ThrowsMessage<Error>(HasSubstr("CPU backend")));

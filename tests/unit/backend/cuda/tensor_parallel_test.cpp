@@ -273,6 +273,7 @@ std::vector<Case> cases() {
 
 LoadOptions small_options() {
   LoadOptions lo;
+  lo.dtype = "float32";       // the split against one rank, exactly: not the default bf16 rounding at the tensor cores
   lo.kv_dtype = DType::BF16;  // the GPU memory plan's KV types: bf16 or fp8
   lo.state_slots = 2;
   lo.max_context = 256;

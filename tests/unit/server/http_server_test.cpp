@@ -1134,6 +1134,14 @@ TEST(Http, RejectedRequestsAreLogged) {
   set_log_level(LogLevel::info);
   post(s, "/v1/chat/completions", chat_body("hi", {{"temperature", 7}}));
   post(s, "/v1/chat/completions", chat_body(std::string(10000, 'x')));  // over the limit: 413
+  // The server logs a rejection on its connection thread, which may still be writing when the client has the
+  // reply: wait (up to 5 s) for both lines before stderr goes back.
+  for (int i = 0; i < 500; ++i) {
+    fflush(stderr);
+    const std::string so_far = read_file(path);
+    if (so_far.find("status=400") != std::string::npos && so_far.find("status=413") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   set_log_level(level);
   fflush(stderr);
   dup2(saved, 2);

@@ -146,10 +146,10 @@ void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t>
   const int64_t rows = check_chunks(chunks);
   if (static_cast<int64_t>(tokens.size()) < rows)
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
   run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
     std::vector<int32_t> ids(out_rows.size());
     ops_->argmax_rows(out, ids);
-    const int32_t id0 = model_->weights.vocab_parallel ? static_cast<int32_t>(model_->weights.vocab_begin) : 0;
     for (size_t i = 0; i < ids.size(); ++i) tokens[out_rows[i]] = id0 + ids[i];
   });
 }
@@ -161,12 +161,12 @@ void Runner::forward_sample(std::span<const SeqChunk> chunks, std::span<const Ro
   const int64_t n = check_chunks(chunks);
   if (static_cast<int64_t>(tokens.size()) < n || static_cast<int64_t>(rows.size()) < n)
     fail("forward_sample: {} ids and {} sampling rows for {} rows", tokens.size(), rows.size(), n);
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
   run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
     std::vector<RowSampling> sub(out_rows.size());
     for (size_t i = 0; i < out_rows.size(); ++i) sub[i] = rows[static_cast<size_t>(out_rows[i])];
     std::vector<int32_t> ids(out_rows.size());
     ops_->sample_rows(out, sub, ids);
-    const int32_t id0 = model_->weights.vocab_parallel ? static_cast<int32_t>(model_->weights.vocab_begin) : 0;
     for (size_t i = 0; i < ids.size(); ++i) tokens[out_rows[i]] = id0 + ids[i];
   });
 }

@@ -27,10 +27,10 @@ struct CudaGroupOptions {
   int64_t peer_max_bytes = int64_t(8) << 20;   // automatic: larger all-reduces go to NCCL when it is usable
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // startup; set_timeout changes it
   // Ranks that share a GPU use the host-coordinated peer all-reduce (not capturable: CUDA graphs stay off for
-  // them). Tests and bench_allreduce set this to run the GPU-waiting kernel of distinct GPUs on one GPU instead;
-  // then the ranks' streams must not share a hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default, over
-  // every stream of the process), or a rank's kernel can wait in the queue behind a peer's that waits for it (the
-  // kernel's timeout then traps). Distinct GPUs have queues of their own.
+  // them). Tests and bench_allreduce set this to run the GPU-waiting kernel of distinct GPUs on one GPU instead,
+  // in a fresh process: after many other streams and kernels in the same process it has timed out (the ranks'
+  // kernels did not all run at once; queued behind one another in shared hardware work queues is the likely
+  // cause, not confirmed), and the timeout's trap breaks the process's CUDA context. Distinct GPUs are not affected.
   bool spin_on_shared_gpu = false;
 };
 

@@ -37,14 +37,6 @@
 #include "format/shard_plan.h"
 #include "test_util.h"
 
-// Ranks sharing one GPU with the GPU-waiting all-reduce need their streams on distinct hardware work queues: two
-// streams that share one (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default, assigned round robin over every stream the
-// process ever made) run in order, so a rank's all-reduce can queue behind a peer's that is waiting for it. The
-// tests before these make many streams; more queues, set before CUDA starts, keep the ranks' streams apart.
-namespace {
-const bool kMoreQueues = [] { return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0; }();
-}  // namespace
-
 namespace kiln::backend::cuda {
 namespace {
 

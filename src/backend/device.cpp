@@ -300,13 +300,15 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
   model::RunnerOptions ro = runner_options(options);
 #if KILN_HAVE_CUDA
-  if (options.nnodes > 1)
-    fail("--nnodes {}: serving over several machines is not implemented yet (node 0's scheduler does not drive the "
-         "other nodes' ranks); use one machine with --tp-size up to its GPU count", options.nnodes);
-  const bool parallel = options.tp_size != 1 || options.ep_size != 1;
+  const int nodes = std::max(options.nnodes, 1);
+  if (options.tp_size % nodes)
+    fail("--tp-size {} does not divide over --nnodes {}: every machine runs tp-size / nnodes ranks", options.tp_size,
+         nodes);
+  const bool parallel = options.tp_size != 1 || options.ep_size != 1 || nodes > 1;
   if (options.single_rank >= 0 && (options.single_rank >= options.tp_size || !parallel))
     fail("--single-rank {} needs --tp-size greater than it (got --tp-size {})", options.single_rank, options.tp_size);
-  const int local_ranks = parallel && options.single_rank < 0 ? options.tp_size : 1;
+  if (options.single_rank >= 0 && nodes > 1) fail("--single-rank runs one GPU of one machine: drop --nnodes");
+  const int local_ranks = parallel && options.single_rank < 0 ? options.tp_size / nodes : 1;
   // Rank r on GPU base_gpu_id + r * gpu_id_step (SGLang's flags); all checked before anything is allocated.
   const std::vector<cuda::CudaDeviceProbe> gpus = cuda::probe_cuda_devices();
   std::vector<int> devices(local_ranks);
@@ -345,7 +347,8 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   go.devices = devices;
   if (options.disable_custom_all_reduce) go.transport = cuda::CudaGroupOptions::Transport::nccl;
   if (parallel && options.single_rank < 0) {
-    group_desc = cuda::describe_cuda_group(go);
+    group_desc = nodes > 1 ? fmt::format("all-reduce: NCCL over {} nodes ({} ranks here)", nodes, local_ranks)
+                           : cuda::describe_cuda_group(go);
     if (sharing > 1 && graphs_on)
       group_desc += "; CUDA graphs off (ranks sharing a GPU meet on the host)";
   }
@@ -383,6 +386,18 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   model::TpOptions tp;
   tp.tp = options.tp_size;
   tp.ep = options.ep_size;
+  if (nodes > 1) {
+    // Several machines: node 0 makes the NCCL id, the rendezvous hands it to every node and keeps the connections as
+    // the link node 0 drives the steps over; NCCL joins the ranks of all nodes (model/tp_runner.h).
+    const NodeJoin joined =
+        join_nodes(dir, options, "cuda", ro, options.node_rank == 0 ? cuda::nccl_unique_id() : std::vector<uint8_t>{});
+    go.world_size = options.tp_size;
+    go.first_rank = options.node_rank * local_ranks;
+    go.nccl_id = joined.payload;
+    tp.link = joined.link;
+    tp.startup_timeout = std::chrono::seconds(std::max(options.dist_timeout_s, 1));
+    go.timeout = tp.startup_timeout;
+  }
   auto runner = std::make_unique<model::TpRunner>(
       dir, ro, tp,
       [&](int r) -> std::unique_ptr<model::Ops> { return make_ops_on(choice.device, self_check, options, devices[r]); },

@@ -10,6 +10,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -151,8 +154,9 @@ sockaddr_in resolve(const HostPort& hp, const std::string& addr) {
   return sa;
 }
 
+// Node 0's side. keep: the connections of nodes 1..n-1 are moved into *kept (index = node rank) instead of closed.
 std::vector<uint8_t> run_node0(const RendezvousOptions& o, const RendezvousHeader& h, const HostPort& hp,
-                               const std::vector<uint8_t>& blob) {
+                               const std::vector<uint8_t>& blob, std::vector<Fd>* kept = nullptr) {
   const Clock::time_point deadline = Clock::now() + o.timeout;
   resolve(hp, o.addr);  // the name must be valid even though node 0 listens on every interface
   Fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -238,16 +242,24 @@ std::vector<uint8_t> run_node0(const RendezvousOptions& o, const RendezvousHeade
   const Clock::time_point send_deadline = Clock::now() + std::chrono::seconds(10);
   for (auto& [rank, fd] : arrived) {
     send_reply(fd.fd, kOk, blob.data(), blob.size(), send_deadline);
+    if (kept) continue;
     // Wait for the node to close its end (it has read the reply), so the blob is not cut off by our close.
     char c;
     std::string err;
     read_exact(fd.fd, &c, 1, send_deadline, err);
   }
+  if (kept) {
+    kept->clear();
+    kept->resize(static_cast<size_t>(h.nnodes));
+    for (auto& [rank, fd] : arrived) (*kept)[static_cast<size_t>(rank)] = std::move(fd);
+  }
   KILN_LOG_INFO("rendezvous: all {} nodes agree ({})", h.nnodes, describe(h));
   return blob;
 }
 
-std::vector<uint8_t> run_node(const RendezvousOptions& o, const RendezvousHeader& h, const HostPort& hp) {
+// Another node's side. kept: the connection to node 0 is moved there instead of closed.
+std::vector<uint8_t> run_node(const RendezvousOptions& o, const RendezvousHeader& h, const HostPort& hp,
+                              Fd* kept = nullptr) {
   const Clock::time_point start = Clock::now(), deadline = start + o.timeout;
   const sockaddr_in sa = resolve(hp, o.addr);
   std::string last_error = "no attempt";
@@ -307,8 +319,168 @@ std::vector<uint8_t> run_node(const RendezvousOptions& o, const RendezvousHeader
   if (status != kOk)
     fail("rendezvous: node 0 at {} refused node {}: {}", o.addr, o.node_rank,
          std::string(payload.begin(), payload.end()));
+  if (kept) *kept = std::move(conn);
   return payload;
 }
+
+// The kept connections as a model::NodeLink: frames of [type u8][length u64, little-endian][payload], one mutex per
+// direction per peer; every wait polls in short slices so that close() (from any thread) wakes it.
+constexpr uint64_t kMaxFrame = uint64_t(4) << 30;
+
+class TcpNodeLink final : public model::NodeLink {
+ public:
+  TcpNodeLink(int nnodes, int node_rank, std::vector<Fd> fds) : nnodes_(nnodes), node_rank_(node_rank), fds_(std::move(fds)) {
+    for (size_t i = 0; i < fds_.size(); ++i) {
+      send_mu_.push_back(std::make_unique<std::mutex>());
+      recv_mu_.push_back(std::make_unique<std::mutex>());
+      if (fds_[i].fd < 0) continue;
+      const int one = 1;
+      ::setsockopt(fds_[i].fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // small collectives: no Nagle delay
+      ::setsockopt(fds_[i].fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+      ::fcntl(fds_[i].fd, F_SETFL, ::fcntl(fds_[i].fd, F_GETFL) | O_NONBLOCK);
+    }
+  }
+  ~TcpNodeLink() override = default;
+
+  int nnodes() const override { return nnodes_; }
+  int node_rank() const override { return node_rank_; }
+
+  void send(int peer, uint8_t type, const void* data, size_t bytes) override {
+    const int fd = peer_fd(peer, "send to");
+    std::lock_guard lock(*send_mu_[static_cast<size_t>(peer)]);
+    uint8_t head[9];
+    head[0] = type;
+    for (int i = 0; i < 8; ++i) head[1 + i] = static_cast<uint8_t>(static_cast<uint64_t>(bytes) >> (8 * i));
+    std::string err;
+    if (!put(fd, head, sizeof(head), err) || (bytes && !put(fd, data, bytes, err)))
+      fail("node {}: sending to node {} failed ({}): the multi-node group is broken; restart every node", node_rank_,
+           peer, err);
+  }
+
+  std::vector<uint8_t> receive(int peer, uint8_t type, std::chrono::milliseconds timeout) override {
+    uint8_t got = 0;
+    std::vector<uint8_t> payload;
+    if (!receive_any(peer, got, payload, timeout))
+      fail("node {}: node {} closed the connection (it stopped or failed): the multi-node group is broken; restart "
+           "every node", node_rank_, peer);
+    if (got != type)
+      fail("node {}: node {} sent a message of type {} where type {} was due: the nodes are out of step (different "
+           "kiln versions or a failed step); restart every node", node_rank_, peer, got, type);
+    return payload;
+  }
+
+  bool receive_any(int peer, uint8_t& type, std::vector<uint8_t>& payload, std::chrono::milliseconds timeout) override {
+    const int fd = peer_fd(peer, "receive from");
+    std::lock_guard lock(*recv_mu_[static_cast<size_t>(peer)]);
+    const bool bounded = timeout.count() > 0;
+    const Clock::time_point deadline = Clock::now() + timeout;
+    uint8_t head[9];
+    size_t got = 0;
+    std::string err;
+    if (!take(fd, head, sizeof(head), got, bounded, deadline, err)) {
+      if (got == 0 && err == "closed") return false;
+      fail("node {}: receiving from node {} failed ({}){}", node_rank_, peer, err == "closed" ? "the connection was closed mid-message" : err,
+           err == "timed out" ? fmt::format(" after {}", seconds(timeout)) : std::string(": the multi-node group is broken; restart every node"));
+    }
+    type = head[0];
+    uint64_t len = 0;
+    for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(head[1 + i]) << (8 * i);
+    if (len > kMaxFrame)
+      fail("node {}: node {} sent a frame of {} bytes (more than {}): not a kiln node of this version", node_rank_,
+           peer, len, kMaxFrame);
+    payload.resize(static_cast<size_t>(len));
+    got = 0;
+    if (len && !take(fd, payload.data(), payload.size(), got, bounded, deadline, err))
+      fail("node {}: receiving from node {} failed mid-message ({}): the multi-node group is broken; restart every node",
+           node_rank_, peer, err);
+    return true;
+  }
+
+  void close() override {
+    closed_ = true;
+    for (Fd& f : fds_)
+      if (f.fd >= 0) ::shutdown(f.fd, SHUT_RDWR);  // wakes every poll; the descriptors close with the link
+  }
+  bool closed() const override { return closed_; }
+
+ private:
+  int peer_fd(int peer, const char* what) const {
+    if (peer < 0 || peer >= static_cast<int>(fds_.size()) || fds_[static_cast<size_t>(peer)].fd < 0)
+      fail("node {}: cannot {} node {}: not a peer of this node (node 0 talks to 1..{}, the others to 0)", node_rank_,
+           what, peer, nnodes_ - 1);
+    if (closed_) fail("node {}: the multi-node group was closed after a failure; restart every node", node_rank_);
+    return fds_[static_cast<size_t>(peer)].fd;
+  }
+  // Waits for `events` in slices of 100 ms, so close() is noticed; false (why in err) on close or the deadline.
+  bool wait(int fd, short events, bool bounded, Clock::time_point deadline, std::string& err) const {
+    for (;;) {
+      if (closed_) {
+        err = "the group was closed after a failure";
+        return false;
+      }
+      int slice = 100;
+      if (bounded) {
+        const int left = remaining_ms(deadline);
+        if (left <= 0) {
+          err = "timed out";
+          return false;
+        }
+        slice = std::min(slice, left);
+      }
+      pollfd p{fd, events, 0};
+      const int r = ::poll(&p, 1, slice);
+      if (r > 0) return true;
+      if (r < 0 && errno != EINTR) {
+        err = std::strerror(errno);
+        return false;
+      }
+    }
+  }
+  bool take(int fd, void* buf, size_t n, size_t& got, bool bounded, Clock::time_point deadline, std::string& err) const {
+    auto* p = static_cast<uint8_t*>(buf);
+    while (got < n) {
+      const ssize_t r = ::recv(fd, p + got, n - got, 0);
+      if (r > 0) {
+        got += static_cast<size_t>(r);
+        continue;
+      }
+      if (r == 0) {
+        err = "closed";
+        return false;
+      }
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        err = std::strerror(errno);
+        return false;
+      }
+      if (!wait(fd, POLLIN, bounded, deadline, err)) return false;
+    }
+    return true;
+  }
+  bool put(int fd, const void* buf, size_t n, std::string& err) const {
+    const auto* p = static_cast<const uint8_t*>(buf);
+    while (n) {
+      const ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
+      if (r > 0) {
+        p += r;
+        n -= static_cast<size_t>(r);
+        continue;
+      }
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        err = std::strerror(errno);
+        return false;
+      }
+      if (!wait(fd, POLLOUT, false, Clock::time_point{}, err)) return false;
+    }
+    return true;
+  }
+
+  int nnodes_, node_rank_;
+  std::vector<Fd> fds_;
+  std::vector<std::unique_ptr<std::mutex>> send_mu_, recv_mu_;
+  std::atomic<bool> closed_{false};
+};
 
 }  // namespace
 
@@ -352,6 +524,28 @@ std::vector<uint8_t> rendezvous(const RendezvousOptions& o, const RendezvousHead
     return run_node0(o, h, hp, blob);
   }
   return run_node(o, h, hp);
+}
+
+RendezvousLink rendezvous_link(const RendezvousOptions& o, const RendezvousHeader& h, const std::vector<uint8_t>& blob) {
+  if (h.nnodes < 2) fail("rendezvous_link: a link needs --nnodes 2 or more (got {})", h.nnodes);
+  if (o.node_rank < 0 || o.node_rank >= h.nnodes)
+    fail("--node-rank {} is outside 0..{} (--nnodes {})", o.node_rank, h.nnodes - 1, h.nnodes);
+  if (o.timeout.count() <= 0) fail("rendezvous time-out must be positive");
+  if (h.fingerprint.size() > kMaxFingerprint) fail("rendezvous: model fingerprint too long ({} bytes)", h.fingerprint.size());
+  const HostPort hp = parse_dist_init_addr(o.addr);
+  RendezvousLink out;
+  std::vector<Fd> fds;
+  if (o.node_rank == 0) {
+    if (blob.size() > kMaxBlob) fail("rendezvous: blob of {} bytes is larger than {}", blob.size(), kMaxBlob);
+    out.blob = run_node0(o, h, hp, blob, &fds);
+  } else {
+    Fd conn;
+    out.blob = run_node(o, h, hp, &conn);
+    fds.resize(1);
+    fds[0] = std::move(conn);
+  }
+  out.link = std::make_shared<TcpNodeLink>(h.nnodes, o.node_rank, std::move(fds));
+  return out;
 }
 
 }  // namespace kiln::backend

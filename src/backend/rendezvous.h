@@ -7,10 +7,12 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "format/model_config.h"
+#include "model/node_link.h"
 
 namespace kiln::backend {
 
@@ -40,5 +42,14 @@ struct RendezvousOptions {
 // pass anything (ignored) and get node 0's blob. header.nnodes == 1 returns the blob at once.
 std::vector<uint8_t> rendezvous(const RendezvousOptions& options, const RendezvousHeader& header,
                                 const std::vector<uint8_t>& blob);
+
+// The same rendezvous, keeping the connections open as the group's message channel (model/node_link.h: node 0
+// linked to every node, the others to node 0; TCP_NODELAY, keep-alive). header.nnodes must be 2 or more.
+struct RendezvousLink {
+  std::vector<uint8_t> blob;
+  std::shared_ptr<model::NodeLink> link;
+};
+RendezvousLink rendezvous_link(const RendezvousOptions& options, const RendezvousHeader& header,
+                               const std::vector<uint8_t>& blob);
 
 }  // namespace kiln::backend

@@ -88,6 +88,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
   lo.max_context = o.input_len + o.output_len + 8;
   lo.prefill_chunk = backend::resolve_pass_tokens(o.prefill_chunk, 0);  // no engine steps here
   kiln::cli::apply_gpu_flags(o.gpu, lo);
+  kiln::cli::check_node_zero(o.parallel, "bench-engine");
   kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
   lo.single_rank = o.single_rank;
   if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;

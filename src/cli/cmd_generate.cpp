@@ -81,6 +81,7 @@ int run_generate(const GenerateOptions& o) {
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
   else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
   lo.dtype = o.dtype;
+  kiln::cli::check_node_zero(o.parallel, "generate");
   kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const format::ModelConfig config = format::load_model_config(dir);  // eos ids (any runner, TP too)

@@ -30,6 +30,7 @@
 #include "engine/engine.h"
 #include "format/model_config.h"
 #include "format/model_dir.h"
+#include "model/tp_runner.h"
 #include "server/http_server.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -197,7 +198,6 @@ int run_serve(const ServeArgs& a) {
   // Load everything that can fail on bad input before opening the port for traffic.
   format::ModelConfig config = format::load_model_config(dir);
   kiln::cli::check_parallel_flags(a.parallel, config, dir);  // --tp-size / --ep-size the model cannot take
-  if (a.dummy_runner.empty()) kiln::cli::check_parallel_device(a.parallel, device_choice.device);
   so.model_type = config.model_type;
   if (!config.architecture.empty()) so.architectures = {config.architecture};
   if (!dir.has("tokenizer.json")) fail("{}: no tokenizer.json in the model folder", dir.display_path());
@@ -250,6 +250,56 @@ int run_serve(const ServeArgs& a) {
   args_json["max_pass_tokens"] = prefill.pass_tokens;
   so.server_args = args_json;
 
+  // The load options of this launch (one code path for node 0 and the other nodes of several machines).
+  auto load_options = [&]() {
+    const int64_t context = a.context_length;
+    backend::CpuLoadOptions lo;
+    lo.kv_dtype = kv_dtype;
+    lo.max_context = context;
+    lo.threads = a.threads;
+    lo.slots_per_request = slots_per_request;
+    lo.prefill_chunk = prefill.pass_tokens;
+    if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
+    if (device_choice.device == "cuda") {
+      lo.state_slots = a.max_running_requests * slots_per_request;  // 0: the memory plan chooses
+    } else {
+      // CPU: no memory plan; a full context for every running request, at most 256k tokens (at least one
+      // context).
+      const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
+      lo.state_slots = running * slots_per_request;
+      const int64_t ctx = context > 0 ? std::min<int64_t>(context, config.max_position_embeddings)
+                                      : config.max_position_embeddings;
+      if (lo.kv_pages == 0)
+        lo.kv_pages = (std::max<int64_t>(ctx, std::min<int64_t>(int64_t(running) * ctx, 262144)) + lo.page_size - 1) /
+                      lo.page_size;
+    }
+    kiln::cli::apply_gpu_flags(a.gpu, lo);
+    kiln::cli::apply_parallel_flags(a.parallel, lo, device_choice.device);
+    return lo;
+  };
+
+  // Several machines, a node other than 0: no HTTP front and no scheduler; load this node's ranks, meet the others,
+  // then run node 0's steps until it stops the group (model/tp_runner.h).
+  if (a.parallel.nnodes > 1 && a.parallel.node_rank > 0) {
+    if (!a.dummy_runner.empty()) fail("--dummy-runner runs no model: it cannot join --nnodes {}", a.parallel.nnodes);
+    signals.start([&](int sig) {
+      std::fprintf(stderr, "kiln serve: %s on node %d, exiting (node 0's steps will fail: restart every node)\n",
+                   sig == SIGINT ? "SIGINT" : "SIGTERM", a.parallel.node_rank);
+      std::_Exit(0);
+    });
+    backend::CpuLoadOptions lo = load_options();
+    auto runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);
+    auto* tp = dynamic_cast<model::TpRunner*>(runner.get());
+    if (!tp) fail("--nnodes {}: the loaded model is not a tensor-parallel group", a.parallel.nnodes);
+    std::printf("kiln serve: node %d of %d ready (ranks %d-%d of tp %d); following node 0 (no HTTP on this node)\n",
+                a.parallel.node_rank, a.parallel.nnodes, tp->first_rank(), tp->first_rank() + tp->size() - 1,
+                a.parallel.tp_size);
+    std::fflush(stdout);
+    tp->follow();
+    std::printf("kiln serve: node %d: node 0 stopped the group, exiting\n", a.parallel.node_rank);
+    return 0;
+  }
+
   server::HttpServer http(so);
   http.bind();
   std::thread http_thread([&] { http.run(); });
@@ -298,28 +348,7 @@ int run_serve(const ServeArgs& a) {
       d.kv_pages = a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16 : running * ((d.max_context + 15) / 16);
       runner = std::make_unique<engine::DummyRunner>(d);
     } else {
-      backend::CpuLoadOptions lo;
-      lo.kv_dtype = kv_dtype;
-      lo.max_context = context;
-      lo.threads = a.threads;
-      lo.slots_per_request = slots_per_request;
-      lo.prefill_chunk = prefill.pass_tokens;
-      if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
-      if (device_choice.device == "cuda") {
-        lo.state_slots = a.max_running_requests * slots_per_request;  // 0: the memory plan chooses
-      } else {
-        // CPU: no memory plan; a full context for every running request, at most 256k tokens (at least one
-        // context).
-        const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
-        lo.state_slots = running * slots_per_request;
-        const int64_t ctx = context > 0 ? std::min<int64_t>(context, config.max_position_embeddings)
-                                        : config.max_position_embeddings;
-        if (lo.kv_pages == 0)
-          lo.kv_pages = (std::max<int64_t>(ctx, std::min<int64_t>(int64_t(running) * ctx, 262144)) + lo.page_size - 1) /
-                        lo.page_size;
-      }
-      kiln::cli::apply_gpu_flags(a.gpu, lo);
-      kiln::cli::apply_parallel_flags(a.parallel, lo, device_choice.device);
+      backend::CpuLoadOptions lo = load_options();
       runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);  // the user's choice: its log says why
     }
   }

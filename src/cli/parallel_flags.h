@@ -24,6 +24,7 @@ struct ParallelFlags {
   int nnodes = 1;
   int node_rank = 0;
   std::string dist_init_addr;
+  int dist_timeout_s = 600;
 };
 
 inline void add_parallel_flags(CLI::App& app, ParallelFlags& f) {
@@ -46,8 +47,9 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& f) {
       ->check(CLI::Range(0, 1023))
       ->capture_default_str();
   app.add_option("--nnodes", f.nnodes,
-                 "Machines the tensor-parallel ranks span (cuda; not served yet: more than 1 is refused when the model loads; --tp-size must be a multiple): each runs one kiln process with "
-                 "tp-size / nnodes ranks")
+                 "Machines the tensor-parallel ranks span (--tp-size must be a multiple): each runs one kiln process "
+                 "with tp-size / nnodes ranks; node 0 serves HTTP and drives the steps, the others run `kiln serve` "
+                 "with the same flags and their --node-rank (docs/deploy.md)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--node-rank", f.node_rank, "This machine's index among the --nnodes (0: the one that serves HTTP)")
@@ -56,6 +58,10 @@ inline void add_parallel_flags(CLI::App& app, ParallelFlags& f) {
   app.add_option("--dist-init-addr", f.dist_init_addr,
                  "host:port of node 0 (IPv4 address or host name), the same on every node: node 0 listens there and "
                  "the others connect to it at startup (needed with --nnodes > 1)");
+  app.add_option("--dist-timeout", f.dist_timeout_s,
+                 "Seconds a node waits at startup for the others (the rendezvous, then every node's weights loading)")
+      ->check(CLI::Range(1, 86400))
+      ->capture_default_str();
 }
 
 // Checks the flags on their own (no model, no device), naming the numbers; kiln::Error otherwise.
@@ -79,18 +85,18 @@ inline void validate_parallel_flags(const ParallelFlags& f) {
   if (!f.dist_init_addr.empty()) backend::parse_dist_init_addr(f.dist_init_addr);
 }
 
-// The device check: several machines need the CUDA backend (the CPU backend runs its ranks as threads of one
-// process). `device` is --device (auto / cpu / cuda) or its resolved choice (auto is resolved here).
-inline void check_parallel_device(const ParallelFlags& f, const std::string& device) {
-  if (f.nnodes > 1 && (device == "cpu" || (device == "auto" && backend::resolve_device(device).device == "cpu")))
-    fail("--nnodes {} needs --device cuda: the CPU backend runs all --tp-size ranks as threads of one process (use "
-         "--nnodes 1 with --device cpu)", f.nnodes);
+// Commands other than serve drive the group from node 0 only: the other nodes run `kiln serve` (they follow node
+// 0's steps whatever command node 0 runs).
+inline void check_node_zero(const ParallelFlags& f, const char* command) {
+  if (f.nnodes > 1 && f.node_rank != 0)
+    fail("kiln {} --node-rank {}: only node 0 runs {}; start the other nodes with `kiln serve` and the same "
+         "--model-path, --tp-size, --nnodes, --dist-init-addr and their --node-rank", command, f.node_rank, command);
 }
 
 // Validates the flags (kiln::Error before anything loads) and sets them into the load options.
 inline void apply_parallel_flags(const ParallelFlags& f, backend::LoadOptions& lo, const std::string& device) {
+  (void)device;
   validate_parallel_flags(f);
-  check_parallel_device(f, device);
   lo.tp_size = f.tp_size;
   lo.ep_size = f.ep_size;
   lo.base_gpu_id = f.base_gpu_id;
@@ -98,6 +104,7 @@ inline void apply_parallel_flags(const ParallelFlags& f, backend::LoadOptions& l
   lo.nnodes = f.nnodes;
   lo.node_rank = f.node_rank;
   lo.dist_init_addr = f.dist_init_addr;
+  lo.dist_timeout_s = f.dist_timeout_s;
 }
 
 // The flags' own checks, then the shard plan of these sizes (kiln::Error naming the numbers when the model cannot

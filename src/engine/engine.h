@@ -82,6 +82,8 @@ class Engine {
   int64_t vocab_size() const { return vocab_size_; }
   const model::RunnerCapacity& capacity() const { return capacity_; }
   std::string describe() const { return runner_->describe(); }
+  // The runner's fatal error ("" while it works; model_runner.h), for /health. Any thread.
+  std::string fatal_error() const { return runner_->fatal_error(); }
   // Each rank's device memory (model::ModelRunner::device_memory; empty on the CPU).
   std::vector<model::DeviceMemory> device_memory() const { return runner_->device_memory(); }
   bool draining() const { return draining_.load(); }

@@ -70,6 +70,10 @@ class ModelRunner {
   // Whether the model keeps per-sequence recurrent state (a cache hit then needs a state snapshot).
   virtual bool has_recurrent_state() const { return true; }
 
+  // Why this runner can no longer run steps ("" while it can): a multi-node group whose link failed. Safe to call
+  // from any thread (the server's /health reports it).
+  virtual std::string fatal_error() const { return {}; }
+
   // Human-readable description for the startup summary (backend, kernels, memory plan).
   virtual std::string describe() const = 0;
 

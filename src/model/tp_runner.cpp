@@ -15,6 +15,83 @@
 
 namespace kiln::model {
 
+namespace {
+
+// Messages of the multi-node steps on the link (the collectives of backend/comm_net.h use 0x41, 0x42).
+constexpr uint8_t kMsgHello = 0x11, kMsgReady = 0x12, kMsgStep = 0x13, kMsgReply = 0x14, kMsgStop = 0x15;
+enum class StepKind : uint8_t { logits = 1, argmax = 2, copy_state = 3 };
+
+struct Writer {
+  std::vector<uint8_t> out;
+  template <class T>
+  void put(T v) {
+    const auto* b = reinterpret_cast<const uint8_t*>(&v);
+    out.insert(out.end(), b, b + sizeof(T));
+  }
+  template <class T>
+  void put_span(std::span<const T> v) {
+    put<uint32_t>(static_cast<uint32_t>(v.size()));
+    const auto* b = reinterpret_cast<const uint8_t*>(v.data());
+    out.insert(out.end(), b, b + v.size_bytes());
+  }
+};
+struct Reader {
+  const std::vector<uint8_t>& in;
+  size_t at = 0;
+  template <class T>
+  T get() {
+    if (at + sizeof(T) > in.size()) fail("multi-node step: message of {} bytes cut short at {}", in.size(), at);
+    T v;
+    std::memcpy(&v, in.data() + at, sizeof(T));
+    at += sizeof(T);
+    return v;
+  }
+  template <class T>
+  std::vector<T> get_vector() {
+    const uint32_t n = get<uint32_t>();
+    if (at + size_t(n) * sizeof(T) > in.size()) fail("multi-node step: message of {} bytes cut short", in.size());
+    std::vector<T> v(n);
+    if (n) std::memcpy(v.data(), in.data() + at, size_t(n) * sizeof(T));
+    at += size_t(n) * sizeof(T);
+    return v;
+  }
+};
+
+std::vector<uint8_t> encode_step(StepKind kind, std::span<const SeqChunk> chunks, int src = 0, int dst = 0) {
+  Writer w;
+  w.put<uint8_t>(static_cast<uint8_t>(kind));
+  if (kind == StepKind::copy_state) {
+    w.put<int32_t>(src);
+    w.put<int32_t>(dst);
+    return std::move(w.out);
+  }
+  w.put<uint32_t>(static_cast<uint32_t>(chunks.size()));
+  for (const SeqChunk& c : chunks) {
+    w.put<int32_t>(c.state_slot);
+    w.put<int64_t>(c.start_pos);
+    w.put<uint8_t>(c.want_logits ? 1 : 0);
+    w.put_span(c.tokens);
+    w.put_span(c.page_table);
+  }
+  return std::move(w.out);
+}
+
+// The capacity every node must agree on (node 0 checks the others').
+std::vector<uint8_t> encode_hello(const RunnerCapacity& c, int64_t vocab) {
+  Writer w;
+  for (int64_t v : {c.kv_pages, int64_t(c.page_size), int64_t(c.state_slots), c.max_context, vocab}) w.put<int64_t>(v);
+  return std::move(w.out);
+}
+std::string describe_hello(const std::vector<uint8_t>& m) {
+  Reader r{m};
+  const int64_t pages = r.get<int64_t>(), page = r.get<int64_t>(), slots = r.get<int64_t>(), ctx = r.get<int64_t>(),
+                vocab = r.get<int64_t>();
+  return fmt::format("{} KV pages of {} tokens, {} state slots, context {}, vocabulary {}", pages, page, slots, ctx,
+                     vocab);
+}
+
+}  // namespace
+
 // One thread per rank, each waiting for the next job.
 class TpRunner::Threads {
  public:
@@ -85,27 +162,67 @@ TpRunner::TpRunner(const format::ModelDir& dir, const RunnerOptions& options, co
   // The plan first, from config.json: a size the model cannot take fails here, before any weight is read.
   const format::ModelConfig config = format::load_model_config(dir);
   plan_ = format::plan_shards(config, format::load_quant_config(dir), tp.tp, tp.ep);
-  if (static_cast<int>(comms_.size()) != tp.tp)
-    fail("tensor parallel: {} communicators for --tp-size {}", comms_.size(), tp.tp);
-  for (int r = 0; r < tp.tp; ++r)
-    if (comms_[r]->rank() != r || comms_[r]->size() != tp.tp)
+  const int nnodes = tp.link ? tp.link->nnodes() : 1, node = tp.link ? tp.link->node_rank() : 0;
+  if (nnodes < 1 || tp.tp % nnodes)
+    fail("--tp-size {} does not divide over --nnodes {}: every machine runs tp-size / nnodes ranks", tp.tp, nnodes);
+  const int local = tp.tp / nnodes;
+  first_ = node * local;
+  if (static_cast<int>(comms_.size()) != local)
+    fail("tensor parallel: {} communicators for the {} ranks of this node (--tp-size {}, --nnodes {})", comms_.size(),
+         local, tp.tp, nnodes);
+  for (int r = 0; r < local; ++r)
+    if (comms_[r]->rank() != first_ + r || comms_[r]->size() != tp.tp)
       fail("tensor parallel: communicator {} is rank {} of {}", r, comms_[r]->rank(), comms_[r]->size());
-  ranks_.resize(tp.tp);
-  threads_ = std::make_unique<Threads>(tp.tp);
+  ranks_.resize(local);
+  threads_ = std::make_unique<Threads>(local);
   for (auto& c : comms_) c->set_timeout(tp.startup_timeout);
   run_all([&](int r) {
     RunnerOptions ro = options;
-    ro.shard = plan_.ranks[r];
+    ro.shard = plan_.ranks[first_ + r];
     auto ops = make_ops(r);
     ops->set_communicator(comms_[r].get());
     ranks_[r] = std::make_unique<Runner>(std::move(ops), dir, ro);
     comms_[r]->barrier();  // every rank loaded (a peer that failed or hangs is reported within the time-out)
   });
   for (auto& c : comms_) c->set_timeout(std::chrono::milliseconds(0));
+  if (multi_node()) {
+    // Every node reports what it allocated; node 0 compares and starts the group (or refuses it, naming both).
+    NodeLink& link = *options_.link;
+    const std::vector<uint8_t> mine = encode_hello(capacity(), vocab_size());
+    if (node == 0) {
+      for (int k = 1; k < nnodes; ++k) {
+        const std::vector<uint8_t> theirs = link.receive(k, kMsgHello, tp.startup_timeout);
+        if (theirs != mine) {
+          link.close();
+          fail("node {} allocated {}, node 0 {}: start every node with the same model, flags and GPU kind "
+               "(--mem-fraction-static, --max-total-tokens, --max-running-requests, --context-length)", k,
+               describe_hello(theirs), describe_hello(mine));
+        }
+      }
+      for (int k = 1; k < nnodes; ++k) link.send(k, kMsgReady, nullptr, 0);
+      KILN_LOG_INFO("tensor parallel: all {} nodes loaded ({} ranks each); node 0 drives the steps", nnodes, local);
+    } else {
+      link.send(0, kMsgHello, mine.data(), mine.size());
+      uint8_t type = 0;
+      std::vector<uint8_t> body;
+      if (!link.receive_any(0, type, body, tp.startup_timeout) || type != kMsgReady)
+        fail("node {}: node 0 did not start the group (it refused this node's capacity {} or failed; see its log)",
+             node, describe_hello(mine));
+    }
+  }
   for (const std::string& n : plan_.notes) KILN_LOG_INFO("tensor parallel: {}", n);
 }
 
 TpRunner::~TpRunner() {
+  // Node 0 of several stops the other nodes (their follow() returns).
+  if (multi_node() && options_.link->node_rank() == 0 && !options_.link->closed()) {
+    for (int k = 1; k < options_.link->nnodes(); ++k) {
+      try {
+        options_.link->send(k, kMsgStop, nullptr, 0);
+      } catch (...) {
+      }
+    }
+  }
   // Each rank's runner goes on its own thread (a GPU rank frees its memory with its device current), then the
   // threads are joined.
   if (threads_) {
@@ -124,7 +241,68 @@ bool TpRunner::can_copy_state() const {
 }
 
 void TpRunner::copy_state(int src_slot, int dst_slot) {
-  run_all([&](int r) { ranks_[r]->copy_state(src_slot, dst_slot); });
+  if (multi_node()) send_step(encode_step(StepKind::copy_state, {}, src_slot, dst_slot));
+  try {
+    run_all([&](int r) { ranks_[r]->copy_state(src_slot, dst_slot); });
+  } catch (const std::exception& e) {
+    if (multi_node()) set_broken(e.what());
+    throw;
+  }
+  if (multi_node()) read_replies([](int, const std::vector<uint8_t>&) {});
+}
+
+void TpRunner::set_broken(const std::string& why) {
+  {
+    std::lock_guard lock(broken_mu_);
+    if (broken_.empty()) broken_ = why;
+  }
+  KILN_LOG_ERROR("tensor parallel over {} nodes: the group failed ({}); every later step fails: restart every node",
+                 options_.link->nnodes(), why);
+  options_.link->close();
+}
+
+std::string TpRunner::fatal_error() const {
+  std::lock_guard lock(broken_mu_);
+  return broken_.empty() ? std::string()
+                         : fmt::format("the multi-node tensor-parallel group failed ({}): restart every node", broken_);
+}
+
+void TpRunner::check_group() const {
+  const std::string why = fatal_error();
+  if (!why.empty()) fail("{}; it failed earlier and cannot run steps", why);
+}
+
+void TpRunner::send_step(const std::vector<uint8_t>& msg) {
+  check_group();
+  try {
+    for (int k = 1; k < options_.link->nnodes(); ++k) options_.link->send(k, kMsgStep, msg.data(), msg.size());
+  } catch (const std::exception& e) {
+    set_broken(e.what());
+    throw;
+  }
+}
+
+void TpRunner::read_replies(const std::function<void(int, const std::vector<uint8_t>&)>& reply) {
+  std::string error;
+  for (int k = 1; k < options_.link->nnodes(); ++k) {
+    std::vector<uint8_t> body;
+    try {
+      body = options_.link->receive(k, kMsgReply);
+    } catch (const std::exception& e) {
+      error = e.what();
+      break;
+    }
+    if (body.empty() || body[0] != 0) {
+      error = fmt::format("node {} failed the step: {}", k, body.empty() ? std::string("(no reason)")
+                                                                       : std::string(body.begin() + 1, body.end()));
+      break;
+    }
+    reply(k, std::vector<uint8_t>(body.begin() + 1, body.end()));
+  }
+  if (!error.empty()) {
+    set_broken(error);
+    fail("{}", error);
+  }
 }
 
 void TpRunner::run_all(const std::function<void(int)>& fn) {
@@ -162,11 +340,16 @@ void TpRunner::forward_ranks(std::span<const SeqChunk> chunks,
                              const std::function<void(int, const std::vector<float>&)>& done) {
   int64_t rows = 0;
   for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
-  run_all([&](int r) {
-    std::vector<float> local(static_cast<size_t>(rows * ranks_[r]->logits_width()));
-    ranks_[r]->forward(chunks, local);
-    done(r, local);
-  });
+  try {
+    run_all([&](int r) {
+      std::vector<float> local(static_cast<size_t>(rows * ranks_[r]->logits_width()));
+      ranks_[r]->forward(chunks, local);
+      done(r, local);
+    });
+  } catch (const std::exception& e) {
+    if (multi_node()) set_broken(e.what());
+    throw;
+  }
 }
 
 void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
@@ -175,11 +358,26 @@ void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits
   const int64_t V = vocab_size();
   if (static_cast<int64_t>(logits.size()) < rows * V)
     fail("forward: logits buffer holds {} floats, {} rows of {} needed", logits.size(), rows, V);
+  if (multi_node()) send_step(encode_step(StepKind::logits, chunks));
   // Each rank writes its vocabulary columns of every row (disjoint).
-  forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
-    const int64_t Vl = ranks_[r]->logits_width(), begin = plan_.ranks[r].vocab.begin;
+  auto place = [&](int g, const float* local) {
+    const int64_t Vl = plan_.ranks[g].vocab.count, begin = plan_.ranks[g].vocab.begin;
     for (int64_t i = 0; i < rows; ++i)
-      std::memcpy(logits.data() + i * V + begin, local.data() + i * Vl, static_cast<size_t>(Vl) * sizeof(float));
+      std::memcpy(logits.data() + i * V + begin, local + i * Vl, static_cast<size_t>(Vl) * sizeof(float));
+  };
+  forward_ranks(chunks, [&](int r, const std::vector<float>& local) { place(first_ + r, local.data()); });
+  if (!multi_node()) return;
+  read_replies([&](int k, const std::vector<uint8_t>& body) {
+    size_t at = 0;
+    for (int i = 0; i < size(); ++i) {
+      const int g = k * size() + i;
+      const size_t bytes = static_cast<size_t>(rows * plan_.ranks[g].vocab.count) * sizeof(float);
+      if (at + bytes > body.size()) fail("node {} sent {} bytes of logits, more expected", k, body.size());
+      std::vector<float> part(bytes / sizeof(float));
+      if (bytes) std::memcpy(part.data(), body.data() + at, bytes);
+      place(g, part.data());
+      at += bytes;
+    }
   });
 }
 
@@ -188,19 +386,37 @@ void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_
   for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
   if (static_cast<int64_t>(tokens.size()) < rows)
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
+  if (multi_node()) send_step(encode_step(StepKind::argmax, chunks));
   // Each rank's best (value, id) per row over its vocabulary slice; the lowest rank wins ties, as the lowest id
-  // does in host_argmax (the slices are in rank order). A GPU rank can return just these 8 bytes per row.
-  const int n = size();
+  // does in host_argmax (the slices are in rank order). A GPU rank can return just these 8 bytes per row; so does
+  // another node.
+  const int n = options_.tp;
   std::vector<std::vector<std::pair<float, int32_t>>> best(n);
   forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
+    const int g = first_ + r;
     const int64_t Vl = ranks_[r]->logits_width();
-    best[r].resize(rows);
+    best[g].resize(rows);
     for (int64_t i = 0; i < rows; ++i) {
       const float* row = local.data() + i * Vl;
       const int32_t j = host_argmax(row, Vl);
-      best[r][i] = {row[j], static_cast<int32_t>(plan_.ranks[r].vocab.begin + j)};
+      best[g][i] = {row[j], static_cast<int32_t>(plan_.ranks[g].vocab.begin + j)};
     }
   });
+  if (multi_node())
+    read_replies([&](int k, const std::vector<uint8_t>& body) {
+      const size_t pair = sizeof(float) + sizeof(int32_t);
+      if (body.size() != static_cast<size_t>(size() * rows) * pair)
+        fail("node {} sent {} bytes of greedy picks, {} expected", k, body.size(), size() * rows * pair);
+      for (int i = 0; i < size(); ++i) {
+        const int g = k * size() + i;
+        best[g].resize(rows);
+        for (int64_t j = 0; j < rows; ++j) {
+          const uint8_t* p = body.data() + (static_cast<size_t>(i * rows + j)) * pair;
+          std::memcpy(&best[g][j].first, p, sizeof(float));
+          std::memcpy(&best[g][j].second, p + sizeof(float), sizeof(int32_t));
+        }
+      }
+    });
   for (int64_t i = 0; i < rows; ++i) {
     int pick = -1;
     for (int r = 0; r < n; ++r) {
@@ -211,18 +427,101 @@ void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_
   }
 }
 
+void TpRunner::follow() {
+  if (!multi_node() || options_.link->node_rank() == 0) fail("follow(): only the nodes other than 0 follow steps");
+  NodeLink& link = *options_.link;
+  const int node = link.node_rank();
+  for (;;) {
+    uint8_t type = 0;
+    std::vector<uint8_t> msg;
+    if (!link.receive_any(0, type, msg))
+      fail("node {}: node 0 closed the connection without stopping the group (it failed or was killed); restart every "
+           "node", node);
+    if (type == kMsgStop) {
+      KILN_LOG_INFO("node {}: node 0 stopped the group", node);
+      return;
+    }
+    if (type != kMsgStep) fail("node {}: node 0 sent a message of type {} where a step was due: the nodes are out of step", node, type);
+    // The step, its reply: status 0 + the local ranks' results, or status 1 + the reason.
+    std::vector<uint8_t> reply{0};
+    try {
+      Reader rd{msg};
+      const auto kind = static_cast<StepKind>(rd.get<uint8_t>());
+      if (kind == StepKind::copy_state) {
+        const int src = rd.get<int32_t>(), dst = rd.get<int32_t>();
+        run_all([&](int r) { ranks_[r]->copy_state(src, dst); });
+      } else if (kind == StepKind::logits || kind == StepKind::argmax) {
+        const uint32_t n = rd.get<uint32_t>();
+        std::vector<std::vector<int32_t>> toks(n), pages(n);
+        std::vector<SeqChunk> chunks(n);
+        int64_t rows = 0;
+        for (uint32_t i = 0; i < n; ++i) {
+          chunks[i].state_slot = rd.get<int32_t>();
+          chunks[i].start_pos = rd.get<int64_t>();
+          chunks[i].want_logits = rd.get<uint8_t>() != 0;
+          toks[i] = rd.get_vector<int32_t>();
+          pages[i] = rd.get_vector<int32_t>();
+          chunks[i].tokens = toks[i];
+          chunks[i].page_table = pages[i];
+          rows += chunks[i].want_logits ? 1 : 0;
+        }
+        // Each local rank's part, placed at its offset in rank order.
+        std::vector<size_t> offset(size() + 1, 1);
+        for (int r = 0; r < size(); ++r)
+          offset[r + 1] = offset[r] + static_cast<size_t>(rows) *
+                                          (kind == StepKind::logits ? ranks_[r]->logits_width() * sizeof(float)
+                                                                    : sizeof(float) + sizeof(int32_t));
+        reply.resize(offset[size()]);
+        forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
+          uint8_t* out = reply.data() + offset[r];
+          if (kind == StepKind::logits) {
+            if (!local.empty()) std::memcpy(out, local.data(), local.size() * sizeof(float));
+            return;
+          }
+          const int64_t Vl = ranks_[r]->logits_width();
+          for (int64_t i = 0; i < rows; ++i) {
+            const float* row = local.data() + i * Vl;
+            const int32_t j = host_argmax(row, Vl);
+            const int32_t id = static_cast<int32_t>(plan_.ranks[first_ + r].vocab.begin + j);
+            std::memcpy(out + i * 8, &row[j], sizeof(float));
+            std::memcpy(out + i * 8 + 4, &id, sizeof(int32_t));
+          }
+        });
+      } else {
+        fail("unknown step kind {}", static_cast<int>(kind));
+      }
+    } catch (const std::exception& e) {
+      // The step failed here: say why to node 0, then stop (the group's collectives are out of step now).
+      const std::string why = fmt::format("{}", e.what());
+      std::vector<uint8_t> bad{1};
+      bad.insert(bad.end(), why.begin(), why.end());
+      try {
+        if (!link.closed()) link.send(0, kMsgReply, bad.data(), bad.size());
+      } catch (...) {
+      }
+      link.close();
+      fail("node {}: a step failed: {}; the group is broken, restart every node", node, why);
+    }
+    link.send(0, kMsgReply, reply.data(), reply.size());
+  }
+}
+
 std::string TpRunner::describe() const {
   std::string per_rank;
   for (int r = 0; r < size(); ++r) {
     const auto& w = ranks_[r]->model().weights;
-    per_rank += fmt::format("{}rank {} {:.1f} MB", r ? ", " : "", r,
+    per_rank += fmt::format("{}rank {} {:.1f} MB", r ? ", " : "", first_ + r,
                             (w.bytes_by_format[0] + w.bytes_by_format[1] + w.bytes_by_format[2]) / 1e6);
   }
   const format::ModelConfig& lc = ranks_[0]->config();
+  const std::string where =
+      multi_node() ? fmt::format("{} nodes; ranks {}-{} on this node (node {}) as threads", options_.link->nnodes(),
+                                 first_, first_ + size() - 1, options_.link->node_rank())
+                   : fmt::format("{} ranks as threads of this process", size());
   return fmt::format(
-      "tensor parallel {} x {} (ep {}; {} ranks as threads of this process) | per rank: {} q / {} KV heads, {} key / "
+      "tensor parallel {} x {} (ep {}; {}) | per rank: {} q / {} KV heads, {} key / "
       "{} value heads, experts {} of {} (intermediate {}), vocab {} | linear weights per rank: {} | rank 0: {}",
-      size(), ranks_[0]->ops().name(), plan_.ep, size(), lc.num_attention_heads, lc.num_kv_heads,
+      options_.tp, ranks_[0]->ops().name(), plan_.ep, where, lc.num_attention_heads, lc.num_kv_heads,
       lc.linear_num_key_heads, lc.linear_num_value_heads, plan_.ranks[0].experts.count, lc.num_experts,
       lc.moe_intermediate_size, plan_.ranks[0].vocab.count, per_rank, ranks_[0]->describe());
 }
@@ -231,7 +530,7 @@ std::vector<DeviceMemory> TpRunner::device_memory() const {
   std::vector<DeviceMemory> out;
   for (int r = 0; r < size(); ++r)
     for (DeviceMemory d : ranks_[r]->device_memory()) {
-      d.rank = r;
+      d.rank = first_ + r;
       out.push_back(std::move(d));
     }
   return out;

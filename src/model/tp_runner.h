@@ -5,17 +5,27 @@
 // contract: every rank runs the same step; the vocabulary-parallel logits are assembled on the host, each rank
 // writing its columns; greedy steps take each rank's local argmax and keep the best (no full-logits gather).
 //
-// Process model: one process drives all ranks (serve, generate, bench-engine with --tp-size N).
+// Process model: one process per machine drives all of that machine's ranks (serve, generate, bench-engine with
+// --tp-size N). Several machines (--nnodes M, TpOptions::link): each process holds tp / M ranks, rank numbers
+// node_rank x tp / M on; node 0 runs the engine and sends every step (its chunks, which result it wants) to the
+// other nodes over the link (model/node_link.h), runs its own ranks, and reads back each node's ranks' results
+// (their vocabulary columns of the logits, or their best (value, id) per row for a greedy step); the other nodes
+// run follow() instead of an engine. At startup every node reports its capacity (KV pages, state slots, vocabulary)
+// and node 0 refuses a mismatch. A failure in a multi-node step breaks the group for good (every later step fails
+// with the reason): restart every node.
 #pragma once
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "format/model_dir.h"
 #include "format/shard_plan.h"
 #include "model/comm.h"
 #include "model/model_runner.h"
+#include "model/node_link.h"
 #include "model/runner.h"
 
 namespace kiln::model {
@@ -26,12 +36,16 @@ struct TpOptions {
   // Longest wait of a rank for its peers while loading (a peer that failed or hangs at startup); afterwards a
   // failing rank aborts the group instead.
   std::chrono::milliseconds startup_timeout{std::chrono::minutes(10)};
+  // Several machines: the link to the other nodes (its nnodes() and node_rank() say which ranks are this
+  // process's); null: one machine.
+  std::shared_ptr<NodeLink> link;
 };
 
 class TpRunner : public ModelRunner {
  public:
-  // Plans the shards (kiln::Error before any weight is read when tp / ep do not fit the model), then loads rank r
-  // on rank thread r: make_ops(r) gives its Ops, comms[r] (of a group of tp) its communicator.
+  // Plans the shards (kiln::Error before any weight is read when tp / ep do not fit the model), then loads this
+  // node's ranks, local rank i (global rank first_rank() + i) on rank thread i: make_ops(i) gives its Ops, comms[i]
+  // (rank first_rank() + i of a group of tp) its communicator. With a link, then meets the other nodes (above).
   TpRunner(const format::ModelDir& dir, const RunnerOptions& options, const TpOptions& tp,
            const std::function<std::unique_ptr<Ops>(int rank)>& make_ops,
            std::vector<std::unique_ptr<Communicator>> comms);
@@ -46,10 +60,15 @@ class TpRunner : public ModelRunner {
   bool can_copy_state() const override;
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return ranks_[0]->has_recurrent_state(); }
+  std::string fatal_error() const override;
   // Every rank's device figures (rank r's entry has rank r).
   std::vector<DeviceMemory> device_memory() const override;
 
-  int size() const { return static_cast<int>(ranks_.size()); }
+  // Other nodes than 0: runs node 0's steps until node 0 stops the group (returns) or the link fails (kiln::Error).
+  void follow();
+
+  int size() const { return static_cast<int>(ranks_.size()); }  // this node's ranks
+  int first_rank() const { return first_; }
   Runner& rank(int r) { return *ranks_[r]; }
   const format::ShardPlan& plan() const { return plan_; }
 
@@ -58,14 +77,25 @@ class TpRunner : public ModelRunner {
   // fn(rank) on every rank thread at once; the first rank's error is rethrown after all have stopped (a failing
   // rank aborts the group, so the others' collectives return).
   void run_all(const std::function<void(int)>& fn);
-  // The step on every rank; rank r's logits rows (its vocabulary slice) go to rows(r) in row order.
+  // The step on every local rank; done(local rank, its logits rows: its vocabulary slice, in row order).
   void forward_ranks(std::span<const SeqChunk> chunks, const std::function<void(int, const std::vector<float>&)>& done);
+  // Node 0 of several: sends a step to every other node (kind and body), then (after the local ranks ran it) each
+  // node's reply body to reply(node, body). Any failure breaks the group (broken_).
+  void send_step(const std::vector<uint8_t>& msg);
+  void read_replies(const std::function<void(int, const std::vector<uint8_t>&)>& reply);
+  void check_group() const;
+  bool multi_node() const { return options_.link != nullptr; }
 
   format::ShardPlan plan_;
   TpOptions options_;
   std::vector<std::unique_ptr<Communicator>> comms_;
   std::vector<std::unique_ptr<Runner>> ranks_;
   std::unique_ptr<Threads> threads_;
+  int first_ = 0;       // global rank of local rank 0
+  // Several machines: why the group failed ("" while it works); written by the stepping thread, read by any.
+  void set_broken(const std::string& why);
+  mutable std::mutex broken_mu_;
+  std::string broken_;
 };
 
 }  // namespace kiln::model

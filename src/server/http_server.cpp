@@ -535,6 +535,14 @@ struct HttpServer::Impl {
   void handle_health(const httplib::Request&, httplib::Response& res) {
     res.status = ready.load() && !draining.load() ? 200 : 503;
     res.set_content("", "text/plain");
+    // A runner that cannot run steps any more (a multi-node group that broke) is not healthy; say why.
+    if (res.status == 200 && model.engine) {
+      const std::string why = model.engine->fatal_error();
+      if (!why.empty()) {
+        res.status = 503;
+        res.set_content(why + "\n", "text/plain");
+      }
+    }
   }
 
   // As SGLang's: healthy as soon as the engine finishes a step after the check began, whether the step served

@@ -6,6 +6,8 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <cstring>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -187,11 +189,17 @@ class CudaComm final : public model::Communicator {
       if (e) cudaEventDestroy(e);
   }
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  // Several machines: this process's ranks are a part of a larger NCCL group (rank_ / size_ stay the local index
+  // and count: the peer state, the gather table and nccl_->comms are this process's).
+  void set_global(int rank, int size) {
+    global_rank_ = rank;
+    global_size_ = size;
+  }
+  int rank() const override { return global_rank_ >= 0 ? global_rank_ : rank_; }
+  int size() const override { return global_size_ > 0 ? global_size_ : size_; }
 
   void all_reduce_sum(float* data, int64_t count, void* stream) override {
-    if (size_ == 1 || count == 0) return;
+    if (size() == 1 || count == 0) return;
     auto s = static_cast<cudaStream_t>(stream);
     const bool use_peer = peer_ && (!nccl_ || count * 4 <= peer_max_bytes_);
     if (use_peer && peer_->spin) {
@@ -300,6 +308,7 @@ class CudaComm final : public model::Communicator {
 
  private:
   int rank_, size_;
+  int global_rank_ = -1, global_size_ = 0;
   std::shared_ptr<PeerState> peer_;
   std::shared_ptr<NcclState> nccl_;
   int64_t peer_max_bytes_;
@@ -372,10 +381,38 @@ std::string describe_cuda_group(const CudaGroupOptions& o) {
   return "no transport";
 }
 
+std::vector<uint8_t> nccl_unique_id() {
+  const Nccl& lib = Nccl::get();
+  if (!lib.error.empty()) fail("tensor parallel over several machines needs NCCL: {}", lib.error);
+  ncclUniqueId id;
+  nccl_check(lib, lib.get_unique_id(&id), "unique id");
+  const auto* b = reinterpret_cast<const uint8_t*>(&id);
+  return std::vector<uint8_t>(b, b + sizeof(id));
+}
+
 std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGroupOptions& o) {
   const int n = static_cast<int>(o.devices.size());
   if (n < 1) fail("a tensor-parallel group needs at least 1 rank");
-  const Plan plan = n > 1 ? plan_group(o) : Plan{};
+  const bool several = o.world_size > 0;  // this process's ranks are part of a group over several machines
+  if (several) {
+    if (o.first_rank < 0 || o.first_rank + n > o.world_size)
+      fail("tensor parallel: ranks {}..{} are outside the group of {}", o.first_rank, o.first_rank + n - 1,
+           o.world_size);
+    if (o.nccl_id.size() != sizeof(ncclUniqueId))
+      fail("tensor parallel over several machines: NCCL id of {} bytes from node 0, {} expected (different NCCL "
+           "versions on the nodes?)", o.nccl_id.size(), sizeof(ncclUniqueId));
+    if (std::set<int>(o.devices.begin(), o.devices.end()).size() != o.devices.size())
+      fail("tensor parallel over several machines runs on NCCL, which needs one GPU per rank: --gpu-id-step 0 (ranks "
+           "sharing a GPU) works on one machine only");
+    std::string why;
+    if (!nccl_available(&why)) fail("tensor parallel over several machines needs NCCL: {}", why);
+  }
+  Plan plan = n > 1 ? plan_group(o) : Plan{};
+  if (several) {
+    // Across machines every collective is NCCL's (the peer transport joins GPUs of one machine only).
+    plan.peer = false;
+    plan.nccl = true;
+  }
   if (n > 1 && !plan.peer && !plan.nccl)
     fail("tensor parallel over GPUs {}: no transport joins them: {}; {}", device_list(o.devices),
          plan.why_not_peer.empty() ? "peer transport not chosen" : plan.why_not_peer,
@@ -419,13 +456,15 @@ std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGrou
   }
 
   std::shared_ptr<NcclState> nccl;
-  if (n > 1 && plan.nccl) {
+  if ((n > 1 || several) && plan.nccl) {
     const Nccl& lib = Nccl::get();
     // NVLink multicast (NVLS) stays off: the GPU machines this runs on require it, and the all-reduces here are
     // latency-bound decode messages.
     setenv("NCCL_NVLS_ENABLE", "0", 1);
     ncclUniqueId id;
-    nccl_check(lib, lib.get_unique_id(&id), "unique id");
+    if (several) std::memcpy(&id, o.nccl_id.data(), sizeof(id));  // node 0's, from the rendezvous
+    else nccl_check(lib, lib.get_unique_id(&id), "unique id");
+    const int world = several ? o.world_size : n, base = several ? o.first_rank : 0;
     nccl = std::make_shared<NcclState>();
     nccl->comms.assign(n, nullptr);
     nccl->devices = o.devices;
@@ -434,7 +473,7 @@ std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGrou
     nccl_check(lib, lib.group_start(), "group start");
     for (int r = 0; r < n; ++r) {
       DeviceScope on(o.devices[r]);
-      nccl_check(lib, lib.init_rank_config(&nccl->comms[r], n, id, r, &config), "communicator init");
+      nccl_check(lib, lib.init_rank_config(&nccl->comms[r], world, id, base + r, &config), "communicator init");
     }
     nccl_check(lib, lib.group_end(), "communicator init");
     const auto deadline = std::chrono::steady_clock::now() + o.timeout;
@@ -446,6 +485,7 @@ std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGrou
   std::vector<std::unique_ptr<model::Communicator>> out;
   for (int r = 0; r < n; ++r) {
     auto c = std::make_unique<CudaComm>(r, n, peer, nccl, o.peer_max_bytes, std::move(host[r]));
+    if (several) c->set_global(o.first_rank + r, o.world_size);
     c->set_gather_table(table);
     if (peer) {
       DeviceScope on(o.devices[r]);

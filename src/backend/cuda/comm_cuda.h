@@ -32,7 +32,16 @@ struct CudaGroupOptions {
   // kernels did not all run at once; queued behind one another in shared hardware work queues is the likely
   // cause, not confirmed), and the timeout's trap breaks the process's CUDA context. Distinct GPUs are not affected.
   bool spin_on_shared_gpu = false;
+  // Several machines (--nnodes > 1): these devices are ranks first_rank.. of a group of world_size over all the
+  // nodes, joined by NCCL only (NCCL's own transports between machines and within one); nccl_id is node 0's
+  // nccl_unique_id(), passed to every node by the rendezvous. world_size 0: one machine.
+  int world_size = 0;
+  int first_rank = 0;
+  std::vector<uint8_t> nccl_id;
 };
+
+// A fresh NCCL unique id (node 0 of several machines), as bytes for the rendezvous; kiln::Error without NCCL.
+std::vector<uint8_t> nccl_unique_id();
 
 // The group (index = rank). kiln::Error naming the devices when the transport cannot join them (no peer access and
 // no NCCL, NCCL asked for ranks sharing a GPU, NCCL init failing or timing out).

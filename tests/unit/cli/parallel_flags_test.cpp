@@ -100,18 +100,26 @@ TEST(ParallelFlags, Validation) {
   expect_invalid(f, "--ep-size 3 must divide --tp-size 4");
 }
 
-TEST(ParallelFlags, SeveralNodesNeedCuda) {
+TEST(ParallelFlags, OnlyServeRunsTheOtherNodes) {
+  // generate / bench-engine drive the group from node 0; the other nodes are `kiln serve` processes.
   ParallelFlags f;
   f.tp_size = 4;
   f.nnodes = 2;
   f.dist_init_addr = "127.0.0.1:5000";
+  EXPECT_NO_THROW(check_node_zero(f, "generate"));
+  f.node_rank = 1;
+  EXPECT_THAT([&] { check_node_zero(f, "generate"); },
+              ThrowsMessage<Error>(HasSubstr("kiln generate --node-rank 1: only node 0 runs generate; start the other "
+                                             "nodes with `kiln serve`")));
+  // The CPU backend spans machines too (its ranks meet over TCP): the flags pass through to the load options.
   backend::LoadOptions lo;
-  EXPECT_THAT([&] { apply_parallel_flags(f, lo, "cpu"); },
-              ThrowsMessage<Error>(HasSubstr("--nnodes 2 needs --device cuda: the CPU backend runs all --tp-size ranks "
-                                             "as threads of one process")));
-  EXPECT_NO_THROW(check_parallel_device(f, "cuda"));
-  f.nnodes = 1;
-  EXPECT_NO_THROW(check_parallel_device(f, "cpu"));
+  f.dist_timeout_s = 42;
+  apply_parallel_flags(f, lo, "cpu");
+  EXPECT_EQ(lo.nnodes, 2);
+  EXPECT_EQ(lo.node_rank, 1);
+  EXPECT_EQ(lo.dist_timeout_s, 42);
+  EXPECT_EQ(parse({"--dist-timeout", "7"}).dist_timeout_s, 7);
+  EXPECT_THROW(parse({"--dist-timeout", "0"}), CLI::ValidationError);
 }
 
 }  // namespace

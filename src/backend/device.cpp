@@ -139,7 +139,6 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
-  c.pdl = o.pdl;
   return c;
 }
 }  // namespace
@@ -352,9 +351,8 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     if (sharing > 1 && graphs_on)
       group_desc += "; CUDA graphs off (ranks sharing a GPU meet on the host)";
   }
-  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
-                           graphs_on && sharing == 1 ? "on" : "off",
-                           options.pdl ? "; programmatic dependent launch on (experimental)" : "");
+  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
+                           graphs_on && sharing == 1 ? "on" : "off");
   if (!parallel) {
     auto runner = std::make_unique<model::Runner>(make_ops_on(choice.device, self_check, options, devices[0]), dir, ro);
     KILN_LOG_INFO("{}", runner->describe());

@@ -105,8 +105,8 @@ struct MemoryPlan {
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& options, double gpu_bytes,
                               double free_bytes);
 
-// The Ops of a resolved device ("cpu" or "cuda"); a cuda Ops runs the kernels `options` choose (resolve_kernels,
-// --enable-pdl) and is checked against the CPU backend (op_check.h) unless self_check is false.
+// The Ops of a resolved device ("cpu" or "cuda"); a cuda Ops runs the kernels `options` choose (resolve_kernels)
+// and is checked against the CPU backend (op_check.h) unless self_check is false.
 std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check = true,
                                      const LoadOptions& options = {});
 

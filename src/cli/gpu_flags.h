@@ -16,7 +16,6 @@ struct GpuFlags {
   double mem_fraction_static = 0;
   std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
   bool disable_cuda_graph = false;
-  bool enable_pdl = false;
   bool disable_custom_all_reduce = false;
 };
 
@@ -52,9 +51,13 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "Hopper has no FP4 tensor cores), or kiln-fp32 (the fp32 gemm)")
       ->capture_default_str();
   app.add_flag("--disable-cuda-graph", f.disable_cuda_graph, "cuda: run decode steps eagerly (no CUDA graphs)");
-  app.add_flag("--enable-pdl", f.enable_pdl,
-               "cuda, experimental: overlap each kernel's launch with the previous kernel (programmatic dependent "
-               "launch, sm_90+); wrong tokens have been seen with it in serving, so it is off by default");
+  // Removed (it was documented, so passing it fails with the reason instead of an unknown-option error or a silent
+  // no-op); hidden from --help.
+  app.add_flag_callback("--enable-pdl", [] {
+        throw CLI::ValidationError("--enable-pdl",
+                                   "removed: programmatic dependent launch gave wrong tokens intermittently in "
+                                   "serving, so kernels always launch in plain stream order; drop the flag");
+      })->group("");
   app.add_flag("--disable-custom-all-reduce", f.disable_custom_all_reduce,
                "cuda, --tp-size > 1: all-reduce through NCCL only (default: the one-shot peer-memory all-reduce for "
                "messages up to 8 MiB, NCCL above)");
@@ -68,7 +71,6 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.moe_runner_backend = f.moe_runner_backend;
   lo.fp4_gemm_backend = f.fp4_gemm_backend;
   lo.cuda_graphs = !f.disable_cuda_graph;
-  lo.pdl = f.enable_pdl;
   lo.disable_custom_all_reduce = f.disable_custom_all_reduce;
 }
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU machine, repo root: start kiln serve (kiln-tiny) fresh $RUNS times per flag set in $VARIANTS ('|'-separated,
-# default: with and without programmatic dependent launch) and run kiln smoke against each; count the
-# failing runs. Carry gpu-carry (kiln.xz, lib/) as for run_engine_h200.sh.
+# default: the default flags only) and run kiln smoke against each; count the failing runs. Carry gpu-carry
+# (kiln.xz, lib/) as for run_engine_h200.sh.
 export LD_LIBRARY_PATH="$PWD/gpu-carry/lib:/usr/local/cuda/lib64"
 for f in gpu-carry/*.xz; do python3 -c "import lzma,sys; open(sys.argv[1][:-3],'wb').write(lzma.open(sys.argv[1]).read())" "$f"; chmod +x "${f%.xz}"; done
 K=${KILN_BIN:-gpu-carry/kiln}
-if [ -n "${VARIANTS:-}" ]; then IFS='|' read -ra VLIST <<< "$VARIANTS"; else VLIST=("--enable-pdl" ""); fi
+if [ -n "${VARIANTS:-}" ]; then IFS='|' read -ra VLIST <<< "$VARIANTS"; else VLIST=(""); fi
 for v in "${VLIST[@]}"; do
   fails=0
   for i in $(seq ${RUNS:-6}); do

@@ -107,7 +107,6 @@ void peer_all_reduce(const PeerAllReduceArgs& args, float* data, int64_t n, Stre
   if (n <= 0) return;
   if (n > args.capacity) cuda_fail("peer all-reduce: {} floats exceed the exchange buffer's {}", {n, args.capacity});
   if (args.nranks < 1 || args.nranks > kPeerMaxRanks) cuda_fail("peer all-reduce: {} ranks", {int64_t(args.nranks)});
-  // A plain launch (not launch_kernel): with PDL the next kernel still waits for this one to complete.
   peer_all_reduce_kernel<<<kPeerBlocks, kThreads, 0, stream>>>(args, data, n);
   KILN_CUDA_CHECK_LAUNCH();
 }

@@ -181,7 +181,7 @@ struct CudaOps::Impl {
   std::unique_ptr<::kiln::cuda::BlasLt> blas;
   DeviceBuffer blas_x, blas_out;  // reused by every such linear (one stream: calls never overlap)
 
-  explicit Impl(const CudaOptions& o) : rt(o.device, o.pdl), options(o) {}
+  explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {}
 };
 
 namespace {
@@ -214,7 +214,7 @@ std::string CudaOps::describe() const {
       "fp32 accumulation); linear: {}, else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem "
       "tiles); weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: experts grouped on the device, "
       "{}; attention: paged, split-KV, online softmax (f32/bf16/fp8 KV){}; delta rule: {}; decode steps as CUDA "
-      "graphs; {}",
+      "graphs",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
       bf16 ? "bfloat16" : "float32",
       bf16 ? ", rounded to bf16 at each tensor-core input" : ", split into 3 bf16 parts at each tensor-core input",
@@ -232,10 +232,7 @@ std::string CudaOps::describe() const {
           : std::string(", prefill on the split-KV kernel too [--attention-backend kiln-paged-fp32]"),
       o.delta_rule == CudaOptions::DeltaRule::chunked
           ? "chunks of 64 tokens wherever supported [every step]"
-          : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
-      kops::pdl_enabled() ? "kernels overlap their launch with the previous kernel (programmatic dependent launch "
-                            "[--enable-pdl, experimental])"
-                          : "kernels launched in plain stream order");
+          : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode");
 }
 
 void CudaOps::synchronize() { impl_->rt.synchronize(); }
@@ -271,7 +268,6 @@ void CudaOps::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   const size_t work = kops::argmax_workspace_bytes(R, V);
   if (impl_->argmax_work.size() < work) impl_->argmax_work = DeviceBuffer(align_up(work));
   kops::argmax_rows(f32(logits), V, R, V, impl_->argmax_ids.as<int32_t>(), impl_->argmax_work.data(), impl_->rt.stream());
-  kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), impl_->argmax_ids.data(), static_cast<size_t>(R) * 4,
                                   cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
@@ -298,12 +294,10 @@ void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSa
   if (impl_->sample_args.size() < arg_bytes) impl_->sample_args = DeviceBuffer(align_up(arg_bytes));
   if (impl_->argmax_ids.size() < static_cast<size_t>(R) * 4) impl_->argmax_ids = DeviceBuffer(align_up(R * 4));
   // From pageable memory: returns once `args` is staged, so it may go out of scope.
-  kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(impl_->sample_args.data(), args.data(), arg_bytes, cudaMemcpyHostToDevice,
                                   impl_->rt.stream()));
   kops::sample_rows(f32(logits), V, R, V, impl_->sample_args.as<kops::SampleRowArgs>(),
                     impl_->argmax_ids.as<int32_t>(), impl_->rt.stream());
-  kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), impl_->argmax_ids.data(), static_cast<size_t>(R) * 4,
                                   cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
@@ -395,14 +389,12 @@ void CudaOps::reset_scratch() { impl_->rt.reset_scratch(); }
 TensorView CudaOps::upload(const void* host, DType dtype, Shape shape) {
   TensorView t = scratch(dtype, shape);
   // Pageable source: the call returns once the bytes are staged, so the caller may reuse its buffer.
-  kops::pdl_note_other_op();
   if (t.nbytes()) KILN_CUDA_CHECK(cudaMemcpyAsync(t.data, host, t.nbytes(), cudaMemcpyHostToDevice, impl_->rt.stream()));
   return t;
 }
 
 void CudaOps::download(const TensorView& src, void* host) {
   KILN_CHECK(src.is_contiguous(), "download of a strided view");
-  kops::pdl_note_other_op();
   if (src.nbytes()) KILN_CUDA_CHECK(cudaMemcpyAsync(host, src.data, src.nbytes(), cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
 }
@@ -410,7 +402,6 @@ void CudaOps::download(const TensorView& src, void* host) {
 void CudaOps::fill_zero(TensorView t) {
   OpScope prof(impl_->rt, [&] { return std::string("fill_zero"); });
   KILN_CHECK(t.is_contiguous(), "fill_zero of a strided view");
-  kops::pdl_note_other_op();
   if (t.nbytes()) KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), impl_->rt.stream()));
 }
 
@@ -435,7 +426,6 @@ float CudaOps::max_abs(const TensorView& x) {
   float* result = impl_->max_abs_result.as<float>();
   kops::max_abs(f32(x), x.numel(), result, impl_->rt.stream());
   float host = 0.0f;
-  kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(float), cudaMemcpyDeviceToHost, impl_->rt.stream()));
   synchronize();
   return host;
@@ -470,7 +460,6 @@ void CudaOps::all_reduce(TensorView x) {
   if (!comm_ || comm_->size() == 1) return;
   KILN_CHECK(x.is_contiguous() && x.dtype == DType::F32, "all_reduce of a strided or non-F32 view {}", x.shape.str());
   OpScope prof(impl_->rt, [&] { return fmt::format("all-reduce {} floats", x.numel()); });
-  kops::pdl_note_other_op();  // the collective's kernels are not launched through launch_kernel
   comm_->all_reduce_sum(f32_mut(x), x.numel(), impl_->rt.stream());
 }
 
@@ -495,14 +484,12 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
     auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(parts * T * K) * 2));
     if (parts == kops::kMmaPartsBf16) {
       kops::round_bf16(f32(x), ldx, T, K, xs, impl_->rt.stream());
-      kops::pdl_note_other_op();
       impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, f32_mut(out), N, true,
                         static_cast<int>(T), static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
       return;
     }
     auto* part = static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
     kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
-    kops::pdl_note_other_op();
     impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, part, N, true, static_cast<int>(3 * T),
                       static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
     kops::sum3_rows(part, T, N, f32_mut(out), N, impl_->rt.stream());
@@ -572,7 +559,6 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
       kops::round_bf16(f32(x), ldx, T, K, xs, impl_->rt.stream());
       for (size_t r = 0; r < n_blas; ++r) {
         const LinearWeight& w = *ws[blas[r]];
-        kops::pdl_note_other_op();
         impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, f32_mut(outs[blas[r]]),
                           w.out_features, true, static_cast<int>(T), static_cast<int>(w.out_features),
                           static_cast<int>(K), impl_->rt.stream());
@@ -590,7 +576,6 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
                                 static_cast<const char*>(ws[blas[r1]]->weight.data))
         N += ws[blas[r1++]]->out_features;
       auto* part = static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
-      kops::pdl_note_other_op();
       impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(ws[blas[r0]]->weight.data), K, part, N, true,
                         static_cast<int>(3 * T), static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
       kops::Sum3Segments segs;

@@ -23,7 +23,6 @@ struct CopyShape {
 
 template <typename T>
 __global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, CopyShape c, int64_t total) {
-  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t rem = i, so = 0, dof = 0;
 #pragma unroll
@@ -45,7 +44,6 @@ unsigned capped_grid(int64_t n) {
 // ---- max |x|
 
 __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned* result) {
-  dev::pdl_enter();
   float m = 0.0f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     m = fmaxf(m, fabsf(x[i]));
@@ -58,7 +56,6 @@ __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned*
 
 __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
                                  const int32_t* __restrict__ ids, int64_t id_begin, int64_t T, float* __restrict__ out) {
-  dev::pdl_enter();
   const int64_t total = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H, h = i % H;
@@ -69,7 +66,6 @@ __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, 
 
 __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, int64_t H,
                                    const int32_t* __restrict__ rows, int64_t R, float* __restrict__ out) {
-  dev::pdl_enter();
   const int64_t total = R * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, h = i % H;
@@ -84,7 +80,6 @@ constexpr int kRowsPerBlock = 8;  // warps per block
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
                                 ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
-  dev::pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
@@ -110,7 +105,6 @@ template <int kWElem>
 __global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
                                                            const void* w, ElemType w_elem, float eps,
                                                            bool zero_centred, float* __restrict__ out) {
-  dev::pdl_enter();
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * ldx;
@@ -149,7 +143,6 @@ template <int kWElem>
 __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
                                                                int64_t D, const void* w, ElemType w_elem, float eps,
                                                                bool zero_centred, float* __restrict__ out) {
-  dev::pdl_enter();
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   float* hr = hidden + r * D;
@@ -194,7 +187,6 @@ __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict
 
 __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
                                       const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
-  dev::pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
@@ -211,7 +203,6 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
 
 __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
                             const int32_t* __restrict__ positions, int rotary_dim, double theta) {
-  dev::pdl_enter();
   const int half = rotary_dim / 2;
   const int64_t total = T * heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -232,19 +223,16 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int
 // ---- elementwise
 
 __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
-  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = a[i] + b[i];
 }
 
 __global__ void silu_mul_kernel(const float* g, const float* u, float* out, int64_t n) {
-  dev::pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = silu(g[i]) * u[i];
 }
 
 __global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols) {
-  dev::pdl_enter();
   const int64_t total = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / N, c = i % N;
@@ -276,7 +264,6 @@ void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shap
   KILN_CUDA_CHECK_LAUNCH();
 }
 void max_abs(const float* x, int64_t n, float* result, Stream stream) {
-  pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(float), stream));
   if (n == 0) return;
   const int64_t blocks = (n + kBlock - 1) / kBlock;

@@ -16,16 +16,6 @@ namespace kiln::cuda::ops {
 
 using Stream = cudaStream_t;
 
-// Programmatic dependent launch for the kernels launched through launch_kernel() (launch.cuh). Process-wide;
-// CudaRuntime sets it once at construction (CudaOptions::pdl, --enable-pdl; compute capability >= 9.0 only).
-bool pdl_enabled();
-void set_pdl_enabled(bool on);
-// The stream's previous operation was not one of these kernels (a copy, a memset, a library GEMM): the next
-// launch_kernel() then launches in plain stream order. CudaOps calls it before every such operation.
-void pdl_note_other_op();
-// launch_kernel's bookkeeping: whether the stream's previous operation was a launch_kernel() kernel (and mark it so).
-bool pdl_previous_was_kernel_and_mark();
-
 // Profiling of the kernels inside one launcher (CudaOps --profile): when a hook is set, launchers of several kernels
 // call profile_mark(label) after each stage; CudaOps times the stage from the previous mark (or the op's start).
 using ProfileMarkFn = void (*)(void* ctx, const char* label);

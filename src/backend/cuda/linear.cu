@@ -99,7 +99,6 @@ constexpr int kGemvWarps = 8;
 
 template <bool kDual, bool kVec>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemmArgs a) {
-  dev::pdl_enter();
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
   const int n = blockIdx.y * kGemvWarps + (threadIdx.x >> 5);
@@ -187,7 +186,6 @@ __device__ __forceinline__ float e2m1_fast(uint32_t c) {
 
 template <G2Kind kKind, bool kDual, int kCols, int kRows>
 __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
-  dev::pdl_enter();
   constexpr int kE = G2<kKind>::kElems;
   constexpr int kU = 2;  // steps in flight
   int group, rb, re;
@@ -362,7 +360,6 @@ constexpr int kTileM = kGemmTileRows, kTileN = 64, kTileK = 16;
 
 template <bool kDual>
 __global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
-  dev::pdl_enter();
   __shared__ float xs[kTileK][kTileM + 1];
   __shared__ float ws0[kTileK][kTileN + 1];
   __shared__ float ws1[kDual ? kTileK : 1][kTileN + 1];
@@ -501,7 +498,6 @@ constexpr int64_t kMultiMaxRows = 64;  // linear_multi: at most this many rows
 // x = hi + mid + lo, each bf16 (round to nearest even): the three rows blocks of out [3T, K].
 __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
                                     __nv_bfloat16* __restrict__ out) {
-  dev::pdl_enter();
   const int64_t n = T * K;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / K, k = i % K;
@@ -519,7 +515,6 @@ __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, in
 // out [T, K] = x rounded to bf16 (round to nearest even), the input of a one-part GEMM (--dtype bfloat16).
 __global__ void round_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
                                   __nv_bfloat16* __restrict__ out) {
-  dev::pdl_enter();
   const int64_t n = T * K;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / K, k = i % K;
@@ -530,7 +525,6 @@ __global__ void round_bf16_kernel(const float* __restrict__ x, int64_t ldx, int6
 // out = (lo + mid) + hi of the three partial GEMM outputs, column c of part into the segment whose column range
 // holds it (one segment: a plain linear; several: one GEMM over adjacent weights).
 __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, int64_t N, Sum3Segments segs) {
-  dev::pdl_enter();
   const int64_t n = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / N, c = i % N;

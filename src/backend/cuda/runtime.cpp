@@ -1,6 +1,4 @@
-// CudaRuntime (runtime.h), and the process-wide launch state the launchers read (kernels.h): whether programmatic
-// dependent launch is on, whether the stream's previous operation was one of our kernels (launch.cuh), and the
-// profiler's stage hook.
+// CudaRuntime (runtime.h), and the launch state the launchers read (kernels.h): the profiler's stage hook.
 #include "backend/cuda/runtime.h"
 
 #include <algorithm>
@@ -13,21 +11,10 @@
 namespace kiln::cuda::ops {
 
 namespace {
-bool g_pdl = false;  // set once at startup, the same for every rank
 // Per thread: each tensor-parallel rank launches on its own thread and stream.
-thread_local bool g_prev_kernel = false;
 thread_local ProfileMarkFn g_mark_fn = nullptr;
 thread_local void* g_mark_ctx = nullptr;
 }  // namespace
-
-bool pdl_enabled() { return g_pdl; }
-void set_pdl_enabled(bool on) { g_pdl = on; }
-void pdl_note_other_op() { g_prev_kernel = false; }
-bool pdl_previous_was_kernel_and_mark() {
-  const bool prev = g_prev_kernel;
-  g_prev_kernel = true;
-  return prev;
-}
 
 void set_profile_mark(ProfileMarkFn fn, void* ctx) {
   g_mark_fn = fn;
@@ -128,12 +115,11 @@ CudaDeviceProbe probe_cuda_device(int index) {
   return p;
 }
 
-CudaRuntime::CudaRuntime(int device, bool pdl) {
+CudaRuntime::CudaRuntime(int device) {
   device_ = probe_cuda_device(device);
   if (!device_.usable) fail("cannot use the CUDA backend: {}", device_.reason);
   KILN_CUDA_CHECK(cudaSetDevice(device_.index));
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  kops::set_pdl_enabled(device_.major >= 9 && pdl);
 }
 
 CudaRuntime::~CudaRuntime() {
@@ -151,7 +137,6 @@ void CudaRuntime::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)
 void* CudaRuntime::persistent(size_t bytes) {
   persistent_.emplace_back(align_up(std::max<size_t>(bytes, 1)));
   DeviceBuffer& b = persistent_.back();
-  kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaMemsetAsync(b.data(), 0, b.size(), stream_));
   return b.data();
 }
@@ -233,7 +218,6 @@ bool CudaRuntime::graph_capture_begin() {
   if (profiling_) return false;
   // Relaxed: a scratch block allocated mid-capture (cudaMalloc) is allowed; it bumps the generation, so the graph
   // goes stale at the next consolidation instead of pointing at freed memory.
-  kops::pdl_note_other_op();  // the capture's first kernel has no kernel before it in the graph
   KILN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
   capturing_ = true;
   return true;
@@ -243,7 +227,6 @@ int CudaRuntime::graph_capture_end() {
   if (!capturing_) return -1;
   capturing_ = false;
   cudaGraph_t graph = nullptr;
-  kops::pdl_note_other_op();
   const cudaError_t err = cudaStreamEndCapture(stream_, &graph);
   if (err != cudaSuccess || !graph) {
     cudaGetLastError();
@@ -272,7 +255,6 @@ bool CudaRuntime::graph_launch(int handle) {
     g.exec = nullptr;
     return false;
   }
-  kops::pdl_note_other_op();
   KILN_CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
   return true;
 }

@@ -35,9 +35,8 @@ std::vector<CudaDeviceProbe> probe_cuda_devices();
 class CudaRuntime {
  public:
   // Runs on CUDA device `device` (< 0: probe_cuda_device()'s first supported one) and makes it the calling thread's
-  // current device; throws kiln::Error with the probe's reason when it cannot be used. pdl: launch adjacent kernels
-  // with programmatic dependent launch (launch.cuh; sm_90 and newer only).
-  CudaRuntime(int device, bool pdl);
+  // current device; throws kiln::Error with the probe's reason when it cannot be used.
+  explicit CudaRuntime(int device);
   ~CudaRuntime();
   CudaRuntime(const CudaRuntime&) = delete;
   CudaRuntime& operator=(const CudaRuntime&) = delete;

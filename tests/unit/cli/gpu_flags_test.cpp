@@ -67,5 +67,13 @@ TEST(DtypeFlag, ResolvesPerDevice) {
                   "--dtype float16 is not supported by the CUDA backend yet; use bfloat16 or float32")));
 }
 
+// --enable-pdl was removed; passing it fails at parse time with the reason, not silently.
+TEST(GpuFlags, RemovedEnablePdlFailsWithTheReason) {
+  EXPECT_THAT([] { parse_gpu({"--enable-pdl"}); },
+              ThrowsMessage<CLI::ValidationError>(HasSubstr("--enable-pdl: removed: programmatic dependent launch "
+                                                            "gave wrong tokens intermittently")));
+  EXPECT_NO_THROW(parse_gpu({"--disable-cuda-graph"}));
+}
+
 }  // namespace
 }  // namespace kiln::cli

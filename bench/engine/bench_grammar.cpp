@@ -21,6 +21,8 @@
 //       3 = the same compiled grammar every iteration (GrammarCache hit: a schema the server has seen).
 //   BM_DecodeJsonMask/<rows>/<sharing>: the same without apply (mask + accept: the mask's own cost).
 //   BM_DecodeJsonSteps/<sharing>: the same replay at batch 1, timed per token (mean, p50, p90, max; slow steps listed).
+//   BM_DecodeJsonEngine/<rows>/<sharing>: BM_DecodeJson as the engine runs it (engine.cpp, sampling): each step's
+//     rows spread over min(rows, 8, hardware threads) threads started for the step; wall time per step.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -28,6 +30,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <thread>
+#include <atomic>
 #include <vector>
 
 #include "engine/grammar/token_mask.h"
@@ -230,6 +234,51 @@ void decode_json(benchmark::State& st, bool apply) {
 }
 
 void BM_DecodeJson(benchmark::State& st) { decode_json(st, true); }
+
+// The engine's way: per step, the rows over min(rows, 8, hardware threads) threads started for that step, each row
+// mask + apply (its own logits row) + accept. Wall time.
+void BM_DecodeJsonEngine(benchmark::State& st) {
+  if (!ready(st)) return;
+  const auto& f = fixture();
+  const std::vector<int32_t> answer = f.tok->encode(kAnswer, false);
+  const int rows = static_cast<int>(st.range(0));
+  const int64_t sharing = st.range(1);
+  const int threads = static_cast<int>(std::min<unsigned>({static_cast<unsigned>(rows), 8u,
+                                                           std::max(1u, std::thread::hardware_concurrency())}));
+  std::vector<std::vector<float>> logits(static_cast<size_t>(rows), std::vector<float>(static_cast<size_t>(kVocab), 0.5f));
+  if (sharing == 3)
+    for (auto& c : compiled_for(1, 3)) {
+      Matcher m(c, {f.eos});
+      for (int32_t t : answer) {
+        m.apply(logits[0]);
+        m.accept(t);
+      }
+    }
+  size_t steps = 0;
+  std::atomic<bool> bad{false};
+  for (auto _ : st) {
+    std::vector<std::unique_ptr<Matcher>> ms;
+    for (auto& c : compiled_for(rows, sharing)) ms.push_back(std::make_unique<Matcher>(c, std::vector<int32_t>{f.eos}));
+    for (int32_t t : answer) {
+      std::atomic<size_t> next{0};
+      auto worker = [&] {
+        for (size_t i = next.fetch_add(1); i < ms.size(); i = next.fetch_add(1)) {
+          benchmark::DoNotOptimize(ms[i]->apply(logits[i]));
+          if (!ms[i]->accept(t)) bad = true;
+        }
+      };
+      std::vector<std::thread> pool;
+      for (int k = 1; k < threads; ++k) pool.emplace_back(worker);
+      worker();
+      for (auto& th : pool) th.join();
+      ++steps;
+    }
+  }
+  if (bad) st.SkipWithError("the answer does not fit the schema");
+  st.counters["threads"] = threads;
+  st.counters["ms_per_step"] = benchmark::Counter(static_cast<double>(steps) / 1000.0,
+                                                  benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
 void BM_DecodeJsonMask(benchmark::State& st) { decode_json(st, false); }
 
 // One matcher replaying the answer, mask + apply + accept timed per token: the distribution of per-step costs
@@ -272,6 +321,7 @@ BENCHMARK(BM_MaskHit)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ApplyMask)->Arg(1)->Arg(3)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeJson)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK(BM_DecodeJsonMask)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_DecodeJsonEngine)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_DecodeJsonSteps)->DenseRange(0, 3)->Unit(benchmark::kMillisecond)->Iterations(1);
 
 BENCHMARK_MAIN();

@@ -139,6 +139,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
+  c.scratch_plan_bytes = static_cast<size_t>(std::max(o.scratch_plan_bytes, 0.0));
   return c;
 }
 }  // namespace
@@ -337,6 +338,10 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   for (int d : devices) free_bytes = std::min(free_bytes, static_cast<double>(gpus[d].free_bytes));
   const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes), free_bytes);
   KILN_LOG_INFO("{}", plan.str());
+  // Every rank's scratch arena starts at the plan's activation estimate (less the fixed 0.5 GiB it adds for the
+  // runtime's own buffers), so a large pass does not grow it by doubling past the plan.
+  LoadOptions planned = options;
+  planned.scratch_plan_bytes = std::max(plan.activation_bytes - 0.5 * 1024.0 * 1024.0 * 1024.0, 0.0);
   ro.kv_pages = plan.kv_pages;
   ro.state_slots = plan.state_slots;
   ro.max_context = plan.context;
@@ -354,7 +359,7 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
                            graphs_on && sharing == 1 ? "on" : "off");
   if (!parallel) {
-    auto runner = std::make_unique<model::Runner>(make_ops_on(choice.device, self_check, options, devices[0]), dir, ro);
+    auto runner = std::make_unique<model::Runner>(make_ops_on(choice.device, self_check, planned, devices[0]), dir, ro);
     KILN_LOG_INFO("{}", runner->describe());
     return runner;
   }
@@ -364,7 +369,7 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     // One rank of the plan alone; its all-reduces are a copy of the same size.
     ro.shard = shards.ranks[options.single_rank];
     ro.lone_rank = true;
-    auto ops = make_ops_on(choice.device, self_check, options, devices[0]);
+    auto ops = make_ops_on(choice.device, self_check, planned, devices[0]);
     auto comm = cuda::make_copy_communicator(options.single_rank, options.tp_size);
     ops->set_communicator(comm.get());
     KILN_LOG_WARN("--single-rank {}: only rank {} of --tp-size {} runs; its all-reduces are device copies of the same "
@@ -398,7 +403,7 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
   }
   auto runner = std::make_unique<model::TpRunner>(
       dir, ro, tp,
-      [&](int r) -> std::unique_ptr<model::Ops> { return make_ops_on(choice.device, self_check, options, devices[r]); },
+      [&](int r) -> std::unique_ptr<model::Ops> { return make_ops_on(choice.device, self_check, planned, devices[r]); },
       cuda::make_cuda_group(go));
   KILN_LOG_INFO("{}", runner->describe());
   return runner;

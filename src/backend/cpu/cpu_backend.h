@@ -55,6 +55,9 @@ struct CpuLoadOptions {
   // bench-engine --single-rank R: load only rank R of the --tp-size plan on one GPU, its all-reduces replaced by a
   // device copy of the same size (the decode cost of one GPU of a larger group); -1: off.
   int single_rank = -1;
+  // Set by the loader from the memory plan, not a flag: the activation estimate of one pass (bytes), the size of a
+  // CUDA rank's first scratch block.
+  double scratch_plan_bytes = 0;
 };
 // The name the load options go by outside the CPU backend.
 using LoadOptions = CpuLoadOptions;

@@ -70,6 +70,20 @@ class DeviceBuffer {
     data_ = nullptr;
     size_ = 0;
   }
+  // cudaMalloc without throwing (the caller words the error): cudaSuccess and `out` holds nbytes, or the error
+  // (cleared from the runtime's last-error state).
+  static cudaError_t try_allocate(size_t nbytes, DeviceBuffer& out) {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, nbytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return e;
+    }
+    out.reset();
+    out.data_ = p;
+    out.size_ = nbytes;
+    return cudaSuccess;
+  }
   void* data() const { return data_; }
   size_t size() const { return size_; }
   template <typename T>

@@ -181,7 +181,7 @@ struct CudaOps::Impl {
   std::unique_ptr<::kiln::cuda::BlasLt> blas;
   DeviceBuffer blas_x, blas_out;  // reused by every such linear (one stream: calls never overlap)
 
-  explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {}
+  explicit Impl(const CudaOptions& o) : rt(o.device), options(o) { rt.set_scratch_plan(o.scratch_plan_bytes); }
 };
 
 namespace {

@@ -33,6 +33,9 @@ struct CudaOptions {
   // every step where it serves the head sizes. No flag: the tests check the chunked kernel on every step shape.
   enum class DeltaRule { by_step, chunked };
   DeltaRule delta_rule = DeltaRule::by_step;
+  // The memory plan's activation estimate for one pass (bytes; 0: none): the scratch arena's first block
+  // (CudaRuntime::set_scratch_plan).
+  size_t scratch_plan_bytes = 0;
 };
 
 }  // namespace kiln::backend::cuda

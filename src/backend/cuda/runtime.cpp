@@ -168,11 +168,33 @@ void* CudaRuntime::weight(size_t bytes) {
   return p;
 }
 
+void CudaRuntime::add_scratch_block(size_t bytes) {
+  DeviceBuffer b;
+  const cudaError_t e = DeviceBuffer::try_allocate(bytes, b);
+  if (e != cudaSuccess) {
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    cudaGetLastError();
+    const double G = 1024.0 * 1024.0 * 1024.0;
+    fail("out of GPU memory for a pass's activations: {:.2f} GiB more were needed on GPU {} ({:.2f} GiB of scratch "
+         "held, {:.2f} GiB free; the memory plan estimated {:.2f} GiB; {}). Lower --max-pass-tokens or "
+         "--chunked-prefill-size (smaller passes), or --mem-fraction-static (more room outside the plan)",
+         bytes / G, device_.index, scratch_bytes() / G, free_b / G, scratch_plan_ / G, cudaGetErrorString(e));
+  }
+  scratch_blocks_.push_back(std::move(b));
+}
+
 void* CudaRuntime::scratch(size_t bytes) {
   bytes = align_up(std::max<size_t>(bytes, 1));
   if (scratch_blocks_.empty() || scratch_used_ + bytes > scratch_blocks_.back().size()) {
     const size_t last = scratch_blocks_.empty() ? 0 : scratch_blocks_.back().size();
-    scratch_blocks_.emplace_back(std::max({bytes, kFirstScratchBytes, 2 * last}));
+    // With a plan: the first block is the plan's estimate, later ones (the estimate was short) an eighth of it each,
+    // so the blocks add up to little more than the need. Without: doubling.
+    size_t want = std::max({bytes, kFirstScratchBytes, 2 * last});
+    if (scratch_plan_ > 0)
+      want = scratch_blocks_.empty() ? std::max(bytes, align_up(scratch_plan_))
+                                     : std::max({bytes, kFirstScratchBytes, align_up(scratch_plan_ / 8)});
+    add_scratch_block(want);
     scratch_used_ = 0;
     ++scratch_generation_;
   }
@@ -189,7 +211,7 @@ void CudaRuntime::reset_scratch() {
     synchronize();
     const size_t total = align_up(scratch_high_water_ + (size_t{1} << 20));
     scratch_blocks_.clear();
-    scratch_blocks_.emplace_back(std::max(total, kFirstScratchBytes));
+    add_scratch_block(std::max(total, kFirstScratchBytes));
     ++scratch_generation_;
   }
   scratch_used_ = 0;

@@ -62,6 +62,9 @@ class CudaRuntime {
   void* scratch(size_t bytes);
   void reset_scratch();
   size_t scratch_bytes() const;
+  // The memory plan's activation estimate (bytes; 0: none): the first scratch block is that size, and the blocks grow
+  // by an eighth of it instead of doubling (doubling overshot the plan by up to 2x and ran out of memory on a 4k pass).
+  void set_scratch_plan(size_t bytes) { scratch_plan_ = bytes; }
   // A buffer reused across steps (one stream: calls never overlap), grown to at least `bytes`; growing starts a new
   // scratch generation, since a captured graph may point at the old buffer.
   void* reusable(::kiln::cuda::DeviceBuffer& buf, size_t bytes);
@@ -112,7 +115,10 @@ class CudaRuntime {
   size_t weight_bytes_ = 0;
   char* arena_ = nullptr;
   size_t arena_size_ = 0, arena_used_ = 0;
+  // A scratch block of `bytes`; kiln::Error that says what to change when the GPU has no room for it.
+  void add_scratch_block(size_t bytes);
   std::vector<::kiln::cuda::DeviceBuffer> scratch_blocks_;
+  size_t scratch_plan_ = 0;
   size_t scratch_used_ = 0;        // bytes used in the last block
   size_t scratch_high_water_ = 0;  // bytes asked for since the last reset
   uint64_t scratch_generation_ = 0;

@@ -4,10 +4,6 @@
 // error on every node, not a hang.
 #include "backend/comm_net.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,6 +15,7 @@
 #include "backend/comm_local.h"
 #include "backend/rendezvous.h"
 #include "core/error.h"
+#include "net_util.h"
 
 namespace kiln::backend {
 namespace {
@@ -26,17 +23,7 @@ namespace {
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  socklen_t len = sizeof(sa);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  ::close(fd);
-  return ntohs(sa.sin_port);
-}
+using kiln::testing::free_port;
 
 // The links of `nnodes` nodes (index = node), made by the real rendezvous.
 std::vector<std::shared_ptr<model::NodeLink>> links(int nnodes, int tp) {

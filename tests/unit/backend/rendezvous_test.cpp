@@ -1,10 +1,6 @@
 // The rendezvous of several nodes (backend/rendezvous.h) on localhost, each node a thread.
 #include "backend/rendezvous.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,6 +10,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "net_util.h"
 
 namespace kiln::backend {
 namespace {
@@ -22,19 +19,7 @@ using namespace std::chrono_literals;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-// A port nothing listens on now (the kernel's pick for port 0, released again).
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  sa.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  socklen_t len = sizeof(sa);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  ::close(fd);
-  return ntohs(sa.sin_port);
-}
+using kiln::testing::free_port;
 
 std::vector<uint8_t> unique_id() {
   std::vector<uint8_t> id(128);

@@ -3,10 +3,6 @@
 // the one-process group's of the same --tp-size bit for bit (the same rank-order sums) and TP 1's within the fp32
 // tolerance; greedy identical; a follower that fails or never comes is an error on node 0, not a hang; the followers
 // take node 0's sizes.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,6 +10,7 @@
 #include <future>
 
 #include "core/error.h"
+#include "net_util.h"
 #include "model/tp_runner.h"
 #include "reference_fixture.h"
 
@@ -22,17 +19,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  socklen_t len = sizeof(sa);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  ::close(fd);
-  return ntohs(sa.sin_port);
-}
 
 backend::CpuLoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
   backend::CpuLoadOptions o;

@@ -135,6 +135,21 @@ void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   for (int64_t r = 0; r < R; ++r) ids[static_cast<size_t>(r)] = host_argmax(host.data() + r * V, V);
 }
 
+void Ops::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) {
+  KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0) &&
+                 values.size() == ids.size(),
+             "argmax_rows_best: logits {} for {} ids, {} values", logits.shape.str(), ids.size(), values.size());
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  std::vector<float> host(static_cast<size_t>(R * V));
+  download(logits, host.data());
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = host.data() + r * V;
+    const int32_t id = host_argmax(row, V);
+    ids[static_cast<size_t>(r)] = id;
+    values[static_cast<size_t>(r)] = row[id];  // NaN when the whole row is (host_argmax gives 0 then)
+  }
+}
+
 void Ops::sample_rows(const TensorView& logits, std::span<const RowSampling> rows, std::span<int32_t> ids) {
   KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0) &&
                  rows.size() == ids.size(),

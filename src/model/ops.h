@@ -301,6 +301,9 @@ class Ops {
   // ids[r] = argmax_v logits[r, v] (lowest index on ties; NaN never wins; all NaN: 0), written to host memory
   // (synchronises). logits F32 [R, V] contiguous. The default downloads the logits and scans them on the host.
   virtual void argmax_rows(const TensorView& logits, std::span<int32_t> ids);
+  // argmax_rows plus each row's best logit (values[r] = logits[r, ids[r]]; NaN for a row without a number): what a
+  // tensor-parallel rank's vocabulary slice offers against the other ranks'. The default downloads and scans.
+  virtual void argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values);
   // ids[r] = sample_row_host(logits[r], V, rows[r]) (model/sampling.h: temperature, top-k, top-p, min-p, the draw
   // with rows[r].u; -1 for a row without a finite logit), written to host memory (synchronises). logits F32 [R, V]
   // contiguous. The default downloads the logits and samples on the host; a GPU backend samples on the device and

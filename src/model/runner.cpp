@@ -154,6 +154,22 @@ void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t>
   });
 }
 
+void Runner::forward_best(std::span<const SeqChunk> chunks, std::span<int32_t> ids, std::span<float> values) {
+  const int64_t rows = check_chunks(chunks);
+  if (static_cast<int64_t>(ids.size()) < rows || static_cast<int64_t>(values.size()) < rows)
+    fail("forward_best: {} ids and {} values for {} rows", ids.size(), values.size(), rows);
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // the rank's slice; 0 unsharded
+  run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
+    std::vector<int32_t> pass_ids(out_rows.size());
+    std::vector<float> pass_values(out_rows.size());
+    ops_->argmax_rows_best(out, pass_ids, pass_values);
+    for (size_t i = 0; i < out_rows.size(); ++i) {
+      ids[static_cast<size_t>(out_rows[i])] = id0 + pass_ids[i];
+      values[static_cast<size_t>(out_rows[i])] = pass_values[i];
+    }
+  });
+}
+
 void Runner::forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
                             std::span<int32_t> tokens) {
   if (model_->weights.vocab_parallel && !options_.lone_rank)

@@ -48,6 +48,10 @@ class Runner : public ModelRunner {
   int64_t vocab_size() const override { return model_->config.vocab_size; }
   void forward(std::span<const SeqChunk> chunks, std::span<float> logits) override;
   void forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) override;
+  // A tensor-parallel rank's greedy offer (TpRunner): per want_logits chunk, the best id over this rank's logits
+  // (its vocabulary slice; the slice's first id added) and that logit (NaN: no number in the slice). The backend
+  // picks them (a GPU copies back 8 bytes per row instead of the slice's logits).
+  void forward_best(std::span<const SeqChunk> chunks, std::span<int32_t> ids, std::span<float> values);
   void forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
                       std::span<int32_t> tokens) override;
   std::string describe() const override;

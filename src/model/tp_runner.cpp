@@ -352,6 +352,23 @@ void TpRunner::forward_ranks(std::span<const SeqChunk> chunks,
   }
 }
 
+void TpRunner::best_ranks(std::span<const SeqChunk> chunks,
+                          const std::function<void(int, const std::vector<int32_t>&, const std::vector<float>&)>& done) {
+  int64_t rows = 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  try {
+    run_all([&](int r) {
+      std::vector<int32_t> ids(static_cast<size_t>(rows));
+      std::vector<float> values(static_cast<size_t>(rows));
+      ranks_[r]->forward_best(chunks, ids, values);
+      done(r, ids, values);
+    });
+  } catch (const std::exception& e) {
+    if (multi_node()) set_broken(e.what());
+    throw;
+  }
+}
+
 void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
   int64_t rows = 0;
   for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
@@ -388,19 +405,14 @@ void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
   if (multi_node()) send_step(encode_step(StepKind::argmax, chunks));
   // Each rank's best (value, id) per row over its vocabulary slice; the lowest rank wins ties, as the lowest id
-  // does in host_argmax (the slices are in rank order). A GPU rank can return just these 8 bytes per row; so does
-  // another node.
+  // does in host_argmax (the slices are in rank order). Each rank's backend picks them (a GPU copies back these 8
+  // bytes per row, not its logits); another node sends the same.
   const int n = options_.tp;
   std::vector<std::vector<std::pair<float, int32_t>>> best(n);
-  forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
+  best_ranks(chunks, [&](int r, const std::vector<int32_t>& ids, const std::vector<float>& values) {
     const int g = first_ + r;
-    const int64_t Vl = ranks_[r]->logits_width();
     best[g].resize(rows);
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* row = local.data() + i * Vl;
-      const int32_t j = host_argmax(row, Vl);
-      best[g][i] = {row[j], static_cast<int32_t>(plan_.ranks[g].vocab.begin + j)};
-    }
+    for (int64_t i = 0; i < rows; ++i) best[g][i] = {values[i], ids[i]};
   });
   if (multi_node())
     read_replies([&](int k, const std::vector<uint8_t>& body) {
@@ -472,21 +484,19 @@ void TpRunner::follow() {
                                           (kind == StepKind::logits ? ranks_[r]->logits_width() * sizeof(float)
                                                                     : sizeof(float) + sizeof(int32_t));
         reply.resize(offset[size()]);
-        forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
-          uint8_t* out = reply.data() + offset[r];
-          if (kind == StepKind::logits) {
-            if (!local.empty()) std::memcpy(out, local.data(), local.size() * sizeof(float));
-            return;
-          }
-          const int64_t Vl = ranks_[r]->logits_width();
-          for (int64_t i = 0; i < rows; ++i) {
-            const float* row = local.data() + i * Vl;
-            const int32_t j = host_argmax(row, Vl);
-            const int32_t id = static_cast<int32_t>(plan_.ranks[first_ + r].vocab.begin + j);
-            std::memcpy(out + i * 8, &row[j], sizeof(float));
-            std::memcpy(out + i * 8 + 4, &id, sizeof(int32_t));
-          }
-        });
+        if (kind == StepKind::logits) {
+          forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
+            if (!local.empty()) std::memcpy(reply.data() + offset[r], local.data(), local.size() * sizeof(float));
+          });
+        } else {
+          best_ranks(chunks, [&](int r, const std::vector<int32_t>& ids, const std::vector<float>& values) {
+            uint8_t* out = reply.data() + offset[r];
+            for (int64_t i = 0; i < rows; ++i) {
+              std::memcpy(out + i * 8, &values[i], sizeof(float));
+              std::memcpy(out + i * 8 + 4, &ids[i], sizeof(int32_t));
+            }
+          });
+        }
       } else {
         fail("unknown step kind {}", static_cast<int>(kind));
       }

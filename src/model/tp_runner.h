@@ -3,7 +3,8 @@
 // rank, kept for the runner's life: a GPU backend binds its device and stream to that thread). The ranks meet only
 // in Ops::all_reduce (model/comm.h through each rank's Ops). This class implements the engine's ModelRunner
 // contract: every rank runs the same step; the vocabulary-parallel logits are assembled on the host, each rank
-// writing its columns; greedy steps take each rank's local argmax and keep the best (no full-logits gather).
+// writing its columns; greedy steps take each rank's best (value, id), picked by its backend (a GPU copies back 8
+// bytes per row), and keep the best (no full-logits gather).
 //
 // Process model: one process per machine drives all of that machine's ranks (serve, generate, bench-engine with
 // --tp-size N). Several machines (--nnodes M, TpOptions::link): each process holds tp / M ranks, rank numbers
@@ -79,6 +80,9 @@ class TpRunner : public ModelRunner {
   void run_all(const std::function<void(int)>& fn);
   // The step on every local rank; done(local rank, its logits rows: its vocabulary slice, in row order).
   void forward_ranks(std::span<const SeqChunk> chunks, const std::function<void(int, const std::vector<float>&)>& done);
+  // A greedy step on every local rank: done(local rank, its best global ids, their logits) (Runner::forward_best).
+  void best_ranks(std::span<const SeqChunk> chunks,
+                  const std::function<void(int, const std::vector<int32_t>&, const std::vector<float>&)>& done);
   // Node 0 of several: sends a step to every other node (kind and body), then (after the local ranks ran it) each
   // node's reply body to reply(node, body). Any failure breaks the group (broken_).
   void send_step(const std::vector<uint8_t>& msg);

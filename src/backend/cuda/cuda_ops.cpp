@@ -256,21 +256,31 @@ std::vector<model::OpTime> CudaOps::profile_end() { return impl_->rt.profile_end
 // ---------------------------------------------------------------------------------------------------
 // Sampling
 
-void CudaOps::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
-  KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous() && static_cast<int64_t>(ids.size()) == logits.dim(0),
-             "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());
+void CudaOps::argmax_rows(const TensorView& logits, std::span<int32_t> ids) { argmax_rows_best(logits, ids, {}); }
+
+void CudaOps::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) {
+  KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous() && static_cast<int64_t>(ids.size()) == logits.dim(0) &&
+                 (values.empty() || values.size() == ids.size()),
+             "argmax_rows: logits {} for {} ids, {} values", logits.shape.str(), ids.size(), values.size());
   expect_f32(logits, "argmax_rows logits");
   const int64_t R = logits.dim(0), V = logits.dim(1);
   if (R == 0) return;
   KILN_CHECK(R <= INT32_MAX, "argmax_rows: {} rows", R);
   OpScope prof(impl_->rt, [&] { return std::string("argmax"); });
-  if (impl_->argmax_ids.size() < static_cast<size_t>(R) * 4) impl_->argmax_ids = DeviceBuffer(align_up(R * 4));
+  // ids, then (with values) the values, in one buffer: one copy back.
+  const size_t need = static_cast<size_t>(R) * (values.empty() ? 4 : 8);
+  if (impl_->argmax_ids.size() < need) impl_->argmax_ids = DeviceBuffer(align_up(need));
   const size_t work = kops::argmax_workspace_bytes(R, V);
   if (impl_->argmax_work.size() < work) impl_->argmax_work = DeviceBuffer(align_up(work));
-  kops::argmax_rows(f32(logits), V, R, V, impl_->argmax_ids.as<int32_t>(), impl_->argmax_work.data(), impl_->rt.stream());
-  KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), impl_->argmax_ids.data(), static_cast<size_t>(R) * 4,
-                                  cudaMemcpyDeviceToHost, impl_->rt.stream()));
+  int32_t* d_ids = impl_->argmax_ids.as<int32_t>();
+  float* d_values = values.empty() ? nullptr : reinterpret_cast<float*>(d_ids + R);
+  kops::argmax_rows(f32(logits), V, R, V, d_ids, impl_->argmax_work.data(), impl_->rt.stream(), d_values);
+  std::vector<uint8_t> host(need);
+  KILN_CUDA_CHECK(cudaMemcpyAsync(host.data(), impl_->argmax_ids.data(), need, cudaMemcpyDeviceToHost,
+                                  impl_->rt.stream()));
   synchronize();
+  std::memcpy(ids.data(), host.data(), static_cast<size_t>(R) * 4);
+  if (!values.empty()) std::memcpy(values.data(), host.data() + static_cast<size_t>(R) * 4, static_cast<size_t>(R) * 4);
 }
 void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
                           std::span<int32_t> ids) {

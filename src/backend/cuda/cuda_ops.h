@@ -56,6 +56,7 @@ class CudaOps final : public model::Ops {
   bool profile_begin() override;
   std::vector<model::OpTime> profile_end() override;
   void argmax_rows(const TensorView& logits, std::span<int32_t> ids) override;
+  void argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) override;
   void sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
                    std::span<int32_t> ids) override;
 

@@ -432,8 +432,12 @@ __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* 
   if (threadIdx.x == 0) keys[r * gridDim.x + c] = best;
 }
 
+// values (optional): the best logit itself (NaN for a row without a number), for a tensor-parallel rank whose slice
+// competes with the others'.
 __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_t* __restrict__ keys, int chunks,
-                                                                   int32_t* __restrict__ ids) {
+                                                                   int32_t* __restrict__ ids,
+                                                                   const float* __restrict__ logits, int64_t ld,
+                                                                   float* __restrict__ values) {
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.x;
   uint64_t best = 0;
@@ -463,7 +467,8 @@ size_t argmax_workspace_bytes(int64_t R, int64_t V) {
   return static_cast<size_t>(R * ((V + kArgChunk - 1) / kArgChunk)) * sizeof(uint64_t);
 }
 
-void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream) {
+void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream,
+                 float* values) {
   if (R == 0) return;
   if (V <= 0 || V > 0x7fffffff) cuda_fail("argmax: vocabulary {} is not supported", {V});
   const int64_t chunks = (V + kArgChunk - 1) / kArgChunk;
@@ -473,7 +478,7 @@ void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t*
     launch_kernel(argmax_chunk_kernel, dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(n)), kArgThreads, 0,
                   stream, logits + r0 * ld, ld, V, keys + r0 * chunks);
     launch_kernel(argmax_final_kernel, static_cast<unsigned>(n), kArgThreads, 0, stream, keys + r0 * chunks,
-                  static_cast<int>(chunks), ids + r0);
+                  static_cast<int>(chunks), ids + r0, logits + r0 * ld, ld, values ? values + r0 : nullptr);
   }
 }
 

@@ -1,5 +1,5 @@
-// Device sampling (sampling.cu) through CudaOps: argmax_rows against model::host_argmax (lowest index on ties, NaN
-// never wins, an all-NaN row gives 0, -0 ties +0; rows of 1 .. 248,320 values, ties across chunk boundaries, NaN /
+// Device sampling (sampling.cu) through CudaOps: argmax_rows (and argmax_rows_best's values) against
+// model::host_argmax (lowest index on ties, NaN never wins, an all-NaN row gives 0, -0 ties +0; rows of 1 .. 248,320 values, ties across chunk boundaries, NaN /
 // inf), and sample_rows against model::sample_row_host. Skipped without a usable GPU.
 //
 // The device sums the probabilities in another order than the host (trees and per-thread segments there, running
@@ -60,11 +60,17 @@ TEST(CudaArgmaxRows, MatchesHostDefinition) {
         }
       }
       TensorView d = ops.upload(h.data(), DType::F32, Shape{R, V});
-      std::vector<int32_t> ids(static_cast<size_t>(R), -7);
+      std::vector<int32_t> ids(static_cast<size_t>(R), -7), ids2(static_cast<size_t>(R), -7);
+      std::vector<float> values(static_cast<size_t>(R), 1234.5f);
       ops.argmax_rows(d, ids);
+      ops.argmax_rows_best(d, ids2, values);  // the same ids, and each row's best logit (a TP rank's offer)
       for (int64_t r = 0; r < R; ++r) {
-        EXPECT_EQ(ids[static_cast<size_t>(r)], model::host_argmax(h.data() + r * V, V))
-            << "V " << V << " kind " << kind << " row " << r;
+        const int32_t want = model::host_argmax(h.data() + r * V, V);
+        EXPECT_EQ(ids[static_cast<size_t>(r)], want) << "V " << V << " kind " << kind << " row " << r;
+        EXPECT_EQ(ids2[static_cast<size_t>(r)], want) << "V " << V << " kind " << kind << " row " << r;
+        const float best = h[static_cast<size_t>(r * V + want)];
+        if (std::isnan(best)) EXPECT_TRUE(std::isnan(values[static_cast<size_t>(r)])) << "V " << V << " row " << r;
+        else EXPECT_EQ(values[static_cast<size_t>(r)], best) << "V " << V << " kind " << kind << " row " << r;
         ++cases;
       }
       ops.reset_scratch();

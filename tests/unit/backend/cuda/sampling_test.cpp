@@ -1,6 +1,7 @@
 // Device sampling (sampling.cu) through CudaOps: argmax_rows (and argmax_rows_best's values) against
 // model::host_argmax (lowest index on ties, NaN never wins, an all-NaN row gives 0, -0 ties +0; rows of 1 .. 248,320
-// values, ties across chunk boundaries, NaN / inf), and sample_rows against model::sample_row_host. Skipped without a usable GPU.
+// values, ties across chunk boundaries, NaN / inf), and sample_rows against model::sample_row_host. Skipped without
+// a usable GPU.
 //
 // The device sums the probabilities in another order than the host (trees and per-thread segments there, running
 // sums here), so in principle a token could differ when a uniform or a top-p / min-p threshold lands within ~1e-12

@@ -21,8 +21,9 @@
 //       3 = the same compiled grammar every iteration (GrammarCache hit: a schema the server has seen).
 //   BM_DecodeJsonMask/<rows>/<sharing>: the same without apply (mask + accept: the mask's own cost).
 //   BM_DecodeJsonSteps/<sharing>: the same replay at batch 1, timed per token (mean, p50, p90, max; slow steps listed).
-//   BM_DecodeJsonEngine/<rows>/<sharing>: BM_DecodeJson as the engine runs it (engine.cpp, sampling): each step's
-//     rows spread over min(rows, 8, hardware threads) threads started for the step; wall time per step.
+//   BM_DecodeJsonEngine/<rows>/<sharing>/<cap>: BM_DecodeJson as the engine runs it (engine.cpp, sampling): each
+//     step's rows spread over min(rows, cap, hardware threads) threads started for the step (the engine's cap is its
+//     sampling_threads: 8); wall time per step.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -243,7 +244,8 @@ void BM_DecodeJsonEngine(benchmark::State& st) {
   const std::vector<int32_t> answer = f.tok->encode(kAnswer, false);
   const int rows = static_cast<int>(st.range(0));
   const int64_t sharing = st.range(1);
-  const int threads = static_cast<int>(std::min<unsigned>({static_cast<unsigned>(rows), 8u,
+  const unsigned cap = st.range(2) > 0 ? static_cast<unsigned>(st.range(2)) : 8u;  // the engine's sampling threads
+  const int threads = static_cast<int>(std::min<unsigned>({static_cast<unsigned>(rows), cap,
                                                            std::max(1u, std::thread::hardware_concurrency())}));
   std::vector<std::vector<float>> logits(static_cast<size_t>(rows), std::vector<float>(static_cast<size_t>(kVocab), 0.5f));
   if (sharing == 3)
@@ -321,7 +323,7 @@ BENCHMARK(BM_MaskHit)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ApplyMask)->Arg(1)->Arg(3)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeJson)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK(BM_DecodeJsonMask)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3);
-BENCHMARK(BM_DecodeJsonEngine)->ArgsProduct({{1, 16}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_DecodeJsonEngine)->ArgsProduct({{1, 16}, {0, 1, 2, 3}, {8, 16}})->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_DecodeJsonSteps)->DenseRange(0, 3)->Unit(benchmark::kMillisecond)->Iterations(1);
 
 BENCHMARK_MAIN();

@@ -13,6 +13,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <chrono>
 #include <thread>
 
 #include "core/log.h"
@@ -835,7 +836,13 @@ TEST(Http, MetricsText) {
         "kiln:generation_tokens_total", "kiln:time_to_first_token_seconds_bucket",
         "kiln:inter_token_latency_seconds_count", "kiln:http_requests_total", "kiln:requests_finished_total"})
     EXPECT_NE(m.body.find(name), std::string::npos) << name;
-  EXPECT_NE(m.body.find("endpoint=\"/v1/chat/completions\",status=\"200\""), std::string::npos);
+  // The HTTP counters are updated by the server thread after the reply is sent: poll for the chat request's line.
+  const std::string chat_200 = "endpoint=\"/v1/chat/completions\",status=\"200\"";
+  for (int i = 0; i < 200 && m.body.find(chat_200) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    m = get(s, "/metrics");
+  }
+  EXPECT_NE(m.body.find(chat_200), std::string::npos);
   EXPECT_GT(metric(s, "kiln:generation_tokens_total"), 0);
 }
 

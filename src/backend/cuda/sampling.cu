@@ -446,7 +446,11 @@ __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_
     best = k > best ? k : best;
   }
   best = dev::block_max_u64(best, red);
-  if (threadIdx.x == 0) ids[r] = best == 0 ? 0 : int32_t(0xffffffffu - uint32_t(best & 0xffffffffu));
+  if (threadIdx.x == 0) {
+    const int32_t id = best == 0 ? 0 : int32_t(0xffffffffu - uint32_t(best & 0xffffffffu));
+    ids[r] = id;
+    if (values) values[r] = best == 0 ? __int_as_float(0x7fc00000) : logits[r * ld + id];
+  }
 }
 
 }  // namespace

@@ -127,12 +127,8 @@ void Ops::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, 
 }
 
 void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
-  KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0),
-             "argmax_rows: logits {} for {} ids", logits.shape.str(), ids.size());
-  const int64_t R = logits.dim(0), V = logits.dim(1);
-  std::vector<float> host(static_cast<size_t>(R * V));
-  download(logits, host.data());
-  for (int64_t r = 0; r < R; ++r) ids[static_cast<size_t>(r)] = host_argmax(host.data() + r * V, V);
+  std::vector<float> values(ids.size());
+  argmax_rows_best(logits, ids, values);
 }
 
 void Ops::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) {

@@ -267,7 +267,7 @@ void CudaOps::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids,
   if (R == 0) return;
   KILN_CHECK(R <= INT32_MAX, "argmax_rows: {} rows", R);
   OpScope prof(impl_->rt, [&] { return std::string("argmax"); });
-  // ids, then (with values) the values, in one buffer: one copy back.
+  // ids, then (with values) the values, in one device buffer.
   const size_t need = static_cast<size_t>(R) * (values.empty() ? 4 : 8);
   if (impl_->argmax_ids.size() < need) impl_->argmax_ids = DeviceBuffer(align_up(need));
   const size_t work = kops::argmax_workspace_bytes(R, V);
@@ -275,12 +275,12 @@ void CudaOps::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids,
   int32_t* d_ids = impl_->argmax_ids.as<int32_t>();
   float* d_values = values.empty() ? nullptr : reinterpret_cast<float*>(d_ids + R);
   kops::argmax_rows(f32(logits), V, R, V, d_ids, impl_->argmax_work.data(), impl_->rt.stream(), d_values);
-  std::vector<uint8_t> host(need);
-  KILN_CUDA_CHECK(cudaMemcpyAsync(host.data(), impl_->argmax_ids.data(), need, cudaMemcpyDeviceToHost,
+  KILN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), d_ids, static_cast<size_t>(R) * 4, cudaMemcpyDeviceToHost,
                                   impl_->rt.stream()));
+  if (d_values)
+    KILN_CUDA_CHECK(cudaMemcpyAsync(values.data(), d_values, static_cast<size_t>(R) * 4, cudaMemcpyDeviceToHost,
+                                    impl_->rt.stream()));
   synchronize();
-  std::memcpy(ids.data(), host.data(), static_cast<size_t>(R) * 4);
-  if (!values.empty()) std::memcpy(values.data(), host.data() + static_cast<size_t>(R) * 4, static_cast<size_t>(R) * 4);
 }
 void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
                           std::span<int32_t> ids) {

@@ -1,3 +1,24 @@
+// The engine loop and its step.
+//
+// loop(): take new sequences (each gets its sampler here, once), end the cancelled ones, plan a step
+// (Scheduler::plan_step), run it, publish gauges and deliver the step's events.
+//
+// run_step(plan), one named phase each:
+//   1. build_rows          the runner's chunks (page tables) for the plan, and a StepRow for every chunk that wants
+//                          logits (row i is the runner's output i);
+//   2. choose_output_mode  argmax (every row greedy and plain), device_sample (no row needs penalties, logprobs or an
+//                          active grammar) or host_logits;
+//   3. forward             state restores, the runner's forward in that mode, state saves; a failure ends the
+//                          step's sequences with FinishReason::error;
+//   4. choose_tokens       each row's token(s): the runner's, or its sampler on the host logits, rows spread over
+//                          the sampling thread pool (each row has its own seeded sampler: the tokens do not depend on
+//                          the thread count);
+//   5. emit_rows           every chosen token appended, timed and sent in order, the stop / length checks after each
+//                          token; finished sequences released.
+//
+// Where a speculative step (draft K tokens, verify K+1 per sequence) plugs in: build_rows gives a verify chunk's row
+// its K+1 outputs, choose_tokens accepts a prefix of the draft plus one token into StepRow::tokens, and emit_rows
+// already sends any number of tokens per row, stopping at the first that ends the sequence.
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -5,7 +26,6 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/sampler.h"
 
 namespace kiln::engine {
 
@@ -66,6 +86,37 @@ EngineOptions resolve_options(EngineOptions o, const model::ModelRunner& runner)
   return o;
 }
 
+// A planned chunk as the runner takes it: its tokens and the pages up to its last position.
+model::SeqChunk runner_chunk(const PlannedChunk& c, int page_size) {
+  model::SeqChunk ch;
+  ch.state_slot = c.seq->state_slot;
+  ch.tokens = std::span<const int32_t>(c.seq->tokens.data() + c.start_pos, static_cast<size_t>(c.num_tokens));
+  ch.start_pos = c.start_pos;
+  const int64_t end = c.start_pos + c.num_tokens;
+  const size_t pages = static_cast<size_t>((end + page_size - 1) / page_size);
+  KILN_CHECK(pages <= c.seq->pages.size(), "sequence {} needs {} pages, holds {}", c.seq->uid, pages,
+             c.seq->pages.size());
+  ch.page_table = std::span<const int32_t>(c.seq->pages.data(), pages);
+  ch.want_logits = c.want_logits;
+  return ch;
+}
+
+// The sequence's sampler: its parameters and seed, and its grammar with the tokens that may end it.
+std::unique_ptr<SequenceSampler> make_sampler(const Sequence& seq, const std::vector<int32_t>& eos_token_ids) {
+  auto sampler = std::make_unique<SequenceSampler>(seq.request.sampling, seq.seed);
+  std::vector<int32_t> stop_ids = eos_token_ids;
+  stop_ids.insert(stop_ids.end(), seq.request.stop_token_ids.begin(), seq.request.stop_token_ids.end());
+  sampler->set_constraint(seq.request.constraint, std::move(stop_ids));
+  return sampler;
+}
+
+// Penalties, a logit bias, logprobs or an active grammar need the row's logits on the host.
+bool needs_host_logits(const Sequence& seq) {
+  const SamplingParams& sp = seq.request.sampling;
+  return sp.repetition_penalty != 1.0f || sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f ||
+         !sp.logit_bias.empty() || seq.request.want_logprobs || seq.sampler->constrained_now();
+}
+
 }  // namespace
 
 Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options)
@@ -74,6 +125,7 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
       capacity_(runner_->capacity()),
       vocab_size_(runner_->vocab_size()),
       scheduler_(scheduler_options(opts_, capacity_, *runner_)),
+      sampling_pool_(opts_.sampling_threads),
       ttft_(latency_buckets_s()),
       itl_(latency_buckets_s()),
       e2e_(latency_buckets_s()),
@@ -97,6 +149,15 @@ std::string Engine::check_fits(int64_t prompt_len, int64_t max_tokens) const {
   return scheduler_.check_fits(prompt_len, max_tokens);
 }
 
+std::string Engine::check_request(const GenerateRequest& request) const {
+  std::string why = check_fits(static_cast<int64_t>(request.prompt.size()), request.max_tokens);
+  if (!why.empty()) return why;
+  for (int32_t t : request.prompt)
+    if (t < 0 || t >= vocab_size_)
+      return fmt::format("prompt token id {} is outside the vocabulary [0, {})", t, vocab_size_);
+  return {};
+}
+
 SubmitResult Engine::submit(std::vector<GenerateRequest> sequences) {
   SubmitResult result;
   if (sequences.empty()) {
@@ -105,15 +166,7 @@ SubmitResult Engine::submit(std::vector<GenerateRequest> sequences) {
     return result;
   }
   for (const auto& r : sequences) {
-    std::string why = check_fits(static_cast<int64_t>(r.prompt.size()), r.max_tokens);
-    if (why.empty()) {
-      for (int32_t t : r.prompt)
-        if (t < 0 || t >= vocab_size_) {
-          why = fmt::format("prompt token id {} is outside the vocabulary [0, {})", t, vocab_size_);
-          break;
-        }
-    }
-    if (!why.empty()) {
+    if (std::string why = check_request(r); !why.empty()) {
       rejected_too_long_.fetch_add(1);
       result.status = SubmitStatus::invalid;
       result.message = why;
@@ -227,40 +280,37 @@ EngineMetricsSnapshot Engine::metrics() const {
   return s;
 }
 
+void Engine::send(const Sequence& seq, TokenEvent event) {
+  if (seq.channel) outbox_.push_back({seq.channel, std::move(event)});
+}
+
+void Engine::count_finished(const Sequence& seq, FinishReason reason, Clock::time_point now) {
+  finished_[static_cast<int>(reason)].fetch_add(1);
+  e2e_.observe(seconds_between(seq.submitted_at, now));
+}
+
 void Engine::finish(Sequence& seq, FinishReason reason, const std::string& error) {
   TokenEvent ev;
   ev.index = seq.index;
   ev.finished = true;
   ev.finish_reason = reason;
   ev.error = error;
-  if (seq.channel) outbox_.push_back({seq.channel, std::move(ev)});
-  finished_[static_cast<int>(reason)].fetch_add(1);
-  e2e_.observe(seconds_between(seq.submitted_at, Clock::now()));
-  samplers_.erase(seq.uid);
+  send(seq, std::move(ev));
+  count_finished(seq, reason, Clock::now());
 }
+
+void Engine::flush_outbox() {
+  for (auto& [channel, ev] : outbox_) channel->push(std::move(ev));
+  outbox_.clear();
+}
+
+// ---- the loop ----
 
 void Engine::loop() {
   for (;;) {
     bool stopping = false, abort_all = false;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      for (;;) {
-        for (auto& s : incoming_) scheduler_.enqueue(std::move(s));
-        incoming_.clear();
-        if (stop_requested_ || !scheduler_.idle()) break;
-        abort_all_ = false;  // nothing left to abort
-        cv_.wait(lock);
-      }
-      stopping = stop_requested_;
-      abort_all = abort_all_ || stopping;
-    }
-    // Cancellations (client gone, stop string matched, shutdown) leave before the step.
-    scheduler_.for_each_sequence([&](Sequence& s) {
-      if (abort_all || (s.channel && s.channel->sequence_cancelled(s.index))) s.abort_requested = true;
-    });
-    // A sequence its client stopped (a stop string matched) finishes as stop, any other as abort.
-    for (auto& s : scheduler_.take_aborted())
-      finish(*s, s->channel && s->channel->sequence_stopped(s->index) ? FinishReason::stop : FinishReason::abort);
+    take_incoming(wait_for_work(stopping, abort_all));
+    end_cancelled(abort_all);
     if (stopping) {
       publish_gauges();
       flush_outbox();
@@ -289,227 +339,225 @@ void Engine::loop() {
   }
 }
 
-void Engine::flush_outbox() {
-  for (auto& [channel, ev] : outbox_) channel->push(std::move(ev));
-  outbox_.clear();
+// Blocks until there is something to do (new sequences, sequences in the scheduler, or stop); returns the new
+// sequences.
+std::vector<std::unique_ptr<Sequence>> Engine::wait_for_work(bool& stopping, bool& abort_all) {
+  std::vector<std::unique_ptr<Sequence>> arrived;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    for (auto& s : incoming_) arrived.push_back(std::move(s));
+    incoming_.clear();
+    if (stop_requested_ || !arrived.empty() || !scheduler_.idle()) break;
+    abort_all_ = false;  // nothing left to abort
+    cv_.wait(lock);
+  }
+  stopping = stop_requested_;
+  abort_all = abort_all_ || stopping;
+  return arrived;
 }
 
+// Each new sequence gets its sampler here, once: it stays with the sequence through preemptions and goes with it.
+// A sequence whose sampler cannot be made (bad parameters) ends before it holds pages or joins a step.
+void Engine::take_incoming(std::vector<std::unique_ptr<Sequence>> arrived) {
+  for (auto& seq : arrived) {
+    try {
+      seq->sampler = make_sampler(*seq, opts_.eos_token_ids);
+    } catch (const std::exception& e) {
+      KILN_LOG_ERROR("sampling failed for request {}: {}", seq->request.id, e.what());
+      finish(*seq, FinishReason::error, fmt::format("sampling failed: {}", e.what()));
+      continue;
+    }
+    scheduler_.enqueue(std::move(seq));
+  }
+}
+
+// Cancellations (client gone, stop string matched, shutdown) leave before the step. A sequence its client stopped
+// (a stop string matched) finishes as stop, any other as abort.
+void Engine::end_cancelled(bool abort_all) {
+  scheduler_.for_each_sequence([&](Sequence& s) {
+    if (abort_all || (s.channel && s.channel->sequence_cancelled(s.index))) s.abort_requested = true;
+  });
+  for (auto& s : scheduler_.take_aborted())
+    finish(*s, s->channel && s->channel->sequence_stopped(s->index) ? FinishReason::stop : FinishReason::abort);
+}
+
+// ---- the step ----
+
 void Engine::run_step(const StepPlan& plan) {
-  const int page_size = capacity_.page_size;
+  build_rows(plan);
+  const OutputMode mode = choose_output_mode();
+  if (!forward(plan, mode)) return;
+  choose_tokens(mode);
+  emit_rows();
+}
+
+void Engine::build_rows(const StepPlan& plan) {
   chunks_.clear();
-  int64_t num_logits = 0;
-  for (const auto& c : plan.chunks) {
-    model::SeqChunk ch;
-    ch.state_slot = c.seq->state_slot;
-    ch.tokens = std::span<const int32_t>(c.seq->tokens.data() + c.start_pos, static_cast<size_t>(c.num_tokens));
-    ch.start_pos = c.start_pos;
-    int64_t end = c.start_pos + c.num_tokens;
-    size_t pages = static_cast<size_t>((end + page_size - 1) / page_size);
-    KILN_CHECK(pages <= c.seq->pages.size(), "sequence {} needs {} pages, holds {}", c.seq->uid, pages,
-               c.seq->pages.size());
-    ch.page_table = std::span<const int32_t>(c.seq->pages.data(), pages);
-    ch.want_logits = c.want_logits;
-    if (c.want_logits) ++num_logits;
-    chunks_.push_back(ch);
-  }
-  // Every sequence greedy with no penalties and no logprobs: the runner picks the tokens (on the GPU, only the ids
-  // come back instead of a vocabulary of logits per sequence). No penalties and no logprobs but some sequence samples:
-  // the runner draws the tokens (forward_sample, model/sampling.h's definition) with each sequence's next uniform.
-  // A sequence under a grammar constraint needs its logits on the host (the mask): the whole step takes that path.
-  auto sampler_of = [&](const Sequence& seq) -> SequenceSampler* {
-    auto it = samplers_.find(seq.uid);
-    if (it == samplers_.end()) {
-      auto s = std::make_unique<SequenceSampler>(seq.request.sampling, seq.seed);
-      std::vector<int32_t> stop_ids = opts_.eos_token_ids;
-      stop_ids.insert(stop_ids.end(), seq.request.stop_token_ids.begin(), seq.request.stop_token_ids.end());
-      s->set_constraint(seq.request.constraint, std::move(stop_ids));
-      it = samplers_.emplace(seq.uid, std::move(s)).first;
-    }
-    return it->second.get();
-  };
-  bool all_greedy = true, runner_samples = true;
-  for (const auto& c : plan.chunks) {
+  rows_.clear();
+  for (const PlannedChunk& c : plan.chunks) {
+    chunks_.push_back(runner_chunk(c, capacity_.page_size));
     if (!c.want_logits) continue;
-    const SamplingParams& sp = c.seq->request.sampling;
-    bool constrained = false;
-    if (c.seq->request.constraint) {
-      try {
-        constrained = sampler_of(*c.seq)->constrained_now();
-      } catch (const std::exception&) {
-        constrained = true;  // host path: the sampler's error is reported below
-      }
-    }
-    const bool plain = sp.repetition_penalty == 1.0f && sp.presence_penalty == 0.0f && sp.frequency_penalty == 0.0f &&
-                       sp.logit_bias.empty() && !c.seq->request.want_logprobs && !constrained;
-    all_greedy = all_greedy && sp.temperature < 1e-6f && plain;
-    runner_samples = runner_samples && plain;
+    StepRow row;
+    row.seq = c.seq;
+    row.output = rows_.size();
+    row.completes_prompt = c.start_pos + c.num_tokens == c.seq->prompt_len;
+    rows_.push_back(std::move(row));
   }
-  runner_samples = runner_samples && !all_greedy;
-  std::vector<model::RowSampling> row_sampling;
-  if (runner_samples) {
-    // The samplers exist before the step so that each non-greedy row takes its uniform from its own stream. A
-    // sequence whose sampler cannot be made (bad parameters) gets a greedy row here and its error below.
-    for (const auto& c : plan.chunks) {
-      if (!c.want_logits) continue;
-      model::RowSampling rs;  // greedy
-      try {
-        rs = sampler_of(*c.seq)->next_row_sampling();
-      } catch (const std::exception&) {
-      }
-      row_sampling.push_back(rs);
-    }
+}
+
+// Every row greedy and plain: the runner picks the tokens (on the GPU only the ids come back, not a vocabulary of
+// logits per row). Every row plain but some sample: the runner draws them (model/sampling.h's definition) with each
+// row's next uniform. Any row that needs its logits on the host (a penalty, logprobs, an active grammar's mask): the
+// whole step takes the host path.
+Engine::OutputMode Engine::choose_output_mode() const {
+  bool all_greedy = true;
+  for (const StepRow& row : rows_) {
+    if (needs_host_logits(*row.seq)) return OutputMode::host_logits;
+    all_greedy = all_greedy && model::greedy_temperature(row.seq->request.sampling.temperature);
   }
-  if (all_greedy || runner_samples) greedy_ids_.assign(static_cast<size_t>(num_logits), -1);
-  else logits_.resize(static_cast<size_t>(num_logits * vocab_size_));
+  return all_greedy ? OutputMode::argmax : OutputMode::device_sample;
+}
+
+// Runs the plan's state copies and forward pass; false when the runner failed (the step's sequences are ended with
+// the error, the others keep going).
+bool Engine::forward(const StepPlan& plan, OutputMode mode) {
+  const size_t rows = rows_.size();
+  if (mode == OutputMode::host_logits) logits_.resize(rows * static_cast<size_t>(vocab_size_));
+  else runner_tokens_.assign(rows, -1);
+  // Each sampling row takes its uniform from its own sampler's stream (greedy rows draw none).
+  row_sampling_.clear();
+  if (mode == OutputMode::device_sample)
+    for (const StepRow& row : rows_) row_sampling_.push_back(row.seq->sampler->next_row_sampling());
   try {
     for (const StateCopy& c : plan.restores) runner_->copy_state(c.src, c.dst);
-    if (all_greedy) runner_->forward_argmax(chunks_, greedy_ids_);
-    else if (runner_samples) runner_->forward_sample(chunks_, row_sampling, greedy_ids_);
-    else runner_->forward(chunks_, logits_);
+    switch (mode) {
+      case OutputMode::argmax: runner_->forward_argmax(chunks_, runner_tokens_); break;
+      case OutputMode::device_sample: runner_->forward_sample(chunks_, row_sampling_, runner_tokens_); break;
+      case OutputMode::host_logits: runner_->forward(chunks_, logits_); break;
+    }
     for (const StateCopy& c : plan.saves) runner_->copy_state(c.src, c.dst);
   } catch (const std::exception& e) {
-    // The step failed as a whole: end its sequences with the error, keep serving the others.
     KILN_LOG_ERROR("forward step failed ({} sequences): {}", plan.chunks.size(), e.what());
     for (const auto& c : plan.chunks) {
       auto seq = scheduler_.release(c.seq, /*cache=*/false);
       finish(*seq, FinishReason::error, fmt::format("model step failed: {}", e.what()));
     }
-    return;
+    return false;
   }
   steps_.fetch_add(1);
   scheduler_.commit_step(plan);
+  return true;
+}
 
-  // Sampling: every row's sampler runs on its own logits and history, so the rows are sampled in parallel (the
-  // host sampler costs milliseconds per row at a 248k vocabulary), then applied in order on this thread.
-  struct Job {
-    Sequence* seq = nullptr;
-    bool completes_prompt = false;  // this step's chunk ends at the prompt's last token
-    SequenceSampler* sampler = nullptr;
-    std::span<float> logits;
-    int32_t greedy_token = -1;
-    SampleResult result;
-    std::string error;
-  };
-  std::vector<Job> jobs;
-  {
-    int64_t row = 0;
-    for (const auto& c : plan.chunks) {
-      if (!c.want_logits) continue;
-      Job j;
-      j.seq = c.seq;
-      j.completes_prompt = c.start_pos + c.num_tokens == c.seq->prompt_len;
-      if (all_greedy || runner_samples) j.greedy_token = greedy_ids_[static_cast<size_t>(row)];
-      else j.logits = std::span<float>(logits_.data() + row * vocab_size_, static_cast<size_t>(vocab_size_));
-      ++row;
-      try {
-        j.sampler = sampler_of(*c.seq);
-      } catch (const std::exception& e) {
-        j.error = e.what();
-      }
-      jobs.push_back(std::move(j));
-    }
+// Host sampling costs milliseconds per row at a 248k vocabulary, so with enough logits to scan the rows are spread
+// over the sampling pool (below 128k logits waking its threads costs more than the scan). Each row has its own
+// sampler, logits and history, and catches its own errors.
+void Engine::choose_tokens(OutputMode mode) {
+  const int64_t n = static_cast<int64_t>(rows_.size());
+  const bool spread = mode == OutputMode::host_logits && n * vocab_size_ >= (int64_t(1) << 17);
+  if (!spread) {
+    for (StepRow& row : rows_) choose_token(row, mode);
+    return;
   }
-  auto run_job = [&](Job& j) {
-    if (!j.error.empty()) return;
-    try {
-      const Sequence& seq = *j.seq;
-      if (all_greedy || runner_samples) {
-        if (j.greedy_token < 0) fail("sampling: no finite logit (all -inf or NaN)");
-        j.result.token = j.greedy_token;
-        j.sampler->observe(j.greedy_token);
-      } else {
-        const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
-        j.result = j.sampler->sample(j.logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
-                                     seq.request.want_logprobs);
-      }
-      KILN_CHECK(j.result.token >= 0 && j.result.token < vocab_size_, "sampled token {} outside the vocabulary",
-                 j.result.token);
-    } catch (const std::exception& e) {
-      j.error = e.what();
-    }
-  };
-  // Threads only pay off with enough logits to scan (starting them costs tens of microseconds; a small vocabulary
-  // samples in less).
-  const bool big = static_cast<int64_t>(jobs.size()) * vocab_size_ >= (int64_t(1) << 17);
-  const int threads =
-      all_greedy || runner_samples || !big ? 1 : std::min<int>(opts_.sampling_threads, static_cast<int>(jobs.size()));
-  if (threads <= 1) {
-    for (Job& j : jobs) run_job(j);
-  } else {
-    std::atomic<size_t> next{0};
-    auto worker = [&] {
-      for (size_t i = next.fetch_add(1); i < jobs.size(); i = next.fetch_add(1)) run_job(jobs[i]);
-    };
-    std::vector<std::thread> pool;
-    pool.reserve(static_cast<size_t>(threads - 1));
-    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-    worker();
-    for (std::thread& t : pool) t.join();
-  }
+  sampling_pool_.parallel_for(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) choose_token(rows_[static_cast<size_t>(i)], mode);
+  });
+}
 
-  auto now = Clock::now();
-  std::vector<Sequence*> done;
-  for (Job& job : jobs) {
-    Sequence& seq = *job.seq;
-    if (job.completes_prompt) prompt_tokens_.fetch_add(static_cast<uint64_t>(seq.prompt_len));
-    TokenEvent ev;
-    ev.index = seq.index;
-    if (!job.error.empty()) {
-      KILN_LOG_ERROR("sampling failed for request {}: {}", seq.request.id, job.error);
-      seq.abort_requested = true;  // released below
-      TokenEvent err;
-      err.index = seq.index;
-      err.finished = true;
-      err.finish_reason = FinishReason::error;
-      err.error = fmt::format("sampling failed: {}", job.error);
-      if (seq.channel) outbox_.push_back({seq.channel, std::move(err)});
-      finished_[static_cast<int>(FinishReason::error)].fetch_add(1);
-      samplers_.erase(seq.uid);
-      done.push_back(&seq);
-      continue;
-    }
-    ev.token = job.result.token;
-    ev.logprob = job.result.logprob;
-    if (seq.request.want_logprobs) ev.top = std::move(job.result.top);
-    seq.tokens.push_back(ev.token);
-    ++seq.num_generated;
-    generation_tokens_.fetch_add(1);
-    if (!seq.has_first_token) {
-      seq.has_first_token = true;
-      ttft_.observe(seconds_between(seq.submitted_at, now));
-      queue_time_.observe(seconds_between(seq.submitted_at, seq.admitted_at));
-      ev.queue_ms = seconds_between(seq.submitted_at, seq.admitted_at) * 1e3;
-      ev.cached_tokens = seq.cached_tokens;
+void Engine::choose_token(StepRow& row, OutputMode mode) {
+  try {
+    const Sequence& seq = *row.seq;
+    SampleResult chosen;
+    if (mode == OutputMode::host_logits) {
+      std::span<float> logits(logits_.data() + row.output * static_cast<size_t>(vocab_size_),
+                              static_cast<size_t>(vocab_size_));
+      const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
+      chosen = seq.sampler->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
+                                   seq.request.want_logprobs);
     } else {
-      itl_.observe(seconds_between(seq.last_token_at, now));
+      chosen.token = runner_tokens_[row.output];
+      if (chosen.token < 0) fail("sampling: no finite logit (all -inf or NaN)");
+      seq.sampler->observe(chosen.token);
     }
-    seq.last_token_at = now;
+    KILN_CHECK(chosen.token >= 0 && chosen.token < vocab_size_, "sampled token {} outside the vocabulary",
+               chosen.token);
+    row.tokens.push_back(std::move(chosen));
+  } catch (const std::exception& e) {
+    row.error = e.what();
+  }
+}
 
-    const auto& req = seq.request;
-    bool is_eos = !req.ignore_eos && std::binary_search(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end(), ev.token);
-    bool is_stop = is_eos || std::find(req.stop_token_ids.begin(), req.stop_token_ids.end(), ev.token) !=
-                                 req.stop_token_ids.end() ||
-                   (job.sampler && job.sampler->constraint_finished());  // the grammar ended (even with ignore_eos)
-    if (is_stop) {
-      ev.finished = true;
-      ev.finish_reason = FinishReason::stop;
-      ev.is_stop_token = true;
-    } else if (seq.num_generated >= req.max_tokens ||
-               static_cast<int64_t>(seq.tokens.size()) >= opts_.context_length) {
-      ev.finished = true;
-      ev.finish_reason = FinishReason::length;
-    }
-    bool finished = ev.finished;
-    FinishReason reason = ev.finish_reason;
-    if (seq.channel) outbox_.push_back({seq.channel, std::move(ev)});
-    if (finished) {
-      finished_[static_cast<int>(reason)].fetch_add(1);
-      e2e_.observe(seconds_between(seq.submitted_at, now));
-      samplers_.erase(seq.uid);
-      done.push_back(&seq);
-    }
+void Engine::emit_rows() {
+  const auto now = Clock::now();
+  std::vector<Sequence*> done;
+  for (StepRow& row : rows_) {
+    if (row.completes_prompt) prompt_tokens_.fetch_add(static_cast<uint64_t>(row.seq->prompt_len));
+    if (emit_row(row, now)) done.push_back(row.seq);
   }
   for (Sequence* s : done) scheduler_.release(s);
+}
+
+// Sends the row's tokens in order; true when the sequence ended (an error, or a token that ends it: the tokens after
+// that one are dropped).
+bool Engine::emit_row(StepRow& row, Clock::time_point now) {
+  Sequence& seq = *row.seq;
+  if (!row.error.empty()) {
+    KILN_LOG_ERROR("sampling failed for request {}: {}", seq.request.id, row.error);
+    finish(seq, FinishReason::error, fmt::format("sampling failed: {}", row.error));
+    return true;
+  }
+  for (SampleResult& chosen : row.tokens)
+    if (emit_token(seq, chosen, now)) return true;
+  return false;
+}
+
+// Appends one token to its sequence and sends it, with the finish it causes.
+bool Engine::emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now) {
+  TokenEvent ev;
+  ev.index = seq.index;
+  ev.token = chosen.token;
+  ev.logprob = chosen.logprob;
+  if (seq.request.want_logprobs) ev.top = std::move(chosen.top);
+  seq.tokens.push_back(ev.token);
+  ++seq.num_generated;
+  generation_tokens_.fetch_add(1);
+  observe_token_time(seq, ev, now);
+  const FinishReason reason = finish_reason_after(seq);
+  ev.finished = reason != FinishReason::none;
+  ev.finish_reason = reason;
+  ev.is_stop_token = reason == FinishReason::stop;
+  send(seq, std::move(ev));
+  if (reason == FinishReason::none) return false;
+  count_finished(seq, reason, now);
+  return true;
+}
+
+// Whether the sequence's last token ends it: stop for an eos (unless ignore_eos) or stop token, or a grammar that is
+// complete (even with ignore_eos); length at max_tokens or the context length.
+FinishReason Engine::finish_reason_after(const Sequence& seq) const {
+  const GenerateRequest& req = seq.request;
+  const int32_t token = seq.tokens.back();
+  const auto& eos_ids = opts_.eos_token_ids;
+  const auto& stop_ids = req.stop_token_ids;
+  const bool eos = !req.ignore_eos && std::binary_search(eos_ids.begin(), eos_ids.end(), token);
+  const bool stop_token = std::find(stop_ids.begin(), stop_ids.end(), token) != stop_ids.end();
+  if (eos || stop_token || seq.sampler->constraint_finished()) return FinishReason::stop;
+  if (seq.num_generated >= req.max_tokens || static_cast<int64_t>(seq.tokens.size()) >= opts_.context_length)
+    return FinishReason::length;
+  return FinishReason::none;
+}
+
+void Engine::observe_token_time(Sequence& seq, TokenEvent& event, Clock::time_point now) {
+  if (!seq.has_first_token) {
+    seq.has_first_token = true;
+    ttft_.observe(seconds_between(seq.submitted_at, now));
+    queue_time_.observe(seconds_between(seq.submitted_at, seq.admitted_at));
+    event.queue_ms = seconds_between(seq.submitted_at, seq.admitted_at) * 1e3;
+    event.cached_tokens = seq.cached_tokens;
+  } else {
+    itl_.observe(seconds_between(seq.last_token_at, now));
+  }
+  seq.last_token_at = now;
 }
 
 }  // namespace kiln::engine

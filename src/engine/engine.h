@@ -18,18 +18,17 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "engine/channel.h"
 #include "engine/metrics.h"
 #include "engine/request.h"
+#include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "model/model_runner.h"
 
 namespace kiln::engine {
-
-class SequenceSampler;
 
 struct EngineOptions {
   int max_running_requests = 64;
@@ -37,8 +36,9 @@ struct EngineOptions {
   int64_t chunked_prefill_size = kDefaultChunkedPrefillSize;  // tokens per step, decodes included (scheduler.h)
   int64_t context_length = 0;          // 0: the runner's max_context; never more than it
   std::vector<int32_t> eos_token_ids;  // end a sequence unless ignore_eos
-  // Threads that sample a step's non-greedy sequences when the step has >= 128k logits (each with its own sampler
-  // and logits row, so the draws are the same for any count). 0: min(8, hardware threads).
+  // Threads (a pool made once, the engine thread included) that sample a step's rows on the host when the step has
+  // >= 128k logits (each row with its own sampler and logits, so the draws are the same for any count).
+  // 0: min(8, hardware threads).
   int sampling_threads = 0;
   // Prefix cache over KV pages + state snapshots (SGLang's radix cache; --disable-radix-cache turns it off).
   // Needs a runner that can copy state slots; otherwise it is off.
@@ -89,10 +89,45 @@ class Engine {
   bool draining() const { return draining_.load(); }
 
  private:
+  // How a step's tokens come back from the runner (choose_output_mode).
+  enum class OutputMode {
+    argmax,         // every row greedy and plain: forward_argmax, only the ids come back
+    device_sample,  // no penalties / logprobs / active grammar, some rows sample: forward_sample
+    host_logits,    // some row needs its logits on the host: forward, then each row's SequenceSampler
+  };
+  // One sequence's share of a step's output. Today a row is one logits row and chooses one token; a speculative
+  // verify row would own the K+1 outputs of its chunk and choose up to K+1 tokens, which emit_row sends in order.
+  struct StepRow {
+    Sequence* seq = nullptr;
+    size_t output = 0;                 // the row's index in the runner's outputs (runner_tokens_ / logits_)
+    bool completes_prompt = false;     // its chunk ends at the prompt's last token
+    std::vector<SampleResult> tokens;  // chosen this step, in order
+    std::string error;                 // choosing failed: the sequence ends with FinishReason::error
+  };
+
   void loop();
+  std::vector<std::unique_ptr<Sequence>> wait_for_work(bool& stopping, bool& abort_all);
+  void take_incoming(std::vector<std::unique_ptr<Sequence>> arrived);
+  void end_cancelled(bool abort_all);
+  std::string check_request(const GenerateRequest& request) const;
+
+  // The step (engine.cpp's opening comment names the phases).
   void run_step(const StepPlan& plan);
-  // Sends the final event, records metrics and forgets the sequence's sampler.
+  void build_rows(const StepPlan& plan);
+  OutputMode choose_output_mode() const;
+  bool forward(const StepPlan& plan, OutputMode mode);
+  void choose_tokens(OutputMode mode);
+  void choose_token(StepRow& row, OutputMode mode);
+  void emit_rows();
+  bool emit_row(StepRow& row, Clock::time_point now);
+  bool emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now);
+  FinishReason finish_reason_after(const Sequence& seq) const;
+
+  // Sends the final event and records the finish; the sequence's sampler goes with the sequence.
   void finish(Sequence& seq, FinishReason reason, const std::string& error = {});
+  void count_finished(const Sequence& seq, FinishReason reason, Clock::time_point now);
+  void observe_token_time(Sequence& seq, TokenEvent& event, Clock::time_point now);
+  void send(const Sequence& seq, TokenEvent event);
   void publish_gauges();  // engine thread, takes mu_
   void flush_outbox();    // engine thread: delivers the step's events
 
@@ -115,11 +150,13 @@ class Engine {
   uint64_t seed_base_ = 0;
   std::thread thread_;
 
-  // Engine-thread state.
-  std::unordered_map<uint64_t, std::unique_ptr<SequenceSampler>> samplers_;
-  std::vector<float> logits_;            // [n_logits, vocab]
-  std::vector<int32_t> greedy_ids_;      // steps the runner picks the tokens of: its argmax / its draws
-  std::vector<model::SeqChunk> chunks_;  // reused per step
+  // Engine-thread state, reused from step to step.
+  ThreadPool sampling_pool_;                  // opts_.sampling_threads, the engine thread included
+  std::vector<model::SeqChunk> chunks_;       // the runner's chunks
+  std::vector<StepRow> rows_;                 // one per chunk that wants logits, in chunk order
+  std::vector<model::RowSampling> row_sampling_;  // device_sample: each row's parameters and uniform
+  std::vector<int32_t> runner_tokens_;        // argmax / device_sample: the runner's token per row (-1: none)
+  std::vector<float> logits_;                 // host_logits: [rows, vocab]
   std::vector<std::pair<std::shared_ptr<RequestChannel>, TokenEvent>> outbox_;  // events of this step
 
   // Metrics (gauges published under mu_, counters atomic, histograms have their own locks).

@@ -3,8 +3,12 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "engine/sampler.h"
 
 namespace kiln::engine {
+
+Sequence::Sequence() = default;
+Sequence::~Sequence() = default;
 
 Scheduler::Scheduler(SchedulerOptions options)
     : opts_(options), pages_(options.kv_pages), slots_(options.state_slots) {

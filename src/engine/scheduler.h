@@ -52,6 +52,7 @@
 namespace kiln::engine {
 
 class RequestChannel;
+class SequenceSampler;  // engine/sampler.h
 
 // The step budget of an engine made without one (tests, library use). kiln's commands resolve --chunked-prefill-size
 // per device instead (backend::resolve_prefill_sizes: auto is 8192 on a GPU of 80 GB or more, 2048 below, 512 on
@@ -87,6 +88,9 @@ using Clock = std::chrono::steady_clock;
 
 // One sequence (one of the n choices of a request) as the scheduler and engine see it.
 struct Sequence {
+  Sequence();
+  ~Sequence();  // frees the sampler (defined where SequenceSampler is complete)
+
   uint64_t uid = 0;
   int index = 0;                            // within its submission (TokenEvent::index)
   GenerateRequest request;
@@ -114,6 +118,9 @@ struct Sequence {
   int preemptions = 0;
   bool abort_requested = false;
   uint64_t seed = 0;
+  // Made once when the engine takes the sequence (before it is queued), kept through preemptions, freed with the
+  // sequence. Null in scheduler tests.
+  std::unique_ptr<SequenceSampler> sampler;
 
   Clock::time_point submitted_at{};
   Clock::time_point admitted_at{};

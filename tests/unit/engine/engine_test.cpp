@@ -1,31 +1,40 @@
-// The engine loop with a fake model: batching never mixes sequences, capacity is freed, limits hold,
-// failures stay contained.
+// The engine loop with a fake model (DummyRunner, whose output hashes everything a sequence reads through its page
+// table and state slot): batching never mixes sequences, capacity is freed, limits hold, failures stay contained; the
+// runner's argmax / sampling paths match host sampling; grammar constraints; the prefix cache on and off give the
+// same outputs; and the same on the real kiln-tiny model over the CPU backend.
 #include "engine/engine.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
 #include <random>
 #include <thread>
 
+#include "backend/cpu/cpu_backend.h"
 #include "engine/dummy_runner.h"
+#include "engine/grammar/token_mask.h"
+#include "format/model_dir.h"
 
 namespace kiln::engine {
 namespace {
 
 using namespace std::chrono_literals;
 
+// Per sequence of a submission: its tokens, how it ended, and the prompt tokens found in the prefix cache.
 struct Outcome {
   std::vector<std::vector<int32_t>> tokens;
   std::vector<FinishReason> reasons;
   std::vector<std::string> errors;
+  std::vector<int64_t> cached;  // the first token event's cached_tokens (-1: no token)
 };
 
-Outcome collect(const std::shared_ptr<RequestChannel>& ch, std::chrono::milliseconds limit = 20s) {
+Outcome collect(const std::shared_ptr<RequestChannel>& ch, std::chrono::milliseconds limit = 60s) {
   Outcome o;
   o.tokens.resize(ch->num_sequences());
   o.reasons.resize(ch->num_sequences(), FinishReason::none);
   o.errors.resize(ch->num_sequences());
+  o.cached.resize(ch->num_sequences(), -1);
   auto deadline = std::chrono::steady_clock::now() + limit;
   while (!(ch->all_finished() && !ch->has_events())) {
     if (std::chrono::steady_clock::now() > deadline) {
@@ -35,6 +44,7 @@ Outcome collect(const std::shared_ptr<RequestChannel>& ch, std::chrono::millisec
     std::vector<TokenEvent> evs;
     ch->wait(evs, 100ms);
     for (auto& e : evs) {
+      if (e.token >= 0 && o.tokens[e.index].empty()) o.cached[e.index] = e.cached_tokens;
       if (e.token >= 0) o.tokens[e.index].push_back(e.token);
       if (e.finished) {
         o.reasons[e.index] = e.finish_reason;
@@ -43,6 +53,19 @@ Outcome collect(const std::shared_ptr<RequestChannel>& ch, std::chrono::millisec
     }
   }
   return o;
+}
+
+// The one sequence of a submission.
+struct Answer {
+  std::vector<int32_t> tokens;
+  FinishReason reason = FinishReason::none;
+  std::string error;
+  int64_t cached = -1;
+};
+
+Answer answer(const std::shared_ptr<RequestChannel>& ch) {
+  Outcome o = collect(ch);
+  return {o.tokens[0], o.reasons[0], o.errors[0], o.cached[0]};
 }
 
 GenerateRequest greedy(std::vector<int32_t> prompt, int64_t max_tokens) {
@@ -70,6 +93,12 @@ EngineOptions options(int max_running, int64_t chunk, int max_queued = 256) {
   o.max_queued_requests = max_queued;
   o.chunked_prefill_size = chunk;
   o.eos_token_ids = {0};
+  return o;
+}
+
+EngineOptions options_with_cache(int max_running, int64_t chunk, bool cache) {
+  EngineOptions o = options(max_running, chunk);
+  o.enable_prefix_cache = cache;
   return o;
 }
 
@@ -491,6 +520,460 @@ TEST(Engine, RunnerSamplingReportsRowsWithoutFiniteLogits) {
   EXPECT_NE(ob.errors[0].find("no finite logit"), std::string::npos) << ob.errors[0];
   EXPECT_EQ(og.reasons[0], FinishReason::length);
   EXPECT_EQ(og.tokens[0].size(), 4u);
+}
+
+// ---- grammar constraints (64-token vocabulary): constrained sequences follow the grammar whether they sample
+// greedily (the runner's argmax path is bypassed) or at temperature 1, end on eos exactly where the grammar is
+// complete, and start only after their start token.
+
+// Token i (1..63) is the byte 'A' + i - 1 ('A'..'~'); token 0 is eos (no bytes).
+std::shared_ptr<const grammar::TokenTable> table() {
+  std::vector<std::string> bytes(64);
+  for (int i = 1; i < 64; ++i) bytes[static_cast<size_t>(i)] = std::string(1, static_cast<char>('A' + i - 1));
+  return std::make_shared<grammar::TokenTable>(bytes);
+}
+
+// "[" then 1..3 of "AB" or "C", then "]".
+std::shared_ptr<const grammar::Grammar> brackets() {
+  auto g = std::make_shared<grammar::Grammar>();
+  int32_t root = g->new_rule("root");
+  g->define_rule(root, g->seq({g->literal("["),
+                               g->repeat([&] { return g->alt({g->literal("AB"), g->literal("C")}); }, 1, 3),
+                               g->literal("]")}));
+  g->set_root(root);
+  return g;
+}
+
+std::string text_of(const std::vector<int32_t>& toks, bool* ended_on_eos) {
+  std::string s;
+  *ended_on_eos = !toks.empty() && toks.back() == 0;
+  for (int32_t t : toks)
+    if (t > 0) s += static_cast<char>('A' + t - 1);
+  return s;
+}
+
+bool valid(const std::string& s) {
+  if (s.size() < 3 || s.front() != '[' || s.back() != ']') return false;
+  std::string body = s.substr(1, s.size() - 2);
+  int items = 0;
+  for (size_t i = 0; i < body.size(); ++items) {
+    if (body.compare(i, 2, "AB") == 0) i += 2;
+    else if (body[i] == 'C') i += 1;
+    else return false;
+  }
+  return items >= 1 && items <= 3;
+}
+
+std::vector<int32_t> run_one(Engine& e, GenerateRequest r) {
+  Answer a = answer(e.submit({r}).channel);
+  EXPECT_NE(a.reason, FinishReason::error) << a.error;
+  return a.tokens;
+}
+
+TEST(EngineConstraint, GreedyAndSampledRowsFollowTheGrammarAndEndOnEos) {
+  EngineOptions eo;
+  eo.eos_token_ids = {0};
+  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eo);
+  e.start();
+  auto c = std::make_shared<grammar::Constraint>();
+  c->grammar = brackets();
+  c->tokens = table();
+  for (float temperature : {0.0f, 1.0f}) {
+    for (int i = 0; i < 12; ++i) {
+      GenerateRequest r;
+      r.prompt = {static_cast<int32_t>(1 + i), 7, 9};
+      r.max_tokens = 40;
+      r.sampling.temperature = temperature;
+      r.sampling.seed = static_cast<uint64_t>(i);
+      r.constraint = c;
+      bool eos = false;
+      std::string s = text_of(run_one(e, r), &eos);
+      EXPECT_TRUE(valid(s)) << s << " (temperature " << temperature << ")";
+      EXPECT_TRUE(eos) << s;
+    }
+  }
+}
+
+TEST(EngineConstraint, StartsAfterItsStartToken) {
+  EngineOptions eo;
+  eo.eos_token_ids = {0};
+  DummyRunner::Options ro;
+  ro.favourite_token = 5;  // the fake model prefers token 5 after a few tokens: it is the "</think>" here
+  ro.favourite_after = 6;
+  Engine e(std::make_unique<DummyRunner>(ro), eo);
+  e.start();
+  auto c = std::make_shared<grammar::Constraint>();
+  c->grammar = brackets();
+  c->tokens = table();
+  c->start_after_token = 5;
+  GenerateRequest r;
+  r.prompt = {3, 4};
+  r.max_tokens = 60;
+  r.sampling.temperature = 0.0f;
+  r.constraint = c;
+  std::vector<int32_t> toks = run_one(e, r);
+  auto it = std::find(toks.begin(), toks.end(), 5);
+  ASSERT_NE(it, toks.end());
+  bool eos = false;
+  std::string after = text_of(std::vector<int32_t>(it + 1, toks.end()), &eos);
+  EXPECT_TRUE(valid(after)) << after;
+  EXPECT_TRUE(eos);
+}
+
+// Requests in one batch that share one compiled grammar (the server's GrammarCache) each follow it on their own.
+TEST(EngineConstraint, RequestsSharingACompiledGrammar) {
+  EngineOptions eo;
+  eo.eos_token_ids = {0};
+  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eo);
+  e.start();
+  auto c = std::make_shared<grammar::Constraint>();
+  c->grammar = brackets();
+  c->tokens = table();
+  grammar::GrammarCache cache;
+  c->compiled = cache.get(c->grammar, c->tokens);
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int i = 0; i < 8; ++i) {
+    GenerateRequest r;
+    r.prompt = {static_cast<int32_t>(2 + i), 9};
+    r.max_tokens = 40;
+    r.sampling.temperature = 1.0f;
+    r.sampling.seed = static_cast<uint64_t>(100 + i);
+    r.constraint = c;
+    channels.push_back(e.submit({r}).channel);
+  }
+  for (auto& ch : channels) {
+    bool eos = false;
+    std::string s = text_of(answer(ch).tokens, &eos);
+    EXPECT_TRUE(valid(s)) << s;
+    EXPECT_TRUE(eos) << s;
+  }
+  EXPECT_GT(c->compiled->mask_hits(), 0u);
+}
+
+// ---- the prefix cache over the DummyRunner: a wrong page, a wrong snapshot or another request's slot changes the
+// output.
+
+DummyRunner::Options dummy(int64_t pages, int slots) {
+  DummyRunner::Options d;
+  d.vocab = 50;
+  d.page_size = 4;
+  d.kv_pages = pages;
+  d.state_slots = slots;
+  d.max_context = 512;
+  return d;
+}
+
+// Multi-turn conversations: turn t sends the whole history (prompts and answers so far) plus new tokens.
+struct Conversation {
+  std::vector<int32_t> history;
+  std::vector<std::vector<int32_t>> answers;
+};
+
+std::vector<int32_t> new_message(std::mt19937& rng, int len) {
+  std::vector<int32_t> m(static_cast<size_t>(len));
+  for (auto& t : m) t = static_cast<int32_t>(1 + rng() % 49);
+  return m;
+}
+
+// Runs `convs` conversations of `turns` turns; all conversations' turn t are submitted together.
+std::vector<Conversation> run_conversations(Engine& e, int convs, int turns, int seed, std::vector<int64_t>* cached) {
+  std::mt19937 rng(seed);
+  std::vector<Conversation> cs(static_cast<size_t>(convs));
+  // Conversations share a system prompt per group of 3, so they share and then diverge.
+  std::vector<std::vector<int32_t>> systems;
+  for (int g = 0; g < (convs + 2) / 3; ++g) systems.push_back(new_message(rng, 9 + g));
+  for (int i = 0; i < convs; ++i) cs[i].history = systems[i / 3];
+  for (int t = 0; t < turns; ++t) {
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (auto& c : cs) {
+      auto m = new_message(rng, 3 + static_cast<int>(rng() % 7));
+      c.history.insert(c.history.end(), m.begin(), m.end());
+      auto r = e.submit({greedy(c.history, 6 + static_cast<int>(rng() % 6))});
+      EXPECT_EQ(r.status, SubmitStatus::ok) << r.message;
+      chans.push_back(r.channel);
+    }
+    for (size_t i = 0; i < cs.size(); ++i) {
+      Answer o = answer(chans[i]);
+      cs[i].answers.push_back(o.tokens);
+      if (cached) cached->push_back(o.cached);
+      // The next turn's history holds the visible answer (an eos token is not part of it).
+      for (int32_t tok : o.tokens)
+        if (tok != 0) cs[i].history.push_back(tok);
+    }
+  }
+  return cs;
+}
+
+void expect_idle_and_clean(Engine& e) {
+  auto m = e.metrics();
+  EXPECT_EQ(m.num_running, 0);
+  EXPECT_EQ(m.kv_pages_used, 0);
+  EXPECT_EQ(m.state_slots_used, 0);
+}
+
+TEST(EngineCache, OnAndOffGiveTheSameOutputsSequentialAndConcurrent) {
+  for (int running : {1, 6}) {
+    Engine off(std::make_unique<DummyRunner>(dummy(400, 6)), options_with_cache(running, 16, false));
+    off.start();
+    auto ref = run_conversations(off, 6, 5, 11, nullptr);
+    Engine on(std::make_unique<DummyRunner>(dummy(400, 18)), options_with_cache(running, 16, true));
+    on.start();
+    std::vector<int64_t> cached;
+    auto got = run_conversations(on, 6, 5, 11, &cached);
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i].answers, ref[i].answers) << "conversation " << i;
+    auto m = on.metrics();
+    EXPECT_GT(m.prefix_cache_hit_tokens_total, 0u);
+    // From turn 2 on, a turn reuses its conversation's previous turn up to a page boundary: always when run one at a
+    // time; concurrently, the 6 running sequences hold 12 of the 18 slots and older snapshots may be evicted.
+    int hits = 0;
+    for (size_t k = 6; k < cached.size(); ++k) hits += cached[k] > 0;
+    const int later = static_cast<int>(cached.size()) - 6;
+    if (running == 1) EXPECT_EQ(hits, later);
+    else EXPECT_GE(hits * 4, later * 3);
+    expect_idle_and_clean(on);
+    expect_idle_and_clean(off);
+    EXPECT_EQ(off.metrics().prefix_cache_hit_tokens_total, 0u);
+  }
+}
+
+// The case that got 0 hits on the GPU: a client that re-sends the previous turn as text, re-tokenized. The next
+// prompt then leaves the previous one's ids within its last page (its last token merges with the answer's first
+// characters, or a chat template renders the generation-prompt tail otherwise for a past turn) and the answer
+// comes back as other ids. Emulated here on ids: turn t+1 = turn t's prompt with its last 1..3 ids changed + an
+// answer of other ids + a new message. Each turn must reuse the previous prompt up to the page boundary a page or
+// more before its end (page 4: at least prompt - 7 tokens), and the outputs equal those without the cache.
+TEST(EngineCache, ReTokenizedHistoryStillReusesThePreviousPrompt) {
+  constexpr int kConvs = 4, kTurns = 5, kPage = 4;
+  auto run = [&](bool cache, std::vector<std::vector<int64_t>>* cached, std::vector<std::vector<int64_t>>* need) {
+    // 3 slots per running request (as kiln serve gives them) + 2 per conversation for the cached snapshots of its
+    // previous turn: this test is about re-tokenized prompts matching, not about capacity. With 3 per request only
+    // it failed 8 of 80 runs on a loaded machine; the likely order (one turn finishing before the others are
+    // admitted) makes the others' snapshot saves evict that conversation's fresh snapshots before the stale ones
+    // their own turns were restored from (LRU by last use), and its next turn misses.
+    Engine e(std::make_unique<DummyRunner>(dummy(800, 5 * kConvs)), options_with_cache(kConvs, 16, cache));
+    e.start();
+    std::mt19937 rng(41);
+    std::vector<std::vector<int32_t>> prompt(kConvs);
+    std::vector<std::vector<std::vector<int32_t>>> answers(kConvs);
+    for (int t = 0; t < kTurns; ++t) {
+      std::vector<std::shared_ptr<RequestChannel>> chans;
+      std::vector<int64_t> reusable(kConvs, 0);
+      for (int c = 0; c < kConvs; ++c) {
+        auto& p = prompt[static_cast<size_t>(c)];
+        if (t > 0) {
+          const size_t changed = 1 + rng() % 3;  // the re-tokenized edge
+          const int64_t prev = static_cast<int64_t>(p.size());
+          reusable[c] = prev / kPage * kPage - kPage;  // the prompt's second-to-last page boundary
+          for (size_t k = p.size() - changed; k < p.size(); ++k) p[k] = static_cast<int32_t>(1 + (p[k] + 7) % 49);
+          auto answer = new_message(rng, 8);  // the answer, re-tokenized into other ids
+          p.insert(p.end(), answer.begin(), answer.end());
+        }
+        auto m = new_message(rng, 9 + static_cast<int>(rng() % 9));
+        p.insert(p.end(), m.begin(), m.end());
+        auto r = e.submit({greedy(p, 6)});
+        EXPECT_EQ(r.status, SubmitStatus::ok) << r.message;
+        chans.push_back(r.channel);
+      }
+      std::vector<int64_t> got(kConvs);
+      for (int c = 0; c < kConvs; ++c) {
+        Answer o = answer(chans[static_cast<size_t>(c)]);
+        answers[static_cast<size_t>(c)].push_back(o.tokens);
+        got[c] = o.cached;
+      }
+      if (cached) cached->push_back(got);
+      if (need) need->push_back(reusable);
+    }
+    expect_idle_and_clean(e);
+    return answers;
+  };
+  auto ref = run(false, nullptr, nullptr);
+  std::vector<std::vector<int64_t>> cached, need;
+  auto got = run(true, &cached, &need);
+  EXPECT_EQ(got, ref);
+  for (int t = 1; t < kTurns; ++t)
+    for (int c = 0; c < kConvs; ++c)
+      EXPECT_GE(cached[t][c], need[t][c]) << "turn " << t + 1 << ", conversation " << c;
+}
+
+TEST(EngineCache, PreemptionAndEvictionInTheMiddleChangeNothing) {
+  Engine off(std::make_unique<DummyRunner>(dummy(400, 8)), options_with_cache(8, 8, false));
+  off.start();
+  auto ref = run_conversations(off, 8, 4, 23, nullptr);
+  // A pool of 40 pages (160 tokens) for 8 conversations of up to ~120 tokens: the cache is evicted and running
+  // sequences preempted all along.
+  Engine on(std::make_unique<DummyRunner>(dummy(40, 12)), options_with_cache(8, 8, true));
+  on.start();
+  auto got = run_conversations(on, 8, 4, 23, nullptr);
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i].answers, ref[i].answers) << "conversation " << i;
+  auto m = on.metrics();
+  EXPECT_GT(m.preemptions_total, 0u);
+  EXPECT_GT(m.prefix_cache_evicted_pages_total, 0u);
+  EXPECT_GT(m.prefix_cache_evicted_snapshots_total, 0u);
+  expect_idle_and_clean(on);
+}
+
+// Many concurrent requests that share prefixes (the same few stems) and diverge at every page position: each
+// must read only its own state. Alone (no cache, one at a time) is the reference.
+TEST(EngineCache, ManyConcurrentRequestsSharingPrefixesNeverReadAnothersState) {
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> stems;
+  for (int i = 0; i < 3; ++i) stems.push_back(new_message(rng, 37));
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 64; ++i) {
+    const auto& stem = stems[static_cast<size_t>(i) % stems.size()];
+    const size_t cut = 1 + rng() % stem.size();  // diverge anywhere: inside a page, at a boundary
+    std::vector<int32_t> p(stem.begin(), stem.begin() + static_cast<std::ptrdiff_t>(cut));
+    auto tail = new_message(rng, static_cast<int>(rng() % 9));
+    p.insert(p.end(), tail.begin(), tail.end());
+    prompts.push_back(p);
+  }
+  std::vector<std::vector<int32_t>> alone;
+  {
+    Engine e(std::make_unique<DummyRunner>(dummy(400, 4)), options_with_cache(1, 0, false));
+    e.start();
+    for (const auto& p : prompts) alone.push_back(answer(e.submit({greedy(p, 10)}).channel).tokens);
+  }
+  for (int round = 0; round < 3; ++round) {
+    // Round 0 fills the cache; rounds 1, 2 hit it while all 64 run together (and round 2 with a small pool).
+    Engine e(std::make_unique<DummyRunner>(dummy(round == 2 ? 60 : 800, 96)), options_with_cache(32, 24, true));
+    e.start();
+    for (int pass = 0; pass < 2; ++pass) {
+      std::vector<std::shared_ptr<RequestChannel>> chans;
+      for (const auto& p : prompts) chans.push_back(e.submit({greedy(p, 10)}).channel);
+      for (size_t i = 0; i < prompts.size(); ++i)
+        EXPECT_EQ(answer(chans[i]).tokens, alone[i]) << "prompt " << i << " round " << round << " pass " << pass;
+    }
+    EXPECT_GT(e.metrics().prefix_cache_hit_tokens_total, 0u);
+    expect_idle_and_clean(e);
+  }
+}
+
+TEST(EngineCache, ThirtyTwoConcurrentRequestsInATinyPoolAllFinishAsAlone) {
+  std::mt19937 rng(9);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 32; ++i) prompts.push_back(new_message(rng, 5 + static_cast<int>(rng() % 20)));
+  std::vector<std::vector<int32_t>> alone;
+  {
+    Engine e(std::make_unique<DummyRunner>(dummy(400, 4)), options_with_cache(1, 0, false));
+    e.start();
+    for (const auto& p : prompts) alone.push_back(answer(e.submit({greedy(p, 24)}).channel).tokens);
+  }
+  for (bool cache : {false, true}) {
+    // 16 pages = 64 tokens: room for about two of them at once.
+    Engine e(std::make_unique<DummyRunner>(dummy(16, 96)), options_with_cache(32, 16, cache));
+    e.start();
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (const auto& p : prompts) {
+      auto r = e.submit({greedy(p, 24)});
+      ASSERT_EQ(r.status, SubmitStatus::ok) << r.message;
+      chans.push_back(r.channel);
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      Answer o = answer(chans[i]);
+      EXPECT_NE(o.reason, FinishReason::error);
+      EXPECT_EQ(o.tokens, alone[i]) << "prompt " << i << " cache " << cache;
+    }
+    EXPECT_GT(e.metrics().preemptions_total, 0u);
+    expect_idle_and_clean(e);
+  }
+}
+
+// ---- the prefix cache and preemption on the real model: kiln-tiny (models/kiln-tiny) on the CPU backend. Greedy
+// outputs with the cache on equal those with it off, over multi-turn conversations run one at a time and
+// concurrently, with preemption and eviction in the middle (a small KV pool); nothing leaks.
+
+const std::string kTiny = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+
+std::unique_ptr<model::ModelRunner> tiny(int64_t kv_pages, int slots) {
+  backend::CpuLoadOptions lo;
+  lo.max_context = 1024;
+  lo.kv_pages = kv_pages;
+  lo.state_slots = slots;
+  lo.prefill_chunk = 64;
+  return backend::load_cpu_model(format::ModelDir::open(kTiny), lo);
+}
+
+EngineOptions tiny_options(int running, bool cache) {
+  EngineOptions o;
+  o.max_running_requests = running;
+  o.chunked_prefill_size = 48;
+  o.eos_token_ids = {2050};
+  o.enable_prefix_cache = cache;
+  return o;
+}
+
+// `convs` conversations of `turns` turns over token ids (no template needed: the cache sees ids); conversations
+// share a system prefix in pairs; turn t of every conversation is submitted at once.
+std::vector<std::vector<std::vector<int32_t>>> converse(Engine& e, int convs, int turns, int64_t* hit_turns) {
+  std::mt19937 rng(3);
+  auto words = [&](int n) {
+    std::vector<int32_t> v(static_cast<size_t>(n));
+    for (auto& t : v) t = static_cast<int32_t>(300 + rng() % 1500);
+    return v;
+  };
+  std::vector<std::vector<int32_t>> history(static_cast<size_t>(convs));
+  std::vector<std::vector<int32_t>> systems;
+  for (int i = 0; i < (convs + 1) / 2; ++i) systems.push_back(words(40));
+  for (int i = 0; i < convs; ++i) history[i] = systems[i / 2];
+  std::vector<std::vector<std::vector<int32_t>>> out(static_cast<size_t>(convs));
+  for (int t = 0; t < turns; ++t) {
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (auto& h : history) {
+      auto m = words(12 + static_cast<int>(rng() % 10));
+      h.insert(h.end(), m.begin(), m.end());
+      GenerateRequest r;
+      r.prompt = h;
+      r.max_tokens = 12;
+      r.ignore_eos = true;
+      r.sampling.temperature = 0.0f;
+      auto s = e.submit({r});
+      EXPECT_EQ(s.status, SubmitStatus::ok) << s.message;
+      chans.push_back(s.channel);
+    }
+    for (int i = 0; i < convs; ++i) {
+      Answer a = answer(chans[static_cast<size_t>(i)]);
+      EXPECT_NE(a.reason, FinishReason::error) << a.error;
+      if (t > 0 && a.cached > 0 && hit_turns) ++*hit_turns;
+      out[static_cast<size_t>(i)].push_back(a.tokens);
+      history[static_cast<size_t>(i)].insert(history[static_cast<size_t>(i)].end(), a.tokens.begin(), a.tokens.end());
+    }
+  }
+  return out;
+}
+
+TEST(TinyPrefixCache, GreedyOutputsWithTheCacheEqualThoseWithout) {
+  const int convs = 4, turns = 4;
+  std::vector<std::vector<std::vector<int32_t>>> ref;
+  {
+    Engine off(tiny(400, 4), tiny_options(1, false));
+    off.start();
+    ref = converse(off, convs, turns, nullptr);
+  }
+  struct Case {
+    int running;
+    int64_t pages;
+    const char* what;
+  } cases[] = {{1, 400, "one at a time"}, {4, 400, "concurrent"}, {4, 24, "concurrent, 384-token pool"}};
+  for (const Case& c : cases) {
+    // Slots: each running sequence's own and its two pending snapshots (the prompt's second-to-last page boundary,
+    // the latest), two cached snapshots per conversation (the same two of its last turn) and a spare.
+    Engine on(tiny(c.pages, 3 * c.running + 2 * convs + 1), tiny_options(c.running, true));
+    on.start();
+    int64_t hits = 0;
+    auto got = converse(on, convs, turns, &hits);
+    for (int i = 0; i < convs; ++i) EXPECT_EQ(got[i], ref[i]) << c.what << ", conversation " << i;
+    auto m = on.metrics();
+    EXPECT_GT(m.prefix_cache_hit_tokens_total, 0u) << c.what;
+    if (c.running == 1) EXPECT_EQ(hits, convs * (turns - 1)) << c.what;
+    if (c.pages < 100) EXPECT_GT(m.preemptions_total + m.prefix_cache_evicted_pages_total, 0u) << c.what;
+    EXPECT_EQ(m.kv_pages_used, 0) << c.what;
+    EXPECT_EQ(m.state_slots_used, 0) << c.what;
+    std::printf("[tiny cache] %s: %llu of %llu prompt tokens cached, %llu preemptions, %llu pages evicted\n", c.what,
+                static_cast<unsigned long long>(m.prefix_cache_hit_tokens_total),
+                static_cast<unsigned long long>(m.prefix_cache_query_tokens_total),
+                static_cast<unsigned long long>(m.preemptions_total),
+                static_cast<unsigned long long>(m.prefix_cache_evicted_pages_total));
+  }
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// Scheduler policy: admission, capacity accounting, chunked prefill, cancellation.
+// Scheduler policy: admission, capacity accounting, chunked prefill, cancellation; with the prefix cache, shared
+// pages, snapshot restores and saves, and the cache evicted before anything is preempted.
 #include "engine/scheduler.h"
 
 #include <gtest/gtest.h>
@@ -20,14 +21,20 @@ SchedulerOptions small_options() {
   return o;
 }
 
-std::unique_ptr<Sequence> make_seq(uint64_t uid, int64_t prompt_len, int64_t max_tokens) {
+std::unique_ptr<Sequence> make_seq(uint64_t uid, std::vector<int32_t> prompt, int64_t max_tokens) {
   auto s = std::make_unique<Sequence>();
   s->uid = uid;
-  s->tokens.resize(static_cast<size_t>(prompt_len));
-  std::iota(s->tokens.begin(), s->tokens.end(), 1);
-  s->prompt_len = prompt_len;
+  s->tokens = std::move(prompt);
+  s->prompt_len = static_cast<int64_t>(s->tokens.size());
   s->request.max_tokens = max_tokens;
   return s;
+}
+
+// A sequence whose prompt is 1, 2, ..., prompt_len.
+std::unique_ptr<Sequence> make_seq(uint64_t uid, int64_t prompt_len, int64_t max_tokens) {
+  std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
+  std::iota(prompt.begin(), prompt.end(), 1);
+  return make_seq(uid, std::move(prompt), max_tokens);
 }
 
 // Plays the engine: after a step, every chunk with logits gets a sampled token appended.
@@ -440,16 +447,109 @@ TEST(Scheduler, WholePromptWhenChunkingOff) {
   EXPECT_TRUE(p.chunks[0].want_logits);
 }
 
-TEST(IdPool, AllOrNothingAndDoubleFreeIsABug) {
-  IdPool pool(3);
-  std::vector<int32_t> a;
-  EXPECT_FALSE(pool.allocate(4, a));
-  EXPECT_TRUE(a.empty());
-  EXPECT_TRUE(pool.allocate(2, a));
-  EXPECT_EQ(pool.num_free(), 1);
-  pool.free(a);
-  EXPECT_EQ(pool.num_free(), 3);
-  EXPECT_THROW(pool.free(a), std::exception);
+// ---- the scheduler with the prefix cache
+
+SchedulerOptions cache_options() {
+  SchedulerOptions o = small_options();
+  o.max_queued_requests = 64;
+  o.chunked_prefill_size = 64;
+  o.context_length = 128;
+  o.kv_pages = 64;
+  o.state_slots = 12;
+  o.prefix_cache = true;
+  return o;
+}
+
+// Runs one sequence to the end (tokens appended: 7), returns the plans' restores and saves seen.
+void run_to_end(Scheduler& s, std::vector<StateCopy>* restores, std::vector<StateCopy>* saves) {
+  while (!s.idle()) {
+    StepPlan p = s.plan_step();
+    if (restores) restores->insert(restores->end(), p.restores.begin(), p.restores.end());
+    if (saves) saves->insert(saves->end(), p.saves.begin(), p.saves.end());
+    s.commit_step(p);
+    fake_sample(p);
+    std::vector<Sequence*> done;
+    for (auto& c : p.chunks)
+      if (c.want_logits && c.seq->num_generated >= c.seq->request.max_tokens) done.push_back(c.seq);
+    for (Sequence* d : done) s.release(d);
+  }
+}
+
+TEST(SchedulerCache, SecondTurnSharesPagesAndRestoresTheSnapshot) {
+  Scheduler s(cache_options());
+  std::vector<int32_t> prompt(10);
+  std::iota(prompt.begin(), prompt.end(), 1);
+  s.enqueue(make_seq(1, prompt, 3));
+  // The 10-token prompt's chunks stop at its second-to-last page boundary (4) and at its last (8) so that the
+  // state there is saved, then the last 2 tokens give the logits.
+  StepPlan p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].num_tokens, 4);
+  EXPECT_FALSE(p.chunks[0].want_logits);
+  ASSERT_EQ(p.saves.size(), 1u);
+  Sequence* q = p.chunks[0].seq;
+  const std::vector<int32_t> first_pages(q->pages.begin(), q->pages.begin() + 1);
+  s.commit_step(p);
+  p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].start_pos, 4);
+  EXPECT_EQ(p.chunks[0].num_tokens, 4);
+  EXPECT_FALSE(p.chunks[0].want_logits);
+  ASSERT_EQ(p.saves.size(), 1u);
+  s.commit_step(p);
+  p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].num_tokens, 2);
+  EXPECT_TRUE(p.chunks[0].want_logits);
+  EXPECT_TRUE(p.saves.empty());
+  s.commit_step(p);
+  q->tokens.push_back(7);
+  ++q->num_generated;
+  std::vector<StateCopy> saves;
+  // 10 + 3 tokens: 12 cached at the end; the snapshot at 12 replaces the one at 8, the one at 4 (a page or more
+  // before the prompt's end) stays.
+  run_to_end(s, nullptr, &saves);
+  ASSERT_EQ(saves.size(), 1u);
+  EXPECT_EQ(s.kv_pages_used(), 0);
+  EXPECT_EQ(s.state_slots_used(), 0);
+  EXPECT_EQ(s.prefix_cache()->num_pages(), 3);
+  EXPECT_EQ(s.prefix_cache()->num_snapshots(), 2);
+
+  // Turn 2: the history (13 tokens) + 5 new ones.
+  std::vector<int32_t> turn2 = prompt;
+  turn2.insert(turn2.end(), {7, 7, 7, 50, 51, 52, 53, 54});
+  s.enqueue(make_seq(2, turn2, 2));
+  StepPlan t = s.plan_step();
+  ASSERT_EQ(t.chunks.size(), 1u);
+  Sequence* r = t.chunks[0].seq;
+  EXPECT_EQ(r->cached_tokens, 12);
+  EXPECT_EQ(t.chunks[0].start_pos, 12);
+  ASSERT_EQ(t.restores.size(), 1u);
+  EXPECT_EQ(t.restores[0].dst, r->state_slot);
+  EXPECT_NE(t.restores[0].src, r->state_slot);
+  EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.begin() + 1), first_pages);  // shared, not copied
+  EXPECT_EQ(s.kv_pages_used(), 4);  // 3 shared + 1 own for positions 12..15 (the 18-token prompt stops at 16)
+  s.commit_step(t);
+  run_to_end(s, nullptr, nullptr);
+  EXPECT_EQ(s.counters().cache_hit_tokens, 12u);
+  EXPECT_EQ(s.kv_pages_used(), 0);
+  EXPECT_EQ(s.state_slots_used(), 0);
+}
+
+TEST(SchedulerCache, MemoryPressureEvictsTheCacheBeforePreempting) {
+  SchedulerOptions o = cache_options();
+  o.kv_pages = 8;  // 32 tokens
+  Scheduler s(o);
+  std::vector<int32_t> a(16, 3), b(16, 4);
+  s.enqueue(make_seq(1, a, 1));
+  run_to_end(s, nullptr, nullptr);
+  EXPECT_EQ(s.prefix_cache()->num_pages(), 4);  // the 16-token prompt, snapshot at 16
+  s.enqueue(make_seq(2, b, 12));  // 16 + 12 = 28 tokens: 7 pages, needs the cache's
+  run_to_end(s, nullptr, nullptr);
+  EXPECT_EQ(s.counters().preemptions, 0u);
+  EXPECT_GT(s.prefix_cache()->counters().evicted_pages, 0u);
+  EXPECT_EQ(s.kv_pages_used(), 0);
+  EXPECT_EQ(s.kv_pages_free() + s.prefix_cache()->num_pages(), 8);
 }
 
 }  // namespace

@@ -360,6 +360,26 @@ TEST(Engine, RunnerFailureEndsOnlyThatStepsSequences) {
   EXPECT_EQ(e.metrics().kv_pages_used, 0);
 }
 
+// A sequence's sampler is made when the engine takes it: one that cannot be made (bad parameters) ends that sequence
+// with the sampler's reason before it holds any page, and the engine goes on serving.
+TEST(Engine, BadSamplingParametersEndOnlyThatSequence) {
+  DummyRunner::Options ro;
+  Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
+  e.start();
+  GenerateRequest bad = greedy({1, 2, 3}, 4);
+  bad.sampling.top_p = 0.0f;
+  Answer a = answer(e.submit({bad}).channel);
+  EXPECT_EQ(a.reason, FinishReason::error);
+  EXPECT_TRUE(a.tokens.empty());
+  EXPECT_NE(a.error.find("top_p"), std::string::npos) << a.error;
+  auto m = e.metrics();
+  EXPECT_EQ(m.finished_error, 1u);
+  EXPECT_EQ(m.kv_pages_used, 0);
+  GenerateRequest good = greedy({1, 2, 3}, 4);
+  good.ignore_eos = true;
+  EXPECT_EQ(answer(e.submit({good}).channel).tokens.size(), 4u);
+}
+
 TEST(Engine, SeveralSequencesPerSubmission) {
   DummyRunner::Options ro;
   Engine e(std::make_unique<DummyRunner>(ro), options(8, 8));

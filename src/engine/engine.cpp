@@ -331,7 +331,8 @@ void Engine::loop() {
     } catch (const std::exception& e) {
       // A broken invariant: fail everything in flight rather than die; the loop keeps serving.
       KILN_LOG_ERROR("engine step failed: {}", e.what());
-      for (auto& s : scheduler_.release_all()) finish(*s, FinishReason::error, fmt::format("engine error: {}", e.what()));
+      for (auto& s : scheduler_.release_all())
+        finish(*s, FinishReason::error, fmt::format("engine error: {}", e.what()));
     }
     // Gauges first, then the events: a client that sees its final event also sees its pages freed.
     publish_gauges();

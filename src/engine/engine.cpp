@@ -16,9 +16,11 @@
 //   5. emit_rows           every chosen token appended, timed and sent in order, the stop / length checks after each
 //                          token; finished sequences released.
 //
-// Where a speculative step (draft K tokens, verify K+1 per sequence) plugs in: build_rows gives a verify chunk's row
-// its K+1 outputs, choose_tokens accepts a prefix of the draft plus one token into StepRow::tokens, and emit_rows
-// already sends any number of tokens per row, stopping at the first that ends the sequence.
+// Where the next changes plug in. A speculative step (draft K tokens, verify K+1 per sequence): build_rows gives a
+// verify chunk's row its K+1 outputs, choose_tokens accepts a prefix of the draft plus one token into
+// StepRow::tokens, and emit_rows already sends any number of tokens per row, checking stop / max_tokens / the
+// context after each and dropping the rest once one ends the sequence. Another way of getting tokens from the runner
+// (a fused decode path) is one more OutputMode: chosen in choose_output_mode, run in forward, read in choose_token.
 #include "engine/engine.h"
 
 #include <algorithm>

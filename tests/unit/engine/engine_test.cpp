@@ -584,6 +584,21 @@ bool valid(const std::string& s) {
   return items >= 1 && items <= 3;
 }
 
+// The brackets grammar over the 64-token table.
+std::shared_ptr<grammar::Constraint> brackets_constraint() {
+  auto c = std::make_shared<grammar::Constraint>();
+  c->grammar = brackets();
+  c->tokens = table();
+  return c;
+}
+
+// The engine's default options with token 0 as eos.
+EngineOptions eos_zero_options() {
+  EngineOptions eo;
+  eo.eos_token_ids = {0};
+  return eo;
+}
+
 std::vector<int32_t> run_one(Engine& e, GenerateRequest r) {
   Answer a = answer(e.submit({r}).channel);
   EXPECT_NE(a.reason, FinishReason::error) << a.error;
@@ -591,13 +606,9 @@ std::vector<int32_t> run_one(Engine& e, GenerateRequest r) {
 }
 
 TEST(EngineConstraint, GreedyAndSampledRowsFollowTheGrammarAndEndOnEos) {
-  EngineOptions eo;
-  eo.eos_token_ids = {0};
-  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eo);
+  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eos_zero_options());
   e.start();
-  auto c = std::make_shared<grammar::Constraint>();
-  c->grammar = brackets();
-  c->tokens = table();
+  auto c = brackets_constraint();
   for (float temperature : {0.0f, 1.0f}) {
     for (int i = 0; i < 12; ++i) {
       GenerateRequest r;
@@ -615,16 +626,12 @@ TEST(EngineConstraint, GreedyAndSampledRowsFollowTheGrammarAndEndOnEos) {
 }
 
 TEST(EngineConstraint, StartsAfterItsStartToken) {
-  EngineOptions eo;
-  eo.eos_token_ids = {0};
   DummyRunner::Options ro;
   ro.favourite_token = 5;  // the fake model prefers token 5 after a few tokens: it is the "</think>" here
   ro.favourite_after = 6;
-  Engine e(std::make_unique<DummyRunner>(ro), eo);
+  Engine e(std::make_unique<DummyRunner>(ro), eos_zero_options());
   e.start();
-  auto c = std::make_shared<grammar::Constraint>();
-  c->grammar = brackets();
-  c->tokens = table();
+  auto c = brackets_constraint();
   c->start_after_token = 5;
   GenerateRequest r;
   r.prompt = {3, 4};
@@ -642,13 +649,9 @@ TEST(EngineConstraint, StartsAfterItsStartToken) {
 
 // Requests in one batch that share one compiled grammar (the server's GrammarCache) each follow it on their own.
 TEST(EngineConstraint, RequestsSharingACompiledGrammar) {
-  EngineOptions eo;
-  eo.eos_token_ids = {0};
-  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eo);
+  Engine e(std::make_unique<DummyRunner>(DummyRunner::Options{}), eos_zero_options());
   e.start();
-  auto c = std::make_shared<grammar::Constraint>();
-  c->grammar = brackets();
-  c->tokens = table();
+  auto c = brackets_constraint();
   grammar::GrammarCache cache;
   c->compiled = cache.get(c->grammar, c->tokens);
   std::vector<std::shared_ptr<RequestChannel>> channels;

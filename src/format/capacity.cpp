@@ -120,13 +120,16 @@ CapacityPlan plan_capacity(const ModelConfig& c, const std::vector<ExpectedTenso
         uint64_t(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim * 4;
     p.conv_state_bytes_per_layer = conv_dim * (c.linear_conv_kernel - 1) * opt.conv_state_bytes;
   }
-  p.state_bytes_per_sequence = linear_layers * (p.recurrent_state_bytes_per_layer + p.conv_state_bytes_per_layer);
+  // With an MTP head the runner keeps a checkpoint of each slot's state for speculative verification: twice the state.
+  const uint64_t state_copies = c.mtp_num_layers > 0 ? 2 : 1;
+  p.state_bytes_per_sequence =
+      state_copies * linear_layers * (p.recurrent_state_bytes_per_layer + p.conv_state_bytes_per_layer);
   if (linear_layers) {
     const uint64_t conv_local = (2 * uint64_t(local.linear_num_key_heads) * c.linear_key_head_dim +
                                  uint64_t(local.linear_num_value_heads) * c.linear_value_head_dim) *
                                 (c.linear_conv_kernel - 1) * opt.conv_state_bytes;
     const uint64_t rec_local = uint64_t(local.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim * 4;
-    p.state_bytes_per_sequence_per_gpu = linear_layers * (conv_local + rec_local);
+    p.state_bytes_per_sequence_per_gpu = state_copies * linear_layers * (conv_local + rec_local);
   }
 
   p.notes = plan.notes;

@@ -8,7 +8,8 @@
 //    routed experts (k/E of the routed bytes), shared experts, lm_head; the embedding counts one row.
 //  - kv_bytes_per_token: (full-attention layers + MTP layers) x 2 (K, V) x kv_heads x head_dim x KV dtype size.
 //  - state_bytes_per_sequence: per linear-attention layer, the fp32 recurrent state
-//    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes).
+//    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes); twice
+//    that with an MTP head (the runner's checkpoint of each slot for speculative verification).
 //  - Tensor parallel over tp GPUs (ep of them expert-parallel groups): each GPU's bytes are the slices the
 //    loader gives its rank (format/shard_plan.h, the one definition): heads, intermediate rows / columns, experts
 //    and vocabulary rows split; norms, routers, scalar scales replicated; KV projections (and linear-attention key

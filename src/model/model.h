@@ -39,6 +39,6 @@ LoadFormat parse_load_format(const std::string& name);
 // With `with_mtp` false an MTP head in the checkpoint is left unloaded (config.mtp_num_layers 0).
 std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops,
                                         LoadFormat load_format = LoadFormat::safetensors,
-                                        const format::RankShard* shard = nullptr, bool with_mtp = true);
+                                        const format::RankShard* shard = nullptr, bool with_mtp = false);
 
 }  // namespace kiln::model

@@ -37,9 +37,10 @@ struct RunnerOptions {
   // One rank run alone (bench-engine --single-rank): forward_argmax / forward_sample take the best id of the
   // rank's vocabulary slice (a benchmark of one GPU's share; the ids mean nothing).
   bool lone_rank = false;
-  // Load and run the checkpoint's MTP head when it has one (speculative decoding; model/mtp.h). Off: the head is
-  // left unloaded and no pass runs it.
-  bool mtp = true;
+  // Load and run the checkpoint's MTP head when it has one (speculative decoding; model/mtp.h): every pass then also
+  // runs the head (its KV entries) and each state slot gets a checkpoint. Off (the default until the engine drives
+  // speculation): the head is left unloaded and no pass runs it.
+  bool mtp = false;
 };
 
 class Runner : public ModelRunner {

@@ -27,6 +27,7 @@ backend::CpuLoadOptions f32_kv(int64_t prefill_chunk = 512) {
   backend::CpuLoadOptions o;
   o.kv_dtype = DType::F32;
   o.prefill_chunk = prefill_chunk;
+  o.mtp = true;
   return o;
 }
 

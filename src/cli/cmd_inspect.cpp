@@ -162,6 +162,8 @@ int run_inspect(const InspectOptions& o) {
     j["kv_cache_dtype"] = dtype_name(copt.kv_dtype);
     j["params_total"] = p.params_total;
     j["params_active"] = p.params_active;
+    j["mtp_params"] = p.mtp_params;
+    j["mtp_weight_bytes"] = p.mtp_weight_bytes;
     j["weight_bytes"] = p.weight_bytes;
     nlohmann::ordered_json by_dtype = nlohmann::ordered_json::object();
     for (auto& [d, b] : p.weight_bytes_by_dtype) by_dtype[dtype_name(d)] = b;
@@ -251,6 +253,9 @@ int run_inspect(const InspectOptions& o) {
   else
     line("checkpoint", "no weights in the folder: sizes computed from the config");
   line("params", fmt::format("{} total, {} active per token", billions(p.params_total), billions(p.params_active)));
+  if (p.mtp_params > 0)
+    line("MTP head", fmt::format("{} layer(s), {} params, {} (in the totals; its KV in the KV cache/token)",
+                                 cfg.mtp_num_layers, billions(p.mtp_params), gb(p.mtp_weight_bytes)));
   std::string dt;
   for (auto& [d, b] : p.weight_bytes_by_dtype) dt += fmt::format("{}{} {}", dt.empty() ? "" : ", ", dtype_name(d), gb(b));
   line("weights", fmt::format("{} ({})", gb(p.weight_bytes), dt));

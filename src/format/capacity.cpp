@@ -78,6 +78,12 @@ CapacityPlan plan_capacity(const ModelConfig& c, const std::vector<ExpectedTenso
       share += part / opt.tp;
     }
 
+    // The MTP head is memory, not part of a (non-speculative) decode token's reads or active parameters.
+    if (t.layer >= c.num_layers) {
+      p.mtp_params += t.params;
+      p.mtp_weight_bytes += bytes;
+      continue;
+    }
     // One decode token reads: k of E routed experts, one embedding row, everything else whole.
     double read_share = 1.0;
     if (t.role == role::kRoutedExpert) {
@@ -101,7 +107,8 @@ CapacityPlan plan_capacity(const ModelConfig& c, const std::vector<ExpectedTenso
 
   // KV cache and recurrent state.
   const uint64_t kv_elem = dtype_size(opt.kv_dtype);
-  const uint64_t full_layers = c.num_full_attention_layers();
+  // The MTP head's layers keep a KV cache in the same pages (model::Runner).
+  const uint64_t full_layers = c.num_full_attention_layers() + c.mtp_num_layers;
   p.kv_bytes_per_token = full_layers * 2 * c.num_kv_heads * c.head_dim * kv_elem;
   const ModelConfig local = rank_config(c, plan.ranks[0]);  // every rank holds as many heads
   p.kv_bytes_per_token_per_gpu = full_layers * 2 * local.num_kv_heads * c.head_dim * kv_elem;
@@ -113,13 +120,16 @@ CapacityPlan plan_capacity(const ModelConfig& c, const std::vector<ExpectedTenso
         uint64_t(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim * 4;
     p.conv_state_bytes_per_layer = conv_dim * (c.linear_conv_kernel - 1) * opt.conv_state_bytes;
   }
-  p.state_bytes_per_sequence = linear_layers * (p.recurrent_state_bytes_per_layer + p.conv_state_bytes_per_layer);
+  // With an MTP head the runner keeps a checkpoint of each slot's state for speculative verification: twice the state.
+  const uint64_t state_copies = c.mtp_num_layers > 0 ? 2 : 1;
+  p.state_bytes_per_sequence =
+      state_copies * linear_layers * (p.recurrent_state_bytes_per_layer + p.conv_state_bytes_per_layer);
   if (linear_layers) {
     const uint64_t conv_local = (2 * uint64_t(local.linear_num_key_heads) * c.linear_key_head_dim +
                                  uint64_t(local.linear_num_value_heads) * c.linear_value_head_dim) *
                                 (c.linear_conv_kernel - 1) * opt.conv_state_bytes;
     const uint64_t rec_local = uint64_t(local.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim * 4;
-    p.state_bytes_per_sequence_per_gpu = linear_layers * (conv_local + rec_local);
+    p.state_bytes_per_sequence_per_gpu = state_copies * linear_layers * (conv_local + rec_local);
   }
 
   p.notes = plan.notes;

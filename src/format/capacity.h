@@ -1,13 +1,15 @@
 // Memory and bandwidth planning for a model on N GPUs (kiln inspect; the engine's startup summary).
 //
-// Definitions (all bytes as stored, language model only; vision tower and MTP head excluded):
+// Definitions (all bytes as stored, language model and its MTP head (config.mtp_num_layers); vision tower excluded):
 //  - params_total: logical parameters (an FP4 byte holds 2; scale tensors hold none).
-//  - params_active: everything except routed experts, plus experts_per_tok / num_experts of them.
+//  - params_active: everything except routed experts, plus experts_per_tok / num_experts of them (main model;
+//    the MTP head is counted in params_total / weight_bytes and on its own in mtp_params / mtp_weight_bytes).
 //  - decode_bytes_per_token: what one decode step at batch 1 reads: all non-expert weights, top-k
 //    routed experts (k/E of the routed bytes), shared experts, lm_head; the embedding counts one row.
-//  - kv_bytes_per_token: full-attention layers x 2 (K, V) x kv_heads x head_dim x KV dtype size.
+//  - kv_bytes_per_token: (full-attention layers + MTP layers) x 2 (K, V) x kv_heads x head_dim x KV dtype size.
 //  - state_bytes_per_sequence: per linear-attention layer, the fp32 recurrent state
-//    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes).
+//    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes); twice
+//    that with an MTP head (the runner's checkpoint of each slot for speculative verification).
 //  - Tensor parallel over tp GPUs (ep of them expert-parallel groups): each GPU's bytes are the slices the
 //    loader gives its rank (format/shard_plan.h, the one definition): heads, intermediate rows / columns, experts
 //    and vocabulary rows split; norms, routers, scalar scales replicated; KV projections (and linear-attention key
@@ -41,6 +43,8 @@ struct CapacityOptions {
 struct CapacityPlan {
   int64_t params_total = 0;
   int64_t params_active = 0;
+  int64_t mtp_params = 0;           // the MTP head's share of params_total (0 without one)
+  uint64_t mtp_weight_bytes = 0;    // its share of weight_bytes
   uint64_t weight_bytes = 0;
   std::map<DType, uint64_t> weight_bytes_by_dtype;
   std::map<std::string, uint64_t> weight_bytes_by_role;

@@ -148,6 +148,7 @@ const char* layer_type_name(LayerType t) {
 
 bool ModelConfig::layer_is_moe(int layer) const {
   if (num_experts <= 0) return false;
+  if (layer >= num_layers) layer -= num_layers;  // MTP layer k is built as decoder layer k (vLLM, SGLang)
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
   return decoder_sparse_step <= 1 || (layer + 1) % decoder_sparse_step == 0;
 }
@@ -273,6 +274,13 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
     }
   }
 
+  // The MTP head (speculative decoding); only the hybrids ship one.
+  if (hybrid) {
+    c.mtp_num_layers = static_cast<int>(r.integer("mtp_num_hidden_layers", r.integer("num_nextn_predict_layers", 0)));
+    if (c.mtp_num_layers < 0 || c.mtp_num_layers > 16)
+      fail("{}: mtp_num_hidden_layers {} is out of range", settings_source, c.mtp_num_layers);
+  }
+
   // Layer types.
   if (const json* lt = r.find("layer_types"); lt && hybrid) {
     if (!lt->is_array()) fail("{}: \"layer_types\" must be a list", settings_source);
@@ -350,6 +358,7 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
 
   c.tensor_prefix = c.architecture.find("ForConditionalGeneration") != std::string::npos ? "model.language_model." : "model.";
   c.expert_layout = c.arch == Arch::qwen3_5_moe ? ExpertLayout::fused : ExpertLayout::per_expert;
+  c.mtp_expert_layout = c.expert_layout;
 
   // Sanity: everything later code divides by or allocates with.
   auto positive = [&](int64_t v, const char* key) {

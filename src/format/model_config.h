@@ -70,6 +70,12 @@ struct ModelConfig {
   std::vector<int> mrope_section;      // M-RoPE sections (qwen3_5*), empty otherwise
   bool mrope_interleaved = false;
 
+  // Multi-token prediction head (mtp.* tensors, qwen3_5* / qwen3_next): decoder layers after the main ones,
+  // config.json's mtp_num_hidden_layers (or num_nextn_predict_layers). Layer index num_layers + k names MTP layer k
+  // (format::layer_prefix gives "mtp.layers.k."). weight_map's verify_checkpoint() sets it to 0 when the checkpoint
+  // holds no usable head.
+  int mtp_num_layers = 0;
+
   double rms_norm_eps = 1e-6;
   bool norm_zero_centred = false;  // RMSNorm computes x * (1 + w) (qwen3_5*, qwen3_next)
   bool tie_word_embeddings = false;
@@ -85,11 +91,13 @@ struct ModelConfig {
   // BF16 expert layout: fused for qwen3_5_moe, per expert for qwen3_moe / qwen3_next (their released
   // checkpoints); weight_map's verify_checkpoint() refines it from the checkpoint.
   ExpertLayout expert_layout = ExpertLayout::fused;
+  ExpertLayout mtp_expert_layout = ExpertLayout::fused;  // the MTP layers' (may differ from the main layers')
 
   // Helpers.
   bool is_moe() const { return num_experts > 0; }
   bool layer_is_full_attention(int layer) const { return layer_types[layer] == LayerType::full_attention; }
-  bool layer_is_moe(int layer) const;  // this layer's FFN is the sparse MoE block
+  bool layer_is_moe(int layer) const;  // this layer's FFN is the sparse MoE block (MTP layers: as layer k)
+  bool has_mtp() const { return mtp_num_layers > 0; }
   int num_full_attention_layers() const;
   int num_linear_attention_layers() const;
   int rotary_dim() const;  // head_dim * partial_rotary_factor (even)

@@ -177,7 +177,7 @@ TensorSlice slice_tensor(const ModelConfig& c, const RankShard& r, const Expecte
 
   if (role == role::kEmbedding || role == role::kLmHead) {
     rows({r.vocab});
-  } else if (role == role::kNorm || role == role::kRouter || role == role::kKvScale) {
+  } else if (role == role::kNorm || role == role::kRouter || role == role::kKvScale || role == role::kMtpFc) {
     return s;
   } else if (role == role::kAttention) {
     const int64_t D = c.head_dim;

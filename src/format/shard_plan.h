@@ -16,6 +16,8 @@
 //    input column: a slice keeps whole 16-element NVFP4 blocks). Rank r is EP rank r / (N / M) and MoE-TP rank
 //    r % (N / M) (SGLang's order). Dense MLP by intermediate.
 //  - embed_tokens and lm_head by vocabulary row; norms and KV scales replicated; scalar scales replicated.
+//  - the MTP head: mtp.fc [H, 2H] replicated (small, read once per draft token); its decoder layer like a main
+//    full-attention layer.
 // Every block's partial outputs are summed by one all-reduce (model::Ops::all_reduce), the embedding's too.
 #pragma once
 #include <cstdint>

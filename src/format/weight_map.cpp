@@ -83,10 +83,12 @@ uint64_t ExpectedTensor::nbytes() const {
 }
 
 std::string layer_prefix(const ModelConfig& config, int layer) {
+  if (layer >= config.num_layers) return "mtp.layers." + std::to_string(layer - config.num_layers) + ".";
   return config.tensor_prefix + "layers." + std::to_string(layer) + ".";
 }
 
 QuantScheme effective_scheme(const ModelConfig& config, const QuantConfig& quant, const std::string& module) {
+  if (module == "mtp.fc") return QuantScheme::none;  // BF16 in every release (vLLM PR 38650)
   const QuantScheme s = quant.scheme_for(module);
   if (s != QuantScheme::none && is_router(module)) {
     static std::once_flag noted;
@@ -105,12 +107,20 @@ std::vector<ExpectedTensor> expected_tensors(const ModelConfig& c, const QuantCo
   const int64_t H = c.hidden_size;
   b.plain(P + "embed_tokens.weight", Shape{c.vocab_size, H}, role::kEmbedding, -1);
 
-  for (int l = 0; l < c.num_layers; ++l) {
+  // The main layers, then the MTP head's (full attention, the main layers' FFN).
+  for (int l = 0; l < c.num_layers + c.mtp_num_layers; ++l) {
     const std::string L = layer_prefix(c, l);
+    const bool mtp = l >= c.num_layers;
+    if (mtp && l == c.num_layers) {
+      b.linear("mtp.fc", H, 2 * H, role::kMtpFc, l);
+      b.plain("mtp.pre_fc_norm_embedding.weight", Shape{H}, role::kNorm, l);
+      b.plain("mtp.pre_fc_norm_hidden.weight", Shape{H}, role::kNorm, l);
+      b.plain("mtp.norm.weight", Shape{H}, role::kNorm, l);
+    }
     b.plain(L + "input_layernorm.weight", Shape{H}, role::kNorm, l);
     b.plain(L + "post_attention_layernorm.weight", Shape{H}, role::kNorm, l);
 
-    if (c.layer_types[l] == LayerType::full_attention) {
+    if (mtp || c.layer_types[l] == LayerType::full_attention) {
       const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
       const std::string A = L + "self_attn.";
       b.linear(A + "q_proj", nq * D * (c.attn_output_gate ? 2 : 1), H, role::kAttention, l, -1, c.attention_bias);
@@ -155,7 +165,8 @@ std::vector<ExpectedTensor> expected_tensors(const ModelConfig& c, const QuantCo
       b.linear(M + "gate", E, H, role::kRouter, l);
       // Quantised experts are stored per expert whatever the BF16 layout would be.
       const bool experts_quantised = effective_scheme(c, q, M + "experts.0.gate_proj") != QuantScheme::none;
-      if (experts_quantised || c.expert_layout == ExpertLayout::per_expert) {
+      const ExpertLayout layout = mtp ? c.mtp_expert_layout : c.expert_layout;
+      if (experts_quantised || layout == ExpertLayout::per_expert) {
         for (int e = 0; e < E; ++e) {
           const std::string X = M + "experts." + std::to_string(e) + ".";
           b.linear(X + "gate_proj", I, H, role::kRoutedExpert, l, e);
@@ -197,27 +208,17 @@ std::string detect_tensor_prefix(const Checkpoint& ckpt) {
        "model.embed_tokens.weight (is this a Qwen checkpoint?)", ckpt.dir().display_path());
 }
 
-VerifyReport verify_checkpoint(const Checkpoint& ckpt, ModelConfig& config, const QuantConfig& quant) {
-  config.tensor_prefix = detect_tensor_prefix(ckpt);
-  for (int l = 0; l < config.num_layers; ++l) {
-    if (!config.layer_is_moe(l)) continue;
-    const std::string M = layer_prefix(config, l) + "mlp.experts.";
-    if (ckpt.has(M + "gate_up_proj")) config.expert_layout = ExpertLayout::fused;
-    else if (ckpt.has(M + "0.gate_proj.weight")) config.expert_layout = ExpertLayout::per_expert;
-    break;
-  }
+namespace {
 
-  const std::vector<ExpectedTensor> expected = expected_tensors(config, quant);
-  VerifyReport report;
+// The problems of `ckpt` against `expected` (missing, wrong dtype, wrong shape); counts matches into `report`.
+std::vector<std::string> check_tensors(const Checkpoint& ckpt, const std::vector<ExpectedTensor>& expected,
+                                       VerifyReport& report) {
   std::vector<std::string> problems;
   auto shape_matches = [](const Shape& want, const Shape& got) {
     if (want.ndim == 0) return got.numel() == 1 && got.ndim <= 1;  // scalar: [] or [1]
     return want == got;
   };
-  std::unordered_map<std::string_view, const ExpectedTensor*> by_name;
-  by_name.reserve(expected.size());
   for (const auto& t : expected) {
-    by_name.emplace(t.name, &t);
     const TensorInfo* got = ckpt.find(t.name);
     if (!got) {
       if (t.optional) ++report.optional_missing;
@@ -237,6 +238,56 @@ VerifyReport verify_checkpoint(const Checkpoint& ckpt, ModelConfig& config, cons
     }
     if (ok) ++report.matched;
   }
+  return problems;
+}
+
+}  // namespace
+
+VerifyReport verify_checkpoint(const Checkpoint& ckpt, ModelConfig& config, const QuantConfig& quant) {
+  config.tensor_prefix = detect_tensor_prefix(ckpt);
+  std::string mtp_problem;
+  if (config.mtp_num_layers > 0) {
+    if (!ckpt.has("mtp.fc.weight")) {
+      mtp_problem = fmt::format("config.json names {} MTP layer(s) (mtp_num_hidden_layers) but the checkpoint has no "
+                                "mtp.fc.weight", config.mtp_num_layers);
+    } else {
+      const std::string M = layer_prefix(config, config.num_layers) + "mlp.experts.";
+      if (ckpt.has(M + "gate_up_proj")) config.mtp_expert_layout = ExpertLayout::fused;
+      else if (ckpt.has(M + "0.gate_proj.weight")) config.mtp_expert_layout = ExpertLayout::per_expert;
+    }
+  }
+  for (int l = 0; l < config.num_layers; ++l) {
+    if (!config.layer_is_moe(l)) continue;
+    const std::string M = layer_prefix(config, l) + "mlp.experts.";
+    if (ckpt.has(M + "gate_up_proj")) config.expert_layout = ExpertLayout::fused;
+    else if (ckpt.has(M + "0.gate_proj.weight")) config.expert_layout = ExpertLayout::per_expert;
+    break;
+  }
+
+  // The MTP head first, on its own: a head that does not match is left off (speculative decoding off), never a
+  // reason to refuse the main model.
+  VerifyReport report;
+  if (config.mtp_num_layers > 0 && mtp_problem.empty()) {
+    std::vector<ExpectedTensor> mtp_expected;
+    for (auto& t : expected_tensors(config, quant))
+      if (t.layer >= config.num_layers) mtp_expected.push_back(std::move(t));
+    VerifyReport mtp_report;
+    const std::vector<std::string> mtp_problems = check_tensors(ckpt, mtp_expected, mtp_report);
+    if (!mtp_problems.empty())
+      mtp_problem = fmt::format("the MTP head does not match config.json ({} problem{}; first: {})",
+                                mtp_problems.size(), mtp_problems.size() == 1 ? "" : "s", mtp_problems.front());
+  }
+  if (!mtp_problem.empty()) {
+    KILN_LOG_WARN("{}: {}; loading without it (no speculative decoding)", ckpt.dir().display_path(), mtp_problem);
+    config.mtp_num_layers = 0;
+    report.mtp_problem = mtp_problem;
+  }
+
+  const std::vector<ExpectedTensor> expected = expected_tensors(config, quant);
+  std::vector<std::string> problems = check_tensors(ckpt, expected, report);
+  std::unordered_map<std::string_view, const ExpectedTensor*> by_name;
+  by_name.reserve(expected.size());
+  for (const auto& t : expected) by_name.emplace(t.name, &t);
 
   std::vector<std::string> unexpected;
   const std::string layers = config.tensor_prefix + "layers.";

@@ -15,6 +15,10 @@
 //                     BF16 experts fused: L mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
 //                     quantised experts:  L mlp.experts.{e}.{gate,up,down}_proj.*
 //   dense MLP:        L mlp.{gate,up,down}_proj
+//   MTP head (config.mtp_num_layers > 0): mtp.fc.weight [H, 2H] (always unquantised: NVFP4 releases store it BF16
+//                     without listing it in the exclude list), mtp.pre_fc_norm_embedding.weight,
+//                     mtp.pre_fc_norm_hidden.weight, mtp.norm.weight [H], and layer num_layers + k under
+//                     "mtp.layers.k." with the full-attention layer's tensors above (layer index num_layers + k)
 // A linear "X" [N out, K in] expands by scheme: none -> X.weight (BF16/F16/F32); nvfp4 -> X.weight U8
 // [N, K/2], X.weight_scale F8_E4M3 [N, K/16], X.weight_scale_2 F32 [], X.input_scale F32 [];
 // fp8 -> X.weight F8_E4M3 [N, K], X.weight_scale F32 [], X.input_scale F32 [].
@@ -43,6 +47,7 @@ inline constexpr const char* kRoutedExpert = "routed_expert";
 inline constexpr const char* kSharedExpert = "shared_expert";
 inline constexpr const char* kDenseMlp = "dense_mlp";
 inline constexpr const char* kKvScale = "kv_scale";             // k_proj.k_scale / v_proj.v_scale
+inline constexpr const char* kMtpFc = "mtp_fc";                 // mtp.fc (replicated under tensor parallelism)
 }  // namespace role
 
 struct ExpectedTensor {
@@ -58,7 +63,8 @@ struct ExpectedTensor {
   uint64_t nbytes() const;  // shape x dtype_size(dtypes[0]) (U8 FP4 packed: already halved in shape)
 };
 
-// Tensor name of layer i's prefix: config.tensor_prefix + "layers.{i}.".
+// Tensor name of layer i's prefix: config.tensor_prefix + "layers.{i}."; the MTP head's layer k is layer
+// num_layers + k: "mtp.layers.{k}.".
 std::string layer_prefix(const ModelConfig& config, int layer);
 
 // The scheme a linear module actually uses: routers (mlp.gate, mlp.shared_expert_gate) are always
@@ -78,14 +84,16 @@ std::string detect_tensor_prefix(const Checkpoint& ckpt);
 struct VerifyReport {
   int64_t matched = 0;          // expected tensors found with the right dtype and shape
   int64_t ignored_vision = 0;   // model.visual.* tensors (not used by a text server)
-  int64_t ignored_mtp = 0;      // mtp.* tensors (speculative-decoding head)
+  int64_t ignored_mtp = 0;      // mtp.* tensors not used (the config names no MTP head, or it was left off)
+  std::string mtp_problem;      // why the checkpoint's MTP head was left off ("" when loaded or absent)
   int64_t unexpected = 0;       // other tensors nobody asked for (logged, not an error)
   int64_t optional_missing = 0;
 };
 
 // Checks `ckpt` against expected_tensors(config, quant). Reports ALL mismatches (missing, wrong dtype,
 // wrong shape) in one kiln::Error (first 20 listed, then the count). Sets config.tensor_prefix from
-// the checkpoint first (detect_tensor_prefix).
+// the checkpoint first (detect_tensor_prefix). An MTP head the config names but the checkpoint lacks (or holds
+// with other shapes / dtypes) is left off with a note: config.mtp_num_layers becomes 0 and the main model loads.
 VerifyReport verify_checkpoint(const Checkpoint& ckpt, ModelConfig& config, const QuantConfig& quant);
 
 }  // namespace kiln::format

@@ -14,10 +14,15 @@ LoadFormat parse_load_format(const std::string& name) {
 }
 
 std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, LoadFormat load_format,
-                                        const format::RankShard* shard) {
+                                        const format::RankShard* shard, bool with_mtp) {
   auto m = std::make_unique<LoadedModel>();
   m->dir = dir;
   m->config = format::load_model_config(dir);
+  if (!with_mtp) m->config.mtp_num_layers = 0;
+  if (m->config.mtp_num_layers > 1) {
+    KILN_LOG_WARN("{}: {} MTP layers; kiln drafts with the first only", dir.display_path(), m->config.mtp_num_layers);
+    m->config.mtp_num_layers = 1;
+  }
   m->quant = format::load_quant_config(dir);
   m->family = &family_for(m->config.arch);
   const auto& c = m->config;
@@ -89,6 +94,18 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
     m->weights.layers[l].type = c.layer_types[l];
     m->family->bind_layer(b, l, m->weights.layers[l]);
   }
+  if (c.mtp_num_layers > 0) {
+    // The MTP head: its decoder layer is bound by the family as layer num_layers (format::layer_prefix names it
+    // "mtp.layers.0."), a full-attention layer with the main layers' FFN.
+    MtpWeights& mtp = m->weights.mtp;
+    mtp.fc = b.linear("mtp.fc", H, 2 * H);
+    mtp.pre_fc_norm_embedding = b.tensor("mtp.pre_fc_norm_embedding.weight", Shape{H});
+    mtp.pre_fc_norm_hidden = b.tensor("mtp.pre_fc_norm_hidden.weight", Shape{H});
+    mtp.norm = b.tensor("mtp.norm.weight", Shape{H});
+    mtp.layer.type = format::LayerType::full_attention;
+    m->family->bind_layer(b, c.num_layers, mtp.layer);
+    m->weights.has_mtp = true;
+  }
   try {
     b.finish();  // every placed weight holds its bytes before anything runs
   } catch (const Error& e) {
@@ -100,8 +117,9 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
     KILN_LOG_DEBUG("rank {} of {}: loaded its slices ({:.1f} MB of linear weights)", m->shard->rank, m->shard->tp,
                    (m->weights.bytes_by_format[0] + m->weights.bytes_by_format[1] + m->weights.bytes_by_format[2]) / 1e6);
   if (!m->shard || m->shard->rank == 0)
-    KILN_LOG_INFO("loaded {} ({}, {} layers: {}), {} tensors matched{}", dir.display_path(),
-                  format::arch_name(c.arch), c.num_layers, c.layer_pattern(), m->report.matched,
+    KILN_LOG_INFO("loaded {} ({}, {} layers: {}{}), {} tensors matched{}", dir.display_path(),
+                  format::arch_name(c.arch), c.num_layers, c.layer_pattern(),
+                  c.mtp_num_layers ? " + MTP head" : "", m->report.matched,
                   m->quant.is_quantized() ? ", quantisation " + m->quant.quant_algo : std::string());
   return m;
 }

@@ -36,8 +36,9 @@ LoadFormat parse_load_format(const std::string& name);
 // Throws kiln::Error when the config is unsupported or the checkpoint does not match it. With `shard` (a rank of a
 // tensor-parallel plan, format/shard_plan.h), only the rank's slice of each tensor is placed and the model's config
 // is the rank's (format::rank_config).
+// With `with_mtp` false an MTP head in the checkpoint is left unloaded (config.mtp_num_layers 0).
 std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops,
                                         LoadFormat load_format = LoadFormat::safetensors,
-                                        const format::RankShard* shard = nullptr);
+                                        const format::RankShard* shard = nullptr, bool with_mtp = false);
 
 }  // namespace kiln::model

@@ -9,9 +9,18 @@ void ModelRunner::copy_state(int src_slot, int dst_slot) {
   fail("this model runner cannot copy state slots ({} -> {})", src_slot, dst_slot);
 }
 
+void ModelRunner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens,
+                        std::span<float> logits) {
+  (void)seqs, (void)steps, (void)tokens, (void)logits;
+  fail("this model runner has no MTP head to draft with (speculative decoding needs one)");
+}
+
+void ModelRunner::save_state(int slot) { fail("this model runner cannot checkpoint state slot {}", slot); }
+void ModelRunner::restore_state(int slot) { fail("this model runner cannot restore state slot {}", slot); }
+
 void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
   int64_t rows = 0;
-  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? ch.logits_tokens : 0;
   if (static_cast<int64_t>(tokens.size()) < rows)
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
   const int64_t V = vocab_size();
@@ -23,7 +32,7 @@ void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int
 void ModelRunner::forward_sample(std::span<const SeqChunk> chunks, std::span<const RowSampling> rows,
                                  std::span<int32_t> tokens) {
   int64_t n = 0;
-  for (const SeqChunk& ch : chunks) n += ch.want_logits ? 1 : 0;
+  for (const SeqChunk& ch : chunks) n += ch.want_logits ? ch.logits_tokens : 0;
   if (static_cast<int64_t>(tokens.size()) < n || static_cast<int64_t>(rows.size()) < n)
     fail("forward_sample: {} ids and {} sampling rows for {} rows", tokens.size(), rows.size(), n);
   const int64_t V = vocab_size();

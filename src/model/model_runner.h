@@ -37,6 +37,19 @@ struct SeqChunk {
   int64_t start_pos = 0;
   std::span<const int32_t> page_table;  // pages covering [0, start_pos + tokens.size())
   bool want_logits = true;              // logits for the chunk's last token
+  // With want_logits: logits rows for the chunk's last `logits_tokens` tokens (in token order; a speculative verify
+  // asks for all K + 1), each counted as one row by forward / forward_argmax / forward_sample.
+  int logits_tokens = 1;
+};
+
+// One sequence's draft chain (speculative decoding with the model's MTP head): `token` is the sequence's pending
+// token (sampled, not yet run) at position `pos`; every position before it has been run (its KV, state and the MTP
+// head's entries are in the cache). page_table covers [0, pos + steps).
+struct DraftSeq {
+  int state_slot = -1;
+  int32_t token = 0;
+  int64_t pos = 0;
+  std::span<const int32_t> page_table;
 };
 
 class ModelRunner {
@@ -69,6 +82,20 @@ class ModelRunner {
   virtual void copy_state(int src_slot, int dst_slot);
   // Whether the model keeps per-sequence recurrent state (a cache hit then needs a state snapshot).
   virtual bool has_recurrent_state() const { return true; }
+
+  // ---- Speculative decoding with the model's MTP head (model/mtp.h). Runners without one say 0 and throw.
+  // While a runner has an MTP head, every forward pass also runs the head over the pass's tokens (its KV entries),
+  // so a draft can start after any step.
+  virtual int mtp_layers() const { return 0; }
+  // Drafts `steps` greedy tokens per sequence (the MTP head chained on its own output): tokens [S * steps], row-major
+  // per sequence; `logits` (empty, or [S * steps, vocab_size()]) gets each step's draft logits. Writes only the MTP
+  // head's KV entries at positions [pos - 1, pos - 1 + steps) of each sequence.
+  virtual void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits);
+  // A checkpoint of the slot's recurrent / conv state (one per slot), in order with the forward passes: taken before
+  // a verify pass, restored when drafts were rejected (the accepted tokens are then run again). KV needs none: the
+  // entries of rejected positions are never read before they are written again.
+  virtual void save_state(int slot);
+  virtual void restore_state(int slot);
 
   // Why this runner can no longer run steps ("" while it can): a multi-node group whose link failed. Safe to call
   // from any thread (the server's /health reports it).

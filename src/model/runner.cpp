@@ -6,12 +6,21 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "model/blocks.h"
+#include "model/mtp.h"
 
 namespace kiln::model {
 
+namespace {
+// Rows [begin, begin + n) of a contiguous [R, H] view.
+TensorView row_range(const TensorView& t, int64_t begin, int64_t n) {
+  return TensorView(static_cast<char*>(t.data) + begin * t.shape.dims[1] * static_cast<int64_t>(dtype_size(t.dtype)),
+                    t.dtype, Shape{n, t.shape.dims[1]});
+}
+}  // namespace
+
 Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const RunnerOptions& options)
     : ops_(std::move(ops)), options_(options) {
-  model_ = load_model(dir, *ops_, options_.load_format, options_.shard ? &*options_.shard : nullptr);
+  model_ = load_model(dir, *ops_, options_.load_format, options_.shard ? &*options_.shard : nullptr, options_.mtp);
   const auto& c = model_->config;
   if (options_.kv_dtype != DType::BF16 && options_.kv_dtype != DType::F32 && options_.kv_dtype != DType::F8_E4M3)
     fail("KV cache dtype {} is not supported (BF16, F32 or F8_E4M3)", dtype_name(options_.kv_dtype));
@@ -46,6 +55,28 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
       recurrent_state_.push_back(ops_->allocate(DType::F32, Shape{options_.state_slots, Hv, Dk, Dv}));
     }
   }
+  if (model_->weights.has_mtp) {
+    // The MTP head's layer (index num_layers): its KV cache in the same pages, a checkpoint of every state slot for
+    // speculative verification, and the rows its hidden-state inputs are gathered from.
+    const int L = c.num_layers;
+    kv_index_.push_back(static_cast<int>(kv_.size()));
+    linear_index_.push_back(-1);
+    KvLayerView v;
+    v.k = ops_->allocate(options_.kv_dtype, Shape{options_.kv_pages, options_.page_size, Hkv, D});
+    v.v = ops_->allocate(options_.kv_dtype, Shape{options_.kv_pages, options_.page_size, Hkv, D});
+    if (options_.kv_dtype == DType::F8_E4M3) {
+      v.k_scale = model_->weights.mtp.layer.attn.k_scale;
+      v.v_scale = model_->weights.mtp.layer.attn.v_scale;
+    }
+    kv_.push_back(v);
+    for (size_t i = 0; i < conv_state_.size(); ++i) {
+      conv_saved_.push_back(ops_->allocate(DType::F32, conv_state_[i].shape));
+      recurrent_saved_.push_back(ops_->allocate(DType::F32, recurrent_state_[i].shape));
+    }
+    mtp_rows_ = ops_->allocate(DType::F32, Shape{options_.state_slots + options_.prefill_chunk, c.hidden_size});
+    ops_->fill_zero(mtp_rows_);
+    (void)L;
+  }
   if (options_.kv_dtype == DType::F8_E4M3 && !kv_.empty()) {
     const bool from_ckpt = kv_.front().k_scale > 0 && kv_.front().v_scale > 0;
     if (from_ckpt)
@@ -60,7 +91,8 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
   capacity_.max_context = options_.max_context;
   capacity_.kv_bytes_per_token =
       static_cast<int64_t>(kv_.size()) * 2 * Hkv * D * static_cast<int64_t>(dtype_size(options_.kv_dtype));
-  capacity_.state_bytes_per_slot = static_cast<int64_t>(conv_state_.size()) * (C * (Kc - 1) + Hv * Dk * Dv) * 4;
+  capacity_.state_bytes_per_slot = static_cast<int64_t>(conv_state_.size() + conv_saved_.size()) *
+                                   (C * (Kc - 1) + Hv * Dk * Dv) * 4;
 }
 
 Runner::~Runner() = default;
@@ -69,11 +101,12 @@ std::string Runner::describe() const {
   const auto& w = model_->weights;
   return fmt::format(
       "{} | {} ({} layers) | weights: dense {:.1f} MB, fp8 {:.1f} MB, nvfp4 {:.1f} MB | KV {} x {} pages of {} "
-      "tokens ({} B/token) | {} state slots ({:.2f} MB each) | prefill chunk {}",
+      "tokens ({} B/token) | {} state slots ({:.2f} MB each) | prefill chunk {}{}",
       ops_->describe(), format::arch_name(model_->config.arch), model_->config.num_layers, w.bytes_by_format[0] / 1e6,
       w.bytes_by_format[1] / 1e6, w.bytes_by_format[2] / 1e6, dtype_name(options_.kv_dtype), capacity_.kv_pages,
       capacity_.page_size, capacity_.kv_bytes_per_token, capacity_.state_slots, capacity_.state_bytes_per_slot / 1e6,
-      options_.prefill_chunk) + (options_.summary.empty() ? std::string() : " | " + options_.summary);
+      options_.prefill_chunk, w.has_mtp ? " | MTP head (KV in the same pages, state checkpoints)" : "") +
+      (options_.summary.empty() ? std::string() : " | " + options_.summary);
 }
 
 std::vector<std::pair<float, float>> Runner::kv_scales() const {
@@ -96,6 +129,107 @@ void Runner::copy_state(int src_slot, int dst_slot) {
   for (size_t i = 0; i < conv_state_.size(); ++i) {  // F32 slots: Ops::copy runs on the backend's stream
     ops_->copy(conv_state_[i].row(src_slot), conv_state_[i].row(dst_slot));
     ops_->copy(recurrent_state_[i].row(src_slot), recurrent_state_[i].row(dst_slot));
+  }
+  if (mtp_rows_.data) ops_->copy(mtp_rows_.row(src_slot), mtp_rows_.row(dst_slot));
+}
+
+void Runner::save_state(int slot) {
+  if (conv_saved_.empty() && conv_state_.size()) fail("save_state: the runner keeps no state checkpoints (no MTP head)");
+  if (slot < 0 || slot >= options_.state_slots) fail("save_state: slot {} outside [0, {})", slot, options_.state_slots);
+  for (size_t i = 0; i < conv_state_.size(); ++i) {
+    ops_->copy(conv_state_[i].row(slot), conv_saved_[i].row(slot));
+    ops_->copy(recurrent_state_[i].row(slot), recurrent_saved_[i].row(slot));
+  }
+}
+
+void Runner::restore_state(int slot) {
+  if (conv_saved_.empty() && conv_state_.size()) fail("restore_state: the runner keeps no state checkpoints (no MTP head)");
+  if (slot < 0 || slot >= options_.state_slots) fail("restore_state: slot {} outside [0, {})", slot, options_.state_slots);
+  for (size_t i = 0; i < conv_state_.size(); ++i) {
+    ops_->copy(conv_saved_[i].row(slot), conv_state_[i].row(slot));
+    ops_->copy(recurrent_saved_[i].row(slot), recurrent_state_[i].row(slot));
+  }
+}
+
+void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {
+  if (!model_->weights.has_mtp) fail("draft: the model has no MTP head");
+  if (model_->weights.vocab_parallel && !options_.lone_rank)
+    fail("draft on one tensor-parallel rank (its logits are a slice)");
+  const auto& c = model_->config;
+  const int64_t S = static_cast<int64_t>(seqs.size()), V = logits_width(), H = c.hidden_size;
+  if (S == 0) return;
+  if (steps < 1) fail("draft: {} steps (at least 1)", steps);
+  if (static_cast<int64_t>(tokens.size()) < S * steps) fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
+  if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
+    fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);
+  std::vector<int> slots;
+  int max_pages = 1;
+  for (const DraftSeq& d : seqs) {
+    if (d.state_slot < 0 || d.state_slot >= options_.state_slots)
+      fail("draft: state slot {} out of range [0, {})", d.state_slot, options_.state_slots);
+    if (std::find(slots.begin(), slots.end(), d.state_slot) != slots.end())
+      fail("draft: two sequences use state slot {}", d.state_slot);
+    slots.push_back(d.state_slot);
+    if (d.pos < 1 || d.pos - 1 + steps > options_.max_context)
+      fail("draft: positions [{}, {}) outside the context [1, {}]", d.pos - 1, d.pos - 1 + steps, options_.max_context);
+    if (d.token < 0 || d.token >= c.vocab_size) fail("draft: token id {} outside the vocabulary", d.token);
+    const int64_t pages = (d.pos - 1 + steps + options_.page_size - 1) / options_.page_size;
+    if (static_cast<int64_t>(d.page_table.size()) < pages)
+      fail("draft: page table has {} pages, positions up to {} need {}", d.page_table.size(), d.pos - 1 + steps, pages);
+    for (int64_t p = 0; p < pages; ++p)
+      if (d.page_table[p] < 0 || d.page_table[p] >= options_.kv_pages)
+        fail("draft: page id {} out of range [0, {})", d.page_table[p], options_.kv_pages);
+    max_pages = std::max<int>(max_pages, static_cast<int>(pages));
+  }
+
+  Ops& ops = *ops_;
+  ops.reset_scratch();
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
+  std::vector<int32_t> cur(S), slot_rows(S);
+  for (int64_t s = 0; s < S; ++s) {
+    cur[s] = seqs[s].token;
+    slot_rows[s] = seqs[s].state_slot;
+  }
+  const TensorView slot_row_ids = ops.upload(slot_rows.data(), DType::I32, Shape{S});
+  TensorView hidden = ops.scratch(DType::F32, Shape{S, H});
+  ops.gather_rows(row_range(mtp_rows_, 0, options_.state_slots), slot_row_ids, hidden);
+  std::vector<int32_t> ids(S);
+  for (int k = 0; k < steps; ++k) {
+    StepLayout step;
+    step.num_seqs = static_cast<int>(S);
+    step.num_tokens = S;
+    step.page_size = options_.page_size;
+    step.max_pages_per_seq = max_pages;
+    step.host_seq_token_begin.push_back(0);
+    step.host_page_table.assign(static_cast<size_t>(S) * max_pages, -1);
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t pos = static_cast<int32_t>(seqs[s].pos - 1 + k);  // entry (token, hidden) runs at pos - 1 + k
+      step.host_token_pos.push_back(pos);
+      step.host_seq_token_begin.push_back(static_cast<int32_t>(s + 1));
+      step.host_seq_start_pos.push_back(pos);
+      step.host_seq_state_slot.push_back(seqs[s].state_slot);
+      const int64_t pages = (pos + 1 + options_.page_size - 1) / options_.page_size;
+      for (int64_t p = 0; p < pages; ++p) step.host_page_table[s * max_pages + p] = seqs[s].page_table[p];
+    }
+    upload_step(ops, step);
+    const TensorView id_view = ops.upload(cur.data(), DType::I32, Shape{S});
+    Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
+              options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
+    TensorView g = mtp_forward(f, model_->weights, *model_->family, c.num_layers, id_view, hidden);
+    TensorView out = f.f32(Shape{S, V});
+    ops.linear(g, model_->weights.lm_head, out);
+    if (!logits.empty()) {
+      std::vector<float> host(static_cast<size_t>(S * V));
+      ops.download(out, host.data());
+      for (int64_t s = 0; s < S; ++s)
+        std::memcpy(logits.data() + (s * steps + k) * V, host.data() + s * V, static_cast<size_t>(V) * sizeof(float));
+    }
+    ops.argmax_rows(out, ids);
+    for (int64_t s = 0; s < S; ++s) {
+      cur[s] = id0 + ids[s];
+      tokens[static_cast<size_t>(s * steps + k)] = cur[s];
+    }
+    hidden = g;
   }
 }
 
@@ -121,7 +255,11 @@ int64_t Runner::check_chunks(std::span<const SeqChunk> chunks) const {
         fail("forward: page id {} out of range [0, {})", ch.page_table[p], options_.kv_pages);
     for (int32_t t : ch.tokens)
       if (t < 0 || t >= V) fail("forward: token id {} outside the vocabulary [0, {})", t, V);
-    if (ch.want_logits) ++rows;
+    if (ch.want_logits) {
+      if (ch.logits_tokens < 1 || ch.logits_tokens > static_cast<int64_t>(ch.tokens.size()))
+        fail("forward: logits for the last {} of a chunk's {} tokens", ch.logits_tokens, ch.tokens.size());
+      rows += ch.logits_tokens;
+    }
   }
   return rows;
 }
@@ -193,7 +331,10 @@ void Runner::run_passes(std::span<const SeqChunk> chunks,
   std::vector<int64_t> done(chunks.size(), 0), logits_row(chunks.size(), -1);
   int64_t r = 0;
   for (size_t i = 0; i < chunks.size(); ++i)
-    if (chunks[i].want_logits) logits_row[i] = r++;
+    if (chunks[i].want_logits) {
+      logits_row[i] = r;
+      r += chunks[i].logits_tokens;
+    }
   for (;;) {
     std::vector<Piece> pieces;
     int64_t budget = options_.prefill_chunk;
@@ -202,7 +343,17 @@ void Runner::run_passes(std::span<const SeqChunk> chunks,
       if (left <= 0) continue;
       const int64_t n = std::min(left, budget);
       budget -= n;
-      pieces.push_back({i, done[i], n, n == left ? logits_row[i] : -1});
+      Piece p{i, done[i], n, -1};
+      // The chunk's logits tokens [size - logits_tokens, size) that fall in this piece.
+      const int64_t size = static_cast<int64_t>(chunks[i].tokens.size());
+      const int64_t lt = chunks[i].want_logits ? chunks[i].logits_tokens : 0;
+      const int64_t first = std::max(done[i], size - lt), last = done[i] + n;
+      if (lt > 0 && first < last) {
+        p.logits_first = first - done[i];
+        p.logits_count = last - first;
+        p.logits_row = logits_row[i] + (first - (size - lt));
+      }
+      pieces.push_back(p);
     }
     if (pieces.empty()) break;
     run_pass(chunks, pieces, emit);
@@ -210,7 +361,8 @@ void Runner::run_passes(std::span<const SeqChunk> chunks,
   }
 }
 
-TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids) {
+TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids,
+                             const MtpPass* mtp) {
   const auto& c = model_->config;
   Ops& ops = *ops_;
   Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
@@ -225,6 +377,32 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
     f.name("layer_out", l, hidden);
   }
   residual_flush(f, hidden);
+  if (mtp) {
+    // Every token's final-norm output goes to mtp_rows_ (after the slots' rows): the MTP head's entries of this pass
+    // read their hidden states from there, each slot keeps its last one, and the logits rows are gathered from it.
+    const int64_t slots = options_.state_slots, H = c.hidden_size;
+    TensorView normed_all = row_range(mtp_rows_, slots, T);
+    ops.rms_norm(hidden, model_->weights.final_norm, static_cast<float>(c.rms_norm_eps), model_->family->norm_kind(),
+                 normed_all);
+    const TensorView rows_all = row_range(mtp_rows_, 0, slots + T);
+    if (mtp->step.num_seqs > 0) {
+      TensorView h_in = f.f32(Shape{mtp->step.num_tokens, H});
+      ops.gather_rows(rows_all, mtp->hidden_rows, h_in);
+      Forward fm{ops, c, mtp->step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
+                 options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
+      mtp_forward(fm, model_->weights, *model_->family, c.num_layers, mtp->ids, h_in);
+    }
+    TensorView keep = f.f32(Shape{slots, H});
+    ops.gather_rows(rows_all, mtp->keep_rows, keep);
+    ops.copy(keep, row_range(mtp_rows_, 0, slots));
+    if (!row_ids.data) return {};
+    TensorView normed = f.f32(Shape{row_ids.numel(), H});
+    ops.gather_rows(normed_all, row_ids, normed);
+    f.name("final_norm", -1, normed);
+    TensorView out = f.f32(Shape{row_ids.numel(), logits_width()});
+    ops.linear(normed, model_->weights.lm_head, out);
+    return out;
+  }
   if (!row_ids.data) return {};
   const int64_t R = row_ids.numel();
   TensorView last = f.f32(Shape{R, c.hidden_size});
@@ -248,7 +426,11 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   // pages per sequence), the latter rounded up to a power of two so that a few graphs serve every context length.
   bool graphable = !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 &&
                    static_cast<int>(pieces.size()) <= options_.graph_max_batch;
-  for (const Piece& p : pieces) graphable = graphable && p.n_tokens == 1 && p.logits_row >= 0;
+  for (const Piece& p : pieces) graphable = graphable && p.n_tokens == 1 && p.logits_count == 1;
+  const bool has_mtp = model_->weights.has_mtp;
+  // With the MTP head a captured decode pass has one head entry per sequence: none may be at position 0.
+  if (has_mtp)
+    for (const Piece& p : pieces) graphable = graphable && chunks[p.chunk].start_pos + p.offset >= 1;
 
   StepLayout step;
   step.num_seqs = static_cast<int>(pieces.size());
@@ -290,8 +472,44 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   std::vector<int64_t> out_rows;
   for (size_t s = 0; s < pieces.size(); ++s) {
     if (pieces[s].logits_row < 0) continue;
-    rows.push_back(step.host_seq_token_begin[s + 1] - 1);
-    out_rows.push_back(pieces[s].logits_row);
+    for (int64_t k = 0; k < pieces[s].logits_count; ++k) {
+      rows.push_back(static_cast<int32_t>(step.host_seq_token_begin[s] + pieces[s].logits_first + k));
+      out_rows.push_back(pieces[s].logits_row + k);
+    }
+  }
+  // The MTP head's entries of this pass: (t[p], h[p - 1]) at position p - 1 for every token at p >= 1; h[p - 1] is
+  // the pass's row of p - 1 or, for a piece's first token, the slot's last hidden state.
+  MtpPass mtp;
+  std::vector<int32_t> mtp_ids, mtp_hidden_rows, mtp_keep_rows;
+  if (has_mtp) {
+    const int32_t slots = options_.state_slots;
+    StepLayout& ms = mtp.step;
+    ms.page_size = options_.page_size;
+    ms.max_pages_per_seq = step.max_pages_per_seq;
+    ms.host_seq_token_begin.push_back(0);
+    mtp_keep_rows.resize(static_cast<size_t>(slots));
+    for (int32_t i = 0; i < slots; ++i) mtp_keep_rows[i] = i;
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const Piece& p = pieces[s];
+      const SeqChunk& ch = chunks[p.chunk];
+      const int64_t start = ch.start_pos + p.offset, row0 = step.host_seq_token_begin[s];
+      mtp_keep_rows[ch.state_slot] = static_cast<int32_t>(slots + row0 + p.n_tokens - 1);
+      const int64_t first = std::max<int64_t>(start, 1);
+      if (first >= start + p.n_tokens) continue;
+      for (int64_t pos = first; pos < start + p.n_tokens; ++pos) {
+        mtp_ids.push_back(ch.tokens[p.offset + (pos - start)]);
+        mtp_hidden_rows.push_back(pos - 1 >= start ? static_cast<int32_t>(slots + row0 + (pos - 1 - start))
+                                                   : ch.state_slot);
+        ms.host_token_pos.push_back(static_cast<int32_t>(pos - 1));
+      }
+      ms.host_seq_token_begin.push_back(static_cast<int32_t>(mtp_ids.size()));
+      ms.host_seq_start_pos.push_back(static_cast<int32_t>(first - 1));
+      ms.host_seq_state_slot.push_back(ch.state_slot);
+      ms.host_page_table.insert(ms.host_page_table.end(), step.host_page_table.begin() + s * step.max_pages_per_seq,
+                                step.host_page_table.begin() + (s + 1) * step.max_pages_per_seq);
+      ++ms.num_seqs;
+    }
+    ms.num_tokens = static_cast<int64_t>(mtp_ids.size());
   }
   // Every upload comes before the compute, in a fixed order: a replayed pass finds its inputs where the captured
   // one read them.
@@ -299,6 +517,15 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   const TensorView id_view = ops.upload(ids.data(), DType::I32, Shape{T});
   const TensorView row_ids =
       rows.empty() ? TensorView() : ops.upload(rows.data(), DType::I32, Shape{static_cast<int64_t>(rows.size())});
+  if (has_mtp) {
+    if (mtp.step.num_seqs > 0) {
+      upload_step(ops, mtp.step);
+      mtp.ids = ops.upload(mtp_ids.data(), DType::I32, Shape{mtp.step.num_tokens});
+      mtp.hidden_rows = ops.upload(mtp_hidden_rows.data(), DType::I32, Shape{mtp.step.num_tokens});
+    }
+    mtp.keep_rows = ops.upload(mtp_keep_rows.data(), DType::I32, Shape{static_cast<int64_t>(mtp_keep_rows.size())});
+  }
+  const MtpPass* mtp_pass = has_mtp ? &mtp : nullptr;
 
   TensorView out;
   if (graphable) {
@@ -320,7 +547,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       if (ops.graph_capture_begin()) {
         TensorView o;
         try {
-          o = pass_body(step, id_view, row_ids);
+          o = pass_body(step, id_view, row_ids, mtp_pass);
         } catch (...) {
           ops.graph_capture_end();  // leave the stream usable, then report
           throw;
@@ -333,7 +560,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       }
     }
   }
-  if (!out.data) out = pass_body(step, id_view, row_ids);
+  if (!out.data) out = pass_body(step, id_view, row_ids, mtp_pass);
   if (!rows.empty()) emit(out, out_rows);
 }
 

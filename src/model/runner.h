@@ -37,6 +37,10 @@ struct RunnerOptions {
   // One rank run alone (bench-engine --single-rank): forward_argmax / forward_sample take the best id of the
   // rank's vocabulary slice (a benchmark of one GPU's share; the ids mean nothing).
   bool lone_rank = false;
+  // Load and run the checkpoint's MTP head when it has one (speculative decoding; model/mtp.h): every pass then also
+  // runs the head (its KV entries) and each state slot gets a checkpoint. Off (the default until the engine drives
+  // speculation): the head is left unloaded and no pass runs it.
+  bool mtp = false;
 };
 
 class Runner : public ModelRunner {
@@ -58,6 +62,10 @@ class Runner : public ModelRunner {
   bool can_copy_state() const override { return true; }
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return !conv_state_.empty(); }
+  int mtp_layers() const override { return model_->weights.has_mtp ? 1 : 0; }
+  void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
+  void save_state(int slot) override;
+  void restore_state(int slot) override;
   // Its Ops' device figures with the KV pool and state slots it allocated (one entry, rank 0; none on the CPU).
   std::vector<DeviceMemory> device_memory() const override;
 
@@ -81,7 +89,16 @@ class Runner : public ModelRunner {
     size_t chunk;
     int64_t offset;    // first token of the chunk in this pass
     int64_t n_tokens;
-    int64_t logits_row;  // -1: no logits
+    int64_t logits_row;  // the row of its first logits token; -1: no logits
+    int64_t logits_first = 0;  // the piece's first token with logits (index within the piece)
+    int64_t logits_count = 0;
+  };
+  // What a pass hands the MTP head (uploaded before the compute, so a captured pass replays with new values).
+  struct MtpPass {
+    StepLayout step;          // the entries: (t[p], h[p - 1]) at position p - 1 for each pass token at p >= 1
+    TensorView ids;           // I32 [M] t[p]
+    TensorView hidden_rows;   // I32 [M] rows of mtp_rows_ holding h[p - 1]
+    TensorView keep_rows;     // I32 [slots] each slot's new last hidden state (a row of mtp_rows_)
   };
   // Checks the chunks; returns the number of logits rows they ask for.
   int64_t check_chunks(std::span<const SeqChunk> chunks) const;
@@ -91,7 +108,8 @@ class Runner : public ModelRunner {
   void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces,
                 const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // The compute of one pass after its uploads: embedding, layers, final norm and lm_head of `row_ids`.
-  TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids);
+  TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids,
+                       const MtpPass* mtp);
   void reset_slot(int slot);
 
   std::unique_ptr<Communicator> owned_comm_;  // destroyed after ops_
@@ -102,6 +120,10 @@ class Runner : public ModelRunner {
   std::vector<KvLayerView> kv_;             // per full-attention layer
   std::vector<int> kv_index_, linear_index_;  // per layer
   std::vector<TensorView> conv_state_, recurrent_state_;  // per linear layer
+  std::vector<TensorView> conv_saved_, recurrent_saved_;  // save_state() checkpoints (with an MTP head)
+  // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
+  // position); rows [slots, slots + prefill_chunk) the current pass's. F32 [slots + prefill_chunk, H].
+  TensorView mtp_rows_;
   TraceFn trace_;
   // Captured decode passes, by (sequences, pages per sequence).
   struct Graph {

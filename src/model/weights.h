@@ -69,6 +69,16 @@ struct LayerWeights {
   MlpWeights mlp;   // !is_moe
 };
 
+// The multi-token-prediction head (Qwen3.5 / Qwen3-Next "mtp.*"): x = fc([norm_e(embed(t)) | norm_h(h)]), one
+// decoder layer (bound by the family as layer num_layers), then `norm` and the shared lm_head.
+struct MtpWeights {
+  LinearWeight fc;                  // [H, 2H], columns [embedding | hidden]
+  TensorView pre_fc_norm_embedding;  // [H]
+  TensorView pre_fc_norm_hidden;     // [H]
+  TensorView norm;                   // [H]
+  LayerWeights layer;                // full attention + the family's FFN
+};
+
 struct ModelWeights {
   TensorView embed_tokens;  // [V, H]; a vocabulary-parallel rank: its rows [vocab_begin, vocab_begin + V / tp)
   TensorView final_norm;    // [H]
@@ -76,6 +86,8 @@ struct ModelWeights {
   bool vocab_parallel = false;  // embed_tokens / lm_head hold only the rows from vocab_begin (tensor-parallel rank)
   int64_t vocab_begin = 0;
   std::vector<LayerWeights> layers;
+  bool has_mtp = false;  // config.mtp_num_layers > 0 and the head was bound
+  MtpWeights mtp;
   int64_t bytes_by_format[3] = {0, 0, 0};  // linear weight bytes per WeightFormat
   // Host copies of tensor-parallel slices that are not contiguous in the checkpoint, kept where the backend reads
   // them in place (the CPU); a backend that copies them gets them freed once its copies are done.

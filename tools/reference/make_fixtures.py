@@ -34,6 +34,30 @@ expected.safetensors, per prompt i:
     p{i}.greedy_tokens     I32 [S]
     p{i}.greedy_logits     F32 [S, V]   row s chose greedy_tokens[s] (row 0 = prefill's last position)
     p{i}.prefill_last_logits_bf16  F32 [V]   (BF16 fixtures only)
+
+The MTP fixture (qwen3_5_moe_mtp: the qwen3_5_moe BF16 model plus a random multi-token-prediction head, config.json
+text_config.mtp_num_hidden_layers = 1, tensors mtp.*) adds, per prompt i:
+    p{i}.next_token        I32 [1]      argmax of the prefill's last logits (the pending token the chain starts from)
+    p{i}.draft_tokens      I32 [K]      the head's greedy chain (K = manifest draft_steps)
+    p{i}.draft_logits      F32 [K, V]   its logits per step
+    p{i}.target_hidden     F32 [L, H]   the target's hidden state per prompt position (the head's h[j], see below)
+transformers has no MTP module for Qwen3.5 (its loaders drop mtp.*), so MtpHead below builds one from transformers'
+own decoder layer class (Qwen3_5MoeDecoderLayer, a full-attention layer built as layer 3 of the same config) and
+RMSNorm class, plus the fc and the two pre-fc norms, following vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py and
+SGLang's qwen3_5_mtp.py:
+    entry j = (t[j+1], h[j]):  x_j = fc(cat(pre_fc_norm_embedding(embed(t[j+1])), pre_fc_norm_hidden(h[j])))
+    (the embedding first), the MTP layer over x_0 .. x_j at positions 0 .. j (causal), then mtp.norm and the
+    shared lm_head give the logits of t[j+2]. A chain step k >= 2 uses (d_{k-1}, g_{k-1}) with g the previous
+    step's mtp.norm output.
+Which hidden state h[j]: the target model's last hidden state AFTER its final norm (the input of lm_head). Both peers
+hand the drafter their model's forward output, and both models' forward ends with the final norm: vLLM's
+Qwen3NextModel.forward returns `self.norm(hidden_states, residual)` and its EAGLE/MTP proposer passes that output as
+the draft model's hidden_states; SGLang's Qwen3_5ForCausalLM model forward applies `self.norm` before the logits
+processor, which stores the hidden states it was given (capture_hidden_mode) as spec_info.hidden_states for the
+draft. The chained g is likewise the head's output after mtp.norm (vLLM's predictor returns self.norm(...)). This
+script takes h from model.model(...).last_hidden_state (after the final norm) and checks lm_head(h) against the
+model's own logits. The head runs without a cache (the whole entry sequence each step), so the chain's reference
+does not depend on transformers' cache classes.
 """
 import argparse
 import copy
@@ -83,7 +107,7 @@ FAMILIES = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
                                  mrope_section=[2, 1, 1], mrope_interleaved=True),
             **HYBRID_LINEAR),
-        variants=["bf16", "nvfp4", "nvfp4all", "mixed"],
+        variants=["bf16", "nvfp4", "nvfp4all", "mixed", "mtp"],
     ),
     "qwen3_5": dict(
         config_class="Qwen3_5TextConfig",
@@ -155,6 +179,9 @@ FAMILIES = {
 }
 
 GENERATION_EOS = [510, 511]
+
+MTP_DRAFT_STEPS = 3
+MTP_SEED_OFFSET = 28
 
 
 def log(*a):
@@ -294,7 +321,7 @@ def is_router(module):
 
 def quant_plan(variant, fam, modules):
     """{module: "nvfp4" | "fp8"} and the hf_quant_config.json 'quantization' block."""
-    if variant == "bf16":
+    if variant in ("bf16", "mtp"):
         return {}, None
     if variant == "nvfp4":
         plan = {m: "nvfp4" for m in modules if is_routed_expert(m)}
@@ -365,6 +392,92 @@ def fuse_bf16_experts(save, num_layers, prefix):
             out[base + "gate_up_proj"] = torch.stack([torch.cat([gt, u]) for gt, u in zip(gates, ups)]).contiguous()
             out[base + "down_proj"] = torch.stack(downs).contiguous()
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The MTP head (see the module docstring)
+
+class MtpHead(nn.Module):
+    """Qwen3.5 / Qwen3-Next multi-token-prediction head from transformers' own classes: fc, the two pre-fc norms,
+    one full-attention decoder layer of the target's type (built as the target's layer `full_layer`), mtp.norm.
+    Embedding and lm_head are the target's."""
+
+    def __init__(self, target, cfg, full_layer):
+        super().__init__()
+        hidden = cfg.hidden_size
+        layer_cls = type(target.model.layers[full_layer])
+        norm_cls = type(target.model.norm)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = norm_cls(hidden, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm_cls(hidden, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([layer_cls(cfg, full_layer)])
+        self.norm = norm_cls(hidden, eps=cfg.rms_norm_eps)
+        self.full_layer = full_layer
+
+    def fc_in(self, target, token_ids, hidden):
+        emb = target.model.embed_tokens(token_ids)
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    @torch.no_grad()
+    def run_layer(self, target, x):
+        """The MTP layer over x [1, n, H] at positions 0 .. n-1, causal, no cache: the layer gets exactly the
+        keyword arguments (rotary embeddings, mask, positions) the target's own full-attention layer gets for a
+        sequence of n tokens."""
+        n = x.shape[1]
+        captured = {}
+
+        def grab(mod, args, kwargs):
+            captured.update(kwargs)
+            captured["_args"] = args
+
+        h = target.model.layers[self.full_layer].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            target.model(input_ids=torch.zeros((1, n), dtype=torch.long), use_cache=False)
+        finally:
+            h.remove()
+        kwargs = {k: v for k, v in captured.items() if k not in ("_args", "hidden_states", "past_key_values",
+                                                                  "past_key_value", "use_cache")}
+        out = self.layers[0](x, **kwargs)
+        if isinstance(out, tuple):
+            out = out[0]
+        return self.norm(out)
+
+
+def build_mtp_head(model, cfg, fam):
+    full_layer = max(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    head = MtpHead(model, cfg, full_layer).float().eval()
+    init_weights(head, dict(fam, seed=fam["seed"] + MTP_SEED_OFFSET))
+    return head
+
+
+def mtp_checkpoint(head):
+    """The head's tensors under their checkpoint names (mtp.*; BF16; experts fused like the main layers')."""
+    out = {}
+    for k, v in head.state_dict().items():
+        out["mtp." + k] = v.detach().clone().to(torch.bfloat16)
+    return out
+
+
+@torch.no_grad()
+def mtp_reference(model, head, tokens, steps):
+    """(next token, draft tokens, draft logits [K, V], target hidden [L, H], lm_head self-check)."""
+    ids = torch.tensor([tokens], dtype=torch.long)
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # after the final norm
+    logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    selfcheck = (model.lm_head(hidden)[0].float() - logits).abs().max().item()
+    nxt = int(torch.argmax(logits[-1]))
+    entry_tokens = tokens[1:] + [nxt]
+    x = head.fc_in(model, torch.tensor([entry_tokens], dtype=torch.long), hidden)  # [1, L, H]
+    drafts, rows = [], []
+    for _ in range(steps):
+        g = head.run_layer(model, x)
+        row = model.lm_head(g[0, -1]).float()
+        d = int(torch.argmax(row))
+        drafts.append(d)
+        rows.append(row.clone())
+        x_next = head.fc_in(model, torch.tensor([[d]], dtype=torch.long), g[:, -1:])
+        x = torch.cat([x, x_next], dim=1)
+    return nxt, drafts, torch.stack(rows), hidden[0].float().clone(), selfcheck
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -476,6 +589,12 @@ def make_fixture(family, variant, fam, out_root, versions):
     save, ref = quantise_checkpoint(ck, plan)
     if fam["expert_layout"] == "fused" and not any(is_routed_expert(m) for m in plan):
         save = fuse_bf16_experts(save, cfg.num_hidden_layers, prefix)
+    mtp_head = None
+    if variant == "mtp":
+        mtp_head = build_mtp_head(model, cfg, fam)
+        save.update(mtp_checkpoint(mtp_head))
+        # The reference head computes with the stored (bf16) values.
+        mtp_head.load_state_dict({k[len("mtp."):]: v.float() for k, v in mtp_checkpoint(mtp_head).items()})
 
     # Load the reference weights (dequantised where quantised) back into the fp32 model.
     template = model.state_dict()
@@ -494,6 +613,14 @@ def make_fixture(family, variant, fam, out_root, versions):
     fixture_dir = os.path.join(out_root, name)
     model_dir = os.path.join(fixture_dir, "model")
     write_config(fam, cfg, model_dir)
+    if mtp_head is not None:
+        path = os.path.join(model_dir, "config.json")
+        with open(path) as f:
+            written = json.load(f)
+        (written["text_config"] if "text_config" in written else written)["mtp_num_hidden_layers"] = 1
+        with open(path, "w") as f:
+            json.dump(written, f, indent=2, sort_keys=True)
+            f.write("\n")
     if quant_block is not None:
         with open(os.path.join(model_dir, "hf_quant_config.json"), "w") as f:
             json.dump({"producer": {"name": "modelopt", "version": "kiln-fixture"}, "quantization": quant_block},
@@ -522,6 +649,19 @@ def make_fixture(family, variant, fam, out_root, versions):
                 lb = bf16_model(input_ids=torch.tensor([toks]), use_cache=False).logits[0, -1].float()
             expected[f"p{i}.prefill_last_logits_bf16"] = lb.contiguous()
             info["bf16_vs_fp32_last_logits_max_abs"] = (lb - prefill[-1]).abs().max().item()
+        if mtp_head is not None:
+            nxt, drafts, draft_logits, hidden, mtp_check = mtp_reference(model, mtp_head, toks, MTP_DRAFT_STEPS)
+            if nxt != chosen[0]:
+                log(f"  note: prompt {i}: uncached argmax {nxt} != cached {chosen[0]} (a near-tie); the chain "
+                    f"starts from {nxt}, stored as next_token")
+            expected[f"p{i}.next_token"] = torch.tensor([nxt], dtype=torch.int32)
+            expected[f"p{i}.draft_tokens"] = torch.tensor(drafts, dtype=torch.int32)
+            expected[f"p{i}.draft_logits"] = draft_logits.contiguous()
+            expected[f"p{i}.target_hidden"] = hidden.contiguous()
+            top2 = torch.topk(draft_logits, 2, dim=-1).values
+            info["draft_min_top2_gap"] = (top2[:, 0] - top2[:, 1]).min().item()
+            info["selfcheck_lm_head_of_hidden_max_abs"] = mtp_check
+            log(f"  prompt {i}: drafts {drafts} (lm_head(hidden) vs logits {mtp_check:.2e})")
         prompt_info.append(info)
         log(f"  prompt {i}: len {len(toks)} greedy {chosen[:8]}... min top2 gap {min_gap:.4f} "
             f"selfcheck {selfcheck:.2e}" + (f" bf16 diff {info['bf16_vs_fp32_last_logits_max_abs']:.3e}"
@@ -548,6 +688,11 @@ def make_fixture(family, variant, fam, out_root, versions):
         "selfcheck_worst": worst_selfcheck,
         "checkpoint_bytes": os.path.getsize(os.path.join(model_dir, "model.safetensors")),
     }
+    if mtp_head is not None:
+        manifest["draft_steps"] = MTP_DRAFT_STEPS
+        manifest["draft_rel_tol"] = 1e-3
+        manifest["mtp_hidden_state"] = ("target's last hidden state after the final norm (lm_head's input); "
+                                        "chain steps feed the head's mtp.norm output")
     with open(os.path.join(fixture_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     return manifest

@@ -26,6 +26,7 @@ model::RunnerOptions runner_options(const LoadOptions& options) {
   ro.prefill_chunk = options.prefill_chunk;
   ro.prefill_delta_rule = options.prefill_delta_rule;
   ro.load_format = options.load_format;
+  ro.mtp = options.mtp;
   if (!options.cuda_graphs) ro.graph_max_batch = 0;
   return ro;
 }

@@ -36,6 +36,7 @@ struct CpuLoadOptions {
   // with; resolved per device by backend::resolve_dtype (device.h). The CPU backend always runs fp32.
   std::string dtype = "auto";
   bool cuda_graphs = true;  // capture and replay decode steps
+  bool mtp = false;         // load and run the checkpoint's MTP head (speculative decoding) when it has one
   // Tensor / expert parallelism (--tp-size, --ep-size; SGLang's names): tp ranks, ep expert-parallel groups among
   // them. On the CPU the ranks are threads of this process over the in-process communicator (backend/comm_local.h).
   int tp_size = 1;

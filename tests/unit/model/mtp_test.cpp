@@ -1,0 +1,336 @@
+// The MTP head (src/model/mtp.*, its runner plumbing in src/model/runner.*):
+//  - against transformers (tools/reference/make_fixtures.py's MTP fixture; skipped until it is generated);
+//  - against a hand composition: the fc input built on the host (norms and the [embedding | hidden] matmul written out
+//    here) and fed, as the embedding rows of a separate one-layer model holding the MTP layer's weights, through the
+//    ordinary runner: the draft chain's logits must equal that model's;
+//  - the head's entries are the same whether the prompt ran in one pass, in small passes or as prefill + decode;
+//  - the head leaves the target model's logits alone; save_state / restore_state bring a slot back.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "fixture_util.h"
+#include "format/model_config.h"
+#include "mtp_model.h"
+#include "reference_fixture.h"
+
+namespace kiln::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+backend::CpuLoadOptions f32_kv(int64_t prefill_chunk = 512) {
+  backend::CpuLoadOptions o;
+  o.kv_dtype = DType::F32;
+  o.prefill_chunk = prefill_chunk;
+  o.mtp = true;
+  return o;
+}
+
+// A tensor of a checkpoint as floats.
+std::vector<float> read_f32(const format::Checkpoint& ckpt, const std::string& name) {
+  const format::TensorInfo& t = ckpt.get(name);
+  std::vector<float> out(static_cast<size_t>(t.shape.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t.dtype == DType::F32) {
+      std::memcpy(&out[i], t.data + i * 4, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, t.data + i * 2, 2);
+      out[i] = bf16_to_f32(h);
+    }
+  }
+  return out;
+}
+
+// Zero-centred RMSNorm (Qwen3.5): x / sqrt(mean(x^2) + eps) * (1 + w), in double.
+std::vector<double> norm_zc(const float* x, const std::vector<float>& w, double eps) {
+  const size_t H = w.size();
+  double ss = 0;
+  for (size_t i = 0; i < H; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const double r = 1.0 / std::sqrt(ss / static_cast<double>(H) + eps);
+  std::vector<double> out(H);
+  for (size_t i = 0; i < H; ++i) out[i] = x[i] * r * (1.0 + w[i]);
+  return out;
+}
+
+double max_abs_diff(const float* a, const float* b, int64_t n) {
+  double m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+double max_abs(const float* a, int64_t n) {
+  double m = 1e-12;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<double>(a[i])));
+  return m;
+}
+
+// The MTP head's inputs by hand: fc([norm_e(embed(token)) | norm_h(hidden)]) with the checkpoint's weights.
+struct HandHead {
+  int64_t H = 0, V = 0;
+  double eps = 1e-6;
+  std::vector<float> embed, fc, norm_e, norm_h;
+  HandHead(const format::Checkpoint& ckpt, const format::ModelConfig& c) : H(c.hidden_size), V(c.vocab_size) {
+    eps = c.rms_norm_eps;
+    embed = read_f32(ckpt, c.tensor_prefix + "embed_tokens.weight");
+    fc = read_f32(ckpt, "mtp.fc.weight");
+    norm_e = read_f32(ckpt, "mtp.pre_fc_norm_embedding.weight");
+    norm_h = read_f32(ckpt, "mtp.pre_fc_norm_hidden.weight");
+  }
+  std::vector<float> fc_out(int32_t token, const float* hidden) const {
+    const std::vector<double> e = norm_zc(embed.data() + token * H, norm_e, eps);
+    const std::vector<double> h = norm_zc(hidden, norm_h, eps);
+    std::vector<float> out(static_cast<size_t>(H));
+    for (int64_t r = 0; r < H; ++r) {
+      const float* w = fc.data() + r * 2 * H;
+      double acc = 0;
+      for (int64_t i = 0; i < H; ++i) acc += w[i] * e[i];  // the embedding half first
+      for (int64_t i = 0; i < H; ++i) acc += w[H + i] * h[i];
+      out[r] = static_cast<float>(acc);
+    }
+    return out;
+  }
+};
+
+// A one-layer full-attention model holding the MTP layer's weights (mtp.layers.0.* as layer 0, mtp.norm as the final
+// norm, the same lm_head), whose embedding row i is rows[i]: running ids 0..n-1 through it runs the MTP layer over
+// the entries whose fc outputs are rows.
+void write_layer_model(const std::string& mtp_dir, const std::string& out, const std::vector<std::vector<float>>& rows) {
+  fs::create_directories(out);
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(mtp_dir + "/config.json"));
+  nlohmann::json& t = cfg.contains("text_config") ? cfg["text_config"] : cfg;
+  t["num_hidden_layers"] = 1;
+  t["layer_types"] = nlohmann::json::array({"full_attention"});
+  t.erase("mtp_num_hidden_layers");
+  std::ofstream(out + "/config.json") << cfg.dump(2);
+  const format::ModelDir dir = format::ModelDir::open(mtp_dir);
+  const format::Checkpoint ckpt = format::Checkpoint::open(dir);
+  format::ModelConfig c = format::load_model_config(dir);
+  const std::string P = format::detect_tensor_prefix(ckpt);
+  format::SafetensorsWriter w;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  std::vector<uint8_t> table(static_cast<size_t>(V * H) * 4, 0);
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(table.data() + i * H * 4, rows[i].data(), H * 4);
+  w.add(P + "embed_tokens.weight", DType::F32, Shape{V, H}, table);
+  for (const auto& [name, info] : ckpt.tensors()) {
+    if (name.starts_with("mtp.layers.0."))
+      w.add_view(P + "layers.0." + name.substr(std::string("mtp.layers.0.").size()), info.dtype, info.shape, info.bytes());
+    else if (name == "mtp.norm.weight")
+      w.add_view(P + "norm.weight", info.dtype, info.shape, info.bytes());
+    else if (name == "lm_head.weight")
+      w.add_view(name, info.dtype, info.shape, info.bytes());
+  }
+  w.set_metadata("format", "pt");
+  w.write(out + "/model.safetensors");
+}
+
+// Runs `tokens` through a fresh slot of `r` in one chunk and returns the logits of every position; `hidden` (if
+// given) gets every position's final-norm output (the trace "final_norm" of that pass).
+std::vector<float> run_all(TestRunner& r, int slot, std::span<const int32_t> tokens, std::vector<float>* hidden) {
+  const int64_t L = static_cast<int64_t>(tokens.size()), V = r.vocab();
+  model::SeqChunk ch = r.chunk(slot, tokens, 0);
+  ch.logits_tokens = static_cast<int>(L);
+  if (hidden)
+    r.impl().set_trace([hidden](std::string_view name, int layer, const TensorView& v) {
+      if (name != "final_norm" || layer != -1) return;
+      hidden->assign(static_cast<const float*>(v.data), static_cast<const float*>(v.data) + v.numel());
+    });
+  std::vector<float> logits(static_cast<size_t>(L * V));
+  r.runner->forward({&ch, 1}, logits);
+  r.impl().set_trace(nullptr);
+  return logits;
+}
+
+struct Draft {
+  std::vector<int32_t> tokens;
+  std::vector<float> logits;  // [steps, V]
+};
+Draft draft(TestRunner& r, int slot, int32_t token, int64_t pos, int steps) {
+  Draft d;
+  d.tokens.resize(steps);
+  d.logits.resize(static_cast<size_t>(steps * r.vocab()));
+  model::DraftSeq s;
+  s.state_slot = slot;
+  s.token = token;
+  s.pos = pos;
+  s.page_table = r.page_tables[slot];
+  r.runner->draft({&s, 1}, steps, d.tokens, d.logits);
+  return d;
+}
+
+constexpr const char* kFixture = "qwen3_5_moe_bf16";
+constexpr uint64_t kSeed = 28;
+
+class MtpHead : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fx_ = Fixture::load(kFixture);
+    mtp_dir_ = tmp_.path() + "/mtp";
+    kiln::test::write_model_with_mtp(fx_.model_dir, mtp_dir_, kSeed);
+  }
+  Fixture fx_;
+  kiln::test::TempDir tmp_;
+  std::string mtp_dir_;
+};
+
+TEST_F(MtpHead, LoadsAndCountsItsKvAndState) {
+  TestRunner plain(fx_.model_dir, f32_kv());
+  TestRunner with(mtp_dir_, f32_kv());
+  EXPECT_EQ(plain.runner->mtp_layers(), 0);
+  EXPECT_EQ(with.runner->mtp_layers(), 1);
+  const auto a = plain.runner->capacity(), b = with.runner->capacity();
+  // One more full-attention layer's KV per token (the fixture has one full-attention layer among four).
+  EXPECT_EQ(b.kv_bytes_per_token, 2 * a.kv_bytes_per_token);
+  EXPECT_EQ(b.state_bytes_per_slot, 2 * a.state_bytes_per_slot);  // the verify checkpoints
+  // Off by option: the head is not loaded.
+  auto off = f32_kv();
+  off.mtp = false;
+  TestRunner none(mtp_dir_, off);
+  EXPECT_EQ(none.runner->mtp_layers(), 0);
+  EXPECT_EQ(none.runner->capacity().kv_bytes_per_token, a.kv_bytes_per_token);
+}
+
+TEST_F(MtpHead, LeavesTheTargetLogitsAlone) {
+  TestRunner plain(fx_.model_dir, f32_kv());
+  TestRunner with(mtp_dir_, f32_kv());
+  const std::vector<int32_t>& prompt = fx_.prompts[2].tokens;
+  const std::vector<float> a = run_all(plain, 0, prompt, nullptr), b = run_all(with, 0, prompt, nullptr);
+  EXPECT_EQ(max_abs_diff(a.data(), b.data(), static_cast<int64_t>(a.size())), 0.0);
+}
+
+TEST_F(MtpHead, DraftChainEqualsTheHandComposition) {
+  TestRunner r(mtp_dir_, f32_kv());
+  const std::vector<int32_t>& prompt = fx_.prompts[2].tokens;  // 33 tokens
+  const int64_t L = static_cast<int64_t>(prompt.size()), V = r.vocab();
+  std::vector<float> hidden;  // [L, H] the target's final-norm outputs
+  const std::vector<float> logits = run_all(r, 0, prompt, &hidden);
+  const int32_t next = argmax(logits.data() + (L - 1) * V, V);
+  const Draft d = draft(r, 0, next, L, 2);
+
+  const format::ModelDir dir = format::ModelDir::open(mtp_dir_);
+  const format::Checkpoint ckpt = format::Checkpoint::open(dir);
+  format::ModelConfig c = format::load_model_config(dir);
+  c.tensor_prefix = format::detect_tensor_prefix(ckpt);
+  const int64_t H = c.hidden_size;
+  ASSERT_EQ(static_cast<int64_t>(hidden.size()), L * H);
+  const HandHead head(ckpt, c);
+  // Entry j = (t[j+1], h[j]), j = 0 .. L-1 (t[L] = the sampled next token).
+  std::vector<std::vector<float>> rows;
+  for (int64_t j = 0; j < L; ++j) rows.push_back(head.fc_out(j + 1 < L ? prompt[j + 1] : next, hidden.data() + j * H));
+  write_layer_model(mtp_dir_, tmp_.path() + "/step1", rows);
+  TestRunner one(tmp_.path() + "/step1", f32_kv());
+  std::vector<int32_t> ids(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) ids[i] = static_cast<int32_t>(i);
+  std::vector<float> g;  // the layer model's final-norm outputs: the head's chained hidden states
+  const std::vector<float> want1 = run_all(one, 0, ids, &g);
+  const float* want1_last = want1.data() + (L - 1) * V;
+  const double tol = 1e-4 * max_abs(want1_last, V);
+  EXPECT_LT(max_abs_diff(d.logits.data(), want1_last, V), tol);
+  EXPECT_EQ(d.tokens[0], argmax(d.logits.data(), V));
+
+  // Step 2: entry L = (d1, g[L-1]).
+  rows.push_back(head.fc_out(d.tokens[0], g.data() + (L - 1) * H));
+  write_layer_model(mtp_dir_, tmp_.path() + "/step2", rows);
+  TestRunner two(tmp_.path() + "/step2", f32_kv());
+  ids.push_back(static_cast<int32_t>(L));
+  const std::vector<float> want2 = run_all(two, 0, ids, nullptr);
+  const float* want2_last = want2.data() + L * V;
+  EXPECT_LT(max_abs_diff(d.logits.data() + V, want2_last, V), 1e-4 * max_abs(want2_last, V));
+  std::printf("[mtp] draft step 1 max |diff| %.2e, step 2 %.2e (logit scale %.2f)\n",
+              max_abs_diff(d.logits.data(), want1_last, V), max_abs_diff(d.logits.data() + V, want2_last, V),
+              max_abs(want1_last, V));
+}
+
+TEST_F(MtpHead, EntriesDoNotDependOnHowThePromptRan) {
+  const std::vector<int32_t>& prompt = fx_.prompts[3].tokens;  // 90 tokens
+  const int64_t L = static_cast<int64_t>(prompt.size()), V = fx_.vocab;
+  TestRunner one(mtp_dir_, f32_kv());
+  const std::vector<float> logits = one.run(0, prompt, 0);
+  const int32_t next = argmax(logits.data(), V);
+  const Draft want = draft(one, 0, next, L, 3);
+  // (a) passes of 16 tokens (the head's first entry of a pass reads the slot's kept hidden state);
+  TestRunner split(mtp_dir_, f32_kv(16));
+  split.run(1, prompt, 0);
+  const Draft a = draft(split, 1, next, L, 3);
+  // (b) prefill L-1, then the last prompt token as a decode step.
+  TestRunner dec(mtp_dir_, f32_kv());
+  dec.run(2, std::span(prompt).first(L - 1), 0);
+  dec.run(2, std::span(prompt).subspan(L - 1, 1), L - 1);
+  const Draft b = draft(dec, 2, next, L, 3);
+  const double scale = max_abs(want.logits.data(), 3 * V);
+  EXPECT_LT(max_abs_diff(a.logits.data(), want.logits.data(), 3 * V), 1e-4 * scale);
+  EXPECT_LT(max_abs_diff(b.logits.data(), want.logits.data(), 3 * V), 1e-4 * scale);
+  EXPECT_EQ(a.tokens, want.tokens);
+  EXPECT_EQ(b.tokens, want.tokens);
+}
+
+TEST_F(MtpHead, RestoreStateUndoesAVerifyPass) {
+  TestRunner r(mtp_dir_, f32_kv());
+  const std::vector<int32_t>& prompt = fx_.prompts[2].tokens;
+  const int64_t L = static_cast<int64_t>(prompt.size());
+  r.run(0, prompt, 0);
+  r.runner->save_state(0);
+  const std::vector<int32_t> guess = {5, 6, 7, 8};
+  r.run(0, guess, L);  // a verify pass that is then rejected whole
+  r.runner->restore_state(0);
+  const int32_t t = 9;
+  const std::vector<float> after = r.run(0, std::span(&t, 1), L);
+  TestRunner fresh(mtp_dir_, f32_kv());
+  fresh.run(0, prompt, 0);
+  const std::vector<float> want = fresh.run(0, std::span(&t, 1), L);
+  EXPECT_EQ(max_abs_diff(after.data(), want.data(), fx_.vocab), 0.0);
+}
+
+TEST(MtpHeadErrors, DraftWithoutAHeadFails) {
+  const Fixture fx = Fixture::load(kFixture);
+  TestRunner r(fx.model_dir, f32_kv());
+  EXPECT_THROW(draft(r, 0, 1, 1, 1), Error);
+}
+
+// transformers' MTP module (make_fixtures.py, fixture qwen3_5_moe_mtp): the draft chain after each prompt.
+TEST(MtpHeadReference, DraftLogitsMatchTransformers) {
+  const std::string dir = fixtures_root() + "/qwen3_5_moe_mtp";
+  if (!fs::exists(dir + "/manifest.json"))
+    GTEST_SKIP() << "fixture qwen3_5_moe_mtp not generated yet (tools/reference/make_fixtures.py --only mtp)";
+  const nlohmann::json manifest = nlohmann::json::parse(std::ifstream(dir + "/manifest.json"));
+  std::vector<uint8_t> bytes = read_bytes(dir + "/expected.safetensors");
+  format::SafetensorsFile file(bytes, "qwen3_5_moe_mtp/expected.safetensors");
+  auto tensor = [&](const std::string& n) { return file.find(n); };
+  TestRunner r(dir + "/model", f32_kv());
+  const int64_t V = r.vocab();
+  const int steps = manifest["draft_steps"].get<int>();
+  const double rel_tol = manifest.value("draft_rel_tol", 1e-3);
+  int slot = 0;
+  for (const auto& p : manifest["prompts"]) {
+    const std::string pre = "p" + std::to_string(p["index"].get<int>()) + ".";
+    const format::TensorInfo* tok = tensor(pre + "tokens");
+    const format::TensorInfo* next = tensor(pre + "next_token");
+    const format::TensorInfo* want_tok = tensor(pre + "draft_tokens");
+    const format::TensorInfo* want = tensor(pre + "draft_logits");
+    ASSERT_TRUE(tok && next && want && want_tok) << pre;
+    std::vector<int32_t> prompt(static_cast<size_t>(tok->shape.numel()));
+    std::memcpy(prompt.data(), tok->data, prompt.size() * 4);
+    int32_t next_token, first_draft;
+    std::memcpy(&next_token, next->data, 4);
+    std::memcpy(&first_draft, want_tok->data, 4);
+    const int s = slot++ % 4;
+    r.run(s, prompt, 0);
+    // The chain feeds its own argmax; compare the first step always, later steps while kiln drafted the same tokens.
+    const Draft d = draft(r, s, next_token, static_cast<int64_t>(prompt.size()), steps);
+    const float* ref = reinterpret_cast<const float*>(want->data);
+    for (int k = 0; k < steps; ++k) {
+      const double err = max_abs_diff(d.logits.data() + k * V, ref + k * V, V);
+      EXPECT_LT(err, rel_tol * max_abs(ref + k * V, V)) << pre << " step " << k;
+      int32_t want_k;
+      std::memcpy(&want_k, want_tok->data + k * 4, 4);
+      if (d.tokens[k] != want_k) break;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kiln::testing

@@ -1004,7 +1004,8 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
                  weights.is_contiguous(),
              "moe_route_experts: x {} logits {} ids {} weights {} out {} for {} experts", x.shape.str(),
              logits.shape.str(), expert_ids.shape.str(), weights.shape.str(), out.shape.str(), E);
-  for (const TensorView* t : std::initializer_list<const TensorView*>{&x, &logits, &weights, &out}) expect_f32(*t, "moe_route_experts");
+  for (const TensorView* t : std::initializer_list<const TensorView*>{&x, &logits, &weights, &out})
+    expect_f32(*t, "moe_route_experts");
   expect_i32(expert_ids, "moe_route_experts ids");
   if (shared.data) {
     KILN_CHECK(shared.shape == x.shape && shared.is_contiguous() && shared_gate.numel() == T &&

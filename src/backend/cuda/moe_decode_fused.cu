@@ -20,14 +20,14 @@
 //    moe_combine_kernel's order and expressions.
 // No floating-point atomics: every sum has a fixed order, so a step gives the same bits on every run.
 //
-// Work split. Kernel 1: a block per (distinct expert of the step, 8 rows of I); every block routes the step's tokens
-// itself (a warp per token; the logits are 2 KB per token in L2), so no block waits for another. Block (0, 0) also
-// writes the ids and weights (Ops::moe_route's outputs). Each warp owns 2 rows of gate and of up; lane l streams the
-// 16-byte chunks l, l + 32, ... of those 4 rows (all of a pass's loads issued before any is used) and reads x's
-// matching 32 values once for the 4 rows. Kernel 2: a block per 16-64 rows of H, all experts; lanes split a down row
-// into 16-byte chunks (I / 32 lanes per row), each lane 4 rows (the act values it loads serve all 4), 2 items of
-// rows in flight per warp; the outputs of every (token, expert) go to shared memory, then each thread sums one
-// (token, h) in ascending expert id.
+// Work split. Kernel 1: a block per (distinct expert of the step, 8 or 16 rows of I); every block routes the step's
+// tokens itself (a warp per token; the logits are 2 KB per token in L2), so no block waits for another. Block (0, 0)
+// also writes the ids and weights (Ops::moe_route's outputs). Each warp owns 2 (H > 2048) or 4 rows of gate and of
+// up; lane l streams the 16-byte chunks l, l + 32, ... of those rows (all of a pass's loads issued before any is
+// used) and reads x's matching 32 values once for all of them. Kernel 2: a block per 16-64 rows of H, all experts;
+// lanes split a down row into 16-byte chunks (I / 32 lanes per row), each lane 4 rows (the act values it loads serve
+// all 4), 2 items of rows in flight per warp; the outputs of every (token, expert) go to shared memory, then each
+// thread sums one (token, h) in ascending expert id.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -52,8 +52,12 @@ constexpr int kExpertWords = kMaxExperts / 32;
 
 constexpr int kUpWarps = 4;
 constexpr int kUpThreads = 32 * kUpWarps;
-constexpr int kUpRows = 2;                          // rows of gate and of up per warp
-constexpr int kUpBlockRows = kUpWarps * kUpRows;    // rows of I per block
+// Rows of gate and of up per warp: 2 at kKC 4 (H 4096), 4 below (H 2048: the same 16 loads per lane in flight, and
+// half the blocks, so that the 35B's batch-1 grid fits in one wave at 2 blocks per SM).
+template <int kKC>
+constexpr int up_rows() {
+  return kKC >= 4 ? 2 : 4;
+}
 
 constexpr int kDownWarps = 8;
 constexpr int kDownThreads = 32 * kDownWarps;
@@ -233,10 +237,11 @@ __device__ __forceinline__ void load32(const float* __restrict__ src, float (&v)
 }
 
 // ---- kernel 1: routing + gate/up + silu * up
-// grid (min(E_held, T * top_k), ceil(I / kUpBlockRows)). kKC: 16-byte chunks per lane per row and pass (a pass
-// covers 32 kKC chunks = 1024 kKC inputs; more passes for larger H).
+// grid (min(E_held, T * top_k), ceil(I / (kUpWarps * up_rows<kKC>()))). kKC: 16-byte chunks per lane per row and
+// pass (a pass covers 32 kKC chunks = 1024 kKC inputs; more passes for larger H).
 template <int kKC, bool kBf16>
 __global__ void __launch_bounds__(kUpThreads) moe_decode_up_kernel(const UpArgs a) {
+  constexpr int kUpRows = up_rows<kKC>();
   __shared__ int32_t s_ids[kMaxPairs];
   __shared__ float s_w[kMaxPairs];
   __shared__ Grouping s_g;
@@ -492,7 +497,9 @@ DownShape down_shape(int64_t I) {
 }
 
 template <int kKC>
-void launch_up(const UpArgs& a, dim3 grid, bool bf16, Stream stream) {
+void launch_up(const UpArgs& a, int64_t max_unique, bool bf16, Stream stream) {
+  constexpr int kBlockRows = kUpWarps * up_rows<kKC>();
+  const dim3 grid(static_cast<unsigned>(max_unique), static_cast<unsigned>((a.I + kBlockRows - 1) / kBlockRows));
   if (bf16) launch_kernel(moe_decode_up_kernel<kKC, true>, grid, kUpThreads, 0, stream, a);
   else launch_kernel(moe_decode_up_kernel<kKC, false>, grid, kUpThreads, 0, stream, a);
   KILN_CUDA_CHECK_LAUNCH();
@@ -538,12 +545,11 @@ void moe_decode_fused(const float* logits, const float* x, int64_t T, int64_t H,
   up.I = static_cast<int>(I);
   up.act = act;
   const int64_t max_unique = std::min<int64_t>(E_held, T * top_k);
-  const dim3 grid_up(static_cast<unsigned>(max_unique), static_cast<unsigned>((I + kUpBlockRows - 1) / kUpBlockRows));
   const bool bf16 = mma_parts == kMmaPartsBf16;
   const int64_t chunks = H / 32;
-  if (chunks <= 32) launch_up<1>(up, grid_up, bf16, stream);
-  else if (chunks <= 64) launch_up<2>(up, grid_up, bf16, stream);
-  else launch_up<4>(up, grid_up, bf16, stream);
+  if (chunks <= 32) launch_up<1>(up, max_unique, bf16, stream);
+  else if (chunks <= 64) launch_up<2>(up, max_unique, bf16, stream);
+  else launch_up<4>(up, max_unique, bf16, stream);
   profile_mark("route + gate/up (fused)");
 
   DownArgs down;

@@ -995,7 +995,7 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
   if (!fused) return model::Ops::moe_route_experts(x, logits, top_k, renormalise, experts, shared, shared_gate,
                                                    expert_ids, weights, out);
   OpScope prof(impl_->rt, [&] {
-    return fmt::format("moe_route+experts{} nvfp4 x{} (fused decode)", shared.data ? "+shared" : "", experts.size());
+    return fmt::format("moe_route+experts{} nvfp4 x{} fused", shared.data ? "+shared" : "", experts.size());
   });
   const int64_t E = static_cast<int64_t>(experts.size());
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.shape == x.shape && out.is_contiguous() &&

@@ -118,8 +118,10 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
     return k;
   }
   k.attention = pick("--attention-backend", o.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
-  k.moe_runner =
-      pick("--moe-runner-backend", o.moe_runner_backend, {"kiln-grouped", "kiln-grouped-fp32"}, "kiln-grouped");
+  // auto: the fused decode kernels on sm_90 (where they are tuned); elsewhere the grouped path.
+  k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend,
+                      {"kiln-fused-decode", "kiln-grouped", "kiln-grouped-fp32"},
+                      compute_major == 9 ? "kiln-fused-decode" : "kiln-grouped");
   if (o.fp4_gemm_backend == "native-fp4")
     fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
          "{}use kiln-w4a16 (FP4 decoded to BF16 in registers), kiln-fp32 or auto",
@@ -135,7 +137,8 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   cuda::CudaOptions c;
   c.device = device;
   c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
-  c.moe_tensor_cores = k.moe_runner == "kiln-grouped";
+  c.moe_tensor_cores = k.moe_runner == "kiln-grouped" || k.moe_runner == "kiln-fused-decode";
+  c.moe_decode_fused = k.moe_runner == "kiln-fused-decode";
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;

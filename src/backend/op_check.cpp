@@ -595,6 +595,19 @@ void check_moe(Harness& h) {
         h.compare(fmt::format("moe_experts+shared {} T={} E={} k={}", model::weight_format_name(f), T, E, k), out2,
                   tol);
       }
+      if (T <= 8) {  // routing and experts as one op (a GPU backend fuses them for decode-sized steps)
+        Pair logits = h.upload(h.host_normal(DType::F32, Shape{T, E}, 2.0f));
+        Pair shared = h.upload(h.host_normal(DType::F32, Shape{T, H}, 1.0f));
+        Pair gate = h.upload(h.host_normal(DType::F32, Shape{T, 1}, 2.0f));
+        Pair rids = h.scratch(DType::I32, Shape{T, k}), rw = h.scratch(DType::F32, Shape{T, k});
+        Pair out3 = h.scratch(DType::F32, Shape{T, H});
+        h.test().moe_route_experts(x.test, logits.test, k, true, et, shared.test, gate.test, rids.test, rw.test,
+                                   out3.test);
+        h.ref().moe_route_experts(x.ref, logits.ref, k, true, er, shared.ref, gate.ref, rids.ref, rw.ref, out3.ref);
+        h.compare_ids(fmt::format("moe_route ids of moe_route_experts T={}", T), rids);
+        h.compare(fmt::format("moe_experts routed+shared {} T={} E={} k={}", model::weight_format_name(f), T, E, k),
+                  out3, tol);
+      }
     }
   }
 }

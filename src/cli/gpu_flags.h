@@ -43,7 +43,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "kiln-paged-fp32 (every step on the split-over-keys kernel, CUDA cores)")
       ->capture_default_str();
   app.add_option("--moe-runner-backend", f.moe_runner_backend,
-                 "cuda: auto = kiln-grouped (NVFP4 experts on tensor cores), or kiln-grouped-fp32 (fp32 CUDA-core "
+                 "cuda: auto = kiln-fused-decode on sm_90 (steps of <= 8 tokens: routing + NVFP4 experts in two "
+                 "fused kernels; larger steps as kiln-grouped), kiln-grouped elsewhere; kiln-grouped (NVFP4 experts "
+                 "on tensor cores, routing and combine as separate kernels), or kiln-grouped-fp32 (fp32 CUDA-core "
                  "kernels)")
       ->capture_default_str();
   app.add_option("--fp4-gemm-backend", f.fp4_gemm_backend,

@@ -288,10 +288,10 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   }
   TensorView ids = f.ops.scratch(DType::I32, Shape{T, top_k});
   TensorView weights = f.f32(Shape{T, top_k});
-  f.ops.moe_route(logits, top_k, renormalise, ids, weights);
   TensorView out = f.f32(x.shape);
+  // Routing and routed experts as one op (a backend may fuse them: Ops::moe_route_experts).
   if (!w.has_shared_expert) {
-    f.ops.moe_experts(x, ids, weights, w.experts, out);
+    f.ops.moe_route_experts(x, logits, top_k, renormalise, w.experts, TensorView(), TensorView(), ids, weights, out);
     f.name("moe_routed", layer, out);
     return block_output(f, out);
   }
@@ -300,12 +300,13 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   f.ops.silu_mul(shared_g, shared_u, shared_g);
   TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
   if (f.trace && *f.trace) {
+    f.ops.moe_route(logits, top_k, renormalise, ids, weights);
     f.ops.moe_experts(x, ids, weights, w.experts, out);
     f.name("moe_routed", layer, out);
     f.ops.sigmoid_mul(shared, shared_gate, shared);
     f.ops.add(out, shared, out);
   } else {
-    f.ops.moe_experts_shared(x, ids, weights, w.experts, shared, shared_gate, out);
+    f.ops.moe_route_experts(x, logits, top_k, renormalise, w.experts, shared, shared_gate, ids, weights, out);
   }
   return block_output(f, out);
 }

@@ -126,6 +126,14 @@ void Ops::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, 
   add(out, shared, out);
 }
 
+void Ops::moe_route_experts(const TensorView& x, const TensorView& logits, int top_k, bool renormalise,
+                            std::span<const ExpertWeights> experts, TensorView shared, const TensorView& shared_gate,
+                            TensorView expert_ids, TensorView weights, TensorView out) {
+  moe_route(logits, top_k, renormalise, expert_ids, weights);
+  if (shared.data) moe_experts_shared(x, expert_ids, weights, experts, shared, shared_gate, out);
+  else moe_experts(x, expert_ids, weights, experts, out);
+}
+
 void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   std::vector<float> values(ids.size());
   argmax_rows_best(logits, ids, values);

@@ -285,6 +285,14 @@ class Ops {
   virtual void moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                                   std::span<const ExpertWeights> experts, TensorView shared,
                                   const TensorView& shared_gate, TensorView out);
+  // moe_route(logits, top_k, renormalise, expert_ids, weights) then the experts as one op: moe_experts_shared(x,
+  // expert_ids, weights, experts, shared, shared_gate, out), or moe_experts(...) when shared.data is null (then
+  // shared_gate is unused). expert_ids and weights are written as moe_route writes them. The default runs the ops one
+  // by one; a GPU backend may run the routing inside the experts' kernels (CUDA: decode-sized steps in two kernels).
+  virtual void moe_route_experts(const TensorView& x, const TensorView& logits, int top_k, bool renormalise,
+                                 std::span<const ExpertWeights> experts, TensorView shared,
+                                 const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
+                                 TensorView out);
 
   // ---- tensor parallelism
   // The rank's group (model/comm.h), set by the tensor-parallel runner before the model loads; none on one device.

@@ -14,6 +14,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/moe_decode_fused.h"
 #include "backend/cuda/step_args.h"
 #include "backend/cuda/weight_upload.h"
 #include "core/error.h"
@@ -174,6 +175,8 @@ struct CudaOps::Impl {
     int64_t inter = 0;
   };
   std::unordered_map<const void*, ExpertTable> expert_tables;
+  // The device table of a layer's held experts (built on first use; `held` non-empty, every expert present).
+  ExpertTable& expert_table(std::span<const model::ExpertWeights> held, int64_t H);
   DeviceBuffer argmax_ids;
   DeviceBuffer argmax_work;  // per-chunk keys of argmax_rows
   DeviceBuffer sample_args;  // sample_rows' per-row parameters
@@ -221,11 +224,18 @@ std::string CudaOps::describe() const {
       dense, kops::linear_path_name(1),
       o.fp4_linear_tensor_cores ? fmt::format("NVFP4 on tensor cores (the expert kernel, {})", x_in)
                                 : std::string("NVFP4 on the fp32 gemm [--fp4-gemm-backend kiln-fp32]"),
-      o.moe_tensor_cores ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, {}; prefill "
-                                       "tiles stage x in shared memory), others on the fp32 kernels",
-                                       x_in)
-                         : std::string("fp32 kernels, tile height from the rows per expert [--moe-runner-backend "
-                                       "kiln-grouped-fp32]"),
+      fmt::format("{}{}",
+                  o.moe_decode_fused ? fmt::format("steps of <= {} tokens with NVFP4 experts: routing + experts in 2 "
+                                                   "fused kernels (CUDA cores, {}); other steps: ",
+                                                   kops::kMoeDecodeMaxTokens,
+                                                   bf16 ? "x rounded once to bf16" : "fp32 x")
+                                     : std::string(),
+                  o.moe_tensor_cores
+                      ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, {}; prefill "
+                                    "tiles stage x in shared memory), others on the fp32 kernels{}",
+                                    x_in, o.moe_decode_fused ? "" : " [--moe-runner-backend kiln-grouped]")
+                      : std::string("fp32 kernels, tile height from the rows per expert [--moe-runner-backend "
+                                    "kiln-grouped-fp32]")),
       o.prefill_attention_tensor_cores
           ? fmt::format(", prefill (>= 16 tokens in a sequence) flash-style on tensor cores ({})",
                         bf16 ? "q and p rounded once to bf16" : "q and p in 3 bf16 parts")
@@ -874,6 +884,24 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
 // ---------------------------------------------------------------------------------------------------
 // MoE
 
+namespace {
+// The range [begin, end) of a layer's experts this rank holds (an expert-parallel rank: one contiguous range; the
+// others' weights are absent).
+std::pair<int64_t, int64_t> held_experts(std::span<const model::ExpertWeights> experts) {
+  KILN_CHECK(!experts.empty(), "moe_experts without experts");
+  const int64_t n = static_cast<int64_t>(experts.size());
+  int64_t begin = 0;
+  while (begin < n && !experts[begin].gate.present()) ++begin;
+  int64_t end = begin;
+  while (end < n && experts[end].gate.present()) ++end;
+  for (int64_t e = end; e < n; ++e)
+    KILN_CHECK(!experts[e].gate.present(), "moe_experts: the held experts are not one range ({} after [{}, {}))", e,
+               begin, end);
+  KILN_CHECK(end > begin, "moe_experts: this rank holds none of the {} experts", n);
+  return {begin, end};
+}
+}  // namespace
+
 void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                         TensorView weights) {
   OpScope prof(impl_->rt, [&] { return std::string("moe_route"); });
@@ -908,6 +936,93 @@ void CudaOps::moe_experts_shared(const TensorView& x, const TensorView& expert_i
   run_moe_experts(x, expert_ids, weights, experts, f32(shared), f32(shared_gate), out);
 }
 
+CudaOps::Impl::ExpertTable& CudaOps::Impl::expert_table(std::span<const model::ExpertWeights> held, int64_t H) {
+  // The device table of this layer's expert descriptors, built on first use. Placed weights are never freed while
+  // the Ops lives, so the weight pointers identify the layer.
+  ExpertTable& tab = expert_tables[held.data()];
+  if (tab.count != held.size() || tab.first_gate != held.front().gate.weight.data ||
+      tab.last_down != held.back().down.weight.data) {
+    std::vector<kops::WeightDesc> descs;
+    descs.reserve(3 * held.size());
+    bool vec = true;
+    int g2 = -2;  // -2: none seen yet
+    const int64_t I = held.front().gate.out_features;
+    for (const model::ExpertWeights& e : held) {
+      KILN_CHECK(e.gate.out_features == I && e.up.out_features == I && e.down.in_features == I &&
+                     e.gate.in_features == H && e.up.in_features == H && e.down.out_features == H,
+                 "moe_experts: expert shapes gate [{}, {}] up [{}, {}] down [{}, {}] for hidden {}", e.gate.out_features,
+                 e.gate.in_features, e.up.out_features, e.up.in_features, e.down.out_features, e.down.in_features, H);
+      for (const LinearWeight* w : {&e.gate, &e.up, &e.down}) {
+        descs.push_back(desc_of(*w));
+        vec = vec && desc_vec_ok(descs.back());
+        const int k = kops::gemv2_kind_host(descs.back());
+        g2 = g2 == -2 ? k : (g2 == k ? g2 : -1);
+      }
+    }
+    tab.table = DeviceBuffer(descs.size() * sizeof(kops::WeightDesc));
+    KILN_CUDA_CHECK(cudaMemcpy(tab.table.data(), descs.data(), descs.size() * sizeof(kops::WeightDesc),
+                               cudaMemcpyHostToDevice));
+    tab.count = held.size();
+    tab.first_gate = held.front().gate.weight.data;
+    tab.last_down = held.back().down.weight.data;
+    tab.vec_ok = vec;
+    tab.gemv2_kind = g2 < 0 ? -1 : g2;
+    tab.inter = I;
+  }
+  return tab;
+}
+
+void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, int top_k, bool renormalise,
+                                std::span<const model::ExpertWeights> experts, TensorView shared,
+                                const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
+                                TensorView out) {
+  // Decode-sized steps with NVFP4 experts: routing and experts in two kernels (moe_decode_fused.cu). Anything else
+  // (or --moe-runner-backend kiln-grouped): the ops one by one, each with its own profile row.
+  const int64_t T = x.ndim() == 2 ? x.dim(0) : 0, H = x.ndim() == 2 ? x.dim(1) : 0;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };  // null counts as aligned
+  bool fused = impl_->options.moe_decode_fused && T >= 1 && T <= kops::kMoeDecodeMaxTokens && !experts.empty() &&
+               experts.front().gate.format == WeightFormat::nvfp4 && aligned(x.data) && aligned(out.data) &&
+               aligned(shared.data);
+  std::pair<int64_t, int64_t> held{0, 0};
+  const Impl::ExpertTable* tab = nullptr;
+  if (fused) {
+    held = held_experts(experts);
+    tab = &impl_->expert_table(
+        experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
+    fused = tab->vec_ok && kops::moe_decode_fused_supported(T, H, tab->inter, static_cast<int64_t>(experts.size()),
+                                                            top_k, tab->gemv2_kind);
+  }
+  if (!fused) return model::Ops::moe_route_experts(x, logits, top_k, renormalise, experts, shared, shared_gate,
+                                                   expert_ids, weights, out);
+  OpScope prof(impl_->rt, [&] {
+    return fmt::format("moe_route+experts{} nvfp4 x{} fused", shared.data ? "+shared" : "", experts.size());
+  });
+  const int64_t E = static_cast<int64_t>(experts.size());
+  KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.shape == x.shape && out.is_contiguous() &&
+                 logits.ndim() == 2 && logits.is_contiguous() && logits.dim(0) == T && logits.dim(1) == E &&
+                 expert_ids.numel() == T * top_k && weights.numel() == T * top_k && expert_ids.is_contiguous() &&
+                 weights.is_contiguous(),
+             "moe_route_experts: x {} logits {} ids {} weights {} out {} for {} experts", x.shape.str(),
+             logits.shape.str(), expert_ids.shape.str(), weights.shape.str(), out.shape.str(), E);
+  for (const TensorView* t : std::initializer_list<const TensorView*>{&x, &logits, &weights, &out})
+    expect_f32(*t, "moe_route_experts");
+  expect_i32(expert_ids, "moe_route_experts ids");
+  if (shared.data) {
+    KILN_CHECK(shared.shape == x.shape && shared.is_contiguous() && shared_gate.numel() == T &&
+                   shared_gate.is_contiguous(),
+               "moe_route_experts: shared {} gate {} for x {}", shared.shape.str(), shared_gate.shape.str(),
+               x.shape.str());
+    expect_f32(shared, "moe_route_experts shared");
+    expect_f32(shared_gate, "moe_route_experts shared gate");
+  }
+  void* ws = impl_->rt.scratch(kops::moe_decode_fused_workspace_bytes(T, top_k, tab->inter));
+  kops::moe_decode_fused(f32(logits), f32(x), T, H, E, top_k, renormalise, static_cast<int32_t*>(expert_ids.data),
+                         f32_mut(weights), tab->table.as<kops::WeightDesc>(), static_cast<int32_t>(held.first),
+                         held.second - held.first, tab->inter, ws, f32_mut(out),
+                         shared.data ? f32(shared) : nullptr, shared.data ? f32(shared_gate) : nullptr,
+                         impl_->options.mma_parts(), impl_->rt.stream());
+}
+
 void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                               std::span<const model::ExpertWeights> experts, const float* shared,
                               const float* shared_gate, TensorView out) {
@@ -923,16 +1038,9 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   // An expert-parallel rank holds one contiguous range of the layer's experts (format/shard_plan.h); the others'
   // are absent. Its pairs are renumbered into that range, the rest skipped (their share comes from other ranks
   // through the all-reduce after the block).
-  int64_t held_begin = 0;
-  while (held_begin < static_cast<int64_t>(experts.size()) && !experts[held_begin].gate.present()) ++held_begin;
-  int64_t held_end = held_begin;
-  while (held_end < static_cast<int64_t>(experts.size()) && experts[held_end].gate.present()) ++held_end;
-  for (int64_t e = held_end; e < static_cast<int64_t>(experts.size()); ++e)
-    KILN_CHECK(!experts[e].gate.present(), "moe_experts: the held experts are not one range ({} after [{}, {}))", e,
-               held_begin, held_end);
+  const auto [held_begin, held_end] = held_experts(experts);
   const int32_t* ids = i32(expert_ids);
   if (held_begin > 0 || held_end < static_cast<int64_t>(experts.size())) {
-    KILN_CHECK(held_end > held_begin, "moe_experts: this rank holds none of the {} experts", experts.size());
     auto* local = static_cast<int32_t*>(impl_->rt.scratch(static_cast<size_t>(expert_ids.numel()) * 4));
     kops::moe_local_ids(ids, expert_ids.numel(), static_cast<int32_t>(held_begin),
                         static_cast<int32_t>(held_end - held_begin), local, impl_->rt.stream());
@@ -941,38 +1049,7 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   }
   const int64_t E = static_cast<int64_t>(experts.size());
 
-  // The device table of this layer's expert descriptors, built on first use. Placed weights are never freed while
-  // the Ops lives, so the weight pointers identify the layer.
-  Impl::ExpertTable& tab = impl_->expert_tables[experts.data()];
-  if (tab.count != experts.size() || tab.first_gate != experts.front().gate.weight.data ||
-      tab.last_down != experts.back().down.weight.data) {
-    std::vector<kops::WeightDesc> descs;
-    descs.reserve(3 * experts.size());
-    bool vec = true;
-    int g2 = -2;  // -2: none seen yet
-    const int64_t I = experts.front().gate.out_features;
-    for (const model::ExpertWeights& e : experts) {
-      KILN_CHECK(e.gate.out_features == I && e.up.out_features == I && e.down.in_features == I &&
-                     e.gate.in_features == H && e.up.in_features == H && e.down.out_features == H,
-                 "moe_experts: expert shapes gate [{}, {}] up [{}, {}] down [{}, {}] for hidden {}", e.gate.out_features,
-                 e.gate.in_features, e.up.out_features, e.up.in_features, e.down.out_features, e.down.in_features, H);
-      for (const LinearWeight* w : {&e.gate, &e.up, &e.down}) {
-        descs.push_back(desc_of(*w));
-        vec = vec && desc_vec_ok(descs.back());
-        const int k = kops::gemv2_kind_host(descs.back());
-        g2 = g2 == -2 ? k : (g2 == k ? g2 : -1);
-      }
-    }
-    tab.table = DeviceBuffer(descs.size() * sizeof(kops::WeightDesc));
-    KILN_CUDA_CHECK(cudaMemcpy(tab.table.data(), descs.data(), descs.size() * sizeof(kops::WeightDesc),
-                               cudaMemcpyHostToDevice));
-    tab.count = experts.size();
-    tab.first_gate = experts.front().gate.weight.data;
-    tab.last_down = experts.back().down.weight.data;
-    tab.vec_ok = vec;
-    tab.gemv2_kind = g2 < 0 ? -1 : g2;
-    tab.inter = I;
-  }
+  const Impl::ExpertTable& tab = impl_->expert_table(experts, H);
   const size_t ws_bytes = kops::moe_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter);
   void* ws = impl_->rt.scratch(ws_bytes);
   kops::moe_experts(f32(x), T, H, ids, f32(weights), static_cast<int>(k),

@@ -103,6 +103,12 @@ class CudaOps final : public model::Ops {
                           const TensorView& shared_gate, TensorView out) override;
   void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                    std::span<const model::ExpertWeights> experts, TensorView out) override;
+  // Decode-sized steps (CudaOptions::moe_decode_fused, NVFP4 experts): routing and experts in two kernels; else
+  // moe_route then moe_experts(_shared).
+  void moe_route_experts(const TensorView& x, const TensorView& logits, int top_k, bool renormalise,
+                         std::span<const model::ExpertWeights> experts, TensorView shared,
+                         const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
+                         TensorView out) override;
 
   // Waits for all queued work (and reports any CUDA error it raised).
   void synchronize();

@@ -22,6 +22,10 @@ struct CudaOptions {
   // --moe-runner-backend: NVFP4 routed experts on tensor cores (moe_experts.cu, x in mma_parts() bf16 parts), or on
   // the fp32 CUDA-core kernels (kiln-grouped-fp32). Other weight formats always take the CUDA-core kernels.
   bool moe_tensor_cores = true;
+  // --moe-runner-backend kiln-fused-decode (auto on sm_90): steps of at most kMoeDecodeMaxTokens tokens run the
+  // routing and NVFP4 routed experts in two kernels (moe_decode_fused.cu, Ops::moe_route_experts); larger steps and
+  // other weight formats as moe_tensor_cores says. false (kiln-grouped): the six-kernel path at every size.
+  bool moe_decode_fused = true;
   // --fp4-gemm-backend: dense NVFP4 linears of more rows than the gemv takes on tensor cores (the expert kernel with
   // the weight as its only expert), or on the fp32 gemm (kiln-fp32).
   bool fp4_linear_tensor_cores = true;

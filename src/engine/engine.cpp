@@ -16,15 +16,34 @@
 //   5. emit_rows           every chosen token appended, timed and sent in order, the stop / length checks after each
 //                          token; finished sequences released.
 //
-// Where the next changes plug in. A speculative step (draft K tokens, verify K+1 per sequence): build_rows gives a
-// verify chunk's row its K+1 outputs, choose_tokens accepts a prefix of the draft plus one token into
-// StepRow::tokens, and emit_rows already sends any number of tokens per row, checking stop / max_tokens / the
-// context after each and dropping the rest once one ends the sequence. Another way of getting tokens from the runner
-// (a fused decode path) is one more OutputMode: chosen in choose_output_mode, run in forward, read in choose_token.
+// Speculative decoding (EngineOptions::speculative_num_steps > 0, a runner with an MTP head) adds to the same step:
+//   - build_rows picks the step's draft length K (DraftLengthChooser from the measured step costs, or the test
+//     hook) and each decode row's own k <= K: 0 for rows the drafter cannot serve exactly (penalties, a logit bias,
+//     a grammar, sampling with logprobs, a boundary snapshot planned this step) and no more than its free KV pages,
+//     max_tokens and the context allow; prefill rows are plain;
+//   - draft (a phase before forward): the MTP head drafts k greedy tokens per row (ModelRunner::draft); the row's
+//     chunk becomes the verify chunk [pending, d_1 .. d_k] with logits for all k + 1 positions;
+//   - forward checkpoints each drafting row's recurrent state (save_state) before the pass;
+//   - choose_speculative accepts by engine/speculative.h's rules: greedy rows while d_j is the target's argmax,
+//     then the target's token (host rows through the sampler, so logprobs are the target's); sampling rows by
+//     rejection sampling against the sampler's filtered distribution, with uniforms from the sequence's own seeded
+//     stream (reproducible); a greedy drafter is q = one-hot;
+//   - settle_speculation: a row that rejected a draft restores its checkpoint and runs [pending, accepted drafts]
+//     again (one batched pass, no logits) so that the DeltaNet recurrent and conv state and the MTP head's hidden
+//     state end at the last accepted token; KV rows of rejected positions are written again before any read. The
+//     scheduler counts the accepted tokens as computed;
+//   - emit_rows sends them like any tokens (eos / stop / max_tokens / context checked after each, nothing past).
+// A draft-less row after a speculative step thus starts from exactly the state a plain decode would have.
+// Another way of getting tokens from the runner (a fused decode path) is one more OutputMode: chosen in
+// choose_output_mode, run in forward, read in choose_token.
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <random>
+
+#include "model/sampling.h"
 
 #include "core/error.h"
 #include "core/log.h"
@@ -57,6 +76,7 @@ SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCa
   // Slots for pending snapshots: what the runner has per running request beyond its own, at least one and at
   // most two (the prompt's second-to-last page boundary and the latest one after it).
   s.max_snapshots_per_sequence = std::clamp(cap.state_slots / std::max(1, o.max_running_requests) - 1, 1, 2);
+  s.decode_lookahead = o.speculative_num_steps;
   return s;
 }
 
@@ -82,6 +102,12 @@ EngineOptions resolve_options(EngineOptions o, const model::ModelRunner& runner)
   if (o.sampling_threads < 0) fail("sampling threads must be 0 (auto) or more, got {}", o.sampling_threads);
   if (o.sampling_threads == 0)
     o.sampling_threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1u, 8u));
+  if (o.speculative_num_steps < 0 || o.speculative_num_steps > DraftLengthChooser::kMaxSteps)
+    fail("speculative decoding: {} draft steps (0 = off, at most {})", o.speculative_num_steps,
+         DraftLengthChooser::kMaxSteps);
+  if (o.speculative_num_steps > 0 && runner.mtp_layers() == 0)
+    fail("speculative decoding needs the model's MTP head, and this model runner has none (a checkpoint without "
+         "mtp.* tensors, or a runner that does not drive one); turn it off with --speculative-algorithm none");
   if (cap.kv_pages <= 0 || cap.page_size <= 0 || cap.state_slots <= 0)
     fail("the model runner reports no KV capacity (kv_pages {}, page_size {}, state_slots {})", cap.kv_pages,
          cap.page_size, cap.state_slots);
@@ -119,6 +145,20 @@ bool needs_host_logits(const Sequence& seq) {
          !sp.logit_bias.empty() || seq.request.want_logprobs || seq.sampler->constrained_now();
 }
 
+// Whether the drafter's tokens can be verified exactly for this sequence. Penalties and a logit bias change the
+// target's distribution with every accepted token; a grammar would need masking of both draft and verify (a
+// constrained request runs without speculation); a sampled row's logprobs would need the sampler's processed
+// distribution at every accepted position (greedy rows with logprobs are fine: the sampler scores each position).
+bool can_speculate(const Sequence& seq) {
+  const SamplingParams& sp = seq.request.sampling;
+  if (sp.repetition_penalty != 1.0f || sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f ||
+      !sp.logit_bias.empty() || seq.request.constraint)
+    return false;
+  return !(seq.request.want_logprobs && !model::greedy_temperature(sp.temperature));
+}
+
+std::vector<double> accept_length_buckets() { return {1, 2, 3, 4, 5, 6, 7, 8, 9}; }
+
 }  // namespace
 
 Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options)
@@ -131,13 +171,16 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
       ttft_(latency_buckets_s()),
       itl_(latency_buckets_s()),
       e2e_(latency_buckets_s()),
-      queue_time_(latency_buckets_s()) {
+      queue_time_(latency_buckets_s()),
+      spec_accept_length_(accept_length_buckets()),
+      draft_chooser_(opts_.speculative_num_steps) {
   seed_base_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   std::sort(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
   gauges_.kv_pages_total = capacity_.kv_pages;
   gauges_.page_size = capacity_.page_size;
   gauges_.state_slots_total = capacity_.state_slots;
   gauges_.prefix_cache_enabled = opts_.enable_prefix_cache;
+  gauges_.speculative_num_steps = opts_.speculative_num_steps;
 }
 
 Engine::~Engine() { stop(); }
@@ -279,6 +322,9 @@ EngineMetricsSnapshot Engine::metrics() const {
   s.inter_token_latency_s = itl_.snapshot();
   s.e2e_latency_s = e2e_.snapshot();
   s.queue_time_s = queue_time_.snapshot();
+  s.spec_draft_tokens_total = spec_draft_tokens_.load();
+  s.spec_accepted_tokens_total = spec_accepted_tokens_.load();
+  s.spec_accept_length = spec_accept_length_.snapshot();
   return s;
 }
 
@@ -387,23 +433,71 @@ void Engine::end_cancelled(bool abort_all) {
 // ---- the step ----
 
 void Engine::run_step(const StepPlan& plan) {
+  step_times_ = {};
   build_rows(plan);
   const OutputMode mode = choose_output_mode();
+  if (!draft(plan)) return;
   if (!forward(plan, mode)) return;
   choose_tokens(mode);
+  settle_speculation();
+  // Costs of pure decode steps teach the draft-length choice (a prefill chunk would swamp them).
+  if (opts_.speculative_num_steps > 0 && plan.num_prefill_tokens == 0 && !rows_.empty()) {
+    int drafting = 0;
+    int64_t verify_tokens = 0;
+    for (const StepRow& row : rows_) {
+      drafting += row.draft_k > 0;
+      verify_tokens += row.draft_k + 1;
+    }
+    if (drafting == 0) {
+      draft_chooser_.observe_decode(static_cast<int>(rows_.size()), step_times_.forward_s);
+    } else {
+      draft_chooser_.observe_multi(verify_tokens, step_times_.forward_s);
+      draft_chooser_.observe_draft(drafting, step_k_, step_times_.draft_s);
+      if (step_times_.replay_tokens > 0) draft_chooser_.observe_multi(step_times_.replay_tokens, step_times_.replay_s);
+    }
+  }
   emit_rows();
+}
+
+// The step's draft length K: from the measured costs at this many decoding sequences (or the test hook).
+int Engine::step_draft_length(const StepPlan& plan) {
+  if (opts_.speculative_num_steps <= 0 || plan.num_decodes == 0) return 0;
+  const int k = opts_.draft_length_for_step ? opts_.draft_length_for_step(plan.num_decodes)
+                                            : draft_chooser_.choose(plan.num_decodes);
+  return std::clamp(k, 0, opts_.speculative_num_steps);
+}
+
+// A decode row's drafts: at most k, within its free pages, its max_tokens (k + 1 tokens can come out) and the
+// context; 0 when the drafter cannot be verified exactly for it or its state is snapshotted after this token.
+int Engine::row_draft_length(const StepPlan& plan, const PlannedChunk& c, int k) const {
+  const Sequence& seq = *c.seq;
+  if (k <= 0 || c.num_tokens != 1 || !c.want_logits || seq.prefilling() || c.start_pos < 1 || !can_speculate(seq))
+    return 0;
+  for (const StateCopy& save : plan.saves)
+    if (save.src == seq.state_slot) return 0;
+  const int64_t pos = c.start_pos;  // the pending token's position; the verify writes [pos, pos + k]
+  int64_t most = k;
+  most = std::min(most, seq.request.max_tokens - seq.num_generated - 1);
+  most = std::min(most, opts_.context_length - 1 - pos);
+  most = std::min(most, static_cast<int64_t>(seq.pages.size()) * capacity_.page_size - 1 - pos);
+  return static_cast<int>(std::max<int64_t>(most, 0));
 }
 
 void Engine::build_rows(const StepPlan& plan) {
   chunks_.clear();
   rows_.clear();
+  step_k_ = step_draft_length(plan);
+  size_t output = 0;
   for (const PlannedChunk& c : plan.chunks) {
     chunks_.push_back(runner_chunk(c, capacity_.page_size));
     if (!c.want_logits) continue;
     StepRow row;
     row.seq = c.seq;
-    row.output = rows_.size();
+    row.chunk = chunks_.size() - 1;
+    row.output = output;
     row.completes_prompt = c.start_pos + c.num_tokens == c.seq->prompt_len;
+    row.draft_k = row_draft_length(plan, c, step_k_);
+    output += static_cast<size_t>(row.draft_k) + 1;
     rows_.push_back(std::move(row));
   }
 }
@@ -412,27 +506,90 @@ void Engine::build_rows(const StepPlan& plan) {
 // logits per row). Every row plain but some sample: the runner draws them (model/sampling.h's definition) with each
 // row's next uniform. Any row that needs its logits on the host (a penalty, logprobs, an active grammar's mask): the
 // whole step takes the host path.
+// A speculative row that samples is accepted against its whole distribution: host logits.
 Engine::OutputMode Engine::choose_output_mode() const {
-  bool all_greedy = true;
+  bool all_greedy = true, drafting = false;
   for (const StepRow& row : rows_) {
     if (needs_host_logits(*row.seq)) return OutputMode::host_logits;
     all_greedy = all_greedy && model::greedy_temperature(row.seq->request.sampling.temperature);
+    drafting = drafting || row.draft_k > 0;
   }
-  return all_greedy ? OutputMode::argmax : OutputMode::device_sample;
+  if (all_greedy) return OutputMode::argmax;
+  return drafting ? OutputMode::host_logits : OutputMode::device_sample;
+}
+
+// Ends every sequence of the step with the runner's error (the others keep going).
+void Engine::end_step_sequences(const StepPlan& plan, const std::string& what, const std::exception& e) {
+  KILN_LOG_ERROR("{} failed ({} sequences): {}", what, plan.chunks.size(), e.what());
+  for (const auto& c : plan.chunks) {
+    auto seq = scheduler_.release(c.seq, /*cache=*/false);
+    finish(*seq, FinishReason::error, fmt::format("model step failed: {}", e.what()));
+  }
+}
+
+// The MTP head drafts each speculative row's tokens (rows of one draft length in one call); the row's chunk becomes
+// its verify chunk [pending, d_1 .. d_k], logits at every position.
+bool Engine::draft(const StepPlan& plan) {
+  if (step_k_ == 0) return true;
+  const auto t0 = Clock::now();
+  try {
+    for (int k = 1; k <= step_k_; ++k) {
+      std::vector<model::DraftSeq> seqs;
+      std::vector<StepRow*> of;
+      for (StepRow& row : rows_) {
+        if (row.draft_k != k) continue;
+        const Sequence& seq = *row.seq;
+        model::DraftSeq d;
+        d.state_slot = seq.state_slot;
+        d.token = seq.tokens.back();
+        d.pos = static_cast<int64_t>(seq.tokens.size()) - 1;
+        d.page_table = std::span<const int32_t>(seq.pages.data(), seq.pages.size());
+        seqs.push_back(d);
+        of.push_back(&row);
+      }
+      if (seqs.empty()) continue;
+      std::vector<int32_t> drafted(seqs.size() * static_cast<size_t>(k));
+      runner_->draft(seqs, k, drafted, {});
+      for (size_t i = 0; i < of.size(); ++i) {
+        StepRow& row = *of[i];
+        const Sequence& seq = *row.seq;
+        row.verify_tokens.assign(1, seq.tokens.back());
+        row.verify_tokens.insert(row.verify_tokens.end(), drafted.begin() + static_cast<std::ptrdiff_t>(i * k),
+                                 drafted.begin() + static_cast<std::ptrdiff_t>((i + 1) * k));
+        for (int32_t t : row.verify_tokens)
+          KILN_CHECK(t >= 0 && t < vocab_size_, "draft token {} outside the vocabulary", t);
+        model::SeqChunk& ch = chunks_[row.chunk];
+        ch.tokens = std::span<const int32_t>(row.verify_tokens.data(), row.verify_tokens.size());
+        const int64_t end = ch.start_pos + static_cast<int64_t>(row.verify_tokens.size());
+        ch.page_table = std::span<const int32_t>(
+            seq.pages.data(), static_cast<size_t>((end + capacity_.page_size - 1) / capacity_.page_size));
+        ch.logits_tokens = k + 1;
+      }
+    }
+  } catch (const std::exception& e) {
+    end_step_sequences(plan, "draft step", e);
+    return false;
+  }
+  step_times_.draft_s = seconds_between(t0, Clock::now());
+  return true;
 }
 
 // Runs the plan's state copies and forward pass; false when the runner failed (the step's sequences are ended with
 // the error, the others keep going).
 bool Engine::forward(const StepPlan& plan, OutputMode mode) {
-  const size_t rows = rows_.size();
+  size_t rows = 0;
+  for (const StepRow& row : rows_) rows += static_cast<size_t>(row.draft_k) + 1;
   if (mode == OutputMode::host_logits) logits_.resize(rows * static_cast<size_t>(vocab_size_));
   else runner_tokens_.assign(rows, -1);
   // Each sampling row takes its uniform from its own sampler's stream (greedy rows draw none).
   row_sampling_.clear();
   if (mode == OutputMode::device_sample)
     for (const StepRow& row : rows_) row_sampling_.push_back(row.seq->sampler->next_row_sampling());
+  const auto t0 = Clock::now();
   try {
     for (const StateCopy& c : plan.restores) runner_->copy_state(c.src, c.dst);
+    for (const StepRow& row : rows_)
+      if (row.draft_k > 0) runner_->save_state(row.seq->state_slot);
     switch (mode) {
       case OutputMode::argmax: runner_->forward_argmax(chunks_, runner_tokens_); break;
       case OutputMode::device_sample: runner_->forward_sample(chunks_, row_sampling_, runner_tokens_); break;
@@ -440,13 +597,10 @@ bool Engine::forward(const StepPlan& plan, OutputMode mode) {
     }
     for (const StateCopy& c : plan.saves) runner_->copy_state(c.src, c.dst);
   } catch (const std::exception& e) {
-    KILN_LOG_ERROR("forward step failed ({} sequences): {}", plan.chunks.size(), e.what());
-    for (const auto& c : plan.chunks) {
-      auto seq = scheduler_.release(c.seq, /*cache=*/false);
-      finish(*seq, FinishReason::error, fmt::format("model step failed: {}", e.what()));
-    }
+    end_step_sequences(plan, "forward step", e);
     return false;
   }
+  step_times_.forward_s = seconds_between(t0, Clock::now());
   steps_.fetch_add(1);
   scheduler_.commit_step(plan);
   return true;
@@ -468,6 +622,7 @@ void Engine::choose_tokens(OutputMode mode) {
 }
 
 void Engine::choose_token(StepRow& row, OutputMode mode) {
+  if (row.draft_k > 0) return choose_speculative(row, mode);
   try {
     const Sequence& seq = *row.seq;
     SampleResult chosen;
@@ -488,6 +643,106 @@ void Engine::choose_token(StepRow& row, OutputMode mode) {
   } catch (const std::exception& e) {
     row.error = e.what();
   }
+}
+
+// A verify row's tokens: the accepted drafts and the target's token after them (engine/speculative.h's rules).
+void Engine::choose_speculative(StepRow& row, OutputMode mode) {
+  try {
+    const Sequence& seq = *row.seq;
+    const size_t K = static_cast<size_t>(row.draft_k), V = static_cast<size_t>(vocab_size_);
+    const std::span<const int32_t> drafts(row.verify_tokens.data() + 1, K);
+    auto row_logits = [&](size_t j) {
+      return std::span<float>(logits_.data() + (row.output + j) * V, V);
+    };
+    if (mode == OutputMode::argmax) {
+      const std::span<const int32_t> target(runner_tokens_.data() + row.output, K + 1);
+      for (int32_t t : target)
+        if (t < 0) fail("sampling: no finite logit (all -inf or NaN)");
+      for (int32_t t : accept_greedy(drafts, target)) {
+        SampleResult r;
+        r.token = t;
+        seq.sampler->observe(t);
+        row.tokens.push_back(std::move(r));
+      }
+    } else if (model::greedy_temperature(seq.request.sampling.temperature)) {
+      // The sampler scores each position in turn (the target's token and logprobs) until it differs from the draft.
+      const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
+      for (size_t j = 0; j <= K; ++j) {
+        SampleResult r = seq.sampler->sample(row_logits(j), seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
+                                             seq.request.want_logprobs);
+        const bool matches = j < K && r.token == drafts[j];
+        row.tokens.push_back(std::move(r));
+        if (!matches) break;
+      }
+    } else {
+      // Rejection sampling against the sampler's distribution (temperature, then top-k / top-p / min-p) at each
+      // position; the MTP chain drafts greedily, so q_j is one-hot. Uniforms from the sequence's own stream.
+      const SamplingParams& sp = seq.request.sampling;
+      std::vector<float> target((K + 1) * V, 0.0f), scaled(V);
+      model::SampleScratch scratch;
+      for (size_t j = 0; j <= K; ++j) {
+        std::span<float> l = row_logits(j);
+        scaled.assign(l.begin(), l.end());
+        model::scale_logits(scaled.data(), vocab_size_, sp.temperature);
+        float max_logit = -std::numeric_limits<float>::infinity();
+        for (float x : scaled) max_logit = std::max(max_logit, x);
+        if (!std::isfinite(max_logit)) fail("sampling: no finite logit (all -inf or NaN)");
+        model::filter_scaled_logits(scaled.data(), vocab_size_, sp.top_k, sp.top_p, sp.min_p, scratch);
+        for (size_t i = 0; i < scratch.cand.size(); ++i)
+          target[j * V + static_cast<size_t>(scratch.cand[i])] = static_cast<float>(scratch.probs[i]);
+      }
+      const SampledAccept a =
+          accept_sampled(drafts, target, {}, vocab_size_, [&] { return seq.sampler->next_row_sampling().u; });
+      for (int32_t t : a.tokens) {
+        SampleResult r;
+        r.token = t;
+        seq.sampler->observe(t);
+        row.tokens.push_back(std::move(r));
+      }
+    }
+    for (const SampleResult& r : row.tokens)
+      KILN_CHECK(r.token >= 0 && r.token < vocab_size_, "sampled token {} outside the vocabulary", r.token);
+    row.accepted = static_cast<int>(row.tokens.size()) - 1;
+  } catch (const std::exception& e) {
+    row.error = e.what();
+  }
+}
+
+// The state of every verified sequence ends at its last accepted token: a row that rejected a draft restores the
+// checkpoint taken before the verify and runs [pending, accepted drafts] again (one pass for all of them, no
+// logits); the scheduler then counts the accepted drafts as computed. A failed replay ends those sequences.
+void Engine::settle_speculation() {
+  if (step_k_ == 0) return;
+  std::vector<model::SeqChunk> replay;
+  std::vector<StepRow*> replayed;
+  for (StepRow& row : rows_) {
+    if (row.draft_k == 0 || !row.error.empty()) continue;
+    spec_draft_tokens_.fetch_add(static_cast<uint64_t>(row.draft_k));
+    spec_accepted_tokens_.fetch_add(static_cast<uint64_t>(row.accepted));
+    spec_accept_length_.observe(row.accepted + 1);
+    draft_chooser_.observe_accepts(row.draft_k, row.accepted);
+    if (row.accepted == row.draft_k) continue;  // the verify ran exactly the accepted tokens
+    model::SeqChunk ch = chunks_[row.chunk];
+    ch.tokens = std::span<const int32_t>(row.verify_tokens.data(), static_cast<size_t>(row.accepted) + 1);
+    ch.want_logits = false;
+    ch.logits_tokens = 1;
+    replay.push_back(ch);
+    replayed.push_back(&row);
+  }
+  if (!replay.empty()) {
+    const auto t0 = Clock::now();
+    try {
+      for (const StepRow* row : replayed) runner_->restore_state(row->seq->state_slot);
+      runner_->forward(replay, {});
+    } catch (const std::exception& e) {
+      KILN_LOG_ERROR("speculative replay failed ({} sequences): {}", replay.size(), e.what());
+      for (StepRow* row : replayed) row->error = fmt::format("model step failed: {}", e.what());
+    }
+    step_times_.replay_s = seconds_between(t0, Clock::now());
+    for (const auto& ch : replay) step_times_.replay_tokens += static_cast<int64_t>(ch.tokens.size());
+  }
+  for (StepRow& row : rows_)
+    if (row.draft_k > 0 && row.error.empty()) scheduler_.commit_accepted(row.seq, row.accepted);
 }
 
 void Engine::emit_rows() {

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +27,7 @@
 #include "engine/request.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
+#include "engine/speculative.h"
 #include "model/model_runner.h"
 
 namespace kiln::engine {
@@ -43,6 +45,14 @@ struct EngineOptions {
   // Prefix cache over KV pages + state snapshots (SGLang's radix cache; --disable-radix-cache turns it off).
   // Needs a runner that can copy state slots; otherwise it is off.
   bool enable_prefix_cache = true;
+  // Speculative decoding with the model's MTP head (engine.cpp's speculative step; SGLang's
+  // --speculative-num-steps): the most draft tokens per sequence per step, 0 = off. Needs a runner with an MTP head
+  // (ModelRunner::mtp_layers). Each step drafts 0 .. this many, chosen from measured step costs
+  // (DraftLengthChooser) unless draft_length_for_step says.
+  int speculative_num_steps = 0;
+  // Tests and benchmarks: the draft length of every step from its number of decoding sequences (clamped to
+  // 0 .. speculative_num_steps), instead of the adaptive choice.
+  std::function<int(int batch)> draft_length_for_step;
 };
 
 enum class SubmitStatus { ok, queue_full, invalid, draining };
@@ -95,12 +105,17 @@ class Engine {
     device_sample,  // no penalties / logprobs / active grammar, some rows sample: forward_sample
     host_logits,    // some row needs its logits on the host: forward, then each row's SequenceSampler
   };
-  // One sequence's share of a step's output. Today a row is one logits row and chooses one token; a speculative
-  // verify row would own the K+1 outputs of its chunk and choose up to K+1 tokens, which emit_row sends in order.
+  // One sequence's share of a step's output: one logits row, or for a speculative verify row the K + 1 rows of its
+  // chunk [pending token, d_1 .. d_K], from which it chooses 1 .. K + 1 tokens (the accepted drafts and the target's
+  // next token); emit_row sends them in order.
   struct StepRow {
     Sequence* seq = nullptr;
-    size_t output = 0;                 // the row's index in the runner's outputs (runner_tokens_ / logits_)
+    size_t chunk = 0;                  // its chunk in chunks_
+    size_t output = 0;                 // its first row in the runner's outputs (runner_tokens_ / logits_)
     bool completes_prompt = false;     // its chunk ends at the prompt's last token
+    int draft_k = 0;                   // drafts verified (0: a plain row)
+    std::vector<int32_t> verify_tokens;  // [pending, d_1 .. d_K] (the chunk's tokens) when draft_k > 0
+    int accepted = 0;                  // drafts accepted (choose_tokens)
     std::vector<SampleResult> tokens;  // chosen this step, in order
     std::string error;                 // choosing failed: the sequence ends with FinishReason::error
   };
@@ -114,10 +129,16 @@ class Engine {
   // The step (engine.cpp's opening comment names the phases).
   void run_step(const StepPlan& plan);
   void build_rows(const StepPlan& plan);
+  int step_draft_length(const StepPlan& plan);
+  int row_draft_length(const StepPlan& plan, const PlannedChunk& c, int k) const;
   OutputMode choose_output_mode() const;
+  bool draft(const StepPlan& plan);
   bool forward(const StepPlan& plan, OutputMode mode);
   void choose_tokens(OutputMode mode);
   void choose_token(StepRow& row, OutputMode mode);
+  void choose_speculative(StepRow& row, OutputMode mode);
+  void settle_speculation();
+  void end_step_sequences(const StepPlan& plan, const std::string& what, const std::exception& e);
   void emit_rows();
   bool emit_row(StepRow& row, Clock::time_point now);
   bool emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now);
@@ -164,7 +185,17 @@ class Engine {
   std::atomic<uint64_t> prompt_tokens_{0}, generation_tokens_{0}, steps_{0};
   std::atomic<uint64_t> finished_[5] = {};
   std::atomic<uint64_t> rejected_queue_full_{0}, rejected_too_long_{0};
+  std::atomic<uint64_t> spec_draft_tokens_{0}, spec_accepted_tokens_{0};
   Histogram ttft_, itl_, e2e_, queue_time_;
+  Histogram spec_accept_length_;  // tokens per verified sequence per step (accepted drafts + 1)
+
+  // Speculative decoding (engine thread).
+  DraftLengthChooser draft_chooser_;
+  int step_k_ = 0;  // the draft length chosen for the step being run
+  struct StepTimes {
+    double draft_s = 0, forward_s = 0, replay_s = 0;
+    int64_t replay_tokens = 0;
+  } step_times_;
 };
 
 }  // namespace kiln::engine

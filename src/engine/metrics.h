@@ -8,7 +8,7 @@
 
 namespace kiln::engine {
 
-// A Prometheus-style cumulative histogram over fixed bucket upper bounds (seconds).
+// A Prometheus-style cumulative histogram over fixed bucket upper bounds (seconds, or counts).
 class Histogram {
  public:
   explicit Histogram(std::vector<double> upper_bounds);
@@ -53,6 +53,12 @@ struct EngineMetricsSnapshot {
   uint64_t prefix_cache_hit_tokens_total = 0;    // of them, served from the cache
   uint64_t prefix_cache_evicted_pages_total = 0;
   uint64_t prefix_cache_evicted_snapshots_total = 0;
+  // Speculative decoding: draft tokens verified, of them accepted, and the tokens each verify gave a sequence
+  // (accepted + 1).
+  int speculative_num_steps = 0;  // 0: off
+  uint64_t spec_draft_tokens_total = 0;
+  uint64_t spec_accepted_tokens_total = 0;
+  Histogram::Snapshot spec_accept_length;
   Histogram::Snapshot time_to_first_token_s;
   Histogram::Snapshot inter_token_latency_s;
   Histogram::Snapshot e2e_latency_s;

@@ -265,6 +265,12 @@ void Scheduler::plan_chunks(StepPlan& plan) {
       preempt(running_.size() - 1);  // the newest (this one, when it is the newest)
       continue;                      // retry i (or stop, when it was this one)
     }
+    // The verify's further positions: free pages only (a shortfall only means fewer drafts).
+    if (opts_.decode_lookahead > 0) {
+      const int64_t want = (s.num_cached + 1 + opts_.decode_lookahead + opts_.page_size - 1) / opts_.page_size -
+                           static_cast<int64_t>(s.pages.size());
+      if (want > 0 && pages_.num_free() >= want) pages_.allocate(want, s.pages);
+    }
     plan.chunks.push_back({&s, s.num_cached, 1, true});
     ++plan.num_decodes;
     plan_save(s, s.num_cached + 1);
@@ -274,7 +280,7 @@ void Scheduler::plan_chunks(StepPlan& plan) {
   // are never starved by a full batch of decodes) and the pages there are (they do not preempt).
   int64_t budget = INT64_MAX;
   if (opts_.chunked_prefill_size > 0)
-    budget = std::max<int64_t>(opts_.chunked_prefill_size - plan.num_decodes,
+    budget = std::max<int64_t>(opts_.chunked_prefill_size - plan.num_decodes * (1 + opts_.decode_lookahead),
                                std::min<int64_t>(P, opts_.chunked_prefill_size));
   for (auto& sp : running_) {
     if (budget <= 0) break;
@@ -307,6 +313,15 @@ void Scheduler::commit_step(const StepPlan& plan) {
     KILN_CHECK(c.seq->num_cached == c.start_pos, "commit out of order for sequence {}", c.seq->uid);
     c.seq->num_cached += c.num_tokens;
   }
+}
+
+void Scheduler::commit_accepted(Sequence* seq, int64_t tokens) {
+  KILN_CHECK(tokens >= 0 && !seq->prefilling() && seq->num_cached == static_cast<int64_t>(seq->tokens.size()),
+             "commit_accepted: sequence {} has {} cached of {} tokens", seq->uid, seq->num_cached, seq->tokens.size());
+  KILN_CHECK((seq->num_cached + tokens + opts_.page_size - 1) / opts_.page_size <=
+                 static_cast<int64_t>(seq->pages.size()),
+             "commit_accepted: sequence {} accepted past its pages", seq->uid);
+  seq->num_cached += tokens;
 }
 
 std::unique_ptr<Sequence> Scheduler::release(Sequence* seq, bool cache) {

@@ -35,6 +35,10 @@
 //    generation-prompt tail (`<|im_start|>assistant\n<think>\n`, rendered otherwise for a past turn) makes
 //    the new prompt leave this one's tokens within its last page; a snapshot a page or more before the end
 //    still matches, one deep in the answer matches when the client re-sends the same token ids.
+//  - Speculative decoding (decode_lookahead > 0): a decode also takes pages for the positions its verify may write,
+//    from free pages only; the engine drafts no further than the pages reach. Its accepted drafts count as computed
+//    (commit_accepted). A decode with a boundary snapshot planned is verified without drafts (the save copies the
+//    state after exactly one token).
 //  - A cancelled sequence (abort_requested) leaves at the next step and frees everything it held.
 #pragma once
 #include <chrono>
@@ -82,6 +86,10 @@ struct SchedulerOptions {
   // gives state_slots / max_running_requests - 1, so that running sequences never hold the slots that
   // admitting more needs.
   int max_snapshots_per_sequence = kDefaultMaxSnapshotsPerSequence;
+  // Speculative decoding: a decode may verify this many positions past its token (the engine's draft length at
+  // most). Each decode then takes pages for them when free pages are there (never by evicting the cache or
+  // preempting: a decode without them just drafts fewer), and counts 1 + this many tokens in the step's budget.
+  int decode_lookahead = 0;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -175,6 +183,9 @@ class Scheduler {
   StepPlan plan_step(Clock::time_point now = Clock::now());
   // Records that the runner processed the planned chunks.
   void commit_step(const StepPlan& plan);
+  // After commit_step: a decode's verify also kept `tokens` accepted draft tokens (speculative decoding), which the
+  // engine appends to the sequence; they are computed (their KV and state are the runner's).
+  void commit_accepted(Sequence* seq, int64_t tokens);
   // Removes a running sequence (finished or failed), freeing its pages and slot. cache: hand its KV and
   // state to the prefix cache (false after a failed step: its memory may be garbage).
   std::unique_ptr<Sequence> release(Sequence* seq, bool cache = true);

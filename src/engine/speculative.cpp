@@ -1,6 +1,7 @@
 #include "engine/speculative.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.h"
 
@@ -78,6 +79,136 @@ SampledAccept accept_sampled(std::span<const int32_t> drafts, std::span<const fl
   KILN_CHECK(bonus >= 0, "accept_sampled: the target's last row has no probability mass");
   r.tokens.push_back(bonus);
   return r;
+}
+
+// ---- DraftLengthChooser ----
+
+namespace {
+constexpr double kPriorAlpha = 0.8;
+constexpr double kPriorWeight = 2.0;   // pseudo-observations behind the prior
+constexpr double kAcceptDecay = 0.995;  // per observation: about the last 200 verifies count
+}  // namespace
+
+DraftLengthChooser::DraftLengthChooser(int max_k, double ewma_weight, int explore_period)
+    : max_k_(std::clamp(max_k, 0, kMaxSteps)), w_(ewma_weight), explore_period_(explore_period) {
+  for (int j = 1; j <= kMaxSteps; ++j) {
+    attempts_[j] = kPriorWeight;
+    accepts_[j] = kPriorWeight * kPriorAlpha;
+  }
+}
+
+int DraftLengthChooser::bucket_of(double n) {
+  int b = 0;
+  while (b + 1 < kBuckets && n >= static_cast<double>(int64_t(1) << (b + 1))) ++b;
+  return b;
+}
+
+void DraftLengthChooser::Table::observe(double n, double s, double w) {
+  const int b = bucket_of(n);
+  if (!seen[b]) {
+    seen[b] = true;
+    seconds[b] = s;
+    size[b] = n;
+    return;
+  }
+  seconds[b] += w * (s - seconds[b]);
+  size[b] += w * (n - size[b]);
+}
+
+bool DraftLengthChooser::Table::any() const {
+  return std::any_of(seen.begin(), seen.end(), [](bool x) { return x; });
+}
+
+double DraftLengthChooser::Table::estimate(double n) const {
+  int lo = -1, hi = -1;
+  for (int b = 0; b < kBuckets; ++b) {
+    if (!seen[b]) continue;
+    if (size[b] <= n) lo = b;  // sizes grow with the bucket: the last one at or below n
+    else if (hi < 0) hi = b;
+  }
+  if (lo < 0 && hi < 0) return -1;
+  if (lo < 0) return seconds[hi];                                  // below the smallest: flat
+  if (hi < 0) return seconds[lo] * (n / std::max(size[lo], 1.0));  // above the largest: proportional
+  const double t = (n - size[lo]) / std::max(size[hi] - size[lo], 1e-9);
+  return seconds[lo] + t * (seconds[hi] - seconds[lo]);
+}
+
+void DraftLengthChooser::observe_decode(int batch, double seconds) {
+  if (batch > 0 && seconds > 0) decode_.observe(batch, seconds, w_);
+}
+
+void DraftLengthChooser::observe_multi(int64_t tokens, double seconds) {
+  if (tokens > 0 && seconds > 0) multi_.observe(static_cast<double>(tokens), seconds, w_);
+}
+
+void DraftLengthChooser::observe_draft(int batch, int steps, double seconds) {
+  if (batch > 0 && steps > 0 && seconds > 0) draft_.observe(batch, seconds / steps, w_);
+}
+
+void DraftLengthChooser::observe_accepts(int drafted, int accepted) {
+  drafted = std::min(drafted, kMaxSteps);
+  accepted = std::clamp(accepted, 0, drafted);
+  // Draft j was judged when the drafts before it were accepted: j = 1 .. min(accepted + 1, drafted).
+  for (int j = 1; j <= std::min(accepted + 1, drafted); ++j) {
+    attempts_[j] = attempts_[j] * kAcceptDecay + 1;
+    accepts_[j] = accepts_[j] * kAcceptDecay + (j <= accepted ? 1 : 0);
+  }
+}
+
+double DraftLengthChooser::acceptance(int j) const {
+  if (j < 1 || j > kMaxSteps) return 0;
+  return attempts_[j] > 0 ? accepts_[j] / attempts_[j] : 0;
+}
+
+double DraftLengthChooser::expected_accept_length(int k) const {
+  double length = 1, all = 1;
+  for (int j = 1; j <= k; ++j) {
+    all *= acceptance(j);
+    length += all;
+  }
+  return length;
+}
+
+double DraftLengthChooser::expected_step_seconds(int batch, int k) const {
+  const double b = std::max(batch, 1);
+  double decode = decode_.estimate(b);
+  auto multi = [&](double n) {
+    const double m = multi_.estimate(n);
+    if (m >= 0) return m;
+    const double d = decode_.estimate(n);
+    return d >= 0 ? d : 1.0;  // nothing measured yet: every pass costs the same
+  };
+  if (k == 0) return decode >= 0 ? decode : multi(b);
+  double all = 1;
+  for (int j = 1; j <= k; ++j) all *= acceptance(j);
+  const double draft = std::max(draft_.estimate(b), 0.0);
+  const double replay_chance = 1 - std::pow(all, b);
+  return multi(b * (k + 1)) + k * draft + replay_chance * multi(b * expected_accept_length(k));
+}
+
+double DraftLengthChooser::expected_tokens_per_second(int batch, int k) const {
+  const double t = expected_step_seconds(batch, k);
+  return t > 0 ? std::max(batch, 1) * expected_accept_length(k) / t : 0;
+}
+
+int DraftLengthChooser::choose(int batch) {
+  if (max_k_ == 0 || batch <= 0) return 0;
+  int best = 0;
+  double best_rate = -1;
+  for (int k = 0; k <= max_k_; ++k) {
+    const double rate = expected_tokens_per_second(batch, k);
+    if (rate > best_rate * (1 + 1e-9)) {
+      best = k;
+      best_rate = rate;
+    }
+  }
+  // Exploration: the other draft lengths in turn, one every explore_period choices of this bucket.
+  int& n = choices_[bucket_of(batch)];
+  if (explore_period_ > 0 && ++n % explore_period_ == 0) {
+    const int other = (n / explore_period_) % max_k_;  // 0 .. max_k - 1: the lengths other than best, in turn
+    return other < best ? other : other + 1;
+  }
+  return best;
 }
 
 }  // namespace kiln::engine

@@ -10,7 +10,13 @@
 // min(1, p_j(d_j) / q_j(d_j)); on a reject draw from normalise(max(0, p_j - q_j)) and stop; all accepted: a bonus
 // draw from p_K. The emitted tokens are distributed exactly as the target's own samples. A greedy drafter (the MTP
 // chain takes its argmax) is the case q_j = one-hot(d_j).
+//
+// DraftLengthChooser: the adaptive draft length. Verifying K + 1 tokens per sequence pays off while a pass is
+// memory-bound (small batches) and costs throughput once it is compute-bound (large batches; peers lose at
+// concurrency 16). Instead of a constant crossover the engine times its steps and this class picks, per step, the K
+// with the most expected tokens per second (model below); unit-tested with synthetic costs.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -37,5 +43,63 @@ SampledAccept accept_sampled(std::span<const int32_t> drafts, std::span<const fl
 // Draws an index of the (unnormalised, non-negative) weights w with the uniform u in [0, 1); the last positive
 // index when rounding leaves u past the total; -1 when no weight is positive.
 int32_t draw_index(std::span<const double> w, double u);
+
+// Chooses the draft length K (0 .. max_k) of each decode step from measured costs.
+//
+// Measurements (seconds, exponentially weighted moving averages, per power-of-two bucket):
+//   decode(b)  a plain decode pass of b sequences (one token each);
+//   multi(n)   a pass of n tokens made of multi-token chunks (a verify pass: b x (K + 1); a replay);
+//   draft(b)   one step of the draft chain for b sequences;
+//   alpha_j    the chance that draft j is accepted given drafts 1 .. j - 1 were (decayed counts; prior 0.8).
+// Model of a step of b sequences with K drafts:
+//   accept length  L(K) = 1 + sum_{j=1..K} prod_{i<=j} alpha_i           (tokens per sequence per step)
+//   seconds        T(b, 0) = decode(b)
+//                  T(b, K) = multi(b (K + 1)) + K draft(b) + (1 - prod_{j<=K} alpha_j ^ b) multi(b L(K))
+//                  (the last term: restoring the recurrent state and replaying the accepted tokens, which a step
+//                  needs as soon as one of its sequences rejected a draft)
+//   choice         argmax_K b L(K) / T(b, K) (ties: the smaller K).
+// A cost never measured is estimated from the measured buckets of its table: linear between the nearest two, flat
+// below the smallest, proportional to the tokens above the largest; a multi-token pass with no measurement at all
+// falls back to the decode table, and a draft with none costs 0 (so an engine starts by speculating and measures).
+// Every `explore_period`-th choice for a batch bucket takes another K instead (each in turn), so that every
+// length's costs keep being measured (a cost estimated from other buckets may be far off).
+class DraftLengthChooser {
+ public:
+  static constexpr int kBuckets = 20;  // powers of two up to 2^19 tokens / sequences
+  static constexpr int kMaxSteps = 8;
+
+  explicit DraftLengthChooser(int max_k, double ewma_weight = 0.25, int explore_period = 64);
+
+  int max_k() const { return max_k_; }
+  int choose(int batch);
+
+  void observe_decode(int batch, double seconds);
+  void observe_multi(int64_t tokens, double seconds);
+  void observe_draft(int batch, int steps, double seconds);  // a whole chain of `steps` steps
+  void observe_accepts(int drafted, int accepted);           // one sequence's verify
+
+  double acceptance(int j) const;            // alpha_j, j = 1 .. max_k
+  double expected_accept_length(int k) const;  // L(k)
+  double expected_step_seconds(int batch, int k) const;
+  double expected_tokens_per_second(int batch, int k) const;
+
+ private:
+  struct Table {
+    std::array<double, kBuckets> seconds{};
+    std::array<double, kBuckets> size{};  // the mean size (tokens / sequences) observed in the bucket
+    std::array<bool, kBuckets> seen{};
+    void observe(double n, double s, double w);
+    bool any() const;
+    double estimate(double n) const;  // < 0: nothing measured
+  };
+  static int bucket_of(double n);
+
+  int max_k_;
+  double w_;
+  int explore_period_;
+  Table decode_, multi_, draft_;
+  std::array<double, kMaxSteps + 1> attempts_{}, accepts_{};  // per draft position j (index j), decayed
+  std::array<int, kBuckets> choices_{};
+};
 
 }  // namespace kiln::engine

@@ -91,7 +91,8 @@ class ModelRunner {
   // per sequence; `logits` (empty, or [S * steps, vocab_size()]) gets each step's draft logits. Writes only the MTP
   // head's KV entries at positions [pos - 1, pos - 1 + steps) of each sequence.
   virtual void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits);
-  // A checkpoint of the slot's recurrent / conv state (one per slot), in order with the forward passes: taken before
+  // A checkpoint of the slot's recurrent / conv state and the MTP head's input hidden state (one per slot), in order
+  // with the forward passes: taken before
   // a verify pass, restored when drafts were rejected (the accepted tokens are then run again). KV needs none: the
   // entries of rejected positions are never read before they are written again.
   virtual void save_state(int slot);

@@ -75,6 +75,7 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
     }
     mtp_rows_ = ops_->allocate(DType::F32, Shape{options_.state_slots + options_.prefill_chunk, c.hidden_size});
     ops_->fill_zero(mtp_rows_);
+    mtp_rows_saved_ = ops_->allocate(DType::F32, Shape{options_.state_slots, c.hidden_size});
     (void)L;
   }
   if (options_.kv_dtype == DType::F8_E4M3 && !kv_.empty()) {
@@ -140,6 +141,9 @@ void Runner::save_state(int slot) {
     ops_->copy(conv_state_[i].row(slot), conv_saved_[i].row(slot));
     ops_->copy(recurrent_state_[i].row(slot), recurrent_saved_[i].row(slot));
   }
+  // The head's input for the slot's next entry (its last hidden state) belongs to the checkpoint too: a replay after
+  // a rejected draft starts its head entries from it.
+  if (mtp_rows_saved_.data) ops_->copy(mtp_rows_.row(slot), mtp_rows_saved_.row(slot));
 }
 
 void Runner::restore_state(int slot) {
@@ -149,6 +153,7 @@ void Runner::restore_state(int slot) {
     ops_->copy(conv_saved_[i].row(slot), conv_state_[i].row(slot));
     ops_->copy(recurrent_saved_[i].row(slot), recurrent_state_[i].row(slot));
   }
+  if (mtp_rows_saved_.data) ops_->copy(mtp_rows_saved_.row(slot), mtp_rows_.row(slot));
 }
 
 void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {

@@ -124,6 +124,7 @@ class Runner : public ModelRunner {
   // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
   // position); rows [slots, slots + prefill_chunk) the current pass's. F32 [slots + prefill_chunk, H].
   TensorView mtp_rows_;
+  TensorView mtp_rows_saved_;  // save_state()'s copy of a slot's row of mtp_rows_, F32 [slots, H]
   TraceFn trace_;
   // Captured decode passes, by (sequences, pages per sequence).
   struct Graph {

@@ -24,8 +24,8 @@ int32_t greedy_token(const float* l, int64_t V) {
   return best;
 }
 
-int32_t sample_scaled_logits(const float* l, int64_t V, int32_t top_k, float top_p, float min_p, double u,
-                             SampleScratch& scratch) {
+void filter_scaled_logits(const float* l, int64_t V, int32_t top_k, float top_p, float min_p,
+                          SampleScratch& scratch) {
   // Filters over a candidate list (token ids, ascending) instead of the whole vocabulary: top-k shrinks it to
   // ~k tokens, top-p sorts only as long a prefix as its mass needs. The arithmetic is the full-vocabulary
   // definition's, in the same order (sums in ascending id, the cumulative mass in sorted order), so the chosen
@@ -101,8 +101,15 @@ int32_t sample_scaled_logits(const float* l, int64_t V, int32_t top_k, float top
     keep_only();
   }
 
-  // The draw.
   softmax_cand();
+}
+
+int32_t sample_scaled_logits(const float* l, int64_t V, int32_t top_k, float top_p, float min_p, double u,
+                             SampleScratch& scratch) {
+  filter_scaled_logits(l, V, top_k, top_p, min_p, scratch);
+  const std::vector<int32_t>& cand = scratch.cand;
+  const std::vector<double>& probs = scratch.probs;
+  // The draw.
   double cum = 0;
   int32_t chosen = -1, last_kept = -1;
   for (size_t i = 0; i < cand.size(); ++i) {

@@ -46,6 +46,10 @@ struct SampleScratch {
 void scale_logits(float* l, int64_t V, float temperature);
 // The first index of the largest value (strict >, from index 0).
 int32_t greedy_token(const float* l, int64_t V);
+// Step 3 over temperature-scaled logits whose largest value is finite: scratch.cand holds the surviving token ids
+// (ascending) and scratch.probs their probabilities renormalised over them (the distribution step 4 draws from;
+// speculative rejection sampling needs it whole).
+void filter_scaled_logits(const float* l, int64_t V, int32_t top_k, float top_p, float min_p, SampleScratch& scratch);
 // Steps 3-4 over temperature-scaled logits whose largest value is finite: the chosen token id.
 int32_t sample_scaled_logits(const float* l, int64_t V, int32_t top_k, float top_p, float min_p, double u,
                              SampleScratch& scratch);

@@ -99,6 +99,14 @@ std::string render_metrics(const engine::EngineMetricsSnapshot& m, const HttpCou
   histogram(out, "kiln:e2e_request_latency_seconds", "Time from submission to the end of a sequence.",
             m.e2e_latency_s, model);
   histogram(out, "kiln:queue_time_seconds", "Time a sequence waited before admission.", m.queue_time_s, model);
+  if (m.speculative_num_steps > 0) {  // speculative decoding (MTP): SGLang's accept length = accepted / verifies + 1
+    counter("kiln:spec_draft_tokens_total", "Draft tokens verified (speculative decoding).",
+            static_cast<double>(m.spec_draft_tokens_total));
+    counter("kiln:spec_accepted_tokens_total", "Draft tokens accepted (speculative decoding).",
+            static_cast<double>(m.spec_accepted_tokens_total));
+    histogram(out, "kiln:spec_accept_length", "Tokens a sequence got from one verify step (accepted drafts + 1).",
+              m.spec_accept_length, model);
+  }
   // Per GPU rank: one series per device, labelled by its CUDA ordinal and tensor-parallel rank.
   if (!devices.empty()) {
     auto per_gpu = [&](const char* name, const char* help, auto field) {

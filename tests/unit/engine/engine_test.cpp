@@ -7,14 +7,19 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <filesystem>
+#include <functional>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <thread>
 
 #include "backend/cpu/cpu_backend.h"
 #include "engine/dummy_runner.h"
 #include "engine/grammar/token_mask.h"
+#include "fixture_util.h"
 #include "format/model_dir.h"
+#include "mtp_model.h"
 
 namespace kiln::engine {
 namespace {
@@ -996,6 +1001,398 @@ TEST(TinyPrefixCache, GreedyOutputsWithTheCacheEqualThoseWithout) {
                 static_cast<unsigned long long>(m.prefix_cache_query_tokens_total),
                 static_cast<unsigned long long>(m.preemptions_total),
                 static_cast<unsigned long long>(m.prefix_cache_evicted_pages_total));
+  }
+}
+
+
+// ---- speculative decoding (engine.cpp's speculative step) on a real hybrid model: a tiny Qwen3.5-MoE (DeltaNet and
+// full-attention layers) with a random MTP head (tests/support/mtp_model) over the CPU backend. Greedy output must be
+// token for token the output without speculation, whatever is drafted and accepted. A random head is rarely right, so
+// a scripted drafter (ScriptedDrafts below) also proposes the reference continuation with a chosen number of correct
+// tokens: full accepts, partial accepts and immediate rejects all happen, and a draft-less step follows an
+// accepted one (the stale-state bug of peers).
+
+class SpecModel {
+ public:
+  SpecModel() {
+    base_ = tmp_.path() + "/base";
+    dir_ = tmp_.path() + "/mtp";
+    std::filesystem::create_directories(base_);
+    kiln::test::write_fixture_model(base_, kiln::test::Family::qwen3_5_moe, kiln::test::Layout::bf16);
+    kiln::test::write_model_with_mtp(base_, dir_, 28);
+  }
+  std::unique_ptr<model::ModelRunner> load(bool mtp, int64_t kv_pages = 0, int slots = 8) const {
+    backend::CpuLoadOptions lo;
+    lo.kv_dtype = DType::F32;
+    lo.max_context = 256;
+    lo.kv_pages = kv_pages;
+    lo.state_slots = slots;
+    lo.prefill_chunk = 64;
+    lo.mtp = mtp;
+    return backend::load_cpu_model(format::ModelDir::open(dir_), lo);
+  }
+
+ private:
+  kiln::test::TempDir tmp_;
+  std::string base_, dir_;
+};
+
+const SpecModel& spec_model() {
+  static SpecModel m;
+  return m;
+}
+
+// Wraps a runner; draft() proposes the reference continuation of the sequence (found by the tokens the runner has
+// seen on its slot) with only the first `correct(pos, steps)` drafts right and the rest off by one id. Records the
+// accepted-then-draft-less pattern it saw.
+class ScriptedDrafts : public model::ModelRunner {
+ public:
+  ScriptedDrafts(std::unique_ptr<model::ModelRunner> inner, std::vector<std::vector<int32_t>> references,
+                 std::function<int(int64_t pos, int steps)> correct)
+      : inner_(std::move(inner)), refs_(std::move(references)), correct_(std::move(correct)) {}
+
+  model::RunnerCapacity capacity() const override { return inner_->capacity(); }
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  void forward(std::span<const model::SeqChunk> chunks, std::span<float> logits) override {
+    see(chunks);
+    inner_->forward(chunks, logits);
+  }
+  void forward_argmax(std::span<const model::SeqChunk> chunks, std::span<int32_t> tokens) override {
+    see(chunks);
+    inner_->forward_argmax(chunks, tokens);
+  }
+  void forward_sample(std::span<const model::SeqChunk> chunks, std::span<const model::RowSampling> rows,
+                      std::span<int32_t> tokens) override {
+    see(chunks);
+    inner_->forward_sample(chunks, rows, tokens);
+  }
+  bool can_copy_state() const override { return inner_->can_copy_state(); }
+  void copy_state(int src, int dst) override {
+    seen_[dst] = seen_[src];
+    inner_->copy_state(src, dst);
+  }
+  bool has_recurrent_state() const override { return inner_->has_recurrent_state(); }
+  int mtp_layers() const override { return inner_->mtp_layers(); }
+  void save_state(int slot) override { inner_->save_state(slot); }
+  void restore_state(int slot) override { inner_->restore_state(slot); }
+  std::string describe() const override { return "scripted drafts over " + inner_->describe(); }
+
+  void draft(std::span<const model::DraftSeq> seqs, int steps, std::span<int32_t> tokens,
+             std::span<float> logits) override {
+    inner_->draft(seqs, steps, tokens, logits);  // the head's own KV entries, as in a real step
+    const int32_t V = static_cast<int32_t>(vocab_size());
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      std::vector<int32_t> prefix(seen_[seqs[s].state_slot].begin(),
+                                  seen_[seqs[s].state_slot].begin() + seqs[s].pos);
+      prefix.push_back(seqs[s].token);
+      const std::vector<int32_t>* ref = nullptr;
+      for (const auto& r : refs_)
+        if (r.size() > prefix.size() && std::equal(prefix.begin(), prefix.end(), r.begin())) ref = &r;
+      const int good = correct_(seqs[s].pos, steps);
+      for (int k = 0; k < steps; ++k) {
+        const size_t at = static_cast<size_t>(seqs[s].pos) + 1 + static_cast<size_t>(k);
+        const int32_t right = ref && at < ref->size() ? (*ref)[at] : 1;
+        tokens[s * steps + k] = k < good ? right : (right + 1) % V;
+      }
+    }
+  }
+
+ private:
+  void see(std::span<const model::SeqChunk> chunks) {
+    for (const auto& c : chunks) {
+      auto& h = seen_[c.state_slot];
+      if (c.start_pos == 0) h.clear();
+      h.resize(static_cast<size_t>(c.start_pos));
+      h.insert(h.end(), c.tokens.begin(), c.tokens.end());
+    }
+  }
+  std::unique_ptr<model::ModelRunner> inner_;
+  std::vector<std::vector<int32_t>> refs_;
+  std::function<int(int64_t, int)> correct_;
+  std::map<int, std::vector<int32_t>> seen_;
+};
+
+EngineOptions spec_options(int running, int k) {
+  EngineOptions o;
+  o.max_running_requests = running;
+  o.chunked_prefill_size = 64;
+  o.eos_token_ids = {95};
+  o.enable_prefix_cache = false;
+  o.speculative_num_steps = k;
+  if (k > 0) o.draft_length_for_step = [k](int) { return k; };
+  return o;
+}
+
+std::vector<std::vector<int32_t>> spec_prompts() {
+  std::mt19937 rng(11);
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> p(static_cast<size_t>(3 + rng() % 20));
+    for (auto& t : p) t = static_cast<int32_t>(rng() % 95);
+    out.push_back(p);
+  }
+  return out;
+}
+
+// Every prompt submitted at once (a batch of several); each sequence's tokens.
+std::vector<std::vector<int32_t>> run_all(Engine& e, const std::vector<std::vector<int32_t>>& prompts,
+                                          int64_t max_tokens, bool ignore_eos = true) {
+  std::vector<std::shared_ptr<RequestChannel>> chans;
+  for (const auto& p : prompts) {
+    GenerateRequest r = greedy(p, max_tokens);
+    r.ignore_eos = ignore_eos;
+    auto s = e.submit({r});
+    EXPECT_EQ(s.status, SubmitStatus::ok) << s.message;
+    chans.push_back(s.channel);
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (auto& ch : chans) {
+    Answer a = answer(ch);
+    EXPECT_NE(a.reason, FinishReason::error) << a.error;
+    out.push_back(a.tokens);
+  }
+  return out;
+}
+
+// The reference: no speculation (the head not even loaded).
+std::vector<std::vector<int32_t>> reference_outputs(const std::vector<std::vector<int32_t>>& prompts, int64_t n) {
+  Engine e(spec_model().load(false), spec_options(8, 0));
+  e.start();
+  return run_all(e, prompts, n);
+}
+
+std::vector<std::vector<int32_t>> full_sequences(const std::vector<std::vector<int32_t>>& prompts,
+                                                 const std::vector<std::vector<int32_t>>& outputs) {
+  std::vector<std::vector<int32_t>> out;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    out.push_back(prompts[i]);
+    out.back().insert(out.back().end(), outputs[i].begin(), outputs[i].end());
+  }
+  return out;
+}
+
+TEST(EngineSpeculative, RandomHeadGreedyOutputEqualsPlainDecoding) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 24);
+  for (int k = 1; k <= 4; ++k) {
+    Engine e(spec_model().load(true), spec_options(8, k));
+    e.start();
+    EXPECT_EQ(run_all(e, prompts, 24), ref) << "K = " << k;
+    const auto m = e.metrics();
+    EXPECT_GT(m.spec_draft_tokens_total, 0u) << "K = " << k;
+    EXPECT_EQ(m.kv_pages_used, 0);
+    EXPECT_EQ(m.state_slots_used, 0);
+  }
+}
+
+TEST(EngineSpeculative, ScriptedDraftsGreedyOutputEqualsPlainDecoding) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 30);
+  const auto refs = full_sequences(prompts, ref);
+  for (int k = 1; k <= 4; ++k) {
+    // Correct drafts: 0 .. K by position, so full, partial and no accepts all happen.
+    auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true), refs,
+                                                   [](int64_t pos, int steps) { return (pos * 7 + 3) % (steps + 1); });
+    Engine e(std::move(runner), spec_options(8, k));
+    e.start();
+    EXPECT_EQ(run_all(e, prompts, 30), ref) << "K = " << k;
+    const auto m = e.metrics();
+    EXPECT_GT(m.spec_accepted_tokens_total, 0u);
+    EXPECT_LT(m.spec_accepted_tokens_total, m.spec_draft_tokens_total);
+    // Some verifies accepted everything (accept length K + 1), some nothing (1).
+    const auto& h = m.spec_accept_length;
+    EXPECT_GT(h.cumulative_counts[0], 0u) << "K = " << k;  // le 1
+    EXPECT_GT(h.count - h.cumulative_counts[static_cast<size_t>(k) - 1], 0u) << "K = " << k;  // > K
+    EXPECT_EQ(m.generation_tokens_total, 30u * prompts.size());
+  }
+}
+
+// vLLM PR 52942's bug: a step that accepted drafts followed by a draft-less step must see the state after the
+// accepted tokens. Steps alternate K drafts and none; the drafts are all right (accepted) or all but the last.
+TEST(EngineSpeculative, DraftlessStepAfterAcceptedDraftsSeesTheRightState) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 30);
+  const auto refs = full_sequences(prompts, ref);
+  for (bool all_right : {true, false}) {
+    for (int k : {1, 3}) {
+      auto runner = std::make_unique<ScriptedDrafts>(
+          spec_model().load(true), refs, [all_right](int64_t, int steps) { return all_right ? steps : steps - 1; });
+      EngineOptions o = spec_options(8, k);
+      auto step = std::make_shared<int>(0);
+      o.draft_length_for_step = [k, step](int) { return (*step)++ % 2 == 0 ? k : 0; };
+      Engine e(std::move(runner), o);
+      e.start();
+      EXPECT_EQ(run_all(e, prompts, 30), ref) << "K = " << k << (all_right ? ", all right" : ", last wrong");
+      const auto m = e.metrics();
+      if (all_right || k > 1) EXPECT_GT(m.spec_accepted_tokens_total, 0u);
+      if (all_right) EXPECT_EQ(m.spec_accepted_tokens_total, m.spec_draft_tokens_total);
+    }
+  }
+  // One sequence alone, all drafts right: accepted-draft steps and draft-less steps strictly alternate.
+  auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true), refs, [](int64_t, int steps) { return steps; });
+  EngineOptions o = spec_options(1, 2);
+  auto step = std::make_shared<int>(0);
+  o.draft_length_for_step = [step](int) { return (*step)++ % 2 == 0 ? 2 : 0; };
+  Engine e(std::move(runner), o);
+  e.start();
+  EXPECT_EQ(run_all(e, {prompts[0]}, 30)[0], ref[0]);
+}
+
+TEST(EngineSpeculative, MaxTokensStopTokensAndEosHold) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 30);
+  const auto refs = full_sequences(prompts, ref);
+  auto make = [&] {
+    auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true), refs, [](int64_t, int s) { return s; });
+    auto e = std::make_unique<Engine>(std::move(runner), spec_options(8, 4));
+    e->start();
+    return e;
+  };
+  // max_tokens inside a fully accepted verify: exactly that many tokens.
+  for (int64_t n : {1, 2, 3, 5, 7}) {
+    auto e = make();
+    GenerateRequest r = greedy(prompts[0], n);
+    r.ignore_eos = true;
+    Answer a = answer(e->submit({r}).channel);
+    EXPECT_EQ(a.reason, FinishReason::length);
+    EXPECT_EQ(a.tokens, std::vector<int32_t>(ref[0].begin(), ref[0].begin() + n)) << "max_tokens " << n;
+  }
+  // A stop token in the middle of accepted drafts: the output ends at it, nothing after.
+  for (size_t at : {size_t(2), size_t(6), size_t(11)}) {
+    auto e = make();
+    GenerateRequest r = greedy(prompts[1], 30);
+    r.ignore_eos = true;
+    r.stop_token_ids = {ref[1][at]};
+    const size_t first = static_cast<size_t>(std::find(ref[1].begin(), ref[1].end(), ref[1][at]) - ref[1].begin());
+    Answer a = answer(e->submit({r}).channel);
+    EXPECT_EQ(a.reason, FinishReason::stop);
+    EXPECT_EQ(a.tokens, std::vector<int32_t>(ref[1].begin(), ref[1].begin() + first + 1)) << "stop at " << at;
+  }
+  // The model's eos (ids 95) as in plain decoding, and pages freed.
+  auto e = make();
+  const auto plain_eos = [&] {
+    Engine p(spec_model().load(false), spec_options(8, 0));
+    p.start();
+    return run_all(p, prompts, 30, /*ignore_eos=*/false);
+  }();
+  EXPECT_EQ(run_all(*e, prompts, 30, false), plain_eos);
+  EXPECT_EQ(e->metrics().kv_pages_used, 0);
+}
+
+TEST(EngineSpeculative, SeveralChoicesLogprobsAndSampling) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 20);
+  const auto refs = full_sequences(prompts, ref);
+  auto scripted = [&] {
+    return std::make_unique<ScriptedDrafts>(spec_model().load(true), refs,
+                                            [](int64_t pos, int s) { return static_cast<int>(pos % (s + 1)); });
+  };
+  // n = 3 greedy choices of one request: all the reference.
+  {
+    Engine e(scripted(), spec_options(8, 3));
+    e.start();
+    GenerateRequest r = greedy(prompts[2], 20);
+    r.ignore_eos = true;
+    Outcome o = collect(e.submit({r, r, r}).channel);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(o.tokens[i], ref[2]) << "choice " << i;
+  }
+  // Greedy with logprobs: the target's logprobs (those of plain decoding) at every accepted position.
+  auto logprobs_of = [&](std::unique_ptr<model::ModelRunner> runner, int k) {
+    Engine e(std::move(runner), spec_options(8, k));
+    e.start();
+    GenerateRequest r = greedy(prompts[3], 20);
+    r.ignore_eos = true;
+    r.want_logprobs = true;
+    r.top_logprobs = 2;
+    auto ch = e.submit({r}).channel;
+    std::vector<TokenEvent> all;
+    while (!(ch->all_finished() && !ch->has_events())) {
+      std::vector<TokenEvent> evs;
+      ch->wait(evs, 100ms);
+      for (auto& ev : evs)
+        if (ev.token >= 0) all.push_back(ev);
+    }
+    return all;
+  };
+  const auto plain = logprobs_of(spec_model().load(false), 0);
+  const auto spec = logprobs_of(scripted(), 3);
+  ASSERT_EQ(plain.size(), spec.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(plain[i].token, spec[i].token);
+    EXPECT_NEAR(plain[i].logprob, spec[i].logprob, 1e-4) << i;
+    ASSERT_EQ(plain[i].top.size(), 2u);
+    ASSERT_EQ(spec[i].top.size(), 2u);
+    EXPECT_EQ(plain[i].top[1].token, spec[i].top[1].token);
+  }
+  // Sampling with a seed: reproducible with speculation on (the sequence's own stream decides acceptance).
+  auto sampled = [&] {
+    Engine e(scripted(), spec_options(8, 3));
+    e.start();
+    GenerateRequest r;
+    r.prompt = prompts[4];
+    r.max_tokens = 20;
+    r.ignore_eos = true;
+    r.sampling.temperature = 0.8f;
+    r.sampling.top_k = 20;
+    r.sampling.seed = 5;
+    Outcome o = collect(e.submit({r, r}).channel);
+    EXPECT_GT(e.metrics().spec_draft_tokens_total, 0u);
+    return o.tokens;
+  };
+  const auto a = sampled(), b = sampled();
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a[0].size(), 20u);
+}
+
+TEST(EngineSpeculative, PreemptionAndThePrefixCacheChangeNothing) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 40);
+  const auto refs = full_sequences(prompts, ref);
+  // A pool of 12 pages (192 tokens) for six sequences of up to 63 tokens: some are preempted and recomputed.
+  {
+    auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true, 12, 8), refs,
+                                                   [](int64_t pos, int s) { return static_cast<int>(pos % (s + 1)); });
+    Engine e(std::move(runner), spec_options(6, 3));
+    e.start();
+    EXPECT_EQ(run_all(e, prompts, 40), ref);
+    const auto m = e.metrics();
+    EXPECT_GT(m.preemptions_total, 0u);
+    EXPECT_GT(m.spec_accepted_tokens_total, 0u);
+    EXPECT_EQ(m.kv_pages_used, 0);
+  }
+  // The prefix cache on: prompts of two pages and more, each twice (the second time from a cached prefix).
+  std::vector<std::vector<int32_t>> longer;
+  for (const auto& p : prompts) {
+    longer.push_back(p);
+    while (longer.back().size() < 40) longer.back().insert(longer.back().end(), p.begin(), p.end());
+  }
+  const auto longer_ref = reference_outputs(longer, 40);
+  for (int k : {0, 3}) {
+    auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(k > 0, 0, 32), full_sequences(longer, longer_ref),
+                                                   [](int64_t pos, int s) { return static_cast<int>(pos % (s + 1)); });
+    EngineOptions o = spec_options(4, k);
+    o.enable_prefix_cache = true;
+    Engine e(std::move(runner), o);
+    e.start();
+    EXPECT_EQ(run_all(e, longer, 40), longer_ref) << "K = " << k;
+    EXPECT_EQ(run_all(e, longer, 40), longer_ref) << "K = " << k;
+    EXPECT_GT(e.metrics().prefix_cache_hit_tokens_total, 0u) << "K = " << k;
+  }
+}
+
+TEST(EngineSpeculative, AdaptiveChoiceKeepsTheOutputAndRefusesAModelWithoutAHead) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 24);
+  EngineOptions o = spec_options(8, 3);
+  o.draft_length_for_step = nullptr;  // the measured costs decide
+  Engine e(spec_model().load(true), o);
+  e.start();
+  EXPECT_EQ(run_all(e, prompts, 24), ref);
+  try {
+    Engine bad(spec_model().load(false), spec_options(8, 3));
+    FAIL() << "an engine without an MTP head accepted speculative decoding";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("MTP head"), std::string::npos) << err.what();
   }
 }
 

@@ -5,9 +5,13 @@
 //    greedy drafter) against the exact per-position marginals of P. Chi-square per position, 4 degrees of freedom,
 //    significance 0.001 (critical value 18.467); fixed seeds. The same harness on a wrong rule (always accept the
 //    drafts) must fail it: the test can tell.
+//  - DraftLengthChooser on synthetic step costs: the accept length from per-position acceptance, the most drafts
+//    while passes are memory-bound, none once they are compute-bound, a choice that never grows with the batch, and
+//    exploration of the other lengths.
 #include <gtest/gtest.h>
 
 #include <array>
+#include <functional>
 #include <random>
 
 #include "engine/speculative.h"
@@ -162,6 +166,98 @@ TEST(AcceptSampled, AcceptsEveryDraftWhenTheDrafterIsTheTarget) {
     ASSERT_EQ(r.accepted, 2);
     EXPECT_EQ(r.tokens, (std::vector<int32_t>{1, 0, 0}));  // bonus from the last row: token 0 has all the mass
   }
+}
+
+
+// ---- DraftLengthChooser ----
+
+// Feeds the chooser every power-of-two bucket of a cost function (ms per pass of n tokens), a draft cost per chain
+// step of b sequences, and `verifies` verifies at acceptance alpha per position (deterministic: the accepted count
+// of each follows alpha exactly in proportion).
+void feed(DraftLengthChooser& c, const std::function<double(double)>& pass_ms,
+          const std::function<double(double)>& draft_ms, double alpha, int max_k) {
+  for (int64_t n = 1; n <= 4096; n *= 2) {
+    c.observe_decode(static_cast<int>(n), pass_ms(static_cast<double>(n)) / 1e3);
+    c.observe_multi(n, pass_ms(static_cast<double>(n)) / 1e3);
+    c.observe_draft(static_cast<int>(n), 2, 2 * draft_ms(static_cast<double>(n)) / 1e3);
+  }
+  // 1000 verifies of max_k drafts whose accepted counts follow P(accepted >= j) = alpha^j.
+  std::mt19937_64 rng(1);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int i = 0; i < 1000; ++i) {
+    int a = 0;
+    while (a < max_k && u(rng) < alpha) ++a;
+    c.observe_accepts(max_k, a);
+  }
+}
+
+TEST(DraftLengthChooser, AcceptLengthFromPerPositionAcceptance) {
+  DraftLengthChooser c(4, 0.25, 0);
+  feed(c, [](double) { return 1.0; }, [](double) { return 0.0; }, 0.7, 4);
+  for (int j = 1; j <= 4; ++j) EXPECT_NEAR(c.acceptance(j), 0.7, 0.06) << j;
+  // L(K) = 1 + a + a^2 + ... + a^K with the measured a_j.
+  double expect = 1, all = 1;
+  for (int k = 1; k <= 4; ++k) {
+    all *= c.acceptance(k);
+    expect += all;
+    EXPECT_NEAR(c.expected_accept_length(k), expect, 1e-12);
+  }
+  EXPECT_NEAR(c.expected_accept_length(3), 1 + 0.7 + 0.49 + 0.343, 0.15);
+  EXPECT_EQ(c.expected_accept_length(0), 1.0);
+}
+
+TEST(DraftLengthChooser, NothingMeasuredYetDraftsTheMost) {
+  DraftLengthChooser c(3, 0.25, 0);
+  EXPECT_EQ(c.choose(1), 3);
+  EXPECT_EQ(c.choose(64), 3);
+  DraftLengthChooser off(0);
+  EXPECT_EQ(off.choose(1), 0);
+}
+
+TEST(DraftLengthChooser, MemoryBoundDraftsComputeBoundDoesNot) {
+  // Memory-bound: a pass costs 10 ms whatever its size; drafting 0.4 ms a step.
+  DraftLengthChooser flat(4, 0.25, 0);
+  feed(flat, [](double) { return 10.0; }, [](double) { return 0.4; }, 0.75, 4);
+  EXPECT_EQ(flat.choose(1), 4);
+  EXPECT_EQ(flat.choose(8), 4);
+  // Compute-bound: a pass costs 0.1 ms per token; K drafts multiply the work by K + 1 for L(K) < K + 1 tokens.
+  DraftLengthChooser linear(4, 0.25, 0);
+  feed(linear, [](double n) { return 0.1 * n; }, [](double b) { return 0.02 * b; }, 0.75, 4);
+  for (int b : {1, 8, 64, 256}) EXPECT_EQ(linear.choose(b), 0) << b;
+}
+
+TEST(DraftLengthChooser, DraftsFewerAsTheBatchGrows) {
+  // A fixed cost plus a per-token one (weights read once per pass, compute per token): speculation pays at small
+  // batches, not at large ones, and the choice never grows with the batch.
+  DraftLengthChooser c(4, 0.25, 0);
+  auto pass = [](double n) { return 8.0 + 0.05 * n; };
+  feed(c, pass, [](double b) { return 0.3 + 0.005 * b; }, 0.8, 4);
+  EXPECT_GE(c.choose(1), 3);
+  EXPECT_EQ(c.choose(1024), 0);
+  int last = 4;
+  for (int b = 1; b <= 1024; b *= 2) {
+    const int k = c.choose(b);
+    EXPECT_LE(k, last) << "batch " << b;
+    last = k;
+    // The choice is the best of the model's own estimates.
+    for (int other = 0; other <= 4; ++other)
+      EXPECT_GE(c.expected_tokens_per_second(b, k), c.expected_tokens_per_second(b, other) * (1 - 1e-9));
+  }
+  // At batch 1 the estimate matches the costs fed: K = 0 is one pass of one token.
+  EXPECT_NEAR(c.expected_step_seconds(1, 0), pass(1) / 1e3, 1e-6);
+}
+
+TEST(DraftLengthChooser, ExploresTheOtherLengthsInTurn) {
+  DraftLengthChooser c(3, 0.25, 4);
+  feed(c, [](double) { return 10.0; }, [](double) { return 0.1; }, 0.9, 3);
+  std::vector<int> picks;
+  for (int i = 0; i < 16; ++i) picks.push_back(c.choose(1));
+  // Best is 3; every 4th choice is 0, 1, 2 in turn.
+  std::vector<int> explored;
+  for (int i = 0; i < 16; ++i)
+    if ((i + 1) % 4 == 0) explored.push_back(picks[i]);
+    else EXPECT_EQ(picks[i], 3) << i;
+  EXPECT_EQ(explored, (std::vector<int>{1, 2, 0, 1}));
 }
 
 }  // namespace

@@ -1,18 +1,29 @@
 // kiln bench-engine: the model runner alone (no scheduler, no HTTP): B sequences of random prompt tokens, one
 // batched prefill, then O batched greedy decode steps. Prints prefill tok/s, the decode step latency (median,
-// p10, p90) and decode tok/s.
+// p10, p90) and decode tok/s. --spec-sweep K,... (speculative decoding with the model's MTP head): after the decode
+// steps, the draft chain of K tokens, the verify pass of K + 1 tokens per sequence and the replay of the accepted
+// tokens are timed at each K, and the tok/s they would give at the published acceptance lengths of Qwen3.5-397B
+// (K = 1..5: 1.93, 2.73, 3.39, 3.97, 4.41 tokens per verify) is printed, labelled as a projection. Under
+// --load-format dummy a config without an MTP head gets one (mtp_num_hidden_layers 1, as the real checkpoints have).
 //
 //   kiln bench-engine [--model-path DIR] [--device auto|cpu|cuda] [--batch B[,B...]] [--input-len I]
 //                     [--output-len O] [--kv-dtype bf16|fp8|f32] [--prefill-chunk N] [--load-format auto|dummy]
-//                     [--profile] [--disable-cuda-graph] [--host-sampling] ...   (--help lists all)
+//                     [--profile] [--disable-cuda-graph] [--host-sampling] [--spec-sweep K[,K...]] ...
+//                     (--help lists all)
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include "backend/device.h"
 #include "cli/command.h"
@@ -47,7 +58,12 @@ struct BenchEngineOptions {
   float temperature = 0.0f;  // > 0: sample (temperature / top-k / top-p) instead of argmax, on the device
   int top_k = 0;
   float top_p = 1.0f;
+  std::string spec_sweep;  // draft lengths to time (speculative decoding); empty: none
 };
+
+// Published acceptance lengths (tokens per verify, accepted + bonus) of Qwen3.5-397B NVFP4 with its MTP head on
+// coding prompts, thinking on (InferenceX), K = 1..5.
+constexpr double kPublishedAcceptLength[] = {1.93, 2.73, 3.39, 3.97, 4.41};
 
 using Clock = std::chrono::steady_clock;
 
@@ -60,7 +76,8 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(i, v.size() - 1)];
 }
 
-std::vector<int> parse_batches(const std::string& text) {
+std::vector<int> parse_batches(const std::string& text, const char* flag = "--batch", const char* what = "a batch size",
+                               long most = 4096) {
   std::vector<int> out;
   size_t i = 0;
   while (i <= text.size()) {
@@ -68,8 +85,8 @@ std::vector<int> parse_batches(const std::string& text) {
     const std::string item = text.substr(i, j - i);
     char* end = nullptr;
     const long v = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 1 || v > 4096)
-      kiln::fail("--batch: '{}' is not a batch size from 1 to 4096 (give one or a comma-separated list)", item);
+    if (item.empty() || *end != '\0' || v < 1 || v > most)
+      kiln::fail("{}: '{}' is not {} from 1 to {} (give one or a comma-separated list)", flag, item, what, most);
     out.push_back(static_cast<int>(v));
     i = j + 1;
   }
@@ -81,11 +98,38 @@ int run_bench_engine(const BenchEngineOptions& o) {
   const std::vector<int> batches = parse_batches(o.batch);
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   if (o.input_len < 1 || o.output_len < 1) fail("--input-len and --output-len must be at least 1");
-  const format::ModelDir dir = format::ModelDir::open_or_embedded(o.model_path);
+  std::vector<int> sweep;
+  if (!o.spec_sweep.empty())
+    sweep = parse_batches(o.spec_sweep, "--spec-sweep", "a draft length", 5);
+  format::ModelDir dir = format::ModelDir::open_or_embedded(o.model_path);
+  // A dummy-weights config without the head gets one (a copy of its config files in a temporary folder).
+  std::string head_dir;
+  if (!sweep.empty() && !format::load_model_config(dir).has_mtp()) {
+    if (model::parse_load_format(o.gpu.load_format) != model::LoadFormat::dummy)
+      fail("--spec-sweep: {} has no MTP head (config.json mtp_num_hidden_layers and mtp.* tensors)",
+           dir.display_path());
+    head_dir = (std::filesystem::temp_directory_path() / fmt::format("kiln-spec-sweep-{}", ::getpid())).string();
+    std::filesystem::create_directories(head_dir);
+    nlohmann::json cfg = nlohmann::json::parse(dir.read_text("config.json"));
+    (cfg.contains("text_config") ? cfg["text_config"] : cfg)["mtp_num_hidden_layers"] = 1;
+    std::ofstream(head_dir + "/config.json") << cfg.dump(2);
+    if (dir.has("hf_quant_config.json")) std::ofstream(head_dir + "/hf_quant_config.json") << dir.read_text("hf_quant_config.json");
+    dir = format::ModelDir::open(head_dir);
+    std::printf("--spec-sweep: %s has no MTP head; dummy weights for one (mtp_num_hidden_layers 1)\n",
+                o.model_path.c_str());
+  }
+  struct RemoveDir {
+    std::string path;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!path.empty()) std::filesystem::remove_all(path, ec);
+    }
+  } remove_head_dir{head_dir};
   backend::LoadOptions lo;
   lo.threads = o.threads;
   lo.state_slots = max_batch;
-  lo.max_context = o.input_len + o.output_len + 8;
+  lo.max_context = o.input_len + o.output_len + 8;  // + the verify positions of --spec-sweep (K + 1 <= 6)
+  lo.mtp = !sweep.empty();
   lo.prefill_chunk = backend::resolve_pass_tokens(o.prefill_chunk, 0);  // no engine steps here
   kiln::cli::apply_gpu_flags(o.gpu, lo);
   kiln::cli::check_node_zero(o.parallel, "bench-engine");
@@ -219,6 +263,69 @@ int run_bench_engine(const BenchEngineOptions& o) {
     }
     std::fflush(stdout);
 
+    // Speculative decoding's step costs at each K, from the sequences' current position (the passes write the same
+    // positions again and again; with dummy weights acceptance means nothing, so the tok/s is projected from the
+    // published acceptance lengths).
+    if (!sweep.empty()) {
+      if (runner->mtp_layers() == 0) fail("--spec-sweep: the model loaded without its MTP head (see the log above)");
+      auto median_ms = [&](const std::function<void()>& fn) {
+        std::vector<double> ms;
+        for (int rep = 0; rep < 6; ++rep) {
+          const auto t = Clock::now();
+          fn();
+          ms.push_back(ms_since(t));
+        }
+        ms.erase(ms.begin());  // the first run of a shape (setup, scratch growth)
+        return percentile(ms, 0.5);
+      };
+      const double plain_ms = median;
+      for (int K : sweep) {
+        std::vector<model::DraftSeq> seqs(B);
+        std::vector<std::vector<int32_t>> verify(B);
+        std::vector<int32_t> drafted(static_cast<size_t>(B) * K), ids(static_cast<size_t>(B) * (K + 1));
+        for (int b = 0; b < B; ++b) {
+          seqs[b].state_slot = b;
+          seqs[b].token = next[b];
+          seqs[b].pos = pos;
+          seqs[b].page_table = pages[b];
+        }
+        const double draft_ms = median_ms([&] { runner->draft(seqs, K, drafted, {}); });
+        std::vector<model::SeqChunk> vchunks(B);
+        for (int b = 0; b < B; ++b) {
+          verify[b].assign(1, next[b]);
+          verify[b].insert(verify[b].end(), drafted.begin() + b * K, drafted.begin() + (b + 1) * K);
+          vchunks[b] = chunks[b];
+          vchunks[b].tokens = verify[b];
+          vchunks[b].start_pos = pos;
+          vchunks[b].logits_tokens = K + 1;
+        }
+        const double verify_ms = median_ms([&] {
+          for (int b = 0; b < B; ++b) runner->save_state(b);
+          runner->forward_argmax(vchunks, ids);
+        });
+        // The replay after a rejected draft: the checkpoint back, then the accepted tokens (the published accept
+        // length, rounded) again without logits.
+        const double L = K <= 5 ? kPublishedAcceptLength[K - 1] : K + 1.0;
+        const int64_t replay_tokens = std::clamp<int64_t>(static_cast<int64_t>(L + 0.5), 1, K);
+        std::vector<model::SeqChunk> rchunks = vchunks;
+        for (auto& c : rchunks) {
+          c.tokens = c.tokens.first(static_cast<size_t>(replay_tokens));
+          c.want_logits = false;
+        }
+        const double replay_ms = median_ms([&] {
+          for (int b = 0; b < B; ++b) runner->restore_state(b);
+          runner->forward(rchunks, {});
+        });
+        const double best = draft_ms + verify_ms, worst = best + replay_ms;
+        std::printf("  spec K=%d batch %d: draft %.3f ms, verify (%d tokens/seq) %.3f ms, replay (%lld tokens/seq) "
+                    "%.3f ms | PROJECTION at the published accept length %.2f: %.1f-%.1f tok/s (replay every step .. "
+                    "never), %.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
+                    K, B, draft_ms, K + 1, verify_ms, static_cast<long long>(replay_tokens), replay_ms, L,
+                    B * L / worst * 1e3, B * L / best * 1e3, plain_ms * L / worst, plain_ms * L / best, plain_ms);
+      }
+      std::fflush(stdout);
+    }
+
     if (o.profile && mr) {
       // One more step, op by op (eager, ops queued behind a busy-wait so that they run back to back): a decode step,
       // and at batch 1 the prefill of the prompt again (from position 0: the sequence starts over).
@@ -290,6 +397,10 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
       ->capture_default_str();
   app.add_option("--top-k", o->top_k, "With --temperature: keep the k most likely tokens (0: all)")->capture_default_str();
   app.add_option("--top-p", o->top_p, "With --temperature: nucleus mass")->capture_default_str();
+  app.add_option("--spec-sweep", o->spec_sweep,
+                 "Draft lengths K (1-5, comma-separated) at which to time speculative decoding's draft, verify and "
+                 "replay passes with the model's MTP head, and print the tok/s projected at the published acceptance "
+                 "lengths (loads the head; under --load-format dummy a config without one gets one)");
   app.add_flag("--host-sampling", o->host_sampling,
                "Download every step's logits and pick tokens on the host (default: argmax on the device)");
   return [o]() -> int { return run_bench_engine(*o); };

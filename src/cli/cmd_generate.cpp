@@ -2,7 +2,7 @@
 //
 //   kiln generate [--model-path DIR] --prompt TEXT [--chat] [--no-think] [--max-tokens N] [--temperature T]
 //                 [--seed S] [--threads N] [--device auto|cpu|cuda] [--dtype auto|bfloat16|float32]
-//                 [--skip-self-check]
+//                 [--skip-self-check] [--speculative-algorithm auto|NEXTN|none] [--speculative-num-steps K]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,10 +16,11 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/sampler.h"
+#include "engine/engine.h"
 #include "format/model_dir.h"
 #include "cli/gpu_flags.h"
 #include "cli/parallel_flags.h"
+#include "cli/speculative_flags.h"
 #include "model/runner.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -40,6 +41,7 @@ struct GenerateOptions {
   std::string dtype = "auto";
   bool skip_self_check = false;
   kiln::cli::ParallelFlags parallel;
+  kiln::cli::SpeculativeFlags speculative;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -83,62 +85,77 @@ int run_generate(const GenerateOptions& o) {
   lo.dtype = o.dtype;
   kiln::cli::check_node_zero(o.parallel, "generate");
   kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
-  auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const format::ModelConfig config = format::load_model_config(dir);  // eos ids (any runner, TP too)
+  kiln::cli::SpeculativeChoice speculative = kiln::cli::resolve_speculative_flags(o.speculative, config, lo.tp_size);
+  kiln::cli::apply_speculative_choice(speculative, lo);
+  auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
+  kiln::cli::check_speculative_runner(speculative, *runner);
+  KILN_LOG_INFO("speculative decoding: {}", speculative.summary);
   if (tokenizer->vocab_size() > runner->vocab_size())
     KILN_LOG_WARN("tokenizer has {} ids but the model only {}", tokenizer->vocab_size(), runner->vocab_size());
 
-  engine::SamplingParams sp;
-  sp.temperature = o.temperature;
-  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
-  engine::SequenceSampler sampler(sp, seed);
-
-  const auto cap = runner->capacity();
-  std::vector<int32_t> pages((lo.max_context + cap.page_size - 1) / cap.page_size);
-  for (size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<int32_t>(i);
-  std::vector<float> logits(runner->vocab_size());
-  auto step = [&](std::span<const int32_t> tokens, int64_t start) {
-    model::SeqChunk c;
-    c.state_slot = 0;
-    c.tokens = tokens;
-    c.start_pos = start;
-    c.page_table = pages;
-    runner->forward({&c, 1}, logits);
-  };
-
-  std::vector<int32_t> history = prompt;
-  tok::StreamDecoder stream(*tokenizer, /*skip_special=*/true);
+  // One request through the engine (the server's step: speculative decoding included).
+  engine::EngineOptions eo;
+  eo.max_running_requests = 1;
+  eo.chunked_prefill_size = 0;  // the whole prompt in one step (the runner splits it into passes)
+  eo.context_length = lo.max_context;
+  eo.enable_prefix_cache = false;
+  eo.speculative_num_steps = speculative.num_steps;
+  for (int64_t id : config.eos_token_ids) eo.eos_token_ids.push_back(static_cast<int32_t>(id));
+  engine::Engine engine(std::move(runner), eo);
+  engine.start();
+  engine::GenerateRequest req;
+  req.prompt = prompt;
+  req.max_tokens = o.max_tokens;
+  req.sampling.temperature = o.temperature;
+  req.sampling.seed = o.seed ? *o.seed : std::random_device{}();
   const auto t0 = Clock::now();
-  step(prompt, 0);
-  const double prefill_s = seconds_since(t0);
-  const auto t1 = Clock::now();
+  engine::SubmitResult submitted = engine.submit({req});
+  if (submitted.status != engine::SubmitStatus::ok) fail("{}", submitted.message);
+
+  tok::StreamDecoder stream(*tokenizer, /*skip_special=*/true);
+  double prefill_s = 0;
+  Clock::time_point t1{};
   int64_t generated = 0;
-  bool hit_eos = false;
-  for (;;) {
-    const engine::SampleResult r = sampler.sample(logits, history, prompt.size(), 0, /*want_logprob=*/false);
-    history.push_back(r.token);
-    ++generated;
-    if (std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), r.token) != config.eos_token_ids.end()) {
-      hit_eos = true;
-      break;
+  bool hit_eos = false, done = false;
+  while (!done) {
+    std::vector<engine::TokenEvent> events;
+    submitted.channel->wait(events, std::chrono::milliseconds(100));
+    for (const engine::TokenEvent& ev : events) {
+      if (ev.token >= 0) {
+        if (++generated == 1) {
+          prefill_s = seconds_since(t0);  // the first token comes from the prefill's logits
+          t1 = Clock::now();
+        }
+        if (ev.is_stop_token) hit_eos = true;
+        const std::string piece =
+            !ev.is_stop_token && ev.token < tokenizer->vocab_size() ? stream.push(ev.token) : std::string();
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      }
+      if (ev.finished) {
+        if (ev.finish_reason == engine::FinishReason::error) fail("generation failed: {}", ev.error);
+        done = true;
+      }
     }
-    const std::string piece = r.token < tokenizer->vocab_size() ? stream.push(r.token) : std::string();
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
-    if (generated >= o.max_tokens) break;
-    step(std::span(&history.back(), 1), static_cast<int64_t>(history.size()) - 1);
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   // The text ends its line, and reaches the terminal before the stats line on stderr.
   std::printf("\n");
   std::fflush(stdout);
-  const double decode_s = seconds_since(t1);
+  const double decode_s = generated > 0 ? seconds_since(t1) : 0.0;
+  const engine::EngineMetricsSnapshot m = engine.metrics();
+  const uint64_t verifies = m.spec_accept_length.count;
   // Decode speed: the forward passes after the prefill (the first token comes from the prefill's logits).
-  std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generated: %lld tokens%s, decode %.1f tok/s\n",
+  std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generated: %lld tokens%s, decode %.1f tok/s%s\n",
                prompt.size(), prompt.size() / std::max(prefill_s, 1e-9), static_cast<long long>(generated),
                hit_eos ? " (eos)" : " (stopped at --max-tokens)",
-               generated > 1 ? (generated - 1) / std::max(decode_s, 1e-9) : 0.0);
+               generated > 1 ? (generated - 1) / std::max(decode_s, 1e-9) : 0.0,
+               verifies > 0 ? fmt::format(" | speculative: mean accept length {:.2f} ({} of {} drafts accepted)",
+                                          m.spec_accept_length.sum / verifies, m.spec_accepted_tokens_total,
+                                          m.spec_draft_tokens_total).c_str()
+                            : "");
   return 0;
 }
 
@@ -158,6 +175,7 @@ kiln::cli::Registrar reg{"generate", "Generate text from a prompt (CPU or CUDA e
   app.add_flag("--skip-self-check", o->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
   kiln::cli::add_parallel_flags(app, o->parallel);
+  kiln::cli::add_speculative_flags(app, o->speculative);
   return [o]() -> int { return run_generate(*o); };
 }};
 

@@ -24,6 +24,7 @@
 #include "cli/command.h"
 #include "cli/gpu_flags.h"
 #include "cli/parallel_flags.h"
+#include "cli/speculative_flags.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/dummy_runner.h"
@@ -61,6 +62,7 @@ struct ServeArgs {
   bool skip_self_check = false;
   kiln::cli::GpuFlags gpu;
   kiln::cli::ParallelFlags parallel;
+  kiln::cli::SpeculativeFlags speculative;
   double shutdown_timeout_s = 30;
   int64_t max_request_bytes = 32 << 20;
   std::string dummy_runner;  // "", hash or echo
@@ -198,6 +200,9 @@ int run_serve(const ServeArgs& a) {
   // Load everything that can fail on bad input before opening the port for traffic.
   format::ModelConfig config = format::load_model_config(dir);
   kiln::cli::check_parallel_flags(a.parallel, config, dir);  // --tp-size / --ep-size the model cannot take
+  kiln::cli::SpeculativeChoice speculative =
+      kiln::cli::resolve_speculative_flags(a.speculative, config, a.dummy_runner.empty() ? a.parallel.tp_size : 0);
+  if (!a.dummy_runner.empty()) speculative = {0, false, "off (--dummy-runner)"};
   so.model_type = config.model_type;
   if (!config.architecture.empty()) so.architectures = {config.architecture};
   if (!dir.has("tokenizer.json")) fail("{}: no tokenizer.json in the model folder", dir.display_path());
@@ -275,6 +280,7 @@ int run_serve(const ServeArgs& a) {
     }
     kiln::cli::apply_gpu_flags(a.gpu, lo);
     kiln::cli::apply_parallel_flags(a.parallel, lo, device_choice.device);
+    kiln::cli::apply_speculative_choice(speculative, lo);
     return lo;
   };
 
@@ -353,6 +359,8 @@ int run_serve(const ServeArgs& a) {
     }
   }
   std::string description = runner->describe();
+  kiln::cli::check_speculative_runner(speculative, *runner);
+  eo.speculative_num_steps = speculative.num_steps;
   if (eo.max_running_requests <= 0)
     eo.max_running_requests = std::max(1, runner->capacity().state_slots / slots_per_request);
   engine::Engine engine(std::move(runner), eo);
@@ -390,6 +398,7 @@ int run_serve(const ServeArgs& a) {
   std::printf("  prefix cache: %s\n", engine.options().enable_prefix_cache
                                           ? "on (radix tree over KV pages + state snapshots; --disable-radix-cache)"
                                           : "off");
+  std::printf("  speculative: %s\n", speculative.summary.c_str());
   std::printf("  sampling:  defaults %s\n", sampling_desc.empty() ? "OpenAI's (temperature 1, top_p 1)"
                                                                   : ("from generation_config.json: " + sampling_desc).c_str());
   std::printf("  parsers:   reasoning %s, tool calls %s\n", http.reasoning_parser_on() ? "qwen3" : "off",
@@ -462,6 +471,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                "cuda: start without the numerical self-check against the CPU backend");
   kiln::cli::add_gpu_flags(app, a->gpu);
   kiln::cli::add_parallel_flags(app, a->parallel);
+  kiln::cli::add_speculative_flags(app, a->speculative);
   app.add_option("--shutdown-timeout", a->shutdown_timeout_s,
                  "Seconds to let in-flight requests finish on SIGTERM / SIGINT")
       ->capture_default_str();

@@ -5,9 +5,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <thread>
 
 #include "clients/display.h"
@@ -233,6 +236,57 @@ void print_level(std::FILE* out, const BenchOptions& options, const LevelResult&
   std::fflush(out);
 }
 
+// Speculative decoding's counters on the server's /metrics (kiln's names), when it exposes them.
+struct SpecCounters {
+  double drafted = 0, accepted = 0, verifies = 0, verified_tokens = 0;
+};
+
+std::optional<SpecCounters> read_spec_counters(HttpClient& client) {
+  HttpResponse r;
+  try {
+    r = client.get("/metrics");
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (r.status != 200) return std::nullopt;
+  SpecCounters c;
+  bool seen = false;
+  std::istringstream lines(r.body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    if (space == std::string::npos) continue;
+    const std::string name = line.substr(0, line.find('{') < space ? line.find('{') : space);
+    double* field = name == "kiln:spec_draft_tokens_total"      ? &c.drafted
+                    : name == "kiln:spec_accepted_tokens_total" ? &c.accepted
+                    : name == "kiln:spec_accept_length_count"   ? &c.verifies
+                    : name == "kiln:spec_accept_length_sum"     ? &c.verified_tokens
+                                                                : nullptr;
+    if (!field) continue;
+    *field = std::strtod(line.c_str() + space + 1, nullptr);
+    seen = true;
+  }
+  return seen ? std::optional<SpecCounters>(c) : std::nullopt;
+}
+
+// The level's mean accept length (tokens a sequence got per verify step: accepted drafts + 1) from the counters'
+// difference over the level.
+void print_spec_counters(std::FILE* out, const std::optional<SpecCounters>& before,
+                         const std::optional<SpecCounters>& after) {
+  if (!before || !after) return;
+  const double verifies = after->verifies - before->verifies;
+  const double drafted = after->drafted - before->drafted, accepted = after->accepted - before->accepted;
+  if (verifies <= 0) {
+    fmt::print(out, "{:<36}{}\n", "Speculative decoding:", "no verify steps in this level (server /metrics)");
+  } else {
+    fmt::print(out, "{:<36}{} ({} verify steps; {} of {} draft tokens accepted, {:.1f}%; server /metrics)\n",
+               "Mean accept length (spec):", fmt_number((after->verified_tokens - before->verified_tokens) / verifies),
+               static_cast<uint64_t>(verifies), static_cast<uint64_t>(accepted), static_cast<uint64_t>(drafted),
+               drafted > 0 ? 100 * accepted / drafted : 0.0);
+  }
+  std::fflush(out);
+}
+
 void print_summary(std::FILE* out, const BenchReport& report) {
   fmt::print(out, "\n{:=^120}\n",
              fmt::format(" Summary: {} endpoint, input {} tokens, output {} tokens ", report.endpoint,
@@ -439,8 +493,10 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
   std::mt19937_64 arrival_rng(options.seed ^ 0x9E3779B97F4A7C15ull);
   for (size_t li = 0; li < options.max_concurrency.size(); ++li) {
     size_t c = options.max_concurrency[li];
+    const std::optional<SpecCounters> spec_before = read_spec_counters(client);
     LevelResult level = run_level(options, report.model, level_prompts[li], c, arrival_rng);
     print_level(out, options, level);
+    print_spec_counters(out, spec_before, read_spec_counters(client));
     report.levels.push_back(level);
     const BenchMetrics& m = level.metrics;
     double failed_fraction = static_cast<double>(m.failed) / static_cast<double>(level.num_prompts);

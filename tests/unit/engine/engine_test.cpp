@@ -1,16 +1,19 @@
 // The engine loop with a fake model (DummyRunner, whose output hashes everything a sequence reads through its page
 // table and state slot): batching never mixes sequences, capacity is freed, limits hold, failures stay contained; the
 // runner's argmax / sampling paths match host sampling; grammar constraints; the prefix cache on and off give the
-// same outputs; and the same on the real kiln-tiny model over the CPU backend.
+// same outputs; and the same on the real kiln-tiny model over the CPU backend. Speculative decoding (EngineSpeculative,
+// TinySpeculative): greedy output equal to plain decoding's on hybrid models with an MTP head, whatever is accepted.
 #include "engine/engine.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <filesystem>
-#include <functional>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
@@ -1394,6 +1397,57 @@ TEST(EngineSpeculative, AdaptiveChoiceKeepsTheOutputAndRefusesAModelWithoutAHead
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("MTP head"), std::string::npos) << err.what();
   }
+}
+
+
+// kiln-tiny (trained main model, NVFP4 experts) with a random BF16 head ('mtp*' left unquantised, as the real
+// checkpoints have it): greedy outputs with speculation (scripted drafts, so that drafts are accepted) equal plain
+// decoding's for concurrent requests with chunked prefill.
+TEST(TinySpeculative, GreedyOutputsEqualPlainDecoding) {
+  kiln::test::TempDir tmp;
+  const std::string src = tmp.path() + "/tiny", dir = tmp.path() + "/tiny-mtp";
+  std::filesystem::create_directories(src);
+  for (const char* f : {"config.json", "generation_config.json", "model.safetensors"})
+    std::filesystem::copy_file(kTiny + "/" + f, src + "/" + f);
+  nlohmann::json quant = nlohmann::json::parse(std::ifstream(kTiny + "/hf_quant_config.json"));
+  quant["quantization"]["exclude_modules"].push_back("mtp*");
+  std::ofstream(src + "/hf_quant_config.json") << quant.dump(2);
+  kiln::test::write_model_with_mtp(src, dir, 28);
+  auto load = [&](bool mtp) {
+    backend::CpuLoadOptions lo;
+    lo.max_context = 512;
+    lo.state_slots = 4;
+    lo.prefill_chunk = 64;
+    lo.mtp = mtp;
+    return backend::load_cpu_model(format::ModelDir::open(dir), lo);
+  };
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> p(static_cast<size_t>(20 + rng() % 40));
+    for (auto& t : p) t = static_cast<int32_t>(300 + rng() % 1500);
+    prompts.push_back(p);
+  }
+  EngineOptions o = tiny_options(4, false);
+  std::vector<std::vector<int32_t>> ref;
+  {
+    Engine plain(load(false), o);
+    plain.start();
+    ref = run_all(plain, prompts, 24);
+  }
+  o.speculative_num_steps = 3;
+  o.draft_length_for_step = [](int) { return 3; };
+  Engine spec(std::make_unique<ScriptedDrafts>(load(true), full_sequences(prompts, ref),
+                                               [](int64_t pos, int s) { return static_cast<int>(pos % (s + 1)); }),
+              o);
+  spec.start();
+  EXPECT_EQ(run_all(spec, prompts, 24), ref);
+  const auto m = spec.metrics();
+  EXPECT_GT(m.spec_accepted_tokens_total, 0u);
+  std::printf("[tiny spec] %llu of %llu drafts accepted, mean accept length %.2f\n",
+              static_cast<unsigned long long>(m.spec_accepted_tokens_total),
+              static_cast<unsigned long long>(m.spec_draft_tokens_total),
+              m.spec_accept_length.sum / std::max<uint64_t>(m.spec_accept_length.count, 1));
 }
 
 }  // namespace

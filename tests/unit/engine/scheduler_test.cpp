@@ -552,5 +552,56 @@ TEST(SchedulerCache, MemoryPressureEvictsTheCacheBeforePreempting) {
   EXPECT_EQ(s.kv_pages_free() + s.prefix_cache()->num_pages(), 8);
 }
 
+
+// Speculative decoding: a decode takes pages for its verify positions from free pages only (never preempting), counts
+// 1 + lookahead tokens in the step's budget, and commit_accepted moves its computed count past the accepted drafts.
+TEST(Scheduler, DecodeLookaheadTakesFreePagesAndAcceptedTokensCount) {
+  SchedulerOptions o = small_options();
+  o.decode_lookahead = 3;
+  o.kv_pages = 8;
+  o.chunked_prefill_size = 16;
+  Scheduler s(o);
+  s.enqueue(make_seq(1, 4, 20));  // one page of prompt
+  StepPlan p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  s.commit_step(p);
+  fake_sample(p);
+  Sequence* seq = p.chunks[0].seq;
+  // Decode at position 4: positions 4 .. 7 (the token and 3 drafts) fit in page 2.
+  p = s.plan_step();
+  ASSERT_EQ(p.num_decodes, 1);
+  EXPECT_EQ(seq->pages.size(), 2u);
+  s.commit_step(p);
+  s.commit_accepted(seq, 2);                          // before the engine appends the tokens, as it does
+  seq->tokens.insert(seq->tokens.end(), {8, 9, 10});  // 2 accepted drafts + the target's token
+  EXPECT_EQ(seq->num_cached, 7);
+  EXPECT_EQ(seq->num_cached + 1, static_cast<int64_t>(seq->tokens.size()));
+  // Decode at position 7: its verify reaches position 10, page 3.
+  p = s.plan_step();
+  EXPECT_EQ(seq->pages.size(), 3u);
+  s.commit_step(p);
+  fake_sample(p);
+  // A second sequence's prompt: the budget left is 16 - 1 x (1 + 3) = 12 tokens.
+  s.enqueue(make_seq(2, 20, 4));
+  p = s.plan_step();
+  EXPECT_EQ(p.num_decodes, 1);
+  EXPECT_EQ(p.num_prefill_tokens, 12);
+
+  // No free page: a decode runs with the page for its token alone, and nobody is preempted for the lookahead.
+  SchedulerOptions tight = small_options();
+  tight.decode_lookahead = 3;
+  tight.kv_pages = 2;
+  Scheduler t(tight);
+  t.enqueue(make_seq(1, 7, 4));  // positions 0 .. 6 and the decode at 7: two pages, none to spare
+  p = t.plan_step();
+  t.commit_step(p);
+  fake_sample(p);
+  p = t.plan_step();
+  ASSERT_EQ(p.num_decodes, 1);
+  EXPECT_EQ(p.chunks[0].seq->pages.size(), 2u);
+  EXPECT_EQ(t.kv_pages_free(), 0);
+  EXPECT_EQ(t.counters().preemptions, 0u);
+}
+
 }  // namespace
 }  // namespace kiln::engine

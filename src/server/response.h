@@ -1,6 +1,6 @@
 // OpenAI response rendering: one generation request in flight (its engine channel, per-choice
 // outputs, timing) and the JSON it answers with: SSE chunks, the non-streamed body, logprobs, usage,
-// and its request-log line. The routes (http_server.cpp) drive it; protocol.h parses the requests.
+// and its request-log line. The routes drive it (generation.h); protocol.h parses the requests.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -27,9 +27,10 @@ std::string random_hex(size_t n);
 int64_t unix_now();
 
 // Shared by the handler and, for streamed responses, the chunked content provider that outlives it.
+// The OpenAI rendering is the default; the Anthropic Messages and Responses jobs override the virtual methods.
 struct GenerationJob {
   std::atomic<int>* active = nullptr;  // the server's count of requests in flight
-  ~GenerationJob();
+  virtual ~GenerationJob();
 
   bool chat = true;
   std::string id;
@@ -110,13 +111,13 @@ struct GenerationJob {
                                nlohmann::json matched_stop);
 
   // The SSE text for the first call: role deltas (chat) or the echoed prompt (completions).
-  std::string stream_prologue();
+  virtual std::string stream_prologue();
 
   // SSE text for new deltas, finish chunks, and (when everything ended) usage and [DONE].
-  std::string stream_events(std::vector<ChoiceDelta>& deltas);
+  virtual std::string stream_events(std::vector<ChoiceDelta>& deltas);
 
   // The whole response body of a non-streamed request (all choices finished).
-  nlohmann::json final_response();
+  virtual nlohmann::json final_response();
 
   void accumulate_text(const std::vector<ChoiceDelta>& deltas);
 

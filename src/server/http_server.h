@@ -1,4 +1,5 @@
 // The HTTP front end: OpenAI-compatible API (chat and text completions; streamed over SSE or not),
+// the Anthropic Messages API,
 // SGLang-style operational endpoints (/health, /health_generate, /get_model_info, /get_server_info,
 // /metrics, /tokenize, /detokenize), API-key check, request logging.
 //

@@ -76,7 +76,7 @@ std::vector<ChoiceDelta> GenerationJob::absorb(const std::vector<engine::TokenEv
     deltas[i].logprobs.clear();
     for (const auto& piece : deltas[i].tool_calls) {
       if (piece.index >= static_cast<int>(a.calls.size()))
-        a.calls.push_back({"call_" + random_hex(24), piece.name, ""});
+        a.calls.push_back({call_id_prefix + random_hex(24), piece.name, ""});
       a.calls[piece.index].arguments += piece.arguments;
     }
   }

@@ -44,6 +44,7 @@ struct GenerationJob {
   std::shared_ptr<engine::RequestChannel> channel;
   std::vector<ChoiceOutput> choices;
   const tok::Tokenizer* tokenizer = nullptr;
+  std::string call_id_prefix = "call_";  // tool-call ids: prefix + random hex (Anthropic's are "toolu_")
 
   // Per choice: accumulated output (non-streamed), pending logprobs (streamed), tool-call ids.
   struct Accum {

@@ -80,8 +80,9 @@ class Routes {
 // The error style of a path: Anthropic's for /v1/messages..., OpenAI's elsewhere.
 ErrorStyle error_style_of(const std::string& path);
 
-// The routes of each concern (admin_routes.cpp, generation_routes.cpp).
+// The routes of each concern (admin_routes.cpp, generation_routes.cpp, anthropic_api.cpp).
 void add_admin_routes(Routes& routes, ServerState& state);
 void add_generation_routes(Routes& routes, ServerState& state);
+void add_anthropic_routes(Routes& routes, ServerState& state);
 
 }  // namespace kiln::server

@@ -1,6 +1,6 @@
 // The server core: options checked, the listener bound, the request pipeline around the routes (API-key check,
 // error answers for unrouted requests, the rejected-request log line and the HTTP counters) and the routes of
-// each concern (admin_routes.cpp, generation_routes.cpp, anthropic_api.cpp) registered.
+// each concern (admin_routes.cpp, generation_routes.cpp, anthropic_api.cpp, responses_api.cpp) registered.
 #include "server/http_server.h"
 
 #include <sys/socket.h>
@@ -44,7 +44,7 @@ const char* status_reason(int status) {
 // The endpoint label of a path in the HTTP counters (unknown paths count as "other").
 std::string endpoint_label(const std::string& path) {
   static const char* known[] = {"/v1/chat/completions", "/v1/completions", "/v1/messages",
-                                "/v1/messages/count_tokens", "/v1/models", "/health",
+                                "/v1/messages/count_tokens", "/v1/responses", "/v1/models", "/health",
                                 "/health_generate", "/get_model_info", "/model_info", "/get_server_info",
                                 "/server_info", "/metrics", "/tokenize", "/v1/tokenize", "/detokenize",
                                 "/v1/detokenize"};
@@ -166,6 +166,7 @@ struct HttpServer::Impl {
     add_admin_routes(routes, state);
     add_generation_routes(routes, state);
     add_anthropic_routes(routes, state);
+    add_responses_routes(routes, state);
   }
 };
 

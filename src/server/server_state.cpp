@@ -8,7 +8,8 @@
 
 namespace kiln::server {
 
-ServerState::ServerState(ServerOptions o) : opts(std::move(o)), created_at(unix_now()) {}
+ServerState::ServerState(ServerOptions o)
+    : opts(std::move(o)), created_at(unix_now()), responses(opts.responses_store) {}
 
 std::shared_ptr<const grammar::Constraint> ServerState::make_constraint(std::shared_ptr<const grammar::Grammar> g,
                                                                         bool starts_in_reasoning) {

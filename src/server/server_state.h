@@ -18,6 +18,7 @@
 #include "server/http_server.h"
 #include "server/metrics_text.h"
 #include "server/protocol.h"
+#include "server/response_store.h"
 #include "server/structured_output.h"
 
 namespace kiln::server {
@@ -36,6 +37,7 @@ struct ServerState {
   std::mutex stats_mu;
   HttpCounts http_counts;
   std::atomic<int> active_jobs{0};
+  ResponseStore responses;  // /v1/responses with store: previous_response_id looks here
 
   // The engine constraint for a grammar (null: free), compiled once per grammar and shared. With
   // starts_in_reasoning the grammar starts after "</think>" (thinking stays free).
@@ -80,9 +82,10 @@ class Routes {
 // The error style of a path: Anthropic's for /v1/messages..., OpenAI's elsewhere.
 ErrorStyle error_style_of(const std::string& path);
 
-// The routes of each concern (admin_routes.cpp, generation_routes.cpp, anthropic_api.cpp).
+// The routes of each concern (admin_routes.cpp, generation_routes.cpp, anthropic_api.cpp, responses_api.cpp).
 void add_admin_routes(Routes& routes, ServerState& state);
 void add_generation_routes(Routes& routes, ServerState& state);
 void add_anthropic_routes(Routes& routes, ServerState& state);
+void add_responses_routes(Routes& routes, ServerState& state);
 
 }  // namespace kiln::server

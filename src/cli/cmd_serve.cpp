@@ -431,7 +431,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_option("--host", a->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "Port to listen on")->capture_default_str();
   app.add_option("--served-model-name", a->served_model_name, "Model name in the API (default: the model path)");
-  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' (/health, /health_generate, /metrics stay open)");
+  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
   app.add_option("--context-length", a->context_length, "Longest sequence, prompt + output (default: the model's)");
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "KV cache type: auto (bf16), bf16 or fp8_e4m3")
       ->capture_default_str();

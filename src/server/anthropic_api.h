@@ -11,7 +11,8 @@
 //   tools [{name, description, input_schema}], tool_choice {auto | any | tool {name} | none,
 //   disable_parallel_tool_use}, stop_sequences, temperature (0..1), top_p, top_k, max_tokens, stream
 //   thinking {type: enabled, budget_tokens}: the template's thinking on (off when absent or disabled);
-//   budget_tokens caps the reasoning: at the cap the think block is closed and the answer follows.
+//   budget_tokens caps the reasoning: at the cap the sequence is stopped and continued from its tokens plus
+//   "</think>" (GenerationJob::close_reasoning), so the answer follows within the same max_tokens.
 // metadata and service_tier are accepted and ignored; other fields, images and documents are a 400.
 // AnthropicJob renders the output: content blocks (thinking, text, tool_use), stop_reason (end_turn,
 // max_tokens, stop_sequence, tool_use), usage (input_tokens excludes the prompt tokens read from the prefix

@@ -187,7 +187,12 @@ void run_generation(ServerState& state, const httplib::Request& req, httplib::Re
   job->acc.resize(num_choices);
   job->probe = ConnectionProbe(req.remote_addr, req.remote_port, req.local_port);
 
-  engine::SubmitResult sr = eng.submit(make_requests(job->id, prompts, f, max_tokens));
+  std::vector<engine::GenerateRequest> reqs = make_requests(job->id, prompts, f, max_tokens);
+  if (job->reasoning_budget >= 0) {  // the continuation after the thinking budget starts from this request
+    job->engine = &eng;
+    job->submitted = reqs.at(0);
+  }
+  engine::SubmitResult sr = eng.submit(std::move(reqs));
   switch (sr.status) {
     case engine::SubmitStatus::ok: break;
     case engine::SubmitStatus::queue_full: throw ApiError(503, sr.message, "", "queue_full");

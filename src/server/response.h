@@ -11,9 +11,14 @@
 #include <vector>
 
 #include "engine/channel.h"
+#include "engine/request.h"
 #include "server/choice_output.h"
 #include "server/connection_probe.h"
 #include "server/protocol.h"
+
+namespace kiln::engine {
+class Engine;
+}
 
 namespace kiln::server {
 
@@ -45,6 +50,16 @@ struct GenerationJob {
   std::vector<ChoiceOutput> choices;
   const tok::Tokenizer* tokenizer = nullptr;
   std::string call_id_prefix = "call_";  // tool-call ids: prefix + random hex (Anthropic's are "toolu_")
+
+  // A thinking budget (Anthropic budget_tokens; one choice): once choice 0 has generated this many reasoning
+  // tokens and is still inside its think block, its sequence is stopped and a new one continues from the prompt,
+  // the tokens so far and think_close (the block closed): the answer follows within the same max_tokens.
+  int64_t reasoning_budget = -1;
+  std::string think_close = "\n</think>\n\n";
+  engine::Engine* engine = nullptr;       // set by the generation driver when there is a budget
+  engine::GenerateRequest submitted;      // choice 0's request as submitted (the continuation's template)
+  std::vector<int32_t> generated;         // choice 0's tokens so far
+  bool budget_spent = false;
 
   // Per choice: accumulated output (non-streamed), pending logprobs (streamed), tool-call ids.
   struct Accum {
@@ -78,6 +93,9 @@ struct GenerationJob {
 
   // Feeds engine events into the choices; returns the new deltas per choice.
   std::vector<ChoiceDelta> absorb(const std::vector<engine::TokenEvent>& events);
+  // The thinking budget is spent: stop the sequence, close the think block, continue with the answer.
+  bool budget_due() const;
+  void close_reasoning(ChoiceDelta& delta);
 
   int64_t completion_tokens() const {
     int64_t n = 0;

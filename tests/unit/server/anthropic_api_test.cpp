@@ -149,6 +149,27 @@ TEST(AnthropicApi, ThinkingBlockThenText) {
   EXPECT_EQ(r.j["content"][1]["text"], "Four.");
 }
 
+TEST(AnthropicApi, ThinkingBudgetClosesTheBlockAndTheAnswerFollows) {
+  TestServer& s = shared_server();
+  // The model would think for 10 bytes; the budget of 5 tokens (bytes) closes the block after "abcde", and the
+  // answer gets the rest of max_tokens (12 - 5 = 7 tokens).
+  Reply r = post(s, "/v1/messages",
+                 message_body("abcdefghij</think>\n\nDone.",
+                              {{"max_tokens", 12}, {"thinking", {{"type", "enabled"}, {"budget_tokens", 5}}}}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  ASSERT_EQ(r.j["content"].size(), 2u) << r.body;
+  EXPECT_EQ(r.j["content"][0]["type"], "thinking");
+  EXPECT_EQ(r.j["content"][0]["thinking"], "abcde");
+  EXPECT_EQ(r.j["content"][1]["type"], "text");
+  EXPECT_EQ(r.j["stop_reason"], "max_tokens");
+  EXPECT_EQ(r.j["usage"]["output_tokens"], 12);  // the closing "</think>" is the server's, not counted
+  // Without a budget the same request thinks for all of its tokens.
+  Reply free = post(s, "/v1/messages",
+                    message_body("abcdefghij</think>\n\nDone.", {{"max_tokens", 10}, {"thinking", {{"type", "enabled"}}}}));
+  EXPECT_EQ(free.j["content"][0]["thinking"], "abcdefghij");
+  EXPECT_EQ(free.j["content"].size(), 1u) << free.body;
+}
+
 TEST(AnthropicApi, ToolUseStopSequenceAndMaxTokens) {
   TestServer& s = shared_server();
   Reply t = post(s, "/v1/messages", message_body(kToolXml, {{"tools", {weather_tool()}}}));

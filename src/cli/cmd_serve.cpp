@@ -63,6 +63,8 @@ struct ServeArgs {
   kiln::cli::ParallelFlags parallel;
   double shutdown_timeout_s = 30;
   int64_t max_request_bytes = 32 << 20;
+  int64_t responses_store_size = 1024;  // /v1/responses kept for previous_response_id (0: none)
+  int64_t responses_store_ttl_s = 3600;
   std::string dummy_runner;  // "", hash or echo
 };
 
@@ -142,6 +144,8 @@ int run_serve(const ServeArgs& a) {
   if (a.context_length < 0) fail("--context-length must be positive (got {})", a.context_length);
   if (a.shutdown_timeout_s < 0) fail("--shutdown-timeout must be 0 or more seconds");
   if (a.max_request_bytes < 1024) fail("--max-request-bytes must be at least 1024");
+  if (a.responses_store_size < 0) fail("--responses-store-size must be 0 (store nothing) or more");
+  if (a.responses_store_ttl_s < 1) fail("--responses-store-ttl must be at least 1 second");
   DType kv_dtype = DType::BF16;
   if (a.kv_cache_dtype == "fp8_e4m3")
     kv_dtype = DType::F8_E4M3;
@@ -171,6 +175,8 @@ int run_serve(const ServeArgs& a) {
   so.reasoning_parser = a.reasoning_parser;
   so.tool_call_parser = a.tool_call_parser;
   so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
+  so.responses_store.max_entries = static_cast<size_t>(a.responses_store_size);
+  so.responses_store.max_age_s = a.responses_store_ttl_s;
   so.http_threads = std::min(2048, (a.max_running_requests > 0 ? a.max_running_requests : 256) + a.max_queued_requests + 32);
 
   // Resolve the model folder (cheap) so the server's name and paths are known before loading.
@@ -193,7 +199,9 @@ int run_serve(const ServeArgs& a) {
                               {"threads", a.threads},
                               {"device", device},
                               {"shutdown_timeout", a.shutdown_timeout_s},
-                              {"max_request_bytes", a.max_request_bytes}};
+                              {"max_request_bytes", a.max_request_bytes},
+                              {"responses_store_size", a.responses_store_size},
+                              {"responses_store_ttl", a.responses_store_ttl_s}};
 
   // Load everything that can fail on bad input before opening the port for traffic.
   format::ModelConfig config = format::load_model_config(dir);
@@ -423,7 +431,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_option("--host", a->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "Port to listen on")->capture_default_str();
   app.add_option("--served-model-name", a->served_model_name, "Model name in the API (default: the model path)");
-  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' (/health, /health_generate, /metrics stay open)");
+  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
   app.add_option("--context-length", a->context_length, "Longest sequence, prompt + output (default: the model's)");
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "KV cache type: auto (bf16), bf16 or fp8_e4m3")
       ->capture_default_str();
@@ -464,6 +472,12 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   kiln::cli::add_parallel_flags(app, a->parallel);
   app.add_option("--shutdown-timeout", a->shutdown_timeout_s,
                  "Seconds to let in-flight requests finish on SIGTERM / SIGINT")
+      ->capture_default_str();
+  app.add_option("--responses-store-size", a->responses_store_size,
+                 "Responses kept in memory for /v1/responses previous_response_id (oldest evicted; 0: none)")
+      ->capture_default_str();
+  app.add_option("--responses-store-ttl", a->responses_store_ttl_s,
+                 "Seconds a stored response stays usable as previous_response_id")
       ->capture_default_str();
   app.add_option("--max-request-bytes", a->max_request_bytes, "Largest request body (larger: 413)")
       ->capture_default_str();

@@ -1,8 +1,10 @@
-// Per-GPU figures in /get_server_info and /metrics: a fake runner that says it holds two GPU ranks (the dummy
+// render_metrics (src/server/metrics_text.cpp): engine gauges, HTTP counts, label escaping; and per-GPU figures in
+// /get_server_info and /metrics: a fake runner that says it holds two GPU ranks (the dummy
 // runner underneath, so the engine runs), and the CPU-style runner that reports none.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -94,7 +96,40 @@ double metric_value(const std::string& text, const std::string& series) {
   return -1;
 }
 
-TEST(DeviceMemory, ServerInfoListsEveryGpuRank) {
+TEST(MetricsText, EngineGaugesAndHttpCountsAreRendered) {
+  engine::EngineMetricsSnapshot m;
+  m.num_running = 3;
+  m.num_waiting = 5;
+  m.kv_pages_used = 25;
+  m.kv_pages_total = 100;
+  HttpCounts http;
+  http.requests[{"/v1/chat/completions", 200}] = 7;
+  http.requests[{"/v1/models", 404}] = 2;
+  const std::string text = render_metrics(m, http, "my \"model\"");
+  const std::string model = "model_name=\"my \\\"model\\\"\"";  // quotes escaped in the label value
+  EXPECT_EQ(metric_value(text, "kiln:num_running_reqs{" + model + "}"), 3.0) << text;
+  EXPECT_EQ(metric_value(text, "kiln:num_queue_reqs{" + model + "}"), 5.0);
+  EXPECT_EQ(metric_value(text, "kiln:kv_cache_usage_ratio{" + model + "}"), 0.25);
+  EXPECT_EQ(metric_value(text, "kiln:http_requests_total{" + model + ",endpoint=\"/v1/chat/completions\",status=\"200\"}"),
+            7.0);
+  EXPECT_EQ(metric_value(text, "kiln:http_requests_total{" + model + ",endpoint=\"/v1/models\",status=\"404\"}"), 2.0);
+  // Every sample line belongs to a metric declared by a TYPE line before it.
+  std::istringstream in(text);
+  std::string line, declared;
+  while (std::getline(in, line)) {
+    if (line.rfind("# TYPE ", 0) == 0) declared += " " + line.substr(7, line.find(' ', 7) - 7) + " ";
+    else if (!line.empty() && line[0] != '#') {
+      std::string name = line.substr(0, line.find_first_of("{ "));
+      for (const char* suffix : {"_bucket", "_sum", "_count"})
+        if (declared.find(" " + name + " ") == std::string::npos && name.size() > std::strlen(suffix) &&
+            name.compare(name.size() - std::strlen(suffix), std::string::npos, suffix) == 0)
+          name.resize(name.size() - std::strlen(suffix));
+      EXPECT_NE(declared.find(" " + name + " "), std::string::npos) << "undeclared: " << line;
+    }
+  }
+}
+
+TEST(MetricsText, ServerInfoListsEveryGpuRank) {
   Server s(two_gpus());
   const json info = json::parse(s.get("/get_server_info"));
   ASSERT_TRUE(info["gpus"].is_array());
@@ -113,7 +148,7 @@ TEST(DeviceMemory, ServerInfoListsEveryGpuRank) {
   EXPECT_EQ(info["gpus"][1]["weight_bytes"], 118'000'000'001);
 }
 
-TEST(DeviceMemory, MetricsHaveGaugesPerGpuAndRank) {
+TEST(MetricsText, MetricsHaveGaugesPerGpuAndRank) {
   Server s(two_gpus());
   const std::string m = s.get("/metrics");
   EXPECT_EQ(metric_value(m, "kiln:gpu_weight_bytes{model_name=\"m\",gpu=\"2\",rank=\"0\"}"), 118'640'000'000.0);
@@ -131,7 +166,7 @@ TEST(DeviceMemory, MetricsHaveGaugesPerGpuAndRank) {
   EXPECT_EQ(helps, 1u);
 }
 
-TEST(DeviceMemory, CpuRunnerReportsNoGpus) {
+TEST(MetricsText, CpuRunnerReportsNoGpus) {
   Server s({});
   const json info = json::parse(s.get("/get_server_info"));
   ASSERT_TRUE(info["gpus"].is_array());

@@ -9,7 +9,20 @@
 
 namespace kiln::grammar {
 
+void Grammar::set_limits(const CompileLimits& limits) {
+  max_nodes_ = limits.max_nodes;
+  max_time_ = limits.max_time;
+  deadline_ = std::chrono::steady_clock::now() + limits.max_time;
+}
+
 int32_t Grammar::add_node() {
+  if (nodes_.size() >= max_nodes_)
+    fail("the grammar is too large: more than {} automaton nodes (kiln's limit per request; simplify the schema or "
+         "pattern: fewer nested, repeated or bounded-repeat parts)",
+         max_nodes_);
+  if ((nodes_.size() & 1023) == 0 && std::chrono::steady_clock::now() > deadline_)
+    fail("the grammar took longer than {} ms to compile (kiln's limit per request; simplify the schema or pattern)",
+         max_time_.count());
   nodes_.emplace_back();
   return static_cast<int32_t>(nodes_.size() - 1);
 }

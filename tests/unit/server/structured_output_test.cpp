@@ -66,10 +66,32 @@ TEST(GrammarJsonObject, PrefixesStayAlive) {
   EXPECT_FALSE(prefix(g, "x"));
 }
 
-TEST(GrammarJsonObject, WhitespaceIsBounded) {
+// Between tokens: nothing, one space, or one newline and up to 20 spaces / tabs (llama.cpp's bound); no '\r'.
+TEST(GrammarJsonObject, WhitespaceIsCompactByDefault) {
   auto g = json_object_grammar();
-  EXPECT_TRUE(full(g, "{" + std::string(kMaxWhitespace, ' ') + "}"));
-  EXPECT_FALSE(prefix(g, "{" + std::string(kMaxWhitespace + 1, ' ')));
+  EXPECT_TRUE(full(g, "{}"));
+  EXPECT_TRUE(full(g, "{ }"));
+  EXPECT_TRUE(full(g, "{\n" + std::string(20, ' ') + "}"));
+  EXPECT_TRUE(full(g, "{\n\t\t\"a\": 1\n}"));
+  EXPECT_FALSE(prefix(g, "{\n" + std::string(21, ' ')));
+  EXPECT_FALSE(prefix(g, "{  "));      // two spaces
+  EXPECT_FALSE(prefix(g, "{\n\n"));    // two newlines
+  EXPECT_FALSE(prefix(g, "{\r"));
+  EXPECT_FALSE(prefix(g, "{\"a\":1 ,  "));
+  auto schema = json_schema_grammar(R"({"type":"object","properties":{"a":{"type":"array","items":{"type":"integer"}}}})");
+  EXPECT_TRUE(full(schema, "{\n  \"a\": [\n    1,\n    2\n  ]\n}"));
+  EXPECT_FALSE(prefix(schema, "{\r\n"));
+  EXPECT_FALSE(prefix(schema, std::string("{\"a\":[1,") + std::string(2, ' ')));
+}
+
+TEST(GrammarJsonObject, AnyWhitespaceOnRequest) {
+  JsonGrammarOptions any;
+  any.any_whitespace = true;
+  auto g = json_object_grammar(any);
+  EXPECT_TRUE(full(g, "{\r\n\n" + std::string(100, ' ') + "\"a\"  :\t1 }"));
+  EXPECT_FALSE(prefix(g, "{\v"));  // not JSON whitespace
+  auto s = json_schema_grammar(R"({"type":"array","items":{"type":"boolean"}})", any);
+  EXPECT_TRUE(full(s, "[ \r\n true ,\n\n\n false ]"));
 }
 
 TEST(GrammarJsonSchema, PropertiesInOrderRequiredAndOptional) {
@@ -281,12 +303,16 @@ TEST(GrammarJsonSchema, RefsAndRecursion) {
 }
 
 TEST(GrammarJsonSchema, UnsupportedKeywordsNameThemselves) {
-  EXPECT_NE(schema_error(R"({"type":"string","pattern":"^a"})").find("'pattern'"), std::string::npos);
-  EXPECT_NE(schema_error(R"({"type":"object","properties":{"a":{"type":"integer","minimum":0}}})").find("'minimum'"),
+  EXPECT_NE(schema_error(R"({"type":"string","not":{"const":"a"}})").find("'not'"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"object","properties":{"a":{"type":"array","contains":{}}}})").find("'contains'"),
             std::string::npos);
-  EXPECT_NE(schema_error(R"({"type":"object","properties":{"a":{"type":"integer","minimum":0}}})").find("/properties/a"),
+  EXPECT_NE(schema_error(R"({"type":"object","properties":{"a":{"type":"array","contains":{}}}})").find("/properties/a"),
             std::string::npos);
-  EXPECT_NE(schema_error(R"({"oneOf":[{"type":"integer"}]})").find("'oneOf'"), std::string::npos);
+  for (const char* k : {"patternProperties", "propertyNames", "if", "dependentRequired", "unevaluatedProperties"})
+    EXPECT_NE(schema_error(std::string(R"({"type":"object",")") + k + R"(":{}})").find(std::string("'") + k + "'"),
+              std::string::npos)
+        << k;
+  EXPECT_NE(schema_error(R"({"oneOf":[{"type":"integer"},{"type":"number"}]})").find("'oneOf'"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"date"})").find("'date'"), std::string::npos);
   EXPECT_NE(schema_error(R"({"$ref":"#/$defs/missing"})").find("#/$defs/missing"), std::string::npos);
   EXPECT_NE(schema_error(R"({"$ref":"http://x/y"})").find("http://x/y"), std::string::npos);
@@ -341,7 +367,9 @@ TEST(GrammarToolCall, JsonTypedArguments) {
 TEST(GrammarToolCall, BadToolsAreErrors) {
   EXPECT_THROW(tool_call_grammar({}, false), Error);
   EXPECT_THROW(tool_call_grammar({{"a>b", ""}}, false), Error);
-  EXPECT_THROW(tool_call_grammar({{"f", R"({"type":"object","properties":{"x":{"type":"string","format":"date"}}})"}}, false),
+  EXPECT_THROW(tool_call_grammar({{"f", R"({"type":"object","properties":{"x":{"type":"string","format":"color"}}})"}}, false),
+               Error);
+  EXPECT_THROW(tool_call_grammar({{"f", R"({"type":"object","properties":{"x":{"type":"string","not":{}}}})"}}, false),
                Error);
   EXPECT_THROW(tool_call_grammar({{"f", R"({"type":"object","properties":{"x":{}}})"}}, false), Error);
 }

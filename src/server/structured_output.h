@@ -48,7 +48,7 @@ using grammar::Grammar;
 inline constexpr int kMaxIndent = 20;                 // spaces / tabs after a newline between JSON tokens
 inline constexpr int kMaxSchemaDepth = 32;            // nested sub-schemas (objects, arrays, anyOf, $ref chains)
 inline constexpr size_t kMaxSchemaJsonDepth = 128;    // JSON nesting of the schema document itself
-inline constexpr size_t kMaxGrammarNodes = 1u << 20;  // per grammar (engine/grammar/grammar.h CompileLimits)
+inline constexpr size_t kMaxGrammarNodes = 1u << 19;  // per grammar, ~30 MB (engine/grammar/grammar.h CompileLimits)
 inline constexpr int kMaxGrammarCompileMs = 1000;     // per grammar
 
 struct JsonGrammarOptions {

@@ -419,7 +419,7 @@ class SchemaCompiler {
           static const CodepointSet no_lt_set = grammar::complement({{'<', '<'}, {0, 0}});
           grammar::CharEmitter raw = [](Grammar& g, const CodepointSet& set) {
             CodepointSet allowed = grammar::intersect(set, no_lt_set);
-            if (allowed.empty()) return Frag{g.empty().start, g.empty().start};
+            if (allowed.empty()) fail("a pattern character of a tool argument can only be '<', which raw tool arguments cannot contain");
             return g.count_units(grammar::utf8_class(g, allowed));
           };
           opts.push_back(text_rule(s, path, lo, hi, raw, ""));
@@ -1155,7 +1155,7 @@ std::shared_ptr<const Grammar> json_schema_grammar(std::string_view schema_json,
   int32_t root = g->new_rule("root");
   g->define_rule(root, g->seq({b.ws(), c.value(schema, "")}));
   g->set_root(root);
-  g->validate();
+  g->prune_unproductive();
   return g;
 }
 
@@ -1165,7 +1165,7 @@ std::shared_ptr<const Grammar> regex_grammar(std::string_view pattern) {
   int32_t root = g->new_rule("root");
   g->define_rule(root, grammar::compile_regex(*g, pattern));
   g->set_root(root);
-  g->validate();
+  g->prune_unproductive();
   return g;
 }
 namespace {
@@ -1240,7 +1240,7 @@ std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& to
     g->define_rule(root, g->seq({head, body}));
   }
   g->set_root(root);
-  g->validate();
+  g->prune_unproductive();
   return g;
 }
 

@@ -53,6 +53,41 @@ void Grammar::validate() const {
                rule_names_[r]);
 }
 
+void Grammar::prune_unproductive() {
+  validate();
+  // Fixpoint: a rule is productive when its end is reachable from its start over range and epsilon edges and
+  // calls of productive rules (counted bounds aside).
+  const size_t n_rules = rule_start_.size();
+  std::vector<char> productive(n_rules, 0);
+  std::vector<char> seen(nodes_.size(), 0);
+  std::vector<int32_t> todo;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < n_rules; ++r) {
+      if (productive[r]) continue;
+      std::fill(seen.begin(), seen.end(), 0);
+      todo.assign(1, rule_start_[r]);
+      bool ends = false;
+      while (!todo.empty() && !ends) {
+        const int32_t n = todo.back();
+        todo.pop_back();
+        if (seen[static_cast<size_t>(n)]) continue;
+        seen[static_cast<size_t>(n)] = 1;
+        if (n == rule_end_[r]) ends = true;
+        for (const Edge& e : nodes_[static_cast<size_t>(n)].edges)
+          if (e.kind != Edge::call || productive[static_cast<size_t>(e.rule)]) todo.push_back(e.target);
+      }
+      if (ends) productive[r] = 1, changed = true;
+    }
+  }
+  if (!productive[static_cast<size_t>(root_)])
+    fail("no finite text matches this grammar (a schema that requires itself, or a pattern that matches nothing)");
+  for (Node& n : nodes_)
+    n.edges.erase(std::remove_if(n.edges.begin(), n.edges.end(),
+                                 [&](const Edge& e) { return e.kind == Edge::call && !productive[static_cast<size_t>(e.rule)]; }),
+                  n.edges.end());
+}
+
 Frag Grammar::empty() {
   int32_t n = add_node();
   return {n, n};
@@ -191,7 +226,7 @@ Automaton::Automaton(std::shared_ptr<const Grammar> grammar) : grammar_(std::mov
   opaque_bottom_ = 0;
   std::vector<Config> seeds{{grammar_->rule_start(grammar_->root()), -1}};
   initial_ = close_and_intern(seeds);
-  KILN_CHECK(initial_ != kDead, "grammar: the root rule can match nothing");
+  if (initial_ == kDead) fail("grammar: the root rule can match nothing");
 }
 
 int32_t Automaton::push(int32_t ret, int32_t parent, int32_t bound, int32_t count) {

@@ -101,6 +101,9 @@ class Grammar {
   std::string structure_key() const;
   // Checks every rule is defined and the root is set; a broken grammar is an InternalError.
   void validate() const;
+  // Removes the calls of rules that can never end (no finite text gets from their start to their end, e.g. a schema
+  // that requires itself), so that no path can start one and never finish. A kiln::Error when the root is one.
+  void prune_unproductive();
 
  private:
   int32_t add_node();

@@ -462,7 +462,7 @@ class Emitter {
     switch (re.kind) {
       case Re::kEmpty: return g_.empty();
       case Re::kSet:
-        if (re.set.empty()) return {g_.empty().start, g_.empty().start};  // matches nothing
+        if (re.set.empty()) fail("regular expression: a class that matches no character (such as [^\\s\\S])");
         return emit_ ? emit_(g_, re.set) : utf8_class(g_, re.set);
       case Re::kConcat: {
         std::vector<Frag> parts;

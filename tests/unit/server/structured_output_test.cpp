@@ -660,3 +660,20 @@ TEST(GrammarToolCall, PatternArgumentsAreRawText) {
 
 }  // namespace
 }  // namespace kiln::server
+
+namespace kiln::server {
+namespace {
+
+// A branch no finite value can finish is cut, so a model cannot enter it and write forever; a schema that is only
+// such a branch is a 400.
+TEST(GrammarJsonSchemaLimits, BranchesThatNeverEndAreCut) {
+  const std::string self = R"("$defs":{"a":{"type":"object","properties":{"x":{"$ref":"#/$defs/a"}},"required":["x"]}})";
+  EXPECT_NE(schema_error("{" + self + R"(,"$ref":"#/$defs/a"})").find("no finite text"), std::string::npos);
+  auto g = json_schema_grammar("{" + self + R"(,"anyOf":[{"$ref":"#/$defs/a"},{"type":"integer"}]})");
+  EXPECT_TRUE(full(g, "12"));
+  EXPECT_FALSE(prefix(g, "{"));
+  EXPECT_NE(schema_error(R"({"type":"string","pattern":"[^\\s\\S]"})").find("no character"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln::server

@@ -60,12 +60,14 @@ void Grammar::prune_unproductive() {
   const size_t n_rules = rule_start_.size();
   std::vector<char> productive(n_rules, 0);
   std::vector<char> seen(nodes_.size(), 0);
-  std::vector<int32_t> todo;
+  std::vector<int32_t> todo, visited;
   for (bool changed = true; changed;) {
     changed = false;
-    for (size_t r = 0; r < n_rules; ++r) {
+    for (size_t r = n_rules; r-- > 0;) {  // callees are mostly made after their callers: last first
       if (productive[r]) continue;
-      std::fill(seen.begin(), seen.end(), 0);
+      // A rule's walk stays inside its own body (calls are not followed), so a pass costs O(nodes) in all.
+      for (int32_t n : visited) seen[static_cast<size_t>(n)] = 0;
+      visited.clear();
       todo.assign(1, rule_start_[r]);
       bool ends = false;
       while (!todo.empty() && !ends) {
@@ -73,6 +75,7 @@ void Grammar::prune_unproductive() {
         todo.pop_back();
         if (seen[static_cast<size_t>(n)]) continue;
         seen[static_cast<size_t>(n)] = 1;
+        visited.push_back(n);
         if (n == rule_end_[r]) ends = true;
         for (const Edge& e : nodes_[static_cast<size_t>(n)].edges)
           if (e.kind != Edge::call || productive[static_cast<size_t>(e.rule)]) todo.push_back(e.target);

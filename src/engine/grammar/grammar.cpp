@@ -89,6 +89,61 @@ void Grammar::prune_unproductive() {
     n.edges.erase(std::remove_if(n.edges.begin(), n.edges.end(),
                                  [&](const Edge& e) { return e.kind == Edge::call && !productive[static_cast<size_t>(e.rule)]; }),
                   n.edges.end());
+  // Nullable rules (their end reachable from their start without a byte), then the rules each one can call before
+  // its first byte; a cycle there is left recursion.
+  std::vector<char> nullable(n_rules, 0);
+  auto walk_epsilon = [&](size_t r, const std::function<void(int32_t callee)>& on_call) {
+    for (int32_t n : visited) seen[static_cast<size_t>(n)] = 0;
+    visited.clear();
+    todo.assign(1, rule_start_[r]);
+    bool ends = false;
+    while (!todo.empty()) {
+      const int32_t n = todo.back();
+      todo.pop_back();
+      if (seen[static_cast<size_t>(n)]) continue;
+      seen[static_cast<size_t>(n)] = 1;
+      visited.push_back(n);
+      if (n == rule_end_[r]) ends = true;
+      for (const Edge& e : nodes_[static_cast<size_t>(n)].edges) {
+        if (e.kind == Edge::epsilon) todo.push_back(e.target);
+        if (e.kind != Edge::call) continue;
+        if (on_call) on_call(e.rule);
+        if (nullable[static_cast<size_t>(e.rule)]) todo.push_back(e.target);
+      }
+    }
+    return ends;
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = n_rules; r-- > 0;)
+      if (!nullable[r] && walk_epsilon(r, nullptr)) nullable[r] = 1, changed = true;
+  }
+  std::vector<std::vector<int32_t>> left_calls(n_rules);
+  for (size_t r = 0; r < n_rules; ++r) walk_epsilon(r, [&](int32_t callee) { left_calls[r].push_back(callee); });
+  std::vector<char> color(n_rules, 0);  // 0 new, 1 on the DFS path, 2 done
+  for (size_t start = 0; start < n_rules; ++start) {
+    if (color[start]) continue;
+    std::vector<std::pair<int32_t, size_t>> stack{{static_cast<int32_t>(start), 0}};
+    color[start] = 1;
+    while (!stack.empty()) {
+      auto& [r, i] = stack.back();
+      const auto& next = left_calls[static_cast<size_t>(r)];
+      if (i == next.size()) {
+        color[static_cast<size_t>(r)] = 2;
+        stack.pop_back();
+        continue;
+      }
+      const int32_t c = next[i++];
+      if (color[static_cast<size_t>(c)] == 1)
+        fail("the grammar is left-recursive: rule '{}' can reach itself before any text (a schema or rule that refers "
+             "to itself without anything written first)",
+             rule_names_[static_cast<size_t>(c)]);
+      if (color[static_cast<size_t>(c)] == 0) {
+        color[static_cast<size_t>(c)] = 1;
+        stack.push_back({c, 0});
+      }
+    }
+  }
 }
 
 Frag Grammar::empty() {

@@ -102,7 +102,8 @@ class Grammar {
   // Checks every rule is defined and the root is set; a broken grammar is an InternalError.
   void validate() const;
   // Removes the calls of rules that can never end (no finite text gets from their start to their end, e.g. a schema
-  // that requires itself), so that no path can start one and never finish. A kiln::Error when the root is one.
+  // that requires itself), so that no path can start one and never finish. A kiln::Error when the root is one, and
+  // when a rule can call itself before consuming a byte (left recursion: the automaton's closure would not end).
   void prune_unproductive();
 
  private:

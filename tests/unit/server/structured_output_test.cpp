@@ -677,3 +677,20 @@ TEST(GrammarJsonSchemaLimits, BranchesThatNeverEndAreCut) {
 
 }  // namespace
 }  // namespace kiln::server
+
+namespace kiln::server {
+namespace {
+
+// {"anyOf":[{"$ref":"#"}, ...]} refers to itself before writing anything: the automaton's closure would never end,
+// so it is a 400 at compile time, not an error on the engine thread later.
+TEST(GrammarJsonSchemaLimits, LeftRecursionIsA400) {
+  EXPECT_NE(schema_error(R"({"anyOf":[{"$ref":"#"},{"type":"integer"}]})").find("left-recursive"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"anyOf":[{"$ref":"#/$defs/a"},{"type":"null"}]}},"$ref":"#/$defs/a"})")
+                .find("left-recursive"),
+            std::string::npos);
+  // Recursion after a byte is fine.
+  EXPECT_EQ(schema_error(R"({"anyOf":[{"type":"array","items":{"$ref":"#"}},{"type":"integer"}]})"), "");
+}
+
+}  // namespace
+}  // namespace kiln::server

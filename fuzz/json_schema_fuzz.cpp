@@ -2,8 +2,8 @@
 // must either compile within the limits of server/structured_output.h or fail with a user error (kiln::Error, not
 // an InternalError), and a compiled grammar's automaton must run over any bytes without crashing.
 //
-// Input: first byte selects the mode (0: JSON schema, 1: SGLang regex, 2: a tool's parameters schema, 3: JSON schema
-// with any_whitespace); the rest up to the first NUL byte is the schema or pattern, the bytes after it are text fed
+// Input: first byte selects the mode (mod 5; 0: JSON schema, 1: SGLang regex, 2: a tool's parameters schema, 3: JSON
+// schema with any_whitespace, 4: SGLang EBNF); the rest up to the first NUL byte is the schema or pattern, the bytes after it are text fed
 // to the automaton.
 #include <cstddef>
 #include <cstdint>
@@ -22,10 +22,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text = nul == std::string_view::npos ? std::string_view() : rest.substr(nul + 1);
   std::shared_ptr<const kiln::grammar::Grammar> g;
   try {
-    switch (data[0] & 3) {
+    switch (data[0] % 5) {
       case 0: g = kiln::server::json_schema_grammar(spec); break;
       case 1: g = kiln::server::regex_grammar(spec); break;
       case 2: g = kiln::server::tool_call_grammar({{"f", spec}}, /*parallel=*/true); break;
+      case 4: g = kiln::server::ebnf_grammar(spec); break;
       default: {
         kiln::server::JsonGrammarOptions o;
         o.any_whitespace = true;

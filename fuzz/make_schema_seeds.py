@@ -27,6 +27,8 @@ seeds = {
     "union": seed(3, union, '"00ff"'),
     "tuple": seed(0, tuple_, '[1, "123e4567-e89b-12d3-a456-426614174000"]'),
     "regex": seed(1, r"(\d{3}-)?[A-Za-z_]\w*(\.[a-z]+){0,3}|x+$", "555-abc.de"),
+    "ebnf": seed(4, 'root ::= "[" ws (item ("," ws item)*)? "]"\nitem ::= [0-9]+ | "\\"" [a-z]* "\\""\nws ::= " "?',
+                 '[1, "ab",22]'),
     "tool": seed(2, {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
                  "n": {"type": "integer", "multipleOf": 3}}, "required": ["when"]},
                  "<tool_call>\n<function=f>\n<parameter=when>\n2024-01-02\n</parameter>\n</function>\n</tool_call>"),

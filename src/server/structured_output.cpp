@@ -10,6 +10,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "engine/grammar/ebnf.h"
 #include "engine/grammar/number_range.h"
 #include "engine/grammar/regex.h"
 #include "server/api_error.h"
@@ -1168,6 +1169,8 @@ std::shared_ptr<const Grammar> regex_grammar(std::string_view pattern) {
   g->prune_unproductive();
   return g;
 }
+std::shared_ptr<const Grammar> ebnf_grammar(std::string_view ebnf) { return grammar::parse_ebnf(ebnf, compile_limits()); }
+
 namespace {
 
 void check_tag_name(const std::string& name, const char* what) {

@@ -66,6 +66,9 @@ std::shared_ptr<const Grammar> json_schema_grammar(std::string_view schema_json,
 // Throws kiln::Error on a bad or unsupported pattern.
 std::shared_ptr<const Grammar> regex_grammar(std::string_view pattern);
 
+// Text of an EBNF grammar (SGLang's "ebnf" parameter; syntax: engine/grammar/ebnf.h), under the same limits.
+std::shared_ptr<const Grammar> ebnf_grammar(std::string_view ebnf);
+
 // One function a tool call may name: its parameters' JSON schema as JSON text ("" = no parameters).
 struct ToolSpec {
   std::string name;

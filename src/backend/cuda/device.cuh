@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/kernels.h"
 
@@ -29,6 +30,13 @@ __device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
   const uint32_t e = (c >> 1) & 3u, m = c & 1u;
   const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * float(m);
   return (c & 8u) ? -mag : mag;
+}
+
+// The same value as e2m1_to_f32 without a select (the streaming gemv decodes 32 codes a load): sign -> bit 31, the 3
+// magnitude bits -> bits 24..22 give the value times 2^-126 (code 1: the subnormal 2^-127), scaled back exactly by
+// 2^126. Exact.
+__device__ __forceinline__ float e2m1_to_f32_branchless(uint32_t c) {
+  return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 8.507059173023462e+37f;
 }
 
 // Element i of a float tensor of type `t`.
@@ -127,12 +135,50 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Sum over the warp, every lane the same value (an xor butterfly: the same pairs in every lane).
+// ---- reductions over a warp and over a block: the one set every kernel of this folder uses. Every lane (thread)
+// gets the same result, in a fixed order: an xor butterfly pairs the same lanes in every lane, and a block sums its
+// warps' totals in warp order, so a result never depends on scheduling. Max is order-free (fmaxf for floats: NaN
+// loses to any number; the larger key for integers).
+
+__device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ unsigned long long max_of(unsigned long long a, unsigned long long b) { return b > a ? b : a; }
+// The identity of max_of: what a lane without a value contributes.
+template <typename T>
+__device__ __forceinline__ T max_identity() {
+  if constexpr (std::is_floating_point_v<T>) {
+    return T(-INFINITY);
+  } else {
+    static_assert(std::is_unsigned_v<T>, "max reductions take floats or unsigned keys");
+    return T(0);
+  }
+}
+
+// Sum over the warp (an xor butterfly).
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+// Max over the warp (an xor butterfly).
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max_of(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Argmax over the warp of (value, index) pairs: the larger value wins, the lower index on ties (an xor butterfly).
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, value, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, index, o);
+    if (ov > value || (ov == value && oi < index)) {
+      value = ov;
+      index = oi;
+    }
+  }
 }
 // Inclusive prefix sum over the warp: lane i gets the sum of lanes 0..i (Hillis-Steele, 5 shuffles).
 template <typename T>
@@ -145,64 +191,39 @@ __device__ __forceinline__ T warp_inclusive_scan(T v) {
   }
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
-// Sum / max over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red` holds
-// 32 floats of shared memory; the call synchronises the block twice.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+// Sum / max over the block (blockDim.x a multiple of 32, <= 1024). `red` holds 32 values of shared memory; the call
+// synchronises the block twice (the first barrier also publishes the caller's earlier shared-memory writes; the second
+// lets the next reduction reuse `red`). The sum adds the warps' sums in warp order, the same loop in every thread.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   v = warp_sum(v);
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < warps; ++i) total += red[i];  // same order in every thread
+  T total = T(0);
+  for (int i = 0; i < warps; ++i) total += red[i];
   __syncthreads();
   return total;
 }
-__device__ __forceinline__ float block_max(float v, float* red) {
+template <typename T>
+__device__ __forceinline__ T block_max(T v, T* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   v = warp_max(v);
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  float m = -INFINITY;
-  for (int i = 0; i < warps; ++i) m = fmaxf(m, red[i]);
+  const T m = warp_max(lane < warps ? red[lane] : max_identity<T>());
   __syncthreads();
   return m;
 }
 
 // Argmax as a max over 64-bit keys: the value's order-preserving bits above, ~index below (the larger value wins,
-// ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0.
+// ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0. Reduce with block_max.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t i) {
   if (v != v) return 0;
   uint32_t b = v == 0.0f ? 0u : __float_as_uint(v);
   b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
   return (static_cast<unsigned long long>(b) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
-}
-
-// Max of 64-bit keys over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red`
-// holds 32 keys of shared memory; the call synchronises the block twice (the first barrier also publishes the
-// caller's earlier shared-memory writes).
-__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = w > v ? w : v;
-  }
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  unsigned long long t = lane < warps ? red[lane] : 0ull;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(0xffffffffu, t, o);
-    t = w > t ? w : t;
-  }
-  __syncthreads();
-  return t;
 }
 
 // The sequence of token t: the s with seq_token_begin[s] <= t < seq_token_begin[s + 1].

@@ -136,50 +136,62 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // ---- reductions over a warp and over a block: the one set every kernel of this folder uses. Every lane (thread)
-// gets the same result, in a fixed order: an xor butterfly pairs the same lanes in every lane, and a block sums its
-// warps' totals in warp order, so a result never depends on scheduling. Max is order-free (fmaxf for floats: NaN
-// loses to any number; the larger key for integers).
+// gets the same result, in a fixed order: an xor butterfly pairs the same lanes in every lane, and a block combines
+// its warps' results in warp order, the same loop in every thread; so a result never depends on scheduling. Max is
+// order-free (fmaxf for floats: NaN loses to any number; the larger key for integers).
 
-__device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
-__device__ __forceinline__ unsigned long long max_of(unsigned long long a, unsigned long long b) { return b > a ? b : a; }
-// The identity of max_of: what a lane without a value contributes.
-template <typename T>
-__device__ __forceinline__ T max_identity() {
-  if constexpr (std::is_floating_point_v<T>) {
-    return T(-INFINITY);
-  } else {
-    static_assert(std::is_unsigned_v<T>, "max reductions take floats or unsigned keys");
-    return T(0);
+struct SumOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+  template <typename T>
+  __device__ __forceinline__ static T identity() { return T(0); }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ double operator()(double a, double b) const { return fmax(a, b); }
+  __device__ __forceinline__ unsigned long long operator()(unsigned long long a, unsigned long long b) const {
+    return b > a ? b : a;
   }
-}
-
-// Sum over the warp (an xor butterfly).
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-// Max over the warp (an xor butterfly).
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max_of(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-// Argmax over the warp of (value, index) pairs: the larger value wins, the lower index on ties (an xor butterfly).
-__device__ __forceinline__ void warp_argmax(float& value, int& index) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, value, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, index, o);
-    if (ov > value || (ov == value && oi < index)) {
-      value = ov;
-      index = oi;
+  template <typename T>
+  __device__ __forceinline__ static T identity() {  // what a lane without a value contributes
+    if constexpr (std::is_floating_point_v<T>) {
+      return T(-INFINITY);
+    } else {
+      static_assert(std::is_unsigned_v<T>, "max reductions take floats or unsigned keys");
+      return T(0);
     }
   }
+};
+
+// op over the warp (an xor butterfly).
+template <typename T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
 }
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, SumOp{}); }
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, MaxOp{}); }
+
+// Argmax over the warp of (value, index) pairs: the larger value wins, the lower index on ties (an xor butterfly).
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+  float v = value;
+  int i = index;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+  value = v;
+  index = i;
+}
+
 // Inclusive prefix sum over the warp: lane i gets the sum of lanes 0..i (Hillis-Steele, 5 shuffles).
 template <typename T>
 __device__ __forceinline__ T warp_inclusive_scan(T v) {
@@ -192,30 +204,24 @@ __device__ __forceinline__ T warp_inclusive_scan(T v) {
   return v;
 }
 
-// Sum / max over the block (blockDim.x a multiple of 32, <= 1024). `red` holds 32 values of shared memory; the call
-// synchronises the block twice (the first barrier also publishes the caller's earlier shared-memory writes; the second
-// lets the next reduction reuse `red`). The sum adds the warps' sums in warp order, the same loop in every thread.
-template <typename T>
-__device__ __forceinline__ T block_sum(T v, T* red) {
+// op over the block (blockDim.x a multiple of 32, <= 1024): each warp's result, then those in warp order from the
+// identity. `red` holds 32 values of shared memory; the call synchronises the block twice (the first barrier also
+// publishes the caller's earlier shared-memory writes; the second lets the next reduction reuse `red`).
+template <typename T, class Op>
+__device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  T total = T(0);
-  for (int i = 0; i < warps; ++i) total += red[i];
+  T total = Op::template identity<T>();
+  for (int i = 0; i < warps; ++i) total = op(total, red[i]);
   __syncthreads();
   return total;
 }
 template <typename T>
-__device__ __forceinline__ T block_max(T v, T* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  const T m = warp_max(lane < warps ? red[lane] : max_identity<T>());
-  __syncthreads();
-  return m;
-}
+__device__ __forceinline__ T block_sum(T v, T* red) { return block_reduce(v, red, SumOp{}); }
+template <typename T>
+__device__ __forceinline__ T block_max(T v, T* red) { return block_reduce(v, red, MaxOp{}); }
 
 // Argmax as a max over 64-bit keys: the value's order-preserving bits above, ~index below (the larger value wins,
 // ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0. Reduce with block_max.

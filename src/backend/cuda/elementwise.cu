@@ -78,16 +78,21 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, 
 
 constexpr int kRowsPerBlock = 8;  // warps per block
 
+// 1 / sqrt(mean(x^2) + eps) of the row xr [D], by the calling warp (lane l sums elements l, l + 32, ...).
+__device__ __forceinline__ float warp_row_inv_rms(const float* __restrict__ xr, int64_t D, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x & 31; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss / float(D) + eps);
+}
+
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
                                 ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
   const float* xr = x + r * ldx;
-  float ss = 0.0f;
-  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float inv = warp_row_inv_rms(xr, D, eps);
   const float one = zero_centred ? 1.0f : 0.0f;
   for (int64_t i = lane; i < D; i += 32) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
@@ -175,10 +180,7 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
   const float* xr = x + r * D;
-  float ss = 0.0f;
-  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float inv = warp_row_inv_rms(xr, D, eps);
   for (int64_t i = lane; i < D; i += 32)
     out[r * D + i] = (load_elem(w, w_elem, i) * (xr[i] * inv)) * silu(z[r * D + i]);
 }

@@ -210,25 +210,30 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int seg = ((n + kThreads - 1) / kThreads + 31) & ~31;
   const int begin = int(threadIdx.x) * seg;
-  // kSegUnroll values of this thread's segment from j0, all loads issued before any is used (past n: the last).
-  auto load = [&](int j0, float (&v)[kSegUnroll]) {
+  // The weights of kSegUnroll indices of this thread's segment from j0 (0 past n), all loads issued before any is
+  // used (past n: the last value).
+  auto segment_weights = [&](int j0, double (&w)[kSegUnroll]) {
+    float v[kSegUnroll];
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
       const int i = begin + j0 + u;
       v[u] = row[i < n ? i : n - 1];
     }
+#pragma unroll
+    for (int u = 0; u < kSegUnroll; ++u) {
+      const int i = begin + j0 + u;
+      w[u] = i < n ? weight(__fmul_rn(v[u], inv), i) : 0.0;
+    }
   };
   double s = 0.0;
   int last = -1;
   for (int j0 = 0; j0 < seg; j0 += kSegUnroll) {
-    float v[kSegUnroll];
-    load(j0, v);
+    double w[kSegUnroll];
+    segment_weights(j0, w);
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
-      const int i = begin + j0 + u;
-      const double w = i < n ? weight(__fmul_rn(v[u], inv), i) : 0.0;
-      s += w;
-      if (w > 0.0) last = i;
+      s += w[u];
+      if (w[u] > 0.0) last = begin + j0 + u;
     }
   }
   const double incl = dev::warp_inclusive_scan(s);
@@ -251,16 +256,14 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
     double cum = sel > 0 ? ends[sel - 1] : 0.0;  // <= target: thread sel - 1 did not claim
     int chosen = -1, last_pos = -1;
     for (int j0 = 0; j0 < seg && chosen < 0; j0 += kSegUnroll) {
-      float v[kSegUnroll];
-      load(j0, v);
+      double w[kSegUnroll];
+      segment_weights(j0, w);
 #pragma unroll
       for (int u = 0; u < kSegUnroll; ++u) {
-        const int i = begin + j0 + u;
-        const double w = i < n ? weight(__fmul_rn(v[u], inv), i) : 0.0;
-        if (w > 0.0 && chosen < 0) {
-          cum += w;
-          last_pos = i;
-          if (target < cum) chosen = i;
+        if (w[u] > 0.0 && chosen < 0) {
+          cum += w[u];
+          last_pos = begin + j0 + u;
+          if (target < cum) chosen = last_pos;
         }
       }
     }

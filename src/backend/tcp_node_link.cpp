@@ -64,6 +64,8 @@ bool TcpNodeLink::receive_any(int peer, Message& type, std::vector<uint8_t>& pay
     fail("node {}: receiving from node {}: {}", node_rank_, peer, e.what());
   }
   if (r.ok()) return true;
+  // close() here shuts the sockets down, which reads as the peer closing: say which it was.
+  if (closed_) fail("node {}: the multi-node group was closed after a failure; restart every node", node_rank_);
   if (r.end == tcp::IoEnd::peer_closed && r.bytes == 0) return false;
   if (r.end == tcp::IoEnd::timed_out)
     fail("node {}: receiving from node {} failed (timed out after {})", node_rank_, peer, seconds(timeout));

@@ -24,9 +24,9 @@ class TcpNodeLink final : public model::NodeLink {
   int nnodes() const override { return nnodes_; }
   int node_rank() const override { return node_rank_; }
   void send(int peer, model::wire::Message type, const void* data, size_t bytes) override;
-  std::vector<uint8_t> receive(int peer, model::wire::Message type, std::chrono::milliseconds timeout) override;
+  std::vector<uint8_t> receive(int peer, model::wire::Message type, std::chrono::milliseconds timeout = {}) override;
   bool receive_any(int peer, model::wire::Message& type, std::vector<uint8_t>& payload,
-                   std::chrono::milliseconds timeout) override;
+                   std::chrono::milliseconds timeout = {}) override;
   void close() override;
   bool closed() const override { return closed_; }
 

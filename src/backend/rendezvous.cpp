@@ -268,7 +268,8 @@ namespace {
 // The checks both entry points make before any socket; the parsed address.
 HostPort check_launch(const RendezvousOptions& o, const RendezvousHeader& h, const std::vector<uint8_t>& blob) {
   if (o.timeout.count() <= 0) fail("rendezvous time-out must be positive");
-  if (h.fingerprint.size() > kMaxFingerprint) fail("rendezvous: model fingerprint too long ({} bytes)", h.fingerprint.size());
+  if (h.fingerprint.size() > kMaxFingerprint)
+    fail("rendezvous: model fingerprint too long ({} bytes)", h.fingerprint.size());
   if (o.node_rank == 0 && blob.size() > kMaxBlob)
     fail("rendezvous: blob of {} bytes is larger than {}", blob.size(), kMaxBlob);
   return parse_dist_init_addr(o.addr);
@@ -288,7 +289,8 @@ std::vector<uint8_t> rendezvous(const RendezvousOptions& o, const RendezvousHead
   return o.node_rank == 0 ? run_node0(o, h, hp, blob) : run_node(o, h, hp);
 }
 
-RendezvousLink rendezvous_link(const RendezvousOptions& o, const RendezvousHeader& h, const std::vector<uint8_t>& blob) {
+RendezvousLink rendezvous_link(const RendezvousOptions& o, const RendezvousHeader& h,
+                               const std::vector<uint8_t>& blob) {
   if (h.nnodes < 2) fail("rendezvous_link: a link needs --nnodes 2 or more (got {})", h.nnodes);
   check_node_rank(o, h);
   const HostPort hp = check_launch(o, h, blob);

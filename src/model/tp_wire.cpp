@@ -100,6 +100,12 @@ void Reader::take(void* out, size_t count, size_t size, const char* field) {
   at_ += count * size;
 }
 
+bool Reader::flag(const char* field) {
+  const uint8_t v = u8(field);
+  if (v > 1) fail_field(field, fmt::format("{} is neither 0 nor 1", v));
+  return v == 1;
+}
+
 std::string Reader::string(const char* field) {
   const uint32_t n = u32(field);
   check_count(field, n, 1);  // before allocating
@@ -147,7 +153,7 @@ NodeHello decode_node_hello(std::span<const uint8_t> payload) {
 
 std::vector<uint8_t> encode_rendezvous_answer(const RendezvousAnswer& a) {
   Writer w;
-  w.u8(a.accepted ? 1 : 0);
+  w.flag(a.accepted);
   if (a.accepted)
     w.bytes(a.blob);
   else
@@ -158,9 +164,7 @@ std::vector<uint8_t> encode_rendezvous_answer(const RendezvousAnswer& a) {
 RendezvousAnswer decode_rendezvous_answer(std::span<const uint8_t> payload) {
   Reader r(payload, "rendezvous answer");
   RendezvousAnswer a;
-  const uint8_t status = r.u8("accepted");
-  if (status > 1) r.fail_field("accepted", fmt::format("status {} is neither 0 nor 1", status));
-  a.accepted = status == 1;
+  a.accepted = r.flag("accepted");
   if (a.accepted) {
     const auto blob = r.bytes("blob");
     a.blob.assign(blob.begin(), blob.end());
@@ -207,7 +211,7 @@ std::vector<uint8_t> encode_step(StepKind kind, std::span<const SeqChunk> chunks
   Writer w;
   w.u8(static_cast<uint8_t>(kind)).u32(static_cast<uint32_t>(chunks.size()));
   for (const SeqChunk& c : chunks) {
-    w.i32(c.state_slot).i64(c.start_pos).u8(c.want_logits ? 1 : 0);
+    w.i32(c.state_slot).i64(c.start_pos).flag(c.want_logits);
     w.array(c.tokens).array(c.page_table);
   }
   return w.take();
@@ -244,9 +248,7 @@ Step decode_step(std::span<const uint8_t> payload) {
     SeqChunk& c = s.chunks[i];
     c.state_slot = r.i32("state_slot");
     c.start_pos = r.i64("start_pos");
-    const uint8_t want = r.u8("want_logits");
-    if (want > 1) r.fail_field("want_logits", fmt::format("{} is neither 0 nor 1", want));
-    c.want_logits = want == 1;
+    c.want_logits = r.flag("want_logits");
     s.tokens[i] = r.array<int32_t>("tokens");
     s.pages[i] = r.array<int32_t>("page_table");
     c.tokens = s.tokens[i];
@@ -258,7 +260,7 @@ Step decode_step(std::span<const uint8_t> payload) {
 
 std::vector<uint8_t> encode_step_reply(const StepReply& reply) {
   Writer w;
-  w.u8(reply.ok ? 1 : 0);
+  w.flag(reply.ok);
   if (!reply.ok) {
     w.string(reply.error);
     return w.take();
@@ -270,7 +272,8 @@ std::vector<uint8_t> encode_step_reply(const StepReply& reply) {
   } else if (reply.kind == StepKind::argmax) {
     KILN_CHECK(reply.best_values.size() == reply.best_ids.size());
     w.u32(static_cast<uint32_t>(reply.best_ids.size()));
-    for (size_t i = 0; i < reply.best_ids.size(); ++i) w.array<float>(reply.best_values[i]).array<int32_t>(reply.best_ids[i]);
+    for (size_t i = 0; i < reply.best_ids.size(); ++i)
+      w.array<float>(reply.best_values[i]).array<int32_t>(reply.best_ids[i]);
   }
   return w.take();
 }
@@ -278,9 +281,7 @@ std::vector<uint8_t> encode_step_reply(const StepReply& reply) {
 StepReply decode_step_reply(std::span<const uint8_t> payload) {
   Reader r(payload, "step reply");
   StepReply s;
-  const uint8_t ok = r.u8("ok");
-  if (ok > 1) r.fail_field("ok", fmt::format("status {} is neither 0 nor 1", ok));
-  s.ok = ok == 1;
+  s.ok = r.flag("ok");
   if (!s.ok) {
     s.error = r.string("error");
     r.finish();
@@ -308,7 +309,8 @@ StepReply decode_step_reply(std::span<const uint8_t> payload) {
 
 // ---- collectives
 
-std::vector<uint8_t> encode_collective(CollectiveOp op, int64_t count, std::span<const std::span<const uint8_t>> parts) {
+std::vector<uint8_t> encode_collective(CollectiveOp op, int64_t count,
+                                       std::span<const std::span<const uint8_t>> parts) {
   Writer w;
   w.u8(static_cast<uint8_t>(op)).i64(count).u32(static_cast<uint32_t>(parts.size()));
   for (const auto& p : parts) w.bytes(p);

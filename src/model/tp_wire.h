@@ -52,6 +52,7 @@ FrameHeader decode_frame_header(std::span<const uint8_t, kFrameHeaderBytes> head
 class Writer {
  public:
   Writer& u8(uint8_t v) { return scalar(v); }
+  Writer& flag(bool v) { return u8(v ? 1 : 0); }
   Writer& i32(int32_t v) { return scalar(v); }
   Writer& u32(uint32_t v) { return scalar(v); }
   Writer& i64(int64_t v) { return scalar(v); }
@@ -81,6 +82,7 @@ class Reader {
  public:
   Reader(std::span<const uint8_t> in, std::string message) : in_(in), message_(std::move(message)) {}
   uint8_t u8(const char* field) { return scalar<uint8_t>(field); }
+  bool flag(const char* field);  // a u8 that must be 0 or 1
   int32_t i32(const char* field) { return scalar<int32_t>(field); }
   uint32_t u32(const char* field) { return scalar<uint32_t>(field); }
   int64_t i64(const char* field) { return scalar<int64_t>(field); }

@@ -26,7 +26,7 @@
 #include <thread>
 #include <vector>
 
-#include "../../model/reference_fixture.h"
+#include "reference_fixture.h"
 #include "backend/cuda/comm_cuda.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/device.h"

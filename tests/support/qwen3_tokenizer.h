@@ -1,4 +1,5 @@
-// Shared helpers of the tokenizer tests.
+// Helpers of the tests that use Qwen3's real tokenizer (tests/unit/tokenizer): where it is, a skip when it is
+// missing, one loaded instance per process.
 #pragma once
 #include <gtest/gtest.h>
 

@@ -1,14 +1,15 @@
 // A byte-level BPE whose vocabulary lacks some of the 256 byte symbols loads, and encodes as HF tokenizers
 // does (the JS implementation, @huggingface/tokenizers, is the oracle): Qwen3's tokenizer.json with the
 // tokens of a few bytes (and the merges using them) removed, without unk_token, with one, and with
-// fuse_unk. The texts are the tokenizer corpus plus seeded random strings, which contain those bytes.
+// fuse_unk. The texts are the tokenizer corpus plus seeded random strings, which contain those bytes. What is tested is
+// the BPE model's byte fallback and unknown-token handling (src/tokenizer/bpe.*), through the whole Tokenizer.
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "test_support.h"
+#include "qwen3_tokenizer.h"
 #include "tokenizer/bpe.h"
 
 namespace kiln::tok {

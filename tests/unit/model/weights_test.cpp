@@ -1,6 +1,7 @@
-// load_model with a backend that copies its weights in the background (as the CUDA backend does): the binder must
-// call finish_weights() once, after the last placement and before anything runs; host bytes (mmapped or a
-// tensor-parallel rank's slice buffers) must still be alive then; and the progress total must be the bytes placed.
+// The WeightBinder (src/model/weights.*) through load_model, with a backend that copies its weights in the
+// background (as the CUDA backend does): the binder must call finish_weights() once, after the last placement and
+// before anything runs; host bytes (mmapped or a tensor-parallel rank's slice buffers) must still be alive then;
+// and the progress total must be the bytes placed.
 // Host-only: the "device" is host memory written at finish_weights().
 #include <gtest/gtest.h>
 

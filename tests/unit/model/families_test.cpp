@@ -1,5 +1,7 @@
-// kiln's CPU engine against transformers' logits (tests/fixtures/reference, made by
-// tools/reference/make_fixtures.py: transformers 5.17 in float32 on the checkpoint's exact weights).
+// Every registered model family (src/model/families.cpp and the family files it registers) against transformers'
+// logits, one named case per fixture (tests/fixtures/reference, made by tools/reference/make_fixtures.py:
+// transformers 5.17 in float32 on the checkpoint's exact weights). The cases run the family's forward over the
+// shared blocks through the CPU Runner (runner.h) and the CPU backend.
 //
 // With an F32 KV cache kiln computes the same fp32 maths, so differences are accumulation-order noise:
 // tolerance kTolF32 on every logit, and greedy tokens must match wherever the reference's top-2 gap exceeds

@@ -1,6 +1,7 @@
-// The committed default model (models/kiln-tiny): a qwen3_5_moe checkpoint in nvidia's NVFP4 layout
-// (routed experts NVFP4, the rest BF16), as kiln quantize wrote it. Checks the files agree with each other
-// and with kiln's weight map; the Python reader (tools/tiny/nvfp4.py) re-checks the layout.
+// The committed default model (models/kiln-tiny, which the binary embeds: src/format/embedded_model.h): a
+// qwen3_5_moe checkpoint in nvidia's NVFP4 layout (routed experts NVFP4, the rest BF16), as kiln quantize wrote it.
+// Checks the files agree with each other and with kiln's weight map; the Python reader (tools/tiny/nvfp4.py)
+// re-checks the layout.
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -118,10 +118,11 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
     return k;
   }
   k.attention = pick("--attention-backend", o.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
-  // auto: the fused decode kernels on sm_90 (where they are tuned); elsewhere the grouped path.
+  // auto: the grouped path. The fused decode kernels measured slower at batch 1 on an H100 (docs/perf/decode-latency.md),
+  // so they are reachable by name only.
   k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend,
                       {"kiln-fused-decode", "kiln-grouped", "kiln-grouped-fp32"},
-                      compute_major == 9 ? "kiln-fused-decode" : "kiln-grouped");
+                      "kiln-grouped");
   if (o.fp4_gemm_backend == "native-fp4")
     fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
          "{}use kiln-w4a16 (FP4 decoded to BF16 in registers), kiln-fp32 or auto",

@@ -72,7 +72,7 @@ struct KernelChoice {
   // cpu: "cpu"; cuda: "kiln-paged" (prefill-shaped steps on the tensor-core flash kernel, decode on the split-KV
   // kernel) or "kiln-paged-fp32" (the split-KV kernel on CUDA cores for every step)
   std::string attention;
-  // cpu: "cpu"; cuda: "kiln-fused-decode" (kiln-grouped plus decode steps in two fused kernels; auto on sm_90),
+  // cpu: "cpu"; cuda: "kiln-fused-decode" (kiln-grouped plus decode steps in two fused kernels; by name only),
   // "kiln-grouped" (NVFP4 experts on tensor cores) or "kiln-grouped-fp32" (fp32 CUDA-core kernels)
   std::string moe_runner;
   // cpu: "cpu"; cuda: "kiln-w4a16" (NVFP4 linears of many rows on tensor cores, FP4 decoded to bf16 in registers; no

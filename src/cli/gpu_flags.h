@@ -43,10 +43,11 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "kiln-paged-fp32 (every step on the split-over-keys kernel, CUDA cores)")
       ->capture_default_str();
   app.add_option("--moe-runner-backend", f.moe_runner_backend,
-                 "cuda: auto = kiln-fused-decode on sm_90 (steps of <= 8 tokens: routing + NVFP4 experts in two "
-                 "fused kernels; larger steps as kiln-grouped), kiln-grouped elsewhere; kiln-grouped (NVFP4 experts "
+                 "cuda: auto = kiln-grouped (NVFP4 experts "
                  "on tensor cores, routing and combine as separate kernels), or kiln-grouped-fp32 (fp32 CUDA-core "
-                 "kernels)")
+                 "kernels), or kiln-fused-decode (steps of <= 8 tokens: routing + NVFP4 experts in two fused "
+                 "CUDA-core kernels, larger steps as kiln-grouped; experimental: slower than kiln-grouped at batch 1 "
+                 "on an H100)")
       ->capture_default_str();
   app.add_option("--fp4-gemm-backend", f.fp4_gemm_backend,
                  "cuda: auto = kiln-w4a16 (NVFP4 linears of many rows on tensor cores, FP4 decoded in registers; "

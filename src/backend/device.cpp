@@ -293,7 +293,7 @@ std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check,
 }
 
 std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, const std::string& device,
-                                               const CpuLoadOptions& options, bool self_check) {
+                                               const LoadOptions& options, bool self_check) {
   const DeviceChoice choice = resolve_device(device);
   KILN_LOG_INFO("device: {} ({})", choice.device, choice.reason);
   if (choice.device == "cpu") {

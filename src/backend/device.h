@@ -111,9 +111,9 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& op
 std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check = true,
                                      const LoadOptions& options = {});
 
-// Loads `dir` on the requested device (auto / cpu / cuda) with the runner options of CpuLoadOptions (threads
+// Loads `dir` on the requested device (auto / cpu / cuda) with the runner options of LoadOptions (threads
 // apply to the CPU backend only). Logs the resolved choice and the backend's description.
 std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, const std::string& device,
-                                               const CpuLoadOptions& options, bool self_check = true);
+                                               const LoadOptions& options, bool self_check = true);
 
 }  // namespace kiln::backend

@@ -71,7 +71,7 @@ int run_generate(const GenerateOptions& o) {
   const std::vector<int32_t> prompt = tokenizer->encode(text);
   if (prompt.empty()) fail("the prompt encodes to no tokens");
 
-  backend::CpuLoadOptions lo;
+  backend::LoadOptions lo;
   lo.threads = o.threads;
   lo.state_slots = 1;
   lo.max_context = static_cast<int64_t>(prompt.size()) + o.max_tokens;

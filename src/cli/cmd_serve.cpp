@@ -261,7 +261,7 @@ int run_serve(const ServeArgs& a) {
   // The load options of this launch (one code path for node 0 and the other nodes of several machines).
   auto load_options = [&]() {
     const int64_t context = a.context_length;
-    backend::CpuLoadOptions lo;
+    backend::LoadOptions lo;
     lo.kv_dtype = kv_dtype;
     lo.max_context = context;
     lo.threads = a.threads;
@@ -295,7 +295,7 @@ int run_serve(const ServeArgs& a) {
                    sig == SIGINT ? "SIGINT" : "SIGTERM", a.parallel.node_rank);
       std::_Exit(0);
     });
-    backend::CpuLoadOptions lo = load_options();
+    backend::LoadOptions lo = load_options();
     auto runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);
     auto* tp = dynamic_cast<model::TpRunner*>(runner.get());
     if (!tp) fail("--nnodes {}: the loaded model is not a tensor-parallel group", a.parallel.nnodes);
@@ -356,7 +356,7 @@ int run_serve(const ServeArgs& a) {
       d.kv_pages = a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16 : running * ((d.max_context + 15) / 16);
       runner = std::make_unique<engine::DummyRunner>(d);
     } else {
-      backend::CpuLoadOptions lo = load_options();
+      backend::LoadOptions lo = load_options();
       runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);  // the user's choice: its log says why
     }
   }

@@ -74,7 +74,7 @@ NodeJoin join_nodes(const format::ModelDir& dir, const LoadOptions& o, const std
   return {joined.link, std::vector<uint8_t>(joined.blob.begin() + kSizes, joined.blob.end())};
 }
 
-std::unique_ptr<model::ModelRunner> load_cpu_model(const format::ModelDir& dir, const CpuLoadOptions& options) {
+std::unique_ptr<model::ModelRunner> load_cpu_model(const format::ModelDir& dir, const LoadOptions& options) {
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
   if (options.nnodes > 1) {
     // Several machines: this node's tp / nnodes ranks as threads, joined to the other nodes' over TCP

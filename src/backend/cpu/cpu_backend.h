@@ -12,7 +12,7 @@
 
 namespace kiln::backend {
 
-struct CpuLoadOptions {
+struct LoadOptions {
   DType kv_dtype = DType::BF16;  // KV cache: BF16 (default), F32, or F8_E4M3 (checkpoint k/v scales, else from
                                  // the first prompt chunk; logged either way)
   int64_t max_context = 0;       // longest sequence; 0: the model's max_position_embeddings
@@ -60,8 +60,6 @@ struct CpuLoadOptions {
   // CUDA rank's first scratch block.
   double scratch_plan_bytes = 0;
 };
-// The name the load options go by outside the CPU backend.
-using LoadOptions = CpuLoadOptions;
 
 // The runner options these load options ask for (every backend's runner starts from them).
 model::RunnerOptions runner_options(const LoadOptions& options);
@@ -83,6 +81,6 @@ std::unique_ptr<Backend> make_cpu_backend();
 
 // Loads `dir` (config, quantisation config, checkpoint verified against the config: a mismatch is a kiln::Error
 // listing every problem) and returns a ready runner (a model::Runner).
-std::unique_ptr<model::ModelRunner> load_cpu_model(const format::ModelDir& dir, const CpuLoadOptions& options);
+std::unique_ptr<model::ModelRunner> load_cpu_model(const format::ModelDir& dir, const LoadOptions& options);
 
 }  // namespace kiln::backend

@@ -20,8 +20,8 @@ namespace {
 using ::testing::HasSubstr;
 
 
-backend::CpuLoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
-  backend::CpuLoadOptions o;
+backend::LoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   o.state_slots = 3;
   o.max_context = 256;
@@ -36,12 +36,12 @@ backend::CpuLoadOptions node_opts(int tp, int ep, int nnodes, int node, int port
 
 // The other nodes: load, then follow node 0 until it stops the group; the future says how it ended ("" = stopped).
 std::vector<std::future<std::string>> start_followers(const std::string& dir, int tp, int ep, int nnodes, int port,
-                                                      std::function<void(backend::CpuLoadOptions&)> tweak = {}) {
+                                                      std::function<void(backend::LoadOptions&)> tweak = {}) {
   std::vector<std::future<std::string>> out;
   for (int k = 1; k < nnodes; ++k)
     out.push_back(std::async(std::launch::async, [=]() -> std::string {
       try {
-        backend::CpuLoadOptions o = node_opts(tp, ep, nnodes, k, port);
+        backend::LoadOptions o = node_opts(tp, ep, nnodes, k, port);
         if (tweak) tweak(o);
         auto r = backend::load_cpu_model(format::ModelDir::open(dir), o);
         dynamic_cast<model::TpRunner&>(*r).follow();
@@ -67,11 +67,11 @@ struct Shape {
 TEST(TpNodes, KilnTinyOverNodesEqualsOneProcess) {
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
   const std::vector<int32_t> prompt = {2049, 872, 198, 3, 100, 57, 911, 2050, 198, 2049, 77, 198};
-  backend::CpuLoadOptions one_o = node_opts(1, 1, 1, 0, 0);
+  backend::LoadOptions one_o = node_opts(1, 1, 1, 0, 0);
   TestRunner one(dir, one_o);
   for (Shape s : {Shape{2, 1, 2}, Shape{4, 2, 2}, Shape{4, 1, 4}}) {
     SCOPED_TRACE(fmt::format("tp {} ep {} nnodes {}", s.tp, s.ep, s.nnodes));
-    backend::CpuLoadOptions same = node_opts(s.tp, s.ep, 1, 0, 0);
+    backend::LoadOptions same = node_opts(s.tp, s.ep, 1, 0, 0);
     TestRunner local(dir, same);  // the one-process group of the same size
     const int port = free_port();
     auto followers = start_followers(dir, s.tp, s.ep, s.nnodes, port);
@@ -144,7 +144,7 @@ TEST(TpNodes, FollowersTakeNodeZerosSizes) {
   // slots and context (a `kiln generate` on node 0 sizes it for its prompt), and the steps work.
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
   const int port = free_port();
-  auto followers = start_followers(dir, 2, 1, 2, port, [](backend::CpuLoadOptions& o) {
+  auto followers = start_followers(dir, 2, 1, 2, port, [](backend::LoadOptions& o) {
     o.state_slots = 5;
     o.max_context = 128;
   });
@@ -162,7 +162,7 @@ TEST(TpNodes, FollowersTakeNodeZerosSizes) {
 
 TEST(TpNodes, MissingNodeTimesOut) {
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
-  backend::CpuLoadOptions o = node_opts(2, 1, 2, 0, free_port());
+  backend::LoadOptions o = node_opts(2, 1, 2, 0, free_port());
   o.dist_timeout_s = 1;
   try {
     TestRunner node0(dir, o);

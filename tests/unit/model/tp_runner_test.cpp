@@ -50,8 +50,8 @@ double max_abs_diff(const std::vector<float>& a, const float* b) {
   return m;
 }
 
-backend::CpuLoadOptions opts_for(Size s) {
-  backend::CpuLoadOptions o;
+backend::LoadOptions opts_for(Size s) {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   o.state_slots = 3;
   o.max_context = 256;
@@ -184,7 +184,7 @@ TEST(TpRunner, KilnTinyGreedyIdenticalAtTp2AndTp4) {
 TEST(TpRunner, DummyWeightsAreSlicesOfTheSameModel) {
   // --load-format dummy: each rank fills its slice of the same random tensors, so TP 2 computes TP 1's model.
   const Fixture fx = Fixture::load("qwen3_5_moe_nvfp4");
-  backend::CpuLoadOptions o1 = opts_for({1, 1}), o2 = opts_for({2, 1});
+  backend::LoadOptions o1 = opts_for({1, 1}), o2 = opts_for({2, 1});
   o1.load_format = o2.load_format = model::LoadFormat::dummy;
   TestRunner one(fx.model_dir, o1), two(fx.model_dir, o2);
   const std::vector<float> a = last_logits(*one.runner, one, 0, fx.prompts.back().tokens, 0);

@@ -25,12 +25,12 @@ backend::LoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
   o.kv_dtype = DType::F32;
   o.state_slots = 3;
   o.max_context = 256;
-  o.tp_size = tp;
-  o.ep_size = ep;
-  o.nnodes = nnodes;
-  o.node_rank = node;
-  o.dist_init_addr = fmt::format("127.0.0.1:{}", port);
-  o.dist_timeout_s = 20;
+  o.parallel.tp_size = tp;
+  o.parallel.ep_size = ep;
+  o.parallel.nnodes = nnodes;
+  o.parallel.node_rank = node;
+  o.parallel.dist_init_addr = fmt::format("127.0.0.1:{}", port);
+  o.parallel.dist_timeout_s = 20;
   return o;
 }
 
@@ -163,7 +163,7 @@ TEST(TpNodes, FollowersTakeNodeZerosSizes) {
 TEST(TpNodes, MissingNodeTimesOut) {
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
   backend::LoadOptions o = node_opts(2, 1, 2, 0, free_port());
-  o.dist_timeout_s = 1;
+  o.parallel.dist_timeout_s = 1;
   try {
     TestRunner node0(dir, o);
     ADD_FAILURE() << "node 0 started without node 1";

@@ -55,8 +55,8 @@ backend::LoadOptions opts_for(Size s) {
   o.kv_dtype = DType::F32;
   o.state_slots = 3;
   o.max_context = 256;
-  o.tp_size = s.tp;
-  o.ep_size = s.ep;
+  o.parallel.tp_size = s.tp;
+  o.parallel.ep_size = s.ep;
   return o;
 }
 

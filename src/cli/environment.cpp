@@ -32,6 +32,11 @@ int threads_from_env(const EnvLookup& env) {
   return n > 0 ? n : 0;
 }
 
+std::string resolve_api_key(const std::string& flag, const EnvLookup& env) {
+  if (!flag.empty()) return flag;
+  return env("OPENAI_API_KEY").value_or("");
+}
+
 std::string EnvReport::str() const {
   return set_by_kiln ? fmt::format("{}={} (set by kiln: {})", name, value, why)
                      : fmt::format("{}={} (yours, kept)", name, value);

@@ -2,6 +2,7 @@
 // environment.
 //   KILN_LOG      the log level when --log-level is not given (trace, debug, info, warn, error or off)
 //   KILN_THREADS  CPU worker threads when a command's --threads is not given
+//   OPENAI_API_KEY  the key of kiln smoke / kiln bench when --api-key is not given
 //   NCCL_*        the NCCL settings kiln wants (backend::nccl_env_defaults): kiln sets each only where the user left
 //                 it unset, and kiln serve's startup summary says which were kiln's and which the user's.
 // The functions take the environment as a lookup so that tests can give them any.
@@ -25,6 +26,9 @@ std::optional<LogLevel> resolve_log_level(const std::string& flag, const EnvLook
 
 // KILN_THREADS as a thread count: a positive number, else 0 (all cores).
 int threads_from_env(const EnvLookup& env);
+
+// --api-key when given, else OPENAI_API_KEY, else "" (no key).
+std::string resolve_api_key(const std::string& flag, const EnvLookup& env);
 
 // One NCCL setting of this launch: kiln's value (set_by_kiln) or the user's, kept.
 struct EnvReport {

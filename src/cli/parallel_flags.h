@@ -16,42 +16,34 @@
 
 namespace kiln::cli {
 
+// An integer flag within [lo, hi], its default shown in --help.
+inline void add_ranged_flag(CLI::App& app, const char* names, int& value, int lo, int hi, const std::string& help) {
+  app.add_option(names, value, help)->check(CLI::Range(lo, hi))->capture_default_str();
+}
+
 // The flags set backend::ParallelOptions directly (one type: what the flags say is what the loader gets).
 inline void add_parallel_flags(CLI::App& app, backend::ParallelOptions& p) {
-  app.add_option("--tp-size,--tp", p.tp_size,
-                 "Tensor-parallel ranks: attention / linear-attention heads, expert and MLP intermediate and vocabulary "
-                 "split over them (--device cpu: threads of this process; see kiln inspect --tp-size N)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--ep-size,--ep", p.ep_size,
-                 "Expert-parallel groups among the tensor-parallel ranks (divides --tp-size): each group holds "
-                 "num_experts / ep whole experts")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--base-gpu-id", p.base_gpu_id, "cuda: the GPU of this machine's first rank")
-      ->check(CLI::Range(0, 1023))
-      ->capture_default_str();
-  app.add_option("--gpu-id-step", p.gpu_id_step,
-                 "cuda: rank r of this machine runs on GPU base-gpu-id + r x step; 0 puts every rank on one GPU "
-                 "(correctness runs)")
-      ->check(CLI::Range(0, 1023))
-      ->capture_default_str();
-  app.add_option("--nnodes", p.nnodes,
-                 "Machines the tensor-parallel ranks span (--tp-size must be a multiple): each runs one kiln process "
-                 "with tp-size / nnodes ranks; node 0 serves HTTP and drives the steps, the others run `kiln serve` "
-                 "with the same flags and their --node-rank (docs/deploy.md)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--node-rank", p.node_rank, "This machine's index among the --nnodes (0: the one that serves HTTP)")
-      ->check(CLI::Range(0, 1023))
-      ->capture_default_str();
+  add_ranged_flag(app, "--tp-size,--tp", p.tp_size, 1, 1024,
+                  "Tensor-parallel ranks: attention / linear-attention heads, expert and MLP intermediate and "
+                  "vocabulary split over them (--device cpu: threads of this process; see kiln inspect --tp-size N)");
+  add_ranged_flag(app, "--ep-size,--ep", p.ep_size, 1, 1024,
+                  "Expert-parallel groups among the tensor-parallel ranks (divides --tp-size): each group holds "
+                  "num_experts / ep whole experts");
+  add_ranged_flag(app, "--base-gpu-id", p.base_gpu_id, 0, 1023, "cuda: the GPU of this machine's first rank");
+  add_ranged_flag(app, "--gpu-id-step", p.gpu_id_step, 0, 1023,
+                  "cuda: rank r of this machine runs on GPU base-gpu-id + r x step; 0 puts every rank on one GPU "
+                  "(correctness runs)");
+  add_ranged_flag(app, "--nnodes", p.nnodes, 1, 1024,
+                  "Machines the tensor-parallel ranks span (--tp-size must be a multiple): each runs one kiln process "
+                  "with tp-size / nnodes ranks; node 0 serves HTTP and drives the steps, the others run `kiln serve` "
+                  "with the same flags and their --node-rank (docs/deploy.md)");
+  add_ranged_flag(app, "--node-rank", p.node_rank, 0, 1023,
+                  "This machine's index among the --nnodes (0: the one that serves HTTP)");
   app.add_option("--dist-init-addr", p.dist_init_addr,
                  "host:port of node 0 (IPv4 address or host name), the same on every node: node 0 listens there and "
                  "the others connect to it at startup (needed with --nnodes > 1)");
-  app.add_option("--dist-timeout", p.dist_timeout_s,
-                 "Seconds a node waits at startup for the others (the rendezvous, then every node's weights loading)")
-      ->check(CLI::Range(1, 86400))
-      ->capture_default_str();
+  add_ranged_flag(app, "--dist-timeout", p.dist_timeout_s, 1, 86400,
+                  "Seconds a node waits at startup for the others (the rendezvous, then every node's weights loading)");
 }
 
 // Commands other than serve drive the group from node 0 only: the other nodes run `kiln serve` (they follow node

@@ -35,6 +35,12 @@ TEST(ThreadsFromEnv, PositiveCountsOnly) {
   EXPECT_EQ(threads_from_env(fake({{"KILN_THREADS", "many"}})), 0);
 }
 
+TEST(ResolveApiKey, FlagThenOpenaiApiKey) {
+  EXPECT_EQ(resolve_api_key("", fake({})), "");
+  EXPECT_EQ(resolve_api_key("", fake({{"OPENAI_API_KEY", "sk-env"}})), "sk-env");
+  EXPECT_EQ(resolve_api_key("sk-flag", fake({{"OPENAI_API_KEY", "sk-env"}})), "sk-flag");
+}
+
 // kiln's NCCL settings go in only where the user has none; the user's are kept and reported as theirs.
 TEST(PlanNcclEnv, OursWhereUnsetTheUsersKept) {
   const auto ours = plan_nccl_env(fake({}));

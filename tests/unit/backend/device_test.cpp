@@ -407,10 +407,9 @@ TEST(ValidateParallel, LocalRanksAreTpOverNodes) {
   p.nnodes = 2;
   EXPECT_EQ(p.local_ranks(), 4);
   p = {};
-  p.ep_size = 1;
-  p.tp_size = 1;
-  p.nnodes = 1;
   EXPECT_FALSE(p.is_group());
+  p.ep_size = 2;  // expert parallel alone is a group too
+  EXPECT_TRUE(p.is_group());
 }
 
 // ---------------------------------------------------------------------------------------------------

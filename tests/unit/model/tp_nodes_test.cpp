@@ -29,7 +29,8 @@ backend::LoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
   o.parallel.ep_size = ep;
   o.parallel.nnodes = nnodes;
   o.parallel.node_rank = node;
-  o.parallel.dist_init_addr = fmt::format("127.0.0.1:{}", port);
+  // One node meets no one: no address (backend::validate_parallel refuses a port of 0).
+  if (nnodes > 1) o.parallel.dist_init_addr = fmt::format("127.0.0.1:{}", port);
   o.parallel.dist_timeout_s = 20;
   return o;
 }

@@ -117,7 +117,7 @@ struct TestRunner {
   int64_t pages_per_slot = 0;
   std::vector<std::vector<int32_t>> page_tables;
 
-  TestRunner(const std::string& model_dir, backend::CpuLoadOptions opts) {
+  TestRunner(const std::string& model_dir, backend::LoadOptions opts) {
     if (opts.max_context == 0) opts.max_context = 256;
     runner = backend::load_cpu_model(format::ModelDir::open(model_dir), opts);
     const auto cap = runner->capacity();

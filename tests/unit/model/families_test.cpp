@@ -40,7 +40,7 @@ struct FixtureResult {
 // Prefill logits at every stored position (a one-shot prefill of each prefix), then the greedy continuation
 // teacher-forced with the reference tokens (prefill once, decode one token per step).
 FixtureResult check_fixture(const Fixture& fx, DType kv_dtype, double tol) {
-  backend::CpuLoadOptions opts;
+  backend::LoadOptions opts;
   opts.kv_dtype = kv_dtype;
   opts.state_slots = 2;
   TestRunner tr(fx.model_dir, opts);

@@ -36,8 +36,8 @@ double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-backend::CpuLoadOptions f32_kv() {
-  backend::CpuLoadOptions o;
+backend::LoadOptions f32_kv() {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   return o;
 }

@@ -58,13 +58,13 @@ double max_abs_diff(const std::vector<float>& a, const float* b) {
   return m;
 }
 
-backend::CpuLoadOptions opts_for(Size s) {
-  backend::CpuLoadOptions o;
+backend::LoadOptions opts_for(Size s) {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   o.state_slots = 3;
   o.max_context = 256;
-  o.tp_size = s.tp;
-  o.ep_size = s.ep;
+  o.parallel.tp_size = s.tp;
+  o.parallel.ep_size = s.ep;
   return o;
 }
 
@@ -192,7 +192,7 @@ TEST(TpRunner, KilnTinyGreedyIdenticalAtTp2AndTp4) {
 TEST(TpRunner, DummyWeightsAreSlicesOfTheSameModel) {
   // --load-format dummy: each rank fills its slice of the same random tensors, so TP 2 computes TP 1's model.
   const Fixture fx = Fixture::load("qwen3_5_moe_nvfp4");
-  backend::CpuLoadOptions o1 = opts_for({1, 1}), o2 = opts_for({2, 1});
+  backend::LoadOptions o1 = opts_for({1, 1}), o2 = opts_for({2, 1});
   o1.load_format = o2.load_format = model::LoadFormat::dummy;
   TestRunner one(fx.model_dir, o1), two(fx.model_dir, o2);
   const std::vector<float> a = last_logits(*one.runner, one, 0, fx.prompts.back().tokens, 0);
@@ -239,28 +239,29 @@ namespace {
 using ::testing::HasSubstr;
 
 
-backend::CpuLoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
-  backend::CpuLoadOptions o;
+backend::LoadOptions node_opts(int tp, int ep, int nnodes, int node, int port) {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   o.state_slots = 3;
   o.max_context = 256;
-  o.tp_size = tp;
-  o.ep_size = ep;
-  o.nnodes = nnodes;
-  o.node_rank = node;
-  o.dist_init_addr = fmt::format("127.0.0.1:{}", port);
-  o.dist_timeout_s = 20;
+  o.parallel.tp_size = tp;
+  o.parallel.ep_size = ep;
+  o.parallel.nnodes = nnodes;
+  o.parallel.node_rank = node;
+  // One node meets no one: no address (backend::validate_parallel refuses a port of 0).
+  if (nnodes > 1) o.parallel.dist_init_addr = fmt::format("127.0.0.1:{}", port);
+  o.parallel.dist_timeout_s = 20;
   return o;
 }
 
 // The other nodes: load, then follow node 0 until it stops the group; the future says how it ended ("" = stopped).
 std::vector<std::future<std::string>> start_followers(const std::string& dir, int tp, int ep, int nnodes, int port,
-                                                      std::function<void(backend::CpuLoadOptions&)> tweak = {}) {
+                                                      std::function<void(backend::LoadOptions&)> tweak = {}) {
   std::vector<std::future<std::string>> out;
   for (int k = 1; k < nnodes; ++k)
     out.push_back(std::async(std::launch::async, [=]() -> std::string {
       try {
-        backend::CpuLoadOptions o = node_opts(tp, ep, nnodes, k, port);
+        backend::LoadOptions o = node_opts(tp, ep, nnodes, k, port);
         if (tweak) tweak(o);
         auto r = backend::load_cpu_model(format::ModelDir::open(dir), o);
         dynamic_cast<model::TpRunner&>(*r).follow();
@@ -286,11 +287,11 @@ struct Shape {
 TEST(TpNodes, KilnTinyOverNodesEqualsOneProcess) {
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
   const std::vector<int32_t> prompt = {2049, 872, 198, 3, 100, 57, 911, 2050, 198, 2049, 77, 198};
-  backend::CpuLoadOptions one_o = node_opts(1, 1, 1, 0, 0);
+  backend::LoadOptions one_o = node_opts(1, 1, 1, 0, 0);
   TestRunner one(dir, one_o);
   for (Shape s : {Shape{2, 1, 2}, Shape{4, 2, 2}, Shape{4, 1, 4}}) {
     SCOPED_TRACE(fmt::format("tp {} ep {} nnodes {}", s.tp, s.ep, s.nnodes));
-    backend::CpuLoadOptions same = node_opts(s.tp, s.ep, 1, 0, 0);
+    backend::LoadOptions same = node_opts(s.tp, s.ep, 1, 0, 0);
     TestRunner local(dir, same);  // the one-process group of the same size
     const int port = free_port();
     auto followers = start_followers(dir, s.tp, s.ep, s.nnodes, port);
@@ -363,7 +364,7 @@ TEST(TpNodes, FollowersTakeNodeZerosSizes) {
   // slots and context (a `kiln generate` on node 0 sizes it for its prompt), and the steps work.
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
   const int port = free_port();
-  auto followers = start_followers(dir, 2, 1, 2, port, [](backend::CpuLoadOptions& o) {
+  auto followers = start_followers(dir, 2, 1, 2, port, [](backend::LoadOptions& o) {
     o.state_slots = 5;
     o.max_context = 128;
   });
@@ -381,8 +382,8 @@ TEST(TpNodes, FollowersTakeNodeZerosSizes) {
 
 TEST(TpNodes, MissingNodeTimesOut) {
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
-  backend::CpuLoadOptions o = node_opts(2, 1, 2, 0, free_port());
-  o.dist_timeout_s = 1;
+  backend::LoadOptions o = node_opts(2, 1, 2, 0, free_port());
+  o.parallel.dist_timeout_s = 1;
   try {
     TestRunner node0(dir, o);
     ADD_FAILURE() << "node 0 started without node 1";

@@ -1,12 +1,21 @@
 // The backend interface: the table of ops a forward pass needs, over TensorViews, with shape comments on every
-// parameter. It is defined in the model layer (model/ops.h: the model says what it needs, layers point one way)
-// and re-exported here under the backend's name; the generic runner (model/runner.h) drives any implementation.
+// parameter, and the options a model is loaded with. The ops are defined in the model layer (model/ops.h: the model
+// says what it needs, layers point one way) and re-exported here under the backend's name; the generic runner
+// (model/runner.h) drives any implementation.
 //
 //   kiln::backend::Backend      = kiln::model::Ops            (implement this for a new backend)
 //   kiln::backend::LinearWeight = kiln::model::LinearWeight   (BF16 / FP8-per-tensor / NVFP4 weight descriptor)
+//   kiln::backend::LoadOptions                                (what one load asks for: the runner's sizes, plus a
+//                                                              `gpu` part and a `parallel` part)
 //
 // Backends: cpu/ (the oracle, always built; load_cpu_model in cpu/cpu_backend.h), cuda/ (when nvcc is present).
+// The parallel sizes are checked in one place: backend::validate_parallel (device.h).
 #pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+#include "model/model.h"
 #include "model/ops.h"
 #include "model/runner.h"
 
@@ -20,5 +29,71 @@ using model::LinearWeight;
 using model::NormKind;
 using model::StepLayout;
 using model::WeightFormat;
+
+// How a CUDA device runs the model (the flags of cli/gpu_flags.h; SGLang's names). The kernel choices and --dtype are
+// resolved per device by backend::resolve_kernels (device.h): the CPU backend accepts only "auto" (and float32).
+struct GpuLoadOptions {
+  // --dtype (SGLang's name): auto, bfloat16, float16 or float32, the precision activations enter the tensor cores
+  // with; resolved per device by backend::resolve_dtype. The CPU backend always runs fp32.
+  std::string dtype = "auto";
+  // Kernel choices: "auto" resolves per device / GPU architecture.
+  std::string attention_backend = "auto";
+  std::string moe_runner_backend = "auto";
+  std::string fp4_gemm_backend = "auto";
+  // Share of GPU memory for weights + KV cache + state + activations; 0: 0.90.
+  double mem_fraction_static = 0;
+  bool cuda_graphs = true;                 // capture and replay decode steps
+  bool disable_custom_all_reduce = false;  // all-reduces through NCCL only, not the one-shot peer-memory kernel
+  // Set by the loader from the memory plan, not a flag: the activation estimate of one pass (bytes), the size of a
+  // CUDA rank's first scratch block.
+  double scratch_plan_bytes = 0;
+};
+
+// Tensor / expert parallelism and where the ranks run (the flags of cli/parallel_flags.h; SGLang's names). Checked by
+// backend::validate_parallel before anything loads.
+struct ParallelOptions {
+  // tp ranks, ep expert-parallel groups among them. On the CPU the ranks are threads of this process over the
+  // in-process communicator (backend/comm_local.h).
+  int tp_size = 1;
+  int ep_size = 1;
+  // GPU ranks: rank r of this node runs on CUDA device base_gpu_id + r * gpu_id_step; a step of 0 puts every rank on
+  // one GPU (correctness runs: the ranks share its memory, the peer all-reduce joins them).
+  int base_gpu_id = 0;
+  int gpu_id_step = 1;
+  // Several machines (--nnodes, --node-rank, --dist-init-addr host:port): tp_size ranks over nnodes nodes, this
+  // node's tp_size / nnodes of them; NCCL's unique id is exchanged over dist_init_addr (node 0 listens there).
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string dist_init_addr;
+  int dist_timeout_s = 600;  // --dist-timeout: the longest wait for the other nodes at startup (rendezvous, loading)
+  // bench-engine --single-rank R: load only rank R of the --tp-size plan on one GPU, its all-reduces replaced by a
+  // device copy of the same size (the decode cost of one GPU of a larger group); -1: off.
+  int single_rank = -1;
+
+  // A group of ranks (tp, ep or several nodes), not one runner.
+  bool is_group() const { return tp_size != 1 || ep_size != 1 || nnodes > 1; }
+  // The ranks this process runs: tp_size / nnodes in a group, 1 with single_rank or without a group.
+  int local_ranks() const { return is_group() && single_rank < 0 ? tp_size / (nnodes > 0 ? nnodes : 1) : 1; }
+};
+
+// What one load asks for: the runner's sizes (every backend), the GPU part and the parallel part.
+struct LoadOptions {
+  DType kv_dtype = DType::BF16;  // KV cache: BF16 (default), F32, or F8_E4M3 (checkpoint k/v scales, else from
+                                 // the first prompt chunk; logged either way)
+  int64_t max_context = 0;       // longest sequence; 0: the model's max_position_embeddings
+  int64_t kv_pages = 0;          // KV pool pages; 0: CPU: state_slots * ceil(max_context / page_size); GPU: the
+                                 // memory the plan leaves (backend/device.h)
+  int page_size = 16;            // tokens per KV page
+  int state_slots = 4;           // recurrent / conv state slots; GPU: 0 lets the memory plan choose
+  int slots_per_request = 1;     // GPU plan: state slots per running request (3 with the prefix cache: its
+                                 // own, its boundary snapshot, one cached snapshot)
+  int threads = 0;               // CPU worker threads (0: the pool's size as it is); only before the pool starts
+  int64_t prefill_chunk = 512;   // most tokens per forward pass
+  DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // recurrent: token by token everywhere
+  model::LoadFormat load_format = model::LoadFormat::safetensors;  // dummy: random weights from config.json
+  bool mtp = false;  // load and run the checkpoint's MTP head (speculative decoding) when it has one
+  GpuLoadOptions gpu;
+  ParallelOptions parallel;
+};
 
 }  // namespace kiln::backend

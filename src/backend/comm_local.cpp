@@ -20,7 +20,9 @@ class LocalGroup {
   // Blocks until every rank has arrived at this barrier; kiln::Error on time-out or abort.
   void barrier(int rank, const char* what) {
     std::unique_lock lock(mu_);
-    if (aborted_) fail("tensor-parallel group aborted (another rank failed) before {} on rank {}", what, rank);
+    if (aborted_)
+      throw model::GroupAborted(
+          fmt::format("tensor-parallel group aborted (another rank failed) before {} on rank {}", what, rank));
     const uint64_t gen = generation_;
     arrived_[rank] = 1;
     if (++count_ == size_) {
@@ -44,7 +46,9 @@ class LocalGroup {
     } else {
       cv_.wait(lock, done);
     }
-    if (generation_ == gen) fail("tensor-parallel group aborted (another rank failed) during {} on rank {}", what, rank);
+    if (generation_ == gen)
+      throw model::GroupAborted(
+          fmt::format("tensor-parallel group aborted (another rank failed) during {} on rank {}", what, rank));
   }
 
   void post(int rank, const void* p) { posted_[rank] = p; }  // before a barrier; read after it

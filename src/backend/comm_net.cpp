@@ -9,12 +9,14 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "model/tp_wire.h"
 
 namespace kiln::backend {
 
 namespace {
 
-enum class Op : uint8_t { all_reduce = 1, all_gather = 2 };
+using model::wire::Message;
+using Op = model::wire::CollectiveOp;
 
 class NetGroup {
  public:
@@ -29,7 +31,7 @@ class NetGroup {
   // (all-reduce) or bytes (all-gather).
   void collective(int r, Op op, const void* in, void* out, int64_t n, const char* what) {
     std::unique_lock lock(mu_);
-    if (!broken_.empty()) fail("{} on rank {}: {}", what, first() + r, broken_);
+    if (!broken_.empty()) fail_broken(fmt::format("{} on rank {}", what, first() + r));
     if (count_ == 0) {
       op_ = op;
       n_ = n;
@@ -56,7 +58,7 @@ class NetGroup {
       ++generation_;
       if (!error.empty()) break_group(fmt::format("the exchange with the other nodes failed: {}", error));
       cv_.notify_all();
-      if (!error.empty()) fail("tensor-parallel {} on rank {}: {}", what, first() + r, broken_);
+      if (!error.empty()) fail_broken(fmt::format("tensor-parallel {} on rank {}", what, first() + r));
       return;
     }
     auto done = [&] { return generation_ != gen || !broken_.empty(); };
@@ -68,13 +70,13 @@ class NetGroup {
         break_group(fmt::format("rank {} waited {} ms for rank(s) {} of this node in {} (a rank failed or hangs)",
                                 first() + r, timeout_.count(), missing, what));
         cv_.notify_all();
-        fail("tensor-parallel {}: {}", what, broken_);
+        fail_broken(fmt::format("tensor-parallel {}", what));
       }
     } else {
       cv_.wait(lock, done);
     }
     // Woken by the end of this collective (its exchange may have failed: broken_ then says why) or by a break.
-    if (!broken_.empty()) fail("tensor-parallel {} on rank {}: {}", what, first() + r, broken_);
+    if (!broken_.empty()) fail_broken(fmt::format("tensor-parallel {} on rank {}", what, first() + r));
   }
 
   void set_timeout(std::chrono::milliseconds t) {
@@ -83,6 +85,7 @@ class NetGroup {
   }
   void abort() {
     std::lock_guard lock(mu_);
+    if (broken_.empty()) aborted_ = true;
     break_group("group aborted (another rank failed)");
     cv_.notify_all();
   }
@@ -96,42 +99,47 @@ class NetGroup {
     link_->close();
   }
 
-  // Header of a collective's message: op, n, so two nodes in different collectives are caught.
-  static std::vector<uint8_t> header(Op op, int64_t n) {
-    std::vector<uint8_t> h(9);
-    h[0] = static_cast<uint8_t>(op);
-    for (int i = 0; i < 8; ++i) h[1 + i] = static_cast<uint8_t>(static_cast<uint64_t>(n) >> (8 * i));
-    return h;
+  // Under mu_: the collective fails with why the group broke; GroupAborted when abort() broke it (another rank's
+  // error is the reason), kiln::Error otherwise.
+  [[noreturn]] void fail_broken(const std::string& where) const {
+    const std::string msg = fmt::format("{}: {}", where, broken_);
+    if (aborted_) throw model::GroupAborted(msg);
+    throw Error(msg);
   }
 
+  // The messages carry op and n (model/tp_wire.h), so two nodes in different collectives are caught.
   void exchange(Op op, int64_t n) {
     const size_t part = op == Op::all_reduce ? static_cast<size_t>(n) * sizeof(float) : static_cast<size_t>(n);
-    const std::vector<uint8_t> head = header(op, n);
     if (node_ != 0) {
-      // Up: header + this node's ranks' inputs in rank order; down: the result.
-      std::vector<uint8_t> up(head);
-      up.resize(head.size() + part * local_);
-      for (int i = 0; i < local_; ++i)
-        if (part) std::memcpy(up.data() + head.size() + part * i, in_[i], part);
-      link_->send(0, kNetCollectiveUp, up.data(), up.size());
-      const std::vector<uint8_t> down = link_->receive(0, kNetCollectiveDown, timeout_);
+      // Up: this node's ranks' inputs in rank order; down: the result.
+      std::vector<std::span<const uint8_t>> mine;
+      for (int i = 0; i < local_; ++i) mine.emplace_back(static_cast<const uint8_t*>(in_[i]), in_[i] ? part : 0);
+      const std::vector<uint8_t> up = model::wire::encode_collective(op, n, mine);
+      link_->send(0, Message::collective_up, up.data(), up.size());
+      const std::vector<uint8_t> down = link_->receive(0, Message::collective_down, timeout_);
+      const model::wire::CollectiveView result = model::wire::decode_collective(down, "collective result from node 0");
       const size_t want = op == Op::all_reduce ? part : part * tp_;
-      if (down.size() != want)
-        fail("node 0 answered a collective with {} bytes, {} expected: the nodes are out of step", down.size(), want);
+      if (result.op != op || result.count != n || result.parts.size() != 1 || result.parts[0].size() != want)
+        fail("node 0 answered a collective with another one ({} parts): the nodes are out of step",
+             result.parts.size());
       for (int i = 0; i < local_; ++i)
-        if (want) std::memcpy(out_[i], down.data(), want);
+        if (want) std::memcpy(out_[i], result.parts[0].data(), want);
       return;
     }
     // Node 0: every other node's inputs, then the result to all.
     std::vector<std::vector<uint8_t>> ups(static_cast<size_t>(nnodes_));
+    std::vector<model::wire::CollectiveView> views(static_cast<size_t>(nnodes_));
     for (int k = 1; k < nnodes_; ++k) {
-      ups[k] = link_->receive(k, kNetCollectiveUp, timeout_);
-      if (ups[k].size() != head.size() + part * local_ || !std::equal(head.begin(), head.end(), ups[k].begin()))
-        fail("node {} is in another collective than node 0 ({} bytes): the nodes are out of step", k, ups[k].size());
+      ups[k] = link_->receive(k, Message::collective_up, timeout_);
+      views[k] = model::wire::decode_collective(ups[k], fmt::format("collective inputs from node {}", k));
+      const model::wire::CollectiveView& v = views[k];
+      bool same = v.op == op && v.count == n && static_cast<int>(v.parts.size()) == local_;
+      for (const auto& p : v.parts) same = same && p.size() == part;
+      if (!same) fail("node {} is in another collective than node 0: the nodes are out of step", k);
     }
     auto input = [&](int g) -> const uint8_t* {
       const int k = g / local_, i = g % local_;
-      return k == 0 ? static_cast<const uint8_t*>(in_[i]) : ups[k].data() + head.size() + part * i;
+      return k == 0 ? static_cast<const uint8_t*>(in_[i]) : views[k].parts[i].data();
     };
     std::vector<uint8_t> result;
     if (op == Op::all_reduce) {
@@ -148,7 +156,9 @@ class NetGroup {
       for (int g = 0; g < tp_; ++g)
         if (part) std::memcpy(result.data() + part * g, input(g), part);
     }
-    for (int k = 1; k < nnodes_; ++k) link_->send(k, kNetCollectiveDown, result.data(), result.size());
+    const std::span<const uint8_t> whole(result);
+    const std::vector<uint8_t> down = model::wire::encode_collective(op, n, std::span(&whole, 1));
+    for (int k = 1; k < nnodes_; ++k) link_->send(k, Message::collective_down, down.data(), down.size());
     for (int i = 0; i < local_; ++i)
       if (!result.empty()) std::memcpy(out_[i], result.data(), result.size());
   }
@@ -166,6 +176,7 @@ class NetGroup {
   int64_t n_ = 0;
   uint64_t generation_ = 0;
   std::string broken_;
+  bool aborted_ = false;  // broken_ by abort(): another rank's failure
 };
 
 class NetComm final : public model::Communicator {

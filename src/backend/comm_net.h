@@ -10,7 +10,7 @@
 //
 // Failures: a collective waits at most the time-out (set_timeout) for the local ranks and for the other nodes;
 // abort() closes the link (the other nodes' waits fail too): a multi-node group that failed cannot be reset, every
-// node must restart.
+// node must restart. The messages are model/tp_wire.h's collective_up / collective_down.
 #pragma once
 #include <chrono>
 #include <memory>
@@ -25,8 +25,5 @@ namespace kiln::backend {
 // of `tp` ranks over link->nnodes() nodes, tp / nnodes on each.
 std::vector<std::unique_ptr<model::Communicator>> make_net_group(int tp, std::shared_ptr<model::NodeLink> link,
                                                                  std::chrono::milliseconds timeout);
-
-// Message types of the collectives on the link (the TpRunner's steps use others: tp_runner.cpp).
-inline constexpr uint8_t kNetCollectiveUp = 0x41, kNetCollectiveDown = 0x42;
 
 }  // namespace kiln::backend

@@ -110,23 +110,24 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
          "as flashinfer, fa3, triton or cutlass are not part of it", flag, asked,
          device == "cpu" ? std::string("the CPU backend") : fmt::format("this GPU (sm_{}x)", compute_major), list);
   };
-  k.dtype = resolve_dtype(device, o.dtype);
+  k.dtype = resolve_dtype(device, o.gpu.dtype);
   if (device == "cpu") {
-    k.attention = pick("--attention-backend", o.attention_backend, {"cpu"}, "cpu");
-    k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend, {"cpu"}, "cpu");
-    k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"cpu"}, "cpu");
+    k.attention = pick("--attention-backend", o.gpu.attention_backend, {"cpu"}, "cpu");
+    k.moe_runner = pick("--moe-runner-backend", o.gpu.moe_runner_backend, {"cpu"}, "cpu");
+    k.fp4_gemm = pick("--fp4-gemm-backend", o.gpu.fp4_gemm_backend, {"cpu"}, "cpu");
     return k;
   }
-  k.attention = pick("--attention-backend", o.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
-  // auto: the fused decode kernels on sm_90 (where they are tuned); elsewhere the grouped path.
-  k.moe_runner = pick("--moe-runner-backend", o.moe_runner_backend,
+  k.attention = pick("--attention-backend", o.gpu.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
+  // auto: the grouped path. The fused decode kernels measured slower at batch 1 on an H100 (docs/perf/decode-latency.md),
+  // so they are reachable by name only.
+  k.moe_runner = pick("--moe-runner-backend", o.gpu.moe_runner_backend,
                       {"kiln-fused-decode", "kiln-grouped", "kiln-grouped-fp32"},
-                      compute_major == 9 ? "kiln-fused-decode" : "kiln-grouped");
-  if (o.fp4_gemm_backend == "native-fp4")
+                      "kiln-grouped");
+  if (o.gpu.fp4_gemm_backend == "native-fp4")
     fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
          "{}use kiln-w4a16 (FP4 decoded to BF16 in registers), kiln-fp32 or auto",
          compute_major == 9 ? "this GPU (sm_90, Hopper) has none: " : "");
-  k.fp4_gemm = pick("--fp4-gemm-backend", o.fp4_gemm_backend, {"kiln-w4a16", "kiln-fp32"}, "kiln-w4a16");
+  k.fp4_gemm = pick("--fp4-gemm-backend", o.gpu.fp4_gemm_backend, {"kiln-w4a16", "kiln-fp32"}, "kiln-w4a16");
   return k;
 }
 
@@ -142,7 +143,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
-  c.scratch_plan_bytes = static_cast<size_t>(std::max(o.scratch_plan_bytes, 0.0));
+  c.scratch_plan_bytes = static_cast<size_t>(std::max(o.gpu.scratch_plan_bytes, 0.0));
   return c;
 }
 }  // namespace
@@ -170,11 +171,10 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   const format::QuantConfig quant = format::load_quant_config(dir);
   const auto tensors = format::expected_tensors(config, quant);
   MemoryPlan p;
-  p.tp = std::max(o.tp_size, 1);
-  p.ep = std::max(o.ep_size, 1);
-  if (o.nnodes < 1 || p.tp % o.nnodes)
-    fail("--tp-size {} does not divide over --nnodes {}", p.tp, o.nnodes);
-  p.ranks_per_gpu = o.gpu_id_step == 0 ? p.tp / o.nnodes : 1;
+  validate_parallel(o.parallel);
+  p.tp = o.parallel.tp_size;
+  p.ep = o.parallel.ep_size;
+  p.ranks_per_gpu = o.parallel.gpu_id_step == 0 ? p.tp / o.parallel.nnodes : 1;
   format::CapacityOptions co;
   co.kv_dtype = o.kv_dtype;
   co.tp = p.tp;
@@ -189,7 +189,7 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   config = format::rank_config(full, rank0);
   p.gpu_bytes = gpu_bytes;
   p.free_bytes = free_bytes;
-  p.fraction = o.mem_fraction_static > 0 ? o.mem_fraction_static : 0.90;
+  p.fraction = o.gpu.mem_fraction_static > 0 ? o.gpu.mem_fraction_static : 0.90;
   if (p.fraction > 0.98) fail("--mem-fraction-static {} is too high (at most 0.98)", p.fraction);
   p.budget_bytes = gpu_bytes * p.fraction / p.ranks_per_gpu;
   p.weight_bytes = static_cast<double>(cap.weight_bytes_per_gpu);
@@ -292,8 +292,181 @@ std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check,
   return make_ops_on(device, self_check, options, -1);
 }
 
+void validate_parallel(const ParallelOptions& p) {
+  if (p.tp_size < 1) fail("--tp-size must be at least 1, got {}", p.tp_size);
+  if (p.ep_size < 1) fail("--ep-size must be at least 1, got {}", p.ep_size);
+  if (p.tp_size % p.ep_size)
+    fail("--ep-size {} must divide --tp-size {} (expert-parallel groups are made of tensor-parallel ranks)", p.ep_size,
+         p.tp_size);
+  if (p.base_gpu_id < 0) fail("--base-gpu-id must not be negative, got {}", p.base_gpu_id);
+  if (p.gpu_id_step < 0) fail("--gpu-id-step must not be negative, got {}", p.gpu_id_step);
+  if (p.nnodes < 1) fail("--nnodes must be at least 1, got {}", p.nnodes);
+  if (p.node_rank < 0 || p.node_rank >= p.nnodes)
+    fail("--node-rank {} is outside 0..{} (--nnodes {}): number the machines 0 to nnodes - 1", p.node_rank,
+         p.nnodes - 1, p.nnodes);
+  if (p.tp_size % p.nnodes)
+    fail("--tp-size {} does not divide over --nnodes {}: every machine runs tp-size / nnodes ranks", p.tp_size,
+         p.nnodes);
+  if (p.nnodes > 1 && p.dist_init_addr.empty())
+    fail("--nnodes {} needs --dist-init-addr host:port (node 0's address, the same on every node)", p.nnodes);
+  if (!p.dist_init_addr.empty()) parse_dist_init_addr(p.dist_init_addr);
+  if (p.single_rank >= 0 && (p.single_rank >= p.tp_size || !p.is_group()))
+    fail("--single-rank {} needs --tp-size greater than it (got --tp-size {})", p.single_rank, p.tp_size);
+  if (p.single_rank >= 0 && p.nnodes > 1) fail("--single-rank runs one GPU of one machine: drop --nnodes");
+}
+
+std::string RankPlacement::gpu_list() const {
+  std::string s;
+  for (size_t i = 0; i < devices.size(); ++i) s += fmt::format("{}{}", i ? "," : "", devices[i]);
+  return s;
+}
+
+RankPlacement place_ranks(const ParallelOptions& p, const std::vector<GpuInfo>& gpus) {
+  RankPlacement out;
+  const int local = p.local_ranks();
+  std::map<int, int> ranks_on;
+  for (int r = 0; r < local; ++r) {
+    const int d = p.base_gpu_id + r * p.gpu_id_step;
+    if (d < 0 || d >= static_cast<int>(gpus.size()))
+      fail("--tp-size {} puts rank {} on GPU {} (--base-gpu-id {} --gpu-id-step {}), but this machine has {} GPU(s){}: "
+           "lower --tp-size, or --gpu-id-step 0 to run every rank on one GPU (for correctness checks)",
+           p.tp_size, r, d, p.base_gpu_id, p.gpu_id_step, gpus.size(),
+           gpus.empty() ? "" : fmt::format(" (0..{})", gpus.size() - 1));
+    out.devices.push_back(d);
+    const GpuInfo& g = gpus[d];
+    if (!g.usable) fail("rank {} on GPU {}: {}", r, d, g.reason);
+    const GpuInfo& g0 = gpus[out.devices[0]];
+    if (g.name != g0.name || g.memory_bytes != g0.memory_bytes)
+      fail("tensor parallel needs GPUs of one kind: GPU {} is {} ({:.1f} GiB), GPU {} is {} ({:.1f} GiB); choose "
+           "matching GPUs with --base-gpu-id / --gpu-id-step (or CUDA_VISIBLE_DEVICES)",
+           out.devices[0], g0.name, g0.memory_bytes / 1073741824.0, d, g.name, g.memory_bytes / 1073741824.0);
+    ++ranks_on[d];
+  }
+  out.ranks_on_first_gpu = ranks_on[out.devices[0]];
+  out.free_bytes = gpus[out.devices[0]].free_bytes;
+  for (int d : out.devices) out.free_bytes = std::min(out.free_bytes, gpus[d].free_bytes);
+  out.first_rank = p.node_rank * local;
+  return out;
+}
+
+const std::vector<EnvDefault>& nccl_env_defaults() {
+  static const std::vector<EnvDefault> defaults = {
+      {"NCCL_NVLS_ENABLE", "0",
+       "NVLink multicast off: the GPU machines kiln runs on require it, and kiln's all-reduces are latency-bound decode "
+       "messages"}};
+  return defaults;
+}
+
+#if KILN_HAVE_CUDA
+namespace {
+
+std::vector<GpuInfo> probe_gpus() {
+  std::vector<GpuInfo> out;
+  for (const cuda::CudaDeviceProbe& g : cuda::probe_cuda_devices())
+    out.push_back({g.usable, g.reason, g.name, g.major, static_cast<double>(g.memory_bytes),
+                   static_cast<double>(g.free_bytes)});
+  return out;
+}
+
+// What every kind of CUDA load shares once the ranks are placed and the memory planned.
+struct CudaLoad {
+  const format::ModelDir& dir;
+  bool self_check;
+  LoadOptions planned;  // the options, with the plan's scratch size
+  model::RunnerOptions ro;
+  RankPlacement placed;
+  std::unique_ptr<model::Ops> ops(int rank) const {
+    return make_ops_on("cuda", self_check, planned, placed.devices[rank]);
+  }
+};
+
+// bench-engine --single-rank: one rank of the plan alone; its all-reduces are a copy of the same size.
+std::unique_ptr<model::ModelRunner> load_single_rank(CudaLoad& l) {
+  const ParallelOptions& par = l.planned.parallel;
+  const format::ShardPlan shards = format::plan_shards(format::load_model_config(l.dir),
+                                                       format::load_quant_config(l.dir), par.tp_size, par.ep_size);
+  l.ro.shard = shards.ranks[par.single_rank];
+  l.ro.lone_rank = true;
+  auto ops = l.ops(0);
+  auto comm = cuda::make_copy_communicator(par.single_rank, par.tp_size);
+  ops->set_communicator(comm.get());
+  KILN_LOG_WARN("--single-rank {}: only rank {} of --tp-size {} runs; its all-reduces are device copies of the same "
+                "size (a benchmark of one GPU's share; output is meaningless)",
+                par.single_rank, par.single_rank, par.tp_size);
+  auto runner = std::make_unique<model::Runner>(std::move(ops), l.dir, l.ro);
+  runner->keep_alive(std::move(comm));
+  KILN_LOG_INFO("{}", runner->describe());
+  return runner;
+}
+
+// This node's ranks as one TpRunner over a CUDA group (peer memory / NCCL; NCCL across machines).
+std::unique_ptr<model::ModelRunner> load_cuda_group(CudaLoad& l) {
+  const ParallelOptions& par = l.planned.parallel;
+  cuda::CudaGroupOptions go;
+  go.devices = l.placed.devices;
+  if (l.planned.gpu.disable_custom_all_reduce) go.transport = cuda::CudaGroupOptions::Transport::nccl;
+  std::string group_desc = par.nnodes > 1 ? fmt::format("all-reduce: NCCL over {} nodes ({} ranks here)", par.nnodes,
+                                                        par.local_ranks())
+                                          : cuda::describe_cuda_group(go);
+  if (l.placed.ranks_on_first_gpu > 1 && l.planned.gpu.cuda_graphs)
+    group_desc += "; CUDA graphs off (ranks sharing a GPU meet on the host)";
+  KILN_LOG_INFO("tensor parallel {} on GPUs {}: {}", par.tp_size, l.placed.gpu_list(), group_desc);
+  l.ro.summary += "; " + group_desc;
+  model::TpOptions tp;
+  tp.tp = par.tp_size;
+  tp.ep = par.ep_size;
+  if (par.nnodes > 1) {
+    // Several machines: node 0 makes the NCCL id, the rendezvous hands it to every node and keeps the connections as
+    // the link node 0 drives the steps over; NCCL joins the ranks of all nodes (model/tp_runner.h).
+    const NodeJoin joined = join_nodes(l.dir, l.planned, "cuda", l.ro,
+                                       par.node_rank == 0 ? cuda::nccl_unique_id() : std::vector<uint8_t>{});
+    go.world_size = par.tp_size;
+    go.first_rank = l.placed.first_rank;
+    go.nccl_id = joined.payload;
+    tp.link = joined.link;
+    tp.startup_timeout = std::chrono::seconds(std::max(par.dist_timeout_s, 1));
+    go.timeout = tp.startup_timeout;
+  }
+  auto runner = std::make_unique<model::TpRunner>(
+      l.dir, l.ro, tp, [&](int r) -> std::unique_ptr<model::Ops> { return l.ops(r); }, cuda::make_cuda_group(go));
+  KILN_LOG_INFO("{}", runner->describe());
+  return runner;
+}
+
+// Places the ranks (all checked before anything is allocated), plans the memory, then loads one runner, one rank of
+// a plan, or this node's group.
+std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir, const LoadOptions& options,
+                                                    bool self_check) {
+  const std::vector<GpuInfo> gpus = probe_gpus();
+  const RankPlacement placed = place_ranks(options.parallel, gpus);
+  const GpuInfo& first = gpus[placed.devices[0]];
+  const KernelChoice kernels = resolve_kernels("cuda", first.major, options);
+  KILN_LOG_INFO("kernels: {}", kernels.str());
+  // Ranks sharing a GPU (--gpu-id-step 0) split it: the plan gives each its part.
+  const MemoryPlan plan = plan_device_memory(dir, options, first.memory_bytes, placed.free_bytes);
+  KILN_LOG_INFO("{}", plan.str());
+  CudaLoad l{dir, self_check, options, runner_options(options), placed};
+  // Every rank's scratch arena starts at the plan's activation estimate (less the fixed 0.5 GiB it adds for the
+  // runtime's own buffers), so a large pass does not grow it by doubling past the plan.
+  l.planned.gpu.scratch_plan_bytes = std::max(plan.activation_bytes - 0.5 * 1024.0 * 1024.0 * 1024.0, 0.0);
+  l.ro.kv_pages = plan.kv_pages;
+  l.ro.state_slots = plan.state_slots;
+  l.ro.max_context = plan.context;
+  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
+                             options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1 ? "on" : "off");
+  if (options.parallel.single_rank >= 0) return load_single_rank(l);
+  if (options.parallel.is_group()) return load_cuda_group(l);
+  auto runner = std::make_unique<model::Runner>(l.ops(0), dir, l.ro);
+  KILN_LOG_INFO("{}", runner->describe());
+  return runner;
+}
+
+}  // namespace
+#endif
+
 std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, const std::string& device,
-                                               const CpuLoadOptions& options, bool self_check) {
+                                               const LoadOptions& options, bool self_check) {
+  validate_parallel(options.parallel);
   const DeviceChoice choice = resolve_device(device);
   KILN_LOG_INFO("device: {} ({})", choice.device, choice.reason);
   if (choice.device == "cpu") {
@@ -301,116 +474,10 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
     return load_cpu_model(dir, options);
   }
   if (options.threads > 0) ThreadPool::set_global_threads(options.threads);
-  model::RunnerOptions ro = runner_options(options);
 #if KILN_HAVE_CUDA
-  const int nodes = std::max(options.nnodes, 1);
-  if (options.tp_size % nodes)
-    fail("--tp-size {} does not divide over --nnodes {}: every machine runs tp-size / nnodes ranks", options.tp_size,
-         nodes);
-  const bool parallel = options.tp_size != 1 || options.ep_size != 1 || nodes > 1;
-  if (options.single_rank >= 0 && (options.single_rank >= options.tp_size || !parallel))
-    fail("--single-rank {} needs --tp-size greater than it (got --tp-size {})", options.single_rank, options.tp_size);
-  if (options.single_rank >= 0 && nodes > 1) fail("--single-rank runs one GPU of one machine: drop --nnodes");
-  const int local_ranks = parallel && options.single_rank < 0 ? options.tp_size / nodes : 1;
-  // Rank r on GPU base_gpu_id + r * gpu_id_step (SGLang's flags); all checked before anything is allocated.
-  const std::vector<cuda::CudaDeviceProbe> gpus = cuda::probe_cuda_devices();
-  std::vector<int> devices(local_ranks);
-  std::map<int, int> ranks_on;
-  for (int r = 0; r < local_ranks; ++r) {
-    devices[r] = options.base_gpu_id + r * options.gpu_id_step;
-    if (devices[r] < 0 || devices[r] >= static_cast<int>(gpus.size()))
-      fail("--tp-size {} puts rank {} on GPU {} (--base-gpu-id {} --gpu-id-step {}), but this machine has {} GPU(s){}: "
-           "lower --tp-size, or --gpu-id-step 0 to run every rank on one GPU (for correctness checks)",
-           options.tp_size, r, devices[r], options.base_gpu_id, options.gpu_id_step, gpus.size(),
-           gpus.empty() ? "" : fmt::format(" (0..{})", gpus.size() - 1));
-    const cuda::CudaDeviceProbe& g = gpus[devices[r]];
-    if (!g.usable) fail("rank {} on GPU {}: {}", r, devices[r], g.reason);
-    const cuda::CudaDeviceProbe& g0 = gpus[devices[0]];
-    if (g.name != g0.name || g.memory_bytes != g0.memory_bytes)
-      fail("tensor parallel needs GPUs of one kind: GPU {} is {} ({:.1f} GiB), GPU {} is {} ({:.1f} GiB); choose "
-           "matching GPUs with --base-gpu-id / --gpu-id-step (or CUDA_VISIBLE_DEVICES)",
-           devices[0], g0.name, g0.memory_bytes / 1073741824.0, devices[r], g.name, g.memory_bytes / 1073741824.0);
-    ++ranks_on[devices[r]];
-  }
-  const cuda::CudaDeviceProbe& probe = gpus[devices[0]];
-  const KernelChoice kernels = resolve_kernels("cuda", probe.major, options);
-  KILN_LOG_INFO("kernels: {}", kernels.str());
-  // Ranks sharing a GPU (--gpu-id-step 0) split it: the plan gives each its part.
-  const int sharing = ranks_on[devices[0]];
-  double free_bytes = static_cast<double>(probe.free_bytes);
-  for (int d : devices) free_bytes = std::min(free_bytes, static_cast<double>(gpus[d].free_bytes));
-  const MemoryPlan plan = plan_device_memory(dir, options, static_cast<double>(probe.memory_bytes), free_bytes);
-  KILN_LOG_INFO("{}", plan.str());
-  // Every rank's scratch arena starts at the plan's activation estimate (less the fixed 0.5 GiB it adds for the
-  // runtime's own buffers), so a large pass does not grow it by doubling past the plan.
-  LoadOptions planned = options;
-  planned.scratch_plan_bytes = std::max(plan.activation_bytes - 0.5 * 1024.0 * 1024.0 * 1024.0, 0.0);
-  ro.kv_pages = plan.kv_pages;
-  ro.state_slots = plan.state_slots;
-  ro.max_context = plan.context;
-  const bool graphs_on = options.cuda_graphs;
-  std::string group_desc;
-  cuda::CudaGroupOptions go;
-  go.devices = devices;
-  if (options.disable_custom_all_reduce) go.transport = cuda::CudaGroupOptions::Transport::nccl;
-  if (parallel && options.single_rank < 0) {
-    group_desc = nodes > 1 ? fmt::format("all-reduce: NCCL over {} nodes ({} ranks here)", nodes, local_ranks)
-                           : cuda::describe_cuda_group(go);
-    if (sharing > 1 && graphs_on)
-      group_desc += "; CUDA graphs off (ranks sharing a GPU meet on the host)";
-  }
-  ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
-                           graphs_on && sharing == 1 ? "on" : "off");
-  if (!parallel) {
-    auto runner = std::make_unique<model::Runner>(make_ops_on(choice.device, self_check, planned, devices[0]), dir, ro);
-    KILN_LOG_INFO("{}", runner->describe());
-    return runner;
-  }
-  const format::ShardPlan shards = format::plan_shards(format::load_model_config(dir), format::load_quant_config(dir),
-                                                       options.tp_size, options.ep_size);
-  if (options.single_rank >= 0) {
-    // One rank of the plan alone; its all-reduces are a copy of the same size.
-    ro.shard = shards.ranks[options.single_rank];
-    ro.lone_rank = true;
-    auto ops = make_ops_on(choice.device, self_check, planned, devices[0]);
-    auto comm = cuda::make_copy_communicator(options.single_rank, options.tp_size);
-    ops->set_communicator(comm.get());
-    KILN_LOG_WARN("--single-rank {}: only rank {} of --tp-size {} runs; its all-reduces are device copies of the same "
-                  "size (a benchmark of one GPU's share; output is meaningless)",
-                  options.single_rank, options.single_rank, options.tp_size);
-    auto runner = std::make_unique<model::Runner>(std::move(ops), dir, ro);
-    runner->keep_alive(std::move(comm));
-    KILN_LOG_INFO("{}", runner->describe());
-    return runner;
-  }
-  KILN_LOG_INFO("tensor parallel {} on GPUs {}: {}", options.tp_size, [&] {
-    std::string s;
-    for (size_t i = 0; i < devices.size(); ++i) s += fmt::format("{}{}", i ? "," : "", devices[i]);
-    return s;
-  }(), group_desc);
-  ro.summary += "; " + group_desc;
-  model::TpOptions tp;
-  tp.tp = options.tp_size;
-  tp.ep = options.ep_size;
-  if (nodes > 1) {
-    // Several machines: node 0 makes the NCCL id, the rendezvous hands it to every node and keeps the connections as
-    // the link node 0 drives the steps over; NCCL joins the ranks of all nodes (model/tp_runner.h).
-    const NodeJoin joined =
-        join_nodes(dir, options, "cuda", ro, options.node_rank == 0 ? cuda::nccl_unique_id() : std::vector<uint8_t>{});
-    go.world_size = options.tp_size;
-    go.first_rank = options.node_rank * local_ranks;
-    go.nccl_id = joined.payload;
-    tp.link = joined.link;
-    tp.startup_timeout = std::chrono::seconds(std::max(options.dist_timeout_s, 1));
-    go.timeout = tp.startup_timeout;
-  }
-  auto runner = std::make_unique<model::TpRunner>(
-      dir, ro, tp,
-      [&](int r) -> std::unique_ptr<model::Ops> { return make_ops_on(choice.device, self_check, planned, devices[r]); },
-      cuda::make_cuda_group(go));
-  KILN_LOG_INFO("{}", runner->describe());
-  return runner;
+  return load_cuda_model(dir, options, self_check);
 #else
+  (void)self_check;
   fail("--device cuda: this kiln binary was built without the CUDA backend");
 #endif
 }

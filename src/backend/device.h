@@ -3,9 +3,13 @@
 //         12.x), else cpu; cpu: the CPU oracle; cuda: the CUDA backend, or a kiln::Error naming what was found.
 // A cuda backend passes a numerical self-check against the CPU backend before it is used (op_check.h);
 // `self_check = false` (--skip-self-check) bypasses it.
+//
+// Also here, pure and host-only (tested without a GPU): the one check of the parallel sizes (validate_parallel), the
+// placement of this node's ranks on the GPUs it found (place_ranks), and the NCCL settings kiln defaults.
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "format/model_dir.h"
@@ -72,7 +76,7 @@ struct KernelChoice {
   // cpu: "cpu"; cuda: "kiln-paged" (prefill-shaped steps on the tensor-core flash kernel, decode on the split-KV
   // kernel) or "kiln-paged-fp32" (the split-KV kernel on CUDA cores for every step)
   std::string attention;
-  // cpu: "cpu"; cuda: "kiln-fused-decode" (kiln-grouped plus decode steps in two fused kernels; auto on sm_90),
+  // cpu: "cpu"; cuda: "kiln-fused-decode" (kiln-grouped plus decode steps in two fused kernels; by name only),
   // "kiln-grouped" (NVFP4 experts on tensor cores) or "kiln-grouped-fp32" (fp32 CUDA-core kernels)
   std::string moe_runner;
   // cpu: "cpu"; cuda: "kiln-w4a16" (NVFP4 linears of many rows on tensor cores, FP4 decoded to bf16 in registers; no
@@ -111,9 +115,44 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& op
 std::unique_ptr<model::Ops> make_ops(const std::string& device, bool self_check = true,
                                      const LoadOptions& options = {});
 
-// Loads `dir` on the requested device (auto / cpu / cuda) with the runner options of CpuLoadOptions (threads
-// apply to the CPU backend only). Logs the resolved choice and the backend's description.
+// The parallel sizes on their own (no model, no device), the one place they are checked: tp, ep >= 1, ep divides tp,
+// GPU ids not negative, 0 <= node_rank < nnodes, tp divides over nnodes, --dist-init-addr host:port with nnodes > 1,
+// single_rank inside a tp > 1 plan of one machine. kiln::Error naming the flags and the numbers otherwise.
+void validate_parallel(const ParallelOptions& p);
+
+// One GPU of this machine as the loader sees it (CUDA-free: the CUDA probe fills it, tests fake it).
+struct GpuInfo {
+  bool usable = true;
+  std::string reason;  // why not usable
+  std::string name;    // "NVIDIA H200"
+  int major = 0;       // compute capability major
+  double memory_bytes = 0, free_bytes = 0;
+};
+// Where this node's ranks run: rank r (of this node) on devices[r] = base_gpu_id + r * gpu_id_step.
+struct RankPlacement {
+  std::vector<int> devices;   // [local ranks] the CUDA device of each rank of this node
+  int ranks_on_first_gpu = 1;  // ranks sharing devices[0] (--gpu-id-step 0: all of them); they meet on the host
+  double free_bytes = 0;      // the least free memory of the GPUs used
+  int first_rank = 0;         // global rank of devices[0]'s rank: node_rank x local ranks
+  std::string gpu_list() const;  // "0,1,2,3"
+};
+// Places the ranks of `p` (validated) on `gpus` (every GPU of this machine, by CUDA index). kiln::Error when a rank
+// lands on a GPU that does not exist (more ranks than GPUs: the fix is --gpu-id-step 0 or a smaller --tp-size), is not
+// usable, or differs in kind or memory from the first rank's.
+RankPlacement place_ranks(const ParallelOptions& p, const std::vector<GpuInfo>& gpus);
+
+// An environment setting of NCCL's that kiln wants and why. kiln sets it only where the user left it unset
+// (cli/environment.h reads the user's and reports both kinds in the startup summary).
+struct EnvDefault {
+  const char* name;
+  const char* value;
+  const char* why;
+};
+const std::vector<EnvDefault>& nccl_env_defaults();
+
+// Loads `dir` on the requested device (auto / cpu / cuda) with `options` (threads apply to the CPU backend only;
+// options.parallel is checked by validate_parallel first). Logs the resolved choice and the backend's description.
 std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, const std::string& device,
-                                               const CpuLoadOptions& options, bool self_check = true);
+                                               const LoadOptions& options, bool self_check = true);
 
 }  // namespace kiln::backend

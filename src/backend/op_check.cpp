@@ -23,6 +23,18 @@ std::string OpCheck::str() const {
   return fmt::format("{}: rel {:.2e} (max abs {:.2e}, tol {:.0e})", op, rel_err, max_abs_err, tol);
 }
 
+std::string op_check_failures(const std::vector<OpCheck>& results) {
+  if (results.empty()) return "no op was checked";
+  std::vector<const OpCheck*> failed;
+  for (const OpCheck& r : results)
+    if (!r.passed()) failed.push_back(&r);
+  if (failed.empty()) return {};
+  std::string what;
+  for (size_t i = 0; i < failed.size() && i < 4; ++i) what += (i ? "; " : "") + failed[i]->str();
+  if (failed.size() > 4) what += fmt::format("; and {} more", failed.size() - 4);
+  return fmt::format("{} of {} op checks disagree ({})", failed.size(), results.size(), what);
+}
+
 namespace {
 
 using model::DeltaRuleMode;
@@ -644,21 +656,13 @@ void startup_op_check(Ops& test, Ops& reference, bool bf16_inputs) {
   config.expert_inter = 128;
   if (bf16_inputs) config = use_bf16_input_budgets(config);
   const std::vector<OpCheck> results = compare_ops(test, reference, config);
-  std::vector<const OpCheck*> failed;
   double worst = 0;
-  for (const OpCheck& r : results) {
-    if (!r.passed()) failed.push_back(&r);
-    worst = std::max(worst, r.rel_err / std::max(r.tol, 1e-30));
-  }
+  for (const OpCheck& r : results) worst = std::max(worst, r.rel_err / std::max(r.tol, 1e-30));
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  if (!failed.empty()) {
-    std::string what;
-    for (size_t i = 0; i < failed.size() && i < 4; ++i) what += (i ? "; " : "") + failed[i]->str();
-    if (failed.size() > 4) what += fmt::format("; and {} more", failed.size() - 4);
-    fail("{} self-check failed: {} of {} op checks disagree with the {} backend ({}). Refusing to run on this "
-         "device; --skip-self-check bypasses the check",
-         test.name(), failed.size(), results.size(), reference.name(), what);
-  }
+  const std::string failures = op_check_failures(results);
+  if (!failures.empty())
+    fail("{} self-check failed against the {} backend: {}. Refusing to run on this device; --skip-self-check bypasses "
+         "the check", test.name(), reference.name(), failures);
   KILN_LOG_INFO("{} self-check passed: {} op checks against the {} backend in {:.0f} ms (worst error {:.2f} of its "
                 "tolerance{})",
                 test.name(), results.size(), reference.name(), ms, worst,

@@ -75,9 +75,14 @@ OpCheckConfig use_bf16_input_budgets(OpCheckConfig config);
 // Ops' scratch; allocates (and keeps) a little persistent memory on each.
 std::vector<OpCheck> compare_ops(model::Ops& test, model::Ops& reference, const OpCheckConfig& config);
 
+// The harness's verdict on a list of checks: "" when there is at least one check and every one passed; otherwise
+// what failed ("no op was checked" for an empty list, else "N of M op checks disagree (the first few)").
+std::string op_check_failures(const std::vector<OpCheck>& results);
+
 // The startup check: compare_ops at a small shape (a few ms). Logs one summary line; throws kiln::Error naming the
-// failing ops when any disagrees with the reference or produces NaN / inf. bf16_inputs: the test backend runs
-// --dtype bfloat16 (the tensor-core ops get use_bf16_input_budgets' tolerances; every other op keeps 1e-5).
+// failing ops (op_check_failures) when any disagrees with the reference or produces NaN / inf. bf16_inputs: the
+// test backend runs --dtype bfloat16 (the tensor-core ops get use_bf16_input_budgets' tolerances; every other op
+// keeps 1e-5).
 void startup_op_check(model::Ops& test, model::Ops& reference, bool bf16_inputs = false);
 
 }  // namespace kiln::backend

@@ -1,9 +1,10 @@
 // Startup rendezvous of several machines (--nnodes, --node-rank, --dist-init-addr host:port; SGLang's names):
 // node 0 listens on the address's port, every other node connects to it (retrying until the time-out), each sends
-// its header (node rank, nnodes, tp size, a model fingerprint), node 0 checks that all agree and sends every node
-// the same blob (the NCCL unique id). Host-only POSIX TCP sockets (IPv4 addresses and host names); no CUDA, no
-// NCCL here. Every wait has a time-out: a node that never comes, a peer that hangs or a mismatched launch is a
-// kiln::Error that names the node ranks and numbers on both sides and what to check.
+// its hello (node rank, nnodes, tp size, a model fingerprint; model/tp_wire.h messages), node 0 checks that all agree
+// and sends every node the same blob (the NCCL unique id). Host-only POSIX TCP sockets (IPv4 addresses and host
+// names; backend/tcp_socket.h); no CUDA, no NCCL here. Every wait has a time-out: a node that never comes, a peer
+// that hangs or a mismatched launch is a kiln::Error that names the node ranks and numbers on both sides and what to
+// check.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -44,7 +45,7 @@ std::vector<uint8_t> rendezvous(const RendezvousOptions& options, const Rendezvo
                                 const std::vector<uint8_t>& blob);
 
 // The same rendezvous, keeping the connections open as the group's message channel (model/node_link.h: node 0
-// linked to every node, the others to node 0; TCP_NODELAY, keep-alive). header.nnodes must be 2 or more.
+// linked to every node, the others to node 0: tcp_node_link.h). header.nnodes must be 2 or more.
 struct RendezvousLink {
   std::vector<uint8_t> blob;
   std::shared_ptr<model::NodeLink> link;

@@ -51,8 +51,7 @@ struct BenchEngineOptions {
   int threads = 0;
   bool skip_self_check = false;
   kiln::cli::GpuFlags gpu;
-  kiln::cli::ParallelFlags parallel;
-  int single_rank = -1;
+  kiln::backend::ParallelOptions parallel;  // --single-rank included
   bool profile = false;
   bool host_sampling = false;
   float temperature = 0.0f;  // > 0: sample (temperature / top-k / top-p) instead of argmax, on the device
@@ -93,19 +92,266 @@ std::vector<int> parse_batches(const std::string& text, const char* flag = "--ba
   return out;
 }
 
+kiln::DType bench_kv_dtype(const std::string& flag) {
+  if (flag == "bf16") return kiln::DType::BF16;
+  if (flag == "fp8") return kiln::DType::F8_E4M3;
+  if (flag == "f32") return kiln::DType::F32;
+  kiln::fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", flag);
+}
+
+// The load options of the bench: one state slot per sequence of the largest batch, a context of the prompt and the
+// output, passes of --max-pass-tokens (no engine steps here).
+kiln::backend::LoadOptions bench_load_options(const BenchEngineOptions& o, int max_batch) {
+  using namespace kiln;
+  backend::LoadOptions lo;
+  lo.threads = o.threads;
+  lo.state_slots = max_batch;
+  lo.max_context = o.input_len + o.output_len + 8;  // + the verify positions of --spec-sweep (K + 1 <= 6)
+  lo.mtp = !o.spec_sweep.empty();
+  lo.prefill_chunk = backend::resolve_pass_tokens(o.prefill_chunk, 0);
+  cli::apply_gpu_flags(o.gpu, lo);
+  cli::check_node_zero(o.parallel, "bench-engine");
+  lo.parallel = o.parallel;
+  lo.kv_dtype = bench_kv_dtype(o.kv_dtype);
+  return lo;
+}
+
+// One batch of B sequences over the loaded runner: the prompts, their pages, and one step of the chosen output mode.
+struct BenchBatch {
+  const BenchEngineOptions& o;
+  kiln::model::ModelRunner& runner;
+  int B;
+  int64_t V, pages_per_seq;
+  std::vector<std::vector<int32_t>> prompts, pages;
+  std::vector<kiln::model::SeqChunk> chunks;
+  std::vector<int32_t> next;
+  std::vector<float> logits;
+  std::vector<kiln::model::RowSampling> rows;
+  std::mt19937_64 draw;
+
+  BenchBatch(const BenchEngineOptions& opts, kiln::model::ModelRunner& r, int batch, int64_t pages_per_sequence)
+      : o(opts), runner(r), B(batch), V(r.vocab_size()), pages_per_seq(pages_per_sequence), prompts(batch),
+        pages(batch), chunks(batch), next(batch), rows(batch), draw(opts.seed + 17) {
+    std::mt19937_64 rng(o.seed);
+    for (int b = 0; b < B; ++b) {
+      prompts[b].resize(o.input_len);
+      for (auto& t : prompts[b]) t = std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(V - 1))(rng);
+      pages[b].resize(pages_per_seq);
+      for (int64_t p = 0; p < pages_per_seq; ++p) pages[b][p] = static_cast<int32_t>(b * pages_per_seq + p);
+      chunks[b].state_slot = b;
+      chunks[b].page_table = pages[b];
+    }
+  }
+  // One forward of the chunks: device sampling (--temperature), device argmax, or host argmax (--host-sampling).
+  void step() {
+    if (!o.host_sampling && o.temperature > 0.0f) {
+      for (auto& r : rows) {
+        r.temperature = o.temperature;
+        r.top_k = o.top_k;
+        r.top_p = o.top_p;
+        r.u = std::uniform_real_distribution<double>(0.0, 1.0)(draw);
+      }
+      runner.forward_sample(chunks, rows, next);
+      return;
+    }
+    if (!o.host_sampling) {
+      runner.forward_argmax(chunks, next);
+      return;
+    }
+    logits.resize(static_cast<size_t>(B) * V);
+    runner.forward(chunks, logits);
+    for (int b = 0; b < B; ++b) {
+      const float* row = logits.data() + static_cast<size_t>(b) * V;
+      next[b] = static_cast<int32_t>(std::max_element(row, row + V) - row);
+    }
+  }
+  // Every sequence's prompt (its first `tokens`) from position 0.
+  void prompt_inputs(int64_t tokens) {
+    for (int b = 0; b < B; ++b) {
+      chunks[b].tokens = std::span<const int32_t>(prompts[b]).first(tokens);
+      chunks[b].start_pos = 0;
+    }
+  }
+  // One token per sequence (the last step's) at `pos`.
+  void decode_inputs(int64_t pos) {
+    for (int b = 0; b < B; ++b) {
+      chunks[b].tokens = std::span<const int32_t>(&next[b], 1);
+      chunks[b].start_pos = pos;
+    }
+  }
+};
+
+// The bytes one decode step reads at batch 1, as `kiln inspect` counts them, over the measured step.
+void print_bandwidth(const kiln::format::ModelDir& dir, const kiln::backend::LoadOptions& lo, double median_ms) {
+  using namespace kiln;
+  const format::ModelConfig config = format::load_model_config(dir);
+  const format::QuantConfig quant = format::load_quant_config(dir);
+  format::CapacityOptions co;
+  co.kv_dtype = lo.kv_dtype;
+  co.tp = lo.parallel.single_rank >= 0 ? lo.parallel.tp_size : 1;  // one rank alone reads its share (inspect: per GPU)
+  co.ep = lo.parallel.single_rank >= 0 ? lo.parallel.ep_size : 1;
+  const auto plan = format::plan_capacity(config, format::expected_tensors(config, quant), co);
+  const double bytes = static_cast<double>(co.tp > 1 ? plan.decode_bytes_per_token_per_gpu : plan.decode_bytes_per_token);
+  std::printf("  batch-1 bandwidth: %.4g GB read per token%s (kiln inspect) / %.3f ms = %.3g TB/s\n", bytes / 1e9,
+              co.tp > 1 ? " per GPU" : "", median_ms, bytes / (median_ms * 1e-3) / 1e12);
+}
+
+// One more step, op by op (eager, ops queued behind a busy-wait so that they run back to back). False when the
+// backend does not time ops.
+bool profile_step(kiln::model::Runner& mr, BenchBatch& batch, const char* what) {
+  if (!mr.ops().profile_begin()) {
+    std::printf("  --profile: the %s backend does not time ops\n", mr.ops().name().c_str());
+    return false;
+  }
+  mr.set_graphs_enabled(false);
+  batch.step();
+  mr.set_graphs_enabled(true);
+  std::vector<kiln::model::OpTime> times = mr.ops().profile_end();
+  double total = 0;
+  for (const auto& t : times)
+    if (!t.nested) total += t.total_us;
+  std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
+  std::printf("  per-op time of one %s (batch %d, eager, back to back): %.1f us in ops\n", what, batch.B, total);
+  std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
+  // Ops first, then the stages timed inside them (rows starting with " . ", not added to the total).
+  for (bool nested : {false, true})
+    for (const auto& t : times)
+      if (t.nested == nested)
+        std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
+                    t.total_us, t.total_us / std::max<int64_t>(t.calls, 1), 100.0 * t.total_us / std::max(total, 1e-9));
+  std::fflush(stdout);
+  return true;
+}
+
+// --spec-sweep: speculative decoding's step costs at each K from the sequences' position `pos` (the passes write the
+// same positions again and again; with dummy weights acceptance means nothing, so the tok/s is projected from the
+// published acceptance lengths). plain_ms: the measured plain decode step (the head loaded: every pass runs it).
+void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner, BenchBatch& batch, int64_t pos,
+                double plain_ms) {
+  using namespace kiln;
+  const int B = batch.B;
+  auto median_ms = [&](const std::function<void()>& fn) {
+    std::vector<double> ms;
+    for (int rep = 0; rep < 6; ++rep) {
+      const auto t = Clock::now();
+      fn();
+      ms.push_back(ms_since(t));
+    }
+    ms.erase(ms.begin());  // the first run of a shape (setup, scratch growth)
+    return percentile(ms, 0.5);
+  };
+  for (int K : sweep) {
+    std::vector<model::DraftSeq> seqs(B);
+    std::vector<std::vector<int32_t>> verify(B);
+    std::vector<int32_t> drafted(static_cast<size_t>(B) * K), ids(static_cast<size_t>(B) * (K + 1));
+    for (int b = 0; b < B; ++b) {
+      seqs[b].state_slot = b;
+      seqs[b].token = batch.next[b];
+      seqs[b].pos = pos;
+      seqs[b].page_table = batch.pages[b];
+    }
+    const double draft_ms = median_ms([&] { runner.draft(seqs, K, drafted, {}); });
+    std::vector<model::SeqChunk> vchunks(B);
+    for (int b = 0; b < B; ++b) {
+      verify[b].assign(1, batch.next[b]);
+      verify[b].insert(verify[b].end(), drafted.begin() + b * K, drafted.begin() + (b + 1) * K);
+      vchunks[b] = batch.chunks[b];
+      vchunks[b].tokens = verify[b];
+      vchunks[b].start_pos = pos;
+      vchunks[b].logits_tokens = K + 1;
+    }
+    const double verify_ms = median_ms([&] {
+      for (int b = 0; b < B; ++b) runner.save_state(b);
+      runner.forward_argmax(vchunks, ids);
+    });
+    // The replay after a rejected draft: the checkpoint back, then [pending, accepted drafts] again without logits
+    // (at most K tokens: with all K accepted there is no replay).
+    const double L = kPublishedAcceptLength[K - 1];
+    const int64_t replay_tokens = std::clamp<int64_t>(static_cast<int64_t>(L + 0.5), 1, K);
+    std::vector<model::SeqChunk> rchunks = vchunks;
+    for (auto& c : rchunks) {
+      c.tokens = c.tokens.first(static_cast<size_t>(replay_tokens));
+      c.want_logits = false;
+    }
+    const double replay_ms = median_ms([&] {
+      for (int b = 0; b < B; ++b) runner.restore_state(b);
+      runner.forward(rchunks, {});
+    });
+    const double best = draft_ms + verify_ms, worst = best + replay_ms;
+    std::printf("  spec K=%d batch %d: draft %.3f ms, verify (%d tokens/seq) %.3f ms, replay (%lld tokens/seq) %.3f ms "
+                "| PROJECTION at the published accept length %.2f: %.1f-%.1f tok/s (replay every step .. never), "
+                "%.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
+                K, B, draft_ms, K + 1, verify_ms, static_cast<long long>(replay_tokens), replay_ms, L,
+                B * L / worst * 1e3, B * L / best * 1e3, plain_ms * L / worst, plain_ms * L / best, plain_ms);
+  }
+  std::fflush(stdout);
+}
+
+// Warm-up, the measured prefill and decode of one batch size, the numbers, and --profile's op times.
+void bench_batch(const BenchEngineOptions& o, const kiln::format::ModelDir& dir, const kiln::backend::LoadOptions& lo,
+                 kiln::model::ModelRunner& runner, int B, int64_t pages_per_seq, const std::vector<int>& sweep) {
+  BenchBatch batch(o, runner, B, pages_per_seq);
+  // Warm-up (kernel loading, scratch growth, library plans, graph capture): the prefill once, then a short prefill
+  // and three decode steps; the measured prefill below starts the sequences over.
+  batch.prompt_inputs(o.input_len);
+  batch.step();
+  const int64_t warm = std::min<int64_t>(o.input_len, 4);
+  batch.prompt_inputs(warm);
+  batch.step();
+  for (int64_t s = 0; s < 3; ++s) {
+    batch.decode_inputs(warm + s);
+    batch.step();
+  }
+  // Prefill: every prompt in one forward call (the runner splits it into passes of --prefill-chunk tokens).
+  batch.prompt_inputs(o.input_len);
+  const auto prefill_start = Clock::now();
+  batch.step();
+  const double prefill_ms = ms_since(prefill_start);
+  // Decode: one token per sequence per step, greedy.
+  std::vector<double> step_ms;
+  const auto decode_start = Clock::now();
+  int64_t pos = o.input_len;
+  for (int64_t s = 0; s < o.output_len; ++s, ++pos) {
+    batch.decode_inputs(pos);
+    const auto t = Clock::now();
+    batch.step();
+    step_ms.push_back(ms_since(t));
+  }
+  const double decode_ms = ms_since(decode_start);
+  const double median = percentile(step_ms, 0.5);
+  std::printf("batch %d: prefill %lld tokens in %.2f ms: %.1f tok/s | decode %lld steps, step median %.3f ms "
+              "(p10 %.3f, p90 %.3f): %.1f tok/s at the median, %.1f tok/s overall\n",
+              B, static_cast<long long>(B * o.input_len), prefill_ms,
+              B * o.input_len / std::max(prefill_ms, 1e-9) * 1e3, static_cast<long long>(o.output_len), median,
+              percentile(step_ms, 0.1), percentile(step_ms, 0.9), B / std::max(median, 1e-9) * 1e3,
+              B * o.output_len / std::max(decode_ms, 1e-9) * 1e3);
+  if (B == 1) print_bandwidth(dir, lo, median);
+  std::fflush(stdout);
+  if (!sweep.empty()) spec_sweep(sweep, runner, batch, pos, median);
+  auto* mr = dynamic_cast<kiln::model::Runner*>(&runner);
+  if (!o.profile || !mr) return;
+  // A decode step, and at batch 1 the prefill of the prompt again (from position 0: the sequence starts over).
+  batch.decode_inputs(pos);
+  if (!profile_step(*mr, batch, "decode step")) return;
+  if (B == 1 && o.input_len > 1) {
+    batch.prompt_inputs(std::min<int64_t>(o.input_len, o.prefill_chunk));
+    profile_step(*mr, batch, "prefill pass");
+  }
+}
+
 int run_bench_engine(const BenchEngineOptions& o) {
   using namespace kiln;
   const std::vector<int> batches = parse_batches(o.batch);
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   if (o.input_len < 1 || o.output_len < 1) fail("--input-len and --output-len must be at least 1");
-  std::vector<int> sweep;
-  if (!o.spec_sweep.empty())
-    sweep = parse_batches(o.spec_sweep, "--spec-sweep", "a draft length", 5);
+  const std::vector<int> sweep =
+      o.spec_sweep.empty() ? std::vector<int>{} : parse_batches(o.spec_sweep, "--spec-sweep", "a draft length", 5);
   format::ModelDir dir = format::ModelDir::open_or_embedded(o.model_path);
+  const backend::LoadOptions lo = bench_load_options(o, max_batch);
   // A dummy-weights config without the head gets one (a copy of its config files in a temporary folder).
   std::string head_dir;
   if (!sweep.empty() && !format::load_model_config(dir).has_mtp()) {
-    if (model::parse_load_format(o.gpu.load_format) != model::LoadFormat::dummy)
+    if (lo.load_format != model::LoadFormat::dummy)
       fail("--spec-sweep: {} has no MTP head (config.json mtp_num_hidden_layers and mtp.* tensors)",
            dir.display_path());
     head_dir = (std::filesystem::temp_directory_path() / fmt::format("kiln-spec-sweep-{}", ::getpid())).string();
@@ -113,7 +359,8 @@ int run_bench_engine(const BenchEngineOptions& o) {
     nlohmann::json cfg = nlohmann::json::parse(dir.read_text("config.json"));
     (cfg.contains("text_config") ? cfg["text_config"] : cfg)["mtp_num_hidden_layers"] = 1;
     std::ofstream(head_dir + "/config.json") << cfg.dump(2);
-    if (dir.has("hf_quant_config.json")) std::ofstream(head_dir + "/hf_quant_config.json") << dir.read_text("hf_quant_config.json");
+    if (dir.has("hf_quant_config.json"))
+      std::ofstream(head_dir + "/hf_quant_config.json") << dir.read_text("hf_quant_config.json");
     dir = format::ModelDir::open(head_dir);
     std::printf("--spec-sweep: %s has no MTP head; dummy weights for one (mtp_num_hidden_layers 1)\n",
                 o.model_path.c_str());
@@ -125,29 +372,15 @@ int run_bench_engine(const BenchEngineOptions& o) {
       if (!path.empty()) std::filesystem::remove_all(path, ec);
     }
   } remove_head_dir{head_dir};
-  backend::LoadOptions lo;
-  lo.threads = o.threads;
-  lo.state_slots = max_batch;
-  lo.max_context = o.input_len + o.output_len + 8;  // + the verify positions of --spec-sweep (K + 1 <= 6)
-  lo.mtp = !sweep.empty();
-  lo.prefill_chunk = backend::resolve_pass_tokens(o.prefill_chunk, 0);  // no engine steps here
-  kiln::cli::apply_gpu_flags(o.gpu, lo);
-  kiln::cli::check_node_zero(o.parallel, "bench-engine");
-  kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
-  lo.single_rank = o.single_rank;
-  if (o.kv_dtype == "bf16") lo.kv_dtype = DType::BF16;
-  else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
-  else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
-  else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
 
   const auto load_start = Clock::now();
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const double load_ms = ms_since(load_start);
-  auto* mr = dynamic_cast<model::Runner*>(runner.get());
-  const int64_t V = runner->vocab_size();
   const auto cap = runner->capacity();
   const int64_t pages_per_seq = (lo.max_context + cap.page_size - 1) / cap.page_size;
   if (pages_per_seq * max_batch > cap.kv_pages) fail("KV pool of {} pages cannot hold the batch", cap.kv_pages);
+  if (!sweep.empty() && runner->mtp_layers() == 0)
+    fail("--spec-sweep: the model loaded without its MTP head (see the log above)");
   std::printf("kiln bench-engine: %s | %s\n", dir.display_path().c_str(), runner->describe().c_str());
   // CUDA graphs and device-side sampling exist on the GPU only; on the CPU backend the runner picks tokens itself.
   const bool on_gpu = backend::resolve_device(o.device).device == "cuda";
@@ -160,209 +393,7 @@ int run_bench_engine(const BenchEngineOptions& o) {
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
               static_cast<long long>(o.prefill_chunk),
               !on_gpu ? "n/a (cpu)" : o.gpu.disable_cuda_graph ? "off" : "on", sampling.c_str(), load_ms);
-
-  for (const int B : batches) {
-    std::mt19937_64 rng(o.seed);
-    std::vector<std::vector<int32_t>> prompts(B), pages(B);
-    for (int b = 0; b < B; ++b) {
-      prompts[b].resize(o.input_len);
-      for (auto& t : prompts[b]) t = std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(V - 1))(rng);
-      pages[b].resize(pages_per_seq);
-      for (int64_t p = 0; p < pages_per_seq; ++p) pages[b][p] = static_cast<int32_t>(b * pages_per_seq + p);
-    }
-    std::vector<model::SeqChunk> chunks(B);
-    std::vector<int32_t> next(B);
-    std::vector<float> logits;
-    std::vector<model::RowSampling> rows(B);
-    std::mt19937_64 draw(o.seed + 17);
-    auto step = [&] {
-      if (!o.host_sampling && o.temperature > 0.0f) {
-        for (auto& r : rows) {
-          r.temperature = o.temperature;
-          r.top_k = o.top_k;
-          r.top_p = o.top_p;
-          r.u = std::uniform_real_distribution<double>(0.0, 1.0)(draw);
-        }
-        runner->forward_sample(chunks, rows, next);
-        return;
-      }
-      if (!o.host_sampling) {
-        runner->forward_argmax(chunks, next);
-        return;
-      }
-      logits.resize(static_cast<size_t>(B) * V);
-      runner->forward(chunks, logits);
-      for (int b = 0; b < B; ++b) {
-        const float* row = logits.data() + static_cast<size_t>(b) * V;
-        next[b] = static_cast<int32_t>(std::max_element(row, row + V) - row);
-      }
-    };
-    auto decode_inputs = [&](int64_t pos) {
-      for (int b = 0; b < B; ++b) {
-        chunks[b].tokens = std::span<const int32_t>(&next[b], 1);
-        chunks[b].start_pos = pos;
-      }
-    };
-
-    // Warm-up (kernel loading, scratch growth, library plans, graph capture): the prefill once, then a short prefill
-    // and three decode steps; the measured prefill below starts the sequences over.
-    for (int b = 0; b < B; ++b) {
-      chunks[b].state_slot = b;
-      chunks[b].tokens = prompts[b];
-      chunks[b].start_pos = 0;
-      chunks[b].page_table = pages[b];
-    }
-    step();
-    const int64_t warm = std::min<int64_t>(o.input_len, 4);
-    for (int b = 0; b < B; ++b) chunks[b].tokens = std::span<const int32_t>(prompts[b]).first(warm);
-    step();
-    for (int64_t s = 0; s < 3; ++s) {
-      decode_inputs(warm + s);
-      step();
-    }
-
-    // Prefill: every prompt in one forward call (the runner splits it into passes of --prefill-chunk tokens).
-    for (int b = 0; b < B; ++b) {
-      chunks[b].tokens = prompts[b];
-      chunks[b].start_pos = 0;
-    }
-    const auto prefill_start = Clock::now();
-    step();
-    const double prefill_ms = ms_since(prefill_start);
-
-    // Decode: one token per sequence per step, greedy.
-    std::vector<double> step_ms;
-    const auto decode_start = Clock::now();
-    int64_t pos = o.input_len;
-    for (int64_t s = 0; s < o.output_len; ++s, ++pos) {
-      decode_inputs(pos);
-      const auto t = Clock::now();
-      step();
-      step_ms.push_back(ms_since(t));
-    }
-    const double decode_ms = ms_since(decode_start);
-    const double median = percentile(step_ms, 0.5);
-    std::printf("batch %d: prefill %lld tokens in %.2f ms: %.1f tok/s | decode %lld steps, step median %.3f ms "
-                "(p10 %.3f, p90 %.3f): %.1f tok/s at the median, %.1f tok/s overall\n",
-                B, static_cast<long long>(B * o.input_len), prefill_ms,
-                B * o.input_len / std::max(prefill_ms, 1e-9) * 1e3, static_cast<long long>(o.output_len), median,
-                percentile(step_ms, 0.1), percentile(step_ms, 0.9), B / std::max(median, 1e-9) * 1e3,
-                B * o.output_len / std::max(decode_ms, 1e-9) * 1e3);
-    if (B == 1) {
-      // The bytes one decode step reads at batch 1, as `kiln inspect` counts them.
-      const format::ModelConfig config = format::load_model_config(dir);
-      const format::QuantConfig quant = format::load_quant_config(dir);
-      format::CapacityOptions co;
-      co.kv_dtype = lo.kv_dtype;
-      co.tp = lo.single_rank >= 0 ? lo.tp_size : 1;  // one rank alone reads its share (kiln inspect --tp: per GPU)
-      co.ep = lo.single_rank >= 0 ? lo.ep_size : 1;
-      const auto plan = format::plan_capacity(config, format::expected_tensors(config, quant), co);
-      const double bytes = static_cast<double>(co.tp > 1 ? plan.decode_bytes_per_token_per_gpu : plan.decode_bytes_per_token);
-      std::printf("  batch-1 bandwidth: %.4g GB read per token%s (kiln inspect) / %.3f ms = %.3g TB/s\n", bytes / 1e9,
-                  co.tp > 1 ? " per GPU" : "", median, bytes / (median * 1e-3) / 1e12);
-    }
-    std::fflush(stdout);
-
-    // Speculative decoding's step costs at each K, from the sequences' current position (the passes write the same
-    // positions again and again; with dummy weights acceptance means nothing, so the tok/s is projected from the
-    // published acceptance lengths).
-    if (!sweep.empty()) {
-      if (runner->mtp_layers() == 0) fail("--spec-sweep: the model loaded without its MTP head (see the log above)");
-      auto median_ms = [&](const std::function<void()>& fn) {
-        std::vector<double> ms;
-        for (int rep = 0; rep < 6; ++rep) {
-          const auto t = Clock::now();
-          fn();
-          ms.push_back(ms_since(t));
-        }
-        ms.erase(ms.begin());  // the first run of a shape (setup, scratch growth)
-        return percentile(ms, 0.5);
-      };
-      const double plain_ms = median;
-      for (int K : sweep) {
-        std::vector<model::DraftSeq> seqs(B);
-        std::vector<std::vector<int32_t>> verify(B);
-        std::vector<int32_t> drafted(static_cast<size_t>(B) * K), ids(static_cast<size_t>(B) * (K + 1));
-        for (int b = 0; b < B; ++b) {
-          seqs[b].state_slot = b;
-          seqs[b].token = next[b];
-          seqs[b].pos = pos;
-          seqs[b].page_table = pages[b];
-        }
-        const double draft_ms = median_ms([&] { runner->draft(seqs, K, drafted, {}); });
-        std::vector<model::SeqChunk> vchunks(B);
-        for (int b = 0; b < B; ++b) {
-          verify[b].assign(1, next[b]);
-          verify[b].insert(verify[b].end(), drafted.begin() + b * K, drafted.begin() + (b + 1) * K);
-          vchunks[b] = chunks[b];
-          vchunks[b].tokens = verify[b];
-          vchunks[b].start_pos = pos;
-          vchunks[b].logits_tokens = K + 1;
-        }
-        const double verify_ms = median_ms([&] {
-          for (int b = 0; b < B; ++b) runner->save_state(b);
-          runner->forward_argmax(vchunks, ids);
-        });
-        // The replay after a rejected draft: the checkpoint back, then the accepted tokens (the published accept
-        // length, rounded) again without logits.
-        const double L = K <= 5 ? kPublishedAcceptLength[K - 1] : K + 1.0;
-        const int64_t replay_tokens = std::clamp<int64_t>(static_cast<int64_t>(L + 0.5), 1, K);
-        std::vector<model::SeqChunk> rchunks = vchunks;
-        for (auto& c : rchunks) {
-          c.tokens = c.tokens.first(static_cast<size_t>(replay_tokens));
-          c.want_logits = false;
-        }
-        const double replay_ms = median_ms([&] {
-          for (int b = 0; b < B; ++b) runner->restore_state(b);
-          runner->forward(rchunks, {});
-        });
-        const double best = draft_ms + verify_ms, worst = best + replay_ms;
-        std::printf("  spec K=%d batch %d: draft %.3f ms, verify (%d tokens/seq) %.3f ms, replay (%lld tokens/seq) "
-                    "%.3f ms | PROJECTION at the published accept length %.2f: %.1f-%.1f tok/s (replay every step .. "
-                    "never), %.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
-                    K, B, draft_ms, K + 1, verify_ms, static_cast<long long>(replay_tokens), replay_ms, L,
-                    B * L / worst * 1e3, B * L / best * 1e3, plain_ms * L / worst, plain_ms * L / best, plain_ms);
-      }
-      std::fflush(stdout);
-    }
-
-    if (o.profile && mr) {
-      // One more step, op by op (eager, ops queued behind a busy-wait so that they run back to back): a decode step,
-      // and at batch 1 the prefill of the prompt again (from position 0: the sequence starts over).
-      auto profiled = [&](const char* what) {
-        if (!mr->ops().profile_begin()) {
-          std::printf("  --profile: the %s backend does not time ops\n", mr->ops().name().c_str());
-          return false;
-        }
-        mr->set_graphs_enabled(false);
-        step();
-        mr->set_graphs_enabled(true);
-        std::vector<model::OpTime> times = mr->ops().profile_end();
-        double total = 0;
-        for (const auto& t : times)
-          if (!t.nested) total += t.total_us;
-        std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
-        std::printf("  per-op time of one %s (batch %d, eager, back to back): %.1f us in ops\n", what, B, total);
-        std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
-        // Ops first, then the stages timed inside them (rows starting with " . ", not added to the total).
-        for (bool nested : {false, true})
-          for (const auto& t : times)
-            if (t.nested == nested)
-              std::printf("  %-44s %6lld %10.1f %8.2f %5.1f%%\n", t.label.c_str(), static_cast<long long>(t.calls),
-                          t.total_us, t.total_us / std::max<int64_t>(t.calls, 1),
-                          100.0 * t.total_us / std::max(total, 1e-9));
-        std::fflush(stdout);
-        return true;
-      };
-      decode_inputs(pos);
-      if (!profiled("decode step")) continue;
-      if (B == 1 && o.input_len > 1) {
-        chunks[0].tokens = std::span<const int32_t>(prompts[0]).first(std::min<int64_t>(o.input_len, o.prefill_chunk));
-        chunks[0].start_pos = 0;
-        profiled("prefill pass");
-      }
-    }
-  }
+  for (const int B : batches) bench_batch(o, dir, lo, *runner, B, pages_per_seq, sweep);
   return 0;
 }
 
@@ -385,7 +416,7 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_flag("--skip-self-check", o->skip_self_check, "cuda: skip the startup self-check");
   kiln::cli::add_gpu_flags(app, o->gpu);
   kiln::cli::add_parallel_flags(app, o->parallel);
-  app.add_option("--single-rank", o->single_rank,
+  app.add_option("--single-rank", o->parallel.single_rank,
                  "cuda, with --tp-size N: run only rank R of the N-rank plan on one GPU, its all-reduces replaced by a "
                  "device copy of the same size (one GPU's share of a model too large for one GPU; tokens are "
                  "meaningless)")

@@ -40,7 +40,7 @@ struct GenerateOptions {
   std::string device = "auto";
   std::string dtype = "auto";
   bool skip_self_check = false;
-  kiln::cli::ParallelFlags parallel;
+  kiln::backend::ParallelOptions parallel;
   kiln::cli::SpeculativeFlags speculative;
 };
 
@@ -73,7 +73,7 @@ int run_generate(const GenerateOptions& o) {
   const std::vector<int32_t> prompt = tokenizer->encode(text);
   if (prompt.empty()) fail("the prompt encodes to no tokens");
 
-  backend::CpuLoadOptions lo;
+  backend::LoadOptions lo;
   lo.threads = o.threads;
   lo.state_slots = 1;
   lo.max_context = static_cast<int64_t>(prompt.size()) + o.max_tokens;
@@ -82,11 +82,11 @@ int run_generate(const GenerateOptions& o) {
   else if (o.kv_dtype == "fp8") lo.kv_dtype = DType::F8_E4M3;
   else if (o.kv_dtype == "f32") lo.kv_dtype = DType::F32;
   else fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", o.kv_dtype);
-  lo.dtype = o.dtype;
+  lo.gpu.dtype = o.dtype;
   kiln::cli::check_node_zero(o.parallel, "generate");
-  kiln::cli::apply_parallel_flags(o.parallel, lo, o.device);
+  lo.parallel = o.parallel;
   const format::ModelConfig config = format::load_model_config(dir);  // eos ids (any runner, TP too)
-  kiln::cli::SpeculativeChoice speculative = kiln::cli::resolve_speculative_flags(o.speculative, config, lo.tp_size);
+  kiln::cli::SpeculativeChoice speculative = kiln::cli::resolve_speculative_flags(o.speculative, config, lo.parallel.tp_size);
   kiln::cli::apply_speculative_choice(speculative, lo);
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   kiln::cli::check_speculative_runner(speculative, *runner);

@@ -74,151 +74,162 @@ const char* kRoleOrder[] = {role::kRoutedExpert, role::kSharedExpert, role::kDen
                             role::kLinearAttention, role::kAttention, role::kEmbedding, role::kLmHead,
                             role::kNorm, role::kKvScale};
 
-int run_inspect(const InspectOptions& o) {
-  ModelDir dir = ModelDir::open_or_embedded(o.model_path);
-  // The router note below says what the weight map would log (once per process) while planning: keep the log
-  // quiet meanwhile so the note is printed once.
-  const LogLevel saved_level = log_level();
-  if (saved_level == LogLevel::info) set_log_level(LogLevel::warn);
-  ModelConfig cfg = load_model_config(dir);
-  QuantConfig quant = load_quant_config(dir);
-
+// Everything kiln inspect found, for the JSON and the text forms.
+struct Inspection {
+  const InspectOptions& o;
+  const ModelDir& dir;
+  ModelConfig cfg;
+  QuantConfig quant;
   CapacityOptions copt;
-  copt.tp = o.tp;
-  copt.ep = o.ep;
-  copt.gpu_mem_gib = o.gpu_mem_gib;
-  copt.mem_fraction_static = o.mem_fraction_static;
-  copt.activation_reserve_gib = o.activation_reserve_gib;
-  if (o.kv_cache_dtype == "bf16" || o.kv_cache_dtype == "auto") copt.kv_dtype = DType::BF16;
-  else if (o.kv_cache_dtype == "fp8_e4m3" || o.kv_cache_dtype == "fp8") copt.kv_dtype = DType::F8_E4M3;
-  else fail("--kv-cache-dtype '{}' is not supported (use bf16 or fp8_e4m3)", o.kv_cache_dtype);
-
   std::unique_ptr<Checkpoint> ckpt;
   VerifyReport report;
-  if (has_weights(dir)) {
-    ckpt = std::make_unique<Checkpoint>(Checkpoint::open(dir));
-    report = verify_checkpoint(*ckpt, cfg, quant);
-  }
-  const std::vector<ExpectedTensor> tensors = expected_tensors(cfg, quant);
-  const CapacityPlan p = plan_capacity(cfg, tensors, copt, ckpt.get());
-  set_log_level(saved_level);
+  std::vector<ExpectedTensor> tensors;
+  CapacityPlan p;
+  std::vector<std::string> notes;
+  // The plan `kiln serve --device cuda --tp-size N` makes at startup on each GPU of --gpu-mem-gib
+  // (backend::plan_device_memory, the same function): one rank's GPU; the step and pass sizes serve would pick.
+  std::optional<backend::MemoryPlan> serve_plan;
+  std::string serve_error;
+  backend::PrefillSizes prefill;
+};
 
-  // Which scheme each kind of linear uses (first tensor of each role).
-  std::map<std::string, std::set<std::string>> schemes_by_role;
+DType inspect_kv_dtype(const std::string& flag) {
+  if (flag == "bf16" || flag == "auto") return DType::BF16;
+  if (flag == "fp8_e4m3" || flag == "fp8") return DType::F8_E4M3;
+  fail("--kv-cache-dtype '{}' is not supported (use bf16 or fp8_e4m3)", flag);
+}
+
+// Routers stay BF16 whatever the quantisation config says (REFERENCE: a known checkpoint trap): a note when the
+// config would quantise them, before the capacity plan's notes.
+std::vector<std::string> inspect_notes(const Inspection& in) {
+  int64_t routers_overridden = 0;
+  for (const auto& t : in.tensors)
+    if (t.role == role::kRouter && t.name.ends_with(".weight") &&
+        in.quant.scheme_for(t.name.substr(0, t.name.size() - 7)) != QuantScheme::none)
+      ++routers_overridden;
+  std::vector<std::string> notes = in.p.notes;
+  if (routers_overridden)
+    notes.insert(notes.begin(), fmt::format("{} router linears are kept BF16 although {} would quantise them "
+                                            "(its exclude list misses them)", routers_overridden, in.quant.source));
+  return notes;
+}
+
+void plan_serve(Inspection& in) {
+  const InspectOptions& o = in.o;
+  const double gpu_bytes = o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0;
+  in.prefill = backend::resolve_prefill_sizes(o.chunked_prefill_size, o.max_pass_tokens, "cuda", gpu_bytes);
+  if (o.gpu_mem_gib <= 0) return;
+  backend::LoadOptions lo;
+  lo.parallel.tp_size = o.tp;
+  lo.parallel.ep_size = o.ep;
+  lo.kv_dtype = in.copt.kv_dtype;
+  // Slots as kiln serve takes them: per running request its own, plus the prefix cache's snapshots when on.
+  lo.slots_per_request = engine::state_slots_per_request(!o.disable_radix_cache);
+  lo.state_slots = o.max_running_requests * lo.slots_per_request;  // 0: the memory plan chooses
+  lo.max_context = o.context_length;
+  lo.prefill_chunk = in.prefill.pass_tokens;
+  lo.gpu.mem_fraction_static = o.mem_fraction_static;
+  try {
+    in.serve_plan = backend::plan_device_memory(in.dir, lo, gpu_bytes, 0);
+  } catch (const Error& e) {
+    in.serve_error = e.what();
+  }
+}
+
+void print_json(const Inspection& in) {
+  const CapacityPlan& p = in.p;
+  const ModelConfig& cfg = in.cfg;
+  nlohmann::ordered_json j;
+  j["model"] = in.dir.display_path();
+  j["model_type"] = cfg.model_type;
+  j["architecture"] = cfg.architecture;
+  j["tensor_prefix"] = cfg.tensor_prefix;
+  j["num_layers"] = cfg.num_layers;
+  j["num_full_attention_layers"] = cfg.num_full_attention_layers();
+  j["num_linear_attention_layers"] = cfg.num_linear_attention_layers();
+  j["layer_pattern"] = cfg.layer_pattern();
+  j["quant_algo"] = in.quant.quant_algo;
+  j["kv_cache_dtype"] = dtype_name(in.copt.kv_dtype);
+  j["params_total"] = p.params_total;
+  j["params_active"] = p.params_active;
+  j["mtp_params"] = p.mtp_params;
+  j["mtp_weight_bytes"] = p.mtp_weight_bytes;
+  j["weight_bytes"] = p.weight_bytes;
+  nlohmann::ordered_json by_dtype = nlohmann::ordered_json::object();
+  for (auto& [d, b] : p.weight_bytes_by_dtype) by_dtype[dtype_name(d)] = b;
+  j["weight_bytes_by_dtype"] = by_dtype;
+  nlohmann::ordered_json by_role = nlohmann::ordered_json::object(), dec_role = nlohmann::ordered_json::object();
+  for (auto& [r, b] : p.weight_bytes_by_role) by_role[r] = b;
+  for (auto& [r, b] : p.decode_bytes_by_role) dec_role[r] = b;
+  j["weight_bytes_by_role"] = by_role;
+  j["sizes_from_checkpoint"] = p.sizes_from_checkpoint;
+  j["decode_bytes_per_token"] = p.decode_bytes_per_token;
+  j["decode_bytes_by_role"] = dec_role;
+  j["kv_bytes_per_token"] = p.kv_bytes_per_token;
+  j["recurrent_state_bytes_per_layer"] = p.recurrent_state_bytes_per_layer;
+  j["conv_state_bytes_per_layer"] = p.conv_state_bytes_per_layer;
+  j["state_bytes_per_sequence"] = p.state_bytes_per_sequence;
+  j["tp"] = p.tp;
+  j["ep"] = p.ep;
+  j["gpu_mem_gib"] = in.o.gpu_mem_gib;
+  j["mem_fraction_static"] = in.o.mem_fraction_static;
+  j["activation_reserve_bytes"] = p.activation_reserve_bytes;
+  j["weight_bytes_per_gpu"] = p.weight_bytes_per_gpu;
+  j["decode_bytes_per_token_per_gpu"] = p.decode_bytes_per_token_per_gpu;
+  j["kv_bytes_per_token_per_gpu"] = p.kv_bytes_per_token_per_gpu;
+  j["state_bytes_per_sequence_per_gpu"] = p.state_bytes_per_sequence_per_gpu;
+  j["kv_budget_bytes_per_gpu"] = p.kv_budget_bytes;
+  if (in.o.gpu_mem_gib > 0) j["max_kv_tokens"] = p.max_kv_tokens;
+  else j["max_kv_tokens"] = nullptr;
+  j["notes"] = in.notes;
+  // kiln serve's plan of each GPU (one rank's), null without --gpu-mem-gib.
+  if (in.serve_plan) {
+    const backend::MemoryPlan& sp = *in.serve_plan;
+    j["serve_plan_per_gpu"] = {{"budget_bytes", sp.budget_bytes}, {"weight_bytes", sp.weight_bytes},
+                               {"kv_bytes", sp.kv_bytes}, {"kv_tokens", sp.kv_tokens},
+                               {"state_bytes", sp.state_bytes}, {"state_slots", sp.state_slots},
+                               {"activation_bytes", sp.activation_bytes}, {"context", sp.context},
+                               {"ranks_per_gpu", sp.ranks_per_gpu},
+                               {"chunked_prefill_size", in.prefill.step_tokens},
+                               {"max_pass_tokens", in.prefill.pass_tokens}};
+  } else if (in.o.gpu_mem_gib > 0) {
+    j["serve_plan_per_gpu"] = {{"error", in.serve_error}};
+  } else {
+    j["serve_plan_per_gpu"] = nullptr;
+  }
+  if (in.ckpt) {
+    j["checkpoint_tensors"] = in.ckpt->size();
+    j["ignored_vision_tensors"] = in.report.ignored_vision;
+    j["ignored_mtp_tensors"] = in.report.ignored_mtp;
+    j["unused_tensors"] = in.report.unexpected;
+  }
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+void line(const char* key, const std::string& value) { std::printf("%-22s %s\n", key, value.c_str()); }
+
+// Which scheme each kind of linear uses, in reading order: "routed expert: nvfp4, attention: bf16, ...".
+std::string schemes_by_role(const std::vector<ExpectedTensor>& tensors) {
+  std::map<std::string, std::set<std::string>> by_role;
   for (const auto& t : tensors) {
     if (!t.name.ends_with(".weight") && !t.name.ends_with("gate_up_proj") && !t.name.ends_with("experts.down_proj")) continue;
     std::string scheme = t.dtypes.front() == DType::U8 ? "nvfp4" : t.dtypes.front() == DType::F8_E4M3 ? "fp8" : "bf16";
-    schemes_by_role[t.role].insert(scheme);
+    by_role[t.role].insert(scheme);
   }
-
-  // Routers stay BF16 whatever the quantisation config says (REFERENCE: a known checkpoint trap).
-  int64_t routers_overridden = 0;
-  for (const auto& t : tensors)
-    if (t.role == role::kRouter && t.name.ends_with(".weight") &&
-        quant.scheme_for(t.name.substr(0, t.name.size() - 7)) != QuantScheme::none)
-      ++routers_overridden;
-  std::vector<std::string> notes = p.notes;
-  if (routers_overridden)
-    notes.insert(notes.begin(), fmt::format("{} router linears are kept BF16 although {} would quantise them "
-                                            "(its exclude list misses them)", routers_overridden, quant.source));
-
-  // The plan `kiln serve --device cuda --tp-size N` makes at startup on each such GPU (backend::plan_device_memory,
-  // the same function): one rank's GPU.
-  std::optional<backend::MemoryPlan> serve_plan;
-  std::string serve_error;
-  // The step budget and pass size serve would pick on such a GPU (its activations are planned for the pass).
-  const double gpu_bytes = o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0;
-  const backend::PrefillSizes prefill =
-      backend::resolve_prefill_sizes(o.chunked_prefill_size, o.max_pass_tokens, "cuda", gpu_bytes);
-  if (o.gpu_mem_gib > 0) {
-    backend::LoadOptions lo;
-    lo.tp_size = o.tp;
-    lo.ep_size = o.ep;
-    lo.kv_dtype = copt.kv_dtype;
-    // Slots as kiln serve takes them: per running request its own, plus the prefix cache's snapshots when on.
-    lo.slots_per_request = engine::state_slots_per_request(!o.disable_radix_cache);
-    lo.state_slots = o.max_running_requests * lo.slots_per_request;  // 0: the memory plan chooses
-    lo.max_context = o.context_length;
-    lo.prefill_chunk = prefill.pass_tokens;
-    lo.mem_fraction_static = o.mem_fraction_static;
-    try {
-      serve_plan = backend::plan_device_memory(dir, lo, gpu_bytes, 0);
-    } catch (const Error& e) {
-      serve_error = e.what();
-    }
+  std::string per_role;
+  for (const char* r : kRoleOrder) {
+    auto it = by_role.find(r);
+    if (it == by_role.end()) continue;
+    per_role += fmt::format("{}{}: {}", per_role.empty() ? "" : ", ", r, fmt::join(it->second, "+"));
   }
+  return per_role;
+}
 
-  if (o.json) {
-    nlohmann::ordered_json j;
-    j["model"] = dir.display_path();
-    j["model_type"] = cfg.model_type;
-    j["architecture"] = cfg.architecture;
-    j["tensor_prefix"] = cfg.tensor_prefix;
-    j["num_layers"] = cfg.num_layers;
-    j["num_full_attention_layers"] = cfg.num_full_attention_layers();
-    j["num_linear_attention_layers"] = cfg.num_linear_attention_layers();
-    j["layer_pattern"] = cfg.layer_pattern();
-    j["quant_algo"] = quant.quant_algo;
-    j["kv_cache_dtype"] = dtype_name(copt.kv_dtype);
-    j["params_total"] = p.params_total;
-    j["params_active"] = p.params_active;
-    j["mtp_params"] = p.mtp_params;
-    j["mtp_weight_bytes"] = p.mtp_weight_bytes;
-    j["weight_bytes"] = p.weight_bytes;
-    nlohmann::ordered_json by_dtype = nlohmann::ordered_json::object();
-    for (auto& [d, b] : p.weight_bytes_by_dtype) by_dtype[dtype_name(d)] = b;
-    j["weight_bytes_by_dtype"] = by_dtype;
-    nlohmann::ordered_json by_role = nlohmann::ordered_json::object(), dec_role = nlohmann::ordered_json::object();
-    for (auto& [r, b] : p.weight_bytes_by_role) by_role[r] = b;
-    for (auto& [r, b] : p.decode_bytes_by_role) dec_role[r] = b;
-    j["weight_bytes_by_role"] = by_role;
-    j["sizes_from_checkpoint"] = p.sizes_from_checkpoint;
-    j["decode_bytes_per_token"] = p.decode_bytes_per_token;
-    j["decode_bytes_by_role"] = dec_role;
-    j["kv_bytes_per_token"] = p.kv_bytes_per_token;
-    j["recurrent_state_bytes_per_layer"] = p.recurrent_state_bytes_per_layer;
-    j["conv_state_bytes_per_layer"] = p.conv_state_bytes_per_layer;
-    j["state_bytes_per_sequence"] = p.state_bytes_per_sequence;
-    j["tp"] = p.tp;
-    j["ep"] = p.ep;
-    j["gpu_mem_gib"] = o.gpu_mem_gib;
-    j["mem_fraction_static"] = o.mem_fraction_static;
-    j["activation_reserve_bytes"] = p.activation_reserve_bytes;
-    j["weight_bytes_per_gpu"] = p.weight_bytes_per_gpu;
-    j["decode_bytes_per_token_per_gpu"] = p.decode_bytes_per_token_per_gpu;
-    j["kv_bytes_per_token_per_gpu"] = p.kv_bytes_per_token_per_gpu;
-    j["state_bytes_per_sequence_per_gpu"] = p.state_bytes_per_sequence_per_gpu;
-    j["kv_budget_bytes_per_gpu"] = p.kv_budget_bytes;
-    if (o.gpu_mem_gib > 0) j["max_kv_tokens"] = p.max_kv_tokens;
-    else j["max_kv_tokens"] = nullptr;
-    j["notes"] = notes;
-    // kiln serve's plan of each GPU (one rank's), null without --gpu-mem-gib.
-    if (serve_plan) {
-      const backend::MemoryPlan& sp = *serve_plan;
-      j["serve_plan_per_gpu"] = {{"budget_bytes", sp.budget_bytes}, {"weight_bytes", sp.weight_bytes},
-                                 {"kv_bytes", sp.kv_bytes}, {"kv_tokens", sp.kv_tokens},
-                                 {"state_bytes", sp.state_bytes}, {"state_slots", sp.state_slots},
-                                 {"activation_bytes", sp.activation_bytes}, {"context", sp.context},
-                                 {"ranks_per_gpu", sp.ranks_per_gpu},
-                                 {"chunked_prefill_size", prefill.step_tokens},
-                                 {"max_pass_tokens", prefill.pass_tokens}};
-    } else if (o.gpu_mem_gib > 0) {
-      j["serve_plan_per_gpu"] = {{"error", serve_error}};
-    } else {
-      j["serve_plan_per_gpu"] = nullptr;
-    }
-    if (ckpt) {
-      j["checkpoint_tensors"] = ckpt->size();
-      j["ignored_vision_tensors"] = report.ignored_vision;
-      j["ignored_mtp_tensors"] = report.ignored_mtp;
-      j["unused_tensors"] = report.unexpected;
-    }
-    std::printf("%s\n", j.dump(2).c_str());
-    return 0;
-  }
-
-  auto line = [](const char* key, const std::string& value) { std::printf("%-22s %s\n", key, value.c_str()); };
-  line("model", dir.display_path());
+// The model: shapes, quantisation, checkpoint, sizes.
+void print_model_text(const Inspection& in) {
+  const ModelConfig& cfg = in.cfg;
+  const CapacityPlan& p = in.p;
+  line("model", in.dir.display_path());
   line("architecture", fmt::format("{}{}", cfg.model_type, cfg.architecture.empty() ? "" : " (" + cfg.architecture + ")"));
   line("layers", fmt::format("{} = {} ({} linear-attention, {} full-attention)", cfg.num_layers, cfg.layer_pattern(),
                              cfg.num_linear_attention_layers(), cfg.num_full_attention_layers()));
@@ -238,18 +249,13 @@ int run_inspect(const InspectOptions& o) {
                             cfg.shared_expert_intermediate_size ? std::to_string(cfg.shared_expert_intermediate_size) : "none"));
   if (cfg.intermediate_size && (cfg.num_experts == 0 || !cfg.mlp_only_layers.empty()))
     line("dense MLP", fmt::format("intermediate {}", cfg.intermediate_size));
-  std::string qdesc = quant.is_quantized() ? fmt::format("{} (from {})", quant.quant_algo, quant.source) : "none (BF16)";
-  std::string per_role;
-  for (const char* r : kRoleOrder) {
-    auto it = schemes_by_role.find(r);
-    if (it == schemes_by_role.end()) continue;
-    per_role += fmt::format("{}{}: {}", per_role.empty() ? "" : ", ", r, fmt::join(it->second, "+"));
-  }
-  line("quantisation", qdesc);
-  line("", per_role);
-  if (ckpt)
+  line("quantisation",
+       in.quant.is_quantized() ? fmt::format("{} (from {})", in.quant.quant_algo, in.quant.source) : "none (BF16)");
+  line("", schemes_by_role(in.tensors));
+  if (in.ckpt)
     line("checkpoint", fmt::format("verified: {} tensors match ({} vision + {} MTP ignored, {} unused); real sizes used",
-                                   report.matched, report.ignored_vision, report.ignored_mtp, report.unexpected));
+                                   in.report.matched, in.report.ignored_vision, in.report.ignored_mtp,
+                                   in.report.unexpected));
   else
     line("checkpoint", "no weights in the folder: sizes computed from the config");
   line("params", fmt::format("{} total, {} active per token", billions(p.params_total), billions(p.params_active)));
@@ -267,12 +273,18 @@ int run_inspect(const InspectOptions& o) {
   }
   line("decode reads/token", fmt::format("{} at batch 1 ({})", gb(p.decode_bytes_per_token), dr));
   line("KV cache/token", fmt::format("{} bytes ({}; {} full layers x 2 x {} KV heads x {})",
-                                     with_commas(p.kv_bytes_per_token), dtype_name(copt.kv_dtype),
+                                     with_commas(p.kv_bytes_per_token), dtype_name(in.copt.kv_dtype),
                                      cfg.num_full_attention_layers(), cfg.num_kv_heads, cfg.head_dim));
   if (p.state_bytes_per_sequence)
     line("state/sequence", fmt::format("{} ({} linear layers x ({} fp32 recurrent + {} conv))",
                                        mib(p.state_bytes_per_sequence), cfg.num_linear_attention_layers(),
                                        mib(p.recurrent_state_bytes_per_layer), mib(p.conv_state_bytes_per_layer)));
+}
+
+// The plan per GPU for --tp, then kiln serve's own plan on such GPUs.
+void print_plan_text(const Inspection& in) {
+  const InspectOptions& o = in.o;
+  const CapacityPlan& p = in.p;
   std::printf("\nplan for tp %d%s%s:\n", p.tp, p.ep > 1 ? fmt::format(" (ep {})", p.ep).c_str() : "",
               o.gpu_mem_gib > 0 ? fmt::format(" x {:g} GiB (mem fraction {:g}, activation reserve {:g} GiB)",
                                               o.gpu_mem_gib, o.mem_fraction_static, o.activation_reserve_gib).c_str()
@@ -291,20 +303,51 @@ int run_inspect(const InspectOptions& o) {
       line("  max KV tokens", p.max_kv_tokens > 0 ? with_commas(p.max_kv_tokens)
                                                   : "0: weights + reserve exceed the budget; use more GPUs, more memory or a larger --mem-fraction-static");
   }
-  for (const auto& n : notes) line("  note", n);
-  if (o.gpu_mem_gib > 0) {
-    const std::string gpus = o.tp > 1 ? fmt::format("each of {} x {:g} GiB GPUs (--tp-size {}{})", o.tp, o.gpu_mem_gib,
-                                                    o.tp, o.ep > 1 ? fmt::format(" --ep-size {}", o.ep) : "")
-                                      : fmt::format("one {:g} GiB GPU", o.gpu_mem_gib);
-    const std::string running = o.max_running_requests > 0 ? std::to_string(o.max_running_requests) : "the plan's";
-    std::printf("\nkiln serve on %s (--max-running-requests %s, prefix cache %s, --chunked-prefill-size %lld (%s), "
-                "--max-pass-tokens %lld):\n",
-                gpus.c_str(), running.c_str(), o.disable_radix_cache ? "off" : "on",
-                static_cast<long long>(prefill.step_tokens),
-                prefill.reason.c_str(), static_cast<long long>(prefill.pass_tokens));
-    if (serve_plan) line("  ", serve_plan->str());
-    else line("  ", "does not fit: " + serve_error);
+  for (const auto& n : in.notes) line("  note", n);
+  if (o.gpu_mem_gib <= 0) return;
+  const std::string gpus = o.tp > 1 ? fmt::format("each of {} x {:g} GiB GPUs (--tp-size {}{})", o.tp, o.gpu_mem_gib,
+                                                  o.tp, o.ep > 1 ? fmt::format(" --ep-size {}", o.ep) : "")
+                                    : fmt::format("one {:g} GiB GPU", o.gpu_mem_gib);
+  const std::string running = o.max_running_requests > 0 ? std::to_string(o.max_running_requests) : "the plan's";
+  std::printf("\nkiln serve on %s (--max-running-requests %s, prefix cache %s, --chunked-prefill-size %lld (%s), "
+              "--max-pass-tokens %lld):\n",
+              gpus.c_str(), running.c_str(), o.disable_radix_cache ? "off" : "on",
+              static_cast<long long>(in.prefill.step_tokens), in.prefill.reason.c_str(),
+              static_cast<long long>(in.prefill.pass_tokens));
+  if (in.serve_plan) line("  ", in.serve_plan->str());
+  else line("  ", "does not fit: " + in.serve_error);
+}
+
+int run_inspect(const InspectOptions& o) {
+  ModelDir dir = ModelDir::open_or_embedded(o.model_path);
+  Inspection in{o, dir, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  // The router note below says what the weight map would log (once per process) while planning: keep the log
+  // quiet meanwhile so the note is printed once.
+  const LogLevel saved_level = log_level();
+  if (saved_level == LogLevel::info) set_log_level(LogLevel::warn);
+  in.cfg = load_model_config(dir);
+  in.quant = load_quant_config(dir);
+  in.copt.tp = o.tp;
+  in.copt.ep = o.ep;
+  in.copt.gpu_mem_gib = o.gpu_mem_gib;
+  in.copt.mem_fraction_static = o.mem_fraction_static;
+  in.copt.activation_reserve_gib = o.activation_reserve_gib;
+  in.copt.kv_dtype = inspect_kv_dtype(o.kv_cache_dtype);
+  if (has_weights(dir)) {
+    in.ckpt = std::make_unique<Checkpoint>(Checkpoint::open(dir));
+    in.report = verify_checkpoint(*in.ckpt, in.cfg, in.quant);
   }
+  in.tensors = expected_tensors(in.cfg, in.quant);
+  in.p = plan_capacity(in.cfg, in.tensors, in.copt, in.ckpt.get());
+  set_log_level(saved_level);
+  in.notes = inspect_notes(in);
+  plan_serve(in);
+  if (o.json) {
+    print_json(in);
+    return 0;
+  }
+  print_model_text(in);
+  print_plan_text(in);
   return 0;
 }
 

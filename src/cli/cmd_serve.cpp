@@ -4,31 +4,30 @@
 // loading), load tokenizer, chat template and weights, start the engine, open the API, print a
 // summary and a "ready" line. SIGTERM / SIGINT: /health turns 503, new requests get 503, in-flight
 // requests finish (up to --shutdown-timeout, then they are aborted), exit 0.
+// The options and the summary are built by the pure functions of cli/serve_options.h; this file does the I/O.
 #include <pthread.h>
 #include <signal.h>
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
-#include "backend/cpu/cpu_backend.h"
 #include "backend/device.h"
 #include "cli/command.h"
+#include "cli/environment.h"
 #include "cli/gpu_flags.h"
 #include "cli/parallel_flags.h"
-#include "cli/speculative_flags.h"
+#include "cli/serve_options.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/dummy_runner.h"
 #include "engine/engine.h"
+#include "engine/scheduler.h"
 #include "format/model_config.h"
 #include "format/model_dir.h"
 #include "model/tp_runner.h"
@@ -39,69 +38,7 @@
 namespace {
 
 using namespace kiln;
-
-struct ServeArgs {
-  std::string model_path;  // empty: the embedded model
-  std::string host = "127.0.0.1";
-  int port = 30000;
-  std::string served_model_name;
-  std::string api_key;
-  int64_t context_length = 0;
-  std::string kv_cache_dtype = "auto";
-  std::string reasoning_parser = "auto";
-  std::string tool_call_parser = "auto";
-  std::string chat_template;
-  int max_running_requests = 0;  // 0: the memory plan's (cuda), 32 (cpu)
-  int max_queued_requests = 256;
-  std::string chunked_prefill_size = "auto";  // backend::resolve_prefill_sizes
-  int64_t max_pass_tokens = backend::kDefaultMaxPassTokens;
-  int64_t max_total_tokens = 0;
-  bool disable_radix_cache = false;
-  int threads = 0;
-  std::string device = "auto";
-  bool skip_self_check = false;
-  kiln::cli::GpuFlags gpu;
-  kiln::cli::ParallelFlags parallel;
-  kiln::cli::SpeculativeFlags speculative;
-  double shutdown_timeout_s = 30;
-  int64_t max_request_bytes = 32 << 20;
-  std::string dummy_runner;  // "", hash or echo
-};
-
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return fmt::format("{:.1f} {}", b, units[u]);
-}
-
-// Sampling defaults a model ships in generation_config.json (what SGLang applies to fields a request
-// leaves out); OpenAI's defaults otherwise.
-engine::SamplingParams default_sampling(const format::ModelDir& dir, std::string* described) {
-  engine::SamplingParams s;
-  if (!dir.has("generation_config.json")) return s;
-  auto j = nlohmann::json::parse(dir.read_text("generation_config.json"), nullptr, false);
-  if (!j.is_object()) return s;
-  std::vector<std::string> parts;
-  auto num = [&](const char* key, auto& field) {
-    auto it = j.find(key);
-    if (it != j.end() && it->is_number()) {
-      field = static_cast<std::remove_reference_t<decltype(field)>>(it->get<double>());
-      parts.push_back(fmt::format("{} {}", key, it->get<double>()));
-    }
-  };
-  num("temperature", s.temperature);
-  num("top_p", s.top_p);
-  num("top_k", s.top_k);
-  num("min_p", s.min_p);
-  num("repetition_penalty", s.repetition_penalty);
-  if (s.top_k < 0) s.top_k = 0;
-  for (const auto& p : parts) *described += (described->empty() ? "" : ", ") + p;
-  return s;
-}
+using kiln::cli::ServeArgs;
 
 // Waits for SIGINT / SIGTERM on a thread of its own (the signals are blocked everywhere else).
 class SignalWaiter {
@@ -136,177 +73,185 @@ class SignalWaiter {
   std::thread thread_;
 };
 
-int run_serve(const ServeArgs& a) {
-  // Validate flags before doing anything slow.
-  if (a.port < 0 || a.port > 65535) fail("--port must be 0..65535 (got {})", a.port);
-  if (a.max_running_requests < 0) fail("--max-running-requests must be at least 1 (got {})", a.max_running_requests);
-  if (a.max_queued_requests < 0) fail("--max-queued-requests must be 0 or more (got {})", a.max_queued_requests);
-  if (a.context_length < 0) fail("--context-length must be positive (got {})", a.context_length);
-  if (a.shutdown_timeout_s < 0) fail("--shutdown-timeout must be 0 or more seconds");
-  if (a.max_request_bytes < 1024) fail("--max-request-bytes must be at least 1024");
-  DType kv_dtype = DType::BF16;
-  if (a.kv_cache_dtype == "fp8_e4m3")
-    kv_dtype = DType::F8_E4M3;
-  else if (a.kv_cache_dtype != "auto" && a.kv_cache_dtype != "bf16")
-    fail("unknown --kv-cache-dtype '{}' (use auto, bf16 or fp8_e4m3)", a.kv_cache_dtype);
-  // Block SIGINT/SIGTERM before anything starts a thread: resolving the device initialises the CUDA
-  // runtime, whose threads would otherwise inherit an unblocked mask and let SIGTERM kill the process.
-  SignalWaiter signals;
-  // auto / cpu / cuda -> the backend (an unknown name, or cuda without a usable GPU, fails here before loading)
-  const backend::DeviceChoice device_choice = backend::resolve_device(a.device);
-  const std::string device = a.dummy_runner.empty() ? device_choice.device : "dummy-" + a.dummy_runner;
-  if (!a.dummy_runner.empty() && a.dummy_runner != "hash" && a.dummy_runner != "echo")
-    fail("unknown --dummy-runner '{}' (use hash or echo)", a.dummy_runner);
-  // The per-step token budget and the forward-pass size, from the device (the plan reserves the pass's activations).
-  const backend::PrefillSizes prefill = backend::resolve_prefill_sizes(a.chunked_prefill_size, a.max_pass_tokens,
-                                                                       device_choice.device, device_choice.gpu_bytes);
-
-  std::mutex mu;
-  std::condition_variable cv;
-  int signals_seen = 0;
-  bool model_ready = false;
-
-  server::ServerOptions so;
-  so.host = a.host;
-  so.port = a.port;
-  so.api_key = a.api_key;
-  so.reasoning_parser = a.reasoning_parser;
-  so.tool_call_parser = a.tool_call_parser;
-  so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
-  so.http_threads = std::min(2048, (a.max_running_requests > 0 ? a.max_running_requests : 256) + a.max_queued_requests + 32);
-
-  // Resolve the model folder (cheap) so the server's name and paths are known before loading.
-  format::ModelDir dir = format::ModelDir::open_or_embedded(a.model_path);
-  so.model_path = a.model_path.empty() ? std::string(format::ModelDir::embedded_name()) : a.model_path;
-  so.tokenizer_path = so.model_path;
-  so.served_model_name = !a.served_model_name.empty() ? a.served_model_name : so.model_path;
-  nlohmann::json args_json = {{"model_path", so.model_path},
-                              {"host", a.host},
-                              {"port", a.port},
-                              {"served_model_name", so.served_model_name},
-                              {"api_key_set", !a.api_key.empty()},
-                              {"context_length_flag", a.context_length},
-                              {"kv_cache_dtype", a.kv_cache_dtype},
-                              {"dtype", a.gpu.dtype},  // as given; the resolved one is in "backend" (kernels: dtype)
-                              {"reasoning_parser_flag", a.reasoning_parser},
-                              {"tool_call_parser_flag", a.tool_call_parser},
-                              {"chat_template", a.chat_template},
-                              {"max_total_tokens", a.max_total_tokens},
-                              {"threads", a.threads},
-                              {"device", device},
-                              {"shutdown_timeout", a.shutdown_timeout_s},
-                              {"max_request_bytes", a.max_request_bytes}};
-
-  // Load everything that can fail on bad input before opening the port for traffic.
-  format::ModelConfig config = format::load_model_config(dir);
-  kiln::cli::check_parallel_flags(a.parallel, config, dir);  // --tp-size / --ep-size the model cannot take
-  kiln::cli::SpeculativeChoice speculative =
-      kiln::cli::resolve_speculative_flags(a.speculative, config, a.dummy_runner.empty() ? a.parallel.tp_size : 0);
-  if (!a.dummy_runner.empty()) speculative = {0, false, "off (--dummy-runner)"};
-  so.model_type = config.model_type;
-  if (!config.architecture.empty()) so.architectures = {config.architecture};
-  if (!dir.has("tokenizer.json")) fail("{}: no tokenizer.json in the model folder", dir.display_path());
-  std::string tokenizer_config = dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "";
-  std::unique_ptr<tok::Tokenizer> tokenizer = tok::Tokenizer::from_json(dir.read_text("tokenizer.json"), tokenizer_config);
+// The tokenizer and the chat template (--chat-template, else the model folder's; none: chat completions answer 400).
+struct TextSide {
+  std::unique_ptr<tok::Tokenizer> tokenizer;
   std::unique_ptr<tmpl::ChatTemplate> chat_template;
-  std::string template_source;
-  if (!a.chat_template.empty()) {
-    std::ifstream f(a.chat_template);
-    if (!f) fail("cannot read --chat-template '{}'", a.chat_template);
+  std::string template_source;  // "" without a template
+};
+
+TextSide load_text_side(const format::ModelDir& dir, const std::string& template_flag) {
+  TextSide t;
+  if (!dir.has("tokenizer.json")) fail("{}: no tokenizer.json in the model folder", dir.display_path());
+  const std::string tokenizer_config = dir.has("tokenizer_config.json") ? dir.read_text("tokenizer_config.json") : "";
+  t.tokenizer = tok::Tokenizer::from_json(dir.read_text("tokenizer.json"), tokenizer_config);
+  if (!template_flag.empty()) {
+    std::ifstream f(template_flag);
+    if (!f) fail("cannot read --chat-template '{}'", template_flag);
     std::stringstream ss;
     ss << f.rdbuf();
-    chat_template = std::make_unique<tmpl::ChatTemplate>(ss.str());
-    template_source = a.chat_template;
-  } else {
-    std::optional<std::string> jinja;
-    if (dir.has("chat_template.jinja")) jinja = dir.read_text("chat_template.jinja");
-    try {
-      chat_template = tmpl::ChatTemplate::from_model_files(jinja, tokenizer_config);
-      template_source = jinja ? "chat_template.jinja" : "tokenizer_config.json";
-    } catch (const Error& e) {
-      KILN_LOG_WARN("no chat template ({}); /v1/chat/completions will answer 400", e.what());
-    }
+    t.chat_template = std::make_unique<tmpl::ChatTemplate>(ss.str());
+    t.template_source = template_flag;
+    return t;
   }
+  std::optional<std::string> jinja;
+  if (dir.has("chat_template.jinja")) jinja = dir.read_text("chat_template.jinja");
+  try {
+    t.chat_template = tmpl::ChatTemplate::from_model_files(jinja, tokenizer_config);
+    t.template_source = jinja ? "chat_template.jinja" : "tokenizer_config.json";
+  } catch (const Error& e) {
+    KILN_LOG_WARN("no chat template ({}); /v1/chat/completions will answer 400", e.what());
+  }
+  return t;
+}
+
+// Everything startup has read and built before the model loads.
+struct Startup {
+  const ServeArgs& args;
+  cli::ServeContext ctx;
+  format::ModelDir dir;
+  format::ModelConfig config;
+  TextSide text;
+  server::ServerOptions server_options;
+  engine::EngineOptions engine_options;
+  backend::LoadOptions load;
+  std::vector<cli::EnvReport> nccl;
   std::string sampling_desc;
-  so.default_sampling = default_sampling(dir, &sampling_desc);
-  engine::EngineOptions eo;
-  eo.max_running_requests = a.max_running_requests;
-  eo.max_queued_requests = a.max_queued_requests;
-  eo.chunked_prefill_size = prefill.step_tokens;
-  eo.context_length = a.context_length;
-  eo.enable_prefix_cache = !a.disable_radix_cache;
+  cli::SpeculativeChoice speculative;
+};
+
+// Reads the model folder and builds every option; kiln::Error on bad input, before the port opens.
+Startup prepare(const ServeArgs& a, const backend::DeviceChoice& device, DType kv_dtype) {
+  Startup s{a, {}, format::ModelDir::open_or_embedded(a.model_path), {}, {}, {}, {}, {}, {}, {}, {}};
+  s.ctx.device = device.device;
+  s.ctx.model_path = a.model_path.empty() ? std::string(format::ModelDir::embedded_name()) : a.model_path;
+  // The per-step token budget and the forward-pass size, from the device (the plan reserves the pass's activations).
+  s.ctx.prefill =
+      backend::resolve_prefill_sizes(a.chunked_prefill_size, a.max_pass_tokens, device.device, device.gpu_bytes);
   // State slots per running request: its own; with the prefix cache also its two pending page-boundary snapshots
   // (engine/scheduler.h); slots that running requests do not hold keep cached snapshots.
-  const int slots_per_request = engine::state_slots_per_request(!a.disable_radix_cache);
-  for (int64_t id : config.eos_token_ids) eo.eos_token_ids.push_back(static_cast<int32_t>(id));
-  // Chat models end a turn with <|im_end|> and may also end with <|endoftext|>.
-  for (const char* t : {"<|im_end|>", "<|endoftext|>"})
-    if (int32_t id = tokenizer->token_to_id(t); id >= 0) eo.eos_token_ids.push_back(id);
-  if (auto eos = tokenizer->eos_token())
-    if (int32_t id = tokenizer->token_to_id(*eos); id >= 0) eo.eos_token_ids.push_back(id);
-  std::sort(eo.eos_token_ids.begin(), eo.eos_token_ids.end());
-  eo.eos_token_ids.erase(std::unique(eo.eos_token_ids.begin(), eo.eos_token_ids.end()), eo.eos_token_ids.end());
-  so.eos_token_ids = eo.eos_token_ids;
-  args_json["max_running_requests"] = a.max_running_requests;
-  args_json["disable_radix_cache"] = a.disable_radix_cache;
-  args_json["max_queued_requests"] = a.max_queued_requests;
-  args_json["chunked_prefill_size_flag"] = a.chunked_prefill_size;
-  args_json["chunked_prefill_size"] = prefill.step_tokens;
-  args_json["max_pass_tokens"] = prefill.pass_tokens;
-  so.server_args = args_json;
+  s.ctx.slots_per_request = engine::state_slots_per_request(!a.disable_radix_cache);
+  s.config = format::load_model_config(s.dir);
+  cli::check_parallel_flags(a.parallel, s.config, s.dir);  // --tp-size / --ep-size the model cannot take
+  s.server_options = cli::build_server_options(a, s.ctx, s.config);
+  s.text = load_text_side(s.dir, a.chat_template);
+  const std::string gen = s.dir.has("generation_config.json") ? s.dir.read_text("generation_config.json") : "";
+  s.server_options.default_sampling = cli::default_sampling(gen, &s.sampling_desc);
+  const tok::Tokenizer& tokenizer = *s.text.tokenizer;
+  s.engine_options = cli::build_engine_options(
+      a, s.ctx,
+      cli::collect_eos_ids(s.config.eos_token_ids, [&](const std::string& t) { return tokenizer.token_to_id(t); },
+                           tokenizer.eos_token()));
+  s.server_options.eos_token_ids = s.engine_options.eos_token_ids;
+  s.load = cli::build_load_options(a, s.ctx, s.config, kv_dtype);
+  // Speculative decoding with the checkpoint's MTP head (the runner loads the head only when it is on).
+  s.speculative = a.dummy_runner.empty()
+                      ? cli::resolve_speculative_flags(a.speculative, s.config, a.parallel.tp_size)
+                      : cli::SpeculativeChoice{0, false, "off (--dummy-runner)"};
+  cli::apply_speculative_choice(s.speculative, s.load);
+  // NCCL runs only for a CUDA group: kiln's settings where the user has none (the summary says which).
+  if (device.device == "cuda" && a.parallel.is_group()) s.nccl = cli::apply_nccl_env();
+  return s;
+}
 
-  // The load options of this launch (one code path for node 0 and the other nodes of several machines).
-  auto load_options = [&]() {
-    const int64_t context = a.context_length;
-    backend::CpuLoadOptions lo;
-    lo.kv_dtype = kv_dtype;
-    lo.max_context = context;
-    lo.threads = a.threads;
-    lo.slots_per_request = slots_per_request;
-    lo.prefill_chunk = prefill.pass_tokens;
-    if (a.max_total_tokens > 0) lo.kv_pages = (a.max_total_tokens + lo.page_size - 1) / lo.page_size;
-    if (device_choice.device == "cuda") {
-      lo.state_slots = a.max_running_requests * slots_per_request;  // 0: the memory plan chooses
-    } else {
-      // CPU: no memory plan; a full context for every running request, at most 256k tokens (at least one
-      // context).
-      const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
-      lo.state_slots = running * slots_per_request;
-      const int64_t ctx = context > 0 ? std::min<int64_t>(context, config.max_position_embeddings)
-                                      : config.max_position_embeddings;
-      if (lo.kv_pages == 0)
-        lo.kv_pages = (std::max<int64_t>(ctx, std::min<int64_t>(int64_t(running) * ctx, 262144)) + lo.page_size - 1) /
-                      lo.page_size;
-    }
-    kiln::cli::apply_gpu_flags(a.gpu, lo);
-    kiln::cli::apply_parallel_flags(a.parallel, lo, device_choice.device);
-    kiln::cli::apply_speculative_choice(speculative, lo);
-    return lo;
-  };
+// Several machines, a node other than 0: no HTTP front and no scheduler; load this node's ranks, meet the others,
+// then run node 0's steps until it stops the group (model/tp_runner.h).
+int run_follower(const Startup& s, SignalWaiter& signals) {
+  const backend::ParallelOptions& par = s.args.parallel;
+  if (!s.args.dummy_runner.empty()) fail("--dummy-runner runs no model: it cannot join --nnodes {}", par.nnodes);
+  signals.start([&](int sig) {
+    std::fprintf(stderr, "kiln serve: %s on node %d, exiting (node 0's steps will fail: restart every node)\n",
+                 sig == SIGINT ? "SIGINT" : "SIGTERM", par.node_rank);
+    std::_Exit(0);
+  });
+  auto runner = backend::load_model(s.dir, s.args.device, s.load, !s.args.skip_self_check);
+  auto* tp = dynamic_cast<model::TpRunner*>(runner.get());
+  if (!tp) fail("--nnodes {}: the loaded model is not a tensor-parallel group", par.nnodes);
+  std::printf("kiln serve: node %d of %d ready (ranks %d-%d of tp %d); following node 0 (no HTTP on this node)\n",
+              par.node_rank, par.nnodes, tp->first_rank(), tp->first_rank() + tp->size() - 1, par.tp_size);
+  std::fflush(stdout);
+  tp->follow();
+  std::printf("kiln serve: node %d: node 0 stopped the group, exiting\n", par.node_rank);
+  return 0;
+}
 
-  // Several machines, a node other than 0: no HTTP front and no scheduler; load this node's ranks, meet the others,
-  // then run node 0's steps until it stops the group (model/tp_runner.h).
-  if (a.parallel.nnodes > 1 && a.parallel.node_rank > 0) {
-    if (!a.dummy_runner.empty()) fail("--dummy-runner runs no model: it cannot join --nnodes {}", a.parallel.nnodes);
-    signals.start([&](int sig) {
-      std::fprintf(stderr, "kiln serve: %s on node %d, exiting (node 0's steps will fail: restart every node)\n",
-                   sig == SIGINT ? "SIGINT" : "SIGTERM", a.parallel.node_rank);
+// The model runner of this launch: the checkpoint on the device, or --dummy-runner's.
+std::unique_ptr<model::ModelRunner> load_runner(const Startup& s) {
+  if (s.args.dummy_runner.empty())
+    return backend::load_model(s.dir, s.args.device, s.load, !s.args.skip_self_check);  // its log says why
+  const tok::Tokenizer& t = *s.text.tokenizer;
+  cli::DummyTokens ids;
+  ids.vocab = t.vocab_size();
+  ids.turn_start = t.token_to_id("<|im_start|>");
+  ids.turn_end = t.token_to_id("<|im_end|>");
+  const auto nl = t.encode("\n", false);
+  ids.newline = nl.size() == 1 ? nl[0] : -1;
+  return std::make_unique<engine::DummyRunner>(cli::build_dummy_runner_options(s.args, s.ctx, s.config, ids));
+}
+
+// SIGINT / SIGTERM during startup exit at once; once ready, the first starts the drain, a second exits.
+class ShutdownGate {
+ public:
+  void on_signal(int sig) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++signals_seen_;
+    if (!ready_) {
+      std::fprintf(stderr, "kiln serve: %s during startup, exiting\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
       std::_Exit(0);
-    });
-    backend::CpuLoadOptions lo = load_options();
-    auto runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);
-    auto* tp = dynamic_cast<model::TpRunner*>(runner.get());
-    if (!tp) fail("--nnodes {}: the loaded model is not a tensor-parallel group", a.parallel.nnodes);
-    std::printf("kiln serve: node %d of %d ready (ranks %d-%d of tp %d); following node 0 (no HTTP on this node)\n",
-                a.parallel.node_rank, a.parallel.nnodes, tp->first_rank(), tp->first_rank() + tp->size() - 1,
-                a.parallel.tp_size);
-    std::fflush(stdout);
-    tp->follow();
-    std::printf("kiln serve: node %d: node 0 stopped the group, exiting\n", a.parallel.node_rank);
-    return 0;
+    }
+    if (signals_seen_ >= 2) {
+      std::fprintf(stderr, "kiln serve: second signal, exiting without waiting for requests\n");
+      std::_Exit(1);
+    }
+    cv_.notify_all();
+  }
+  // Marks startup done and waits for the first signal.
+  void ready_then_wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    ready_ = true;
+    cv_.wait(lock, [&] { return signals_seen_ > 0; });
   }
 
-  server::HttpServer http(so);
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int signals_seen_ = 0;
+  bool ready_ = false;
+};
+
+cli::ServeSummary summarize(const Startup& s, const engine::Engine& engine, const server::HttpServer& http,
+                            const std::string& runner_description) {
+  cli::ServeSummary m;
+  m.model = s.dir.display_path();
+  m.model_type = s.config.model_type;
+  m.architecture = s.config.architecture;
+  m.dummy_runner = s.args.dummy_runner;
+  m.vocab_size = s.text.tokenizer->vocab_size();
+  m.eos_token_ids = s.engine_options.eos_token_ids;
+  if (s.text.chat_template) m.template_source = s.text.template_source;
+  m.context_length = engine.context_length();
+  m.capacity = engine.capacity();
+  m.kv_cache_dtype = s.args.kv_cache_dtype;
+  m.max_running = engine.options().max_running_requests;
+  m.max_queued = s.args.max_queued_requests;
+  m.prefill = s.ctx.prefill;
+  m.prefix_cache = engine.options().enable_prefix_cache;
+  m.speculative = s.speculative.summary;
+  m.sampling = s.sampling_desc;
+  m.reasoning_parser = http.reasoning_parser_on();
+  m.tool_call_parser = http.tool_call_parser_on();
+  m.runner = runner_description;
+  m.nccl = s.nccl;
+  m.api_key = !s.args.api_key.empty();
+  m.host = s.args.host;
+  m.port = http.port();
+  m.served_model_name = s.server_options.served_model_name;
+  return m;
+}
+
+// Node 0: the HTTP front over the engine, until a signal; then drain and stop.
+int run_server(Startup& s, SignalWaiter& signals) {
+  server::HttpServer http(s.server_options);
   http.bind();
   std::thread http_thread([&] { http.run(); });
   auto stop_http = [&] {
@@ -318,105 +263,33 @@ int run_serve(const ServeArgs& a) {
     std::function<void()> fn;
     ~OnExit() { fn(); }
   } join_http{stop_http};
-  signals.start([&](int sig) {
-    std::lock_guard<std::mutex> lock(mu);
-    ++signals_seen;
-    if (!model_ready) {
-      std::fprintf(stderr, "kiln serve: %s during startup, exiting\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-      std::_Exit(0);
-    }
-    if (signals_seen >= 2) {
-      std::fprintf(stderr, "kiln serve: second signal, exiting without waiting for requests\n");
-      std::_Exit(1);
-    }
-    cv.notify_all();
-  });
-  KILN_LOG_INFO("listening on http://{}:{} (loading the model; /health answers 503 until ready)", a.host, http.port());
+  ShutdownGate gate;
+  signals.start([&](int sig) { gate.on_signal(sig); });
+  KILN_LOG_INFO("listening on http://{}:{} (loading the model; /health answers 503 until ready)", s.args.host,
+                http.port());
 
-  std::unique_ptr<model::ModelRunner> runner;
-  {
-    int64_t context = a.context_length;
-    if (!a.dummy_runner.empty()) {
-      engine::DummyRunner::Options d;
-      if (a.dummy_runner == "echo") {
-        d.echo = true;
-        d.turn_start = tokenizer->token_to_id("<|im_start|>");
-        d.turn_end = tokenizer->token_to_id("<|im_end|>");
-        auto nl = tokenizer->encode("\n", false);
-        d.newline = nl.size() == 1 ? nl[0] : -1;
-      }
-      d.vocab = std::max<int64_t>(config.vocab_size, tokenizer->vocab_size());
-      const int64_t mpe = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
-      d.max_context = context > 0 ? std::min(context, mpe) : mpe;
-      d.page_size = 16;
-      const int running = a.max_running_requests > 0 ? a.max_running_requests : 32;
-      d.state_slots = running * slots_per_request;
-      d.kv_pages = a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16 : running * ((d.max_context + 15) / 16);
-      runner = std::make_unique<engine::DummyRunner>(d);
-    } else {
-      backend::CpuLoadOptions lo = load_options();
-      runner = backend::load_model(dir, a.device, lo, !a.skip_self_check);  // the user's choice: its log says why
-    }
-  }
-  std::string description = runner->describe();
-  kiln::cli::check_speculative_runner(speculative, *runner);
-  eo.speculative_num_steps = speculative.num_steps;
-  if (eo.max_running_requests <= 0)
-    eo.max_running_requests = std::max(1, runner->capacity().state_slots / slots_per_request);
-  engine::Engine engine(std::move(runner), eo);
+  std::unique_ptr<model::ModelRunner> runner = load_runner(s);
+  const std::string description = runner->describe();
+  cli::check_speculative_runner(s.speculative, *runner);
+  s.engine_options.speculative_num_steps = s.speculative.num_steps;
+  if (s.engine_options.max_running_requests <= 0)
+    s.engine_options.max_running_requests = std::max(1, runner->capacity().state_slots / s.ctx.slots_per_request);
+  engine::Engine engine(std::move(runner), s.engine_options);
   engine.start();
   server::ModelContext mc;
   mc.engine = &engine;
-  mc.tokenizer = tokenizer.get();
-  mc.chat_template = chat_template.get();
+  mc.tokenizer = s.text.tokenizer.get();
+  mc.chat_template = s.text.chat_template.get();
   http.attach(mc);
-
-  const auto& cap = engine.capacity();
-  std::printf("kiln serve\n");
-  std::printf("  model:     %s (%s%s%s)\n", dir.display_path().c_str(), config.model_type.c_str(),
-              config.architecture.empty() ? "" : ", ", config.architecture.c_str());
-  if (!a.dummy_runner.empty()) std::printf("  weights:   none (--dummy-runner %s, for testing)\n", a.dummy_runner.c_str());
-  std::printf("  tokenizer: %lld tokens; eos ids", static_cast<long long>(tokenizer->vocab_size()));
-  for (int32_t id : eo.eos_token_ids) std::printf(" %d", id);
-  std::printf("\n  template:  %s\n", chat_template ? template_source.c_str() : "none (chat completions disabled)");
-  std::printf("  context:   %lld tokens per sequence\n", static_cast<long long>(engine.context_length()));
-  std::printf("  KV cache:  %lld pages x %d tokens = %lld tokens, max_total_num_tokens (%s, %s); %d state slots (%s)\n",
-              static_cast<long long>(cap.kv_pages), cap.page_size,
-              static_cast<long long>(cap.kv_pages * cap.page_size), a.kv_cache_dtype == "auto" ? "bf16" : a.kv_cache_dtype.c_str(),
-              human_bytes(double(cap.kv_pages) * cap.page_size * cap.kv_bytes_per_token).c_str(), cap.state_slots,
-              human_bytes(double(cap.state_slots) * cap.state_bytes_per_slot).c_str());
-  std::printf("  batching:  up to %d running, %d queued; KV pages allocated as sequences grow (preemption when the "
-              "pool is full)\n",
-              engine.options().max_running_requests, a.max_queued_requests);
-  std::printf("  prefill:   %s; forward passes of at most %lld tokens (--max-pass-tokens; activation memory is "
-              "planned for one)\n",
-              prefill.step_tokens > 0
-                  ? fmt::format("steps of at most {} tokens, decodes + prompt chunks ({})", prefill.step_tokens,
-                                prefill.reason).c_str()
-                  : prefill.reason.c_str(),
-              static_cast<long long>(prefill.pass_tokens));
-  std::printf("  prefix cache: %s\n", engine.options().enable_prefix_cache
-                                          ? "on (radix tree over KV pages + state snapshots; --disable-radix-cache)"
-                                          : "off");
-  std::printf("  speculative: %s\n", speculative.summary.c_str());
-  std::printf("  sampling:  defaults %s\n", sampling_desc.empty() ? "OpenAI's (temperature 1, top_p 1)"
-                                                                  : ("from generation_config.json: " + sampling_desc).c_str());
-  std::printf("  parsers:   reasoning %s, tool calls %s\n", http.reasoning_parser_on() ? "qwen3" : "off",
-              http.tool_call_parser_on() ? "qwen3_coder" : "off");
-  std::printf("  runner:    %s\n", description.c_str());
-  std::printf("  api key:   %s\n", a.api_key.empty() ? "none (open)" : "required (Authorization: Bearer ...)");
-  std::printf("ready: http://%s:%d (model \"%s\")\n", a.host.c_str(), http.port(), so.served_model_name.c_str());
+  std::fputs(cli::startup_summary(summarize(s, engine, http, description)).c_str(), stdout);
   std::fflush(stdout);
 
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    model_ready = true;
-    cv.wait(lock, [&] { return signals_seen > 0; });
-  }
+  gate.ready_then_wait();
   KILN_LOG_INFO("shutting down: refusing new requests, finishing {} in flight (up to {} s)", http.active_requests(),
-                a.shutdown_timeout_s);
+                s.args.shutdown_timeout_s);
   http.set_draining();
-  bool clean = engine.drain(std::chrono::milliseconds(static_cast<int64_t>(a.shutdown_timeout_s * 1000)));
+  const bool clean =
+      engine.drain(std::chrono::milliseconds(static_cast<int64_t>(s.args.shutdown_timeout_s * 1000)));
   if (!clean) KILN_LOG_WARN("shutdown timeout: aborted the requests still running");
   // Let the HTTP threads write the last chunks of the finished requests.
   for (int i = 0; i < 100 && http.active_requests() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -426,13 +299,25 @@ int run_serve(const ServeArgs& a) {
   return 0;
 }
 
+int run_serve(const ServeArgs& a) {
+  // Block SIGINT/SIGTERM before anything starts a thread: resolving the device initialises the CUDA
+  // runtime, whose threads would otherwise inherit an unblocked mask and let SIGTERM kill the process.
+  const DType kv_dtype = cli::check_serve_args(a);  // flags first, before anything slow
+  SignalWaiter signals;
+  // auto / cpu / cuda -> the backend (an unknown name, or cuda without a usable GPU, fails here before loading)
+  const backend::DeviceChoice device = backend::resolve_device(a.device);
+  Startup s = prepare(a, device, kv_dtype);
+  if (a.parallel.nnodes > 1 && a.parallel.node_rank > 0) return run_follower(s, signals);
+  return run_server(s, signals);
+}
+
 kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP API", [](CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   app.add_option("--model-path", a->model_path, "Model folder (default: the embedded kiln-tiny)");
   app.add_option("--host", a->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "Port to listen on")->capture_default_str();
   app.add_option("--served-model-name", a->served_model_name, "Model name in the API (default: the model path)");
-  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' (/health, /health_generate, /metrics stay open)");
+  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
   app.add_option("--context-length", a->context_length, "Longest sequence, prompt + output (default: the model's)");
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "KV cache type: auto (bf16), bf16 or fp8_e4m3")
       ->capture_default_str();
@@ -474,6 +359,12 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   kiln::cli::add_speculative_flags(app, a->speculative);
   app.add_option("--shutdown-timeout", a->shutdown_timeout_s,
                  "Seconds to let in-flight requests finish on SIGTERM / SIGINT")
+      ->capture_default_str();
+  app.add_option("--responses-store-size", a->responses_store_size,
+                 "Responses kept in memory for /v1/responses previous_response_id (oldest evicted; 0: none)")
+      ->capture_default_str();
+  app.add_option("--responses-store-ttl", a->responses_store_ttl_s,
+                 "Seconds a stored response stays usable as previous_response_id")
       ->capture_default_str();
   app.add_option("--max-request-bytes", a->max_request_bytes, "Largest request body (larger: 413)")
       ->capture_default_str();

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "cli/command.h"
+#include "cli/environment.h"
 #include "clients/smoke.h"
 #include "core/error.h"
 
@@ -34,9 +35,7 @@ kiln::cli::Registrar reg{"smoke", "Check that an OpenAI-compatible server answer
       ->capture_default_str();
   return [args]() -> int {
     using namespace kiln::clients;
-    std::string api_key = args->api_key;
-    if (api_key.empty())
-      if (const char* env = std::getenv("OPENAI_API_KEY")) api_key = env;
+    const std::string api_key = kiln::cli::resolve_api_key(args->api_key, kiln::cli::process_env());
     SmokeOptions options;
     options.server = parse_server_url(args->url, api_key, args->timeout_s);
     options.model = args->model;

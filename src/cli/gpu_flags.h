@@ -4,19 +4,17 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend/backend.h"
 #include "backend/device.h"
 #include "model/model.h"
 
 namespace kiln::cli {
 
+// The GPU part of the load options as flags, plus the two that are spelled otherwise on the command line.
 struct GpuFlags {
-  std::string load_format = "auto";
-  std::string dtype = "auto";
-  double mem_fraction_static = 0;
-  std::string attention_backend = "auto", moe_runner_backend = "auto", fp4_gemm_backend = "auto";
-  bool disable_cuda_graph = false;
-  bool disable_custom_all_reduce = false;
+  backend::GpuLoadOptions gpu;   // --dtype, --mem-fraction-static, the kernel choices, --disable-custom-all-reduce
+  std::string load_format = "auto";  // parsed by model::parse_load_format
+  bool disable_cuda_graph = false;   // gpu.cuda_graphs = !this
 };
 
 // --dtype: checked against the device when the model loads (backend::resolve_dtype), the same for every command.
@@ -32,23 +30,24 @@ inline void add_dtype_flag(CLI::App& app, std::string& dtype) {
 }
 
 inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
-  add_dtype_flag(app, f.dtype);
+  add_dtype_flag(app, f.gpu.dtype);
   app.add_option("--load-format", f.load_format,
                  "auto (the checkpoint's safetensors) or dummy (random weights from config.json: benchmarks only)")
       ->capture_default_str();
-  app.add_option("--mem-fraction-static", f.mem_fraction_static,
+  app.add_option("--mem-fraction-static", f.gpu.mem_fraction_static,
                  "cuda: share of GPU memory for weights, KV cache, state and activations (default 0.90)");
-  app.add_option("--attention-backend", f.attention_backend,
+  app.add_option("--attention-backend", f.gpu.attention_backend,
                  "cuda: auto = kiln-paged (prefill on the tensor-core flash kernel, decode split over keys), or "
                  "kiln-paged-fp32 (every step on the split-over-keys kernel, CUDA cores)")
       ->capture_default_str();
-  app.add_option("--moe-runner-backend", f.moe_runner_backend,
-                 "cuda: auto = kiln-fused-decode on sm_90 (steps of <= 8 tokens: routing + NVFP4 experts in two "
-                 "fused kernels; larger steps as kiln-grouped), kiln-grouped elsewhere; kiln-grouped (NVFP4 experts "
+  app.add_option("--moe-runner-backend", f.gpu.moe_runner_backend,
+                 "cuda: auto = kiln-grouped (NVFP4 experts "
                  "on tensor cores, routing and combine as separate kernels), or kiln-grouped-fp32 (fp32 CUDA-core "
-                 "kernels)")
+                 "kernels), or kiln-fused-decode (steps of <= 8 tokens: routing + NVFP4 experts in two fused "
+                 "CUDA-core kernels, larger steps as kiln-grouped; experimental: slower than kiln-grouped at batch 1 "
+                 "on an H100)")
       ->capture_default_str();
-  app.add_option("--fp4-gemm-backend", f.fp4_gemm_backend,
+  app.add_option("--fp4-gemm-backend", f.gpu.fp4_gemm_backend,
                  "cuda: auto = kiln-w4a16 (NVFP4 linears of many rows on tensor cores, FP4 decoded in registers; "
                  "Hopper has no FP4 tensor cores), or kiln-fp32 (the fp32 gemm)")
       ->capture_default_str();
@@ -60,20 +59,15 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                                    "removed: programmatic dependent launch gave wrong tokens intermittently in "
                                    "serving, so kernels always launch in plain stream order; drop the flag");
       })->group("");
-  app.add_flag("--disable-custom-all-reduce", f.disable_custom_all_reduce,
+  app.add_flag("--disable-custom-all-reduce", f.gpu.disable_custom_all_reduce,
                "cuda, --tp-size > 1: all-reduce through NCCL only (default: the one-shot peer-memory all-reduce for "
                "messages up to 8 MiB, NCCL above)");
 }
 
 inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.load_format = model::parse_load_format(f.load_format);
-  lo.dtype = f.dtype;
-  lo.mem_fraction_static = f.mem_fraction_static;
-  lo.attention_backend = f.attention_backend;
-  lo.moe_runner_backend = f.moe_runner_backend;
-  lo.fp4_gemm_backend = f.fp4_gemm_backend;
-  lo.cuda_graphs = !f.disable_cuda_graph;
-  lo.disable_custom_all_reduce = f.disable_custom_all_reduce;
+  lo.gpu = f.gpu;
+  lo.gpu.cuda_graphs = !f.disable_cuda_graph;
 }
 
 }  // namespace kiln::cli

@@ -4,8 +4,10 @@
 #include <map>
 
 #include "cli/command.h"
+#include "cli/environment.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/thread_pool.h"
 
 namespace kiln::cli {
 std::vector<CommandSpec>& registry() {
@@ -36,14 +38,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (!log_level.empty()) {
-    LogLevel l;
-    if (!parse_log_level(log_level, &l)) {
-      std::fprintf(stderr, "error: unknown --log-level '%s' (use trace, debug, info, warn, error or off)\n", log_level.c_str());
-      return 2;
-    }
-    set_log_level(l);
+  // The environment is read here only (cli/environment.h): KILN_LOG under --log-level, KILN_THREADS under a
+  // command's --threads (which sets the pool again before it starts).
+  const cli::EnvLookup env = cli::process_env();
+  const std::optional<LogLevel> level = cli::resolve_log_level(log_level, env);
+  if (!level) {
+    std::fprintf(stderr, "error: unknown --log-level '%s' (use trace, debug, info, warn, error or off)\n", log_level.c_str());
+    return 2;
   }
+  set_log_level(*level);
+  if (const int threads = cli::threads_from_env(env); threads > 0) ThreadPool::set_global_threads(threads);
   try {
     for (auto& [sub, run] : runs)
       if (sub->parsed()) return run();

@@ -13,7 +13,7 @@
 #include <cctype>
 #include <string>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend/backend.h"
 #include "core/error.h"
 #include "format/model_config.h"
 #include "model/model_runner.h"
@@ -90,7 +90,7 @@ inline SpeculativeChoice resolve_speculative_flags(const SpeculativeFlags& f, co
   return c;
 }
 
-inline void apply_speculative_choice(const SpeculativeChoice& c, backend::CpuLoadOptions& lo) { lo.mtp = c.num_steps > 0; }
+inline void apply_speculative_choice(const SpeculativeChoice& c, backend::LoadOptions& lo) { lo.mtp = c.num_steps > 0; }
 
 // After loading: a head the loader left off (config.json names it, the tensors do not match) turns auto off.
 inline void check_speculative_runner(SpeculativeChoice& c, const model::ModelRunner& runner) {

@@ -306,6 +306,21 @@ void print_summary(std::FILE* out, const BenchReport& report) {
   std::fflush(out);
 }
 
+// What every run starts with: the server answers, the report names it and the model (asked of the server when
+// --model is not given), and the prompt tokens' counter (a local tokenizer, else the server's).
+template <class Report>
+std::unique_ptr<TokenCounter> start_report(const BenchOptions& options, HttpClient& client, Report& report) {
+  require_reachable(client);
+  report.options = options;
+  report.url = options.server.display();
+  report.model = options.model.empty() ? discover_model_name(client) : options.model;
+  std::unique_ptr<TokenCounter> counter = options.tokenizer_dir.empty()
+                                              ? make_server_token_counter(options.server, report.model)
+                                              : make_local_token_counter(options.tokenizer_dir);
+  report.prompt_tokens_counted_by = counter->describe();
+  return counter;
+}
+
 nlohmann::json distribution_json(const Distribution& d) {
   return {{"mean", d.mean}, {"median", d.median}, {"p90", d.p90}, {"p99", d.p99},
           {"min", d.min},   {"max", d.max},       {"count", d.count}};
@@ -433,18 +448,9 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
   if ((options.long_every > 0) != (options.long_input_len > 0))
     fail("--long-input-len and --long-every go together (got {} and {})", options.long_input_len, options.long_every);
   HttpClient client(options.server);
-  require_reachable(client);
-
   BenchReport report;
-  report.options = options;
-  report.url = options.server.display();
-  report.model = options.model.empty() ? discover_model_name(client) : options.model;
+  const std::unique_ptr<TokenCounter> counter = start_report(options, client, report);
   report.endpoint = options.endpoint == BenchEndpoint::chat ? "chat" : "completions";
-
-  std::unique_ptr<TokenCounter> counter = options.tokenizer_dir.empty()
-                                              ? make_server_token_counter(options.server, report.model)
-                                              : make_local_token_counter(options.tokenizer_dir);
-  report.prompt_tokens_counted_by = counter->describe();
 
   size_t total_prompts = 0;
   for (size_t c : options.max_concurrency) total_prompts += prompts_for_level(options, c);
@@ -554,15 +560,8 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
   if (options.endpoint != BenchEndpoint::completions)
     fail("--multi-turn sends the history as the prompt of /v1/completions; leave --endpoint at completions");
   HttpClient client(options.server);
-  require_reachable(client);
   MultiTurnReport report;
-  report.options = options;
-  report.url = options.server.display();
-  report.model = options.model.empty() ? discover_model_name(client) : options.model;
-  std::unique_ptr<TokenCounter> counter = options.tokenizer_dir.empty()
-                                              ? make_server_token_counter(options.server, report.model)
-                                              : make_local_token_counter(options.tokenizer_dir);
-  report.prompt_tokens_counted_by = counter->describe();
+  const std::unique_ptr<TokenCounter> counter = start_report(options, client, report);
   const size_t T = options.multi_turn, N = options.conversations;
   fmt::print(out, "kiln bench --multi-turn: {} (model \"{}\"), POST /v1/completions streamed\n", report.url,
              report.model);

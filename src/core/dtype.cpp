@@ -62,6 +62,21 @@ int encode_magnitude(double a, int mbits, int bias, double max_finite) {
   return bits;
 }
 
+// A small float format as encode_small writes it: the magnitude grid (encode_magnitude's mbits, bias, max_finite), the
+// sign bit, and the codes (without sign) for NaN, for +-inf and for a magnitude past max_finite.
+struct SmallFloatCodes {
+  int mbits, bias;
+  double max_finite;
+  uint32_t sign_bit, nan, inf, overflow;
+};
+uint32_t encode_small(float f, const SmallFloatCodes& c) {
+  const uint32_t sign = std::signbit(f) ? c.sign_bit : 0u;
+  if (std::isnan(f)) return sign | c.nan;
+  if (std::isinf(f)) return sign | c.inf;
+  const int m = encode_magnitude(std::fabs(static_cast<double>(f)), c.mbits, c.bias, c.max_finite);
+  return sign | (m < 0 ? c.overflow : static_cast<uint32_t>(m));
+}
+
 float decode_small(uint32_t bits, int ebits, int mbits, int bias, bool has_inf) {
   const uint32_t sign = bits >> (ebits + mbits);
   const uint32_t ef = (bits >> mbits) & ((1u << ebits) - 1);
@@ -95,40 +110,24 @@ bool parse_dtype(std::string_view s, DType* out) {
 float f16_to_f32(uint16_t h) { return decode_small(h, 5, 10, 15, true); }
 
 uint16_t f32_to_f16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  if (std::isnan(f)) return sign | 0x7e00u;
-  if (std::isinf(f)) return sign | 0x7c00u;
-  int m = encode_magnitude(std::fabs(static_cast<double>(f)), 10, 15, 65504.0);
-  if (m < 0) return sign | 0x7c00u;  // IEEE: overflow rounds to inf
-  return sign | static_cast<uint16_t>(m);
+  // IEEE: overflow rounds to inf.
+  return static_cast<uint16_t>(encode_small(f, {10, 15, 65504.0, 0x8000u, 0x7e00u, 0x7c00u, 0x7c00u}));
 }
 
 uint8_t f32_to_e4m3(float f, bool saturate) {
-  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
-  if (std::isnan(f)) return sign | 0x7f;
-  if (std::isinf(f)) return saturate ? (sign | 0x7e) : (sign | 0x7f);
-  int m = encode_magnitude(std::fabs(static_cast<double>(f)), 3, 7, 448.0);
-  if (m < 0) return saturate ? (sign | 0x7e) : (sign | 0x7f);
-  return sign | static_cast<uint8_t>(m);
+  // No inf in e4m3fn: inf and overflow saturate to 448 or become NaN.
+  const uint32_t big = saturate ? 0x7eu : 0x7fu;
+  return static_cast<uint8_t>(encode_small(f, {3, 7, 448.0, 0x80u, 0x7fu, big, big}));
 }
 
 uint8_t f32_to_e5m2(float f, bool saturate) {
-  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
-  if (std::isnan(f)) return sign | 0x7e;
-  if (std::isinf(f)) return saturate ? (sign | 0x7b) : (sign | 0x7c);
-  int m = encode_magnitude(std::fabs(static_cast<double>(f)), 2, 15, 57344.0);
-  if (m < 0) return saturate ? (sign | 0x7b) : (sign | 0x7c);
-  return sign | static_cast<uint8_t>(m);
+  const uint32_t big = saturate ? 0x7bu : 0x7cu;
+  return static_cast<uint8_t>(encode_small(f, {2, 15, 57344.0, 0x80u, 0x7eu, big, big}));
 }
 
 uint8_t f32_to_e2m1(float f) {
-  const uint8_t sign = std::signbit(f) ? 0x8 : 0;
-  if (std::isnan(f) || std::isinf(f)) return sign | 0x7;  // no NaN or inf in e2m1: saturate
-  int m = encode_magnitude(std::fabs(static_cast<double>(f)), 1, 1, 6.0);
-  if (m < 0) return sign | 0x7;
-  return sign | static_cast<uint8_t>(m);
+  // No NaN or inf in e2m1: saturate.
+  return static_cast<uint8_t>(encode_small(f, {1, 1, 6.0, 0x8u, 0x7u, 0x7u, 0x7u}));
 }
 
 float load_as_f32(DType t, const void* p) {

@@ -3,21 +3,14 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <mutex>
 
 namespace kiln {
 namespace {
 
-LogLevel initial_level() {
-  LogLevel l = LogLevel::info;
-  if (const char* env = std::getenv("KILN_LOG")) parse_log_level(env, &l);
-  return l;
-}
-
 std::atomic<int>& level_ref() {
-  static std::atomic<int> level{static_cast<int>(initial_level())};
+  static std::atomic<int> level{static_cast<int>(LogLevel::info)};
   return level;
 }
 

@@ -1,5 +1,5 @@
-// Logging with levels to stderr. Level from set_log_level() or the KILN_LOG env var
-// (trace, debug, info, warn, error, off). Thread-safe: one line per call.
+// Logging with levels to stderr. Level info until set_log_level() (the kiln binary sets it from --log-level or
+// KILN_LOG: cli/environment.h; the library reads no environment). Thread-safe: one line per call.
 #pragma once
 #include <fmt/format.h>
 #include <string_view>

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <memory>
 
 namespace kiln {
@@ -90,10 +89,7 @@ void ThreadPool::set_global_threads(int threads) { g_threads = threads; }
 
 ThreadPool& ThreadPool::global() {
   static std::unique_ptr<ThreadPool> pool = [] {
-    int n = g_threads.load();
-    if (n <= 0)
-      if (const char* env = std::getenv("KILN_THREADS")) n = std::atoi(env);
-    return std::make_unique<ThreadPool>(n);
+    return std::make_unique<ThreadPool>(g_threads.load());
   }();
   return *pool;
 }

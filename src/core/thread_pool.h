@@ -24,7 +24,8 @@ class ThreadPool {
   // body(begin, end) over chunks of at least `grain` items.
   void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& body, int64_t grain = 1);
 
-  // The process-wide pool (sized by set_global_threads or KILN_THREADS, else all cores).
+  // The process-wide pool, made at first use: set_global_threads' count (the kiln binary passes --threads or
+  // KILN_THREADS: cli/environment.h), else all cores. A count set after the pool started has no effect.
   static ThreadPool& global();
   static void set_global_threads(int threads);
 

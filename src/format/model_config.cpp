@@ -182,12 +182,12 @@ std::string ModelConfig::layer_pattern() const {
          std::to_string(num_full_attention_layers()) + " full (irregular)";
 }
 
-ModelConfig parse_model_config(std::string_view config_json, std::string_view generation_config_json,
-                               std::string_view source_view) {
-  const std::string source(source_view);
-  const json top = parse_json(config_json, source);
-  ModelConfig c;
+namespace {
 
+bool is_hybrid(Arch a) { return a == Arch::qwen3_5_moe || a == Arch::qwen3_5 || a == Arch::qwen3_next; }
+
+// model_type (the family) and architectures[0] (a warning when it names another family).
+void read_family(const json& top, const std::string& source, ModelConfig& c) {
   auto mt = top.find("model_type");
   if (mt == top.end() || !mt->is_string())
     fail("{}: no \"model_type\" (supported: {})", source, supported_list());
@@ -199,7 +199,6 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
       found = true;
     }
   if (!found) fail("{}: unsupported model_type '{}' (supported: {})", source, c.model_type, supported_list());
-
   if (auto ar = top.find("architectures"); ar != top.end() && ar->is_array() && !ar->empty() && (*ar)[0].is_string())
     c.architecture = (*ar)[0].get<std::string>();
   if (!c.architecture.empty() && !architecture_matches(c.arch, c.architecture))
@@ -207,36 +206,29 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
         "{}: architectures[0] is '{}' but model_type is '{}' (whose architectures are {}); kiln loads it as "
         "{} by model_type: check that the checkpoint really is that family",
         source, c.architecture, c.model_type, architectures_of(c.arch), c.model_type));
+}
 
-  // Settings live under text_config for the VL families; a text-only checkpoint has them at top level.
-  const json* settings = &top;
-  std::string settings_source = source;
-  auto tc = top.find("text_config");
-  if ((c.arch == Arch::qwen3_5_moe || c.arch == Arch::qwen3_5) && tc != top.end() && !tc->is_null()) {
-    if (!tc->is_object()) fail("{}: \"text_config\" must be an object", source);
-    settings = &*tc;
-    settings_source = source + " text_config";
+// Defaults: transformers configuration_<family>.py.
+struct Defaults {
+  int64_t vocab, hidden, inter, layers, heads, kv_heads, head_dim, max_pos;
+  int64_t experts, topk, moe_inter, shared_inter;
+  bool norm_topk;
+};
+Defaults defaults_of(Arch arch) {
+  switch (arch) {
+    case Arch::qwen3_5_moe: return {248320, 2048, 0, 40, 16, 2, 256, 32768, 256, 8, 512, 512, true};
+    case Arch::qwen3_5: return {248320, 4096, 12288, 32, 16, 4, 256, 32768, 0, 0, 0, 0, true};
+    case Arch::qwen3_next: return {151936, 2048, 5632, 48, 16, 2, 256, 32768, 512, 10, 512, 512, true};
+    case Arch::qwen3_moe: return {151936, 2048, 6144, 24, 32, 4, 0, 32768, 128, 8, 768, 0, false};
+    case Arch::qwen3: return {151936, 4096, 22016, 32, 32, 32, 128, 32768, 0, 0, 0, 0, false};
   }
-  c.has_vision_config = top.contains("vision_config") && top["vision_config"].is_object();
-  const Reader r(*settings, top, settings_source);
+  return {};
+}
 
-  const bool hybrid = c.arch == Arch::qwen3_5_moe || c.arch == Arch::qwen3_5 || c.arch == Arch::qwen3_next;
-
-  // Defaults: transformers configuration_<family>.py.
-  struct Defaults {
-    int64_t vocab, hidden, inter, layers, heads, kv_heads, head_dim, max_pos;
-    int64_t experts, topk, moe_inter, shared_inter;
-    bool norm_topk;
-  };
-  Defaults d{};
-  switch (c.arch) {
-    case Arch::qwen3_5_moe: d = {248320, 2048, 0, 40, 16, 2, 256, 32768, 256, 8, 512, 512, true}; break;
-    case Arch::qwen3_5: d = {248320, 4096, 12288, 32, 16, 4, 256, 32768, 0, 0, 0, 0, true}; break;
-    case Arch::qwen3_next: d = {151936, 2048, 5632, 48, 16, 2, 256, 32768, 512, 10, 512, 512, true}; break;
-    case Arch::qwen3_moe: d = {151936, 2048, 6144, 24, 32, 4, 0, 32768, 128, 8, 768, 0, false}; break;
-    case Arch::qwen3: d = {151936, 4096, 22016, 32, 32, 32, 128, 32768, 0, 0, 0, 0, false}; break;
-  }
-
+// Sizes of the attention, linear-attention and feed-forward blocks.
+void read_sizes(const Reader& r, ModelConfig& c) {
+  const Defaults d = defaults_of(c.arch);
+  const bool hybrid = is_hybrid(c.arch);
   c.vocab_size = r.integer("vocab_size", d.vocab);
   c.hidden_size = r.integer("hidden_size", d.hidden);
   c.num_layers = static_cast<int>(r.integer("num_hidden_layers", d.layers));
@@ -252,7 +244,6 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
   c.rms_norm_eps = r.number("rms_norm_eps", 1e-6);
   c.norm_zero_centred = hybrid;
   c.intermediate_size = r.integer("intermediate_size", d.inter);
-
   if (hybrid) {
     c.linear_num_key_heads = static_cast<int>(r.integer("linear_num_key_heads", 16));
     c.linear_num_value_heads = static_cast<int>(r.integer("linear_num_value_heads", 32));
@@ -273,71 +264,73 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
       for (int64_t l : r.int_list(r.find("mlp_only_layers"), "mlp_only_layers")) c.mlp_only_layers.push_back(static_cast<int>(l));
     }
   }
+}
 
-  // The MTP head (speculative decoding); only the hybrids ship one.
-  if (hybrid) {
-    c.mtp_num_layers = static_cast<int>(r.integer("mtp_num_hidden_layers", r.integer("num_nextn_predict_layers", 0)));
-    if (c.mtp_num_layers < 0 || c.mtp_num_layers > 16)
-      fail("{}: mtp_num_hidden_layers {} is out of range", settings_source, c.mtp_num_layers);
-  }
+// The MTP head (speculative decoding); only the hybrids ship one.
+void read_mtp(const Reader& r, ModelConfig& c) {
+  if (!is_hybrid(c.arch)) return;
+  c.mtp_num_layers = static_cast<int>(r.integer("mtp_num_hidden_layers", r.integer("num_nextn_predict_layers", 0)));
+  if (c.mtp_num_layers < 0 || c.mtp_num_layers > 16)
+    fail("{}: mtp_num_hidden_layers {} is out of range", r.source(), c.mtp_num_layers);
+}
 
-  // Layer types.
+void read_layer_types(const Reader& r, ModelConfig& c) {
+  const std::string& source = r.source();
+  const bool hybrid = is_hybrid(c.arch);
   if (const json* lt = r.find("layer_types"); lt && hybrid) {
-    if (!lt->is_array()) fail("{}: \"layer_types\" must be a list", settings_source);
+    if (!lt->is_array()) fail("{}: \"layer_types\" must be a list", source);
     for (size_t i = 0; i < lt->size(); ++i) {
-      if (!(*lt)[i].is_string()) fail("{}: layer_types[{}] must be a string", settings_source, i);
-      c.layer_types.push_back(parse_layer_type((*lt)[i].get<std::string>(), settings_source, i));
+      if (!(*lt)[i].is_string()) fail("{}: layer_types[{}] must be a string", source, i);
+      c.layer_types.push_back(parse_layer_type((*lt)[i].get<std::string>(), source, i));
     }
     if (static_cast<int>(c.layer_types.size()) != c.num_layers)
-      fail("{}: layer_types has {} entries but num_hidden_layers is {}", settings_source, c.layer_types.size(),
-           c.num_layers);
+      fail("{}: layer_types has {} entries but num_hidden_layers is {}", source, c.layer_types.size(), c.num_layers);
   } else if (hybrid) {
     const int64_t interval = r.integer("full_attention_interval", 4);
-    if (interval <= 0) fail("{}: full_attention_interval must be positive, got {}", settings_source, interval);
+    if (interval <= 0) fail("{}: full_attention_interval must be positive, got {}", source, interval);
     for (int i = 0; i < c.num_layers; ++i)
       c.layer_types.push_back((i + 1) % interval ? LayerType::linear_attention : LayerType::full_attention);
   } else {
     if (r.boolean("use_sliding_window", false))
-      fail("{}: use_sliding_window is true: sliding-window attention is not supported", settings_source);
+      fail("{}: use_sliding_window is true: sliding-window attention is not supported", source);
     c.layer_types.assign(std::max(0, c.num_layers), LayerType::full_attention);
   }
+}
 
-  // RoPE: rope_scaling (legacy) or rope_parameters, then top-level rope_theta / partial_rotary_factor.
-  {
-    const json* rp = r.find("rope_scaling");
-    if (!rp) rp = r.find("rope_parameters");
-    if (rp && !rp->is_object()) fail("{}: rope_parameters must be an object", settings_source);
-    static const json kEmpty = json::object();
-    const json& rope = rp ? *rp : kEmpty;
-    const Reader rr(rope, rope, settings_source + " rope_parameters");
-    const json* type = rr.find("rope_type");
-    if (!type) type = rr.find("type");
-    c.rope_type = type ? rr.string(type, "rope_type") : "default";
-    c.rope_theta = rr.number(rr.find("rope_theta"), "rope_theta", r.number("rope_theta", 10000.0));
-    const double prf_default = hybrid ? 0.25 : 1.0;
-    c.partial_rotary_factor =
-        rr.number(rr.find("partial_rotary_factor"), "partial_rotary_factor", r.number("partial_rotary_factor", prf_default));
-    if (c.arch == Arch::qwen3_5_moe || c.arch == Arch::qwen3_5) {
-      // transformers falls back to [11, 11, 10] and always interleaves the sections.
-      auto sec = rr.int_list(rr.find("mrope_section"), "mrope_section");
-      if (sec.empty()) sec = {11, 11, 10};
-      for (int64_t s : sec) c.mrope_section.push_back(static_cast<int>(s));
-      c.mrope_interleaved = rr.boolean("mrope_interleaved", true);
-    }
-    if (c.rope_type != "default" && c.rope_type != "mrope")
-      fail("{}: rope type '{}' is not supported (supported: default)", settings_source, c.rope_type);
+// RoPE: rope_scaling (legacy) or rope_parameters, then top-level rope_theta / partial_rotary_factor.
+void read_rope(const Reader& r, ModelConfig& c) {
+  const std::string& source = r.source();
+  const json* rp = r.find("rope_scaling");
+  if (!rp) rp = r.find("rope_parameters");
+  if (rp && !rp->is_object()) fail("{}: rope_parameters must be an object", source);
+  static const json kEmpty = json::object();
+  const json& rope = rp ? *rp : kEmpty;
+  const Reader rr(rope, rope, source + " rope_parameters");
+  const json* type = rr.find("rope_type");
+  if (!type) type = rr.find("type");
+  c.rope_type = type ? rr.string(type, "rope_type") : "default";
+  c.rope_theta = rr.number(rr.find("rope_theta"), "rope_theta", r.number("rope_theta", 10000.0));
+  const double prf_default = is_hybrid(c.arch) ? 0.25 : 1.0;
+  c.partial_rotary_factor =
+      rr.number(rr.find("partial_rotary_factor"), "partial_rotary_factor", r.number("partial_rotary_factor", prf_default));
+  if (c.arch == Arch::qwen3_5_moe || c.arch == Arch::qwen3_5) {
+    // transformers falls back to [11, 11, 10] and always interleaves the sections.
+    auto sec = rr.int_list(rr.find("mrope_section"), "mrope_section");
+    if (sec.empty()) sec = {11, 11, 10};
+    for (int64_t s : sec) c.mrope_section.push_back(static_cast<int>(s));
+    c.mrope_interleaved = rr.boolean("mrope_interleaved", true);
   }
+  if (c.rope_type != "default" && c.rope_type != "mrope")
+    fail("{}: rope type '{}' is not supported (supported: default)", source, c.rope_type);
+}
 
-  // Embedding tying is a top-level setting in the VL configs.
-  c.tie_word_embeddings = r.boolean(r.find_any("tie_word_embeddings"), "tie_word_embeddings", false);
-  if (auto it = top.find("tie_word_embeddings"); it != top.end() && it->is_boolean()) c.tie_word_embeddings = it->get<bool>();
-
-  // Special tokens: union of every place that names them.
+// Special tokens: the union of every place that names them (settings, top level, generation_config.json).
+void read_special_tokens(const Reader& r, const Reader& top, std::string_view generation_config_json,
+                         ModelConfig& c) {
   std::set<int64_t> eos;
   for (int64_t v : r.int_or_list(r.find("eos_token_id"), "eos_token_id")) eos.insert(v);
-  if (settings != &top)
-    for (int64_t v : Reader(top, top, source).int_or_list(Reader(top, top, source).find("eos_token_id"), "eos_token_id"))
-      eos.insert(v);
+  if (&r != &top)
+    for (int64_t v : top.int_or_list(top.find("eos_token_id"), "eos_token_id")) eos.insert(v);
   if (const json* b = r.find_any("bos_token_id")) c.bos_token_id = r.integer_of(b, "bos_token_id", 0);
   if (const json* p = r.find_any("pad_token_id")) c.pad_token_id = r.integer_of(p, "pad_token_id", 0);
   if (!generation_config_json.empty()) {
@@ -350,19 +343,12 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
       if (const json* p = g.find("pad_token_id")) c.pad_token_id = g.integer_of(p, "pad_token_id", 0);
   }
   c.eos_token_ids.assign(eos.begin(), eos.end());
+}
 
-  // torch_dtype (transformers >= 5 writes "dtype").
-  for (const char* key : {"torch_dtype", "dtype"})
-    if (c.torch_dtype.empty())
-      if (const json* v = r.find_any(key); v && v->is_string()) c.torch_dtype = v->get<std::string>();
-
-  c.tensor_prefix = c.architecture.find("ForConditionalGeneration") != std::string::npos ? "model.language_model." : "model.";
-  c.expert_layout = c.arch == Arch::qwen3_5_moe ? ExpertLayout::fused : ExpertLayout::per_expert;
-  c.mtp_expert_layout = c.expert_layout;
-
-  // Sanity: everything later code divides by or allocates with.
+// Sanity: everything later code divides by or allocates with.
+void check_sizes(const ModelConfig& c, const std::string& source) {
   auto positive = [&](int64_t v, const char* key) {
-    if (v <= 0) fail("{}: \"{}\" must be positive, got {}", settings_source, key, v);
+    if (v <= 0) fail("{}: \"{}\" must be positive, got {}", source, key, v);
   };
   positive(c.hidden_size, "hidden_size");
   positive(c.num_layers, "num_hidden_layers");
@@ -371,32 +357,70 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
   positive(c.num_kv_heads, "num_key_value_heads");
   positive(c.head_dim, "head_dim");
   if (c.num_layers > 100000 || c.hidden_size > (1 << 20) || c.vocab_size > (1 << 24))
-    fail("{}: implausible sizes (hidden_size {}, num_hidden_layers {}, vocab_size {})", settings_source, c.hidden_size,
+    fail("{}: implausible sizes (hidden_size {}, num_hidden_layers {}, vocab_size {})", source, c.hidden_size,
          c.num_layers, c.vocab_size);
   if (c.num_attention_heads % c.num_kv_heads)
-    fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", settings_source,
-         c.num_attention_heads, c.num_kv_heads);
+    fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source, c.num_attention_heads,
+         c.num_kv_heads);
   if (c.partial_rotary_factor <= 0 || c.partial_rotary_factor > 1)
-    fail("{}: partial_rotary_factor {} must be in (0, 1]", settings_source, c.partial_rotary_factor);
-  if (hybrid) {
+    fail("{}: partial_rotary_factor {} must be in (0, 1]", source, c.partial_rotary_factor);
+  if (is_hybrid(c.arch)) {
     positive(c.linear_num_key_heads, "linear_num_key_heads");
     positive(c.linear_num_value_heads, "linear_num_value_heads");
     positive(c.linear_key_head_dim, "linear_key_head_dim");
     positive(c.linear_value_head_dim, "linear_value_head_dim");
     positive(c.linear_conv_kernel, "linear_conv_kernel_dim");
     if (c.linear_num_value_heads % c.linear_num_key_heads)
-      fail("{}: linear_num_value_heads {} is not a multiple of linear_num_key_heads {}", settings_source,
+      fail("{}: linear_num_value_heads {} is not a multiple of linear_num_key_heads {}", source,
            c.linear_num_value_heads, c.linear_num_key_heads);
   }
   if (c.num_experts > 0) {
     positive(c.experts_per_tok, "num_experts_per_tok");
     positive(c.moe_intermediate_size, "moe_intermediate_size");
     if (c.experts_per_tok > c.num_experts)
-      fail("{}: num_experts_per_tok {} exceeds num_experts {}", settings_source, c.experts_per_tok, c.num_experts);
+      fail("{}: num_experts_per_tok {} exceeds num_experts {}", source, c.experts_per_tok, c.num_experts);
   }
   bool needs_dense = c.num_experts == 0;
   for (int l = 0; l < c.num_layers && !needs_dense; ++l) needs_dense = !c.layer_is_moe(l);
   if (needs_dense) positive(c.intermediate_size, "intermediate_size");
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(std::string_view config_json, std::string_view generation_config_json,
+                               std::string_view source_view) {
+  const std::string source(source_view);
+  const json top = parse_json(config_json, source);
+  ModelConfig c;
+  read_family(top, source, c);
+  // Settings live under text_config for the VL families; a text-only checkpoint has them at top level.
+  const json* settings = &top;
+  std::string settings_source = source;
+  auto tc = top.find("text_config");
+  if ((c.arch == Arch::qwen3_5_moe || c.arch == Arch::qwen3_5) && tc != top.end() && !tc->is_null()) {
+    if (!tc->is_object()) fail("{}: \"text_config\" must be an object", source);
+    settings = &*tc;
+    settings_source = source + " text_config";
+  }
+  c.has_vision_config = top.contains("vision_config") && top["vision_config"].is_object();
+  const Reader r(*settings, top, settings_source);
+  const Reader top_reader(top, top, source);
+  read_sizes(r, c);
+  read_mtp(r, c);
+  read_layer_types(r, c);
+  read_rope(r, c);
+  // Embedding tying is a top-level setting in the VL configs.
+  c.tie_word_embeddings = r.boolean(r.find_any("tie_word_embeddings"), "tie_word_embeddings", false);
+  if (auto it = top.find("tie_word_embeddings"); it != top.end() && it->is_boolean()) c.tie_word_embeddings = it->get<bool>();
+  read_special_tokens(r, settings != &top ? top_reader : r, generation_config_json, c);
+  // torch_dtype (transformers >= 5 writes "dtype").
+  for (const char* key : {"torch_dtype", "dtype"})
+    if (c.torch_dtype.empty())
+      if (const json* v = r.find_any(key); v && v->is_string()) c.torch_dtype = v->get<std::string>();
+  c.tensor_prefix = c.architecture.find("ForConditionalGeneration") != std::string::npos ? "model.language_model." : "model.";
+  c.expert_layout = c.arch == Arch::qwen3_5_moe ? ExpertLayout::fused : ExpertLayout::per_expert;
+  c.mtp_expert_layout = c.expert_layout;
+  check_sizes(c, settings_source);
   return c;
 }
 

@@ -173,7 +173,12 @@ TensorSlice slice_tensor(const ModelConfig& c, const RankShard& r, const Expecte
     s.col_part = part;
   };
   auto is = [&](const char* m) { return module.ends_with(m); };
-  const bool row_parallel_bias = suffix == ".bias";
+  // A row-parallel linear (o_proj, out_proj, down_proj): the ranks hold column parts of its inputs and their outputs
+  // are summed, so its bias is held by rank 0 alone (added once to the sum).
+  auto row_parallel = [&] {
+    if (suffix == ".bias") s.held = r.rank == 0;
+    else cols(r.tp, r.rank);
+  };
 
   if (role == role::kEmbedding || role == role::kLmHead) {
     rows({r.vocab});
@@ -187,11 +192,7 @@ TensorSlice slice_tensor(const ModelConfig& c, const RankShard& r, const Expecte
     } else if (is(".k_proj") || is(".v_proj")) {
       rows({{r.kv_heads.begin * D, r.kv_heads.count * D}});
     } else if (is(".o_proj")) {
-      if (row_parallel_bias) {
-        s.held = r.rank == 0;  // added once to the sum
-        return s;
-      }
-      cols(r.tp, r.rank);
+      row_parallel();
     } else {
       fail("{}: no tensor-parallel rule for this attention tensor", t.name);
     }
@@ -220,11 +221,7 @@ TensorSlice slice_tensor(const ModelConfig& c, const RankShard& r, const Expecte
         rows({{base + (vb - g * rv) * vd, (ve - vb) * vd}, {base + rv * vd + (vb - g * rv) * vd, (ve - vb) * vd}});
       }
     } else if (is(".out_proj")) {
-      if (row_parallel_bias) {
-        s.held = r.rank == 0;
-        return s;
-      }
-      cols(r.tp, r.rank);
+      row_parallel();
     } else {
       fail("{}: no tensor-parallel rule for this linear-attention tensor", t.name);
     }
@@ -233,11 +230,7 @@ TensorSlice slice_tensor(const ModelConfig& c, const RankShard& r, const Expecte
     if (is(".gate_proj") || is(".up_proj")) {
       rows({inter});
     } else if (is(".down_proj")) {
-      if (row_parallel_bias) {
-        s.held = r.rank == 0;
-        return s;
-      }
-      cols(r.tp, r.rank);
+      row_parallel();
     } else {
       fail("{}: no tensor-parallel rule for this MLP tensor", t.name);
     }
@@ -297,20 +290,12 @@ TensorSlice slice_tensor(const ModelConfig& c, const RankShard& r, const Expecte
 
 namespace {
 
-// The slice as [outer, split, mid, last] loops (see slice_tensor): sizes of the full and the local tensor.
-struct Loops {
-  int64_t outer_full = 1, outer_local = 1, outer_begin = 0;
-  int64_t split_full = 1, split_local = 1;
-  int64_t mid = 1;
-  int64_t last_full = 1, last_local = 1, last_begin = 0;
-};
-
-Loops loops_of(const TensorSlice& s, const Shape& stored) {
-  Loops L;
+// The slice's loop sizes (SliceLoops without its rows).
+SliceLoops loop_sizes(const TensorSlice& s, const Shape& stored) {
+  SliceLoops L;
   if (stored.ndim == 0) return L;
   const int sd = s.split_dim;
   if (sd == 1) {
-    L.outer_full = stored.dims[0];
     L.outer_local = s.outer.count ? s.outer.count : stored.dims[0];
     L.outer_begin = s.outer.count ? s.outer.begin : 0;
   }
@@ -340,22 +325,14 @@ int64_t split_source(const TensorSlice& s, int64_t j) {
 }  // namespace
 
 SliceLoops slice_loops(const TensorSlice& s, const Shape& stored) {
-  const Loops L = loops_of(s, stored);
-  SliceLoops out;
-  out.outer_begin = L.outer_begin;
-  out.split_full = L.split_full;
-  out.split_local = L.split_local;
-  out.mid = L.mid;
-  out.last_full = L.last_full;
-  out.last_local = L.last_local;
-  out.last_begin = L.last_begin;
-  out.rows = s.rows;
-  return out;
+  SliceLoops L = loop_sizes(s, stored);
+  L.rows = s.rows;
+  return L;
 }
 
 int64_t slice_source_index(const TensorSlice& s, const Shape& stored, int64_t i) {
   if (s.whole()) return i;
-  const Loops L = loops_of(s, stored);
+  const SliceLoops L = loop_sizes(s, stored);
   const int64_t c = i % L.last_local;
   int64_t rest = i / L.last_local;
   const int64_t m = rest % L.mid;
@@ -372,7 +349,7 @@ void copy_slice(const TensorSlice& s, const Shape& stored, size_t elem, const vo
     std::memcpy(dst, src, static_cast<size_t>(stored.numel()) * elem);
     return;
   }
-  const Loops L = loops_of(s, stored);
+  const SliceLoops L = loop_sizes(s, stored);
   const size_t run = static_cast<size_t>(L.last_local) * elem;
   for (int64_t o = 0; o < L.outer_local; ++o)
     for (int64_t j = 0; j < L.split_local; ++j) {

@@ -98,6 +98,7 @@ int64_t slice_source_index(const TensorSlice& slice, const Shape& stored, int64_
 // walks `rows` (empty: j itself).
 struct SliceLoops {
   int64_t outer_begin = 0, split_full = 1, split_local = 1, mid = 1, last_full = 1, last_local = 1, last_begin = 0;
+  int64_t outer_local = 1;  // o's range (the slice's own loops; a device fill takes o from i)
   std::vector<Range> rows;
 };
 SliceLoops slice_loops(const TensorSlice& slice, const Shape& stored);

@@ -154,6 +154,38 @@ void residual_flush(Forward& f, TensorView hidden) {
   f.pending_residual = TensorView();
 }
 
+void bind_dense_mlp(WeightBinder& b, int layer, MlpWeights& w) {
+  bind_mlp(b, b.layer_prefix(layer) + "mlp.", b.config().intermediate_size, w);
+}
+
+void bind_moe_or_mlp(WeightBinder& b, int layer, LayerWeights& w, bool shared_expert) {
+  w.is_moe = b.config().layer_is_moe(layer);
+  if (w.is_moe)
+    bind_moe(b, layer, w.moe, shared_expert);
+  else
+    bind_dense_mlp(b, layer, w.mlp);
+}
+
+TensorView moe_or_mlp(Forward& f, int layer, const LayerWeights& w, const TensorView& x) {
+  return w.is_moe ? moe(f, layer, w.moe, x, f.config.experts_per_tok, f.config.norm_topk_prob) : mlp(f, w.mlp, x);
+}
+
+void bind_hybrid_mixer(WeightBinder& b, int layer, LayerWeights& w, bool fused_qkvz) {
+  bind_layer_norms(b, layer, w);
+  if (w.type == format::LayerType::linear_attention)
+    bind_gated_deltanet(b, layer, w.linear, fused_qkvz);
+  else
+    bind_full_attention(b, layer, w.attn);
+}
+
+TensorView hybrid_mixer(Forward& f, int layer, const LayerWeights& w, TensorView hidden, GatedDeltaNetFn deltanet) {
+  const TensorView x = input_norm(f, hidden, w.input_norm, NormKind::zero_centred);
+  const TensorView y = w.type == format::LayerType::linear_attention
+                           ? deltanet(f, layer, w.linear, x)
+                           : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
+  return residual_norm(f, hidden, y, w.post_attention_norm, NormKind::zero_centred);
+}
+
 static TensorView linear(Forward& f, const TensorView& x, const LinearWeight& w) {
   TensorView out = f.f32(Shape{x.dim(0), w.out_features});
   f.ops.linear(x, w, out);

@@ -60,4 +60,20 @@ TensorView residual_norm(Forward& f, TensorView hidden, const TensorView& y, con
 void residual_defer(Forward& f, const TensorView& y);
 void residual_flush(Forward& f, TensorView hidden);
 
+// ---- layer parts several families share
+// L mlp.{gate,up,down}_proj of intermediate_size: a layer's dense MLP.
+void bind_dense_mlp(WeightBinder& b, int layer, MlpWeights& w);
+// The sparse MoE on the layers config.layer_is_moe names (sets w.is_moe), the dense MLP on the others.
+void bind_moe_or_mlp(WeightBinder& b, int layer, LayerWeights& w, bool shared_expert);
+// Its forward: the MoE (top-k renormalised when norm_topk_prob) or the MLP. x [T, H] -> [T, H].
+TensorView moe_or_mlp(Forward& f, int layer, const LayerWeights& w, const TensorView& x);
+// The hybrid token mixer of Qwen3.5, Qwen3.5 MoE and Qwen3-Next: the layer norms, then Gated DeltaNet on
+// linear-attention layers (fused_qkvz: Qwen3-Next's interleaved projections) and gated full attention on the others.
+void bind_hybrid_mixer(WeightBinder& b, int layer, LayerWeights& w, bool fused_qkvz);
+// Its forward, zero-centred norms throughout: hidden += mixer(input_norm(hidden)), where the mixer is `deltanet` (the
+// family's Gated DeltaNet form) on linear-attention layers and gated full attention on the others; returns the MLP
+// input rms_norm(hidden). hidden [T, H] -> [T, H].
+using GatedDeltaNetFn = TensorView (*)(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& x);
+TensorView hybrid_mixer(Forward& f, int layer, const LayerWeights& w, TensorView hidden, GatedDeltaNetFn deltanet);
+
 }  // namespace kiln::model

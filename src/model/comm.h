@@ -12,12 +12,22 @@
 //    on every rank and does not depend on thread timing.
 //  - A collective that waits longer than the time-out (set_timeout; 0 = wait forever) throws kiln::Error naming the
 //    collective and the ranks that did not arrive. abort() (from any thread) makes every waiting and later
-//    collective throw until reset(): a rank that fails must not leave the others hanging.
+//    collective throw GroupAborted until reset(): a rank that fails must not leave the others hanging. A caller
+//    that picks the reason of a failed step skips GroupAborted (it only follows another rank's own error).
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <string>
+
+#include "core/error.h"
 
 namespace kiln::model {
+
+// A collective that stopped because the group was aborted (another rank failed), not for a reason of its own.
+class GroupAborted : public Error {
+ public:
+  explicit GroupAborted(const std::string& msg) : Error(msg) {}
+};
 
 class Communicator {
  public:

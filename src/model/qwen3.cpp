@@ -14,7 +14,7 @@ class Qwen3 final : public Family {
   void bind_layer(WeightBinder& b, int layer, LayerWeights& w) const override {
     bind_layer_norms(b, layer, w);
     bind_full_attention(b, layer, w.attn);
-    bind_mlp(b, b.layer_prefix(layer) + "mlp.", b.config().intermediate_size, w.mlp);
+    bind_dense_mlp(b, layer, w.mlp);
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {

@@ -15,20 +15,14 @@ class Qwen3Moe final : public Family {
   void bind_layer(WeightBinder& b, int layer, LayerWeights& w) const override {
     bind_layer_norms(b, layer, w);
     bind_full_attention(b, layer, w.attn);
-    w.is_moe = b.config().layer_is_moe(layer);
-    if (w.is_moe)
-      bind_moe(b, layer, w.moe, /*shared_expert=*/false);
-    else
-      bind_mlp(b, b.layer_prefix(layer) + "mlp.", b.config().intermediate_size, w.mlp);
+    bind_moe_or_mlp(b, layer, w, /*shared_expert=*/false);
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
     TensorView x = input_norm(f, hidden, w.input_norm, NormKind::plain);
     TensorView a = full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain);
     x = residual_norm(f, hidden, a, w.post_attention_norm, NormKind::plain);
-    TensorView y = w.is_moe ? moe(f, layer, w.moe, x, f.config.experts_per_tok, f.config.norm_topk_prob)
-                            : mlp(f, w.mlp, x);
-    residual_defer(f, y);
+    residual_defer(f, moe_or_mlp(f, layer, w, x));
   }
 };
 

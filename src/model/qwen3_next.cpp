@@ -44,26 +44,13 @@ class Qwen3Next final : public Family {
   NormKind norm_kind() const override { return NormKind::zero_centred; }
 
   void bind_layer(WeightBinder& b, int layer, LayerWeights& w) const override {
-    bind_layer_norms(b, layer, w);
-    if (w.type == format::LayerType::linear_attention)
-      bind_gated_deltanet(b, layer, w.linear, /*fused_qkvz=*/true);
-    else
-      bind_full_attention(b, layer, w.attn);
-    w.is_moe = b.config().layer_is_moe(layer);
-    if (w.is_moe)
-      bind_moe(b, layer, w.moe, /*shared_expert=*/true);
-    else
-      bind_mlp(b, b.layer_prefix(layer) + "mlp.", b.config().intermediate_size, w.mlp);
+    bind_hybrid_mixer(b, layer, w, /*fused_qkvz=*/true);
+    bind_moe_or_mlp(b, layer, w, /*shared_expert=*/true);
   }
 
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
-    TensorView x = input_norm(f, hidden, w.input_norm, NormKind::zero_centred);
-    TensorView y = w.type == format::LayerType::linear_attention
-                       ? gated_deltanet_fused(f, layer, w.linear, x)
-                       : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
-    x = residual_norm(f, hidden, y, w.post_attention_norm, NormKind::zero_centred);
-    y = w.is_moe ? moe(f, layer, w.moe, x, f.config.experts_per_tok, f.config.norm_topk_prob) : mlp(f, w.mlp, x);
-    residual_defer(f, y);
+    const TensorView x = hybrid_mixer(f, layer, w, hidden, gated_deltanet_fused);
+    residual_defer(f, moe_or_mlp(f, layer, w, x));
   }
 };
 

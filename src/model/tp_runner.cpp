@@ -12,85 +12,12 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "format/quant_config.h"
+#include "model/tp_wire.h"
 
 namespace kiln::model {
 
-namespace {
-
-// Messages of the multi-node steps on the link (the collectives of backend/comm_net.h use 0x41, 0x42).
-constexpr uint8_t kMsgHello = 0x11, kMsgReady = 0x12, kMsgStep = 0x13, kMsgReply = 0x14, kMsgStop = 0x15;
-enum class StepKind : uint8_t { logits = 1, argmax = 2, copy_state = 3 };
-
-struct Writer {
-  std::vector<uint8_t> out;
-  template <class T>
-  void put(T v) {
-    const auto* b = reinterpret_cast<const uint8_t*>(&v);
-    out.insert(out.end(), b, b + sizeof(T));
-  }
-  template <class T>
-  void put_span(std::span<const T> v) {
-    put<uint32_t>(static_cast<uint32_t>(v.size()));
-    const auto* b = reinterpret_cast<const uint8_t*>(v.data());
-    out.insert(out.end(), b, b + v.size_bytes());
-  }
-};
-struct Reader {
-  const std::vector<uint8_t>& in;
-  size_t at = 0;
-  template <class T>
-  T get() {
-    if (at + sizeof(T) > in.size()) fail("multi-node step: message of {} bytes cut short at {}", in.size(), at);
-    T v;
-    std::memcpy(&v, in.data() + at, sizeof(T));
-    at += sizeof(T);
-    return v;
-  }
-  template <class T>
-  std::vector<T> get_vector() {
-    const uint32_t n = get<uint32_t>();
-    if (at + size_t(n) * sizeof(T) > in.size()) fail("multi-node step: message of {} bytes cut short", in.size());
-    std::vector<T> v(n);
-    if (n) std::memcpy(v.data(), in.data() + at, size_t(n) * sizeof(T));
-    at += size_t(n) * sizeof(T);
-    return v;
-  }
-};
-
-std::vector<uint8_t> encode_step(StepKind kind, std::span<const SeqChunk> chunks, int src = 0, int dst = 0) {
-  Writer w;
-  w.put<uint8_t>(static_cast<uint8_t>(kind));
-  if (kind == StepKind::copy_state) {
-    w.put<int32_t>(src);
-    w.put<int32_t>(dst);
-    return std::move(w.out);
-  }
-  w.put<uint32_t>(static_cast<uint32_t>(chunks.size()));
-  for (const SeqChunk& c : chunks) {
-    w.put<int32_t>(c.state_slot);
-    w.put<int64_t>(c.start_pos);
-    w.put<uint8_t>(c.want_logits ? 1 : 0);
-    w.put_span(c.tokens);
-    w.put_span(c.page_table);
-  }
-  return std::move(w.out);
-}
-
-// The capacity every node must agree on (node 0 checks the others').
-std::vector<uint8_t> encode_hello(const RunnerCapacity& c, int64_t vocab) {
-  Writer w;
-  for (int64_t v : {c.kv_pages, int64_t(c.page_size), int64_t(c.state_slots), c.max_context, vocab}) w.put<int64_t>(v);
-  return std::move(w.out);
-}
-std::string describe_hello(const std::vector<uint8_t>& m) {
-  Reader r{m};
-  const int64_t pages = r.get<int64_t>(), page = r.get<int64_t>(), slots = r.get<int64_t>(), ctx = r.get<int64_t>(),
-                vocab = r.get<int64_t>();
-  return fmt::format("{} KV pages of {} tokens, {} state slots, context {}, vocabulary {}", pages, page, slots, ctx,
-                     vocab);
-}
-
-}  // namespace
+using wire::Message;
+using wire::StepKind;
 
 // One thread per rank, each waiting for the next job.
 class TpRunner::Threads {
@@ -188,26 +115,28 @@ TpRunner::TpRunner(const format::ModelDir& dir, const RunnerOptions& options, co
   if (multi_node()) {
     // Every node reports what it allocated; node 0 compares and starts the group (or refuses it, naming both).
     NodeLink& link = *options_.link;
-    const std::vector<uint8_t> mine = encode_hello(capacity(), vocab_size());
+    const wire::NodeCapacity mine = wire::node_capacity(capacity(), vocab_size());
     if (node == 0) {
       for (int k = 1; k < nnodes; ++k) {
-        const std::vector<uint8_t> theirs = link.receive(k, kMsgHello, tp.startup_timeout);
+        const wire::NodeCapacity theirs =
+            wire::decode_node_capacity(link.receive(k, Message::capacity, tp.startup_timeout));
         if (theirs != mine) {
           link.close();
           fail("node {} allocated {}, node 0 {}: start every node with the same model, flags and GPU kind "
                "(--mem-fraction-static, --max-total-tokens, --max-running-requests, --context-length)", k,
-               describe_hello(theirs), describe_hello(mine));
+               theirs.describe(), mine.describe());
         }
       }
-      for (int k = 1; k < nnodes; ++k) link.send(k, kMsgReady, nullptr, 0);
+      for (int k = 1; k < nnodes; ++k) link.send(k, Message::ready, nullptr, 0);
       KILN_LOG_INFO("tensor parallel: all {} nodes loaded ({} ranks each); node 0 drives the steps", nnodes, local);
     } else {
-      link.send(0, kMsgHello, mine.data(), mine.size());
-      uint8_t type = 0;
-      std::vector<uint8_t> body;
-      if (!link.receive_any(0, type, body, tp.startup_timeout) || type != kMsgReady)
+      const std::vector<uint8_t> body = wire::encode_node_capacity(mine);
+      link.send(0, Message::capacity, body.data(), body.size());
+      Message type{};
+      std::vector<uint8_t> ready;
+      if (!link.receive_any(0, type, ready, tp.startup_timeout) || type != Message::ready)
         fail("node {}: node 0 did not start the group (it refused this node's capacity {} or failed; see its log)",
-             node, describe_hello(mine));
+             node, mine.describe());
     }
   }
   for (const std::string& n : plan_.notes) KILN_LOG_INFO("tensor parallel: {}", n);
@@ -218,7 +147,7 @@ TpRunner::~TpRunner() {
   if (multi_node() && options_.link->node_rank() == 0 && !options_.link->closed()) {
     for (int k = 1; k < options_.link->nnodes(); ++k) {
       try {
-        options_.link->send(k, kMsgStop, nullptr, 0);
+        options_.link->send(k, Message::stop, nullptr, 0);
       } catch (...) {
       }
     }
@@ -241,14 +170,14 @@ bool TpRunner::can_copy_state() const {
 }
 
 void TpRunner::copy_state(int src_slot, int dst_slot) {
-  if (multi_node()) send_step(encode_step(StepKind::copy_state, {}, src_slot, dst_slot));
+  if (multi_node()) send_step(wire::encode_copy_state(src_slot, dst_slot));
   try {
     run_all([&](int r) { ranks_[r]->copy_state(src_slot, dst_slot); });
   } catch (const std::exception& e) {
     if (multi_node()) set_broken(e.what());
     throw;
   }
-  if (multi_node()) read_replies([](int, const std::vector<uint8_t>&) {});
+  if (multi_node()) read_replies(StepKind::copy_state, [](int, const wire::StepReply&) {});
 }
 
 void TpRunner::set_broken(const std::string& why) {
@@ -275,29 +204,33 @@ void TpRunner::check_group() const {
 void TpRunner::send_step(const std::vector<uint8_t>& msg) {
   check_group();
   try {
-    for (int k = 1; k < options_.link->nnodes(); ++k) options_.link->send(k, kMsgStep, msg.data(), msg.size());
+    for (int k = 1; k < options_.link->nnodes(); ++k) options_.link->send(k, Message::step, msg.data(), msg.size());
   } catch (const std::exception& e) {
     set_broken(e.what());
     throw;
   }
 }
 
-void TpRunner::read_replies(const std::function<void(int, const std::vector<uint8_t>&)>& reply) {
+void TpRunner::read_replies(StepKind kind, const std::function<void(int, const wire::StepReply&)>& reply) {
   std::string error;
-  for (int k = 1; k < options_.link->nnodes(); ++k) {
-    std::vector<uint8_t> body;
+  for (int k = 1; k < options_.link->nnodes() && error.empty(); ++k) {
     try {
-      body = options_.link->receive(k, kMsgReply);
+      const wire::StepReply body = wire::decode_step_reply(options_.link->receive(k, Message::reply));
+      if (!body.ok) {
+        error = fmt::format("node {} failed the step: {}", k, body.error.empty() ? "(no reason)" : body.error);
+      } else if (body.kind != kind) {
+        error = fmt::format("node {} answered a {} step with a {} reply: the nodes are out of step", k, int(kind),
+                            int(body.kind));
+      } else if (kind != StepKind::copy_state &&
+                 (kind == StepKind::logits ? body.logits.size() : body.best_ids.size()) != size_t(size())) {
+        error = fmt::format("node {} sent the results of {} ranks, {} expected", k,
+                            kind == StepKind::logits ? body.logits.size() : body.best_ids.size(), size());
+      } else {
+        reply(k, body);
+      }
     } catch (const std::exception& e) {
       error = e.what();
-      break;
     }
-    if (body.empty() || body[0] != 0) {
-      error = fmt::format("node {} failed the step: {}", k, body.empty() ? std::string("(no reason)")
-                                                                       : std::string(body.begin() + 1, body.end()));
-      break;
-    }
-    reply(k, std::vector<uint8_t>(body.begin() + 1, body.end()));
   }
   if (!error.empty()) {
     set_broken(error);
@@ -314,20 +247,16 @@ void TpRunner::run_all(const std::function<void(int)>& fn) {
   for (const auto& e : errors) failed |= e != nullptr;
   if (!failed) return;
   for (auto& c : comms_) c->reset();  // every rank has stopped: the group is usable again
-  // The lowest rank's own error (not a "group aborted" that only follows it).
+  // The lowest rank's own error (not a GroupAborted that only follows it).
   std::exception_ptr first;
   for (const auto& e : errors) {
     if (!e) continue;
     try {
       std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (std::string(err.what()).find("group aborted") != std::string::npos) {
-        if (!first) first = e;
-        continue;
-      }
-      std::rethrow_exception(e);
+    } catch (const GroupAborted&) {
+      if (!first) first = e;
     } catch (...) {
-      std::rethrow_exception(e);
+      throw;
     }
   }
   std::rethrow_exception(first);
@@ -375,7 +304,7 @@ void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits
   const int64_t V = vocab_size();
   if (static_cast<int64_t>(logits.size()) < rows * V)
     fail("forward: logits buffer holds {} floats, {} rows of {} needed", logits.size(), rows, V);
-  if (multi_node()) send_step(encode_step(StepKind::logits, chunks));
+  if (multi_node()) send_step(wire::encode_step(StepKind::logits, chunks));
   // Each rank writes its vocabulary columns of every row (disjoint).
   auto place = [&](int g, const float* local) {
     const int64_t Vl = plan_.ranks[g].vocab.count, begin = plan_.ranks[g].vocab.begin;
@@ -384,16 +313,14 @@ void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits
   };
   forward_ranks(chunks, [&](int r, const std::vector<float>& local) { place(first_ + r, local.data()); });
   if (!multi_node()) return;
-  read_replies([&](int k, const std::vector<uint8_t>& body) {
-    size_t at = 0;
+  read_replies(StepKind::logits, [&](int k, const wire::StepReply& body) {
     for (int i = 0; i < size(); ++i) {
       const int g = k * size() + i;
-      const size_t bytes = static_cast<size_t>(rows * plan_.ranks[g].vocab.count) * sizeof(float);
-      if (at + bytes > body.size()) fail("node {} sent {} bytes of logits, more expected", k, body.size());
-      std::vector<float> part(bytes / sizeof(float));
-      if (bytes) std::memcpy(part.data(), body.data() + at, bytes);
-      place(g, part.data());
-      at += bytes;
+      const size_t want = static_cast<size_t>(rows * plan_.ranks[g].vocab.count);
+      if (body.logits[i].size() != want)
+        fail("node {} sent {} logits for rank {}, {} expected: the nodes are out of step", k, body.logits[i].size(), g,
+             want);
+      place(g, body.logits[i].data());
     }
   });
 }
@@ -403,7 +330,7 @@ void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_
   for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
   if (static_cast<int64_t>(tokens.size()) < rows)
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
-  if (multi_node()) send_step(encode_step(StepKind::argmax, chunks));
+  if (multi_node()) send_step(wire::encode_step(StepKind::argmax, chunks));
   // Each rank's best (value, id) per row over its vocabulary slice; the lowest rank wins ties, as the lowest id
   // does in host_argmax (the slices are in rank order). Each rank's backend picks them (a GPU copies back these 8
   // bytes per row, not its logits); another node sends the same.
@@ -415,18 +342,14 @@ void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_
     for (int64_t i = 0; i < rows; ++i) best[g][i] = {values[i], ids[i]};
   });
   if (multi_node())
-    read_replies([&](int k, const std::vector<uint8_t>& body) {
-      const size_t pair = sizeof(float) + sizeof(int32_t);
-      if (body.size() != static_cast<size_t>(size() * rows) * pair)
-        fail("node {} sent {} bytes of greedy picks, {} expected", k, body.size(), size() * rows * pair);
+    read_replies(StepKind::argmax, [&](int k, const wire::StepReply& body) {
       for (int i = 0; i < size(); ++i) {
         const int g = k * size() + i;
+        if (body.best_ids[i].size() != static_cast<size_t>(rows))
+          fail("node {} sent {} greedy picks for rank {}, {} expected: the nodes are out of step", k,
+               body.best_ids[i].size(), g, rows);
         best[g].resize(rows);
-        for (int64_t j = 0; j < rows; ++j) {
-          const uint8_t* p = body.data() + (static_cast<size_t>(i * rows + j)) * pair;
-          std::memcpy(&best[g][j].first, p, sizeof(float));
-          std::memcpy(&best[g][j].second, p + sizeof(float), sizeof(int32_t));
-        }
+        for (int64_t j = 0; j < rows; ++j) best[g][j] = {body.best_values[i][j], body.best_ids[i][j]};
       }
     });
   for (int64_t i = 0; i < rows; ++i) {
@@ -444,76 +367,57 @@ void TpRunner::follow() {
   NodeLink& link = *options_.link;
   const int node = link.node_rank();
   for (;;) {
-    uint8_t type = 0;
+    Message type{};
     std::vector<uint8_t> msg;
     if (!link.receive_any(0, type, msg))
       fail("node {}: node 0 closed the connection without stopping the group (it failed or was killed); restart every "
            "node", node);
-    if (type == kMsgStop) {
+    if (type == Message::stop) {
       KILN_LOG_INFO("node {}: node 0 stopped the group", node);
       return;
     }
-    if (type != kMsgStep) fail("node {}: node 0 sent a message of type {} where a step was due: the nodes are out of step", node, type);
-    // The step, its reply: status 0 + the local ranks' results, or status 1 + the reason.
-    std::vector<uint8_t> reply{0};
+    if (type != Message::step)
+      fail("node {}: node 0 sent a {} message where a step was due: the nodes are out of step", node,
+           wire::message_name(type));
+    wire::StepReply reply;
     try {
-      Reader rd{msg};
-      const auto kind = static_cast<StepKind>(rd.get<uint8_t>());
-      if (kind == StepKind::copy_state) {
-        const int src = rd.get<int32_t>(), dst = rd.get<int32_t>();
-        run_all([&](int r) { ranks_[r]->copy_state(src, dst); });
-      } else if (kind == StepKind::logits || kind == StepKind::argmax) {
-        const uint32_t n = rd.get<uint32_t>();
-        std::vector<std::vector<int32_t>> toks(n), pages(n);
-        std::vector<SeqChunk> chunks(n);
-        int64_t rows = 0;
-        for (uint32_t i = 0; i < n; ++i) {
-          chunks[i].state_slot = rd.get<int32_t>();
-          chunks[i].start_pos = rd.get<int64_t>();
-          chunks[i].want_logits = rd.get<uint8_t>() != 0;
-          toks[i] = rd.get_vector<int32_t>();
-          pages[i] = rd.get_vector<int32_t>();
-          chunks[i].tokens = toks[i];
-          chunks[i].page_table = pages[i];
-          rows += chunks[i].want_logits ? 1 : 0;
-        }
-        // Each local rank's part, placed at its offset in rank order.
-        std::vector<size_t> offset(size() + 1, 1);
-        for (int r = 0; r < size(); ++r)
-          offset[r + 1] = offset[r] + static_cast<size_t>(rows) *
-                                          (kind == StepKind::logits ? ranks_[r]->logits_width() * sizeof(float)
-                                                                    : sizeof(float) + sizeof(int32_t));
-        reply.resize(offset[size()]);
-        if (kind == StepKind::logits) {
-          forward_ranks(chunks, [&](int r, const std::vector<float>& local) {
-            if (!local.empty()) std::memcpy(reply.data() + offset[r], local.data(), local.size() * sizeof(float));
-          });
-        } else {
-          best_ranks(chunks, [&](int r, const std::vector<int32_t>& ids, const std::vector<float>& values) {
-            uint8_t* out = reply.data() + offset[r];
-            for (int64_t i = 0; i < rows; ++i) {
-              std::memcpy(out + i * 8, &values[i], sizeof(float));
-              std::memcpy(out + i * 8 + 4, &ids[i], sizeof(int32_t));
-            }
-          });
-        }
-      } else {
-        fail("unknown step kind {}", static_cast<int>(kind));
-      }
+      reply = follow_step(wire::decode_step(msg));
     } catch (const std::exception& e) {
       // The step failed here: say why to node 0, then stop (the group's collectives are out of step now).
-      const std::string why = fmt::format("{}", e.what());
-      std::vector<uint8_t> bad{1};
-      bad.insert(bad.end(), why.begin(), why.end());
+      const std::string why = e.what();
       try {
-        if (!link.closed()) link.send(0, kMsgReply, bad.data(), bad.size());
+        wire::StepReply bad;
+        bad.ok = false;
+        bad.error = why;
+        const std::vector<uint8_t> body = wire::encode_step_reply(bad);
+        if (!link.closed()) link.send(0, Message::reply, body.data(), body.size());
       } catch (...) {
       }
       link.close();
       fail("node {}: a step failed: {}; the group is broken, restart every node", node, why);
     }
-    link.send(0, kMsgReply, reply.data(), reply.size());
+    const std::vector<uint8_t> body = wire::encode_step_reply(reply);
+    link.send(0, Message::reply, body.data(), body.size());
   }
+}
+
+wire::StepReply TpRunner::follow_step(const wire::Step& step) {
+  wire::StepReply reply;
+  reply.kind = step.kind;
+  if (step.kind == StepKind::copy_state) {
+    run_all([&](int r) { ranks_[r]->copy_state(step.src_slot, step.dst_slot); });
+  } else if (step.kind == StepKind::logits) {
+    reply.logits.resize(size());
+    forward_ranks(step.chunks, [&](int r, const std::vector<float>& local) { reply.logits[r] = local; });
+  } else {
+    reply.best_values.resize(size());
+    reply.best_ids.resize(size());
+    best_ranks(step.chunks, [&](int r, const std::vector<int32_t>& ids, const std::vector<float>& values) {
+      reply.best_ids[r] = ids;
+      reply.best_values[r] = values;
+    });
+  }
+  return reply;
 }
 
 std::string TpRunner::describe() const {

@@ -28,6 +28,7 @@
 #include "model/model_runner.h"
 #include "model/node_link.h"
 #include "model/runner.h"
+#include "model/tp_wire.h"
 
 namespace kiln::model {
 
@@ -83,10 +84,13 @@ class TpRunner : public ModelRunner {
   // A greedy step on every local rank: done(local rank, its best global ids, their logits) (Runner::forward_best).
   void best_ranks(std::span<const SeqChunk> chunks,
                   const std::function<void(int, const std::vector<int32_t>&, const std::vector<float>&)>& done);
-  // Node 0 of several: sends a step to every other node (kind and body), then (after the local ranks ran it) each
-  // node's reply body to reply(node, body). Any failure breaks the group (broken_).
+  // Node 0 of several: sends a step (model/tp_wire.h) to every other node, then (after the local ranks ran it) hands
+  // each node's reply, checked to be of `kind` with one result per rank, to reply(node, body). Any failure breaks the
+  // group (broken_).
   void send_step(const std::vector<uint8_t>& msg);
-  void read_replies(const std::function<void(int, const std::vector<uint8_t>&)>& reply);
+  void read_replies(wire::StepKind kind, const std::function<void(int, const wire::StepReply&)>& reply);
+  // Another node: runs one step of node 0's on the local ranks; their results in rank order.
+  wire::StepReply follow_step(const wire::Step& step);
   void check_group() const;
   bool multi_node() const { return options_.link != nullptr; }
 

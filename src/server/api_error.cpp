@@ -39,4 +39,25 @@ std::string error_body(int status, const std::string& message, const std::string
 
 std::string error_body(const ApiError& e) { return error_body(e.status, e.what(), e.type, e.param, e.code); }
 
+std::string anthropic_error_type(int status) {
+  switch (status) {
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 404: return "not_found_error";
+    case 413: return "request_too_large";
+    case 429: return "rate_limit_error";
+    case 503: return "overloaded_error";
+    default: return status >= 500 ? "api_error" : "invalid_request_error";
+  }
+}
+
+nlohmann::json anthropic_error_json(int status, const std::string& message) {
+  return {{"type", "error"}, {"error", {{"type", anthropic_error_type(status)}, {"message", message}}}};
+}
+
+std::string error_body(const ApiError& e, ErrorStyle style) {
+  if (style == ErrorStyle::openai) return error_body(e);
+  return anthropic_error_json(e.status, e.what()).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 }  // namespace kiln::server

@@ -48,6 +48,9 @@ class ChoiceOutput {
   void on_event(const engine::TokenEvent& ev, ChoiceDelta& delta);
   // Ends the choice as if the engine had (used when the request fails as a whole).
   void fail(const std::string& message, ChoiceDelta& delta);
+  // Text the server put into the sequence (not generated: no token counted), read as if the model wrote it.
+  void inject_text(std::string_view text, ChoiceDelta& delta) { feed(text, delta); }
+  bool in_reasoning() const { return reasoning_ && reasoning_->in_reasoning(); }
 
   bool finished() const { return finished_; }
   // A stop string matched: the engine must be told to stop this sequence (once).

@@ -1,4 +1,5 @@
-// The HTTP front end: OpenAI-compatible API (chat and text completions, streamed over SSE or not),
+// The HTTP front end: OpenAI-compatible API (chat and text completions, Responses; streamed over SSE or not),
+// the Anthropic Messages API,
 // SGLang-style operational endpoints (/health, /health_generate, /get_model_info, /get_server_info,
 // /metrics, /tokenize, /detokenize), API-key check, request logging.
 //
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "engine/request.h"
+#include "server/response_store.h"
 
 namespace kiln::engine {
 class Engine;
@@ -40,6 +42,7 @@ struct ServerOptions {
   int header_timeout_ms = 10000;      // a new connection's request headers must arrive within this (else 408)
   int max_waiting_connections = 1024;  // connections waiting for their headers; beyond, the oldest is closed
   int retry_after_s = 1;  // Retry-After of 503 answers
+  ResponseStoreOptions responses_store;  // /v1/responses store / previous_response_id (count, bytes, age)
 
   // Model facts for /get_model_info and /v1/models.
   std::string model_path;

@@ -360,7 +360,10 @@ ojson parse_json_object(std::string_view body) {
 }
 
 ChatRequest parse_chat_request(std::string_view body_text, const ProtocolLimits& limits) {
-  ojson body = parse_json_object(body_text);
+  return parse_chat_body(parse_json_object(body_text), limits);
+}
+
+ChatRequest parse_chat_body(const ojson& body, const ProtocolLimits& limits) {
   ChatRequest r;
   ojson messages = validate_messages(body);
   parse_generation_fields(body, limits, /*is_chat=*/true, r);

@@ -64,6 +64,8 @@ struct CompletionRequest : GenerationFields {
 
 // Parses the body (malformed JSON is a 400 too).
 ChatRequest parse_chat_request(std::string_view body, const ProtocolLimits& limits);
+// The same from a parsed body (the Anthropic Messages and Responses routes translate their bodies into this one).
+ChatRequest parse_chat_body(const ojson& body, const ProtocolLimits& limits);
 CompletionRequest parse_completion_request(std::string_view body, const ProtocolLimits& limits);
 
 // Parses a JSON body that must be an object (400 otherwise, saying where UTF-8 or JSON goes wrong).

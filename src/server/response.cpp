@@ -4,6 +4,8 @@
 #include <random>
 
 #include "core/log.h"
+#include "engine/engine.h"
+#include "engine/grammar/token_mask.h"
 #include "server/api_error.h"
 
 namespace kiln::server {
@@ -67,8 +69,13 @@ std::vector<ChoiceDelta> GenerationJob::absorb(const std::vector<engine::TokenEv
       cached_tokens = ev.cached_tokens;
     }
     ChoiceOutput& c = choices[ev.index];
+    if (reasoning_budget >= 0 && ev.token >= 0 && !ev.is_stop_token) generated.push_back(ev.token);
     c.on_event(ev, deltas[ev.index]);
     if (c.take_cancel_request()) channel->cancel_sequence(ev.index, /*as_stop=*/true);
+    if (budget_due()) {
+      close_reasoning(deltas[0]);
+      break;  // the rest of the events are the stopped sequence's
+    }
   }
   for (size_t i = 0; i < deltas.size(); ++i) {
     Accum& a = acc[i];
@@ -76,11 +83,45 @@ std::vector<ChoiceDelta> GenerationJob::absorb(const std::vector<engine::TokenEv
     deltas[i].logprobs.clear();
     for (const auto& piece : deltas[i].tool_calls) {
       if (piece.index >= static_cast<int>(a.calls.size()))
-        a.calls.push_back({"call_" + random_hex(24), piece.name, ""});
+        a.calls.push_back({call_id_prefix + random_hex(24), piece.name, ""});
       a.calls[piece.index].arguments += piece.arguments;
     }
   }
   return deltas;
+}
+
+bool GenerationJob::budget_due() const {
+  if (reasoning_budget < 0 || budget_spent || !engine || choices.size() != 1) return false;
+  const ChoiceOutput& c = choices[0];
+  return !c.finished() && c.in_reasoning() && c.reasoning_tokens() >= reasoning_budget;
+}
+
+void GenerationJob::close_reasoning(ChoiceDelta& delta) {
+  budget_spent = true;
+  channel->cancel();
+  engine::GenerateRequest r = submitted;
+  r.id += "-answer";
+  r.prompt.insert(r.prompt.end(), generated.begin(), generated.end());
+  const std::vector<int32_t> close_ids = tokenizer->encode(think_close, /*parse_special=*/true);
+  r.prompt.insert(r.prompt.end(), close_ids.begin(), close_ids.end());
+  r.max_tokens -= static_cast<int64_t>(generated.size());
+  if (r.constraint) {  // the answer's grammar starts at once: "</think>" is in the prompt now
+    auto c = std::make_shared<grammar::Constraint>(*r.constraint);
+    c->start_after_token = -1;
+    r.constraint = c;
+  }
+  choices[0].inject_text(think_close, delta);
+  engine::SubmitResult sr = r.max_tokens > 0 ? engine->submit({r}) : engine::SubmitResult{};
+  if (r.max_tokens > 0 && sr.status == engine::SubmitStatus::ok) {
+    channel = sr.channel;
+    return;
+  }
+  // No room left for an answer, or the engine refused the continuation: the choice ends here.
+  engine::TokenEvent end;
+  end.finished = true;
+  end.finish_reason = r.max_tokens > 0 ? engine::FinishReason::error : engine::FinishReason::length;
+  end.error = "the answer after the thinking budget was not accepted: " + sr.message;
+  choices[0].on_event(end, delta);
 }
 
 json GenerationJob::usage() const {

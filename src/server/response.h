@@ -1,6 +1,6 @@
 // OpenAI response rendering: one generation request in flight (its engine channel, per-choice
 // outputs, timing) and the JSON it answers with: SSE chunks, the non-streamed body, logprobs, usage,
-// and its request-log line. The routes (http_server.cpp) drive it; protocol.h parses the requests.
+// and its request-log line. The routes drive it (generation.h); protocol.h parses the requests.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -11,9 +11,14 @@
 #include <vector>
 
 #include "engine/channel.h"
+#include "engine/request.h"
 #include "server/choice_output.h"
 #include "server/connection_probe.h"
 #include "server/protocol.h"
+
+namespace kiln::engine {
+class Engine;
+}
 
 namespace kiln::server {
 
@@ -27,9 +32,10 @@ std::string random_hex(size_t n);
 int64_t unix_now();
 
 // Shared by the handler and, for streamed responses, the chunked content provider that outlives it.
+// The OpenAI rendering is the default; the Anthropic Messages and Responses jobs override the virtual methods.
 struct GenerationJob {
   std::atomic<int>* active = nullptr;  // the server's count of requests in flight
-  ~GenerationJob();
+  virtual ~GenerationJob();
 
   bool chat = true;
   std::string id;
@@ -43,6 +49,17 @@ struct GenerationJob {
   std::shared_ptr<engine::RequestChannel> channel;
   std::vector<ChoiceOutput> choices;
   const tok::Tokenizer* tokenizer = nullptr;
+  std::string call_id_prefix = "call_";  // tool-call ids: prefix + random hex (Anthropic's are "toolu_")
+
+  // A thinking budget (Anthropic budget_tokens; one choice): once choice 0 has generated this many reasoning
+  // tokens and is still inside its think block, its sequence is stopped and a new one continues from the prompt,
+  // the tokens so far and think_close (the block closed): the answer follows within the same max_tokens.
+  int64_t reasoning_budget = -1;
+  std::string think_close = "\n</think>\n\n";
+  engine::Engine* engine = nullptr;       // set by the generation driver when there is a budget
+  engine::GenerateRequest submitted;      // choice 0's request as submitted (the continuation's template)
+  std::vector<int32_t> generated;         // choice 0's tokens so far
+  bool budget_spent = false;
 
   // Per choice: accumulated output (non-streamed), pending logprobs (streamed), tool-call ids.
   struct Accum {
@@ -76,6 +93,9 @@ struct GenerationJob {
 
   // Feeds engine events into the choices; returns the new deltas per choice.
   std::vector<ChoiceDelta> absorb(const std::vector<engine::TokenEvent>& events);
+  // The thinking budget is spent: stop the sequence, close the think block, continue with the answer.
+  bool budget_due() const;
+  void close_reasoning(ChoiceDelta& delta);
 
   int64_t completion_tokens() const {
     int64_t n = 0;
@@ -110,13 +130,13 @@ struct GenerationJob {
                                nlohmann::json matched_stop);
 
   // The SSE text for the first call: role deltas (chat) or the echoed prompt (completions).
-  std::string stream_prologue();
+  virtual std::string stream_prologue();
 
   // SSE text for new deltas, finish chunks, and (when everything ended) usage and [DONE].
-  std::string stream_events(std::vector<ChoiceDelta>& deltas);
+  virtual std::string stream_events(std::vector<ChoiceDelta>& deltas);
 
   // The whole response body of a non-streamed request (all choices finished).
-  nlohmann::json final_response();
+  virtual nlohmann::json final_response();
 
   void accumulate_text(const std::vector<ChoiceDelta>& deltas);
 

@@ -166,136 +166,147 @@ ToolCallParser::Delta ToolCallParser::finish() {
   return out;
 }
 
+// Each step consumes what it can of buf_ in one state; true: call again (the state or the buffer moved on),
+// false: wait for more text.
 void ToolCallParser::run(Delta& out, bool at_end) {
-  for (;;) {
+  for (bool more = true; more;) {
     switch (state_) {
-      case State::outside: {
-        size_t at = buf_.find(kBlockOpen);
-        if (at != std::string::npos) {
-          out.content += content_trim_.push(std::string_view(buf_).substr(0, at));
-          content_trim_.drop_pending();
-          buf_.erase(0, at + kBlockOpen.size());
-          state_ = State::in_block;
-          continue;
-        }
-        size_t keep = at_end ? 0 : partial_suffix(buf_, kBlockOpen);
-        out.content += content_trim_.push(std::string_view(buf_).substr(0, buf_.size() - keep));
-        buf_.erase(0, buf_.size() - keep);
-        return;
-      }
-      case State::in_block: {
-        std::string_view rest = lstrip(buf_);
-        buf_.erase(0, buf_.size() - rest.size());
-        if (buf_.empty()) return;
-        if (starts_with(buf_, kFunctionOpen)) {
-          size_t gt = buf_.find('>');
-          if (gt == std::string::npos) {
-            if (at_end) buf_.clear();
-            return;
-          }
-          function_name_ = std::string(strip(std::string_view(buf_).substr(kFunctionOpen.size(), gt - kFunctionOpen.size())));
-          num_params_ = 0;
-          skipping_ = !is_known_function(function_name_) || (max_calls_ >= 0 && num_calls_ >= max_calls_);
-          if (skipping_) {
-            dropped_.push_back(function_name_);
-          } else {
-            ++num_calls_;
-            out.calls.push_back({num_calls_ - 1, function_name_, ""});
-          }
-          buf_.erase(0, gt + 1);
-          state_ = State::in_function;
-          continue;
-        }
-        if (starts_with(buf_, kBlockClose)) {
-          buf_.erase(0, kBlockClose.size());
-          content_trim_.drop_leading();
-          state_ = State::outside;
-          continue;
-        }
-        if (!at_end && (could_become(buf_, kFunctionOpen) || could_become(buf_, kBlockClose))) return;
-        // Unexpected text inside a block: skip to the next tag.
-        size_t lt = buf_.find('<', 1);
-        if (lt == std::string::npos) {
-          buf_.clear();
-          return;
-        }
-        buf_.erase(0, lt);
-        continue;
-      }
-      case State::in_function: {
-        std::string_view rest = lstrip(buf_);
-        buf_.erase(0, buf_.size() - rest.size());
-        if (buf_.empty()) {
-          if (at_end) close_function(out);
-          if (at_end) state_ = State::in_block;
-          return;
-        }
-        if (starts_with(buf_, kParamOpen)) {
-          size_t gt = buf_.find('>');
-          if (gt == std::string::npos) {
-            if (at_end) {
-              buf_.clear();
-              close_function(out);
-              state_ = State::in_block;
-            }
-            return;
-          }
-          std::string_view name = strip(std::string_view(buf_).substr(kParamOpen.size(), gt - kParamOpen.size()));
-          std::string_view value_and_rest = std::string_view(buf_).substr(gt + 1);
-          // A value ends at </parameter>, or (malformed) at the next <parameter= or </function>.
-          size_t end_param = value_and_rest.find(kParamClose);
-          size_t next_param = value_and_rest.find(kParamOpen);
-          size_t end_fn = value_and_rest.find(kFunctionClose);
-          size_t end = std::min({end_param, next_param, end_fn});
-          if (end == std::string::npos) {
-            if (!at_end) return;  // the value may go on
-            size_t block_end = value_and_rest.find(kBlockClose);
-            std::string_view value = value_and_rest.substr(0, block_end);
-            // Cut off mid-tag (max_tokens): the start of a closing tag is not part of the value.
-            static const std::vector<std::string> kTags = {std::string(kParamClose), std::string(kFunctionClose),
-                                                           std::string(kBlockClose), std::string(kParamOpen)};
-            value.remove_suffix(partial_suffix_any(value, kTags));
-            emit_parameter(out, name, value);
-            buf_.clear();
-            close_function(out);
-            state_ = State::in_block;
-            return;
-          }
-          std::string name_copy(name);
-          std::string value(value_and_rest.substr(0, end));
-          size_t consumed = gt + 1 + end + (end == end_param ? kParamClose.size() : 0);
-          emit_parameter(out, name_copy, value);
-          buf_.erase(0, consumed);
-          continue;
-        }
-        if (starts_with(buf_, kFunctionClose)) {
-          buf_.erase(0, kFunctionClose.size());
-          close_function(out);
-          state_ = State::in_block;
-          continue;
-        }
-        if (starts_with(buf_, kBlockClose)) {  // </function> missing
-          close_function(out);
-          state_ = State::in_block;
-          continue;
-        }
-        if (!at_end && (could_become(buf_, kParamOpen) || could_become(buf_, kFunctionClose) ||
-                        could_become(buf_, kBlockClose)))
-          return;
-        size_t lt = buf_.find('<', 1);
-        if (lt == std::string::npos) {
-          buf_.clear();
-          if (at_end) {
-            close_function(out);
-            state_ = State::in_block;
-          }
-          return;
-        }
-        buf_.erase(0, lt);
-        continue;
-      }
+      case State::outside: more = step_outside(out, at_end); break;
+      case State::in_block: more = step_in_block(out, at_end); break;
+      case State::in_function: more = step_in_function(out, at_end); break;
     }
   }
+}
+
+bool ToolCallParser::step_outside(Delta& out, bool at_end) {
+  size_t at = buf_.find(kBlockOpen);
+  if (at != std::string::npos) {
+    out.content += content_trim_.push(std::string_view(buf_).substr(0, at));
+    content_trim_.drop_pending();
+    buf_.erase(0, at + kBlockOpen.size());
+    state_ = State::in_block;
+    return true;
+  }
+  size_t keep = at_end ? 0 : partial_suffix(buf_, kBlockOpen);
+  out.content += content_trim_.push(std::string_view(buf_).substr(0, buf_.size() - keep));
+  buf_.erase(0, buf_.size() - keep);
+  return false;
+}
+
+bool ToolCallParser::step_in_block(Delta& out, bool at_end) {
+  std::string_view rest = lstrip(buf_);
+  buf_.erase(0, buf_.size() - rest.size());
+  if (buf_.empty()) return false;
+  if (starts_with(buf_, kFunctionOpen)) {
+    size_t gt = buf_.find('>');
+    if (gt == std::string::npos) {
+      if (at_end) buf_.clear();
+      return false;
+    }
+    function_name_ = std::string(strip(std::string_view(buf_).substr(kFunctionOpen.size(), gt - kFunctionOpen.size())));
+    num_params_ = 0;
+    skipping_ = !is_known_function(function_name_) || (max_calls_ >= 0 && num_calls_ >= max_calls_);
+    if (skipping_) {
+      dropped_.push_back(function_name_);
+    } else {
+      ++num_calls_;
+      out.calls.push_back({num_calls_ - 1, function_name_, ""});
+    }
+    buf_.erase(0, gt + 1);
+    state_ = State::in_function;
+    return true;
+  }
+  if (starts_with(buf_, kBlockClose)) {
+    buf_.erase(0, kBlockClose.size());
+    content_trim_.drop_leading();
+    state_ = State::outside;
+    return true;
+  }
+  if (!at_end && (could_become(buf_, kFunctionOpen) || could_become(buf_, kBlockClose))) return false;
+  // Unexpected text inside a block: skip to the next tag.
+  size_t lt = buf_.find('<', 1);
+  if (lt == std::string::npos) {
+    buf_.clear();
+    return false;
+  }
+  buf_.erase(0, lt);
+  return true;
+}
+
+bool ToolCallParser::step_in_function(Delta& out, bool at_end) {
+  std::string_view rest = lstrip(buf_);
+  buf_.erase(0, buf_.size() - rest.size());
+  if (buf_.empty()) {
+    if (at_end) close_function(out);
+    if (at_end) state_ = State::in_block;
+    return false;
+  }
+  if (starts_with(buf_, kParamOpen)) return step_parameter(out, at_end);
+  if (starts_with(buf_, kFunctionClose)) {
+    buf_.erase(0, kFunctionClose.size());
+    close_function(out);
+    state_ = State::in_block;
+    return true;
+  }
+  if (starts_with(buf_, kBlockClose)) {  // </function> missing
+    close_function(out);
+    state_ = State::in_block;
+    return true;
+  }
+  if (!at_end && (could_become(buf_, kParamOpen) || could_become(buf_, kFunctionClose) ||
+                  could_become(buf_, kBlockClose)))
+    return false;
+  size_t lt = buf_.find('<', 1);
+  if (lt == std::string::npos) {
+    buf_.clear();
+    if (at_end) {
+      close_function(out);
+      state_ = State::in_block;
+    }
+    return false;
+  }
+  buf_.erase(0, lt);
+  return true;
+}
+
+// buf_ starts with "<parameter=": one whole parameter, or (at the end) what arrived of it.
+bool ToolCallParser::step_parameter(Delta& out, bool at_end) {
+  size_t gt = buf_.find('>');
+  if (gt == std::string::npos) {
+    if (at_end) {
+      buf_.clear();
+      close_function(out);
+      state_ = State::in_block;
+    }
+    return false;
+  }
+  std::string_view name = strip(std::string_view(buf_).substr(kParamOpen.size(), gt - kParamOpen.size()));
+  std::string_view value_and_rest = std::string_view(buf_).substr(gt + 1);
+  // A value ends at </parameter>, or (malformed) at the next <parameter= or </function>.
+  size_t end_param = value_and_rest.find(kParamClose);
+  size_t next_param = value_and_rest.find(kParamOpen);
+  size_t end_fn = value_and_rest.find(kFunctionClose);
+  size_t end = std::min({end_param, next_param, end_fn});
+  if (end == std::string::npos) {
+    if (!at_end) return false;  // the value may go on
+    size_t block_end = value_and_rest.find(kBlockClose);
+    std::string_view value = value_and_rest.substr(0, block_end);
+    // Cut off mid-tag (max_tokens): the start of a closing tag is not part of the value.
+    static const std::vector<std::string> kTags = {std::string(kParamClose), std::string(kFunctionClose),
+                                                   std::string(kBlockClose), std::string(kParamOpen)};
+    value.remove_suffix(partial_suffix_any(value, kTags));
+    emit_parameter(out, name, value);
+    buf_.clear();
+    close_function(out);
+    state_ = State::in_block;
+    return false;
+  }
+  std::string name_copy(name);
+  std::string value(value_and_rest.substr(0, end));
+  size_t consumed = gt + 1 + end + (end == end_param ? kParamClose.size() : 0);
+  emit_parameter(out, name_copy, value);
+  buf_.erase(0, consumed);
+  return true;
 }
 
 }  // namespace kiln::server

@@ -58,6 +58,10 @@ class ToolCallParser {
  private:
   enum class State { outside, in_block, in_function };
   void run(Delta& out, bool at_end);
+  bool step_outside(Delta& out, bool at_end);
+  bool step_in_block(Delta& out, bool at_end);
+  bool step_in_function(Delta& out, bool at_end);
+  bool step_parameter(Delta& out, bool at_end);
   void emit_parameter(Delta& out, std::string_view name, std::string_view raw);
   void close_function(Delta& out);
   const nlohmann::json* property_schema(std::string_view name) const;

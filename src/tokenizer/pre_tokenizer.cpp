@@ -143,6 +143,15 @@ void SplitPreTokenizer::split(std::string_view piece, PieceSink sink) const {
   auto emit = [&](size_t b, size_t e) {
     if (e > b) sink(piece.substr(b, e - b));
   };
+  // The merging behaviours: this part joins the pending one, or the pending one is emitted and this one waits.
+  auto merge_or_hold = [&](size_t b, size_t e, bool joins) {
+    if (have_pending && joins) {
+      pending_end = e;
+    } else {
+      if (have_pending) emit(pending_start, pending_end);
+      pending_start = b, pending_end = e, have_pending = true;
+    }
+  };
   auto on_part = [&](size_t b, size_t e, bool matched) {
     if (invert_) matched = !matched;
     switch (behavior_) {
@@ -152,32 +161,14 @@ void SplitPreTokenizer::split(std::string_view piece, PieceSink sink) const {
       case SplitBehavior::kIsolated:
         emit(b, e);
         break;
-      case SplitBehavior::kMergedWithPrevious:
-        // A match joins the gap before it.
-        if (matched && !previous_was_match && have_pending) {
-          pending_end = e;
-        } else {
-          if (have_pending) emit(pending_start, pending_end);
-          pending_start = b, pending_end = e, have_pending = true;
-        }
+      case SplitBehavior::kMergedWithPrevious:  // a match joins the gap before it
+        merge_or_hold(b, e, matched && !previous_was_match);
         break;
-      case SplitBehavior::kMergedWithNext:
-        // A match is held and joins the gap after it.
-        if (have_pending && previous_was_match && !matched) {
-          pending_end = e;
-        } else {
-          if (have_pending) emit(pending_start, pending_end);
-          pending_start = b, pending_end = e, have_pending = true;
-        }
+      case SplitBehavior::kMergedWithNext:  // a match is held and joins the gap after it
+        merge_or_hold(b, e, previous_was_match && !matched);
         break;
-      case SplitBehavior::kContiguous:
-        // Consecutive matches join.
-        if (have_pending && matched && previous_was_match) {
-          pending_end = e;
-        } else {
-          if (have_pending) emit(pending_start, pending_end);
-          pending_start = b, pending_end = e, have_pending = true;
-        }
+      case SplitBehavior::kContiguous:  // consecutive matches join
+        merge_or_hold(b, e, matched && previous_was_match);
         break;
     }
     previous_was_match = matched;

@@ -27,7 +27,7 @@ timeout 200 "$NCU" --clock-control none --launch-skip 200 --launch-count 2 -k "r
 echo "ncu A rc=$?"; tail -2 "$OUT/ncu.err"
 # B: the first ~2 layers of a decode step (4-token prompts: the warm-up prefill pass is skipped).
 timeout 200 "$NCU" --clock-control none --launch-skip ${NCU_SKIP:-1370} --launch-count 40 \
-  -k "regex:gemv2|moe_group|moe_combine|moe_route_warp|rms_norm_row|delta_rule|conv1d" \
+  -k "regex:gemv_stream|moe_group|moe_combine|moe_route_warp|rms_norm_row|delta_rule|conv1d" \
   --section SpeedOfLight --section LaunchStats --section Occupancy --csv --page details \
   "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch $B --input-len 4 --output-len 2 \
   --skip-self-check --disable-cuda-graph 2>> "$OUT/ncu.err" >> "$OUT/ncu.csv"

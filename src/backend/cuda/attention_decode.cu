@@ -64,6 +64,55 @@ __device__ __forceinline__ float pool_at(const void* pool, ElemType elem, int64_
 constexpr int kSplitWarps = 4;
 constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
 
+// One step of a warp's online softmax over kKeys scores (a key that is not `valid` has score -inf and weight 0), with
+// at least one valid key: the running max m moves to the new max, the running sum l is rescaled and takes the keys'
+// weights p; returns the factor the running output must be rescaled by.
+template <int kKeys>
+__device__ __forceinline__ float online_softmax_step(const float (&score)[kKeys], const bool (&valid)[kKeys], float mt,
+                                                     float& m, float& l, float (&p)[kKeys]) {
+  const float new_m = fmaxf(m, mt);
+  const float corr = m == -INFINITY ? 0.0f : expf(m - new_m);
+  l *= corr;
+#pragma unroll
+  for (int u = 0; u < kKeys; ++u) {
+    p[u] = valid[u] ? expf(score[u] - new_m) : 0.0f;
+    l += p[u];
+  }
+  m = new_m;
+  return corr;
+}
+
+// The block's epilogue, once every warp has written its running max / sum (sm_m, sm_l) and output (sm_acc rows of
+// kAccStride): the warps merged in warp order, then the output (one split) or this split's partial (max, sum, acc)
+// for attention_merge_kernel. th: the (token, head) row.
+template <int kAccStride>
+__device__ __forceinline__ void merge_warps_and_store(const float (&sm_m)[kSplitWarps], const float (&sm_l)[kSplitWarps],
+                                                      const float (&sm_acc)[kSplitWarps][kAccStride], int D,
+                                                      int64_t th, int sp, int splits, float* __restrict__ part_ml,
+                                                      float* __restrict__ part_acc, float* __restrict__ out) {
+  __syncthreads();
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float L = 0.0f, f[kSplitWarps];
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) {
+    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
+    L += sm_l[w] * f[w];
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
+    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
+    else part_acc[(th * splits + sp) * D + d] = a;
+  }
+  if (splits > 1 && threadIdx.x == 0) {
+    part_ml[(th * splits + sp) * 2] = M;
+    part_ml[(th * splits + sp) * 2 + 1] = L;
+  }
+}
+
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
@@ -87,11 +136,13 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
   constexpr int kKeys = 4;  // keys in flight per warp
   for (int j0 = j_begin + warp * kKeys; j0 < j_end; j0 += kSplitWarps * kKeys) {
     int64_t base[kKeys];
+    bool ok[kKeys];
 #pragma unroll
     for (int u = 0; u < kKeys; ++u) {
       const int j = j0 + u;
       const int64_t row = j < j_end ? kv_pool_row(step, s, j) : -1;
       base[u] = row < 0 ? -1 : row * row_elems + int64_t(kvh) * D;
+      ok[u] = base[u] >= 0;
     }
     float score[kKeys];
 #pragma unroll
@@ -113,15 +164,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
       mt = fmaxf(mt, score[u]);
     }
     if (mt == -INFINITY) continue;
-    const float new_m = fmaxf(m, mt);
-    const float corr = m == -INFINITY ? 0.0f : expf(m - new_m);
     float p[kKeys];
-    l *= corr;
-#pragma unroll
-    for (int u = 0; u < kKeys; ++u) {
-      p[u] = base[u] >= 0 ? expf(score[u] - new_m) : 0.0f;
-      l += p[u];
-    }
+    const float corr = online_softmax_step(score, ok, mt, m, l, p);
 #pragma unroll
     for (int i = 0; i < kMaxDimsPerLane; ++i) {
       const int d = lane + 32 * i;
@@ -129,11 +173,10 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
         float a = acc[i] * corr;
 #pragma unroll
         for (int u = 0; u < kKeys; ++u)
-          if (base[u] >= 0) a += p[u] * pool_at(pool.v, pool.elem, base[u] + d, pool.v_scale);
+          if (ok[u]) a += p[u] * pool_at(pool.v, pool.elem, base[u] + d, pool.v_scale);
         acc[i] = a;
       }
     }
-    m = new_m;
   }
   if (lane == 0) {
     sm_m[warp] = m;
@@ -144,25 +187,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
     const int d = lane + 32 * i;
     if (d < D) sm_acc[warp][d] = acc[i];
   }
-  __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
-  float L = 0.0f, f[kSplitWarps];
-  for (int w = 0; w < kSplitWarps; ++w) {
-    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
-    L += sm_l[w] * f[w];
-  }
-  const int64_t th = int64_t(t) * q_heads + h;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.0f;
-    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
-    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
-    else part_acc[(th * splits + sp) * D + d] = a;
-  }
-  if (splits > 1 && threadIdx.x == 0) {
-    part_ml[(th * splits + sp) * 2] = M;
-    part_ml[(th * splits + sp) * 2 + 1] = L;
-  }
+  merge_warps_and_store(sm_m, sm_l, sm_acc, D, int64_t(t) * q_heads + h, sp, splits, part_ml, part_acc, out);
 }
 
 // The same kernel for the common pools (f32 / bf16 / e4m3, head_dim 32 x kDPL with kDPL 4, 8 or 16): lane l owns
@@ -188,7 +213,7 @@ __device__ __forceinline__ void load_dims(const void* pool, int64_t e0, float sc
 }
 
 template <int kElem, int kDPL>
-__global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
+__global__ void __launch_bounds__(kSplitWarps * 32) attention_split_vec_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
   constexpr int D = 32 * kDPL;
@@ -240,15 +265,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
 #pragma unroll
     for (int u = 0; u < kKeys; ++u) load_dims<kElem, kDPL>(pool.v, rows[u] * row_elems + head_off, pool.v_scale, kv[u]);
     if (mt == -INFINITY) continue;  // uniform over the warp
-    const float new_m = fmaxf(m, mt);
-    const float corr = m == -INFINITY ? 0.0f : expf(m - new_m);
     float p[kKeys];
-    l *= corr;
-#pragma unroll
-    for (int u = 0; u < kKeys; ++u) {
-      p[u] = ok[u] ? expf(score[u] - new_m) : 0.0f;
-      l += p[u];
-    }
+    const float corr = online_softmax_step(score, ok, mt, m, l, p);
 #pragma unroll
     for (int i = 0; i < kDPL; ++i) {
       float a = acc[i] * corr;
@@ -256,7 +274,6 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
       for (int u = 0; u < kKeys; ++u) a += p[u] * kv[u][i];
       acc[i] = a;
     }
-    m = new_m;
   }
   if (lane == 0) {
     sm_m[warp] = m;
@@ -264,37 +281,16 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_fast_kernel(
   }
 #pragma unroll
   for (int i = 0; i < kDPL; ++i) sm_acc[warp][lane * kDPL + i] = acc[i];
-  __syncthreads();
-  float M = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kSplitWarps; ++w) M = fmaxf(M, sm_m[w]);
-  float L = 0.0f, f[kSplitWarps];
-#pragma unroll
-  for (int w = 0; w < kSplitWarps; ++w) {
-    f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
-    L += sm_l[w] * f[w];
-  }
-  const int64_t th = int64_t(t) * q_heads + h;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kSplitWarps; ++w) a += sm_acc[w][d] * f[w];
-    if (splits == 1) out[th * D + d] = L > 0.0f ? a / L : 0.0f;
-    else part_acc[(th * splits + sp) * D + d] = a;
-  }
-  if (splits > 1 && threadIdx.x == 0) {
-    part_ml[(th * splits + sp) * 2] = M;
-    part_ml[(th * splits + sp) * 2 + 1] = L;
-  }
+  merge_warps_and_store(sm_m, sm_l, sm_acc, D, int64_t(t) * q_heads + h, sp, splits, part_ml, part_acc, out);
 }
 
 template <int kDPL>
-bool launch_attention_fast(dim3 grid, Stream stream, const float* q, int q_heads, const KvPoolArgs& pool,
+bool launch_attention_split_vec(dim3 grid, Stream stream, const float* q, int q_heads, const KvPoolArgs& pool,
                            const StepArgs& step, float scale, int kps, float* ml, float* acc, float* out) {
   switch (pool.elem) {
-    case ElemType::f32: launch_kernel(attention_fast_kernel<0, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
-    case ElemType::bf16: launch_kernel(attention_fast_kernel<1, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
-    case ElemType::e4m3: launch_kernel(attention_fast_kernel<3, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::f32: launch_kernel(attention_split_vec_kernel<0, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::bf16: launch_kernel(attention_split_vec_kernel<1, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
+    case ElemType::e4m3: launch_kernel(attention_split_vec_kernel<3, kDPL>, grid, kSplitWarps * 32, 0, stream, q, q_heads, pool, step, scale, kps, ml, acc, out); return true;
     default: return false;
   }
 }
@@ -355,14 +351,14 @@ void attention(const float* q, int64_t q_heads, const KvPoolArgs& pool, const St
   if (splits > 1 && !workspace) cuda_fail("attention: no workspace for {} splits", {splits});
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(q_heads), static_cast<unsigned>(splits));
   const int qh = static_cast<int>(q_heads);
-  bool fast = false;
+  bool launched = false;
   switch (pool.head_dim) {
-    case 128: fast = launch_attention_fast<4>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
-    case 256: fast = launch_attention_fast<8>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
-    case 512: fast = launch_attention_fast<16>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
+    case 128: launched = launch_attention_split_vec<4>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
+    case 256: launched = launch_attention_split_vec<8>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
+    case 512: launched = launch_attention_split_vec<16>(grid, stream, q, qh, pool, step, scale, keys_per_split, part_ml, part_acc, out); break;
     default: break;
   }
-  if (!fast)
+  if (!launched)
     launch_kernel(attention_split_kernel, grid, kSplitWarps * 32, 0, stream, q, qh, pool, step, scale, keys_per_split, part_ml,
                                                                    part_acc, out);
   KILN_CUDA_CHECK_LAUNCH();

@@ -19,6 +19,7 @@
 #include "backend/comm_local.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/device.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -458,9 +459,9 @@ std::vector<std::unique_ptr<model::Communicator>> make_cuda_group(const CudaGrou
   std::shared_ptr<NcclState> nccl;
   if ((n > 1 || several) && plan.nccl) {
     const Nccl& lib = Nccl::get();
-    // NVLink multicast (NVLS) stays off: the GPU machines this runs on require it, and the all-reduces here are
-    // latency-bound decode messages.
-    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    // kiln's NCCL settings (backend/device.h: NVLink multicast off), each only where the user left it unset; the
+    // startup summary says which were kiln's and which the user's (cli/environment.h).
+    for (const EnvDefault& e : nccl_env_defaults()) setenv(e.name, e.value, /*overwrite=*/0);
     ncclUniqueId id;
     if (several) std::memcpy(&id, o.nccl_id.data(), sizeof(id));  // node 0's, from the rendezvous
     else nccl_check(lib, lib.get_unique_id(&id), "unique id");

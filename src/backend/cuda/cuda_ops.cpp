@@ -981,12 +981,16 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
   const int64_t T = x.ndim() == 2 ? x.dim(0) : 0, H = x.ndim() == 2 ? x.dim(1) : 0;
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };  // null counts as aligned
   bool fused = impl_->options.moe_decode_fused && T >= 1 && T <= kops::kMoeDecodeMaxTokens && !experts.empty() &&
-               experts.front().gate.format == WeightFormat::nvfp4 && aligned(x.data) && aligned(out.data) &&
-               aligned(shared.data);
+               aligned(x.data) && aligned(out.data) && aligned(shared.data);
   std::pair<int64_t, int64_t> held{0, 0};
   const Impl::ExpertTable* tab = nullptr;
   if (fused) {
+    // An expert-parallel rank holds a range of the experts (the others are empty): its first held one tells the format.
     held = held_experts(experts);
+    fused = held.second > held.first &&
+            experts[static_cast<size_t>(held.first)].gate.format == WeightFormat::nvfp4;
+  }
+  if (fused) {
     tab = &impl_->expert_table(
         experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
     fused = tab->vec_ok && kops::moe_decode_fused_supported(T, H, tab->inter, static_cast<int64_t>(experts.size()),

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/kernels.h"
 
@@ -29,6 +30,13 @@ __device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
   const uint32_t e = (c >> 1) & 3u, m = c & 1u;
   const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * float(m);
   return (c & 8u) ? -mag : mag;
+}
+
+// The same value as e2m1_to_f32 without a select (the streaming gemv decodes 32 codes a load): sign -> bit 31, the 3
+// magnitude bits -> bits 24..22 give the value times 2^-126 (code 1: the subnormal 2^-127), scaled back exactly by
+// 2^126. Exact.
+__device__ __forceinline__ float e2m1_to_f32_branchless(uint32_t c) {
+  return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 8.507059173023462e+37f;
 }
 
 // Element i of a float tensor of type `t`.
@@ -127,13 +135,63 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Sum over the warp, every lane the same value (an xor butterfly: the same pairs in every lane).
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
+// ---- reductions over a warp and over a block: the one set every kernel of this folder uses. Every lane (thread)
+// gets the same result, in a fixed order: an xor butterfly pairs the same lanes in every lane, and a block combines
+// its warps' results in warp order, the same loop in every thread; so a result never depends on scheduling. Max is
+// order-free (fmaxf for floats: NaN loses to any number; the larger key for integers).
+
+struct SumOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+  template <typename T>
+  __device__ __forceinline__ static T identity() { return T(0); }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ double operator()(double a, double b) const { return fmax(a, b); }
+  __device__ __forceinline__ unsigned long long operator()(unsigned long long a, unsigned long long b) const {
+    return b > a ? b : a;
+  }
+  template <typename T>
+  __device__ __forceinline__ static T identity() {  // what a lane without a value contributes
+    if constexpr (std::is_floating_point_v<T>) {
+      return T(-INFINITY);
+    } else {
+      static_assert(std::is_unsigned_v<T>, "max reductions take floats or unsigned keys");
+      return T(0);
+    }
+  }
+};
+
+// op over the warp (an xor butterfly).
+template <typename T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, SumOp{}); }
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, MaxOp{}); }
+
+// Argmax over the warp of (value, index) pairs: the larger value wins, the lower index on ties (an xor butterfly).
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+  float v = value;
+  int i = index;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+  value = v;
+  index = i;
+}
+
 // Inclusive prefix sum over the warp: lane i gets the sum of lanes 0..i (Hillis-Steele, 5 shuffles).
 template <typename T>
 __device__ __forceinline__ T warp_inclusive_scan(T v) {
@@ -145,64 +203,33 @@ __device__ __forceinline__ T warp_inclusive_scan(T v) {
   }
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
-// Sum / max over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red` holds
-// 32 floats of shared memory; the call synchronises the block twice.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+// op over the block (blockDim.x a multiple of 32, <= 1024): each warp's result, then those in warp order from the
+// identity. `red` holds 32 values of shared memory; the call synchronises the block twice (the first barrier also
+// publishes the caller's earlier shared-memory writes; the second lets the next reduction reuse `red`).
+template <typename T, class Op>
+__device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < warps; ++i) total += red[i];  // same order in every thread
+  T total = Op::template identity<T>();
+  for (int i = 0; i < warps; ++i) total = op(total, red[i]);
   __syncthreads();
   return total;
 }
-__device__ __forceinline__ float block_max(float v, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float m = -INFINITY;
-  for (int i = 0; i < warps; ++i) m = fmaxf(m, red[i]);
-  __syncthreads();
-  return m;
-}
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* red) { return block_reduce(v, red, SumOp{}); }
+template <typename T>
+__device__ __forceinline__ T block_max(T v, T* red) { return block_reduce(v, red, MaxOp{}); }
 
 // Argmax as a max over 64-bit keys: the value's order-preserving bits above, ~index below (the larger value wins,
-// ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0.
+// ties go to the lower index); NaN gives 0 ("none": loses to everything), -0 ties +0. Reduce with block_max.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t i) {
   if (v != v) return 0;
   uint32_t b = v == 0.0f ? 0u : __float_as_uint(v);
   b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
   return (static_cast<unsigned long long>(b) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
-}
-
-// Max of 64-bit keys over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red`
-// holds 32 keys of shared memory; the call synchronises the block twice (the first barrier also publishes the
-// caller's earlier shared-memory writes).
-__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = w > v ? w : v;
-  }
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  unsigned long long t = lane < warps ? red[lane] : 0ull;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(0xffffffffu, t, o);
-    t = w > t ? w : t;
-  }
-  __syncthreads();
-  return t;
 }
 
 // The sequence of token t: the s with seq_token_begin[s] <= t < seq_token_begin[s + 1].

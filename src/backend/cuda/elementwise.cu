@@ -78,16 +78,21 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, 
 
 constexpr int kRowsPerBlock = 8;  // warps per block
 
+// 1 / sqrt(mean(x^2) + eps) of the row xr [D], by the calling warp (lane l sums elements l, l + 32, ...).
+__device__ __forceinline__ float warp_row_inv_rms(const float* __restrict__ xr, int64_t D, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x & 31; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss / float(D) + eps);
+}
+
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
                                 ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
   const float* xr = x + r * ldx;
-  float ss = 0.0f;
-  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float inv = warp_row_inv_rms(xr, D, eps);
   const float one = zero_centred ? 1.0f : 0.0f;
   for (int64_t i = lane; i < D; i += 32) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
 }
@@ -101,52 +106,15 @@ __device__ __forceinline__ float norm_w(const void* w, ElemType w_elem, int i) {
   else return load_elem(w, w_elem, i);
 }
 
-template <int kWElem>
-__global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
-                                                           const void* w, ElemType w_elem, float eps,
-                                                           bool zero_centred, float* __restrict__ out) {
+// The block-per-row RMSNorm body: the row's element i is row_value(i), which keep_row(i, v) may store (the residual
+// add writes the sum back); out_row = rmsnorm(row) * (w + one). D <= 4096 is staged in registers (16 per thread, every
+// load issued at once) so that the sum of squares and the output come from one read; longer rows read row_after (the
+// row as it is after keep_row) again for the output.
+template <int kWElem, class RowValue, class KeepRow>
+__device__ __forceinline__ void rms_norm_block_row(RowValue row_value, KeepRow keep_row, const float* row_after,
+                                                   int64_t D, const void* w, ElemType w_elem, float eps,
+                                                   bool zero_centred, float* __restrict__ out_row) {
   __shared__ float red[32];
-  const int64_t r = blockIdx.x;
-  const float* xr = x + r * ldx;
-  const float one = zero_centred ? 1.0f : 0.0f;
-  constexpr int kPer = 16;  // D <= 4096 is staged in registers: every load issued at once
-  if (D <= 256 * kPer) {
-    float v[kPer], wv[kPer];
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + 256 * j;
-      const int ic = i < D ? i : int(D) - 1;
-      v[j] = xr[ic];
-      wv[j] = norm_w<kWElem>(w, w_elem, ic);
-      if (i < D) ss += v[j] * v[j];
-    }
-    ss = block_sum(ss, red);
-    const float inv = 1.0f / sqrtf(ss / float(D) + eps);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = threadIdx.x + 256 * j;
-      if (i < D) out[r * D + i] = (v[j] * inv) * (wv[j] + one);
-    }
-    return;
-  }
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, red);
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (xr[i] * inv) * (load_elem(w, w_elem, i) + one);
-}
-
-// hidden += y, out = rmsnorm(hidden): a block per row, the row staged in registers (D <= 4096) so that the sum of
-// squares and the output come from one read.
-template <int kWElem>
-__global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
-                                                               int64_t D, const void* w, ElemType w_elem, float eps,
-                                                               bool zero_centred, float* __restrict__ out) {
-  __shared__ float red[32];
-  const int64_t r = blockIdx.x;
-  float* hr = hidden + r * D;
-  const float* yr = y + r * D;
   const float one = zero_centred ? 1.0f : 0.0f;
   constexpr int kPer = 16;
   if (D <= 256 * kPer) {
@@ -156,33 +124,54 @@ __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict
     for (int j = 0; j < kPer; ++j) {
       const int i = threadIdx.x + 256 * j;
       const int ic = i < D ? i : int(D) - 1;
-      v[j] = hr[ic] + yr[ic];
+      v[j] = row_value(ic);
       wv[j] = norm_w<kWElem>(w, w_elem, ic);
       if (i < D) ss += v[j] * v[j];
     }
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int i = threadIdx.x + 256 * j;
-      if (i < D) hr[i] = v[j];
+      if (i < D) keep_row(i, v[j]);
     }
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / float(D) + eps);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int i = threadIdx.x + 256 * j;
-      if (i < D) out[r * D + i] = (v[j] * inv) * (wv[j] + one);
+      if (i < D) out_row[i] = (v[j] * inv) * (wv[j] + one);
     }
     return;
   }
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    const float v = hr[i] + yr[i];
-    hr[i] = v;
+    const float v = row_value(i);
+    keep_row(i, v);
     ss += v * v;
   }
-  ss = block_sum(ss, red);  // its barrier also orders this thread's hr writes before the reads below
+  ss = block_sum(ss, red);  // its barrier also orders this thread's keep_row writes before the reads below
   const float inv = 1.0f / sqrtf(ss / float(D) + eps);
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) out[r * D + i] = (hr[i] * inv) * (load_elem(w, w_elem, i) + one);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+    out_row[i] = (row_after[i] * inv) * (load_elem(w, w_elem, i) + one);
+}
+
+template <int kWElem>
+__global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
+                                                           const void* w, ElemType w_elem, float eps,
+                                                           bool zero_centred, float* __restrict__ out) {
+  const float* xr = x + int64_t(blockIdx.x) * ldx;
+  rms_norm_block_row<kWElem>([xr](int64_t i) { return xr[i]; }, [](int64_t, float) {}, xr, D, w, w_elem, eps,
+                             zero_centred, out + int64_t(blockIdx.x) * D);
+}
+
+// hidden += y, out = rmsnorm(hidden): a block per row.
+template <int kWElem>
+__global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
+                                                               int64_t D, const void* w, ElemType w_elem, float eps,
+                                                               bool zero_centred, float* __restrict__ out) {
+  float* hr = hidden + int64_t(blockIdx.x) * D;
+  const float* yr = y + int64_t(blockIdx.x) * D;
+  rms_norm_block_row<kWElem>([hr, yr](int64_t i) { return hr[i] + yr[i]; }, [hr](int64_t i, float v) { hr[i] = v; },
+                             hr, D, w, w_elem, eps, zero_centred, out + int64_t(blockIdx.x) * D);
 }
 
 __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
@@ -191,10 +180,7 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
   const float* xr = x + r * D;
-  float ss = 0.0f;
-  for (int64_t i = lane; i < D; i += 32) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float inv = warp_row_inv_rms(xr, D, eps);
   for (int64_t i = lane; i < D; i += 32)
     out[r * D + i] = (load_elem(w, w_elem, i) * (xr[i] * inv)) * silu(z[r * D + i]);
 }

@@ -1,10 +1,13 @@
 // CudaOps linear layers and routed experts, fp32 activations and accumulation, weights decoded as stored
 // (dense BF16 / F16 / F32, per-tensor FP8, NVFP4) inside the kernel: no dequantised copy.
 //
-// Two kernels share one row-tile scheme, so a dense layer and a layer's experts run through the same code:
-//  - gemv: a tile of up to 8 rows; a warp per output column walks K once, 8 weights per lane per step (decode and
-//    small batches: the weights are read once per tile, which is what bounds these shapes);
-//  - gemm: 64 x 64 tiles in shared memory, 16 outputs per thread (prefill).
+// Three kernels share one row-tile scheme, so a dense layer and a layer's experts run through the same code:
+//  - gemv_stream_kernel (the bandwidth gemv; bf16 and nvfp4 weights, the format code kernels.h's gemv2_kind_host
+//    gives): a tile of up to 8 rows; a warp per 1 or 2 output columns streams 16 bytes of each column's weights per
+//    lane and step (decode and small batches: reading the weights once per tile is what bounds these shapes);
+//  - gemv_any_weight_kernel: the same tiles for the weights gemv_stream_kernel does not take (fp8, f32, f16,
+//    unaligned), a warp per output column, 8 weights per lane per step decoded by weight_at8 (or one by weight_at);
+//  - gemm_kernel: 64 x 64 tiles in shared memory, 16 outputs per thread (prefill).
 // Rows are grouped: group g (an expert) owns sorted rows [group_offset[g], group_offset[g+1]) and row tiles
 // [tile_offset[g], tile_offset[g+1]); a dense layer is one group. Row r of a group reads input row row_index[r].
 // Each output row is computed on its own (no cross-row arithmetic), so the result does not depend on how the
@@ -37,9 +40,9 @@ struct GemmArgs {
   const int32_t* tile_offset = nullptr;   // [G + 1]
   const int32_t* tile_group = nullptr;    // [tiles] group of each row tile (grouped launches), or null: search
   int num_groups = 1;
-  int col_passes = 1;                     // gemv2: column groups each warp walks (grid.y shrinks by this)
-  int tile_m = 8;                         // gemv2: rows per row tile (the grouping's tile height)
-  // gemv2, several linears of one x in one launch (dense, no groups): segment s owns grid rows (blockIdx.y)
+  int col_passes = 1;                     // gemv_stream: column groups each warp walks (grid.y shrinks by this)
+  int tile_m = 8;                         // gemv_stream: rows per row tile (the grouping's tile height)
+  // gemv_stream, several linears of one x in one launch (dense, no groups): segment s owns grid rows (blockIdx.y)
   // [seg_block_begin[s], seg_block_begin[s + 1]) and writes seg_out[s] (row stride seg_ldo[s]).
   static constexpr int kMaxSegments = 4;
   int num_segments = 0;
@@ -92,13 +95,31 @@ __device__ __forceinline__ float bias_of(const WeightDesc& w, int n) {
   return w.bias ? load_elem(w.bias, w.bias_elem, n) : 0.0f;
 }
 
-// ---- gemv: tile of <= 8 rows, a warp per output column n
+// Output column n from its sums: silu(gate + bias) * (up + bias) for a dual (gate / up) launch, else sum + bias.
+template <bool kDual>
+__device__ __forceinline__ float linear_output(float s0, float s1, const WeightDesc& w0, const WeightDesc& w1, int n) {
+  if constexpr (kDual) return silu(s0 + bias_of(w0, n)) * (s1 + bias_of(w1, n));
+  else return s0 + bias_of(w0, n);
+}
+
+// The input rows of the tile's rows [rb, rb + nrows): rows past the last one read the last row again (their loads stay
+// unconditional, so they are issued together); only real rows are stored.
+template <int kRows>
+__device__ __forceinline__ void tile_input_rows(const GemmArgs& a, int rb, int nrows, const float* (&xr)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = rb + min(r, nrows - 1);
+    xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
+  }
+}
+
+// ---- gemv_any_weight: tile of <= 8 rows, a warp per output column n, any weight format
 
 constexpr int kGemvRows = kGemvTileRows;
 constexpr int kGemvWarps = 8;
 
 template <bool kDual, bool kVec>
-__global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemmArgs a) {
+__global__ void __launch_bounds__(kGemvWarps * 32) gemv_any_weight_kernel(GemmArgs a) {
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
   const int n = blockIdx.y * kGemvWarps + (threadIdx.x >> 5);
@@ -108,11 +129,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemmArgs a) {
   const WeightDesc& w1 = weight_of(a, group, kDual ? 1 : 0);
   const int nrows = re - rb;
   const float* xr[kGemvRows];
-#pragma unroll
-  for (int r = 0; r < kGemvRows; ++r) {
-    const int row = rb + min(r, nrows - 1);
-    xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
-  }
+  tile_input_rows(a, rb, nrows, xr);
   float acc0[kGemvRows], acc1[kGemvRows];
 #pragma unroll
   for (int r = 0; r < kGemvRows; ++r) acc0[r] = acc1[r] = 0.0f;
@@ -155,38 +172,25 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemmArgs a) {
     if (r < nrows) {  // nrows is uniform over the warp: the shuffles see every lane
       const float s0 = warp_sum(acc0[r]);
       const float s1 = kDual ? warp_sum(acc1[r]) : 0.0f;
-      if (lane == 0) {
-        float y;
-        if constexpr (kDual) y = silu(s0 + bias_of(w0, n)) * (s1 + bias_of(w1, n));
-        else y = s0 + bias_of(w0, n);
-        a.out[int64_t(rb + r) * a.ldo + n] = y;
-      }
+      if (lane == 0) a.out[int64_t(rb + r) * a.ldo + n] = linear_output<kDual>(s0, s1, w0, w1, n);
     }
   }
 }
 
-// ---- gemv2: the bandwidth kernel for decode-sized tiles (<= 8 rows), one weight format per instantiation.
+// ---- gemv_stream: the bandwidth kernel for decode-sized tiles (<= 8 rows), one weight format per instantiation.
 // A warp owns kCols output columns; each lane streams 16 bytes of each column's row per step (bf16: 8 weights,
 // nvfp4: 32 codes + 2 block scales), two steps in flight, and the tile's rows read x through L1. NVFP4 sums
 // x * e2m1 per 16-element block and scales each block sum once (then scale_2 at the end): the same products as
 // the CPU backend's, summed in another order (rel ~1e-7).
 
-enum class G2Kind { bf16, nvfp4 };
+enum class StreamFormat { bf16, nvfp4 };
 
-template <G2Kind kKind>
-struct G2 {
-  static constexpr int kElems = kKind == G2Kind::bf16 ? 8 : 32;  // weights per 16-byte lane load
-};
+template <StreamFormat kKind>
+constexpr int kStreamElems = kKind == StreamFormat::bf16 ? 8 : 32;  // weights per 16-byte lane load
 
-__device__ __forceinline__ float e2m1_fast(uint32_t c) {
-  // bits: sign -> 31, exponent/mantissa (3 bits) -> 24..22: the value times 2^-126 (code 1: the subnormal 2^-127),
-  // scaled back exactly by 2^126.
-  return __uint_as_float(((c & 7u) << 22) | ((c & 8u) << 28)) * 8.507059173023462e+37f;
-}
-
-template <G2Kind kKind, bool kDual, int kCols, int kRows>
-__global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
-  constexpr int kE = G2<kKind>::kElems;
+template <StreamFormat kKind, bool kDual, int kCols, int kRows>
+__global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
+  constexpr int kE = kStreamElems<kKind>;
   constexpr int kU = 2;  // steps in flight
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, a.tile_m, group, rb, re)) return;
@@ -202,14 +206,8 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
   float* const out = a.num_segments ? a.seg_out[seg] : a.out;
   const int64_t ldo = a.num_segments ? a.seg_ldo[seg] : a.ldo;
   const int nrows = re - rb;
-  // Rows past the tile's last one read the last row again (their loads stay unconditional, so they are issued
-  // together); only real rows are stored.
   const float* xr[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = rb + min(r, nrows - 1);
-    xr[r] = a.x + int64_t(a.row_index ? a.row_index[row] : row) * a.ldx;
-  }
+  tile_input_rows(a, rb, nrows, xr);
   for (int pass = 0; pass < a.col_passes; ++pass) {
   const int n0 = ((by * a.col_passes + pass) * 4 + warp) * kCols;
   if (n0 >= N) break;
@@ -222,7 +220,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) acc0[r][c] = acc1[r][c] = 0.0f;
 
-  const int64_t row_bytes = kKind == G2Kind::bf16 ? int64_t(a.K) * 2 : int64_t(a.K) / 2;
+  const int64_t row_bytes = kKind == StreamFormat::bf16 ? int64_t(a.K) * 2 : int64_t(a.K) / 2;
   const char* base0[kCols];
   const char* base1[kCols];
 #pragma unroll
@@ -239,10 +237,10 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         if (k0 < a.K) {
-          const int64_t off = kKind == G2Kind::bf16 ? int64_t(k0) * 2 : int64_t(k0) / 2;
+          const int64_t off = kKind == StreamFormat::bf16 ? int64_t(k0) * 2 : int64_t(k0) / 2;
           raw0[u][c] = ptx::ld_stream_16(base0[c] + off);
           if constexpr (kDual) raw1[u][c] = ptx::ld_stream_16(base1[c] + off);
-          if constexpr (kKind == G2Kind::nvfp4) {
+          if constexpr (kKind == StreamFormat::nvfp4) {
             sc0[u][c] = __ldg(reinterpret_cast<const uint16_t*>(w0.block_scale + ncol[c] * int64_t(a.K / 16) + k0 / 16));
             if constexpr (kDual)
               sc1[u][c] = __ldg(reinterpret_cast<const uint16_t*>(w1.block_scale + ncol[c] * int64_t(a.K / 16) + k0 / 16));
@@ -254,7 +252,7 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
     for (int u = 0; u < kU; ++u) {
       const int k0 = kb + u * 32 * kE;
       if (k0 >= a.K) break;
-      if constexpr (kKind == G2Kind::bf16) {
+      if constexpr (kKind == StreamFormat::bf16) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // 4 weights at a time
           float wa[kCols][4], wb[kCols][4];
@@ -295,11 +293,11 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
               const int wi = blk * 2 + h;
               const uint32_t word = wi == 0 ? raw0[u][c].x : wi == 1 ? raw0[u][c].y : wi == 2 ? raw0[u][c].z : raw0[u][c].w;
 #pragma unroll
-              for (int i = 0; i < 8; ++i) wa[c][i] = e2m1_fast(word >> (4 * i));
+              for (int i = 0; i < 8; ++i) wa[c][i] = e2m1_to_f32_branchless(word >> (4 * i));
               if constexpr (kDual) {
                 const uint32_t w2 = wi == 0 ? raw1[u][c].x : wi == 1 ? raw1[u][c].y : wi == 2 ? raw1[u][c].z : raw1[u][c].w;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) wb[c][i] = e2m1_fast(w2 >> (4 * i));
+                for (int i = 0; i < 8; ++i) wb[c][i] = e2m1_to_f32_branchless(w2 >> (4 * i));
               }
             }
 #pragma unroll
@@ -339,14 +337,11 @@ __global__ void __launch_bounds__(128) gemv2_kernel(GemmArgs a) {
         float s1 = kDual ? warp_sum(acc1[r][c]) : 0.0f;
         const int n = n0 + c;
         if (lane == 0 && n < N) {
-          if constexpr (kKind == G2Kind::nvfp4) {
+          if constexpr (kKind == StreamFormat::nvfp4) {
             s0 *= w0.scale;
             if constexpr (kDual) s1 *= w1.scale;
           }
-          float y;
-          if constexpr (kDual) y = silu(s0 + bias_of(w0, n)) * (s1 + bias_of(w1, n));
-          else y = s0 + bias_of(w0, n);
-          out[int64_t(rb + r) * ldo + n] = y;
+          out[int64_t(rb + r) * ldo + n] = linear_output<kDual>(s0, s1, w0, w1, n);
         }
       }
     }
@@ -421,10 +416,7 @@ __global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
     for (int j = 0; j < 4; ++j) {
       const int n = n0 + tx + 16 * j;
       if (n >= a.N) continue;
-      float y;
-      if constexpr (kDual) y = silu(acc0[i][j] + bias_of(w0, n)) * (acc1[i][j] + bias_of(w1, n));
-      else y = acc0[i][j] + bias_of(w0, n);
-      a.out[int64_t(row) * a.ldo + n] = y;
+      a.out[int64_t(row) * a.ldo + n] = linear_output<kDual>(acc0[i][j], acc1[i][j], w0, w1, n);
     }
   }
 }
@@ -434,25 +426,23 @@ bool vec_ok(const WeightDesc& w, const float* x, int64_t ldx) {
          reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
-// Launches gemv (small tiles) or gemm over `max_tiles` row tiles (an upper bound when grouped).
-// Which gemv2 instantiation serves these weights (-1: none; the generic gemv then runs). kind_code: 0 bf16, 1 nvfp4.
-template <G2Kind kKind, bool kDual, int kRows>
-void launch_gemv2_rows(const GemmArgs& b, bool two, dim3 grid, Stream stream) {
-  if (two) launch_kernel(gemv2_kernel<kKind, kDual, 2, kRows>, grid, 128, 0, stream, b);
-  else launch_kernel(gemv2_kernel<kKind, kDual, 1, kRows>, grid, 128, 0, stream, b);
+template <StreamFormat kKind, bool kDual, int kRows>
+void launch_gemv_stream_rows(const GemmArgs& b, bool two, dim3 grid, Stream stream) {
+  if (two) launch_kernel(gemv_stream_kernel<kKind, kDual, 2, kRows>, grid, 128, 0, stream, b);
+  else launch_kernel(gemv_stream_kernel<kKind, kDual, 1, kRows>, grid, 128, 0, stream, b);
 }
 
-template <G2Kind kKind, bool kDual>
-void launch_gemv2_kind(const GemmArgs& b, int rows, bool two, dim3 grid, Stream stream) {
-  if (rows <= 1) launch_gemv2_rows<kKind, kDual, 1>(b, two, grid, stream);
-  else if (rows <= 2) launch_gemv2_rows<kKind, kDual, 2>(b, two, grid, stream);
-  else if (rows <= 4) launch_gemv2_rows<kKind, kDual, 4>(b, two, grid, stream);
-  else launch_gemv2_rows<kKind, kDual, 8>(b, two, grid, stream);
+template <StreamFormat kKind, bool kDual>
+void launch_gemv_stream_format(const GemmArgs& b, int rows, bool two, dim3 grid, Stream stream) {
+  if (rows <= 1) launch_gemv_stream_rows<kKind, kDual, 1>(b, two, grid, stream);
+  else if (rows <= 2) launch_gemv_stream_rows<kKind, kDual, 2>(b, two, grid, stream);
+  else if (rows <= 4) launch_gemv_stream_rows<kKind, kDual, 4>(b, two, grid, stream);
+  else launch_gemv_stream_rows<kKind, kDual, 8>(b, two, grid, stream);
 }
 
 // kind_code: 0 bf16, 1 nvfp4. max_rows: the most rows any tile holds (<= 8; sizes the row registers).
 template <bool kDual>
-void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_rows, Stream stream) {
+void launch_gemv_stream(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_rows, Stream stream) {
   // Two columns per warp when that still gives every SM two blocks; else one.
   const bool two = (a.N + 7) / 8 * max_tiles >= kTwoBlocksPerSm;
   const int cols_per_pass = two ? 8 : 4;
@@ -465,25 +455,27 @@ void launch_gemv2(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_r
   GemmArgs b = a;
   b.col_passes = passes;
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((col_blocks + passes - 1) / passes));
-  if (kind_code == 0) launch_gemv2_kind<G2Kind::bf16, kDual>(b, max_rows, two, grid, stream);
-  else launch_gemv2_kind<G2Kind::nvfp4, kDual>(b, max_rows, two, grid, stream);
+  if (kind_code == 0) launch_gemv_stream_format<StreamFormat::bf16, kDual>(b, max_rows, two, grid, stream);
+  else launch_gemv_stream_format<StreamFormat::nvfp4, kDual>(b, max_rows, two, grid, stream);
 }
 
+// Launches a gemv (small tiles) or the gemm over `max_tiles` row tiles (an upper bound when grouped). gemv2_kind:
+// the gemv_stream format (gemv2_kind_host: 0 bf16, 1 nvfp4), or -1: gemv_any_weight runs.
 void launch_rows(const GemmArgs& a, bool dual, bool use_gemv, bool vec, int64_t max_tiles, Stream stream,
                  int gemv2_kind = -1, int max_rows = kGemvRows) {
   if (max_tiles <= 0 || a.N <= 0) return;
   if (max_tiles > 0x7fffffff) cuda_fail("linear: {} row tiles is too many", {max_tiles});
   if (use_gemv && vec && gemv2_kind >= 0) {
-    if (dual) launch_gemv2<true>(a, gemv2_kind, max_tiles, max_rows, stream);
-    else launch_gemv2<false>(a, gemv2_kind, max_tiles, max_rows, stream);
+    if (dual) launch_gemv_stream<true>(a, gemv2_kind, max_tiles, max_rows, stream);
+    else launch_gemv_stream<false>(a, gemv2_kind, max_tiles, max_rows, stream);
   } else if (use_gemv) {
     const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + kGemvWarps - 1) / kGemvWarps));
     if (dual) {
-      if (vec) launch_kernel(gemv_kernel<true, true>, grid, kGemvWarps * 32, 0, stream, a);
-      else launch_kernel(gemv_kernel<true, false>, grid, kGemvWarps * 32, 0, stream, a);
+      if (vec) launch_kernel(gemv_any_weight_kernel<true, true>, grid, kGemvWarps * 32, 0, stream, a);
+      else launch_kernel(gemv_any_weight_kernel<true, false>, grid, kGemvWarps * 32, 0, stream, a);
     } else {
-      if (vec) launch_kernel(gemv_kernel<false, true>, grid, kGemvWarps * 32, 0, stream, a);
-      else launch_kernel(gemv_kernel<false, false>, grid, kGemvWarps * 32, 0, stream, a);
+      if (vec) launch_kernel(gemv_any_weight_kernel<false, true>, grid, kGemvWarps * 32, 0, stream, a);
+      else launch_kernel(gemv_any_weight_kernel<false, false>, grid, kGemvWarps * 32, 0, stream, a);
     }
   } else {
     const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((a.N + kTileN - 1) / kTileN));
@@ -599,8 +591,8 @@ bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, 
   // Row tiles of 8 (the weights of the later tiles come from L2).
   const dim3 grid(static_cast<unsigned>((T + kGemvRows - 1) / kGemvRows), static_cast<unsigned>(blocks));
   const int rows = static_cast<int>(T < kGemvRows ? T : kGemvRows);
-  if (kind == 0) launch_gemv2_kind<G2Kind::bf16, false>(a, rows, two, grid, stream);
-  else launch_gemv2_kind<G2Kind::nvfp4, false>(a, rows, two, grid, stream);
+  if (kind == 0) launch_gemv_stream_format<StreamFormat::bf16, false>(a, rows, two, grid, stream);
+  else launch_gemv_stream_format<StreamFormat::nvfp4, false>(a, rows, two, grid, stream);
   KILN_CUDA_CHECK_LAUNCH();
   return true;
 }

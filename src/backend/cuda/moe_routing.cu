@@ -49,15 +49,7 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int to
         bv = p[e];
         bi = e;
       }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_argmax(bv, bi);
     if ((tid & 31) == 0) {
       best_val[tid >> 5] = bv;
       best_idx[tid >> 5] = bi;
@@ -131,15 +123,7 @@ __global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t 
         bi = e;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_argmax(bv, bi);
     if (bi < 0 || bi >= E) bi = 0;  // only when every p is NaN
 #pragma unroll
     for (int i = 0; i < kPer; ++i)

@@ -24,9 +24,10 @@ struct Smem {
   double whist[kWarps][256];  // mass radix passes: one histogram per warp; select_ascending's segment ends
   double tot[256];            // a radix pass's bucket totals (mass or count)
   unsigned cnt[256];          // a radix pass's bucket counts
-  double red[kWarps];
-  double red2[kWarps];
-  unsigned long long redu[kWarps];
+  double red[kWarps];               // dev::block_sum; select_ascending's segment sums
+  double red2[kWarps];              // select_ascending's scan of them
+  float redf[kWarps];               // dev::block_max of floats
+  unsigned long long redu[kWarps];  // dev::block_max of argmax keys
   // radix_select's result
   unsigned prefix, mask, tie;
   int found;
@@ -44,29 +45,6 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 __device__ __forceinline__ bool finite_value(float x) { return x > -INFINITY && x < INFINITY; }
-
-// ---- block reductions: every thread gets the same value (fixed order: an xor butterfly is symmetric in its pairs).
-__device__ double block_sum(double v, Smem& sm) {
-  v = dev::warp_sum(v);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
-  if (lane == 0) sm.red[warp] = v;
-  __syncthreads();
-  return dev::warp_sum(sm.red[lane]);
-}
-
-__device__ float block_max_f32(float v, Smem& sm) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
-  if (lane == 0) sm.red[warp] = v;
-  __syncthreads();
-  float t = static_cast<float>(sm.red[lane]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(kFull, t, o));
-  return t;
-}
 
 // f(scaled value, index, in range) over the row, strided by the block: kUnroll loads issued before any use.
 template <class F>
@@ -232,25 +210,30 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int seg = ((n + kThreads - 1) / kThreads + 31) & ~31;
   const int begin = int(threadIdx.x) * seg;
-  // kSegUnroll values of this thread's segment from j0, all loads issued before any is used (past n: the last).
-  auto load = [&](int j0, float (&v)[kSegUnroll]) {
+  // The weights of kSegUnroll indices of this thread's segment from j0 (0 past n), all loads issued before any is
+  // used (past n: the last value).
+  auto segment_weights = [&](int j0, double (&w)[kSegUnroll]) {
+    float v[kSegUnroll];
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
       const int i = begin + j0 + u;
       v[u] = row[i < n ? i : n - 1];
     }
+#pragma unroll
+    for (int u = 0; u < kSegUnroll; ++u) {
+      const int i = begin + j0 + u;
+      w[u] = i < n ? weight(__fmul_rn(v[u], inv), i) : 0.0;
+    }
   };
   double s = 0.0;
   int last = -1;
   for (int j0 = 0; j0 < seg; j0 += kSegUnroll) {
-    float v[kSegUnroll];
-    load(j0, v);
+    double w[kSegUnroll];
+    segment_weights(j0, w);
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
-      const int i = begin + j0 + u;
-      const double w = i < n ? weight(__fmul_rn(v[u], inv), i) : 0.0;
-      s += w;
-      if (w > 0.0) last = i;
+      s += w[u];
+      if (w[u] > 0.0) last = begin + j0 + u;
     }
   }
   const double incl = dev::warp_inclusive_scan(s);
@@ -265,7 +248,7 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
   ends[threadIdx.x] = end;
   if (threadIdx.x == 0) sm.sel = INT_MAX;
   // The last positive index of the row (the fallback); its reduction's barriers also publish ends and sel.
-  const int last_any = int(static_cast<long long>(dev::block_max_u64(static_cast<unsigned long long>(last + 1), sm.redu))) - 1;
+  const int last_any = int(static_cast<long long>(dev::block_max(static_cast<unsigned long long>(last + 1), sm.redu))) - 1;
   if (target < end) atomicMin(&sm.sel, int(threadIdx.x));
   __syncthreads();
   const int sel = sm.sel;
@@ -273,16 +256,14 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
     double cum = sel > 0 ? ends[sel - 1] : 0.0;  // <= target: thread sel - 1 did not claim
     int chosen = -1, last_pos = -1;
     for (int j0 = 0; j0 < seg && chosen < 0; j0 += kSegUnroll) {
-      float v[kSegUnroll];
-      load(j0, v);
+      double w[kSegUnroll];
+      segment_weights(j0, w);
 #pragma unroll
       for (int u = 0; u < kSegUnroll; ++u) {
-        const int i = begin + j0 + u;
-        const double w = i < n ? weight(__fmul_rn(v[u], inv), i) : 0.0;
-        if (w > 0.0 && chosen < 0) {
-          cum += w;
-          last_pos = i;
-          if (target < cum) chosen = i;
+        if (w[u] > 0.0 && chosen < 0) {
+          cum += w[u];
+          last_pos = begin + j0 + u;
+          if (target < cum) chosen = last_pos;
         }
       }
     }
@@ -308,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __re
       const unsigned long long k = ok ? dev::argmax_key(x, i) : 0ull;
       best = k > best ? k : best;
     });
-    best = dev::block_max_u64(best, sm.redu);
+    best = dev::block_max(best, sm.redu);
     if (threadIdx.x == 0)
       ids[blockIdx.x] = best != 0 && finite_value(key_value(unsigned(best >> 32)))
                             ? int32_t(0xffffffffu - unsigned(best & 0xffffffffu))
@@ -321,7 +302,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __re
   for_row(row, n, inv, [&](float x, int, bool ok) {
     if (ok) mx = fmaxf(mx, x);  // NaN never wins
   });
-  mx = block_max_f32(mx, sm);
+  mx = dev::block_max(mx, sm.redf);
   if (!finite_value(mx)) {
     if (threadIdx.x == 0) ids[blockIdx.x] = -1;
     return;
@@ -347,7 +328,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __re
     for_row(row, n, inv, [&](float x, int, bool ok) {
       if (ok && cand(x, order_key(x))) s1 += e_of(x);
     });
-    s1 = block_sum(s1, sm);
+    s1 = dev::block_sum(s1, sm.red);
     const double target = double(a.top_p) * s1;
     radix_select<true>(
         row, n, inv, sm, target, [&](float x, uint32_t k, int) { return cand(x, k); }, e_of);
@@ -389,7 +370,7 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __re
     for_row(row, n, inv, [&](float x, int i, bool ok) {
       if (ok && survives(x, order_key(x), i)) s += e_of(x);
     });
-    s2 = block_sum(s, sm);
+    s2 = dev::block_sum(s, sm.red);
     thr = double(a.min_p) * (1.0 / s2);
   }
 
@@ -421,14 +402,14 @@ __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* 
     const int64_t i = base + int64_t(u) * kArgThreads;
     v[u] = row[i < V ? i : V - 1];
   }
-  uint64_t best = 0;
+  unsigned long long best = 0;
 #pragma unroll
   for (int u = 0; u < kArgPer; ++u) {
     const int64_t i = base + int64_t(u) * kArgThreads;
-    const uint64_t k = i < V ? dev::argmax_key(v[u], i) : 0;
+    const unsigned long long k = i < V ? dev::argmax_key(v[u], i) : 0;
     best = k > best ? k : best;
   }
-  best = dev::block_max_u64(best, red);
+  best = dev::block_max(best, red);
   if (threadIdx.x == 0) keys[r * gridDim.x + c] = best;
 }
 
@@ -440,12 +421,12 @@ __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_
                                                                    float* __restrict__ values) {
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.x;
-  uint64_t best = 0;
+  unsigned long long best = 0;
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-    const uint64_t k = keys[r * chunks + c];
+    const unsigned long long k = keys[r * chunks + c];
     best = k > best ? k : best;
   }
-  best = dev::block_max_u64(best, red);
+  best = dev::block_max(best, red);
   if (threadIdx.x == 0) {
     const int32_t id = best == 0 ? 0 : int32_t(0xffffffffu - uint32_t(best & 0xffffffffu));
     ids[r] = id;

@@ -9,7 +9,20 @@
 
 namespace kiln::grammar {
 
+void Grammar::set_limits(const CompileLimits& limits) {
+  max_nodes_ = limits.max_nodes;
+  max_time_ = limits.max_time;
+  deadline_ = std::chrono::steady_clock::now() + limits.max_time;
+}
+
 int32_t Grammar::add_node() {
+  if (nodes_.size() >= max_nodes_)
+    fail("the grammar is too large: more than {} automaton nodes (kiln's limit per request; simplify the schema or "
+         "pattern: fewer nested, repeated or bounded-repeat parts)",
+         max_nodes_);
+  if ((nodes_.size() & 1023) == 0 && std::chrono::steady_clock::now() > deadline_)
+    fail("the grammar took longer than {} ms to compile (kiln's limit per request; simplify the schema or pattern)",
+         max_time_.count());
   nodes_.emplace_back();
   return static_cast<int32_t>(nodes_.size() - 1);
 }
@@ -38,6 +51,99 @@ void Grammar::validate() const {
   for (size_t r = 0; r < rule_start_.size(); ++r)
     KILN_CHECK(!nodes_[static_cast<size_t>(rule_start_[r])].edges.empty(), "grammar rule {} is not defined",
                rule_names_[r]);
+}
+
+void Grammar::prune_unproductive() {
+  validate();
+  // Fixpoint: a rule is productive when its end is reachable from its start over range and epsilon edges and
+  // calls of productive rules (counted bounds aside).
+  const size_t n_rules = rule_start_.size();
+  std::vector<char> productive(n_rules, 0);
+  std::vector<char> seen(nodes_.size(), 0);
+  std::vector<int32_t> todo, visited;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = n_rules; r-- > 0;) {  // callees are mostly made after their callers: last first
+      if (productive[r]) continue;
+      // A rule's walk stays inside its own body (calls are not followed), so a pass costs O(nodes) in all.
+      for (int32_t n : visited) seen[static_cast<size_t>(n)] = 0;
+      visited.clear();
+      todo.assign(1, rule_start_[r]);
+      bool ends = false;
+      while (!todo.empty() && !ends) {
+        const int32_t n = todo.back();
+        todo.pop_back();
+        if (seen[static_cast<size_t>(n)]) continue;
+        seen[static_cast<size_t>(n)] = 1;
+        visited.push_back(n);
+        if (n == rule_end_[r]) ends = true;
+        for (const Edge& e : nodes_[static_cast<size_t>(n)].edges)
+          if (e.kind != Edge::call || productive[static_cast<size_t>(e.rule)]) todo.push_back(e.target);
+      }
+      if (ends) productive[r] = 1, changed = true;
+    }
+  }
+  if (!productive[static_cast<size_t>(root_)])
+    fail("no finite text matches this grammar (a schema that requires itself, or a pattern that matches nothing)");
+  for (Node& n : nodes_)
+    n.edges.erase(std::remove_if(n.edges.begin(), n.edges.end(),
+                                 [&](const Edge& e) { return e.kind == Edge::call && !productive[static_cast<size_t>(e.rule)]; }),
+                  n.edges.end());
+  // Nullable rules (their end reachable from their start without a byte), then the rules each one can call before
+  // its first byte; a cycle there is left recursion.
+  std::vector<char> nullable(n_rules, 0);
+  auto walk_epsilon = [&](size_t r, const std::function<void(int32_t callee)>& on_call) {
+    for (int32_t n : visited) seen[static_cast<size_t>(n)] = 0;
+    visited.clear();
+    todo.assign(1, rule_start_[r]);
+    bool ends = false;
+    while (!todo.empty()) {
+      const int32_t n = todo.back();
+      todo.pop_back();
+      if (seen[static_cast<size_t>(n)]) continue;
+      seen[static_cast<size_t>(n)] = 1;
+      visited.push_back(n);
+      if (n == rule_end_[r]) ends = true;
+      for (const Edge& e : nodes_[static_cast<size_t>(n)].edges) {
+        if (e.kind == Edge::epsilon) todo.push_back(e.target);
+        if (e.kind != Edge::call) continue;
+        if (on_call) on_call(e.rule);
+        if (nullable[static_cast<size_t>(e.rule)]) todo.push_back(e.target);
+      }
+    }
+    return ends;
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = n_rules; r-- > 0;)
+      if (!nullable[r] && walk_epsilon(r, nullptr)) nullable[r] = 1, changed = true;
+  }
+  std::vector<std::vector<int32_t>> left_calls(n_rules);
+  for (size_t r = 0; r < n_rules; ++r) walk_epsilon(r, [&](int32_t callee) { left_calls[r].push_back(callee); });
+  std::vector<char> color(n_rules, 0);  // 0 new, 1 on the DFS path, 2 done
+  for (size_t start = 0; start < n_rules; ++start) {
+    if (color[start]) continue;
+    std::vector<std::pair<int32_t, size_t>> stack{{static_cast<int32_t>(start), 0}};
+    color[start] = 1;
+    while (!stack.empty()) {
+      auto& [r, i] = stack.back();
+      const auto& next = left_calls[static_cast<size_t>(r)];
+      if (i == next.size()) {
+        color[static_cast<size_t>(r)] = 2;
+        stack.pop_back();
+        continue;
+      }
+      const int32_t c = next[i++];
+      if (color[static_cast<size_t>(c)] == 1)
+        fail("the grammar is left-recursive: rule '{}' can reach itself before any text (a schema or rule that refers "
+             "to itself without anything written first)",
+             rule_names_[static_cast<size_t>(c)]);
+      if (color[static_cast<size_t>(c)] == 0) {
+        color[static_cast<size_t>(c)] = 1;
+        stack.push_back({c, 0});
+      }
+    }
+  }
 }
 
 Frag Grammar::empty() {
@@ -178,7 +284,7 @@ Automaton::Automaton(std::shared_ptr<const Grammar> grammar) : grammar_(std::mov
   opaque_bottom_ = 0;
   std::vector<Config> seeds{{grammar_->rule_start(grammar_->root()), -1}};
   initial_ = close_and_intern(seeds);
-  KILN_CHECK(initial_ != kDead, "grammar: the root rule can match nothing");
+  if (initial_ == kDead) fail("grammar: the root rule can match nothing");
 }
 
 int32_t Automaton::push(int32_t ret, int32_t parent, int32_t bound, int32_t count) {

@@ -13,8 +13,12 @@
 // callee's own frame consumes (a JSON string's characters: each character's first byte is a counting edge). The
 // count lives in the call's stack entry, not in the callee's nodes, so every bounded string runs the one shared
 // string rule: a byte that would start character max + 1 is dead, and the callee cannot end (return) below min.
+//
+// Compile limits: a Grammar may carry a node budget and a deadline (set_limits); a builder that passes either fails
+// with a kiln::Error naming the limit, so no request can make a grammar of unbounded size or compile time.
 #pragma once
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -50,8 +54,17 @@ struct Frag {
   int32_t start = -1, end = -1;
 };
 
+// Bounds on one grammar's construction. Defaults: 1M nodes (about 60 MB of nodes and edges at most), 1 s.
+struct CompileLimits {
+  size_t max_nodes = size_t(1) << 20;
+  std::chrono::milliseconds max_time{1000};
+};
+
 class Grammar {
  public:
+  // Starts the clock: from now on, building past limits.max_nodes nodes or past limits.max_time is a kiln::Error.
+  // Without a call, a grammar has no limits (hand-built grammars in tests and tools).
+  void set_limits(const CompileLimits& limits);
   // Rules: new_rule() reserves one (so that rules may call each other before they are defined);
   // define_rule() sets its body. root is the rule the automaton starts in.
   int32_t new_rule(std::string name);
@@ -88,6 +101,10 @@ class Grammar {
   std::string structure_key() const;
   // Checks every rule is defined and the root is set; a broken grammar is an InternalError.
   void validate() const;
+  // Removes the calls of rules that can never end (no finite text gets from their start to their end, e.g. a schema
+  // that requires itself), so that no path can start one and never finish. A kiln::Error when the root is one, and
+  // when a rule can call itself before consuming a byte (left recursion: the automaton's closure would not end).
+  void prune_unproductive();
 
  private:
   int32_t add_node();
@@ -98,6 +115,9 @@ class Grammar {
   std::vector<std::string> rule_names_;
   std::vector<CountBound> bounds_;
   int32_t root_ = -1;
+  size_t max_nodes_ = SIZE_MAX;
+  std::chrono::milliseconds max_time_{0};
+  std::chrono::steady_clock::time_point deadline_{std::chrono::steady_clock::time_point::max()};
 };
 
 // The pushdown automaton over one grammar. Not thread-safe: one per sequence (or per thread).

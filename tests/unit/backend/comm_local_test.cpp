@@ -117,7 +117,7 @@ TEST(CommLocal, AbortReleasesWaitingRanks) {
   std::thread waiter([&] {
     try {
       comms[0]->barrier();
-    } catch (const Error& e) {
+    } catch (const model::GroupAborted& e) {  // by type: the reason is another rank's error
       error = e.what();
     }
   });
@@ -125,6 +125,9 @@ TEST(CommLocal, AbortReleasesWaitingRanks) {
   comms[1]->abort();
   waiter.join();
   EXPECT_THAT(error, ::testing::HasSubstr("aborted"));
+  // A later collective fails at once with the same type, until reset.
+  float x = 1;
+  EXPECT_THROW(comms[0]->all_reduce_sum(&x, 1), model::GroupAborted);
 }
 
 TEST(CommLocal, BadSize) { EXPECT_THROW(make_local_group(0), Error); }

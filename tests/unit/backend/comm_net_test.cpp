@@ -21,6 +21,7 @@ namespace kiln::backend {
 namespace {
 
 using namespace std::chrono_literals;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 using kiln::testing::free_port;
@@ -125,6 +126,30 @@ TEST(CommNet, MissingRankTimesOutOnEveryNode) {
   // Broken for good.
   auto again = run_ranks(net, [&](model::Communicator& c) { c.barrier(); });
   for (int r = 0; r < kTp; ++r) EXPECT_THAT(again[r], HasSubstr("restart every node")) << "rank " << r;
+}
+
+// abort() (another rank failed) releases the node's waiting ranks with model::GroupAborted, so a caller can tell it
+// from the failing rank's own error by type; later collectives fail the same way (a broken multi-node group stays
+// broken).
+TEST(CommNet, AbortReleasesWaitingRanksWithGroupAborted) {
+  auto l = links(2, 4);
+  auto node0 = make_net_group(4, l[0], 0ms);  // no time-out: only abort() releases rank 1
+  std::string caught;
+  std::thread waiter([&] {
+    try {
+      node0[1]->barrier();
+    } catch (const model::GroupAborted& e) {
+      caught = std::string("aborted: ") + e.what();
+    } catch (const std::exception& e) {
+      caught = std::string("other: ") + e.what();
+    }
+  });
+  std::this_thread::sleep_for(50ms);
+  node0[0]->abort();
+  waiter.join();
+  EXPECT_THAT(caught, AllOf(HasSubstr("aborted: "), HasSubstr("another rank failed")));
+  EXPECT_THROW(node0[0]->barrier(), model::GroupAborted);
+  EXPECT_TRUE(l[0]->closed());
 }
 
 }  // namespace

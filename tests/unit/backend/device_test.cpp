@@ -1,5 +1,7 @@
-// Kernel choices (--dtype / --attention-backend / --moe-runner-backend / --fp4-gemm-backend) and the device memory
-// plan, host-only: the plan is made from config.json before anything touches a GPU.
+// Kernel choices (--dtype / --attention-backend / --moe-runner-backend / --fp4-gemm-backend), the device memory
+// plan, the parallel sizes' one check and the placement of ranks on GPUs, host-only: the plan is made from
+// config.json, the placement from a list of GPUs (faked here) before anything touches a GPU.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,7 +32,7 @@ TEST(KernelChoice, AutoResolvesPerDevice) {
   EXPECT_EQ(cpu.attention, "cpu");
   const KernelChoice h = resolve_kernels("cuda", 9, o);
   EXPECT_EQ(h.attention, "kiln-paged");
-  EXPECT_EQ(h.moe_runner, "kiln-fused-decode");  // sm_90 only: other GPUs keep the grouped path
+  EXPECT_EQ(h.moe_runner, "kiln-grouped");  // the fused decode kernels are by name only (slower at batch 1)
   EXPECT_EQ(resolve_kernels("cuda", 12, o).moe_runner, "kiln-grouped");
   EXPECT_EQ(h.fp4_gemm, "kiln-w4a16");
   EXPECT_NE(h.str().find("fp4-gemm kiln-w4a16"), std::string::npos);
@@ -39,33 +41,33 @@ TEST(KernelChoice, AutoResolvesPerDevice) {
 // The CUDA-core alternatives of each kernel choice are accepted on a GPU and named as asked; the CPU has none.
 TEST(KernelChoice, Fp32AlternativesResolveOnCuda) {
   LoadOptions o;
-  o.attention_backend = "kiln-paged-fp32";
-  o.moe_runner_backend = "kiln-grouped-fp32";
-  o.fp4_gemm_backend = "kiln-fp32";
+  o.gpu.attention_backend = "kiln-paged-fp32";
+  o.gpu.moe_runner_backend = "kiln-grouped-fp32";
+  o.gpu.fp4_gemm_backend = "kiln-fp32";
   const KernelChoice h = resolve_kernels("cuda", 9, o);
   EXPECT_EQ(h.attention, "kiln-paged-fp32");
   EXPECT_EQ(h.moe_runner, "kiln-grouped-fp32");
   EXPECT_EQ(h.fp4_gemm, "kiln-fp32");
   EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }), "");
   o = LoadOptions();
-  o.moe_runner_backend = "kiln-grouped-fp16";
+  o.gpu.moe_runner_backend = "kiln-grouped-fp16";
   const std::string e = error_of([&] { resolve_kernels("cuda", 9, o); });
   EXPECT_NE(e.find("kiln-grouped-fp32"), std::string::npos) << e;
 }
 
 TEST(KernelChoice, UnsupportedChoicesAreClearErrors) {
   LoadOptions o;
-  o.attention_backend = "fa3";
+  o.gpu.attention_backend = "fa3";
   std::string e = error_of([&] { resolve_kernels("cuda", 9, o); });
   EXPECT_NE(e.find("--attention-backend 'fa3'"), std::string::npos) << e;
   EXPECT_NE(e.find("kiln-paged"), std::string::npos) << e;
   o = LoadOptions();
-  o.fp4_gemm_backend = "native-fp4";
+  o.gpu.fp4_gemm_backend = "native-fp4";
   e = error_of([&] { resolve_kernels("cuda", 9, o); });
   EXPECT_NE(e.find("sm_90"), std::string::npos) << e;
   EXPECT_NE(e.find("kiln-w4a16"), std::string::npos) << e;
   o = LoadOptions();
-  o.moe_runner_backend = "kiln-grouped";
+  o.gpu.moe_runner_backend = "kiln-grouped";
   EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }), "");
   EXPECT_EQ(error_of([&] { resolve_kernels("cuda", 9, o); }), "");
 }
@@ -100,11 +102,11 @@ TEST(Dtype, IsPartOfTheKernelChoice) {
   KernelChoice h = resolve_kernels("cuda", 9, o);  // auto
   EXPECT_EQ(h.dtype, "bfloat16");
   EXPECT_NE(h.str().find("dtype bfloat16"), std::string::npos) << h.str();
-  o.dtype = "float32";
+  o.gpu.dtype = "float32";
   h = resolve_kernels("cuda", 9, o);
   EXPECT_EQ(h.dtype, "float32");
   EXPECT_NE(h.str().find("dtype float32"), std::string::npos) << h.str();
-  o.dtype = "bfloat16";
+  o.gpu.dtype = "bfloat16";
   h = resolve_kernels("cuda", 9, o);
   EXPECT_EQ(h.dtype, "bfloat16");
   EXPECT_NE(h.str().find("dtype bfloat16"), std::string::npos) << h.str();
@@ -232,7 +234,7 @@ TEST(MemoryPlan, TooSmallGpusAndTooLargeRequestsAreRefusedWithTheNumbers) {
   e = error_of([&] { plan_device_memory(dir, o, 141.0 * GiB, 0); });
   EXPECT_NE(e.find("--max-total-tokens"), std::string::npos) << e;
   o = LoadOptions();
-  o.mem_fraction_static = 0.99;
+  o.gpu.mem_fraction_static = 0.99;
   EXPECT_NE(error_of([&] { plan_device_memory(dir, o, 141.0 * GiB, 0); }), "");
 }
 
@@ -254,7 +256,7 @@ TEST(MemoryPlan, PerRankPlanAtTp1To8) {
     double whole = 0;
     for (int tp : {1, 2, 8}) {
       LoadOptions o;
-      o.tp_size = tp;
+      o.parallel.tp_size = tp;
       o.state_slots = 16;
       o.max_context = 8192;
       const MemoryPlan p = plan_device_memory(dir, o, 400.0 * GiB, 0);
@@ -287,11 +289,11 @@ TEST(MemoryPlan, PerRankPlanAtTp1To8) {
 TEST(MemoryPlan, RanksSharingOneGpuSplitItsBudget) {
   const format::ModelDir dir = format::ModelDir::open(kConfig35);
   LoadOptions o;
-  o.tp_size = 2;
+  o.parallel.tp_size = 2;
   o.state_slots = 8;
   o.max_context = 4096;
   const MemoryPlan own = plan_device_memory(dir, o, 141.0 * GiB, 0);
-  o.gpu_id_step = 0;  // both ranks on one GPU
+  o.parallel.gpu_id_step = 0;  // both ranks on one GPU
   const MemoryPlan shared = plan_device_memory(dir, o, 141.0 * GiB, 0);
   EXPECT_EQ(shared.ranks_per_gpu, 2);
   EXPECT_DOUBLE_EQ(shared.budget_bytes, 141.0 * GiB * 0.9 / 2);
@@ -305,12 +307,207 @@ TEST(MemoryPlan, RanksSharingOneGpuSplitItsBudget) {
 TEST(MemoryPlan, ShardErrorsAndTooSmallGpusNameTheTpSize) {
   const format::ModelDir dir = format::ModelDir::open(std::string(KILN_SOURCE_DIR) + k397.dir);
   LoadOptions o;
-  o.tp_size = 3;  // does not divide 32 heads
+  o.parallel.tp_size = 3;  // does not divide 32 heads
   EXPECT_NE(error_of([&] { plan_device_memory(dir, o, 141.0 * GiB, 0); }), "");
-  o.tp_size = 2;
+  o.parallel.tp_size = 2;
   const std::string e = error_of([&] { plan_device_memory(dir, o, 96.0 * GiB, 0); });
   EXPECT_NE(e.find("on each GPU of tp 2"), std::string::npos) << e;
   EXPECT_NE(e.find("--tp-size"), std::string::npos) << e;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// validate_parallel: the one check of the parallel sizes.
+
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+void expect_invalid(const ParallelOptions& p, const std::string& message) {
+  EXPECT_THAT([&] { validate_parallel(p); }, ThrowsMessage<Error>(HasSubstr(message)));
+}
+
+TEST(ValidateParallel, DefaultsAndGoodSizesPass) {
+  EXPECT_NO_THROW(validate_parallel(ParallelOptions{}));
+  ParallelOptions p;
+  p.tp_size = 8;
+  p.ep_size = 4;
+  p.nnodes = 2;
+  p.node_rank = 1;
+  p.dist_init_addr = "node0:5000";
+  EXPECT_NO_THROW(validate_parallel(p));
+}
+
+TEST(ValidateParallel, SizesThatDoNotDivide) {
+  ParallelOptions p;
+  p.tp_size = 4;
+  p.ep_size = 3;
+  expect_invalid(p, "--ep-size 3 must divide --tp-size 4");
+  p = {};
+  p.tp_size = 6;
+  p.nnodes = 4;
+  p.node_rank = 1;
+  p.dist_init_addr = "10.0.0.1:5000";
+  expect_invalid(p, "--tp-size 6 does not divide over --nnodes 4: every machine runs tp-size / nnodes ranks");
+}
+
+TEST(ValidateParallel, OutOfRangeValues) {
+  ParallelOptions p;
+  p.tp_size = 0;
+  expect_invalid(p, "--tp-size must be at least 1, got 0");
+  p = {};
+  p.ep_size = 0;
+  expect_invalid(p, "--ep-size must be at least 1, got 0");
+  p = {};
+  p.nnodes = 0;
+  expect_invalid(p, "--nnodes must be at least 1, got 0");
+  p = {};
+  p.base_gpu_id = -1;
+  expect_invalid(p, "--base-gpu-id must not be negative, got -1");
+  p = {};
+  p.gpu_id_step = -1;
+  expect_invalid(p, "--gpu-id-step must not be negative, got -1");
+  p = {};
+  p.tp_size = 8;
+  p.nnodes = 2;
+  p.node_rank = 2;
+  p.dist_init_addr = "10.0.0.1:5000";
+  expect_invalid(p, "--node-rank 2 is outside 0..1 (--nnodes 2)");
+}
+
+TEST(ValidateParallel, SeveralNodesNeedAnAddressWithAPort) {
+  ParallelOptions p;
+  p.tp_size = 4;
+  p.nnodes = 2;
+  expect_invalid(p, "--nnodes 2 needs --dist-init-addr host:port");
+  p.dist_init_addr = "10.0.0.1";
+  expect_invalid(p, "--dist-init-addr '10.0.0.1': no port");
+  p.dist_init_addr = "10.0.0.1:99999";
+  expect_invalid(p, "port 99999 is outside 1..65535");
+}
+
+TEST(ValidateParallel, SingleRankIsOneRankOfALargerPlanOnOneMachine) {
+  ParallelOptions p;
+  p.single_rank = 0;
+  expect_invalid(p, "--single-rank 0 needs --tp-size greater than it (got --tp-size 1)");
+  p.tp_size = 4;
+  p.single_rank = 4;
+  expect_invalid(p, "--single-rank 4 needs --tp-size greater than it");
+  p.single_rank = 3;
+  EXPECT_NO_THROW(validate_parallel(p));
+  EXPECT_EQ(p.local_ranks(), 1);
+  p.nnodes = 2;
+  p.dist_init_addr = "10.0.0.1:5000";
+  expect_invalid(p, "--single-rank runs one GPU of one machine: drop --nnodes");
+}
+
+TEST(ValidateParallel, LocalRanksAreTpOverNodes) {
+  ParallelOptions p;
+  EXPECT_EQ(p.local_ranks(), 1);
+  p.tp_size = 8;
+  EXPECT_EQ(p.local_ranks(), 8);
+  p.nnodes = 2;
+  EXPECT_EQ(p.local_ranks(), 4);
+  p = {};
+  EXPECT_FALSE(p.is_group());
+  p.ep_size = 2;  // expert parallel alone is a group too
+  EXPECT_TRUE(p.is_group());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// place_ranks over fake GPU probes.
+
+std::vector<GpuInfo> gpus(int n, double gib = 80, const char* name = "NVIDIA H100 80GB HBM3") {
+  std::vector<GpuInfo> out(n);
+  for (int i = 0; i < n; ++i) {
+    out[i].name = name;
+    out[i].major = 9;
+    out[i].memory_bytes = gib * GiB;
+    out[i].free_bytes = (gib - 1) * GiB;
+  }
+  return out;
+}
+
+ParallelOptions tp(int n) {
+  ParallelOptions p;
+  p.tp_size = n;
+  return p;
+}
+
+TEST(PlaceRanks, OneRankPerGpuFromTheBase) {
+  RankPlacement r = place_ranks(tp(4), gpus(8));
+  EXPECT_EQ(r.devices, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(r.ranks_on_first_gpu, 1);
+  EXPECT_EQ(r.first_rank, 0);
+  EXPECT_EQ(r.gpu_list(), "0,1,2,3");
+  ParallelOptions p = tp(2);
+  p.base_gpu_id = 4;
+  p.gpu_id_step = 2;
+  EXPECT_EQ(place_ranks(p, gpus(8)).devices, (std::vector<int>{4, 6}));
+  EXPECT_EQ(place_ranks(ParallelOptions{}, gpus(1)).devices, (std::vector<int>{0}));
+}
+
+TEST(PlaceRanks, StepZeroPutsEveryRankOnOneGpu) {
+  ParallelOptions p = tp(4);
+  p.gpu_id_step = 0;
+  const RankPlacement r = place_ranks(p, gpus(1));
+  EXPECT_EQ(r.devices, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(r.ranks_on_first_gpu, 4);
+}
+
+TEST(PlaceRanks, MoreRanksThanGpusIsAClearError) {
+  EXPECT_THAT([] { place_ranks(tp(4), gpus(2)); },
+              ThrowsMessage<Error>(HasSubstr("--tp-size 4 puts rank 2 on GPU 2 (--base-gpu-id 0 --gpu-id-step 1), but "
+                                             "this machine has 2 GPU(s) (0..1): lower --tp-size, or --gpu-id-step 0")));
+  ParallelOptions p = tp(2);
+  p.gpu_id_step = 64;
+  EXPECT_THAT([&] { place_ranks(p, gpus(2)); }, ThrowsMessage<Error>(HasSubstr("rank 1 on GPU 64")));
+  EXPECT_THAT([] { place_ranks(ParallelOptions{}, {}); },
+              ThrowsMessage<Error>(HasSubstr("but this machine has 0 GPU(s):")));
+}
+
+TEST(PlaceRanks, UnusableAndMismatchedGpusAreRefused) {
+  std::vector<GpuInfo> g = gpus(2);
+  g[1].usable = false;
+  g[1].reason = "compute capability 8.0 not supported";
+  EXPECT_THAT([&] { place_ranks(tp(2), g); },
+              ThrowsMessage<Error>(HasSubstr("rank 1 on GPU 1: compute capability 8.0 not supported")));
+  g = gpus(2);
+  g[1].name = "NVIDIA H200";
+  g[1].memory_bytes = 141 * GiB;
+  EXPECT_THAT([&] { place_ranks(tp(2), g); },
+              ThrowsMessage<Error>(HasSubstr("tensor parallel needs GPUs of one kind: GPU 0 is NVIDIA H100 80GB HBM3")));
+}
+
+TEST(PlaceRanks, FreeMemoryIsTheLeastOfTheGpusUsed) {
+  std::vector<GpuInfo> g = gpus(4);
+  g[2].free_bytes = 10 * GiB;
+  g[3].free_bytes = 5 * GiB;  // not used by tp 3
+  EXPECT_DOUBLE_EQ(place_ranks(tp(3), g).free_bytes, 10 * GiB);
+}
+
+TEST(PlaceRanks, SeveralNodesPlaceTheirOwnRanks) {
+  ParallelOptions p = tp(8);
+  p.nnodes = 2;
+  p.node_rank = 1;
+  p.dist_init_addr = "10.0.0.1:5000";
+  const RankPlacement r = place_ranks(p, gpus(4));
+  EXPECT_EQ(r.devices, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(r.first_rank, 4);
+}
+
+TEST(PlaceRanks, SingleRankRunsOnTheBaseGpu) {
+  ParallelOptions p = tp(8);
+  p.single_rank = 5;
+  p.base_gpu_id = 1;
+  EXPECT_EQ(place_ranks(p, gpus(2)).devices, (std::vector<int>{1}));
+}
+
+// kiln's NCCL settings: NVLink multicast off (the reason is given for the startup summary).
+TEST(NcclEnvDefaults, NvlsOffWithAReason) {
+  const auto& d = nccl_env_defaults();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_STREQ(d[0].name, "NCCL_NVLS_ENABLE");
+  EXPECT_STREQ(d[0].value, "0");
+  EXPECT_NE(std::string(d[0].why), "");
 }
 
 }  // namespace

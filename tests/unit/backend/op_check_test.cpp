@@ -1,12 +1,17 @@
 // The op-comparison harness (backend/op_check.h) without a GPU: the CPU backend against a second CPU backend is
-// exact, with either delta-rule reference; the bf16-input budgets go to the tensor-core ops only.
+// exact, with either delta-rule reference; a CPU backend with one op slightly wrong fails that op and only that op;
+// an empty list of checks is a failure; the bf16-input budgets go to the tensor-core ops only.
+#include "backend/op_check.h"
+
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "backend/op_check.h"
+#include "core/error.h"
+#include "forwarding_ops.h"
 
 namespace kiln::backend {
 namespace {
@@ -25,6 +30,55 @@ TEST(OpCompare, CpuAgainstCpuIsExact) {
       EXPECT_EQ(r.rel_err, 0.0) << r.str();
     }
   }
+}
+
+// The CPU backend with silu_mul's output scaled by (1 + 1e-3): a small error, 100x the fp32 tolerance, that only a
+// working harness notices.
+class PerturbedSiluMul final : public kiln::testing::ForwardingOps {
+ public:
+  using ForwardingOps::ForwardingOps;
+  void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) override {
+    ForwardingOps::silu_mul(gate, up, out);
+    ASSERT_EQ(out.dtype, DType::F32);
+    float* o = static_cast<float*>(out.data);  // the CPU backend's tensors are host memory
+    for (int64_t i = 0; i < out.numel(); ++i) o[i] *= 1.001f;
+  }
+};
+
+TEST(OpCompare, PerturbedOpFailsTheHarnessAndOnlyThatOp) {
+  PerturbedSiluMul wrong(make_cpu_backend());
+  auto ref = make_cpu_backend();
+  OpCheckConfig c;
+  c.seed = 11;
+  const std::vector<OpCheck> results = compare_ops(wrong, *ref, c);
+  int failed = 0;
+  for (const OpCheck& r : results) {
+    const bool perturbed = r.op.rfind("silu_mul", 0) == 0;
+    EXPECT_EQ(r.passed(), !perturbed) << r.str();
+    if (perturbed) {
+      EXPECT_NEAR(r.rel_err, 1e-3, 1e-4) << r.str();
+      ++failed;
+    }
+  }
+  EXPECT_GE(failed, 1);
+  EXPECT_THAT(op_check_failures(results),
+              ::testing::AllOf(::testing::HasSubstr(fmt::format("{} of {} op checks disagree", failed, results.size())),
+                               ::testing::HasSubstr("silu_mul")));
+  // The startup check refuses the backend, naming the op.
+  EXPECT_THAT([&] { startup_op_check(wrong, *ref); },
+              ::testing::ThrowsMessage<Error>(::testing::AllOf(::testing::HasSubstr("self-check failed"),
+                                                               ::testing::HasSubstr("silu_mul"))));
+}
+
+TEST(OpCompare, NoChecksIsAFailure) {
+  EXPECT_EQ(op_check_failures({}), "no op was checked");
+  OpCheck ok;
+  ok.op = "add";
+  ok.tol = 1e-5;
+  EXPECT_EQ(op_check_failures({ok}), "");
+  OpCheck nan = ok;
+  nan.finite = false;
+  EXPECT_THAT(op_check_failures({ok, nan}), ::testing::HasSubstr("1 of 2 op checks disagree (add: NaN or inf"));
 }
 
 // use_bf16_input_budgets (--dtype bfloat16) loosens exactly the ops a CUDA backend may run on tensor cores: dense

@@ -71,6 +71,34 @@ TEST(Rendezvous, HostNameWorks) {
   EXPECT_EQ(n0.get(), (std::vector<uint8_t>{1, 2, 3}));
 }
 
+// A connection that is not a kiln node (here an HTTP request) is dropped; the rendezvous goes on.
+TEST(Rendezvous, AStrangerIsIgnored) {
+  const int port = free_port();
+  const std::string addr = "127.0.0.1:" + std::to_string(port);
+  RendezvousHeader h{2, 2, "m"};
+  auto n0 = start_node(addr, 0, h, 20s, unique_id());
+  int fd = -1;
+  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {  // until node 0 listens
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+      ::close(fd);
+      fd = -1;
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  ASSERT_GE(fd, 0);
+  const char http[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_GT(::write(fd, http, sizeof(http) - 1), 0);
+  auto n1 = start_node(addr, 1, h, 20s);
+  EXPECT_EQ(n1.get(), unique_id());
+  EXPECT_EQ(n0.get(), unique_id());
+  ::close(fd);
+}
+
 TEST(Rendezvous, SingleNodeNeedsNoAddress) {
   RendezvousOptions o;
   EXPECT_EQ(rendezvous(o, RendezvousHeader{1, 4, "m"}, {9}), (std::vector<uint8_t>{9}));

@@ -41,9 +41,9 @@ std::string parse_dtype(std::vector<std::string> args) {
 }
 
 TEST(DtypeFlag, ParsesIntoLoadOptions) {
-  EXPECT_EQ(parse_gpu({}).dtype, "auto");
-  EXPECT_EQ(parse_gpu({"--dtype", "bfloat16"}).dtype, "bfloat16");
-  EXPECT_EQ(parse_gpu({"--dtype", "float32"}).dtype, "float32");
+  EXPECT_EQ(parse_gpu({}).gpu.dtype, "auto");
+  EXPECT_EQ(parse_gpu({"--dtype", "bfloat16"}).gpu.dtype, "bfloat16");
+  EXPECT_EQ(parse_gpu({"--dtype", "float32"}).gpu.dtype, "float32");
   EXPECT_EQ(parse_dtype({}), "auto");
   EXPECT_EQ(parse_dtype({"--dtype", "bfloat16"}), "bfloat16");
   // float16 is a known name (refused when the model loads, with the reason); other names fail at parse time.
@@ -73,6 +73,26 @@ TEST(GpuFlags, RemovedEnablePdlFailsWithTheReason) {
               ThrowsMessage<CLI::ValidationError>(HasSubstr("--enable-pdl: removed: programmatic dependent launch "
                                                             "gave wrong tokens intermittently")));
   EXPECT_NO_THROW(parse_gpu({"--disable-cuda-graph"}));
+}
+
+// Every GPU flag lands in its field of LoadOptions::gpu (the part the CUDA loader reads); the two spelled otherwise
+// on the command line are turned around (--disable-cuda-graph) or parsed (--load-format).
+TEST(GpuFlags, FillTheGpuPartOfTheLoadOptions) {
+  const backend::LoadOptions d = parse_gpu({});
+  EXPECT_TRUE(d.gpu.cuda_graphs);
+  EXPECT_EQ(d.gpu.mem_fraction_static, 0);
+  EXPECT_EQ(d.load_format, model::LoadFormat::safetensors);
+  const backend::LoadOptions lo =
+      parse_gpu({"--mem-fraction-static", "0.5", "--attention-backend", "kiln-paged-fp32", "--moe-runner-backend",
+                 "kiln-grouped-fp32", "--fp4-gemm-backend", "kiln-fp32", "--disable-cuda-graph",
+                 "--disable-custom-all-reduce", "--load-format", "dummy"});
+  EXPECT_EQ(lo.gpu.mem_fraction_static, 0.5);
+  EXPECT_EQ(lo.gpu.attention_backend, "kiln-paged-fp32");
+  EXPECT_EQ(lo.gpu.moe_runner_backend, "kiln-grouped-fp32");
+  EXPECT_EQ(lo.gpu.fp4_gemm_backend, "kiln-fp32");
+  EXPECT_FALSE(lo.gpu.cuda_graphs);
+  EXPECT_TRUE(lo.gpu.disable_custom_all_reduce);
+  EXPECT_EQ(lo.load_format, model::LoadFormat::dummy);
 }
 
 }  // namespace

@@ -916,7 +916,7 @@ TEST(EngineCache, ThirtyTwoConcurrentRequestsInATinyPoolAllFinishAsAlone) {
 const std::string kTiny = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
 
 std::unique_ptr<model::ModelRunner> tiny(int64_t kv_pages, int slots) {
-  backend::CpuLoadOptions lo;
+  backend::LoadOptions lo;
   lo.max_context = 1024;
   lo.kv_pages = kv_pages;
   lo.state_slots = slots;

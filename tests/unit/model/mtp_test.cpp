@@ -23,8 +23,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-backend::CpuLoadOptions f32_kv(int64_t prefill_chunk = 512) {
-  backend::CpuLoadOptions o;
+backend::LoadOptions f32_kv(int64_t prefill_chunk = 512) {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   o.prefill_chunk = prefill_chunk;
   o.mtp = true;

@@ -1,14 +1,27 @@
-// Runner consistency on the tiny fixtures (no reference needed: the engine against itself, F32 KV cache so only
+// The Runner (src/model/runner.*). Consistency on the tiny fixtures (no reference needed: the engine against itself, F32 KV cache so only
 // accumulation order differs): chunked prefill == one-shot prefill, prefill n + decode == prefill n+1, a mixed
 // batch == each sequence alone, chunked delta rule == recurrence; plus FP8 KV scales and load-time errors.
-#include <gtest/gtest.h>
+//
+// Then the runner's decode-graph bookkeeping, host-only: a backend whose "graphs" record the ops of a captured pass
+// (instead of running them) and run them when the graph is launched. The first decode pass of a shape must run
+// eagerly, the next ones capture and launch; a stale graph (launch refused) is captured again; a capture that
+// throws ends the capture; and the logits equal a plain CPU runner's bit for bit.
+#include "model/runner.h"
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <gtest/gtest.h>
+#include <memory>
+#include <string>
 #include <unistd.h>
+#include <vector>
 
+#include "backend/cpu/cpu_backend.h"
 #include "core/error.h"
+#include "format/model_config.h"
+#include "format/model_dir.h"
 #include "reference_fixture.h"
 
 namespace kiln::testing {
@@ -23,8 +36,8 @@ double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-backend::CpuLoadOptions f32_kv() {
-  backend::CpuLoadOptions o;
+backend::LoadOptions f32_kv() {
+  backend::LoadOptions o;
   o.kv_dtype = DType::F32;
   return o;
 }
@@ -234,3 +247,248 @@ TEST(Runner, RejectsBadChunks) {
 
 }  // namespace
 }  // namespace kiln::testing
+
+namespace kiln::model {
+namespace {
+
+// Wraps the CPU backend. While capturing, compute ops are recorded (memory ops run at once, as scratch
+// addresses are fixed at capture time on a GPU too); graph_launch runs the recording. A graph can be launched
+// once: every later launch reports it stale (as a GPU backend does after its scratch memory moved), which makes
+// the runner capture again on every step after the first of a shape.
+class RecordingOps final : public Ops {
+ public:
+  explicit RecordingOps(std::unique_ptr<Ops> inner) : in_(std::move(inner)) {}
+  int captures = 0, launches = 0, stale = 0, eager_passes_seen = 0;
+  int all_reduces = 0;  // Ops::all_reduce calls (the tensor-parallel sum points), captured or not
+  bool throw_in_next_capture = false;
+
+  std::string name() const override { return "recording"; }
+  std::string describe() const override { return in_->describe(); }
+  TensorView allocate(DType d, Shape s) override { return in_->allocate(d, s); }
+  TensorView place_weight(const TensorView& h) override { return in_->place_weight(h); }
+  void finish_weights() override { in_->finish_weights(); }
+  TensorView scratch(DType d, Shape s) override { return in_->scratch(d, s); }
+  void reset_scratch() override { in_->reset_scratch(); }
+  TensorView upload(const void* h, DType d, Shape s) override { return in_->upload(h, d, s); }
+  void download(const TensorView& src, void* host) override {
+    KILN_CHECK(!capturing_, "download during a capture");
+    in_->download(src, host);
+  }
+  float max_abs(const TensorView& x) override {
+    KILN_CHECK(!capturing_, "max_abs (a synchronising op) during a capture");
+    return in_->max_abs(x);
+  }
+  void fill_zero(TensorView t) override { run([=, this] { in_->fill_zero(t); }); }
+  void copy(const TensorView& s, TensorView d) override { run([=, this] { in_->copy(s, d); }); }
+
+  bool graph_capture_begin() override {
+    capturing_ = true;
+    recording_.clear();
+    ++captures;
+    return true;
+  }
+  int graph_capture_end() override {
+    capturing_ = false;
+    graphs_.push_back(std::move(recording_));
+    launched_.push_back(false);
+    return static_cast<int>(graphs_.size()) - 1;
+  }
+  bool graph_launch(int h) override {
+    if (h < 0 || h >= static_cast<int>(graphs_.size()) || launched_[h]) {
+      ++stale;
+      return false;
+    }
+    launched_[h] = true;
+    for (auto& op : graphs_[h]) op();
+    ++launches;
+    return true;
+  }
+
+  void embedding(const TensorView& t, const TensorView& ids, TensorView out) override {
+    if (!capturing_) ++eager_passes_seen;  // one embedding per pass
+    if (capturing_ && throw_in_next_capture) {
+      throw_in_next_capture = false;
+      fail("injected failure inside a capture");
+    }
+    run([=, this] { in_->embedding(t, ids, out); });
+  }
+  void linear(const TensorView& x, const LinearWeight& w, TensorView out) override {
+    run([=, this, &w] { in_->linear(x, w, out); });
+  }
+  void rms_norm(const TensorView& x, const TensorView& w, float eps, NormKind k, TensorView out) override {
+    run([=, this] { in_->rms_norm(x, w, eps, k, out); });
+  }
+  void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& w, float eps,
+                      TensorView out) override {
+    run([=, this] { in_->gated_rms_norm(x, z, w, eps, out); });
+  }
+  void rope(TensorView x, const TensorView& pos, int rd, double theta) override {
+    run([=, this] { in_->rope(x, pos, rd, theta); });
+  }
+  void add(const TensorView& a, const TensorView& b, TensorView out) override {
+    run([=, this] { in_->add(a, b, out); });
+  }
+  void silu_mul(const TensorView& g, const TensorView& u, TensorView out) override {
+    run([=, this] { in_->silu_mul(g, u, out); });
+  }
+  void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) override {
+    run([=, this] { in_->sigmoid_mul(x, g, out); });
+  }
+  void all_reduce(TensorView x) override {
+    ++all_reduces;
+    run([=, this] { in_->all_reduce(x); });
+  }
+  void gather_rows(const TensorView& x, const TensorView& rows, TensorView out) override {
+    run([=, this] { in_->gather_rows(x, rows, out); });
+  }
+  // The step layout is the runner's for the pass being captured; a recording is launched within that pass
+  // (later launches are refused), so holding it by reference is valid.
+  void kv_store(const TensorView& k, const TensorView& v, KvLayerView c, const StepLayout& st) override {
+    run([=, this, &st] { in_->kv_store(k, v, c, st); });
+  }
+  void attention(const TensorView& q, KvLayerView c, const StepLayout& st, float scale, TensorView out) override {
+    run([=, this, &st] { in_->attention(q, c, st, scale, out); });
+  }
+  void causal_conv1d_silu(const TensorView& x, const TensorView& w, TensorView cs, const StepLayout& st,
+                          TensorView out) override {
+    run([=, this, &st] { in_->causal_conv1d_silu(x, w, cs, st, out); });
+  }
+  void delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& al, const TensorView& dt,
+                        TensorView g, TensorView beta) override {
+    run([=, this] { in_->delta_rule_gates(a, b, al, dt, g, beta); });
+  }
+  void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                        const TensorView& b, TensorView state, const StepLayout& st, DeltaRuleMode m,
+                        TensorView out) override {
+    run([=, this, &st] { in_->gated_delta_rule(q, k, v, g, b, state, st, m, out); });
+  }
+  void moe_route(const TensorView& l, int k, bool r, TensorView ids, TensorView w) override {
+    run([=, this] { in_->moe_route(l, k, r, ids, w); });
+  }
+  void moe_experts(const TensorView& x, const TensorView& ids, const TensorView& w,
+                   std::span<const ExpertWeights> experts, TensorView out) override {
+    run([=, this] { in_->moe_experts(x, ids, w, experts, out); });
+  }
+
+ private:
+  template <typename F>
+  void run(F&& f) {
+    if (capturing_) recording_.emplace_back(std::forward<F>(f));
+    else f();
+  }
+  std::unique_ptr<Ops> in_;
+  bool capturing_ = false;
+  std::vector<std::function<void()>> recording_;
+  std::vector<std::vector<std::function<void()>>> graphs_;
+  std::vector<bool> launched_;
+};
+
+const std::string kTiny = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+
+struct Gen {
+  std::unique_ptr<Runner> runner;
+  std::vector<std::vector<int32_t>> pages;
+  Gen(std::unique_ptr<Ops> ops, int graph_max_batch) {
+    RunnerOptions ro;
+    ro.state_slots = 3;
+    ro.max_context = 128;
+    ro.kv_dtype = DType::F32;
+    ro.graph_max_batch = graph_max_batch;
+    runner = std::make_unique<Runner>(std::move(ops), format::ModelDir::open(kTiny), ro);
+    const int64_t per = runner->capacity().kv_pages / 3;
+    for (int s = 0; s < 3; ++s) {
+      pages.emplace_back(per);
+      for (int64_t p = 0; p < per; ++p) pages.back()[p] = static_cast<int32_t>(s * per + p);
+    }
+  }
+  // Prefill three prompts, then `steps` greedy decode steps; the logits of every step, concatenated.
+  std::vector<float> run(int steps, const std::function<void(int)>& before_step = nullptr) {
+    const std::vector<std::vector<int32_t>> prompts = {{5, 6, 7}, {100, 200}, {9, 9, 9, 9, 40}};
+    const int64_t V = runner->vocab_size();
+    std::vector<SeqChunk> chunks(3);
+    std::vector<int32_t> next(3);
+    std::vector<int64_t> pos(3);
+    for (int i = 0; i < 3; ++i) {
+      chunks[i].state_slot = i;
+      chunks[i].tokens = prompts[i];
+      chunks[i].page_table = pages[i];
+      pos[i] = static_cast<int64_t>(prompts[i].size());
+    }
+    std::vector<float> all, logits(3 * V);
+    for (int s = 0; s <= steps; ++s) {
+      if (before_step) before_step(s);
+      runner->forward(chunks, logits);
+      all.insert(all.end(), logits.begin(), logits.end());
+      for (int i = 0; i < 3; ++i) {
+        next[i] = host_argmax(logits.data() + i * V, V);
+        chunks[i].tokens = std::span<const int32_t>(&next[i], 1);
+        chunks[i].start_pos = pos[i]++;
+      }
+    }
+    return all;
+  }
+};
+
+TEST(RunnerGraphs, CapturedPassesGiveTheEagerLogitsAndStaleGraphsAreCapturedAgain) {
+  Gen plain(backend::make_cpu_backend(), 0);
+  auto rec_owner = std::make_unique<RecordingOps>(backend::make_cpu_backend());
+  RecordingOps* rec = rec_owner.get();
+  Gen graphed(std::move(rec_owner), 256);
+  std::vector<int> captures_before;
+  const std::vector<float> want = plain.run(10);
+  const std::vector<float> got = graphed.run(10, [&](int) { captures_before.push_back(rec->captures); });
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_EQ(want, got);  // the same CPU ops in the same order: bit for bit
+  // Step 0 is the prefill (not graphable), step 1 the first decode of its shape (eager), step 2 on capture.
+  EXPECT_EQ(captures_before[1], 0);
+  EXPECT_EQ(captures_before[2], 0);
+  EXPECT_EQ(captures_before[3], 1);
+  // Every later step found its graph stale (this backend refuses a second launch) and captured again. The
+  // context crosses a 16-token page-bucket boundary on the way (positions 5..15), which is a new shape: one more
+  // eager pass there.
+  EXPECT_GE(rec->captures, 8);
+  EXPECT_EQ(rec->launches, rec->captures);
+  EXPECT_GE(rec->stale, rec->captures - 2);
+}
+
+TEST(RunnerGraphs, AFailureInsideACaptureEndsTheCaptureAndTheRunnerKeepsWorking) {
+  auto rec_owner = std::make_unique<RecordingOps>(backend::make_cpu_backend());
+  RecordingOps* rec = rec_owner.get();
+  Gen graphed(std::move(rec_owner), 256);
+  bool threw = false;
+  try {
+    graphed.run(4, [&](int s) {
+      if (s == 3) rec->throw_in_next_capture = true;
+    });
+  } catch (const Error& e) {
+    threw = std::string(e.what()).find("injected") != std::string::npos;
+  }
+  EXPECT_TRUE(threw);
+  // Not stuck capturing: an eager forward works (download would refuse inside a capture).
+  Gen plain(backend::make_cpu_backend(), 0);
+  SeqChunk ch;
+  ch.state_slot = 0;
+  const std::vector<int32_t> toks = {1, 2};
+  ch.tokens = toks;
+  ch.page_table = graphed.pages[0];
+  std::vector<float> a(graphed.runner->vocab_size()), b(a.size());
+  EXPECT_NO_THROW(graphed.runner->forward({&ch, 1}, a));
+  ch.page_table = plain.pages[0];
+  plain.runner->forward({&ch, 1}, b);
+  EXPECT_EQ(a, b);
+}
+
+// The tensor-parallel sum points are explicit: every block that returns into the residual stream (kiln-tiny: a
+// DeltaNet or attention block and a MoE block per layer) ends with one Ops::all_reduce, and nothing else calls it.
+TEST(RunnerTensorParallel, OneAllReducePerBlockOutput) {
+  auto rec_owner = std::make_unique<RecordingOps>(backend::make_cpu_backend());
+  RecordingOps* rec = rec_owner.get();
+  Gen eager(std::move(rec_owner), 0);  // graphs off: every pass runs its ops once
+  const int layers = static_cast<int>(format::load_model_config(format::ModelDir::open(kTiny)).num_layers);
+  ASSERT_GT(layers, 0);
+  eager.run(2);  // a prefill pass and two decode passes
+  EXPECT_EQ(rec->all_reduces, 3 * 2 * layers);
+}
+
+}  // namespace
+}  // namespace kiln::model

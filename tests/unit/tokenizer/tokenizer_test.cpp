@@ -1,10 +1,23 @@
-// Unit tests on small hand-made tokenizers: BPE merge order, added-token options (HF semantics),
-// pre-tokenizer behaviours, streaming decode, lossy UTF-8, NFC, and errors for unsupported pieces.
+// The Tokenizer (src/tokenizer/tokenizer.*). First on small hand-made tokenizers: BPE merge order, added-token
+// options (HF semantics), pre-tokenizer behaviours, streaming decode, lossy UTF-8, NFC, and errors for unsupported
+// pieces. Then Qwen3's real tokenizer.json against outside goldens, one named case each: llama.cpp's vocabulary
+// goldens and HF tokenizers' JS implementation (these run the BPE, pre-tokenizer, normalizer and added vocabulary
+// together, through Tokenizer).
+#include "tokenizer/tokenizer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
+#include <sstream>
+#include <thread>
 
 #include "core/error.h"
-#include "test_support.h"
+#include "oracle_util.h"
+#include "qwen3_tokenizer.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/normalizer.h"
 #include "tokenizer/pre_tokenizer.h"
@@ -14,6 +27,7 @@ namespace kiln::tok {
 namespace {
 
 using nlohmann::json;
+using testing::qwen3;
 
 // GPT-2's bytes_to_unicode, written out again here so the tests do not rely on the code under test.
 std::string byte_level(std::string_view bytes) {
@@ -351,6 +365,233 @@ TEST(TokenizerNfc, MatchesPythonUnicodedata) {
   EXPECT_EQ(failures, 0u);
   EXPECT_EQ(nfc("plain ascii stays"), "plain ascii stays");
 }
+
+// ---- Qwen3's real tokenizer.json against outside goldens
+
+// llama.cpp's Qwen2 vocabulary goldens (tests/fixtures/tokenizer/qwen2.inp / .out, from its shared test data): .inp
+// holds each string followed by "\n__ggml_vocab_test__\n", .out one line of ids per string. One case per string.
+struct LlamaGolden {
+  std::string name;  // the GoogleTest name
+  std::string text;
+  std::vector<int32_t> ids;
+};
+void PrintTo(const LlamaGolden& g, std::ostream* os) { *os << g.name; }
+
+std::vector<LlamaGolden> llama_goldens() {
+  const std::string inp = testing::read_file(testing::source_path("tests/fixtures/tokenizer/qwen2.inp"));
+  std::istringstream out(testing::read_file(testing::source_path("tests/fixtures/tokenizer/qwen2.out")));
+  const std::string separator = "\n__ggml_vocab_test__\n";
+  std::vector<LlamaGolden> goldens;
+  std::set<std::string> taken;
+  size_t pos = 0;
+  for (size_t next; (next = inp.find(separator, pos)) != std::string::npos; pos = next + separator.size()) {
+    LlamaGolden g;
+    g.text = inp.substr(pos, next - pos);
+    std::string line;
+    std::getline(out, line);
+    std::istringstream ids(line);
+    for (int32_t id; ids >> id;) g.ids.push_back(id);
+    g.name = kiln::testing::case_name(fmt::format("string{:02d} {}", goldens.size(), g.text.substr(0, 24)), taken);
+    goldens.push_back(std::move(g));
+  }
+  return goldens;
+}
+
+TEST(TokenizerLlamaGoldens, AllStringsHaveIds) {
+  const auto goldens = llama_goldens();
+  ASSERT_EQ(goldens.size(), 46u);
+  std::string rest;
+  std::istringstream out(testing::read_file(testing::source_path("tests/fixtures/tokenizer/qwen2.out")));
+  for (size_t i = 0; i < goldens.size(); ++i) std::getline(out, rest);
+  EXPECT_FALSE(std::getline(out, rest)) << "qwen2.out has more lines than qwen2.inp has strings";
+}
+
+class TokenizerLlamaGolden : public ::testing::TestWithParam<LlamaGolden> {};
+
+TEST_P(TokenizerLlamaGolden, EncodesAndDecodes) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  const LlamaGolden& g = GetParam();
+  // The goldens are encoded without special tokens; none of the strings contains one.
+  EXPECT_EQ(qwen3().encode(g.text), g.ids) << g.text;
+  EXPECT_EQ(qwen3().decode(g.ids), g.text);
+}
+
+INSTANTIATE_TEST_SUITE_P(Qwen2VocabFromLlamaCpp, TokenizerLlamaGolden, ::testing::ValuesIn(llama_goldens()),
+                         [](const ::testing::TestParamInfo<LlamaGolden>& info) { return info.param.name; });
+
+TEST(TokenizerQwen3, Qwen3Metadata) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  const Tokenizer& t = qwen3();
+  EXPECT_EQ(t.vocab_size(), 151669);
+  EXPECT_EQ(t.token_to_id("<|im_end|>"), 151645);
+  EXPECT_EQ(t.token_to_id("<think>"), 151667);
+  EXPECT_EQ(t.token_to_id("Hello"), 9707);
+  EXPECT_EQ(t.token_to_id("\xC4\xA0world"), 1879);  // "Ġworld": vocabulary strings are byte-level
+  EXPECT_EQ(t.token_to_id("no such token"), -1);
+  EXPECT_EQ(t.id_to_token(9707), "Hello");
+  EXPECT_EQ(t.id_to_token(151645), "<|im_end|>");
+  EXPECT_EQ(t.id_to_token(-1), "");
+  EXPECT_EQ(t.id_to_token(151669), "");
+  EXPECT_TRUE(t.is_special(151645));
+  EXPECT_TRUE(t.is_special(151643));
+  EXPECT_FALSE(t.is_special(151667));  // <think> is an added token but not special in Qwen3
+  EXPECT_FALSE(t.is_special(9707));
+  EXPECT_EQ(t.eos_token(), std::optional<std::string>("<|im_end|>"));
+  EXPECT_EQ(t.bos_token(), std::nullopt);
+}
+
+TEST(TokenizerQwen3, Qwen3SpecialTokens) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  const Tokenizer& t = qwen3();
+  EXPECT_EQ(t.encode(""), std::vector<int32_t>{});
+  EXPECT_EQ(t.encode("Hello world"), (std::vector<int32_t>{9707, 1879}));
+  std::vector<int32_t> chat = t.encode("<|im_start|>user\nHi<|im_end|>");
+  ASSERT_GE(chat.size(), 3u);
+  EXPECT_EQ(chat.front(), 151644);
+  EXPECT_EQ(chat.back(), 151645);
+  // Without parse_special the markers are plain text; non-special added tokens still match.
+  std::vector<int32_t> plain = t.encode("<|im_end|><think>", /*parse_special=*/false);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), 151645), 0);
+  EXPECT_EQ(plain.back(), 151667);
+  EXPECT_EQ(t.decode(plain), "<|im_end|><think>");
+  EXPECT_EQ(t.decode(chat, /*skip_special=*/true), "user\nHi");
+  EXPECT_EQ(t.decode(chat), "<|im_start|>user\nHi<|im_end|>");
+  // Ids past the vocabulary (padded embedding rows) are skipped, as HF does.
+  std::vector<int32_t> with_padding{9707, 151900, 1879};
+  EXPECT_EQ(t.decode(with_padding), "Hello world");
+}
+
+TEST(TokenizerQwen3, RejectsInvalidUtf8) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  EXPECT_THROW(qwen3().encode("ok \xFF bad"), kiln::Error);
+  EXPECT_THROW(qwen3().encode("\xED\xA0\x80"), kiln::Error);  // a surrogate
+}
+
+TEST(TokenizerQwen3, ConcurrentEncodesAgree) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  // The word cache is shared: encodes from several threads must give the single-thread result.
+  std::vector<std::string> texts;
+  for (int i = 0; i < 200; ++i)
+    texts.push_back("word" + std::to_string(i * 7919) + " caf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD " +
+                    std::string(i % 9, ' ') + "end");
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& t : texts) expected.push_back(qwen3().encode(t));
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round)
+        for (size_t i = (t * 37) % texts.size(), n = 0; n < texts.size(); ++n, i = (i + 1) % texts.size())
+          if (qwen3().encode(texts[i]) != expected[i]) ++mismatches;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches.load(), 0);
+}
+
+// HF tokenizers' JS implementation (@huggingface/tokenizers) as the oracle: tests/js/tokenize_oracle.mjs encodes the
+// corpus of tests/fixtures/tokenizer/corpus plus seeded random strings with Qwen3's tokenizer.json, and decodes random
+// id sequences; kiln must produce the same ids, decode them to the NFC form of the input, and decode the id sequences
+// to the same text. One case per corpus file, plus the long text of all files, the random strings and the decodes.
+
+std::string ids_text(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids) s += std::to_string(id) + " ";
+  return s;
+}
+
+// The oracle's lines (one run of node for the whole suite); empty when node or the tokenizer is missing.
+const std::vector<json>& hf_oracle() {
+  static const std::vector<json> lines = [] {
+    std::vector<json> out;
+    if (!testing::have_qwen3_tokenizer() || std::system("node --version > /dev/null 2>&1") != 0) return out;
+    const std::string file = std::string(KILN_BINARY_DIR) + "/tokenizer_oracle.jsonl";
+    const std::string command = "cd '" + testing::source_path("tests/js") + "' && node tokenize_oracle.mjs '" +
+                                testing::qwen3_tokenizer_dir() + "' '" +
+                                testing::source_path("tests/fixtures/tokenizer/corpus") + "' '" + file +
+                                "' --random 3000 --seed 12345";
+    if (std::system(command.c_str()) != 0) return out;
+    std::ifstream in(file);
+    for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+    return out;
+  }();
+  return lines;
+}
+
+// A group of oracle lines: encodes whose source starts with `prefix`, or (prefix "decode") the decode cases.
+struct HfOracleGroup {
+  std::string name;
+  std::string prefix;
+};
+void PrintTo(const HfOracleGroup& g, std::ostream* os) { *os << g.name; }
+
+std::vector<HfOracleGroup> hf_oracle_groups() {
+  std::vector<HfOracleGroup> groups;
+  std::set<std::string> taken;
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(testing::source_path("tests/fixtures/tokenizer/corpus")))
+    if (e.path().extension() == ".txt") files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  for (const std::string& f : files) groups.push_back({kiln::testing::case_name("encode " + f, taken), f});
+  groups.push_back({"encode_long_all_files", "long("});
+  groups.push_back({"encode_random_strings", "random#"});
+  groups.push_back({"decode_random_ids", "decode"});
+  return groups;
+}
+
+class TokenizerHfOracle : public ::testing::TestWithParam<HfOracleGroup> {};
+
+TEST_P(TokenizerHfOracle, MatchesHfTokenizersJs) {
+  KILN_REQUIRE_QWEN3_TOKENIZER();
+  if (std::system("node --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "node is not installed";
+  ASSERT_FALSE(hf_oracle().empty()) << "tests/js/tokenize_oracle.mjs failed (run scripts/setup.sh)";
+  const std::string& prefix = GetParam().prefix;
+  const bool decodes = prefix == "decode";
+  size_t cases = 0, failures = 0;
+  const size_t kMaxReported = 10;
+  for (const json& j : hf_oracle()) {
+    if (decodes != (j["kind"] != "encode")) continue;
+    if (!decodes && j["source"].get<std::string>().rfind(prefix, 0) != 0) continue;
+    ++cases;
+    if (!decodes) {
+      std::string text = j["text"];
+      auto expected = j["ids"].get<std::vector<int32_t>>();
+      auto ids = qwen3().encode(text);
+      std::string decoded = qwen3().decode(ids);
+      // Added tokens split the text before NFC (as in HF), so the round trip is NFC only without them.
+      bool has_added = std::any_of(ids.begin(), ids.end(), [](int32_t id) { return id >= 151643; });
+      bool ok = ids == expected && decoded == j["decoded"].get<std::string>() &&
+                nfc(text) == j["nfc"].get<std::string>() &&
+                (has_added || decoded == j["nfc"].get<std::string>());
+      if (!ok && ++failures <= kMaxReported)
+        ADD_FAILURE() << "sample " << j["source"] << " " << json(text).dump() << "\n kiln:   " << ids_text(ids)
+                      << "\n oracle: " << ids_text(expected) << "\n kiln decode:   " << json(decoded).dump()
+                      << "\n oracle decode: " << j["decoded"].dump() << "\n oracle nfc:    " << j["nfc"].dump()
+                      << "\n kiln nfc:      " << json(nfc(text)).dump();
+    } else {
+      auto ids = j["ids"].get<std::vector<int32_t>>();
+      std::string text = qwen3().decode(ids), text_skip = qwen3().decode(ids, /*skip_special=*/true);
+      // Streaming: the concatenated pieces equal the whole decode.
+      StreamDecoder stream(qwen3(), /*skip_special=*/false);
+      std::string streamed;
+      for (int32_t id : ids) streamed += stream.push(id);
+      streamed += stream.flush();
+      bool ok = text == j["text"].get<std::string>() && text_skip == j["text_skip_special"].get<std::string>() &&
+                streamed == text;
+      if (!ok && ++failures <= kMaxReported)
+        ADD_FAILURE() << "decode of " << ids_text(ids) << "\n kiln:   " << json(text).dump() << " / "
+                      << json(text_skip).dump() << " / streamed " << json(streamed).dump()
+                      << "\n oracle: " << j["text"].dump() << " / " << j["text_skip_special"].dump();
+    }
+  }
+  EXPECT_EQ(failures, 0u);
+  EXPECT_GT(cases, 0u) << "the oracle gave no case for " << prefix;
+  if (prefix == "random#") EXPECT_EQ(cases, 3000u);
+  if (decodes) EXPECT_GT(cases, 500u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Qwen3, TokenizerHfOracle, ::testing::ValuesIn(hf_oracle_groups()),
+                         [](const ::testing::TestParamInfo<HfOracleGroup>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace kiln::tok

@@ -108,7 +108,7 @@ TEST(CudaOps, SelfCheckPasses) {
   EXPECT_NO_THROW(make_ops("cuda", true));
   // --dtype bfloat16 through the factory: its self-check at the budgets of bf16 inputs.
   LoadOptions bf16;
-  bf16.dtype = "bfloat16";
+  bf16.gpu.dtype = "bfloat16";
   std::unique_ptr<model::Ops> ops;
   EXPECT_NO_THROW(ops = make_ops("cuda", true, bf16));
   ASSERT_TRUE(ops);

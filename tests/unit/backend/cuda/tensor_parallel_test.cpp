@@ -26,7 +26,7 @@
 #include <thread>
 #include <vector>
 
-#include "../../model/reference_fixture.h"
+#include "reference_fixture.h"
 #include "backend/cuda/comm_cuda.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/device.h"
@@ -193,8 +193,8 @@ TEST(CudaTensorParallel, NcclIsRefusedForRanksSharingAGpu) {
 TEST(CudaTensorParallel, MoreRanksThanGpusIsAClearError) {
   KILN_REQUIRE_CUDA_DEVICE();
   LoadOptions lo;
-  lo.tp_size = 2;
-  lo.gpu_id_step = 64;  // rank 1 on GPU 64
+  lo.parallel.tp_size = 2;
+  lo.parallel.gpu_id_step = 64;  // rank 1 on GPU 64
   try {
     load_model(format::ModelDir::open(std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny"), "cuda", lo);
     ADD_FAILURE() << "loaded with a rank on a GPU that does not exist";
@@ -265,7 +265,7 @@ std::vector<Case> cases() {
 
 LoadOptions small_options() {
   LoadOptions lo;
-  lo.dtype = "float32";       // the split against one rank, exactly: not the default bf16 rounding at the tensor cores
+  lo.gpu.dtype = "float32";       // the split against one rank, exactly: not the default bf16 rounding at the tensor cores
   lo.kv_dtype = DType::BF16;  // the GPU memory plan's KV types: bf16 or fp8
   lo.state_slots = 2;
   lo.max_context = 256;
@@ -315,9 +315,9 @@ TEST(CudaTensorParallel, RanksSharingOneGpuGiveTheOneRankGreedyOutput) {
     for (auto [tp, ep] : std::vector<std::pair<int, int>>{{2, 1}, {4, 1}, {2, 2}, {4, 4}}) {
       if (!plannable(c.dir, tp, ep)) continue;
       LoadOptions lo = small_options();
-      lo.tp_size = tp;
-      lo.ep_size = ep;
-      lo.gpu_id_step = 0;
+      lo.parallel.tp_size = tp;
+      lo.parallel.ep_size = ep;
+      lo.parallel.gpu_id_step = 0;
       auto split = load_model(dir, "cuda", lo, /*self_check=*/false);
       expect_same_as_one_rank(c, *one, *split, fmt::format("tp {} ep {} (host-coordinated)", tp, ep), kTol);
       ++checked;

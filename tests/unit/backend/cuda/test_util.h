@@ -21,8 +21,10 @@
 
 namespace kiln::backend::cuda::test {
 
-// Every check must pass; prints each one and the worst error (the GPU run's log keeps every number).
+// There must be checks and every one must pass (op_check_failures); prints each one and the worst error (the GPU
+// run's log keeps every number).
 inline void expect_all_pass(const std::vector<OpCheck>& results, const std::string& label) {
+  EXPECT_EQ(op_check_failures(results), "") << label;
   double worst = 0;
   for (const OpCheck& r : results) {
     std::printf("[ op       ] %s | %s%s\n", label.c_str(), r.str().c_str(), r.passed() ? "" : "  <-- FAIL");

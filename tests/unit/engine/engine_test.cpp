@@ -1025,7 +1025,7 @@ class SpecModel {
     kiln::test::write_model_with_mtp(base_, dir_, 28);
   }
   std::unique_ptr<model::ModelRunner> load(bool mtp, int64_t kv_pages = 0, int slots = 8) const {
-    backend::CpuLoadOptions lo;
+    backend::LoadOptions lo;
     lo.kv_dtype = DType::F32;
     lo.max_context = 256;
     lo.kv_pages = kv_pages;
@@ -1414,7 +1414,7 @@ TEST(TinySpeculative, GreedyOutputsEqualPlainDecoding) {
   std::ofstream(src + "/hf_quant_config.json") << quant.dump(2);
   kiln::test::write_model_with_mtp(src, dir, 28);
   auto load = [&](bool mtp) {
-    backend::CpuLoadOptions lo;
+    backend::LoadOptions lo;
     lo.max_context = 512;
     lo.state_slots = 4;
     lo.prefill_chunk = 64;

@@ -137,9 +137,10 @@ test("/v1/completions with response_format json_object", async () => {
 
 test("unsupported or invalid schemas are a 400 naming the keyword", async () => {
   for (const [schema, word] of [
-    [{ type: "string", pattern: "^a" }, "'pattern'"],
-    [{ type: "object", properties: { n: { type: "integer", minimum: 0 } } }, "'minimum'"],
-    [{ oneOf: [{ type: "string" }] }, "'oneOf'"],
+    [{ type: "string", not: { const: "a" } }, "'not'"],
+    [{ type: "object", patternProperties: { "^x": { type: "integer" } } }, "'patternProperties'"],
+    [{ type: "object", properties: { n: { type: "number", minimum: 0.5 } } }, "'minimum'"],
+    [{ type: "string", format: "no-such-format" }, "'no-such-format'"],
     [{ $ref: "#/$defs/nope" }, "#/$defs/nope"],
   ]) {
     const r = await postRaw("/v1/chat/completions", {

@@ -106,9 +106,13 @@ std::string Runner::describe() const {
   const auto& w = model_->weights;
   return fmt::format(
       "{} | {} ({} layers) | weights: dense {:.1f} MB, fp8 {:.1f} MB, nvfp4 {:.1f} MB | KV {} x {} pages of {} "
-  capacity_.state_bytes_per_slot =
-      static_cast<int64_t>(conv_state_.size() + conv_saved_.size()) *
-      (C * (Kc - 1) * 4 + Hv * Dk * Dv * static_cast<int64_t>(dtype_size(state_dtype)));
+      "tokens ({} B/token) | {} state slots ({:.2f} MB each{}) | prefill chunk {}{}",
+      ops_->describe(), format::arch_name(model_->config.arch), model_->config.num_layers, w.bytes_by_format[0] / 1e6,
+      w.bytes_by_format[1] / 1e6, w.bytes_by_format[2] / 1e6, dtype_name(options_.kv_dtype), capacity_.kv_pages,
+      capacity_.page_size, capacity_.kv_bytes_per_token, capacity_.state_slots, capacity_.state_bytes_per_slot / 1e6,
+      recurrent_state_.empty() ? "" : fmt::format(", {} recurrent", dtype_name(recurrent_state_.front().dtype)),
+      options_.prefill_chunk, w.has_mtp ? " | MTP head (KV in the same pages, state checkpoints)" : "") +
+      (options_.summary.empty() ? std::string() : " | " + options_.summary);
 }
 
 std::vector<std::pair<float, float>> Runner::kv_scales() const {

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "../../model/reference_fixture.h"
+#include "reference_fixture.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/op_check.h"

@@ -36,6 +36,9 @@ struct GpuLoadOptions {
   // --dtype (SGLang's name): auto, bfloat16, float16 or float32, the precision activations enter the tensor cores
   // with; resolved per device by backend::resolve_dtype. The CPU backend always runs fp32.
   std::string dtype = "auto";
+  // --mamba-ssm-dtype (SGLang's name): auto, bfloat16 or float32, the DeltaNet recurrent state's element type;
+  // resolved by backend::resolve_mamba_ssm_dtype (device.h). The CPU backend always keeps fp32.
+  std::string mamba_ssm_dtype = "auto";
   // Kernel choices: "auto" resolves per device / GPU architecture.
   std::string attention_backend = "auto";
   std::string moe_runner_backend = "auto";

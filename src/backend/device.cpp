@@ -93,8 +93,18 @@ std::string resolve_dtype(const std::string& device, const std::string& asked) {
   return requested == "auto" ? std::string(kCudaAutoDtype) : requested;
 }
 
+std::string resolve_mamba_ssm_dtype(const std::string& device, const std::string& dtype, const std::string& asked) {
+  if (asked != "auto" && asked != "bfloat16" && asked != "float32")
+    fail("unknown --mamba-ssm-dtype '{}' (use auto, bfloat16 or float32)", asked);
+  if (device == "cpu" && asked == "bfloat16")
+    fail("--mamba-ssm-dtype bfloat16: the CPU backend keeps the recurrent state in fp32 (use auto or float32)");
+  if (asked != "auto") return asked;
+  return device == "cuda" && dtype == "bfloat16" ? "bfloat16" : "float32";
+}
+
 std::string KernelChoice::str() const {
-  return fmt::format("dtype {}, attention {}, moe-runner {}, fp4-gemm {}", dtype, attention, moe_runner, fp4_gemm);
+  return fmt::format("dtype {}, mamba-ssm-dtype {}, attention {}, moe-runner {}, fp4-gemm {}", dtype, mamba_ssm_dtype,
+                     attention, moe_runner, fp4_gemm);
 }
 
 KernelChoice resolve_kernels(const std::string& device, int compute_major, const LoadOptions& o) {
@@ -111,6 +121,7 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
          device == "cpu" ? std::string("the CPU backend") : fmt::format("this GPU (sm_{}x)", compute_major), list);
   };
   k.dtype = resolve_dtype(device, o.gpu.dtype);
+  k.mamba_ssm_dtype = resolve_mamba_ssm_dtype(device, k.dtype, o.gpu.mamba_ssm_dtype);
   if (device == "cpu") {
     k.attention = pick("--attention-backend", o.gpu.attention_backend, {"cpu"}, "cpu");
     k.moe_runner = pick("--moe-runner-backend", o.gpu.moe_runner_backend, {"cpu"}, "cpu");
@@ -144,6 +155,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
   c.scratch_plan_bytes = static_cast<size_t>(std::max(o.gpu.scratch_plan_bytes, 0.0));
+  c.recurrent_state_bf16 = k.mamba_ssm_dtype == "bfloat16";
   return c;
 }
 }  // namespace
@@ -179,6 +191,8 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   co.kv_dtype = o.kv_dtype;
   co.tp = p.tp;
   co.ep = p.ep;
+  co.recurrent_state_bytes =
+      resolve_mamba_ssm_dtype("cuda", resolve_dtype("cuda", o.gpu.dtype), o.gpu.mamba_ssm_dtype) == "bfloat16" ? 2 : 4;
   // Per rank (capacity.h's per-GPU figures come from the shard plan the loader slices by; at tp 1 they are the
   // whole model's): the busiest rank's weights, the rank's KV heads and linear-attention heads.
   const format::CapacityPlan cap = format::plan_capacity(config, tensors, co);

@@ -67,12 +67,20 @@ std::string resolve_dtype(const std::string& device, const std::string& requeste
 // in bfloat16 (the budget). float32 stays the oracle path (--dtype float32).
 inline constexpr const char* kCudaAutoDtype = "bfloat16";
 
+// --mamba-ssm-dtype (SGLang's flag): the element type of the DeltaNet recurrent state slots, "float32" or "bfloat16",
+// for a resolved device and a resolved --dtype. auto: bfloat16 on cuda under --dtype bfloat16 (half the bytes the
+// delta rule streams per step and the plan reserves per slot; the maths stays fp32, docs/perf/decode-latency.md),
+// float32 otherwise. The CPU backend always keeps fp32 state (bfloat16 is refused there).
+std::string resolve_mamba_ssm_dtype(const std::string& device, const std::string& dtype, const std::string& requested);
+
 // The kernels a device runs (--dtype, --attention-backend, --moe-runner-backend, --fp4-gemm-backend; SGLang's flag
 // names, kiln's own kernels). "auto" resolves per device and GPU architecture (to the fast paths); a choice the device
 // cannot run is a kiln::Error that says which choices it can. The cuda choices become the CudaOptions of the backend.
 struct KernelChoice {
   // resolve_dtype's answer: "float32" (cpu: always) or "bfloat16"
   std::string dtype;
+  // resolve_mamba_ssm_dtype's answer: the recurrent state's "float32" (cpu: always) or "bfloat16"
+  std::string mamba_ssm_dtype;
   // cpu: "cpu"; cuda: "kiln-paged" (prefill-shaped steps on the tensor-core flash kernel, decode on the split-KV
   // kernel) or "kiln-paged-fp32" (the split-KV kernel on CUDA cores for every step)
   std::string attention;

@@ -166,6 +166,7 @@ void print_json(const Inspection& in) {
   j["decode_bytes_per_token"] = p.decode_bytes_per_token;
   j["decode_bytes_by_role"] = dec_role;
   j["kv_bytes_per_token"] = p.kv_bytes_per_token;
+  j["recurrent_state_dtype"] = in.copt.recurrent_state_bytes == 2 ? "bfloat16" : "float32";
   j["recurrent_state_bytes_per_layer"] = p.recurrent_state_bytes_per_layer;
   j["conv_state_bytes_per_layer"] = p.conv_state_bytes_per_layer;
   j["state_bytes_per_sequence"] = p.state_bytes_per_sequence;
@@ -276,9 +277,11 @@ void print_model_text(const Inspection& in) {
                                      with_commas(p.kv_bytes_per_token), dtype_name(in.copt.kv_dtype),
                                      cfg.num_full_attention_layers(), cfg.num_kv_heads, cfg.head_dim));
   if (p.state_bytes_per_sequence)
-    line("state/sequence", fmt::format("{} ({} linear layers x ({} fp32 recurrent + {} conv))",
+    line("state/sequence", fmt::format("{} ({} linear layers x ({} {} recurrent + {} fp32 conv))",
                                        mib(p.state_bytes_per_sequence), cfg.num_linear_attention_layers(),
-                                       mib(p.recurrent_state_bytes_per_layer), mib(p.conv_state_bytes_per_layer)));
+                                       mib(p.recurrent_state_bytes_per_layer),
+                                       in.copt.recurrent_state_bytes == 2 ? "bfloat16" : "float32",
+                                       mib(p.conv_state_bytes_per_layer)));
 }
 
 // The plan per GPU for --tp, then kiln serve's own plan on such GPUs.
@@ -333,6 +336,9 @@ int run_inspect(const InspectOptions& o) {
   in.copt.mem_fraction_static = o.mem_fraction_static;
   in.copt.activation_reserve_gib = o.activation_reserve_gib;
   in.copt.kv_dtype = inspect_kv_dtype(o.kv_cache_dtype);
+  // The recurrent state as kiln serve keeps it on CUDA by default (--dtype auto, --mamba-ssm-dtype auto).
+  in.copt.recurrent_state_bytes =
+      backend::resolve_mamba_ssm_dtype("cuda", backend::kCudaAutoDtype, "auto") == "bfloat16" ? 2 : 4;
   if (has_weights(dir)) {
     in.ckpt = std::make_unique<Checkpoint>(Checkpoint::open(dir));
     in.report = verify_checkpoint(*in.ckpt, in.cfg, in.quant);

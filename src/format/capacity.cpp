@@ -116,8 +116,8 @@ CapacityPlan plan_capacity(const ModelConfig& c, const std::vector<ExpectedTenso
   if (linear_layers) {
     const uint64_t key_dim = uint64_t(c.linear_num_key_heads) * c.linear_key_head_dim;
     const uint64_t conv_dim = 2 * key_dim + uint64_t(c.linear_num_value_heads) * c.linear_value_head_dim;
-    p.recurrent_state_bytes_per_layer =
-        uint64_t(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim * 4;
+    p.recurrent_state_bytes_per_layer = uint64_t(c.linear_num_value_heads) * c.linear_key_head_dim *
+                                        c.linear_value_head_dim * opt.recurrent_state_bytes;
     p.conv_state_bytes_per_layer = conv_dim * (c.linear_conv_kernel - 1) * opt.conv_state_bytes;
   }
   // With an MTP head the runner keeps a checkpoint of each slot's state for speculative verification: twice the state.
@@ -128,7 +128,8 @@ CapacityPlan plan_capacity(const ModelConfig& c, const std::vector<ExpectedTenso
     const uint64_t conv_local = (2 * uint64_t(local.linear_num_key_heads) * c.linear_key_head_dim +
                                  uint64_t(local.linear_num_value_heads) * c.linear_value_head_dim) *
                                 (c.linear_conv_kernel - 1) * opt.conv_state_bytes;
-    const uint64_t rec_local = uint64_t(local.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim * 4;
+    const uint64_t rec_local = uint64_t(local.linear_num_value_heads) * c.linear_key_head_dim *
+                               c.linear_value_head_dim * opt.recurrent_state_bytes;
     p.state_bytes_per_sequence_per_gpu = state_copies * linear_layers * (conv_local + rec_local);
   }
 

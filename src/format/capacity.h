@@ -7,9 +7,10 @@
 //  - decode_bytes_per_token: what one decode step at batch 1 reads: all non-expert weights, top-k
 //    routed experts (k/E of the routed bytes), shared experts, lm_head; the embedding counts one row.
 //  - kv_bytes_per_token: (full-attention layers + MTP layers) x 2 (K, V) x kv_heads x head_dim x KV dtype size.
-//  - state_bytes_per_sequence: per linear-attention layer, the fp32 recurrent state
-//    (value_heads x key_dim x value_dim x 4) + the conv state (conv_dim x (kernel-1) x conv_state_bytes); twice
-//    that with an MTP head (the runner's checkpoint of each slot for speculative verification).
+//  - state_bytes_per_sequence: per linear-attention layer, the recurrent state
+//    (value_heads x key_dim x value_dim x recurrent_state_bytes) + the conv state (conv_dim x (kernel-1) x
+//    conv_state_bytes); twice that with an MTP head (the runner's checkpoint of each slot for speculative
+//    verification).
 //  - Tensor parallel over tp GPUs (ep of them expert-parallel groups): each GPU's bytes are the slices the
 //    loader gives its rank (format/shard_plan.h, the one definition): heads, intermediate rows / columns, experts
 //    and vocabulary rows split; norms, routers, scalar scales replicated; KV projections (and linear-attention key
@@ -38,6 +39,7 @@ struct CapacityOptions {
   double activation_reserve_gib = 2.0; // per GPU, for activations / workspaces
   DType kv_dtype = DType::BF16;        // BF16 or F8_E4M3
   int conv_state_bytes = 4;            // element size of the conv state (kiln keeps it in fp32)
+  int recurrent_state_bytes = 4;       // element size of the recurrent state (4: fp32; 2: --mamba-ssm-dtype bfloat16)
 };
 
 struct CapacityPlan {
@@ -51,7 +53,7 @@ struct CapacityPlan {
   uint64_t decode_bytes_per_token = 0;
   std::map<std::string, uint64_t> decode_bytes_by_role;
   uint64_t kv_bytes_per_token = 0;
-  uint64_t recurrent_state_bytes_per_layer = 0;  // fp32 S
+  uint64_t recurrent_state_bytes_per_layer = 0;  // S at recurrent_state_bytes per element
   uint64_t conv_state_bytes_per_layer = 0;
   uint64_t state_bytes_per_sequence = 0;
   bool sizes_from_checkpoint = false;  // real tensor sizes were used

@@ -23,7 +23,7 @@ struct Forward {
                                          // are filled in on first use when the checkpoint has none)
   std::span<const int> kv_index;         // [num_layers] full-attention index, -1 for linear layers
   std::span<const TensorView> conv_state;       // per linear layer: F32 [slots, C, Kc - 1]
-  std::span<const TensorView> recurrent_state;  // per linear layer: F32 [slots, Hv, Dk, Dv]
+  std::span<const TensorView> recurrent_state;  // per linear layer: [slots, Hv, Dk, Dv], Ops::recurrent_state_dtype()
   std::span<const int> linear_index;     // [num_layers] linear-attention index, -1 for full layers
   DeltaRuleMode delta_mode = DeltaRuleMode::chunked;  // for sequences with more than one token in the step
   const TraceFn* trace = nullptr;

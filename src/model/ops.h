@@ -251,15 +251,18 @@ class Ops {
   // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), fp32. a, b, g, beta [T, Hv]; A_log, dt_bias [Hv].
   virtual void delta_rule_gates(const TensorView& a, const TensorView& b, const TensorView& A_log,
                                 const TensorView& dt_bias, TensorView g, TensorView beta) = 0;
-  // The gated delta rule per value head with an fp32 state S [Dk, Dv] per sequence slot:
+  // The gated delta rule per value head with a state S [Dk, Dv] per sequence slot, updated in fp32:
   //   q, k L2-normalised per head (x * rsqrt(sum x^2 + 1e-6)), q *= 1/sqrt(Dk); value head h reads key head
   //   h / (Hv / Hk); per token: S *= exp(g); delta = (v - k^T S) * beta; S += k (outer) delta; o = q^T S.
   // q, k F32 [T, Hk, Dk]; v F32 [T, Hv, Dv] (each may have a row stride: strides[0] >= heads * D, the heads of a
-  // row contiguous, so they can be views of the conv output); g, beta F32 [T, Hv]; state F32 [slots, Hv, Dk, Dv]
-  // (read and updated); out F32 [T, Hv, Dv] contiguous.
+  // row contiguous, so they can be views of the conv output); g, beta F32 [T, Hv]; state [slots, Hv, Dk, Dv] (read
+  // and updated) F32, or BF16 where recurrent_state_dtype() says so; out F32 [T, Hv, Dv] contiguous.
   virtual void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v,
                                 const TensorView& g, const TensorView& beta, TensorView state,
                                 const StepLayout& step, DeltaRuleMode mode, TensorView out) = 0;
+  // The element type the runner stores the recurrent state in: F32 (the default, the oracle's), or BF16 on a backend
+  // whose delta rule reads it into fp32 and rounds it once on store (half the bytes per step and per slot).
+  virtual DType recurrent_state_dtype() const { return DType::F32; }
   // delta_rule_gates(a, b, A_log, dt_bias, g, beta) then gated_delta_rule(q, k, v, g, beta, ...) as one op, so that
   // a backend can compute the gates inside the delta rule (g and beta are then scratch it may leave unwritten).
   // The default runs the two ops.

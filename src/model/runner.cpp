@@ -34,6 +34,9 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim, Kc = c.linear_conv_kernel;
   const int64_t C = 2 * Hk * Dk + Hv * Dv;
+  const DType state_dtype = ops_->recurrent_state_dtype();  // F32, or BF16 where the backend keeps it so
+  if (state_dtype != DType::F32 && state_dtype != DType::BF16)
+    fail("recurrent state dtype {} is not supported (F32 or BF16)", dtype_name(state_dtype));
   kv_index_.assign(c.num_layers, -1);
   linear_index_.assign(c.num_layers, -1);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -52,7 +55,7 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
     } else {
       linear_index_[l] = static_cast<int>(conv_state_.size());
       conv_state_.push_back(ops_->allocate(DType::F32, Shape{options_.state_slots, C, Kc - 1}));
-      recurrent_state_.push_back(ops_->allocate(DType::F32, Shape{options_.state_slots, Hv, Dk, Dv}));
+      recurrent_state_.push_back(ops_->allocate(state_dtype, Shape{options_.state_slots, Hv, Dk, Dv}));
     }
   }
   if (model_->weights.has_mtp) {
@@ -71,7 +74,7 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
     kv_.push_back(v);
     for (size_t i = 0; i < conv_state_.size(); ++i) {
       conv_saved_.push_back(ops_->allocate(DType::F32, conv_state_[i].shape));
-      recurrent_saved_.push_back(ops_->allocate(DType::F32, recurrent_state_[i].shape));
+      recurrent_saved_.push_back(ops_->allocate(recurrent_state_[i].dtype, recurrent_state_[i].shape));
     }
     mtp_rows_ = ops_->allocate(DType::F32, Shape{options_.state_slots + options_.prefill_chunk, c.hidden_size});
     ops_->fill_zero(mtp_rows_);
@@ -92,8 +95,9 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
   capacity_.max_context = options_.max_context;
   capacity_.kv_bytes_per_token =
       static_cast<int64_t>(kv_.size()) * 2 * Hkv * D * static_cast<int64_t>(dtype_size(options_.kv_dtype));
-  capacity_.state_bytes_per_slot = static_cast<int64_t>(conv_state_.size() + conv_saved_.size()) *
-                                   (C * (Kc - 1) + Hv * Dk * Dv) * 4;
+  capacity_.state_bytes_per_slot =
+      static_cast<int64_t>(conv_state_.size() + conv_saved_.size()) *
+      (C * (Kc - 1) * 4 + Hv * Dk * Dv * static_cast<int64_t>(dtype_size(state_dtype)));
 }
 
 Runner::~Runner() = default;
@@ -102,10 +106,11 @@ std::string Runner::describe() const {
   const auto& w = model_->weights;
   return fmt::format(
       "{} | {} ({} layers) | weights: dense {:.1f} MB, fp8 {:.1f} MB, nvfp4 {:.1f} MB | KV {} x {} pages of {} "
-      "tokens ({} B/token) | {} state slots ({:.2f} MB each) | prefill chunk {}{}",
+      "tokens ({} B/token) | {} state slots ({:.2f} MB each{}) | prefill chunk {}{}",
       ops_->describe(), format::arch_name(model_->config.arch), model_->config.num_layers, w.bytes_by_format[0] / 1e6,
       w.bytes_by_format[1] / 1e6, w.bytes_by_format[2] / 1e6, dtype_name(options_.kv_dtype), capacity_.kv_pages,
       capacity_.page_size, capacity_.kv_bytes_per_token, capacity_.state_slots, capacity_.state_bytes_per_slot / 1e6,
+      recurrent_state_.empty() ? "" : fmt::format(", {} recurrent", dtype_name(recurrent_state_.front().dtype)),
       options_.prefill_chunk, w.has_mtp ? " | MTP head (KV in the same pages, state checkpoints)" : "") +
       (options_.summary.empty() ? std::string() : " | " + options_.summary);
 }
@@ -127,7 +132,9 @@ void Runner::copy_state(int src_slot, int dst_slot) {
   if (src_slot < 0 || src_slot >= options_.state_slots || dst_slot < 0 || dst_slot >= options_.state_slots)
     fail("copy_state: slots {} -> {} outside [0, {})", src_slot, dst_slot, options_.state_slots);
   if (src_slot == dst_slot) return;
-  for (size_t i = 0; i < conv_state_.size(); ++i) {  // F32 slots: Ops::copy runs on the backend's stream
+  // Ops::copy runs on the backend's stream. The recurrent slots may be BF16 (Ops::recurrent_state_dtype): a backend
+  // that stores them so copies their bytes as they are (CudaOps::copy moves elements of any size).
+  for (size_t i = 0; i < conv_state_.size(); ++i) {
     ops_->copy(conv_state_[i].row(src_slot), conv_state_[i].row(dst_slot));
     ops_->copy(recurrent_state_[i].row(src_slot), recurrent_state_[i].row(dst_slot));
   }

@@ -216,8 +216,8 @@ std::string CudaOps::describe() const {
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "
       "fp32 accumulation); linear: {}, else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem "
       "tiles); weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: experts grouped on the device, "
-      "{}; attention: paged, split-KV, online softmax (f32/bf16/fp8 KV){}; delta rule: {}; decode steps as CUDA "
-      "graphs",
+      "{}; attention: paged, split-KV, online softmax (f32/bf16/fp8 KV){}; delta rule: {}, {} recurrent state; decode "
+      "steps as CUDA graphs",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
       bf16 ? "bfloat16" : "float32",
       bf16 ? ", rounded to bf16 at each tensor-core input" : ", split into 3 bf16 parts at each tensor-core input",
@@ -242,7 +242,12 @@ std::string CudaOps::describe() const {
           : std::string(", prefill on the split-KV kernel too [--attention-backend kiln-paged-fp32]"),
       o.delta_rule == CudaOptions::DeltaRule::chunked
           ? "chunks of 64 tokens wherever supported [every step]"
-          : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode");
+          : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
+      o.recurrent_state_bf16 ? "bf16 (fp32 maths, rounded to nearest even on store)" : "fp32");
+}
+
+DType CudaOps::recurrent_state_dtype() const {
+  return impl_->options.recurrent_state_bf16 ? DType::BF16 : DType::F32;
 }
 
 void CudaOps::synchronize() { impl_->rt.synchronize(); }
@@ -871,12 +876,15 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
              "gated_delta_rule: q {} v {} state {}", q.shape.str(), v.shape.str(), state.shape.str());
   const int64_t ldq = T > 1 ? q.strides[0] : Hk * Dk, ldk = T > 1 ? k.strides[0] : Hk * Dk,
                 ldv = T > 1 ? v.strides[0] : Hv * Dv;
-  for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &g, &beta, &state, &out})
+  for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &g, &beta, &out})
     expect_f32(*t, "gated_delta_rule");
+  KILN_CHECK(state.dtype == DType::F32 || state.dtype == DType::BF16, "gated_delta_rule: a {} state (F32 or BF16)",
+             dtype_name(state.dtype));
+  const kops::DeltaStateRef state_ref{state.data, state.dtype == DType::BF16};
   float* work = static_cast<float*>(impl_->rt.scratch(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
   const bool chunked = delta_rule_chunked(step, mode);
   KILN_CHECK(!(chunked && raw_gates), "gated_delta_rule: the chunked form reads computed gates");
-  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), f32_mut(state), Hk, Hv, Dk, Dv, ldq, ldk, ldv,
+  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), state_ref, Hk, Hv, Dk, Dv, ldq, ldk, ldv,
                          step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked,
                          static_cast<const kops::DeltaGateArgs*>(raw_gates));
 }

@@ -95,6 +95,8 @@ class CudaOps final : public model::Ops {
   void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                         const TensorView& beta, TensorView state, const model::StepLayout& step,
                         model::DeltaRuleMode mode, TensorView out) override;
+  // BF16 with CudaOptions::recurrent_state_bf16, else F32; the delta rule ops take a state of either.
+  DType recurrent_state_dtype() const override;
 
   void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                  TensorView weights) override;

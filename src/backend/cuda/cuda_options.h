@@ -37,6 +37,10 @@ struct CudaOptions {
   // every step where it serves the head sizes. No flag: the tests check the chunked kernel on every step shape.
   enum class DeltaRule { by_step, chunked };
   DeltaRule delta_rule = DeltaRule::by_step;
+  // --mamba-ssm-dtype: the DeltaNet recurrent state slots in bf16 (half the bytes the delta rule streams per step and
+  // the memory plan reserves) instead of fp32. The kernels still update the state in fp32 registers and round it once,
+  // to nearest even, when they store it. On by default under --dtype bfloat16 (backend/device.h).
+  bool recurrent_state_bf16 = false;
   // The memory plan's activation estimate for one pass (bytes; 0: none): the scratch arena's first block
   // (CudaRuntime::set_scratch_plan).
   size_t scratch_plan_bytes = 0;

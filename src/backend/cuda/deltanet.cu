@@ -1,6 +1,8 @@
 // Gated DeltaNet on the device, token by token: the causal depthwise conv + SiLU (a thread per channel and chunk of
 // a sequence's tokens), the gates g / beta, and the gated delta rule's recurrence (a block per (sequence, value head,
 // 32 value columns) holding its slice of the state in registers). The chunked form for prefill: deltanet_chunked.cu.
+// The recurrent state is stored in fp32 or bf16 (DeltaStateRef); either way it is updated in fp32 registers and a
+// bf16 state is rounded once, to nearest even, when the block writes it back.
 #include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
@@ -116,7 +118,7 @@ template <bool kRaw, int kRows>
 __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
     delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t ldq, int64_t ldk,
                       const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
-                      DeltaGateArgs gates, float* __restrict__ state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
+                      DeltaGateArgs gates, DeltaStateRef state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
                       int64_t ldv, float* __restrict__ out) {
   __shared__ float q_s[kDeltaWarps * kRows];
   __shared__ float k_s[kDeltaWarps * kRows];
@@ -128,13 +130,13 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
   const int j = blockIdx.z * 32 + lane;
   const bool col_ok = j < Dv;
   const int kh = h / (Hv / Hk);
-  float* S = state + (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;
+  const int64_t S0 = (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;  // this head's state, in elements
 
   float sv[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int i = warp + kDeltaWarps * r;
-    sv[r] = (col_ok && i < Dk) ? S[int64_t(i) * Dv + j] : 0.0f;
+    sv[r] = (col_ok && i < Dk) ? load_state(state, S0 + int64_t(i) * Dv + j) : 0.0f;
   }
   const int b = step.seq_token_begin[s], e = step.seq_token_begin[s + 1];
   for (int t = b; t < e; ++t) {
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int i = warp + kDeltaWarps * r;
-    if (col_ok && i < Dk) S[int64_t(i) * Dv + j] = sv[r];
+    if (col_ok && i < Dk) store_state(state, S0 + int64_t(i) * Dv + j, sv[r]);
   }
 }
 
@@ -244,9 +246,9 @@ void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemTyp
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
-                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
-                      const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                      DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
+                      int64_t ldv, const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
                       const DeltaGateArgs* gates) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)

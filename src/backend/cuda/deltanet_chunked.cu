@@ -19,9 +19,12 @@
 // travel global -> shared by cp.async while this chunk is solved (k and v double-buffered), so only the first
 // chunk waits for memory. Every shared buffer is written and read in barrier-separated steps; the host emulation
 // that checked this ran each interval's threads in forward, reverse and random order with identical results.
+// A bf16 state (DeltaStateRef) is widened to fp32 as it enters shared memory and rounded once, to nearest even, when
+// the final state is written back; the chunks in between update the fp32 copy in shared memory.
 #include <cuda_runtime.h>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/ptx.cuh"
@@ -268,7 +271,7 @@ __device__ __forceinline__ void apply_block_inverse(float* col, int ld, const fl
 template <int DK, int DVT>
 __global__ void __launch_bounds__(kThreads, 1)
     delta_rule_chunked_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
-                              const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                              const float* __restrict__ g, const float* __restrict__ beta, DeltaStateRef state,
                               int Hk, int Hv, int Dk, int Dv, int64_t ldv, StepArgs step, float* __restrict__ out) {
   using L = Layout<DK, DVT>;
   extern __shared__ float4 smem_f4[];
@@ -280,15 +283,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kh = h / (Hv / Hk);
   const int tok0 = step.seq_token_begin[s], n = step.seq_token_begin[s + 1] - tok0;
   if (n <= 0) return;  // whole block
-  float* S = state + (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;
+  const int64_t S0 = (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;  // this head's state, in elements
 
-  // Chunk 0's inputs and the state slice (zero outside Dk x Dv), then chunk 0's cumulative decay.
+  // Chunk 0's inputs and the state slice (zero outside Dk x Dv), then chunk 0's cumulative decay. An fp32 state
+  // travels by cp.async; a bf16 one through registers, widened to fp32 (visible after the barrier below).
   copy_chunk<DK, DVT>(sm, 0, qn, kn, v, tok0, imin(kChunk, n), kh, Hk, Dk, h, Dv, ldv, col0, tid);
 #pragma unroll 4
   for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
     const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
-    copy_async(kqs + d * L::ldk + L::s_col + c, S + int64_t(imin(d, Dk - 1)) * Dv + imin(col, Dv - 1),
-               d < Dk && col < Dv);
+    const bool ok = d < Dk && col < Dv;
+    const int64_t at = S0 + int64_t(imin(d, Dk - 1)) * Dv + imin(col, Dv - 1);
+    if (state.bf16)
+      kqs[d * L::ldk + L::s_col + c] = ok ? dev::load_state(state, at) : 0.0f;
+    else
+      copy_async(kqs + d * L::ldk + L::s_col + c, static_cast<const float*>(state.data) + at, ok);
   }
   if (tid < kChunk) store_gates<DK, DVT>(sm, load_gates(g, beta, tok0, imin(kChunk, n), h, Hv, tid), tid);
   wait_copies();
@@ -464,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 4
   for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
     const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
-    if (d < Dk && col < Dv) S[int64_t(d) * Dv + col] = kqs[d * L::ldk + L::s_col + c];
+    if (d < Dk && col < Dv) dev::store_state(state, S0 + int64_t(d) * Dv + col, kqs[d * L::ldk + L::s_col + c]);
   }
 }
 
@@ -511,7 +519,7 @@ int value_tile(int64_t Dv, int64_t Hv, int num_seqs, int dk) {
 }
 
 template <int DK, int DVT>
-void launch(const float* qn, const float* kn, const float* v, const float* g, const float* beta, float* state,
+void launch(const float* qn, const float* kn, const float* v, const float* g, const float* beta, DeltaStateRef state,
             int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv, const StepArgs& step, float* out,
             cudaStream_t stream) {
   constexpr size_t bytes = Layout<DK, DVT>::bytes;
@@ -534,7 +542,7 @@ bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv) {
 }
 
 void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
-                              float* state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
+                              DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
                               const StepArgs& step, float* out, void* /*workspace*/, cudaStream_t stream) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (!gated_delta_rule_chunked_supported(Dk, Dv))

@@ -50,6 +50,17 @@ __device__ __forceinline__ float load_elem(const void* p, ElemType t, int64_t i)
   return 0.0f;
 }
 
+// Element i of a DeltaNet recurrent state as fp32, and its store (a bf16 state: rounded to nearest even).
+__device__ __forceinline__ float load_state(const DeltaStateRef& s, int64_t i) {
+  return s.bf16 ? bf16_to_f32(static_cast<const uint16_t*>(s.data)[i]) : static_cast<const float*>(s.data)[i];
+}
+__device__ __forceinline__ void store_state(const DeltaStateRef& s, int64_t i, float x) {
+  if (s.bf16)
+    static_cast<__nv_bfloat16*>(s.data)[i] = __float2bfloat16_rn(x);
+  else
+    static_cast<float*>(s.data)[i] = x;
+}
+
 // W[n, k] as the CPU backend decodes it: dense as stored; fp8 e4m3 * scale; nvfp4 (e2m1 * block) * scale_2.
 __device__ __forceinline__ float weight_at(const WeightDesc& w, int64_t n, int64_t k) {
   switch (w.kind) {

@@ -150,7 +150,14 @@ void causal_conv1d_silu(const float* x, int64_t C, const void* w, ElemType w_ele
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). a, b, g, beta [T, Hv].
 void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemType A_log_elem, const void* dt_bias,
                       ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g, float* beta, Stream stream);
-// The gated delta rule, state [slots, Hv, Dk, Dv] fp32. q, k [T, Hk, Dk]; v, out [T, Hv, Dv]; g, beta [T, Hv]. q, k,
+// A DeltaNet recurrent state [slots, Hv, Dk, Dv] (per head S[i * Dv + j], i the key index), fp32 or bf16 (half the
+// bytes; CudaOptions::recurrent_state_bf16). The kernels load it into fp32, update it in fp32 and round a bf16 state
+// once, to nearest even, when they store it.
+struct DeltaStateRef {
+  void* data = nullptr;
+  bool bf16 = false;
+};
+// The gated delta rule over `state` (above). q, k [T, Hk, Dk]; v, out [T, Hv, Dv]; g, beta [T, Hv]. q, k,
 // v rows are ldq / ldk / ldv elements apart (heads contiguous inside a row). qk_work: 2 * T * Hk * Dk floats (the
 // normalised q and k). Dk <= 256. Token by token, or with `chunked` (where gated_delta_rule_chunked_supported) in
 // chunks of 64 tokens (gated_delta_rule_chunked below; equal up to rounding).
@@ -164,8 +171,9 @@ struct DeltaGateArgs {
 };
 // `gates` (recurrent form only; ignored by the chunked one, which reads g / beta): g and beta are computed in the
 // kernel from the raw inputs and g / beta are not read.
-void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
-                      int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk, int64_t ldv,
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                      DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
+                      int64_t ldv,
                       const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false,
                       const DeltaGateArgs* gates = nullptr);
 
@@ -290,13 +298,13 @@ bool attention_prefill(const float* q, int64_t q_heads, const KvPoolArgs& pool, 
 // Same inputs, outputs and state as gated_delta_rule() above, except that q and k are the
 // already L2-normalised qn / kn ([T, Hk, Dk] contiguous, q also divided by sqrt(Dk)), as l2norm_qk_kernel writes
 // them. g, beta [T, Hv] contiguous; v rows ldv elements apart (heads contiguous inside a row); out [T, Hv, Dv]
-// contiguous; state [slots, Hv, Dk, Dv] fp32, indexed like delta_rule_kernel's (S[i * Dv + j], i the key index).
+// contiguous; state as gated_delta_rule's (fp32 or bf16: read at the first chunk, written after the last).
 // A sequence's slot must hold its running state (zeros for a fresh sequence); sequences of 0 tokens are left as
 // they are. fp32 FMA throughout (no tensor cores, no fast-math).
 // workspace: gated_delta_rule_chunked_workspace_bytes(...) bytes (0 today: the kernel needs none; pass null).
 size_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step);
 void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
-                              float* state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
+                              DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
                               const StepArgs& step, float* out, void* workspace, cudaStream_t stream);
 // True when the chunked kernel serves these head sizes on the current device: 1 <= Dk <= 128 (padded to 32, 64 or
 // 128), any Dv >= 1 (tiles of 32 or 64 value columns, the last one masked), and the block's shared memory within

@@ -153,6 +153,16 @@ TEST(Capacity, Qwen35_35B_DecodeBytes) {
   EXPECT_NEAR(p.decode_bytes_per_token / 1e9, 4.4, 0.1);  // REFERENCE: ~4.4 GB
   EXPECT_EQ(p.kv_bytes_per_token, 10u * 2 * 2 * 256 * 2);
   EXPECT_EQ(p.state_bytes_per_sequence, 30u * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 4));
+  // A bf16 recurrent state (--mamba-ssm-dtype bfloat16): 2 bytes per element of S, the conv state stays fp32; per
+  // GPU at tp 2 half of the heads.
+  CapacityOptions o;
+  o.recurrent_state_bytes = 2;
+  const CapacityPlan b = plan_capacity(x.config, x.tensors, o);
+  EXPECT_EQ(b.recurrent_state_bytes_per_layer, 32u * 128 * 128 * 2);
+  EXPECT_EQ(b.state_bytes_per_sequence, 30u * (32 * 128 * 128 * 2 + (2 * 16 * 128 + 32 * 128) * 3 * 4));
+  o.tp = 2;
+  EXPECT_EQ(plan_capacity(x.config, x.tensors, o).state_bytes_per_sequence_per_gpu,
+            30u * (16 * 128 * 128 * 2 + (2 * 8 * 128 + 16 * 128) * 3 * 4));
   EXPECT_NEAR(p.params_total / 1e9, 35, 1.0);
   EXPECT_NEAR(p.params_active / 1e9, 3, 0.5);
 }

@@ -103,6 +103,7 @@ constexpr std::string_view kCommonFields[] = {
     "repetition_penalty", "seed", "max_tokens", "max_completion_tokens", "n", "stop", "stop_token_ids",
     "ignore_eos", "skip_special_tokens", "stream", "stream_options", "logprobs", "logit_bias",
     "user",  // an end-user id for the provider's records: nothing to act on
+    "regex", "ebnf",  // SGLang's constrained decoding (server/structured_output.h)
 };
 constexpr std::string_view kChatFields[] = {
     "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
@@ -151,6 +152,8 @@ void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bo
   }
   Fields f(body);
   out.model = f.string("model");
+  out.regex = f.string("regex");
+  out.ebnf = f.string("ebnf");
   engine::SamplingParams& s = out.sampling;
   s = limits.default_sampling;
   if (auto v = f.number("temperature", 0.0, 2.0)) s.temperature = static_cast<float>(*v);

@@ -39,6 +39,10 @@ struct GenerationFields {
   int top_logprobs = 0;
   bool skip_special_tokens = true;
   ojson response_format;  // null or {type: text | json_object | json_schema, ...} (checked by structured_output)
+  // SGLang's constrained-decoding fields: the whole output matches a regular expression / an EBNF grammar
+  // (GBNF-style, root rule "root"). At most one of response_format (json), regex, ebnf.
+  std::optional<std::string> regex;
+  std::optional<std::string> ebnf;
   // Set by the server from response_format / tool_choice (server/structured_output.h): the engine's grammar.
   std::shared_ptr<const grammar::Constraint> constraint;
 };

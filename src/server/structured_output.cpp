@@ -1280,14 +1280,33 @@ std::shared_ptr<const Grammar> response_format_grammar(const ojson& rf) {
                                          "' is not supported (use text, json_object or json_schema)");
 }
 
-}  // namespace
-
-std::shared_ptr<const Grammar> completion_grammar(const CompletionRequest& r) {
-  return response_format_grammar(r.response_format);
+// The output constraint a request's own fields ask for: response_format (json), SGLang's regex or ebnf.
+std::shared_ptr<const Grammar> requested_grammar(const GenerationFields& r) {
+  auto format = response_format_grammar(r.response_format);
+  const int asked = (format != nullptr) + r.regex.has_value() + r.ebnf.has_value();
+  if (asked > 1)
+    throw bad_param(r.regex ? "regex" : "ebnf",
+                    "give at most one of response_format (json_object / json_schema), 'regex' and 'ebnf'");
+  auto compile = [](const char* param, auto&& make) -> std::shared_ptr<const Grammar> {
+    try {
+      return make();
+    } catch (const InternalError&) {
+      throw;
+    } catch (const Error& e) {
+      throw bad_param(param, std::string("'") + param + "': " + e.what());
+    }
+  };
+  if (r.regex) return compile("regex", [&] { return regex_grammar(*r.regex); });
+  if (r.ebnf) return compile("ebnf", [&] { return ebnf_grammar(*r.ebnf); });
+  return format;
 }
 
+}  // namespace
+
+std::shared_ptr<const Grammar> completion_grammar(const CompletionRequest& r) { return requested_grammar(r); }
+
 std::shared_ptr<const Grammar> chat_grammar(const ChatRequest& r, bool tool_parser_on) {
-  auto format = response_format_grammar(r.response_format);
+  auto format = requested_grammar(r);
   // Which tools a call may name, and whether a call is required.
   std::string mode = "auto", name;
   if (r.tool_choice.is_string()) mode = r.tool_choice.get<std::string>();
@@ -1311,8 +1330,9 @@ std::shared_ptr<const Grammar> chat_grammar(const ChatRequest& r, bool tool_pars
   const bool constrain_tools = forced || (mode == "auto" && any_strict);
   if (!constrain_tools) return format;
   if (format)
-    throw bad_param("response_format", "response_format json_object / json_schema cannot be combined with tool_choice '" +
-                                           mode + "' or strict tools");
+    throw bad_param(r.regex ? "regex" : r.ebnf ? "ebnf" : "response_format",
+                    std::string(r.regex ? "'regex'" : r.ebnf ? "'ebnf'" : "response_format json_object / json_schema") +
+                        " cannot be combined with tool_choice '" + mode + "' or strict tools");
   if (!tool_parser_on)
     throw bad_param("tool_choice", "constrained tool calls need the tool-call parser (start kiln serve with "
                                    "--tool-call-parser qwen3_coder)");

@@ -86,7 +86,8 @@ std::shared_ptr<const Grammar> tool_call_grammar(const std::vector<ToolSpec>& to
                                                  bool text_first = false);
 
 // The grammar a request's answer (after the reasoning) must follow, or null when it is free:
-//   response_format json_object / json_schema {schema} (with "any_whitespace": true, any JSON whitespace); tool_choice "required" (a call of any tool) or
+//   response_format json_object / json_schema {schema} (with "any_whitespace": true, any JSON whitespace), or
+//   SGLang's "regex" / "ebnf" (at most one of the three); tool_choice "required" (a call of any tool) or
 //   {"type": "function", "function": {"name"}} (a call of that one); tool_choice "auto" with a tool marked
 //   "strict": true (text, then calls whose arguments fit). An invalid or unsupported request is an ApiError 400
 //   naming the parameter (and, for a schema, the keyword).

@@ -2,7 +2,8 @@
 // response_format json_object / json_schema and tool_choice required / named, sampled at temperature 1,
 // streamed and not, n > 1. Every output that ends with finish_reason "stop" (or "tool_calls") is checked by an
 // outside validator (ajv, JSON Schema draft 2020-12 semantics for the keywords used); most outputs must end
-// that way (the rest hit max_tokens). Unsupported schema keywords must be a 400 naming the keyword.
+// that way (the rest hit max_tokens). Unsupported schema keywords must be a 400 naming the keyword. SGLang's
+// regex / ebnf fields likewise, checked with JavaScript's RegExp.
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import Ajv from "ajv";
@@ -153,6 +154,57 @@ test("unsupported or invalid schemas are a 400 naming the keyword", async () => 
   const bad = await postRaw("/v1/chat/completions", { model: await modelName(), messages: user("x"), response_format: { type: "yaml" } });
   assert.equal(bad.status, 400);
   assert.ok(bad.json.error.message.includes("yaml"));
+});
+
+// SGLang's regex / ebnf fields: every finished output must match, checked by JavaScript's own RegExp engine (for
+// the EBNF grammar, by a RegExp written independently for the same language).
+test("regex and ebnf: finished outputs match (chat without thinking, completions)", async () => {
+  const cases = [
+    { field: { regex: "[0-9]{3}-[a-z]{2,5}( [A-Z][a-z]*)?" }, re: /^[0-9]{3}-[a-z]{2,5}( [A-Z][a-z]*)?$/ },
+    { field: { regex: "(yes|no|maybe), because [a-z ]{1,20}\\." }, re: /^(yes|no|maybe), because [a-z ]{1,20}\.$/ },
+    {
+      field: { ebnf: 'root ::= "(" num (op num){0,3} ")"\nnum ::= [1-9] [0-9]{0,2}\nop ::= " + " | " * "' },
+      re: /^\([1-9][0-9]{0,2}(( \+ | \* )[1-9][0-9]{0,2}){0,3}\)$/,
+    },
+  ];
+  for (const { field, re } of cases) {
+    const chat = await postRaw("/v1/chat/completions", {
+      model: await modelName(), messages: user("Answer."), max_tokens: 60, n: 3, temperature: 1,
+      chat_template_kwargs: { enable_thinking: false }, ...field,
+    });
+    assert.equal(chat.status, 200, chat.text);
+    const comp = await postRaw("/v1/completions", {
+      model: await modelName(), prompt: "Answer:", max_tokens: 60, n: 3, temperature: 1, ...field,
+    });
+    assert.equal(comp.status, 200, comp.text);
+    const outs = [
+      ...chat.json.choices.map((c) => ({ text: c.message.content ?? "", finish: c.finish_reason })),
+      ...comp.json.choices.map((c) => ({ text: c.text, finish: c.finish_reason })),
+    ];
+    const done = outs.filter((o) => o.finish === "stop");
+    assert.ok(done.length >= 3, `${JSON.stringify(field)}: only ${done.length} of ${outs.length} finished`);
+    for (const o of done) assert.match(o.text, re, JSON.stringify(field));
+  }
+});
+
+test("regex / ebnf errors: bad syntax, two constraints at once, with forced tools", async () => {
+  const base = { model: await modelName(), messages: user("x"), max_tokens: 8 };
+  for (const [extra, param, word] of [
+    [{ regex: "(?=a)b" }, "regex", "regex"],
+    [{ regex: 7 }, "regex", "string"],
+    [{ ebnf: "root ::= missing" }, "ebnf", "missing"],
+    [{ regex: "a+", ebnf: 'root ::= "a"' }, "regex", "at most one"],
+    [{ regex: "a+", response_format: { type: "json_object" } }, "regex", "at most one"],
+  ]) {
+    const r = await postRaw("/v1/chat/completions", { ...base, ...extra });
+    assert.equal(r.status, 400, `${JSON.stringify(extra)}: ${r.text}`);
+    assert.equal(r.json.error.param, param, r.text);
+    assert.ok(r.json.error.message.includes(word), r.json.error.message);
+  }
+  const tools = [{ type: "function", function: { name: "f", parameters: { type: "object", properties: {} } } }];
+  const r = await postRaw("/v1/chat/completions", { ...base, regex: "a+", tools, tool_choice: "required" });
+  assert.equal(r.status, 400, r.text);
+  assert.equal(r.json.error.param, "regex");
 });
 
 const TOOLS = [

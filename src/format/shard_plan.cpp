@@ -32,6 +32,16 @@ Range even_part(int64_t total, int parts, int part, const char* what, int tp, in
   return {part * (total / parts), total / parts};
 }
 
+// Vocabulary rows over tp ranks for any vocabulary size: the first V % tp ranks hold one row more. No rank holds a
+// padding row, so no padding id can ever be sampled; the logits of a row are the ranks' slices side by side.
+Range vocab_part(int64_t vocab, int tp, int rank, int ep) {
+  if (vocab < tp)
+    fail("{}: {} vocabulary rows cannot be spread over {} ranks (every rank needs at least one)", sizes_hint(tp, ep),
+         vocab, tp);
+  const int64_t base = vocab / tp, extra = vocab % tp;
+  return {rank * base + std::min<int64_t>(rank, extra), base + (rank < extra ? 1 : 0)};
+}
+
 const char* const kSuffixes[] = {".weight_scale_2", ".input_scale", ".weight_scale", ".weight", ".bias", ".k_scale",
                                  ".v_scale"};
 
@@ -79,7 +89,7 @@ ShardPlan plan_shards(const ModelConfig& c, const std::vector<ExpectedTensor>& t
         s.shared_inter = even_part(c.shared_expert_intermediate_size, tp, r, "shared_expert_intermediate_size", tp, ep);
     }
     if (has_dense) s.dense_inter = even_part(c.intermediate_size, tp, r, "intermediate_size (dense MLP)", tp, ep);
-    s.vocab = even_part(c.vocab_size, tp, r, "vocabulary rows (embedding / lm_head)", tp, ep);
+    s.vocab = vocab_part(c.vocab_size, tp, r, ep);
     p.ranks.push_back(s);
   }
   if (has_full && c.num_kv_heads < tp) {

@@ -15,7 +15,8 @@
 //    whole over the M EP ranks (E / M each) and, within an EP rank's N / M ranks, by intermediate (down_proj by
 //    input column: a slice keeps whole 16-element NVFP4 blocks). Rank r is EP rank r / (N / M) and MoE-TP rank
 //    r % (N / M) (SGLang's order). Dense MLP by intermediate.
-//  - embed_tokens and lm_head by vocabulary row; norms and KV scales replicated; scalar scales replicated.
+//  - embed_tokens and lm_head by vocabulary row, any vocabulary size: the first V % N ranks hold one row more (no
+//    padding rows, so no padding id exists to sample); norms and KV scales replicated; scalar scales replicated.
 //  - the MTP head: mtp.fc [H, 2H] replicated (small, read once per draft token); its decoder layer like a main
 //    full-attention layer.
 // Every block's partial outputs are summed by one all-reduce (model::Ops::all_reduce), the embedding's too.
@@ -61,8 +62,8 @@ struct ShardPlan {
 };
 
 // Plans the shards of `config` (and checks every expected tensor of `quant`'s layout slices cleanly) for tp ranks
-// with ep expert-parallel groups. kiln::Error naming the numbers when tp or ep does not divide the heads, experts,
-// intermediate sizes or vocabulary, or when a column split would cut an NVFP4 block.
+// with ep expert-parallel groups. kiln::Error naming the numbers when tp or ep does not divide the heads, experts or
+// intermediate sizes, or when a column split would cut an NVFP4 block.
 ShardPlan plan_shards(const ModelConfig& config, const QuantConfig& quant, int tp, int ep = 1);
 // The same over a given tensor list (expected_tensors(config, quant)).
 ShardPlan plan_shards(const ModelConfig& config, const std::vector<ExpectedTensor>& tensors, int tp, int ep = 1);

@@ -298,6 +298,28 @@ TEST(ShardPlan, ErrorsNameTheNumbers) {
               ::testing::HasSubstr("3 KV heads do not split over 2 ranks"));
 }
 
+// Any vocabulary size: rows over the ranks in order, the first V % N ranks one more, every id held exactly once.
+TEST(ShardPlan, VocabularyOfAnySize) {
+  ModelConfig c = fixture("qwen3_bf16").config;
+  for (int64_t vocab : {101, 509, 512, 151669}) {
+    c.vocab_size = vocab;
+    for (int tp : {2, 4}) {
+      const ShardPlan p = plan_shards(c, expected_tensors(c, QuantConfig{}), tp, 1);
+      int64_t next = 0;
+      for (const RankShard& r : p.ranks) {
+        EXPECT_EQ(r.vocab.begin, next) << vocab << " tp " << tp;
+        const int64_t want = vocab / tp + (r.rank < vocab % tp ? 1 : 0);
+        EXPECT_EQ(r.vocab.count, want) << vocab << " tp " << tp << " rank " << r.rank;
+        next = r.vocab.end();
+      }
+      EXPECT_EQ(next, vocab);
+    }
+  }
+  c.vocab_size = 3;
+  EXPECT_THAT(error_of([&] { plan_shards(c, expected_tensors(c, QuantConfig{}), 4, 1); }),
+              ::testing::HasSubstr("3 vocabulary rows cannot be spread over 4 ranks"));
+}
+
 TEST(ShardPlan, CopySliceMovesTheRightElements) {
   // A [4, 6] tensor of values 10 * row + col; rows {1} and {3}, columns part 1 of 3 (cols 2, 3).
   TensorSlice s;

@@ -12,11 +12,16 @@
 #include "model/tp_runner.h"
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <future>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "core/error.h"
+#include "fixture_util.h"
+#include "format/safetensors.h"
 #include "net_util.h"
 #include "reference_fixture.h"
 
@@ -217,6 +222,90 @@ TEST(TpRunner, BadSizesFailBeforeLoading) {
   EXPECT_THAT(error({8, 1}), ::testing::HasSubstr("4 query heads do not split over 8 ranks"));
   EXPECT_THAT(error({4, 3}), ::testing::HasSubstr("--ep-size 3 must divide --tp-size 4"));
   EXPECT_THAT(error({0, 1}), ::testing::HasSubstr("--tp-size must be at least 1"));
+}
+
+// A copy of a fixture model whose vocabulary is cut to its first `vocab` rows (embed_tokens and lm_head rows, and
+// vocab_size wherever config.json has it). Row v of lm_head gives logit v from the same hidden state, and ids below
+// `vocab` embed the same, so the cut model's logits are the transformers reference's first `vocab` columns.
+void write_cut_vocabulary(const Fixture& fx, int64_t vocab, const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  for (const auto& e : fs::directory_iterator(fx.model_dir))
+    if (e.path().filename() != "model.safetensors" && e.path().filename() != "config.json")
+      fs::copy_file(e.path(), out_dir + "/" + e.path().filename().string());
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(fx.model_dir + "/config.json"));
+  std::function<void(nlohmann::json&)> cut = [&](nlohmann::json& j) {
+    if (!j.is_object()) return;
+    for (auto& [k, v] : j.items()) {
+      if (k == "vocab_size") v = vocab;
+      cut(v);
+    }
+  };
+  cut(config);
+  std::ofstream(out_dir + "/config.json") << config.dump(2);
+  const std::vector<uint8_t> bytes = read_bytes(fx.model_dir + "/model.safetensors");
+  format::SafetensorsFile file(bytes, "model.safetensors");
+  format::SafetensorsWriter w;
+  int cut_tensors = 0;
+  for (const format::TensorInfo& t : file.tensors()) {
+    const bool vocab_rows = (t.name.find("embed_tokens") != std::string::npos ||
+                             t.name.find("lm_head") != std::string::npos) &&
+                            t.shape.ndim >= 1 && t.shape.dims[0] == fx.vocab;
+    if (!vocab_rows) {
+      w.add(t.name, t.dtype, t.shape, t.bytes());
+      continue;
+    }
+    Shape shape = t.shape;
+    shape.dims[0] = vocab;
+    const size_t row_bytes = t.nbytes / static_cast<size_t>(fx.vocab);
+    w.add(t.name, t.dtype, shape, t.bytes().first(row_bytes * static_cast<size_t>(vocab)));
+    ++cut_tensors;
+  }
+  ASSERT_GE(cut_tensors, 1) << fx.name;  // the embedding (and lm_head, unless tied)
+  w.write(out_dir + "/model.safetensors");
+}
+
+// Any vocabulary at any TP size (vLLM and SGLang pad the vocabulary shards instead): a vocabulary of 509 rows (a
+// prime: no size divides it) at TP 2 and TP 4 (the fixtures' 4 query heads allow no other): the first V % N ranks
+// hold one row more.
+// Logits equal TP 1's and the transformers reference's first 509 columns; greedy picks (forward_argmax, whose ids
+// are each rank's offset plus a local index) equal TP 1's; no id at or past 509 ever comes back.
+TEST(TpRunner, VocabularyNoSizeDivides) {
+  constexpr int64_t kVocab = 509;
+  for (const std::string name : {"qwen3_5_moe_bf16", "qwen3_next_bf16", "qwen3_bf16"}) {
+    SCOPED_TRACE(name);
+    const Fixture fx = Fixture::load(name);
+    test::TempDir tmp;
+    write_cut_vocabulary(fx, kVocab, tmp.path());
+    TestRunner one(tmp.path(), opts_for({1, 1}));
+    ASSERT_EQ(one.runner->vocab_size(), kVocab);
+    for (Size s : {Size{2, 1}, Size{4, 1}}) {
+      TestRunner tp(tmp.path(), opts_for(s));
+      ASSERT_EQ(tp.runner->vocab_size(), kVocab);
+      double vs_one = 0, vs_ref = 0;
+      int prompts = 0;
+      for (const Prompt& p : fx.prompts) {
+        const bool in_vocab = std::all_of(p.tokens.begin(), p.tokens.end(), [](int32_t t) { return t < kVocab; });
+        if (!in_vocab || p.greedy_tokens.empty()) continue;
+        ++prompts;
+        const std::vector<float> a = last_logits(*one.runner, one, 0, p.tokens, 0);
+        const std::vector<float> b = last_logits(*tp.runner, tp, 0, p.tokens, 0);
+        vs_one = std::max(vs_one, max_abs_diff(b, a.data()));
+        for (int64_t v = 0; v < kVocab; ++v)
+          vs_ref = std::max(vs_ref, std::fabs(double(b[v]) - p.greedy_logits[v]));  // step 0: after the prompt
+        model::SeqChunk c = tp.chunk(1, p.tokens, 0);
+        int32_t id = -1;
+        tp.runner->forward_argmax({&c, 1}, {&id, 1});
+        EXPECT_EQ(id, argmax(a.data(), kVocab));
+        EXPECT_GE(id, 0);
+        EXPECT_LT(id, kVocab);
+      }
+      std::printf("[tp] %-18s vocab %lld tp %d: max |TP - TP1| %.2e, max |TP - transformers| %.2e over %d prompts\n",
+                  name.c_str(), static_cast<long long>(kVocab), s.tp, vs_one, vs_ref, prompts);
+      EXPECT_GT(prompts, 0);
+      EXPECT_LT(vs_one, kTol);
+      EXPECT_LT(vs_ref, kTol);
+    }
+  }
 }
 
 TEST(TpRunner, DescribeShowsPerRankFigures) {

@@ -5,7 +5,8 @@
 #   OUT=... bash tools/gpu/decode_ab.sh CARRY [what: tests,smoke,decode35,rank397,layers397,spec]
 # CARRY holds lib/, base/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
 # Variables: BATCHES (35B decode batches), RANK_TPS (TP sizes whose rank 0 is benched), NEW_FLAGS (flags given
-# to the new binary only, e.g. to compare a kernel choice), TEST_FILTER.
+# to the new binary only, e.g. to compare a kernel choice), BASE_FLAGS (the same for base: with base/ a copy of new/,
+# a flag's A/B on one binary), TEST_FILTER.
 set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,smoke,decode35,rank397,layers397}
@@ -20,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 VARIANTS=()
 for v in base new; do [ -x "$CARRY/$v/kiln" ] && VARIANTS+=("$v"); done
 for v in "${VARIANTS[@]}"; do "$CARRY/$v/kiln" version || { ldd "$CARRY/$v/kiln" | grep "not found"; exit 1; }; done
-flags_of() { [ "$1" = new ] && echo "${NEW_FLAGS:-}"; }
+flags_of() { if [ "$1" = new ]; then echo "${NEW_FLAGS:-}"; else echo "${BASE_FLAGS:-}"; fi; }
 C35=configs/qwen3.5-35b-a3b-nvfp4
 C397=configs/qwen3.5-397b-a17b-nvfp4
 

@@ -99,7 +99,8 @@ std::string resolve_mamba_ssm_dtype(const std::string& device, const std::string
   if (device == "cpu" && asked == "bfloat16")
     fail("--mamba-ssm-dtype bfloat16: the CPU backend keeps the recurrent state in fp32 (use auto or float32)");
   if (asked != "auto") return asked;
-  return device == "cuda" && dtype == "bfloat16" ? "bfloat16" : "float32";
+  (void)dtype;
+  return "float32";  // bfloat16 is opt-in: docs/perf/decode-latency.md (slower at batch 64, a looser whole-model match)
 }
 
 std::string KernelChoice::str() const {

@@ -336,7 +336,7 @@ int run_inspect(const InspectOptions& o) {
   in.copt.mem_fraction_static = o.mem_fraction_static;
   in.copt.activation_reserve_gib = o.activation_reserve_gib;
   in.copt.kv_dtype = inspect_kv_dtype(o.kv_cache_dtype);
-  // The recurrent state as kiln serve keeps it on CUDA by default (--dtype auto, --mamba-ssm-dtype auto).
+  // The recurrent state as kiln serve keeps it on CUDA by default (--mamba-ssm-dtype auto).
   in.copt.recurrent_state_bytes =
       backend::resolve_mamba_ssm_dtype("cuda", backend::kCudaAutoDtype, "auto") == "bfloat16" ? 2 : 4;
   if (has_weights(dir)) {

@@ -32,9 +32,9 @@ inline void add_dtype_flag(CLI::App& app, std::string& dtype) {
 inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   add_dtype_flag(app, f.gpu.dtype);
   app.add_option("--mamba-ssm-dtype", f.gpu.mamba_ssm_dtype,
-                 "cuda: element type of the DeltaNet recurrent state: auto (bfloat16 under --dtype bfloat16, else "
-                 "float32), bfloat16 (half the state bytes; updated in fp32, rounded to nearest even on store) or "
-                 "float32; the CPU backend always keeps fp32")
+                 "cuda: element type of the DeltaNet recurrent state: auto (float32), float32, or bfloat16 (opt-in: "
+                 "half the state memory; updated in fp32, rounded to nearest even on store; measured no faster); the "
+                 "CPU backend always keeps fp32")
       ->check(CLI::IsMember({"auto", "bfloat16", "float32"}))
       ->capture_default_str();
   app.add_option("--load-format", f.load_format,

@@ -25,10 +25,10 @@ check(abs(j["params_active"] / 1e9 - 17) < 0.5, "params_active %d" % j["params_a
 check(abs(j["decode_bytes_per_token"] / 1e9 - 22) < 0.5, "decode bytes %d" % j["decode_bytes_per_token"])
 # 15 full layers x 2 KV heads x 256 dims x (K, V) x 2 bytes.
 check(j["kv_bytes_per_token"] == 15 * 2 * 256 * 2 * 2 == 30720, "kv bytes %d" % j["kv_bytes_per_token"])
-# 45 linear layers x (64 x 128 x 128 bf16 state (kiln serve's default on CUDA: --dtype auto = bfloat16, so
-# --mamba-ssm-dtype auto = bfloat16) + 12288 conv channels x 3 taps x 4 bytes (fp32)).
-check(j["recurrent_state_dtype"] == "bfloat16", "recurrent state dtype " + j["recurrent_state_dtype"])
-check(j["state_bytes_per_sequence"] == 45 * (64 * 128 * 128 * 2 + 12288 * 3 * 4), "state bytes")
+# 45 linear layers x (64 x 128 x 128 fp32 state (--mamba-ssm-dtype auto = float32) + 12288 conv channels x 3 taps x
+# 4 bytes (fp32)).
+check(j["recurrent_state_dtype"] == "float32", "recurrent state dtype " + j["recurrent_state_dtype"])
+check(j["state_bytes_per_sequence"] == 45 * (64 * 128 * 128 * 4 + 12288 * 3 * 4), "state bytes")
 check(j["kv_bytes_per_token_per_gpu"] == 15360, "kv per gpu (one KV head per GPU at tp 8)")
 gib = 1024 ** 3
 budget = 96 * gib * 0.90 - j["weight_bytes_per_gpu"] - 2 * gib

@@ -113,10 +113,10 @@ TEST(Dtype, IsPartOfTheKernelChoice) {
   EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }).find("CPU backend"), std::string::npos);
 }
 
-// --mamba-ssm-dtype (the DeltaNet recurrent state): auto follows --dtype on cuda (bfloat16 -> bfloat16, float32 ->
-// float32) and is float32 on the CPU; an explicit choice wins on cuda; bfloat16 on the CPU and unknown names fail.
-TEST(MambaSsmDtype, AutoFollowsTheDtypeOnCudaAndIsFp32OnTheCpu) {
-  EXPECT_EQ(resolve_mamba_ssm_dtype("cuda", "bfloat16", "auto"), "bfloat16");
+// --mamba-ssm-dtype (the DeltaNet recurrent state): auto is float32 (bfloat16 is opt-in on cuda); an explicit choice
+// wins on cuda; bfloat16 on the CPU and unknown names fail.
+TEST(MambaSsmDtype, AutoIsFp32AndBf16IsOptInOnCuda) {
+  EXPECT_EQ(resolve_mamba_ssm_dtype("cuda", "bfloat16", "auto"), "float32");
   EXPECT_EQ(resolve_mamba_ssm_dtype("cuda", "float32", "auto"), "float32");
   EXPECT_EQ(resolve_mamba_ssm_dtype("cuda", "bfloat16", "float32"), "float32");
   EXPECT_EQ(resolve_mamba_ssm_dtype("cuda", "float32", "bfloat16"), "bfloat16");
@@ -129,8 +129,11 @@ TEST(MambaSsmDtype, AutoFollowsTheDtypeOnCudaAndIsFp32OnTheCpu) {
   // Part of the kernel choice, so the startup summary names it.
   LoadOptions o;
   KernelChoice h = resolve_kernels("cuda", 9, o);
-  EXPECT_EQ(h.mamba_ssm_dtype, "bfloat16");
-  EXPECT_NE(h.str().find("mamba-ssm-dtype bfloat16"), std::string::npos) << h.str();
+  EXPECT_EQ(h.mamba_ssm_dtype, "float32");
+  EXPECT_NE(h.str().find("mamba-ssm-dtype float32"), std::string::npos) << h.str();
+  o.gpu.mamba_ssm_dtype = "bfloat16";
+  EXPECT_NE(resolve_kernels("cuda", 9, o).str().find("mamba-ssm-dtype bfloat16"), std::string::npos);
+  o.gpu.mamba_ssm_dtype = "auto";
   o.gpu.dtype = "float32";
   EXPECT_EQ(resolve_kernels("cuda", 9, o).mamba_ssm_dtype, "float32");
   o.gpu.mamba_ssm_dtype = "bfloat16";
@@ -157,19 +160,26 @@ TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {
   EXPECT_EQ(p.context, 4096);
   EXPECT_GT(p.weight_bytes, 15.0 * GiB);
   EXPECT_LT(p.weight_bytes, 25.0 * GiB);
-  // State per sequence: 30 linear layers x (32 heads x 128 x 128 bf16 (--dtype auto on cuda: bfloat16, so
-  // --mamba-ssm-dtype auto: bfloat16) + conv 8192 x 3 fp32).
-  EXPECT_DOUBLE_EQ(p.state_bytes, 64.0 * 30 * (32.0 * 128 * 128 * 2 + 8192.0 * 3 * 4));
+  // State per sequence: 30 linear layers x (32 heads x 128 x 128 fp32 (--mamba-ssm-dtype auto: float32) + conv
+  // 8192 x 3 fp32).
+  EXPECT_DOUBLE_EQ(p.state_bytes, 64.0 * 30 * (32.0 * 128 * 128 * 4 + 8192.0 * 3 * 4));
   EXPECT_NE(p.str().find("memory plan"), std::string::npos);
-  // An fp32 state (--mamba-ssm-dtype float32, or --dtype float32) takes twice the recurrent bytes, and the KV cache
-  // gets what the bf16 state leaves over it.
+  // A bf16 state (--mamba-ssm-dtype bfloat16) takes half the recurrent bytes, and the KV cache gets what it leaves.
+  {
+    LoadOptions f = o;
+    f.gpu.mamba_ssm_dtype = "bfloat16";
+    const MemoryPlan p16 = plan_device_memory(dir, f, 141.0 * GiB, 140.0 * GiB);
+    EXPECT_DOUBLE_EQ(p16.state_bytes, 64.0 * 30 * (32.0 * 128 * 128 * 2 + 8192.0 * 3 * 4));
+    EXPECT_GT(p16.kv_pages, p.kv_pages);
+  }
+  // float32 named, or --dtype float32: the same plan as auto.
   for (const char* flag : {"mamba", "dtype"}) {
     LoadOptions f = o;
     (std::string(flag) == "mamba" ? f.gpu.mamba_ssm_dtype : f.gpu.dtype) = "float32";
     const MemoryPlan p32 = plan_device_memory(dir, f, 141.0 * GiB, 140.0 * GiB);
     EXPECT_DOUBLE_EQ(p32.state_bytes, 64.0 * 30 * (32.0 * 128 * 128 * 4 + 8192.0 * 3 * 4)) << flag;
     EXPECT_DOUBLE_EQ(p32.weight_bytes, p.weight_bytes) << flag;
-    EXPECT_LT(p32.kv_pages, p.kv_pages) << flag;
+    EXPECT_EQ(p32.kv_pages, p.kv_pages) << flag;
   }
 
   // Nothing asked: the budget decides, and stays inside gpu x fraction.
@@ -240,7 +250,7 @@ TEST(MemoryPlan, StateSlotsAndContextComeFromThePlan) {
   o.state_slots = 0;  // the plan chooses
   o.slots_per_request = 3;
   const MemoryPlan p = plan_device_memory(dir, o, 141.0 * GiB, 0);
-  const double per_seq = 30 * (32.0 * 128 * 128 * 2 + 8192.0 * 3 * 4);  // bf16 recurrent state (--dtype auto)
+  const double per_seq = 30 * (32.0 * 128 * 128 * 4 + 8192.0 * 3 * 4);  // fp32 recurrent state (--mamba-ssm-dtype auto)
   EXPECT_EQ(p.state_slots, 3 * p.max_running);
   EXPECT_GE(p.max_running, 1);
   EXPECT_LE(p.max_running, 256);
@@ -304,10 +314,10 @@ TEST(MemoryPlan, PerRankPlanAtTp1To8) {
       const int kv_local = std::max(1, m.kv_heads / tp);
       const double kv_per_token = m.full_layers * 2.0 * kv_local * 256 * 2;
       EXPECT_DOUBLE_EQ(p.kv_bytes, p.kv_tokens * kv_per_token);
-      // State per slot: the rank's value heads' 128 x 128 state in bf16 (--dtype auto: bfloat16, so
-      // --mamba-ssm-dtype auto: bfloat16) + conv state (q, k of its key heads, v of its value heads) x 3 taps x fp32.
+      // State per slot: the rank's value heads' 128 x 128 state in fp32 (--mamba-ssm-dtype auto: float32) + conv
+      // state (q, k of its key heads, v of its value heads) x 3 taps x fp32.
       const double vh = m.value_heads / tp, kh = std::max(1, m.key_heads / tp);
-      const double state = m.linear_layers * (vh * 128 * 128 * 2 + (2 * kh * 128 + vh * 128) * 3 * 4);
+      const double state = m.linear_layers * (vh * 128 * 128 * 4 + (2 * kh * 128 + vh * 128) * 3 * 4);
       EXPECT_DOUBLE_EQ(p.state_bytes, 16 * state);
       // Weights: each rank holds 1 / tp of every routed expert, plus at most everything else whole.
       if (tp == 1) whole = p.weight_bytes;

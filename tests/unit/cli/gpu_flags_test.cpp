@@ -67,10 +67,12 @@ TEST(DtypeFlag, ResolvesPerDevice) {
                   "--dtype float16 is not supported by the CUDA backend yet; use bfloat16 or float32")));
 }
 
-// --mamba-ssm-dtype (the DeltaNet recurrent state): parsed into the load options; auto follows --dtype on cuda.
+// --mamba-ssm-dtype (the DeltaNet recurrent state): parsed into the load options; auto is float32 on cuda.
 TEST(MambaSsmDtypeFlag, ParsesAndResolves) {
   EXPECT_EQ(parse_gpu({}).gpu.mamba_ssm_dtype, "auto");
-  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({})).mamba_ssm_dtype, "bfloat16");
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({})).mamba_ssm_dtype, "float32");
+  EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({"--mamba-ssm-dtype", "bfloat16"})).mamba_ssm_dtype,
+            "bfloat16");
   EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({"--dtype", "float32"})).mamba_ssm_dtype, "float32");
   EXPECT_EQ(backend::resolve_kernels("cuda", 9, parse_gpu({"--mamba-ssm-dtype", "float32"})).mamba_ssm_dtype,
             "float32");

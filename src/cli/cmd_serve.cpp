@@ -45,6 +45,9 @@ struct ServeArgs {
   int port = 30000;
   std::string served_model_name;
   std::string api_key;
+  std::string api_key_file;     // the key from a file (not visible in /proc/<pid>/cmdline)
+  std::string allowed_origins;  // CORS: comma-separated origins or *
+  std::string log_format = "text";
   int64_t context_length = 0;
   std::string kv_cache_dtype = "auto";
   std::string reasoning_parser = "auto";
@@ -136,8 +139,45 @@ class SignalWaiter {
   std::thread thread_;
 };
 
-int run_serve(const ServeArgs& a) {
-  // Validate flags before doing anything slow.
+// --api-key-file: the file's text without its trailing newline (and surrounding whitespace).
+std::string read_api_key_file(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) fail("cannot read --api-key-file '{}'", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string key = ss.str();
+  const char* ws = " \t\r\n";
+  const size_t b = key.find_first_not_of(ws);
+  key = b == std::string::npos ? "" : key.substr(b, key.find_last_not_of(ws) - b + 1);
+  if (key.empty()) fail("--api-key-file '{}' is empty; put the key in it", path);
+  if (key.find_first_of(ws) != std::string::npos)
+    fail("--api-key-file '{}' holds more than one word; put only the key in it", path);
+  return key;
+}
+
+// --allowed-origins: "*" or a comma-separated list of origins ("https://app.example.com").
+std::vector<std::string> parse_allowed_origins(const std::string& flag) {
+  std::vector<std::string> out;
+  std::stringstream ss(flag);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const size_t b = item.find_first_not_of(' ');
+    if (b == std::string::npos) continue;
+    item = item.substr(b, item.find_last_not_of(' ') - b + 1);
+    if (item != "*" && item.find("://") == std::string::npos)
+      fail("--allowed-origins: '{}' is not an origin (scheme://host[:port], e.g. https://app.example.com) or *", item);
+    while (item.size() > 1 && item.back() == '/') item.pop_back();  // browsers send origins without a slash
+    out.push_back(item);
+  }
+  return out;
+}
+
+int run_serve(ServeArgs a) {
+  // Validate flags before doing anything slow (and before the port is bound).
+  LogFormat log_format;
+  if (!parse_log_format(a.log_format, &log_format)) fail("unknown --log-format '{}' (use text or json)", a.log_format);
+  set_log_format(log_format);
+  if (!a.api_key_file.empty()) a.api_key = read_api_key_file(a.api_key_file);
+  const std::vector<std::string> allowed_origins = parse_allowed_origins(a.allowed_origins);
   if (a.port < 0 || a.port > 65535) fail("--port must be 0..65535 (got {})", a.port);
   if (a.max_running_requests < 0) fail("--max-running-requests must be at least 1 (got {})", a.max_running_requests);
   if (a.max_queued_requests < 0) fail("--max-queued-requests must be 0 or more (got {})", a.max_queued_requests);
@@ -159,6 +199,8 @@ int run_serve(const ServeArgs& a) {
   const std::string device = a.dummy_runner.empty() ? device_choice.device : "dummy-" + a.dummy_runner;
   if (!a.dummy_runner.empty() && a.dummy_runner != "hash" && a.dummy_runner != "echo")
     fail("unknown --dummy-runner '{}' (use hash or echo)", a.dummy_runner);
+  if (a.dummy_runner.empty()) backend::resolve_dtype(device_choice.device, a.gpu.dtype);  // a --dtype the device refuses
+  model::parse_load_format(a.gpu.load_format);
   // The per-step token budget and the forward-pass size, from the device (the plan reserves the pass's activations).
   const backend::PrefillSizes prefill = backend::resolve_prefill_sizes(a.chunked_prefill_size, a.max_pass_tokens,
                                                                        device_choice.device, device_choice.gpu_bytes);
@@ -172,6 +214,7 @@ int run_serve(const ServeArgs& a) {
   so.host = a.host;
   so.port = a.port;
   so.api_key = a.api_key;
+  so.allowed_origins = allowed_origins;
   so.reasoning_parser = a.reasoning_parser;
   so.tool_call_parser = a.tool_call_parser;
   so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
@@ -189,6 +232,8 @@ int run_serve(const ServeArgs& a) {
                               {"port", a.port},
                               {"served_model_name", so.served_model_name},
                               {"api_key_set", !a.api_key.empty()},
+                              {"allowed_origins", allowed_origins},
+                              {"log_format", a.log_format},
                               {"context_length_flag", a.context_length},
                               {"kv_cache_dtype", a.kv_cache_dtype},
                               {"dtype", a.gpu.dtype},  // as given; the resolved one is in "backend" (kernels: dtype)
@@ -205,6 +250,12 @@ int run_serve(const ServeArgs& a) {
 
   // Load everything that can fail on bad input before opening the port for traffic.
   format::ModelConfig config = format::load_model_config(dir);
+  // Positions past max_position_embeddings were never trained (and kiln reads no RoPE scaling that would stretch
+  // them): a longer --context-length would be a promise /v1/models cannot keep.
+  if (a.context_length > config.max_position_embeddings && config.max_position_embeddings > 0)
+    fail("--context-length {} is more than the model's max_position_embeddings ({}); use at most {} (or leave the flag "
+         "out for the model's length)",
+         a.context_length, config.max_position_embeddings, config.max_position_embeddings);
   kiln::cli::check_parallel_flags(a.parallel, config, dir);  // --tp-size / --ep-size the model cannot take
   so.model_type = config.model_type;
   if (!config.architecture.empty()) so.architectures = {config.architecture};
@@ -431,8 +482,20 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_option("--host", a->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "Port to listen on")->capture_default_str();
   app.add_option("--served-model-name", a->served_model_name, "Model name in the API (default: the model path)");
-  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
-  app.add_option("--context-length", a->context_length, "Longest sequence, prompt + output (default: the model's)");
+  auto* api_key = app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
+  app.add_option("--api-key-file", a->api_key_file,
+                 "Read the API key from this file (surrounding whitespace and the newline are dropped), so it is not "
+                 "visible in the process list")
+      ->excludes(api_key);
+  app.add_option("--allowed-origins", a->allowed_origins,
+                 "CORS: browser origins allowed to call the API, comma-separated (https://app.example.com), or *; "
+                 "answers OPTIONS preflights. Default: none (no CORS headers)");
+  app.add_option("--log-format", a->log_format, "Log lines as text or json (one object per line); UTC timestamps")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  app.add_option("--context-length", a->context_length,
+                 "Longest sequence, prompt + output, at most the model's max_position_embeddings (default: the model's)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "KV cache type: auto (bf16), bf16 or fp8_e4m3")
       ->capture_default_str();
   app.add_option("--reasoning-parser", a->reasoning_parser,
@@ -445,7 +508,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
   app.add_option("--max-running-requests", a->max_running_requests,
-                 "Sequences decoded together at most (default: cuda: the memory plan's, at most 256; cpu: 32)");
+                 "Sequences decoded together at most (default: cuda: the memory plan's, at most 256; cpu: 32)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--max-queued-requests", a->max_queued_requests,
                  "Waiting sequences at most; beyond, requests get 503 + Retry-After")
       ->capture_default_str();
@@ -464,7 +528,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "request, at most 256k tokens)");
   app.add_flag("--disable-radix-cache", a->disable_radix_cache,
                "Turn the prefix cache (shared KV pages + state snapshots across requests) off");
-  app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)");
+  app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();
   app.add_flag("--skip-self-check", a->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
@@ -485,7 +550,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "Testing without weights: 'hash' (logits hash each sequence's tokens) or 'echo' (repeats the "
                  "last chat turn); uses the model folder's tokenizer and template only")
       ->group("");  // hidden
-  return [a]() -> int { return run_serve(*a); };
+  return [a]() -> int { return run_serve(*a); };  // a copy: --api-key-file fills its api_key
 }};
 
 }  // namespace

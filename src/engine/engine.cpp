@@ -24,6 +24,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "core/error.h"
@@ -112,11 +113,24 @@ std::unique_ptr<SequenceSampler> make_sampler(const Sequence& seq, const std::ve
   return sampler;
 }
 
-// Penalties, a logit bias, logprobs or an active grammar need the row's logits on the host.
+// Penalties, a logit bias, logprobs, an active grammar or min_tokens still to reach need the row's logits on the host.
 bool needs_host_logits(const Sequence& seq) {
   const SamplingParams& sp = seq.request.sampling;
   return sp.repetition_penalty != 1.0f || sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f ||
-         !sp.logit_bias.empty() || seq.request.want_logprobs || seq.sampler->constrained_now();
+         !sp.logit_bias.empty() || seq.request.want_logprobs || seq.sampler->constrained_now() ||
+         seq.num_generated < seq.request.min_tokens;
+}
+
+// Before min_tokens are generated, the tokens that would end the sequence (eos unless ignore_eos, stop_token_ids)
+// cannot be chosen.
+void mask_ending_tokens(std::span<float> logits, const Sequence& seq, const std::vector<int32_t>& eos_token_ids) {
+  if (seq.num_generated >= seq.request.min_tokens) return;
+  auto mask = [&](int32_t id) {
+    if (id >= 0 && static_cast<size_t>(id) < logits.size()) logits[static_cast<size_t>(id)] = -INFINITY;
+  };
+  if (!seq.request.ignore_eos)
+    for (int32_t id : eos_token_ids) mask(id);
+  for (int32_t id : seq.request.stop_token_ids) mask(id);
 }
 
 }  // namespace
@@ -227,6 +241,25 @@ bool Engine::drain(std::chrono::milliseconds timeout) {
   return done;
 }
 
+bool Engine::flush_prefix_cache(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_requested_) return false;
+  const uint64_t ticket = ++flushes_asked_;
+  cv_.notify_all();
+  if (!cv_idle_.wait_for(lock, timeout, [&] { return flushes_done_ >= ticket || stop_requested_; })) return false;
+  return flushes_done_ >= ticket && last_flush_ok_;
+}
+
+// A flush asked for since the last step: done only when nothing runs or waits (a sequence's pages may be cached).
+void Engine::answer_flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (flushes_asked_ == flushes_done_) return;
+  last_flush_ok_ = scheduler_.idle() && incoming_.empty();
+  if (last_flush_ok_) KILN_LOG_INFO("prefix cache flushed: {} KV pages freed", scheduler_.flush_prefix_cache());
+  flushes_done_ = flushes_asked_;
+  cv_idle_.notify_all();
+}
+
 void Engine::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -313,6 +346,7 @@ void Engine::loop() {
     bool stopping = false, abort_all = false;
     take_incoming(wait_for_work(stopping, abort_all));
     end_cancelled(abort_all);
+    answer_flush();
     if (stopping) {
       publish_gauges();
       flush_outbox();
@@ -350,7 +384,7 @@ std::vector<std::unique_ptr<Sequence>> Engine::wait_for_work(bool& stopping, boo
   for (;;) {
     for (auto& s : incoming_) arrived.push_back(std::move(s));
     incoming_.clear();
-    if (stop_requested_ || !arrived.empty() || !scheduler_.idle()) break;
+    if (stop_requested_ || !arrived.empty() || !scheduler_.idle() || flushes_asked_ != flushes_done_) break;
     abort_all_ = false;  // nothing left to abort
     cv_.wait(lock);
   }
@@ -474,6 +508,7 @@ void Engine::choose_token(StepRow& row, OutputMode mode) {
     if (mode == OutputMode::host_logits) {
       std::span<float> logits(logits_.data() + row.output * static_cast<size_t>(vocab_size_),
                               static_cast<size_t>(vocab_size_));
+      mask_ending_tokens(logits, seq, opts_.eos_token_ids);
       const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
       chosen = seq.sampler->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
                                    seq.request.want_logprobs);

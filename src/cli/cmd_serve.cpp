@@ -478,6 +478,18 @@ int run_serve(ServeArgs a) {
 
 kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP API", [](CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
+  // Counts where 0 once meant "the default": 0 is refused, the flag's absence is the default.
+  const CLI::Validator at_least_one(
+      [](std::string& v) {
+        long long n = 0;
+        try {
+          n = std::stoll(v);
+        } catch (const std::exception&) {
+          return std::string();  // not a number: the option's own parse says so
+        }
+        return n >= 1 ? std::string() : "must be at least 1, got " + v + " (leave the flag out for the default)";
+      },
+      "N>=1");
   app.add_option("--model-path", a->model_path, "Model folder (default: the embedded kiln-tiny)");
   app.add_option("--host", a->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "Port to listen on")->capture_default_str();
@@ -495,7 +507,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--context-length", a->context_length,
                  "Longest sequence, prompt + output, at most the model's max_position_embeddings (default: the model's)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least_one);
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "KV cache type: auto (bf16), bf16 or fp8_e4m3")
       ->capture_default_str();
   app.add_option("--reasoning-parser", a->reasoning_parser,
@@ -509,7 +521,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
   app.add_option("--max-running-requests", a->max_running_requests,
                  "Sequences decoded together at most (default: cuda: the memory plan's, at most 256; cpu: 32)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least_one);
   app.add_option("--max-queued-requests", a->max_queued_requests,
                  "Waiting sequences at most; beyond, requests get 503 + Retry-After")
       ->capture_default_str();
@@ -529,7 +541,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_flag("--disable-radix-cache", a->disable_radix_cache,
                "Turn the prefix cache (shared KV pages + state snapshots across requests) off");
   app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least_one);
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();
   app.add_flag("--skip-self-check", a->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");

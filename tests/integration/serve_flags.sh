@@ -12,7 +12,7 @@ failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 make_model_dir "$SERVE_WORK/echo" echo
 MODEL=(--model-path "$SERVE_WORK/echo" --dummy-runner echo)
-MPE=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["max_position_embeddings"])' \
+MPE=$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c.get("text_config", c)["max_position_embeddings"])' \
   "$SERVE_WORK/echo/config.json")
 
 # expect_refused NAME MESSAGE ARGS...: kiln serve ARGS exits non-zero, says MESSAGE, and never listened.
@@ -39,7 +39,7 @@ expect_refused dtype_f16 "--dtype" "${MODEL[@]}" --dtype float16
 expect_refused dtype_cpu_bf16 "the CPU backend always runs fp32" --model-path "$SERVE_WORK/echo" --device cpu \
   --dtype bfloat16
 "$KILN" serve --help > "$SERVE_WORK/help" 2>&1
-grep -- "--dtype" -A 8 "$SERVE_WORK/help" | grep -q "float16" && fail "serve --help still offers float16 for --dtype"
+grep -A 1 -- "--dtype" "$SERVE_WORK/help" | grep -qwE "float16|half" && fail "serve --help still offers float16 for --dtype"
 
 # --api-key-file.
 : > "$SERVE_WORK/empty_key"

@@ -18,6 +18,7 @@
 #include "cli/gpu_flags.h"
 #include "cli/speculative_flags.h"
 #include "core/dtype.h"
+#include "core/log.h"
 #include "engine/dummy_runner.h"
 #include "engine/engine.h"
 #include "format/model_config.h"
@@ -32,6 +33,9 @@ struct ServeArgs {
   int port = 30000;
   std::string served_model_name;
   std::string api_key;
+  std::string api_key_file;     // the key from a file (not visible in /proc/<pid>/cmdline); cmd_serve reads it
+  std::string allowed_origins;  // CORS: comma-separated origins or *
+  std::string log_format = "text";
   int64_t context_length = 0;
   std::string kv_cache_dtype = "auto";
   std::string reasoning_parser = "auto";
@@ -58,6 +62,17 @@ struct ServeArgs {
 
 // The flags' own checks (kiln::Error naming the flag), before anything slow. Returns the KV cache dtype asked for.
 DType check_serve_args(const ServeArgs& a);
+
+// --log-format: text or json (kiln::Error otherwise).
+LogFormat serve_log_format(const ServeArgs& a);
+
+// --allowed-origins: "*" or a comma-separated list of origins ("https://app.example.com"), spaces and trailing
+// slashes dropped (browsers send origins without one); an item that is neither is a kiln::Error.
+std::vector<std::string> parse_allowed_origins(const std::string& flag);
+
+// The checks that need the model's config.json: a --context-length past max_position_embeddings (positions never
+// trained; kiln reads no RoPE scaling that would stretch them) is a kiln::Error.
+void check_serve_args_against_model(const ServeArgs& a, const format::ModelConfig& config);
 
 // Running requests a CPU launch (and --dummy-runner) plans for when --max-running-requests is not set.
 inline constexpr int kCpuDefaultRunning = 32;

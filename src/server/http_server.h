@@ -1,7 +1,7 @@
 // The HTTP front end: OpenAI-compatible API (chat and text completions, Responses; streamed over SSE or not),
 // the Anthropic Messages API,
 // SGLang-style operational endpoints (/health, /health_generate, /get_model_info, /get_server_info,
-// /metrics, /tokenize, /detokenize), API-key check, request logging.
+// /metrics, /tokenize, /detokenize, /version, /flush_cache), API-key check, CORS, request ids, request logging.
 //
 // The server can listen before the model is loaded: until attach() every endpoint but /health
 // answers 503 (and /health does too). set_draining() turns health and new generations to 503 while
@@ -32,6 +32,9 @@ struct ServerOptions {
   int port = 30000;
   std::string served_model_name = "default";
   std::string api_key;                   // empty: no authentication
+  // CORS (--allowed-origins): exact origins ("https://app.example.com") or "*". Empty: no CORS headers, and OPTIONS
+  // is answered like any other method a path does not take (405 with Allow, or 404).
+  std::vector<std::string> allowed_origins;
   std::string reasoning_parser = "auto";  // auto (on when the template opens <think>), qwen3, none
   std::string tool_call_parser = "auto";  // auto (on for Qwen3.5 / Qwen3-Coder templates), qwen3_coder, none
   size_t max_request_bytes = 32u << 20;

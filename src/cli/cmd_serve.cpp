@@ -39,6 +39,39 @@ namespace {
 
 using namespace kiln;
 
+// The HTTP front's limits against slow, idle and too many clients (server/request_gate.h).
+struct HttpFrontFlags {
+  int request_timeout_s = 60;
+  int min_upload_rate = 500;
+  int max_connections = 0;
+  int max_connections_per_client = 0;
+
+  void add_to(CLI::App& app) {
+    app.add_option("--request-timeout", request_timeout_s,
+                   "Seconds a request (headers and body) may take to arrive (slower: 408)")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--min-upload-rate", min_upload_rate,
+                   "Bytes per second a request must arrive at, on average, after its first 5 s (slower: 408; 0: no "
+                   "minimum)")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+    app.add_option("--max-connections", max_connections,
+                   "Connections open at once; beyond it the one idle or waiting longest for its request is closed, "
+                   "or the new one gets 503 (default 0: as many as the open-file limit allows, at most 65536)")
+        ->check(CLI::NonNegativeNumber);
+    app.add_option("--max-connections-per-client", max_connections_per_client,
+                   "Connections open at once from one client address (beyond: 429; default 0: no limit)")
+        ->check(CLI::NonNegativeNumber);
+  }
+  void apply(kiln::server::ServerOptions& so) const {
+    so.request_timeout_s = request_timeout_s;
+    so.min_upload_rate_bytes_s = min_upload_rate;
+    so.max_connections = max_connections;
+    so.max_connections_per_client = max_connections_per_client;
+  }
+};
+
 struct ServeArgs {
   std::string model_path;  // empty: the embedded model
   std::string host = "127.0.0.1";
@@ -66,6 +99,7 @@ struct ServeArgs {
   int64_t responses_store_size = 1024;  // /v1/responses kept for previous_response_id (0: none)
   int64_t responses_store_ttl_s = 3600;
   std::string dummy_runner;  // "", hash or echo
+  HttpFrontFlags http_front;
 };
 
 std::string human_bytes(double b) {
@@ -177,6 +211,7 @@ int run_serve(const ServeArgs& a) {
   so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
   so.responses_store.max_entries = static_cast<size_t>(a.responses_store_size);
   so.responses_store.max_age_s = a.responses_store_ttl_s;
+  a.http_front.apply(so);
   so.http_threads = std::min(2048, (a.max_running_requests > 0 ? a.max_running_requests : 256) + a.max_queued_requests + 32);
 
   // Resolve the model folder (cheap) so the server's name and paths are known before loading.
@@ -481,6 +516,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--max-request-bytes", a->max_request_bytes, "Largest request body (larger: 413)")
       ->capture_default_str();
+  a->http_front.add_to(app);
   app.add_option("--dummy-runner", a->dummy_runner,
                  "Testing without weights: 'hash' (logits hash each sequence's tokens) or 'echo' (repeats the "
                  "last chat turn); uses the model folder's tokenizer and template only")

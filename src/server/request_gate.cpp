@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "server/api_error.h"
+#include "server/server_state.h"
 
 namespace kiln::server {
 
@@ -22,6 +23,9 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kReadChunk = 65536;
 constexpr auto kDeadlineCheckInterval = std::chrono::milliseconds(50);
+// After an error answer the client's remaining bytes are read and dropped this long (or until it closes): closing
+// with unread bytes would reset the connection, and the client could lose the answer before reading it.
+constexpr auto kLinger = std::chrono::seconds(2);
 
 // The peer's address without its port ("" when it has none, as for a local socket pair).
 std::string client_of(int fd) {
@@ -49,21 +53,16 @@ const char* reason_of(int status) {
   }
 }
 
-// Sends a whole error answer without blocking (what does not fit the socket buffer is lost), then closes. Unread
-// request bytes are drained first, so that the close does not reset the connection before the client reads.
-void answer_and_close(int fd, int status, const std::string& message, int retry_after_s) {
-  const std::string body = error_body(status, message);
+// Sends a whole error answer without blocking (it is small: it fits the socket buffer) and ends the sending side.
+void send_answer(int fd, int status, const std::string& message, const std::string& path, int retry_after_s) {
+  const std::string body = error_body(ApiError(status, message), error_style_of(path));
   std::string response = "HTTP/1.1 " + std::to_string(status) + " " + reason_of(status) +
                          "\r\nContent-Type: application/json\r\nConnection: close\r\n";
   if (status == 429 || status == 503) response += "Retry-After: " + std::to_string(retry_after_s) + "\r\n";
   response += "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
-  char sink[4096];
-  for (int i = 0; i < 16 && recv(fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
-  }
   ssize_t w = send(fd, response.data(), response.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   (void)w;
   shutdown(fd, SHUT_WR);
-  ::close(fd);
 }
 
 }  // namespace
@@ -142,9 +141,9 @@ void RequestGate::resume(std::unique_ptr<GateConnection> c) {
 void RequestGate::close(std::unique_ptr<GateConnection> c) {
   if (!c) return;
   buffered_bytes_ -= c->bytes.size();
+  release(c->client);
   shutdown(c->fd, SHUT_RDWR);
   ::close(c->fd);
-  release(c->client);
 }
 
 void RequestGate::release(const std::string& client) {
@@ -189,7 +188,8 @@ void RequestGate::add_new(int fd) {
                             std::to_string(opts_.max_connections_per_client) +
                             " per client address); reuse or close the open ones, or retry later";
     KILN_LOG_INFO("connection refused remote={} status=429 error=\"{}\"", c->client, msg);
-    answer_and_close(fd, 429, msg, opts_.retry_after_s);
+    send_answer(fd, 429, msg, "", opts_.retry_after_s);
+    linger(fd, /*registered=*/false);
     return;
   }
   if (full) make_room();
@@ -205,7 +205,8 @@ void RequestGate::add_new(int fd) {
     const std::string msg = "the server has " + std::to_string(opts_.max_connections) +
                             " connections open, its limit, and all of them are being answered; retry later";
     KILN_LOG_INFO("connection refused remote={} status=503 error=\"{}\"", c->client, msg);
-    answer_and_close(fd, 503, msg, opts_.retry_after_s);
+    send_answer(fd, 503, msg, "", opts_.retry_after_s);
+    linger(fd, /*registered=*/false);
     return;
   }
   add(std::move(c), /*is_new=*/true);
@@ -258,19 +259,53 @@ void RequestGate::drop(int fd) {
 
 void RequestGate::answer(Held& h, int status, const std::string& message) {
   const int fd = h.conn->fd;
-  KILN_LOG_INFO("request rejected remote={} status={} error=\"{}\"", h.conn->client, status, message);
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
-  std::unique_ptr<GateConnection> c = std::move(h.conn);
+  const std::string& method = h.framing.method();
+  const std::string& path = h.framing.path();
+  if (!method.empty())
+    KILN_LOG_INFO("request rejected method={} path={} remote={} status={} error=\"{}\"", method, path, h.conn->client,
+                  status, message);
+  else
+    KILN_LOG_INFO("request rejected remote={} status={} error=\"{}\"", h.conn->client, status, message);
+  release(h.conn->client);  // first: the client may be told before the gate goes on
+  send_answer(fd, status, message, path, opts_.retry_after_s);
+  buffered_bytes_ -= h.conn->bytes.size();
   held_.erase(fd);  // h is gone from here on
-  buffered_bytes_ -= c->bytes.size();
-  answer_and_close(c->fd, status, message, opts_.retry_after_s);
-  release(c->client);
+  linger(fd, /*registered=*/true);
+}
+
+void RequestGate::linger(int fd, bool registered) {
+  if (!registered) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      ::close(fd);
+      return;
+    }
+  }
+  lingering_[fd] = Clock::now() + kLinger;
+  discard(fd);
+}
+
+void RequestGate::discard(int fd) {
+  for (;;) {
+    ssize_t n = recv(fd, read_buf_.data(), read_buf_.size(), MSG_DONTWAIT);
+    if (n > 0 || (n < 0 && errno == EINTR)) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    break;  // the client closed (or reset): done
+  }
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+  ::close(fd);
+  lingering_.erase(fd);
 }
 
 // Reads what the socket holds; hands the connection on once its request is whole.
 void RequestGate::on_readable(int fd) {
   auto it = held_.find(fd);
-  if (it == held_.end()) return;
+  if (it == held_.end()) {
+    if (lingering_.count(fd)) discard(fd);
+    return;
+  }
   Held& h = *it->second;
   GateConnection& c = *h.conn;
   bool peer_closed = false;
@@ -367,6 +402,15 @@ void RequestGate::check_deadlines() {
     }
   }
   for (int fd : idle_done) drop(fd);
+  for (auto it = lingering_.begin(); it != lingering_.end();) {
+    if (now < it->second) {
+      ++it;
+      continue;
+    }
+    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->first, nullptr);
+    ::close(it->first);
+    it = lingering_.erase(it);
+  }
   for (auto& [fd, msg] : late) {
     auto it = held_.find(fd);
     if (it != held_.end()) answer(*it->second, 408, msg);
@@ -412,6 +456,8 @@ void RequestGate::loop() {
       std::vector<int> fds;
       for (auto& [fd, h] : held_) fds.push_back(fd);
       for (int fd : fds) drop(fd);
+      for (auto& [fd, until] : lingering_) ::close(fd);
+      lingering_.clear();
       return;
     }
     take_incoming();

@@ -89,6 +89,8 @@ class RequestGate {
   void make_room();
   void answer(Held& h, int status, const std::string& message);  // and closes
   void drop(int fd);           // closes without an answer
+  void linger(int fd, bool registered);  // after an answer: drops what the client still sends, then closes
+  void discard(int fd);
   void release(const std::string& client);
 
   RequestGateOptions opts_;
@@ -109,6 +111,7 @@ class RequestGate {
 
   // Owned by the gate's thread.
   std::unordered_map<int, std::unique_ptr<Held>> held_;
+  std::unordered_map<int, std::chrono::steady_clock::time_point> lingering_;  // answered, closing (fd -> until)
   std::deque<std::pair<uint64_t, int>> by_age_;  // (order, fd), oldest first; stale entries skipped
   uint64_t next_order_ = 0;
   std::vector<char> read_buf_;  // what one recv reads, before it joins a connection's bytes

@@ -235,6 +235,7 @@ void RequestGate::add(std::unique_ptr<GateConnection> c, bool is_new) {
   h->idle = !is_new && c->bytes.empty();
   h->idle_since = now;
   h->order = next_order_++;
+  h->request_bytes_seen = c->bytes.size();  // a pipelined request's bytes, read with the previous one
   h->conn = std::move(c);
   by_age_.push_back({h->order, fd});
   held_[fd] = std::move(h);

@@ -29,8 +29,6 @@ class ListeningServer : public httplib::Server {
   void configure(const ServerOptions& o);
   // Stops the gate (closing the connections it holds), then waits for the workers' requests to end.
   void stop_gate();
-  // The open connections (held by the gate or being answered).
-  int open_connections() const { return gate_ ? gate_->open_connections() : 0; }
 
  private:
   class InlineAdmission;

@@ -40,6 +40,26 @@ namespace {
 using namespace kiln;
 using kiln::cli::ServeArgs;
 
+// The HTTP front's limits against slow, idle and too many clients (server/request_gate.h).
+void add_http_front_flags(CLI::App& app, cli::HttpFrontFlags& f) {
+  app.add_option("--request-timeout", f.request_timeout_s,
+                 "Seconds a request (headers and body) may take to arrive (slower: 408)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--min-upload-rate", f.min_upload_rate,
+                 "Bytes per second a request must arrive at, on average, after its first 5 s (slower: 408; 0: no "
+                 "minimum)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-connections", f.max_connections,
+                 "Connections open at once; beyond it the one idle or waiting longest for its request is closed, "
+                 "or the new one gets 503 (default 0: as many as the open-file limit allows, at most 65536)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-connections-per-client", f.max_connections_per_client,
+                 "Connections open at once from one client address (beyond: 429; default 0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+}
+
 // Waits for SIGINT / SIGTERM on a thread of its own (the signals are blocked everywhere else).
 class SignalWaiter {
  public:
@@ -414,6 +434,7 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--max-request-bytes", a->max_request_bytes, "Largest request body (larger: 413)")
       ->capture_default_str();
+  add_http_front_flags(app, a->http_front);
   app.add_option("--dummy-runner", a->dummy_runner,
                  "Testing without weights: 'hash' (logits hash each sequence's tokens) or 'echo' (repeats the "
                  "last chat turn); uses the model folder's tokenizer and template only")

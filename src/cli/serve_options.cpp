@@ -69,6 +69,10 @@ server::ServerOptions build_server_options(const ServeArgs& a, const ServeContex
   so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
   so.responses_store.max_entries = static_cast<size_t>(a.responses_store_size);
   so.responses_store.max_age_s = a.responses_store_ttl_s;
+  so.request_timeout_s = a.http_front.request_timeout_s;
+  so.min_upload_rate_bytes_s = a.http_front.min_upload_rate;
+  so.max_connections = a.http_front.max_connections;
+  so.max_connections_per_client = a.http_front.max_connections_per_client;
   so.http_threads =
       std::min(2048, (a.max_running_requests > 0 ? a.max_running_requests : 256) + a.max_queued_requests + 32);
   so.model_path = c.model_path;

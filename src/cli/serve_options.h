@@ -27,6 +27,14 @@
 
 namespace kiln::cli {
 
+// The HTTP front's limits against slow, idle and too many clients (server/request_gate.h).
+struct HttpFrontFlags {
+  int request_timeout_s = 60;
+  int min_upload_rate = 500;  // bytes per second; 0: no minimum
+  int max_connections = 0;    // 0: as many as the open-file limit allows
+  int max_connections_per_client = 0;  // 0: no limit
+};
+
 struct ServeArgs {
   std::string model_path;  // empty: the embedded model
   std::string host = "127.0.0.1";
@@ -58,6 +66,7 @@ struct ServeArgs {
   int64_t responses_store_size = 1024;  // /v1/responses kept for previous_response_id (0: none)
   int64_t responses_store_ttl_s = 3600;
   std::string dummy_runner;  // "", hash or echo
+  HttpFrontFlags http_front;
 };
 
 // The flags' own checks (kiln::Error naming the flag), before anything slow. Returns the KV cache dtype asked for.
@@ -87,7 +96,7 @@ struct ServeContext {
   std::string shown_device(const ServeArgs& a) const { return a.dummy_runner.empty() ? device : "dummy-" + a.dummy_runner; }
 };
 
-// The server's options: listener, API key, parsers, limits, the model's facts (eos ids, default sampling and the
+// The server's options: listener, API key, CORS origins, parsers, limits (the HTTP front's too), the model's facts (eos ids, default sampling and the
 // /get_server_info echo of the flags are set by the caller once known: see serve_args_json).
 server::ServerOptions build_server_options(const ServeArgs& a, const ServeContext& c, const format::ModelConfig& config);
 // The flags as /get_server_info echoes them.

@@ -111,9 +111,14 @@ TEST(BuildServerOptions, NamesLimitsAndTheFlagsEcho) {
   EXPECT_EQ(so.server_args["max_pass_tokens"], 512);
   EXPECT_TRUE(so.allowed_origins.empty());
   EXPECT_EQ(so.server_args["log_format"], "text");
+  EXPECT_EQ(so.request_timeout_s, 60);  // the HTTP front's defaults
+  EXPECT_EQ(so.min_upload_rate_bytes_s, 500);
+  EXPECT_EQ(so.max_connections, 0);
+  EXPECT_EQ(so.max_connections_per_client, 0);
   a.served_model_name = "qwen";
   a.allowed_origins = "https://a.example,*";
   a.log_format = "json";
+  a.http_front = {30, 0, 100, 4};
   a.max_running_requests = 0;  // the plan's: 256 counted for the threads
   a.max_queued_requests = 5000;
   a.dummy_runner = "echo";
@@ -124,6 +129,10 @@ TEST(BuildServerOptions, NamesLimitsAndTheFlagsEcho) {
   EXPECT_EQ(s2.allowed_origins, (std::vector<std::string>{"https://a.example", "*"}));
   EXPECT_EQ(s2.server_args["allowed_origins"], nlohmann::json({"https://a.example", "*"}));
   EXPECT_EQ(s2.server_args["log_format"], "json");
+  EXPECT_EQ(s2.request_timeout_s, 30);
+  EXPECT_EQ(s2.min_upload_rate_bytes_s, 0);
+  EXPECT_EQ(s2.max_connections, 100);
+  EXPECT_EQ(s2.max_connections_per_client, 4);
 }
 
 TEST(CollectEosIds, UnionOfConfigChatTurnEndsAndTheTokenizersEos) {

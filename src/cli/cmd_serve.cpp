@@ -40,6 +40,26 @@ namespace {
 using namespace kiln;
 using kiln::cli::ServeArgs;
 
+// The HTTP front's limits against slow, idle and too many clients (server/request_gate.h).
+void add_http_front_flags(CLI::App& app, cli::HttpFrontFlags& f) {
+  app.add_option("--request-timeout", f.request_timeout_s,
+                 "Seconds a request (headers and body) may take to arrive (slower: 408)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--min-upload-rate", f.min_upload_rate,
+                 "Bytes per second a request must arrive at, on average, after its first 5 s (slower: 408; 0: no "
+                 "minimum)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-connections", f.max_connections,
+                 "Connections open at once; beyond it the one idle or waiting longest for its request is closed, "
+                 "or the new one gets 503 (default 0: as many as the open-file limit allows, at most 65536)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-connections-per-client", f.max_connections_per_client,
+                 "Connections open at once from one client address (beyond: 429; default 0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+}
+
 // Waits for SIGINT / SIGTERM on a thread of its own (the signals are blocked everywhere else).
 class SignalWaiter {
  public:
@@ -72,6 +92,22 @@ class SignalWaiter {
   sigset_t set_;
   std::thread thread_;
 };
+
+// --api-key-file: the file's text without its trailing newline (and surrounding whitespace).
+std::string read_api_key_file(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) fail("cannot read --api-key-file '{}'", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string key = ss.str();
+  const char* ws = " \t\r\n";
+  const size_t b = key.find_first_not_of(ws);
+  key = b == std::string::npos ? "" : key.substr(b, key.find_last_not_of(ws) - b + 1);
+  if (key.empty()) fail("--api-key-file '{}' is empty; put the key in it", path);
+  if (key.find_first_of(ws) != std::string::npos)
+    fail("--api-key-file '{}' holds more than one word; put only the key in it", path);
+  return key;
+}
 
 // The tokenizer and the chat template (--chat-template, else the model folder's; none: chat completions answer 400).
 struct TextSide {
@@ -132,7 +168,9 @@ Startup prepare(const ServeArgs& a, const backend::DeviceChoice& device, DType k
   // (engine/scheduler.h); slots that running requests do not hold keep cached snapshots.
   s.ctx.slots_per_request = engine::state_slots_per_request(!a.disable_radix_cache);
   s.config = format::load_model_config(s.dir);
+  cli::check_serve_args_against_model(a, s.config);        // --context-length past max_position_embeddings
   cli::check_parallel_flags(a.parallel, s.config, s.dir);  // --tp-size / --ep-size the model cannot take
+  if (a.dummy_runner.empty()) backend::resolve_dtype(device.device, a.gpu.gpu.dtype);  // a --dtype the device refuses
   s.server_options = cli::build_server_options(a, s.ctx, s.config);
   s.text = load_text_side(s.dir, a.chat_template);
   const std::string gen = s.dir.has("generation_config.json") ? s.dir.read_text("generation_config.json") : "";
@@ -299,10 +337,12 @@ int run_server(Startup& s, SignalWaiter& signals) {
   return 0;
 }
 
-int run_serve(const ServeArgs& a) {
+int run_serve(ServeArgs a) {
+  const DType kv_dtype = cli::check_serve_args(a);  // flags first, before anything slow (and before the port is bound)
+  set_log_format(cli::serve_log_format(a));
+  if (!a.api_key_file.empty()) a.api_key = read_api_key_file(a.api_key_file);
   // Block SIGINT/SIGTERM before anything starts a thread: resolving the device initialises the CUDA
   // runtime, whose threads would otherwise inherit an unblocked mask and let SIGTERM kill the process.
-  const DType kv_dtype = cli::check_serve_args(a);  // flags first, before anything slow
   SignalWaiter signals;
   // auto / cpu / cuda -> the backend (an unknown name, or cuda without a usable GPU, fails here before loading)
   const backend::DeviceChoice device = backend::resolve_device(a.device);
@@ -313,12 +353,36 @@ int run_serve(const ServeArgs& a) {
 
 kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP API", [](CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
+  // Counts where 0 once meant "the default": 0 is refused, the flag's absence is the default.
+  const CLI::Validator at_least_one(
+      [](std::string& v) {
+        long long n = 0;
+        try {
+          n = std::stoll(v);
+        } catch (const std::exception&) {
+          return std::string();  // not a number: the option's own parse says so
+        }
+        return n >= 1 ? std::string() : "must be at least 1, got " + v + " (leave the flag out for the default)";
+      },
+      "N>=1");
   app.add_option("--model-path", a->model_path, "Model folder (default: the embedded kiln-tiny)");
   app.add_option("--host", a->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a->port, "Port to listen on")->capture_default_str();
   app.add_option("--served-model-name", a->served_model_name, "Model name in the API (default: the model path)");
-  app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
-  app.add_option("--context-length", a->context_length, "Longest sequence, prompt + output (default: the model's)");
+  auto* api_key = app.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (/health, /health_generate, /metrics stay open)");
+  app.add_option("--api-key-file", a->api_key_file,
+                 "Read the API key from this file (surrounding whitespace and the newline are dropped), so it is not "
+                 "visible in the process list")
+      ->excludes(api_key);
+  app.add_option("--allowed-origins", a->allowed_origins,
+                 "CORS: browser origins allowed to call the API, comma-separated (https://app.example.com), or *; "
+                 "answers OPTIONS preflights. Default: none (no CORS headers)");
+  app.add_option("--log-format", a->log_format, "Log lines as text or json (one object per line); UTC timestamps")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  app.add_option("--context-length", a->context_length,
+                 "Longest sequence, prompt + output, at most the model's max_position_embeddings (default: the model's)")
+      ->check(at_least_one);
   app.add_option("--kv-cache-dtype", a->kv_cache_dtype, "KV cache type: auto (bf16), bf16 or fp8_e4m3")
       ->capture_default_str();
   app.add_option("--reasoning-parser", a->reasoning_parser,
@@ -331,7 +395,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
   app.add_option("--max-running-requests", a->max_running_requests,
-                 "Sequences decoded together at most (default: cuda: the memory plan's, at most 256; cpu: 32)");
+                 "Sequences decoded together at most (default: cuda: the memory plan's, at most 256; cpu: 32)")
+      ->check(at_least_one);
   app.add_option("--max-queued-requests", a->max_queued_requests,
                  "Waiting sequences at most; beyond, requests get 503 + Retry-After")
       ->capture_default_str();
@@ -350,7 +415,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "request, at most 256k tokens)");
   app.add_flag("--disable-radix-cache", a->disable_radix_cache,
                "Turn the prefix cache (shared KV pages + state snapshots across requests) off");
-  app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)");
+  app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)")
+      ->check(at_least_one);
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();
   app.add_flag("--skip-self-check", a->skip_self_check,
                "cuda: start without the numerical self-check against the CPU backend");
@@ -368,11 +434,12 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--max-request-bytes", a->max_request_bytes, "Largest request body (larger: 413)")
       ->capture_default_str();
+  add_http_front_flags(app, a->http_front);
   app.add_option("--dummy-runner", a->dummy_runner,
                  "Testing without weights: 'hash' (logits hash each sequence's tokens) or 'echo' (repeats the "
                  "last chat turn); uses the model folder's tokenizer and template only")
       ->group("");  // hidden
-  return [a]() -> int { return run_serve(*a); };
+  return [a]() -> int { return run_serve(*a); };  // a copy: --api-key-file fills its api_key
 }};
 
 }  // namespace

@@ -22,10 +22,10 @@ inline void add_dtype_flag(CLI::App& app, std::string& dtype) {
   app.add_option("--dtype", dtype,
                  std::string("precision of activations at the tensor cores: auto (cuda: ") + backend::kCudaAutoDtype +
                      " for now), bfloat16 (cuda: rounded once to bf16 at each tensor-core input, a third of the MMA "
-                     "work), float32 (cuda: split into 3 bf16 parts, the CPU oracle's accuracy); float16 is not "
-                     "supported yet (SGLang's half / float: float16 / float32). Activations are stored and "
-                     "accumulated in fp32 either way; the CPU backend always runs fp32 (auto or float32)")
-      ->check(CLI::IsMember({"auto", "bfloat16", "float16", "float32", "half", "float"}))
+                     "work), float32 (cuda: split into 3 bf16 parts, the CPU oracle's accuracy; SGLang's alias "
+                     "float). Activations are stored and accumulated in fp32 either way; the CPU backend always runs "
+                     "fp32 (auto or float32)")
+      ->check(CLI::IsMember({"auto", "bfloat16", "float32", "float"}))
       ->capture_default_str();
 }
 

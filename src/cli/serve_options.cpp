@@ -1,6 +1,7 @@
 #include "cli/serve_options.h"
 
 #include <algorithm>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -20,10 +21,40 @@ DType check_serve_args(const ServeArgs& a) {
   if (a.responses_store_ttl_s < 1) fail("--responses-store-ttl must be at least 1 second");
   if (!a.dummy_runner.empty() && a.dummy_runner != "hash" && a.dummy_runner != "echo")
     fail("unknown --dummy-runner '{}' (use hash or echo)", a.dummy_runner);
+  serve_log_format(a);
+  parse_allowed_origins(a.allowed_origins);
   if (a.kv_cache_dtype == "fp8_e4m3") return DType::F8_E4M3;
   if (a.kv_cache_dtype != "auto" && a.kv_cache_dtype != "bf16")
     fail("unknown --kv-cache-dtype '{}' (use auto, bf16 or fp8_e4m3)", a.kv_cache_dtype);
   return DType::BF16;
+}
+
+LogFormat serve_log_format(const ServeArgs& a) {
+  LogFormat format;
+  if (!parse_log_format(a.log_format, &format)) fail("unknown --log-format '{}' (use text or json)", a.log_format);
+  return format;
+}
+
+std::vector<std::string> parse_allowed_origins(const std::string& flag) {
+  std::vector<std::string> out;
+  std::stringstream ss(flag);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const size_t b = item.find_first_not_of(' ');
+    if (b == std::string::npos) continue;
+    item = item.substr(b, item.find_last_not_of(' ') - b + 1);
+    if (item != "*" && item.find("://") == std::string::npos)
+      fail("--allowed-origins: '{}' is not an origin (scheme://host[:port], e.g. https://app.example.com) or *", item);
+    while (item.size() > 1 && item.back() == '/') item.pop_back();  // browsers send origins without a slash
+    out.push_back(item);
+  }
+  return out;
+}
+
+void check_serve_args_against_model(const ServeArgs& a, const format::ModelConfig& config) {
+  if (a.context_length > config.max_position_embeddings && config.max_position_embeddings > 0)
+    fail("--context-length {} is more than the model's max_position_embeddings ({}); use at most {} (or leave the flag "
+         "out for the model's length)",
+         a.context_length, config.max_position_embeddings, config.max_position_embeddings);
 }
 
 server::ServerOptions build_server_options(const ServeArgs& a, const ServeContext& c,
@@ -32,11 +63,16 @@ server::ServerOptions build_server_options(const ServeArgs& a, const ServeContex
   so.host = a.host;
   so.port = a.port;
   so.api_key = a.api_key;
+  so.allowed_origins = parse_allowed_origins(a.allowed_origins);
   so.reasoning_parser = a.reasoning_parser;
   so.tool_call_parser = a.tool_call_parser;
   so.max_request_bytes = static_cast<size_t>(a.max_request_bytes);
   so.responses_store.max_entries = static_cast<size_t>(a.responses_store_size);
   so.responses_store.max_age_s = a.responses_store_ttl_s;
+  so.request_timeout_s = a.http_front.request_timeout_s;
+  so.min_upload_rate_bytes_s = a.http_front.min_upload_rate;
+  so.max_connections = a.http_front.max_connections;
+  so.max_connections_per_client = a.http_front.max_connections_per_client;
   so.http_threads =
       std::min(2048, (a.max_running_requests > 0 ? a.max_running_requests : 256) + a.max_queued_requests + 32);
   so.model_path = c.model_path;
@@ -54,6 +90,8 @@ nlohmann::json serve_args_json(const ServeArgs& a, const ServeContext& c, const 
           {"port", a.port},
           {"served_model_name", served_model_name},
           {"api_key_set", !a.api_key.empty()},
+          {"allowed_origins", parse_allowed_origins(a.allowed_origins)},
+          {"log_format", a.log_format},
           {"context_length_flag", a.context_length},
           {"kv_cache_dtype", a.kv_cache_dtype},
           {"dtype", a.gpu.gpu.dtype},  // as given; the resolved one is in "backend" (kernels: dtype)

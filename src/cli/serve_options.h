@@ -18,6 +18,7 @@
 #include "cli/gpu_flags.h"
 #include "cli/speculative_flags.h"
 #include "core/dtype.h"
+#include "core/log.h"
 #include "engine/dummy_runner.h"
 #include "engine/engine.h"
 #include "format/model_config.h"
@@ -26,12 +27,23 @@
 
 namespace kiln::cli {
 
+// The HTTP front's limits against slow, idle and too many clients (server/request_gate.h).
+struct HttpFrontFlags {
+  int request_timeout_s = 60;
+  int min_upload_rate = 500;  // bytes per second; 0: no minimum
+  int max_connections = 0;    // 0: as many as the open-file limit allows
+  int max_connections_per_client = 0;  // 0: no limit
+};
+
 struct ServeArgs {
   std::string model_path;  // empty: the embedded model
   std::string host = "127.0.0.1";
   int port = 30000;
   std::string served_model_name;
   std::string api_key;
+  std::string api_key_file;     // the key from a file (not visible in /proc/<pid>/cmdline); cmd_serve reads it
+  std::string allowed_origins;  // CORS: comma-separated origins or *
+  std::string log_format = "text";
   int64_t context_length = 0;
   std::string kv_cache_dtype = "auto";
   std::string reasoning_parser = "auto";
@@ -54,10 +66,22 @@ struct ServeArgs {
   int64_t responses_store_size = 1024;  // /v1/responses kept for previous_response_id (0: none)
   int64_t responses_store_ttl_s = 3600;
   std::string dummy_runner;  // "", hash or echo
+  HttpFrontFlags http_front;
 };
 
 // The flags' own checks (kiln::Error naming the flag), before anything slow. Returns the KV cache dtype asked for.
 DType check_serve_args(const ServeArgs& a);
+
+// --log-format: text or json (kiln::Error otherwise).
+LogFormat serve_log_format(const ServeArgs& a);
+
+// --allowed-origins: "*" or a comma-separated list of origins ("https://app.example.com"), spaces and trailing
+// slashes dropped (browsers send origins without one); an item that is neither is a kiln::Error.
+std::vector<std::string> parse_allowed_origins(const std::string& flag);
+
+// The checks that need the model's config.json: a --context-length past max_position_embeddings (positions never
+// trained; kiln reads no RoPE scaling that would stretch them) is a kiln::Error.
+void check_serve_args_against_model(const ServeArgs& a, const format::ModelConfig& config);
 
 // Running requests a CPU launch (and --dummy-runner) plans for when --max-running-requests is not set.
 inline constexpr int kCpuDefaultRunning = 32;
@@ -72,7 +96,7 @@ struct ServeContext {
   std::string shown_device(const ServeArgs& a) const { return a.dummy_runner.empty() ? device : "dummy-" + a.dummy_runner; }
 };
 
-// The server's options: listener, API key, parsers, limits, the model's facts (eos ids, default sampling and the
+// The server's options: listener, API key, CORS origins, parsers, limits (the HTTP front's too), the model's facts (eos ids, default sampling and the
 // /get_server_info echo of the flags are set by the caller once known: see serve_args_json).
 server::ServerOptions build_server_options(const ServeArgs& a, const ServeContext& c, const format::ModelConfig& config);
 // The flags as /get_server_info echoes them.

@@ -37,17 +37,71 @@ bool parse_log_level(std::string_view s, LogLevel* out) {
   return false;
 }
 
-void log_line(LogLevel level, std::string_view msg) {
-  static constexpr const char* tags[] = {"TRACE", "DEBUG", "INFO", "WARN", "ERROR", "OFF"};
-  auto now = std::chrono::system_clock::now();
-  std::time_t t = std::chrono::system_clock::to_time_t(now);
-  int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+std::atomic<int>& format_ref() {
+  static std::atomic<int> format{static_cast<int>(LogFormat::text)};
+  return format;
+}
+
+void set_log_format(LogFormat format) { format_ref().store(static_cast<int>(format)); }
+
+bool parse_log_format(std::string_view s, LogFormat* out) {
+  if (s == "text") *out = LogFormat::text;
+  else if (s == "json") *out = LogFormat::json;
+  else return false;
+  return true;
+}
+
+namespace {
+
+// "2026-12-01T10:08:00.662Z"
+std::string iso8601_utc(int64_t time_ms) {
+  const int64_t floor_s = time_ms >= 0 ? time_ms / 1000 : -((-time_ms + 999) / 1000);
+  const std::time_t t = static_cast<std::time_t>(floor_s);
   std::tm tm{};
-  localtime_r(&t, &tm);
+  gmtime_r(&t, &tm);
   char ts[32];
-  std::strftime(ts, sizeof ts, "%H:%M:%S", &tm);
+  std::strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
+  return fmt::format("{}.{:03d}Z", ts, static_cast<int>(time_ms - floor_s * 1000));
+}
+
+// A JSON string literal of UTF-8 text (control characters escaped; bytes >= 0x80 kept as they are).
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
+        else out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+std::string format_log_line(LogFormat format, int64_t time_ms, LogLevel level, std::string_view msg) {
+  static constexpr const char* tags[] = {"TRACE", "DEBUG", "INFO", "WARN", "ERROR", "OFF"};
+  static constexpr const char* names[] = {"trace", "debug", "info", "warn", "error", "off"};
+  const int l = static_cast<int>(level);
+  if (format == LogFormat::json)
+    return fmt::format("{{\"time\": \"{}\", \"level\": \"{}\", \"message\": {}}}", iso8601_utc(time_ms), names[l],
+                       json_string(msg));
+  return fmt::format("[{} {}] {}", iso8601_utc(time_ms), tags[l], msg);
+}
+
+void log_line(LogLevel level, std::string_view msg) {
+  const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  const std::string line =
+      format_log_line(static_cast<LogFormat>(format_ref().load(std::memory_order_relaxed)), now_ms, level, msg);
   std::lock_guard lock(log_mutex());
-  std::fprintf(stderr, "[%s.%03d %s] %.*s\n", ts, ms, tags[static_cast<int>(level)], static_cast<int>(msg.size()), msg.data());
+  std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
 }
 

@@ -6,11 +6,12 @@
 // run_step(plan), one named phase each:
 //   1. build_rows          the runner's chunks (page tables) for the plan, and a StepRow for every chunk that wants
 //                          logits (row i is the runner's output i);
-//   2. choose_output_mode  argmax (every row greedy and plain), device_sample (no row needs penalties, logprobs or an
-//                          active grammar) or host_logits;
+//   2. choose_output_mode  argmax (every row greedy and plain), device_sample (no row needs penalties, logprobs, an
+//                          active grammar or min_tokens still to reach) or host_logits;
 //   3. forward             state restores, the runner's forward in that mode, state saves; a failure ends the
 //                          step's sequences with FinishReason::error;
-//   4. choose_tokens       each row's token(s): the runner's, or its sampler on the host logits, rows spread over
+//   4. choose_tokens       each row's token(s): the runner's, or its sampler on the host logits (eos / stop ids
+//                          masked while min_tokens are not reached: mask_ending_tokens), rows spread over
 //                          the sampling thread pool (each row has its own seeded sampler: the tokens do not depend on
 //                          the thread count);
 //   5. emit_rows           every chosen token appended, timed and sent in order, the stop / length checks after each
@@ -19,8 +20,8 @@
 // Speculative decoding (EngineOptions::speculative_num_steps > 0, a runner with an MTP head) adds to the same step:
 //   - build_rows picks the step's draft length K (DraftLengthChooser from the measured step costs, or the test
 //     hook) and each decode row's own k <= K: 0 for rows the drafter cannot serve exactly (penalties, a logit bias,
-//     a grammar, sampling with logprobs, a boundary snapshot planned this step) and no more than its free KV pages,
-//     max_tokens and the context allow; prefill rows are plain;
+//     a grammar, sampling with logprobs, min_tokens not reached yet, a boundary snapshot planned this step) and no
+//     more than its free KV pages, max_tokens and the context allow; prefill rows are plain;
 //   - draft (a phase before forward): the MTP head drafts k greedy tokens per row (ModelRunner::draft); the row's
 //     chunk becomes the verify chunk [pending, d_1 .. d_k] with logits for all k + 1 positions;
 //   - forward checkpoints each drafting row's recurrent state (save_state) before the pass;
@@ -138,21 +139,35 @@ std::unique_ptr<SequenceSampler> make_sampler(const Sequence& seq, const std::ve
   return sampler;
 }
 
-// Penalties, a logit bias, logprobs or an active grammar need the row's logits on the host.
+// Penalties, a logit bias, logprobs, an active grammar or min_tokens still to reach need the row's logits on the host.
 bool needs_host_logits(const Sequence& seq) {
   const SamplingParams& sp = seq.request.sampling;
   return sp.repetition_penalty != 1.0f || sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f ||
-         !sp.logit_bias.empty() || seq.request.want_logprobs || seq.sampler->constrained_now();
+         !sp.logit_bias.empty() || seq.request.want_logprobs || seq.sampler->constrained_now() ||
+         seq.num_generated < seq.request.min_tokens;
+}
+
+// Before min_tokens are generated, the tokens that would end the sequence (eos unless ignore_eos, stop_token_ids)
+// cannot be chosen.
+void mask_ending_tokens(std::span<float> logits, const Sequence& seq, const std::vector<int32_t>& eos_token_ids) {
+  if (seq.num_generated >= seq.request.min_tokens) return;
+  auto mask = [&](int32_t id) {
+    if (id >= 0 && static_cast<size_t>(id) < logits.size()) logits[static_cast<size_t>(id)] = -INFINITY;
+  };
+  if (!seq.request.ignore_eos)
+    for (int32_t id : eos_token_ids) mask(id);
+  for (int32_t id : seq.request.stop_token_ids) mask(id);
 }
 
 // Whether the drafter's tokens can be verified exactly for this sequence. Penalties and a logit bias change the
 // target's distribution with every accepted token; a grammar would need masking of both draft and verify (a
 // constrained request runs without speculation); a sampled row's logprobs would need the sampler's processed
 // distribution at every accepted position (greedy rows with logprobs are fine: the sampler scores each position).
+// A sequence still short of its min_tokens decodes plainly (mask_ending_tokens, one token a step) until it has them.
 bool can_speculate(const Sequence& seq) {
   const SamplingParams& sp = seq.request.sampling;
   if (sp.repetition_penalty != 1.0f || sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f ||
-      !sp.logit_bias.empty() || seq.request.constraint)
+      !sp.logit_bias.empty() || seq.request.constraint || seq.num_generated < seq.request.min_tokens)
     return false;
   return !(seq.request.want_logprobs && !model::greedy_temperature(sp.temperature));
 }
@@ -270,6 +285,25 @@ bool Engine::drain(std::chrono::milliseconds timeout) {
   return done;
 }
 
+bool Engine::flush_prefix_cache(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_requested_) return false;
+  const uint64_t ticket = ++flushes_asked_;
+  cv_.notify_all();
+  if (!cv_idle_.wait_for(lock, timeout, [&] { return flushes_done_ >= ticket || stop_requested_; })) return false;
+  return flushes_done_ >= ticket && last_flush_ok_;
+}
+
+// A flush asked for since the last step: done only when nothing runs or waits (a sequence's pages may be cached).
+void Engine::answer_flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (flushes_asked_ == flushes_done_) return;
+  last_flush_ok_ = scheduler_.idle() && incoming_.empty();
+  if (last_flush_ok_) KILN_LOG_INFO("prefix cache flushed: {} KV pages freed", scheduler_.flush_prefix_cache());
+  flushes_done_ = flushes_asked_;
+  cv_idle_.notify_all();
+}
+
 void Engine::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -359,6 +393,7 @@ void Engine::loop() {
     bool stopping = false, abort_all = false;
     take_incoming(wait_for_work(stopping, abort_all));
     end_cancelled(abort_all);
+    answer_flush();
     if (stopping) {
       publish_gauges();
       flush_outbox();
@@ -396,7 +431,7 @@ std::vector<std::unique_ptr<Sequence>> Engine::wait_for_work(bool& stopping, boo
   for (;;) {
     for (auto& s : incoming_) arrived.push_back(std::move(s));
     incoming_.clear();
-    if (stop_requested_ || !arrived.empty() || !scheduler_.idle()) break;
+    if (stop_requested_ || !arrived.empty() || !scheduler_.idle() || flushes_asked_ != flushes_done_) break;
     abort_all_ = false;  // nothing left to abort
     cv_.wait(lock);
   }
@@ -629,6 +664,7 @@ void Engine::choose_token(StepRow& row, OutputMode mode) {
     if (mode == OutputMode::host_logits) {
       std::span<float> logits(logits_.data() + row.output * static_cast<size_t>(vocab_size_),
                               static_cast<size_t>(vocab_size_));
+      mask_ending_tokens(logits, seq, opts_.eos_token_ids);
       const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
       chosen = seq.sampler->sample(logits, seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
                                    seq.request.want_logprobs);

@@ -86,6 +86,10 @@ class Engine {
   // Aborts everything and joins the loop thread. Called by the destructor.
   void stop();
 
+  // Empties the prefix cache on the engine thread (SGLang's /flush_cache). Only when no request is running or
+  // waiting (false otherwise, and when the engine stops or does not answer within `timeout`). Thread-safe.
+  bool flush_prefix_cache(std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
   EngineMetricsSnapshot metrics() const;
   const EngineOptions& options() const { return opts_; }
   int64_t context_length() const { return opts_.context_length; }
@@ -124,6 +128,7 @@ class Engine {
   std::vector<std::unique_ptr<Sequence>> wait_for_work(bool& stopping, bool& abort_all);
   void take_incoming(std::vector<std::unique_ptr<Sequence>> arrived);
   void end_cancelled(bool abort_all);
+  void answer_flush();
   std::string check_request(const GenerateRequest& request) const;
 
   // The step (engine.cpp's opening comment names the phases).
@@ -165,6 +170,8 @@ class Engine {
   int published_waiting_ = 0;  // scheduler's waiting queue size after the last step
   bool published_idle_ = true;
   bool stop_requested_ = false;
+  uint64_t flushes_asked_ = 0, flushes_done_ = 0;  // flush_prefix_cache requests, answered by the loop
+  bool last_flush_ok_ = false;
   bool abort_all_ = false;
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_uid_{1};

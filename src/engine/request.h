@@ -33,6 +33,9 @@ struct GenerateRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   int64_t max_tokens = 256;
+  // SGLang / vLLM min_tokens: until this many tokens are generated, the eos and stop_token_ids tokens are masked out
+  // of sampling (their logits -inf), so the output cannot end before it (max_tokens and the context still can).
+  int64_t min_tokens = 0;
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
   int top_logprobs = 0;                 // >0: report that many alternatives per token

@@ -345,6 +345,16 @@ std::vector<std::unique_ptr<Sequence>> Scheduler::release_all() {
   return out;
 }
 
+int64_t Scheduler::flush_prefix_cache() {
+  KILN_CHECK(idle(), "flush_prefix_cache with {} running and {} waiting", running_.size(), waiting_.size());
+  if (!cache_) return 0;
+  std::vector<int32_t> free_pages, free_slots;
+  cache_->clear(free_pages, free_slots);
+  const int64_t freed = static_cast<int64_t>(free_pages.size());
+  give_back(free_pages, free_slots);
+  return freed;
+}
+
 void Scheduler::for_each_sequence(const std::function<void(Sequence&)>& fn) {
   for (auto& s : waiting_) fn(*s);
   for (auto& s : running_) fn(*s);

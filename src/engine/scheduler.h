@@ -193,6 +193,9 @@ class Scheduler {
   std::vector<std::unique_ptr<Sequence>> release_all();
 
   void for_each_sequence(const std::function<void(Sequence&)>& fn);
+  // Drops every cached prefix and gives its pages and snapshot slots back (SGLang's flush_cache). Only while idle (no
+  // sequence holds cached pages); returns the pages freed.
+  int64_t flush_prefix_cache();
 
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int num_running() const { return static_cast<int>(running_.size()); }

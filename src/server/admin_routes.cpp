@@ -1,5 +1,5 @@
 // The operational routes: /health, /health_generate, /v1/models, /get_model_info, /get_server_info, /metrics,
-// /tokenize, /detokenize.
+// /tokenize, /detokenize, and SGLang's /version and /flush_cache.
 #include <chrono>
 #include <thread>
 
@@ -13,6 +13,8 @@ namespace kiln::server {
 using json = nlohmann::json;
 
 namespace {
+
+constexpr const char* kKilnVersion = "0.1.0";  // the project version (CMakeLists.txt, kiln --version)
 
 struct AdminRoutes {
   ServerState& s;
@@ -116,7 +118,7 @@ struct AdminRoutes {
 
   void handle_server_info(const httplib::Request&, httplib::Response& res) {
     json info = s.opts.server_args.is_object() ? s.opts.server_args : json::object();
-    info["version"] = "0.1.0";
+    info["version"] = kKilnVersion;
     info["status"] = !s.ready.load() ? "loading" : s.draining.load() ? "draining" : "ready";
     info["served_model_name"] = s.opts.served_model_name;
     info["reasoning_parser"] = s.reasoning_on ? "qwen3" : "none";
@@ -149,6 +151,22 @@ struct AdminRoutes {
                                               {"token_usage", m.kv_pages_total ? double(m.kv_pages_used) / m.kv_pages_total : 0.0}}});
     }
     send_json(res, 200, info);
+  }
+
+  // SGLang's GET /version: {"version": ...}.
+  void handle_version(const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"version", kKilnVersion}});
+  }
+
+  // SGLang's /flush_cache: empties the prefix cache (cached KV pages and state snapshots). 200 once done; 400 while
+  // requests run or wait (their pages may be in the cache), as SGLang answers.
+  void handle_flush_cache(const httplib::Request&, httplib::Response& res) {
+    s.require_model();
+    if (!s.model.engine->flush_prefix_cache())
+      throw ApiError(400, "the cache was not flushed: requests are running or waiting; retry when the server is idle",
+                     "", "server_busy");
+    res.status = 200;
+    res.set_content("Cache flushed.\n", "text/plain");
   }
 
   void handle_metrics(const httplib::Request&, httplib::Response& res) {
@@ -247,6 +265,9 @@ void add_admin_routes(Routes& routes, ServerState& state) {
   bind(&Routes::get, "/get_server_info", &AdminRoutes::handle_server_info);
   bind(&Routes::get, "/server_info", &AdminRoutes::handle_server_info);
   bind(&Routes::get, "/metrics", &AdminRoutes::handle_metrics);
+  bind(&Routes::get, "/version", &AdminRoutes::handle_version);
+  bind(&Routes::post, "/flush_cache", &AdminRoutes::handle_flush_cache);
+  bind(&Routes::get, "/flush_cache", &AdminRoutes::handle_flush_cache);  // SGLang takes both
   bind(&Routes::post, "/tokenize", &AdminRoutes::handle_tokenize);
   bind(&Routes::post, "/v1/tokenize", &AdminRoutes::handle_tokenize);
   bind(&Routes::post, "/detokenize", &AdminRoutes::handle_detokenize);

@@ -29,6 +29,7 @@ std::vector<engine::GenerateRequest> make_requests(const std::string& id,
       r.sampling = f.sampling;
       if (r.sampling.seed && i > 0) r.sampling.seed = *r.sampling.seed + static_cast<uint64_t>(i);
       r.max_tokens = max_tokens[p];
+      r.min_tokens = f.min_tokens;
       r.ignore_eos = f.ignore_eos;
       r.stop_token_ids = f.stop_token_ids;
       r.want_logprobs = f.logprobs;
@@ -120,12 +121,18 @@ void answer_whole(httplib::Response& res, const std::shared_ptr<GenerationJob>& 
       return;
     }
   }
-  for (const auto& c : job->choices)
+  for (const auto& c : job->choices) {
     if (c.engine_reason() == engine::FinishReason::error) {
       job->status = 500;
       job->log_line();
       throw ApiError(500, "generation failed: " + c.error());
     }
+    if (c.engine_reason() == engine::FinishReason::abort) {  // a shutdown that timed out
+      job->status = 503;
+      job->log_line();
+      throw shutdown_abort_error();
+    }
+  }
   send_json(res, 200, job->final_response());
   job->log_line();
 }
@@ -187,7 +194,9 @@ void run_generation(ServerState& state, const httplib::Request& req, httplib::Re
   job->acc.resize(num_choices);
   job->probe = ConnectionProbe(req.remote_addr, req.remote_port, req.local_port);
 
-  std::vector<engine::GenerateRequest> reqs = make_requests(job->id, prompts, f, max_tokens);
+  const std::string client_id = client_request_id(req);
+  job->request_id = client_id.empty() ? job->id : client_id;
+  std::vector<engine::GenerateRequest> reqs = make_requests(job->request_id, prompts, f, max_tokens);
   if (job->reasoning_budget >= 0) {  // the continuation after the thinking budget starts from this request
     job->engine = &eng;
     job->submitted = reqs.at(0);
@@ -200,7 +209,7 @@ void run_generation(ServerState& state, const httplib::Request& req, httplib::Re
     case engine::SubmitStatus::invalid: throw ApiError(400, sr.message, prompt_param, "invalid_request");
   }
   // From here on the job writes its own request-log line (the rejection logger skips answers with this id).
-  res.set_header("X-Request-Id", job->id);
+  res.set_header("X-Request-Id", job->request_id);
   job->channel = sr.channel;
   if (f.stream) answer_streamed(res, job);
   else answer_whole(res, job);

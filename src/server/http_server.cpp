@@ -5,6 +5,10 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <cctype>
+#include <optional>
+
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/engine.h"
@@ -12,6 +16,7 @@
 #include "server/response.h"
 #include "server/server_state.h"
 #include "template/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kiln::server {
 
@@ -24,6 +29,17 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   unsigned char diff = 0;
   for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
   return diff == 0;
+}
+
+// The credentials of "Authorization: Bearer <token>": the scheme in any case, then one or more spaces (RFC 9110).
+std::optional<std::string> bearer_token(const std::string& auth) {
+  static constexpr std::string_view kScheme = "bearer";
+  if (auth.size() <= kScheme.size() || auth[kScheme.size()] != ' ') return std::nullopt;
+  for (size_t i = 0; i < kScheme.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(auth[i])) != kScheme[i]) return std::nullopt;
+  const size_t start = auth.find_first_not_of(' ', kScheme.size());
+  if (start == std::string::npos) return std::nullopt;
+  return auth.substr(start);
 }
 
 const char* status_reason(int status) {
@@ -47,7 +63,7 @@ std::string endpoint_label(const std::string& path) {
                                 "/v1/messages/count_tokens", "/v1/responses", "/v1/models", "/health",
                                 "/health_generate", "/get_model_info", "/model_info", "/get_server_info",
                                 "/server_info", "/metrics", "/tokenize", "/v1/tokenize", "/detokenize",
-                                "/v1/detokenize"};
+                                "/v1/detokenize", "/version", "/flush_cache"};
   for (const char* k : known)
     if (path == k) return k;
   if (path.rfind("/v1/models/", 0) == 0) return "/v1/models/{id}";
@@ -73,15 +89,49 @@ struct HttpServer::Impl {
 
   explicit Impl(ServerOptions o) : state(std::move(o)) {}
 
-  // The client's key: "Authorization: Bearer <key>" (OpenAI) or "x-api-key: <key>" (Anthropic).
+  // The client's key: "Authorization: Bearer <key>" (OpenAI; the scheme in any case, RFC 9110) or
+  // "x-api-key: <key>" (Anthropic).
   bool authorized(const httplib::Request& req) const {
     const std::string& key = state.opts.api_key;
-    const std::string auth = req.get_header_value("Authorization");
-    const std::string prefix = "Bearer ";
-    if (auth.size() > prefix.size() && auth.compare(0, prefix.size(), prefix) == 0 &&
-        constant_time_equal(auth.substr(prefix.size()), key))
+    if (auto token = bearer_token(req.get_header_value("Authorization")); token && constant_time_equal(*token, key))
       return true;
     return req.has_header("x-api-key") && constant_time_equal(req.get_header_value("x-api-key"), key);
+  }
+
+  // CORS: the Access-Control-Allow-Origin value for this request's Origin ("" when it is not allowed).
+  std::string allowed_origin(const httplib::Request& req) const {
+    const auto& allowed = state.opts.allowed_origins;
+    if (allowed.empty() || !req.has_header("Origin")) return "";
+    const std::string origin = req.get_header_value("Origin");
+    for (const auto& o : allowed) {
+      if (o == "*") return "*";
+      if (o == origin) return origin;
+    }
+    return "";
+  }
+
+  // Before routing: CORS headers for an allowed Origin (a preflight is answered here, 204, before the API key:
+  // browsers send no credentials on a preflight), then the API key.
+  httplib::Server::HandlerResponse pre_route(const httplib::Request& req, httplib::Response& res) const {
+    if (const std::string origin = allowed_origin(req); !origin.empty()) {
+      res.set_header("Access-Control-Allow-Origin", origin);
+      if (origin != "*") res.set_header("Vary", "Origin");
+      res.set_header("Access-Control-Expose-Headers", "X-Request-Id, Retry-After");
+      if (req.method == "OPTIONS" && req.has_header("Access-Control-Request-Method")) {
+        res.status = 204;
+        res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+        std::string asked = req.get_header_value("Access-Control-Request-Headers");
+        asked.erase(std::remove_if(asked.begin(), asked.end(),
+                                   [](char c) { return !(std::isalnum(static_cast<unsigned char>(c)) || c == '-' ||
+                                                         c == '_' || c == ',' || c == ' '); }),
+                    asked.end());
+        res.set_header("Access-Control-Allow-Headers",
+                       asked.empty() ? "Authorization, Content-Type, X-Api-Key, X-Request-Id" : asked.substr(0, 1024));
+        res.set_header("Access-Control-Max-Age", "600");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    return check_api_key(req, res);
   }
 
   httplib::Server::HandlerResponse check_api_key(const httplib::Request& req, httplib::Response& res) const {
@@ -97,9 +147,21 @@ struct HttpServer::Impl {
     return httplib::Server::HandlerResponse::Handled;
   }
 
+  // Every answer of status >= 400 passes here before httplib writes (and perhaps compresses) it: the body of those
+  // no handler wrote, then the rejected-request log line (generations log their own line: their answer carries
+  // X-Request-Id already) and the client's X-Request-Id echoed.
+  void answer_error(const httplib::Request& req, httplib::Response& res) const {
+    if (res.body.empty()) answer_unrouted(req, res);
+    if (res.has_header("X-Request-Id")) return;
+    const std::string request_id = client_request_id(req);
+    KILN_LOG_INFO("request rejected method={} path={} remote={}:{} status={} error={}{}", req.method, req.path,
+                  req.remote_addr, req.remote_port, res.status, dump_json(error_message_of(res.body)),
+                  request_id.empty() ? "" : " request_id=" + request_id);
+    if (!request_id.empty()) res.set_header("X-Request-Id", request_id);
+  }
+
   // Answers that no handler wrote: unknown paths (404, or 405 when another method takes the path), 413 ...
   void answer_unrouted(const httplib::Request& req, httplib::Response& res) const {
-    if (!res.body.empty()) return;  // a handler already wrote its answer
     std::string msg;
     if (res.status == 404) {
       const std::string allowed = routes.other_methods(req.path, req.method);
@@ -118,11 +180,8 @@ struct HttpServer::Impl {
     res.set_content(error_body(ApiError(res.status, msg), error_style_of(req.path)), "application/json");
   }
 
-  // Counts every answer; rejected requests enter the request log (generations log their own line, with X-Request-Id).
+  // Counts every answer (the rejected ones were logged by answer_error: here the body may be compressed already).
   void log_answer(const httplib::Request& req, const httplib::Response& res) {
-    if (res.status >= 400 && !res.has_header("X-Request-Id"))
-      KILN_LOG_INFO("request rejected method={} path={} remote={}:{} status={} error={}", req.method, req.path,
-                    req.remote_addr, req.remote_port, res.status, dump_json(error_message_of(res.body)));
     std::lock_guard<std::mutex> lock(state.stats_mu);
     ++state.http_counts.requests[{endpoint_label(req.path), res.status}];
   }
@@ -146,9 +205,8 @@ struct HttpServer::Impl {
 
   void setup() {
     configure_listener();
-    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) { return check_api_key(req, res); });
-    svr.set_error_handler(
-        [this](const httplib::Request& req, httplib::Response& res) { answer_unrouted(req, res); });
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) { return pre_route(req, res); });
+    svr.set_error_handler([this](const httplib::Request& req, httplib::Response& res) { answer_error(req, res); });
     svr.set_exception_handler([](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
       std::string what = "unknown error";
       try {
@@ -208,7 +266,8 @@ void HttpServer::attach(const ModelContext& model) {
   ServerState& s = impl_->state;
   KILN_CHECK(model.engine && model.tokenizer, "attach needs an engine and a tokenizer");
   s.model = model;
-  s.limits.vocab_size = model.engine->vocab_size();
+  // Requests name ids of the tokenizer's vocabulary; the embedding's rows past it are padding (empty tokens).
+  s.limits.vocab_size = std::min(model.engine->vocab_size(), model.tokenizer->vocab_size());
   s.limits.default_sampling = s.opts.default_sampling;
   const tmpl::ChatTemplate* t = model.chat_template;
   if (s.opts.reasoning_parser == "qwen3")

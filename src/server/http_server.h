@@ -1,7 +1,7 @@
 // The HTTP front end: OpenAI-compatible API (chat and text completions, Responses; streamed over SSE or not),
 // the Anthropic Messages API,
 // SGLang-style operational endpoints (/health, /health_generate, /get_model_info, /get_server_info,
-// /metrics, /tokenize, /detokenize), API-key check, request logging.
+// /metrics, /tokenize, /detokenize, /version, /flush_cache), API-key check, CORS, request ids, request logging.
 //
 // The server can listen before the model is loaded: until attach() every endpoint but /health
 // answers 503 (and /health does too). set_draining() turns health and new generations to 503 while
@@ -32,15 +32,25 @@ struct ServerOptions {
   int port = 30000;
   std::string served_model_name = "default";
   std::string api_key;                   // empty: no authentication
+  // CORS (--allowed-origins): exact origins ("https://app.example.com") or "*". Empty: no CORS headers, and OPTIONS
+  // is answered like any other method a path does not take (405 with Allow, or 404).
+  std::vector<std::string> allowed_origins;
   std::string reasoning_parser = "auto";  // auto (on when the template opens <think>), qwen3, none
   std::string tool_call_parser = "auto";  // auto (on for Qwen3.5 / Qwen3-Coder templates), qwen3_coder, none
   size_t max_request_bytes = 32u << 20;
   int http_threads = 0;  // 0: enough for every running and queued request plus headroom
-  int read_timeout_s = 30;
+  int read_timeout_s = 30;  // socket receive timeout (requests are read by the gate, never by a blocking read)
   int write_timeout_s = 60;
   int keep_alive_timeout_s = 5;
-  int header_timeout_ms = 10000;      // a new connection's request headers must arrive within this (else 408)
-  int max_waiting_connections = 1024;  // connections waiting for their headers; beyond, the oldest is closed
+  // The HTTP front's limits (request_gate.h): a request's headers and the whole request must arrive in time and,
+  // after a grace, at a minimum rate (else 408); connections open at once (beyond: the one waiting longest for
+  // its request is closed, or 503) and per client address (beyond: 429); held while waiting for a request.
+  int header_timeout_ms = 10000;
+  int request_timeout_s = 60;
+  int min_upload_rate_bytes_s = 500;  // 0: no minimum
+  int max_connections = 0;            // 0: as many as the open-file limit allows (at most 65536)
+  int max_connections_per_client = 0;  // 0: no limit
+  int max_waiting_connections = 0;     // 0: up to max_connections
   int retry_after_s = 1;  // Retry-After of 503 answers
   ResponseStoreOptions responses_store;  // /v1/responses store / previous_response_id (count, bytes, age)
 

@@ -1,15 +1,18 @@
-// The listener under the routes: cpp-httplib's server with a deep listen backlog and a HeaderGate in front of
-// its worker pool. A new connection waits for its request headers in the gate (one thread for all of them),
-// never in a worker, so slow or silent clients cannot hold the workers real requests need; once the headers
-// are there, a worker serves the connection (keep-alive included) through httplib's own request processing.
-// The routes themselves are added by http_server.cpp.
+// The listener under the routes: cpp-httplib's server with a deep listen backlog and a RequestGate in front of two
+// worker pools. httplib's accept loop hands each new socket straight to the gate (no worker involved); the gate
+// reads the connection's request, headers and body, on its one thread, and hands the connection to a worker only
+// when the whole request is in memory. The worker runs httplib's request processing (routing, handlers, the
+// answer, streamed or not) over that buffer, so it never waits for a slow client to send; after the answer a
+// kept-alive connection goes back to the gate, so idle keep-alive connections hold no worker either.
+// GET /health and GET /metrics go to a small pool of their own, so they are answered however busy the main pool
+// is (every worker in an SSE stream, say). The routes themselves are added by http_server.cpp.
 #pragma once
 #include <httplib.h>
 
 #include <memory>
 #include <mutex>
 
-#include "server/header_gate.h"
+#include "server/request_gate.h"
 
 namespace kiln::server {
 
@@ -22,21 +25,25 @@ class ListeningServer : public httplib::Server {
 
   // Raises the listen backlog of the bound socket (httplib's is 5: a burst of clients would see resets).
   void raise_backlog(int backlog);
-  // Timeouts, the header gate and the worker pool (a fixed pool: an open SSE stream holds one worker).
+  // The gate's limits and the worker pools (fixed: an open SSE stream holds one worker).
   void configure(const ServerOptions& o);
+  // Stops the gate (closing the connections it holds), then waits for the workers' requests to end.
   void stop_gate();
 
  private:
-  class Pool;
-  void dispatch(int fd);
+  class InlineAdmission;
+  void dispatch(std::unique_ptr<GateConnection> c);
   bool process_and_close_socket(socket_t sock) override;
-  bool serve(socket_t sock);
-  bool next_request(socket_t sock) const;
+  void serve(std::unique_ptr<GateConnection> c);
 
-  int read_timeout_s_ = 30, write_timeout_s_ = 60, keep_alive_timeout_s_ = 5;
-  std::unique_ptr<HeaderGate> gate_;
+  int write_timeout_s_ = 60;
+  std::unique_ptr<RequestGate> gate_;
   std::mutex pool_mu_;
-  httplib::ThreadPool* pool_ = nullptr;
+  std::unique_ptr<httplib::ThreadPool> workers_, health_workers_;  // guarded by pool_mu_
 };
+
+// The connections the server may hold open at once: `requested`, or when 0 as many as the open-file limit leaves
+// room for (after raising the soft limit to the hard one), at most 65536. Logs when it had to lower `requested`.
+int resolve_max_connections(int requested);
 
 }  // namespace kiln::server

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <limits>
 
+#include "core/log.h"
 #include "server/api_error.h"
 #include "tokenizer/utf8.h"
 
@@ -100,7 +101,7 @@ class Fields {
 // believe a setting took effect when it did not. (null counts as absent, as everywhere.)
 constexpr std::string_view kCommonFields[] = {
     "model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "max_tokens", "max_completion_tokens", "n", "stop", "stop_token_ids",
+    "repetition_penalty", "seed", "max_tokens", "max_completion_tokens", "min_tokens", "n", "stop", "stop_token_ids",
     "ignore_eos", "skip_special_tokens", "stream", "stream_options", "logprobs", "logit_bias",
     "user",  // an end-user id for the provider's records: nothing to act on
     "regex", "ebnf",  // SGLang's constrained decoding (server/structured_output.h)
@@ -108,19 +109,55 @@ constexpr std::string_view kCommonFields[] = {
 constexpr std::string_view kChatFields[] = {
     "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "separate_reasoning", "stream_reasoning", "add_generation_prompt", "chat_template_kwargs",
+    "continue_final_message", "reasoning_effort",
 };
 constexpr std::string_view kCompletionFields[] = {"prompt", "echo", "suffix", "best_of", "response_format"};
 
+// Fields common clients send that change nothing a server like kiln does (OpenAI's storage, billing, caching and
+// abuse-tracking hints): accepted when they have the documented type, logged at debug, otherwise ignored. The
+// second list is chat only (verbosity is a chat-model output hint).
+constexpr std::pair<std::string_view, ojson::value_t> kIgnoredFields[] = {
+    {"store", ojson::value_t::boolean},          {"metadata", ojson::value_t::object},
+    {"service_tier", ojson::value_t::string},    {"prompt_cache_key", ojson::value_t::string},
+    {"safety_identifier", ojson::value_t::string},
+};
+constexpr std::pair<std::string_view, ojson::value_t> kIgnoredChatFields[] = {
+    {"verbosity", ojson::value_t::string},
+};
+
+// Whether `key` is an ignored field; a wrong type is still a 400.
+bool ignored_field(const std::string& key, const ojson& value, bool is_chat) {
+  auto check = [&](const auto& list) {
+    for (const auto& [name, type] : list) {
+      if (name != key) continue;
+      if (value.type() != type)
+        throw bad_param(key, "'" + key + "' must be " + (type == ojson::value_t::boolean ? "a boolean"
+                                                         : type == ojson::value_t::object ? "an object"
+                                                                                          : "a string") +
+                                 ", got " + json_type_name(value));
+      return true;
+    }
+    return false;
+  };
+  return check(kIgnoredFields) || (is_chat && check(kIgnoredChatFields));
+}
+
 void reject_unknown_fields(const ojson& body, bool is_chat) {
+  std::string ignored;
   for (const auto& [key, value] : body.items()) {
     if (value.is_null()) continue;
     auto known = [&](const auto& list) { return std::find(std::begin(list), std::end(list), key) != std::end(list); };
     if (known(kCommonFields) || (is_chat ? known(kChatFields) : known(kCompletionFields))) continue;
+    if (ignored_field(key, value, is_chat)) {
+      ignored += (ignored.empty() ? "" : ", ") + key;
+      continue;
+    }
     throw ApiError(400,
                    "'" + key + "' is not supported by kiln's " + (is_chat ? "/v1/chat/completions" : "/v1/completions") +
                        " (it would have no effect); remove it from the request",
                    key, "unsupported_parameter");
   }
+  if (!ignored.empty()) KILN_LOG_DEBUG("request fields accepted and ignored: {}", ignored);
 }
 
 // logit_bias: {"token id": bias in [-100, 100]} (OpenAI), added to the model's logits before sampling.
@@ -172,6 +209,12 @@ void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bo
   std::optional<int64_t> max_tokens = f.integer("max_tokens", 1, INT32_MAX);
   if (auto mct = f.integer("max_completion_tokens", 1, INT32_MAX)) max_tokens = mct;
   out.max_tokens = max_tokens;
+  if (auto mt = f.integer("min_tokens", 0, INT32_MAX)) {
+    if (max_tokens && *mt > *max_tokens)
+      throw bad_param("min_tokens", "'min_tokens' (" + std::to_string(*mt) + ") must not exceed 'max_tokens' (" +
+                                        std::to_string(*max_tokens) + ")");
+    out.min_tokens = *mt;
+  }
   if (auto n = f.integer("n", 1, limits.max_n)) out.n = static_cast<int>(*n);
 
   if (const ojson* stop = f.get("stop")) {
@@ -251,6 +294,21 @@ ojson normalise_content(const ojson& content, size_t index, const std::string& r
   return text;
 }
 
+// A past tool call's arguments: a JSON object, as text (OpenAI) or as the object itself. The template needs the
+// object (it renders each argument), so text that is not a JSON object is a 400 here, naming the message.
+void check_tool_arguments(const ojson& function, const std::string& where) {
+  auto it = function.find("arguments");
+  if (it == function.end() || it->is_null() || it->is_object()) return;
+  if (!it->is_string())
+    throw bad_param(where, "'" + where + "' must be a JSON object encoded as a string, got " + json_type_name(*it));
+  ojson parsed = ojson::parse(it->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded())
+    throw bad_param(where, "'" + where + "' is not valid JSON; send the call's arguments as a JSON object encoded as "
+                           "a string, e.g. \"{\\\"city\\\": \\\"Paris\\\"}\"");
+  if (!parsed.is_object())
+    throw bad_param(where, "'" + where + "' must encode a JSON object, got " + json_type_name(parsed));
+}
+
 ojson validate_messages(const ojson& body) {
   auto it = body.find("messages");
   if (it == body.end() || it->is_null()) throw bad_param("messages", "'messages' is required");
@@ -281,11 +339,14 @@ ojson validate_messages(const ojson& body) {
     if (has_tool_calls) {
       const ojson& calls = m["tool_calls"];
       if (!calls.is_array()) throw bad_param(where + ".tool_calls", "'" + where + ".tool_calls' must be a list");
-      for (const auto& c : calls)
+      for (size_t k = 0; k < calls.size(); ++k) {
+        const ojson& c = calls[k];
         if (!c.is_object() || !c.contains("function") || !c["function"].is_object() ||
             !c["function"].contains("name") || !c["function"]["name"].is_string())
           throw bad_param(where + ".tool_calls", "each tool call in '" + where +
                                                      ".tool_calls' needs function.name (a string)");
+        check_tool_arguments(c["function"], where + ".tool_calls[" + std::to_string(k) + "].function.arguments");
+      }
     }
     for (const char* key : {"name", "tool_call_id", "reasoning_content"})
       if (m.contains(key) && !m[key].is_null() && !m[key].is_string())
@@ -357,6 +418,12 @@ ojson parse_json_object(std::string_view body) {
     std::string what = e.what();
     if (size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
     throw ApiError(400, "the request body is not valid JSON: " + what, "", "invalid_json");
+  } catch (const ojson::out_of_range& e) {
+    // A number beyond a double's range (1e999) is valid JSON text but no value kiln can hold.
+    std::string what = e.what();
+    if (size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
+    throw ApiError(400, "the request body holds a number out of range: " + what + "; send numbers within +-1.8e308",
+                   "", "invalid_json");
   }
   if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object", "", "invalid_json");
   return j;
@@ -381,7 +448,23 @@ ChatRequest parse_chat_body(const ojson& body, const ProtocolLimits& limits) {
   r.template_input = ojson::object();
   r.template_input["messages"] = std::move(messages);
   if (!r.tools.is_null() && !r.tool_choice_none) r.template_input["tools"] = r.tools;
-  if (auto agp = f.boolean("add_generation_prompt")) r.template_input["add_generation_prompt"] = *agp;
+  const std::optional<bool> agp = f.boolean("add_generation_prompt");
+  if (agp) r.template_input["add_generation_prompt"] = *agp;
+  r.continue_final_message = f.boolean("continue_final_message").value_or(false);
+  if (r.continue_final_message) {
+    // The output continues the last assistant turn, so no new turn is opened (vLLM refuses both; absent means false).
+    if (agp.value_or(false))
+      throw bad_param("continue_final_message",
+                      "'continue_final_message' and 'add_generation_prompt' cannot both be true; drop "
+                      "add_generation_prompt (the last assistant message is continued, no new turn is opened)");
+    const ojson& last = r.template_input["messages"].back();
+    if (last["role"] != "assistant" || !last["content"].is_string() || last["content"].get<std::string>().empty())
+      throw bad_param("continue_final_message",
+                      "'continue_final_message' needs the last message to be an assistant message with text content "
+                      "(the prefill to continue)");
+    r.template_input["add_generation_prompt"] = false;
+    r.template_input["continue_final_message"] = true;
+  }
   if (const ojson* kw = f.get("chat_template_kwargs")) {
     if (!kw->is_object()) throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     if (kw->contains("enable_thinking") && !(*kw)["enable_thinking"].is_null()) {
@@ -390,6 +473,19 @@ ChatRequest parse_chat_body(const ojson& body, const ProtocolLimits& limits) {
       r.enable_thinking = (*kw)["enable_thinking"].get<bool>();
     }
     r.template_input["chat_template_kwargs"] = *kw;
+  }
+  // reasoning_effort (OpenAI): none / minimal turn thinking off, as the Responses API's reasoning.effort does; the
+  // other levels leave the template's default (thinking on). An explicit chat_template_kwargs.enable_thinking wins.
+  if (auto effort = f.string("reasoning_effort")) {
+    static constexpr std::string_view kEfforts[] = {"none", "minimal", "low", "medium", "high", "xhigh"};
+    if (std::find(std::begin(kEfforts), std::end(kEfforts), *effort) == std::end(kEfforts))
+      throw bad_param("reasoning_effort", "'reasoning_effort' must be none, minimal, low, medium, high or xhigh, got '" +
+                                              *effort + "'");
+    if ((*effort == "none" || *effort == "minimal") && !r.enable_thinking) {
+      r.enable_thinking = false;
+      if (!r.template_input.contains("chat_template_kwargs")) r.template_input["chat_template_kwargs"] = ojson::object();
+      r.template_input["chat_template_kwargs"]["enable_thinking"] = false;
+    }
   }
   return r;
 }

@@ -16,6 +16,8 @@ using ojson = nlohmann::ordered_json;
 
 // Limits and defaults the validation needs from the running server.
 struct ProtocolLimits {
+  // Token ids a request may name: [0, vocab_size). The tokenizer's vocabulary, not the embedding's rows: the rows
+  // past it are padding (empty tokens) that no request may ask for.
   int64_t vocab_size = 0;
   int max_n = 64;
   int max_top_logprobs = 20;
@@ -28,6 +30,7 @@ struct GenerationFields {
   std::optional<std::string> model;
   engine::SamplingParams sampling;
   std::optional<int64_t> max_tokens;  // absent: up to the context length
+  int64_t min_tokens = 0;             // SGLang / vLLM: eos and stop tokens cannot end the output before this many
   int n = 1;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
@@ -55,7 +58,10 @@ struct ChatRequest : GenerationFields {
   bool parallel_tool_calls = true;  // false: at most one tool call per choice (later ones are dropped)
   bool separate_reasoning = true;
   bool stream_reasoning = true;     // false: streamed reasoning_content comes in one piece when it ends
-  std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking
+  std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking (or reasoning_effort none / minimal)
+  // vLLM's assistant prefill: the last message is an assistant turn rendered without its end of turn, and the
+  // output continues it (template_input carries continue_final_message, add_generation_prompt false).
+  bool continue_final_message = false;
 };
 
 // One prompt of a completion request: text, or token ids.

@@ -38,6 +38,13 @@ int64_t unix_now() {
       .count();
 }
 
+ApiError shutdown_abort_error() {
+  return ApiError(503,
+                  "the server shut down before this request finished (its shutdown timeout ran out); the output is "
+                  "incomplete: retry the request",
+                  "", "shutting_down", "server_error");
+}
+
 GenerationJob::~GenerationJob() {
   if (channel) channel->cancel();  // no reader left: the engine may drop whatever still runs
   if (active) active->fetch_sub(1);
@@ -283,6 +290,14 @@ std::string GenerationJob::stream_events(std::vector<ChoiceDelta>& deltas) {
         status = 500;
         continue;
       }
+      if (c.engine_reason() == engine::FinishReason::abort) {
+        // The server stopped the sequence: a shutdown that timed out (a client that left reads nothing). The
+        // stream ends with an error event and no [DONE], so no client takes the cut-off text for a whole answer.
+        out += sse(json::parse(error_body(shutdown_abort_error())));
+        status = 503;
+        done = true;
+        return out;
+      }
       if (chat)
         out += chat_chunk(i, json::object(), c.finish_reason_json(), c.matched_stop_json(), true);
       else
@@ -379,9 +394,10 @@ void GenerationJob::log_line() const {
   auto now = Clock::now();
   KILN_LOG_INFO(
       "request id={} endpoint={} status={} stream={} n={} prompt_tokens={} output_tokens={} ttft_ms={:.1f} "
-      "queue_ms={:.1f} latency_ms={:.1f} finish={}{}{}",
-      id, endpoint, status, fields.stream ? 1 : 0, choices.size(), prompt_tokens, completion_tokens(),
+      "queue_ms={:.1f} latency_ms={:.1f} finish={}{}{}{}",
+      request_id.empty() ? id : request_id, endpoint, status, fields.stream ? 1 : 0, choices.size(), prompt_tokens, completion_tokens(),
       got_first_token ? ms_between(start, first_token) : -1.0, queue_ms, ms_between(start, now),
-      finish_summary(), client_gone ? " client_gone=1" : "", dropped_tool_calls());
+      finish_summary(), client_gone ? " client_gone=1" : "", dropped_tool_calls(),
+      !request_id.empty() && request_id != id ? " response_id=" + id : std::string());
 }
 }  // namespace kiln::server

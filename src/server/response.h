@@ -12,6 +12,7 @@
 
 #include "engine/channel.h"
 #include "engine/request.h"
+#include "server/api_error.h"
 #include "server/choice_output.h"
 #include "server/connection_probe.h"
 #include "server/protocol.h"
@@ -26,6 +27,10 @@ using Clock = std::chrono::steady_clock;
 // How long a handler waits for engine events before it looks at the client's socket again.
 inline constexpr auto kWaitSlice = std::chrono::milliseconds(200);
 
+// The error a request gets when a shutdown that timed out aborted it (503 shutting_down): streamed as the last
+// SSE event (no [DONE] follows), or the answer of a non-streamed request.
+ApiError shutdown_abort_error();
+
 // JSON text as sent (invalid UTF-8 replaced, never thrown on).
 std::string dump_json(const nlohmann::json& j);
 std::string random_hex(size_t n);
@@ -39,6 +44,7 @@ struct GenerationJob {
 
   bool chat = true;
   std::string id;
+  std::string request_id;  // the client's X-Request-Id (sanitised), else id: the X-Request-Id answered and logged
   std::string endpoint;
   int64_t created = 0;
   std::string model_name;

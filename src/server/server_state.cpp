@@ -1,5 +1,8 @@
 #include "server/server_state.h"
 
+#include <cctype>
+#include <string_view>
+
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/engine.h"
@@ -55,6 +58,17 @@ void send_error(httplib::Response& res, const ApiError& e, ErrorStyle style, int
   res.set_content(error_body(e, style), "application/json");
 }
 
+std::string client_request_id(const httplib::Request& req) {
+  constexpr size_t kMaxLength = 128;
+  std::string id;
+  for (char c : req.get_header_value("X-Request-Id")) {
+    if (id.size() == kMaxLength) break;
+    if (std::isalnum(static_cast<unsigned char>(c)) || std::string_view("._:/+=-").find(c) != std::string_view::npos)
+      id += c;
+  }
+  return id;
+}
+
 ErrorStyle error_style_of(const std::string& path) {
   return path.rfind("/v1/messages", 0) == 0 ? ErrorStyle::anthropic : ErrorStyle::openai;
 }
@@ -64,6 +78,9 @@ httplib::Server::Handler Routes::wrap(Fn fn, ErrorStyle style) const {
     const int retry = state_.opts.retry_after_s;
     try {
       fn(req, res);
+      // Answers of status >= 400 get the client's X-Request-Id in the error handler (http_server.cpp).
+      if (res.status < 400 && !res.has_header("X-Request-Id"))
+        if (const std::string id = client_request_id(req); !id.empty()) res.set_header("X-Request-Id", id);
     } catch (const ApiError& e) {
       send_error(res, e, style, retry);
     } catch (const InternalError& e) {

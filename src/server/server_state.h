@@ -79,6 +79,10 @@ class Routes {
   std::vector<std::pair<std::regex, std::string>> routes_;
 };
 
+// The client's X-Request-Id, sanitised for logs and headers: only [A-Za-z0-9._:/+=-] kept, at most 128 characters
+// ("" when absent or nothing is left).
+std::string client_request_id(const httplib::Request& req);
+
 // The error style of a path: Anthropic's for /v1/messages..., OpenAI's elsewhere.
 ErrorStyle error_style_of(const std::string& path);
 

@@ -1,5 +1,7 @@
 #include "template/chat_template.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "template/jinja/template.h"
 
@@ -38,6 +40,41 @@ ordered_json normalize_messages(const ordered_json& messages) {
     }
   }
   return out;
+}
+
+std::string_view strip(std::string_view s) {
+  const char* ws = " \t\n\r\f\v";
+  const size_t b = s.find_first_not_of(ws);
+  if (b == std::string_view::npos) return {};
+  return s.substr(b, s.find_last_not_of(ws) - b + 1);
+}
+
+// continue_final_message (transformers' apply_chat_template): the prompt ends where the last message's text does,
+// so whatever the template writes after it (the end of turn) is cut and generation continues the message. The
+// text is found from the end; trailing whitespace of the message is kept when the template kept it.
+std::string cut_after_final_message(std::string rendered, const ordered_json& messages) {
+  if (messages.empty() || !messages.back().is_object()) fail("continue_final_message needs a final message");
+  const ordered_json& last = messages.back();
+  auto content = last.find("content");
+  std::string text;
+  if (content != last.end() && content->is_string()) {
+    text = content->get<std::string>();
+  } else if (content != last.end() && content->is_array()) {
+    for (auto it = content->rbegin(); it != content->rend() && text.empty(); ++it)
+      if (it->is_object() && it->contains("text") && (*it)["text"].is_string()) text = (*it)["text"].get<std::string>();
+  }
+  const std::string_view stripped = strip(text);
+  const size_t at = stripped.empty() ? std::string::npos : rendered.rfind(stripped);
+  if (at == std::string::npos)
+    fail("continue_final_message: the final message's text does not appear in the rendered prompt (the chat "
+         "template drops or rewrites it), so it cannot be continued");
+  std::string_view left_stripped(text);
+  left_stripped.remove_prefix(std::min(left_stripped.size(), left_stripped.find_first_not_of(" \t\n\r\f\v")));
+  if (rendered.compare(at, left_stripped.size(), text) == 0)
+    rendered.resize(at + left_stripped.size());
+  else
+    rendered.resize(at + stripped.size());
+  return rendered;
 }
 
 }  // namespace
@@ -96,7 +133,12 @@ std::string ChatTemplate::render(const ordered_json& request) const {
   vars["tools"] =
       (tools == request.end() || tools->is_null()) ? jinja::Value::none() : jinja::Value::from_json(*tools);
   vars["documents"] = jinja::Value::none();
-  bool add_generation_prompt = true;
+  bool continue_final_message = false;
+  if (auto cfm = request.find("continue_final_message"); cfm != request.end() && !cfm->is_null()) {
+    if (!cfm->is_boolean()) fail("chat request: \"continue_final_message\" must be true or false");
+    continue_final_message = cfm->get<bool>();
+  }
+  bool add_generation_prompt = !continue_final_message;  // default: a new assistant turn, unless continuing one
   if (auto agp = request.find("add_generation_prompt"); agp != request.end() && !agp->is_null()) {
     if (!agp->is_boolean()) fail("chat request: \"add_generation_prompt\" must be true or false");
     add_generation_prompt = agp->get<bool>();
@@ -112,7 +154,10 @@ std::string ChatTemplate::render(const ordered_json& request) const {
       vars[key] = jinja::Value::from_json(value);
     }
   }
-  return compiled_->render(vars);
+  if (continue_final_message && add_generation_prompt)
+    fail("chat request: continue_final_message and add_generation_prompt cannot both be true");
+  std::string rendered = compiled_->render(vars);
+  return continue_final_message ? cut_after_final_message(std::move(rendered), *messages) : rendered;
 }
 
 std::string ChatTemplate::render_json_text(std::string_view request_json) const {

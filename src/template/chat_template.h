@@ -40,6 +40,9 @@ class ChatTemplate {
   // as a JSON string are parsed (kept as the raw string when not valid JSON), as SGLang/vLLM do.
   // Takes ordered_json because key order is visible in the prompt (tool schemas go through tojson,
   // Python dicts keep insertion order); parse requests with nlohmann::ordered_json::parse.
+  // "continue_final_message": true (with add_generation_prompt false) renders the last message without what the
+  // template writes after its text (its end of turn), so generation continues it: transformers' rule, the text
+  // found from the end of the prompt (an error when the template drops or rewrites it).
   // Throws kiln::Error for a bad request, a template runtime error (with line:column), or when the
   // template calls raise_exception(msg) (then the message is exactly the template's msg).
   std::string render(const nlohmann::ordered_json& request) const;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Graceful shutdown of `kiln serve`: on SIGTERM /health turns 503 and new requests get 503 while an
 # in-flight stream runs to its end; then the server exits 0. With a short --shutdown-timeout the
-# stream is cut (finish_reason "abort") and the exit is still 0. A port in use fails at startup.
+# stream is cut (it ends with an error event, code "shutting_down", and no [DONE]) and the exit is still 0.
+# A port in use fails at startup.
 # $1 = kiln binary, $2 = repo root.
 set -euo pipefail
 ROOT=${2:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -47,7 +48,9 @@ stop_server cut TERM
 wait "$CURL" || true
 [ "$RC_cut" = 0 ] || fail "exit status $RC_cut after SIGTERM with --shutdown-timeout 0"
 if ! grep -q '"finish_reason":"length"' "$SERVE_WORK/stream2.txt"; then
-  grep -q '"finish_reason":"abort"' "$SERVE_WORK/stream2.txt" || fail "the cut stream has no finish_reason abort"
+  grep -q '"code":"shutting_down"' "$SERVE_WORK/stream2.txt" ||
+    fail "the cut stream has no shutting_down error event: $(tail -c 300 "$SERVE_WORK/stream2.txt")"
+  grep -q 'data: \[DONE\]' "$SERVE_WORK/stream2.txt" && fail "the cut stream ended with [DONE] after its error"
 fi
 echo "ok: shutdown timeout aborts the stream, exit 0"
 

@@ -287,12 +287,46 @@ test("logit_bias steers tokens; fields kiln does not implement are refused (open
     assert.equal(e.param, "logit_bias");
     return true;
   });
-  await assert.rejects(sdk.chat.completions.create({ model, messages: user("x"), reasoning_effort: "low" }), (e) => {
+  await assert.rejects(sdk.chat.completions.create({ model, messages: user("x"),
+    prediction: { type: "content", content: "x" } }), (e) => {
     assert.equal(e.status, 400);
-    assert.equal(e.param, "reasoning_effort");
+    assert.equal(e.param, "prediction");
     assert.equal(e.code, "unsupported_parameter");
     return true;
   });
+});
+
+test("fields the SDK's clients send are accepted; reasoning_effort minimal turns thinking off (openai SDK)", async () => {
+  const model = await modelName();
+  const said = "Plain answer.";
+  const r = await sdk.chat.completions.create({
+    model, messages: user(said), max_tokens: 64, store: false, metadata: { team: "a" }, service_tier: "auto",
+    prompt_cache_key: "k1", safety_identifier: "user-hash", verbosity: "low", reasoning_effort: "minimal",
+  });
+  assert.equal(r.choices[0].message.reasoning_content ?? null, null);
+  if (echo) assert.equal(r.choices[0].message.content, said);
+  const c = await sdk.completions.create({ model, prompt: "Once", max_tokens: 2, store: true, metadata: {},
+    service_tier: "default", prompt_cache_key: "k2", safety_identifier: "s" });
+  assert.equal(c.choices.length, 1);
+});
+
+test("the client's X-Request-Id comes back; min_tokens and continue_final_message (openai SDK)", async () => {
+  const model = await modelName();
+  const { data, response } = await sdk.chat.completions
+    .create({ model, messages: user("hi"), max_tokens: 8 }, { headers: { "X-Request-Id": "sdk-trace-1" } })
+    .withResponse();
+  assert.equal(response.headers.get("x-request-id"), "sdk-trace-1");
+  assert.match(data.id, /^chatcmpl-/);
+  if (!echo) return;
+  const off = { chat_template_kwargs: { enable_thinking: false } };
+  const plain = await sdk.chat.completions.create({ model, messages: user("hi"), ...off });
+  assert.equal(plain.usage.completion_tokens, 3);  // "h", "i", end of turn
+  const held = await sdk.chat.completions.create({ model, messages: user("hi"), min_tokens: 6, ...off });
+  assert.equal(held.usage.completion_tokens, 7);  // the end of turn held back until 6 tokens
+  const messages = [...user("Say it."), { role: "assistant", content: "The answer is" }];
+  const closed = await sdk.chat.completions.create({ model, messages, max_tokens: 1, add_generation_prompt: false });
+  const open = await sdk.chat.completions.create({ model, messages, max_tokens: 1, continue_final_message: true });
+  assert.equal(open.usage.prompt_tokens, closed.usage.prompt_tokens - 2);  // no "<|im_end|>\n"
 });
 
 test("tokenize / detokenize", async () => {

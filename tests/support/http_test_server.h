@@ -48,6 +48,8 @@ struct ServerConfig {
   bool echo = true;
   int header_timeout_ms = 10000;
   int max_waiting_connections = 1024;
+  int64_t vocab = 512;  // embedding rows; past the tokenizer's 512 ids they are padding
+  std::vector<std::string> allowed_origins;
 };
 
 // The byte tokenizer: ids 0-255 bytes, 508 <|im_start|>, 510 <|endoftext|>, 511 <|im_end|>.
@@ -59,7 +61,7 @@ class TestServer {
     chat_template_ = std::make_unique<tmpl::ChatTemplate>(
         read_file(std::string(KILN_SOURCE_DIR) + "/tests/fixtures/templates/Qwen3.5-4B.jinja"));
     engine::DummyRunner::Options d;
-    d.vocab = 512;
+    d.vocab = cfg.vocab;
     d.kv_pages = 4096;
     d.page_size = 16;
     d.state_slots = cfg.max_running;
@@ -84,6 +86,7 @@ class TestServer {
     so.model_type = "qwen3_5_moe";
     so.architectures = {"Qwen3_5MoeForConditionalGeneration"};
     so.api_key = cfg.api_key;
+    so.allowed_origins = cfg.allowed_origins;
     so.max_request_bytes = cfg.max_request_bytes;
     so.http_threads = 96;
     so.read_timeout_s = 2;

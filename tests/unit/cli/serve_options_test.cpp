@@ -60,6 +60,37 @@ TEST(CheckServeArgs, KvCacheDtypeAndBadFlags) {
   EXPECT_THAT([&] { check_serve_args(a); }, ThrowsMessage<Error>(HasSubstr("--context-length must be positive")));
 }
 
+TEST(CheckServeArgs, LogFormatAndAllowedOrigins) {
+  ServeArgs a;
+  EXPECT_EQ(serve_log_format(a), LogFormat::text);
+  a.log_format = "json";
+  EXPECT_EQ(serve_log_format(a), LogFormat::json);
+  a.log_format = "xml";
+  EXPECT_THAT([&] { check_serve_args(a); }, ThrowsMessage<Error>(HasSubstr("unknown --log-format 'xml'")));
+  a = {};
+  a.allowed_origins = "app.example.com";
+  EXPECT_THAT([&] { check_serve_args(a); },
+              ThrowsMessage<Error>(HasSubstr("--allowed-origins: 'app.example.com' is not an origin")));
+}
+
+TEST(ParseAllowedOrigins, ListStarSpacesAndTrailingSlashes) {
+  EXPECT_EQ(parse_allowed_origins(""), std::vector<std::string>{});
+  EXPECT_EQ(parse_allowed_origins("*"), std::vector<std::string>{"*"});
+  EXPECT_EQ(parse_allowed_origins(" https://app.example.com/ , http://localhost:5173,"),
+            (std::vector<std::string>{"https://app.example.com", "http://localhost:5173"}));
+}
+
+TEST(CheckServeArgsAgainstModel, ContextLengthAtMostMaxPositionEmbeddings) {
+  ServeArgs a;
+  check_serve_args_against_model(a, config_with(4096));  // the model's length
+  a.context_length = 4096;
+  check_serve_args_against_model(a, config_with(4096));
+  a.context_length = 4097;
+  EXPECT_THAT([&] { check_serve_args_against_model(a, config_with(4096)); },
+              ThrowsMessage<Error>(HasSubstr("--context-length 4097 is more than the model's max_position_embeddings "
+                                             "(4096); use at most 4096")));
+}
+
 TEST(BuildServerOptions, NamesLimitsAndTheFlagsEcho) {
   ServeArgs a;
   a.port = 8080;
@@ -78,7 +109,16 @@ TEST(BuildServerOptions, NamesLimitsAndTheFlagsEcho) {
   EXPECT_EQ(so.server_args["device"], "cpu");
   EXPECT_EQ(so.server_args["chunked_prefill_size"], 2048);
   EXPECT_EQ(so.server_args["max_pass_tokens"], 512);
+  EXPECT_TRUE(so.allowed_origins.empty());
+  EXPECT_EQ(so.server_args["log_format"], "text");
+  EXPECT_EQ(so.request_timeout_s, 60);  // the HTTP front's defaults
+  EXPECT_EQ(so.min_upload_rate_bytes_s, 500);
+  EXPECT_EQ(so.max_connections, 0);
+  EXPECT_EQ(so.max_connections_per_client, 0);
   a.served_model_name = "qwen";
+  a.allowed_origins = "https://a.example,*";
+  a.log_format = "json";
+  a.http_front = {30, 0, 100, 4};
   a.max_running_requests = 0;  // the plan's: 256 counted for the threads
   a.max_queued_requests = 5000;
   a.dummy_runner = "echo";
@@ -86,6 +126,13 @@ TEST(BuildServerOptions, NamesLimitsAndTheFlagsEcho) {
   EXPECT_EQ(s2.served_model_name, "qwen");
   EXPECT_EQ(s2.http_threads, 2048);  // capped
   EXPECT_EQ(s2.server_args["device"], "dummy-echo");
+  EXPECT_EQ(s2.allowed_origins, (std::vector<std::string>{"https://a.example", "*"}));
+  EXPECT_EQ(s2.server_args["allowed_origins"], nlohmann::json({"https://a.example", "*"}));
+  EXPECT_EQ(s2.server_args["log_format"], "json");
+  EXPECT_EQ(s2.request_timeout_s, 30);
+  EXPECT_EQ(s2.min_upload_rate_bytes_s, 0);
+  EXPECT_EQ(s2.max_connections, 100);
+  EXPECT_EQ(s2.max_connections_per_client, 4);
 }
 
 TEST(CollectEosIds, UnionOfConfigChatTurnEndsAndTheTokenizersEos) {

@@ -1282,6 +1282,46 @@ TEST(EngineSpeculative, MaxTokensStopTokensAndEosHold) {
   EXPECT_EQ(e->metrics().kv_pages_used, 0);
 }
 
+// min_tokens with drafts (engine.cpp's can_speculate: a sequence short of its min_tokens decodes plainly, its eos and
+// stop ids masked): a stop id that the drafts propose (all right: the reference's own tokens) cannot end the output
+// before min_tokens, and the output is plain decoding's with the same min_tokens.
+TEST(EngineSpeculative, MinTokensHoldsAgainstDraftedStopIds) {
+  const auto prompts = spec_prompts();
+  const auto ref = reference_outputs(prompts, 30);
+  const auto refs = full_sequences(prompts, ref);
+  constexpr int64_t kMinTokens = 12;
+  auto outputs = [&](Engine& e) {
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerateRequest r = greedy(prompts[i], 30);
+      r.ignore_eos = true;
+      r.stop_token_ids = {ref[i][2]};  // without min_tokens the output ends by its third token
+      r.min_tokens = kMinTokens;
+      auto s = e.submit({r});
+      EXPECT_EQ(s.status, SubmitStatus::ok) << s.message;
+      chans.push_back(s.channel);
+    }
+    std::vector<Answer> out;
+    for (auto& ch : chans) out.push_back(answer(ch));
+    return out;
+  };
+  Engine plain(spec_model().load(false), spec_options(8, 0));
+  plain.start();
+  const std::vector<Answer> want = outputs(plain);
+  auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true), refs, [](int64_t, int s) { return s; });
+  Engine spec(std::move(runner), spec_options(8, 4));
+  spec.start();
+  const std::vector<Answer> got = outputs(spec);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_NE(want[i].reason, FinishReason::error) << want[i].error;
+    EXPECT_GE(static_cast<int64_t>(want[i].tokens.size()), kMinTokens) << "prompt " << i;
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << "prompt " << i;
+    EXPECT_EQ(got[i].reason, want[i].reason) << "prompt " << i;
+  }
+  EXPECT_GT(spec.metrics().spec_draft_tokens_total, 0u);  // drafts once min_tokens are reached
+  EXPECT_EQ(spec.metrics().kv_pages_used, 0);
+}
+
 TEST(EngineSpeculative, SeveralChoicesLogprobsAndSampling) {
   const auto prompts = spec_prompts();
   const auto ref = reference_outputs(prompts, 20);

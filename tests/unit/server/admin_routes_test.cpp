@@ -102,5 +102,50 @@ TEST(AdminRoutes, HealthGenerateAnswersWhileBusy) {
   for (auto& t : threads) t.join();
 }
 
+
+TEST(AdminRoutes, Version) {
+  TestServer& s = shared_server();
+  Reply r = get(s, "/version");
+  ASSERT_EQ(r.status, 200);
+  // The project's version, as CMakeLists.txt's project() declares it.
+  const std::string cmake = read_file(std::string(KILN_SOURCE_DIR) + "/CMakeLists.txt");
+  const size_t at = cmake.find("project(kiln VERSION ");
+  ASSERT_NE(at, std::string::npos);
+  const std::string version = cmake.substr(at + 21, cmake.find(' ', at + 21) - at - 21);
+  EXPECT_EQ(r.j["version"], version);
+}
+
+// /flush_cache empties the prefix cache: the same prompt is served from it again, but not right after a flush.
+TEST(AdminRoutes, FlushCacheEmptiesThePrefixCache) {
+  TestServer s;
+  json body = chat_body(std::string(200, 'a'), {{"max_tokens", 2}});
+  auto cached = [&] {
+    Reply r = post(s, "/v1/chat/completions", body);
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.j["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+  };
+  cached();
+  EXPECT_GT(cached(), 0);
+  Reply f = post(s, "/flush_cache", std::string());
+  EXPECT_EQ(f.status, 200) << f.body;
+  EXPECT_EQ(cached(), 0);
+  EXPECT_GT(cached(), 0);
+  EXPECT_EQ(get(s, "/flush_cache").status, 200);  // SGLang takes GET too
+}
+
+// While requests run, their pages may be in the cache: the flush is refused (400), as SGLang does.
+TEST(AdminRoutes, FlushCacheRefusedWhileBusy) {
+  ServerConfig cfg;
+  cfg.step_delay_us = 2000;
+  TestServer s(cfg);
+  std::thread t([&] { post(s, "/v1/chat/completions", chat_body("x", {{"max_tokens", 1500}, {"ignore_eos", true}})); });
+  for (int i = 0; i < 200 && metric(s, "kiln:num_running_reqs") < 1; ++i) std::this_thread::sleep_for(10ms);
+  Reply f = post(s, "/flush_cache", std::string());
+  EXPECT_EQ(f.status, 400) << f.body;
+  EXPECT_NE(f.j["error"]["message"].get<std::string>().find("running"), std::string::npos);
+  s.engine().drain(std::chrono::milliseconds(0));
+  t.join();
+}
+
 }  // namespace
 }  // namespace kiln::server

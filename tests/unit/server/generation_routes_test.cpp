@@ -313,9 +313,9 @@ int64_t finished_metric(TestServer& s, const std::string& reason) {
 
 TEST(GenerationRoutes, UnimplementedFieldsAreRejectedNullIsAbsent) {
   TestServer& s = shared_server();
-  Reply r = post(s, "/v1/chat/completions", chat_body("hi", {{"reasoning_effort", "high"}}));
+  Reply r = post(s, "/v1/chat/completions", chat_body("hi", {{"prediction", {{"type", "content"}, {"content", "x"}}}}));
   EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(r.j["error"]["param"], "reasoning_effort");
+  EXPECT_EQ(r.j["error"]["param"], "prediction");
   EXPECT_EQ(r.j["error"]["code"], "unsupported_parameter");
   Reply c = post(s, "/v1/completions", json{{"prompt", "x"}, {"functions", json::array({1})}});
   EXPECT_EQ(c.status, 400);
@@ -323,8 +323,7 @@ TEST(GenerationRoutes, UnimplementedFieldsAreRejectedNullIsAbsent) {
   // Chat-only fields are unknown to completions.
   EXPECT_EQ(post(s, "/v1/completions", json{{"prompt", "x"}, {"tools", json::array()}}).status, 400);
   // null means "not given"; user is accepted (nothing to act on).
-  EXPECT_EQ(post(s, "/v1/chat/completions", chat_body("hi", {{"reasoning_effort", nullptr}, {"user", "u1"}})).status,
-            200);
+  EXPECT_EQ(post(s, "/v1/chat/completions", chat_body("hi", {{"prediction", nullptr}, {"user", "u1"}})).status, 200);
 }
 
 TEST(GenerationRoutes, LogitBiasChangesTheTokens) {
@@ -477,6 +476,116 @@ TEST(GenerationRoutes, CompletionsTakeAListOfPrompts) {
   Reply many = post(s, "/v1/completions", json{{"prompt", std::vector<std::string>(33, "x")}, {"n", 2}});
   EXPECT_EQ(many.status, 400);
   EXPECT_NE(many.j["error"]["message"].get<std::string>().find("66 choices"), std::string::npos);
+}
+
+
+// What the official SDKs and agent clients send besides the sampling fields (issue 29): accepted, no effect but
+// reasoning_effort none / minimal, which turns thinking off (the echo model's text is then all content).
+TEST(GenerationRoutes, HarmlessClientFieldsAreAccepted) {
+  TestServer& s = shared_server();
+  json extra = {{"store", false},           {"metadata", {{"k", "v"}}},     {"service_tier", "auto"},
+                {"prompt_cache_key", "p1"}, {"safety_identifier", "hash1"}, {"verbosity", "low"},
+                {"reasoning_effort", "minimal"}};
+  Reply r = post(s, "/v1/chat/completions", chat_body("Plain answer.", extra));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.j["choices"][0]["message"]["content"], "Plain answer.");
+  EXPECT_TRUE(r.j["choices"][0]["message"]["reasoning_content"].is_null());
+  // reasoning_effort high keeps the template's default (thinking on: no </think>, all reasoning).
+  Reply high = post(s, "/v1/chat/completions", chat_body("Plain answer.", {{"reasoning_effort", "high"}}));
+  EXPECT_EQ(high.j["choices"][0]["message"]["reasoning_content"], "Plain answer.");
+  Reply c = post(s, "/v1/completions",
+                 json{{"prompt", "x"}, {"max_tokens", 2}, {"store", true}, {"metadata", json::object()},
+                      {"service_tier", "default"}, {"prompt_cache_key", "p"}, {"safety_identifier", "s"}});
+  EXPECT_EQ(c.status, 200) << c.body;
+}
+
+// min_tokens: the echo model ends its turn after the echoed text; the end-of-turn token is masked until min_tokens
+// tokens are out (the hash logits choose the tokens in between), then it ends the output as before.
+TEST(GenerationRoutes, MinTokensHoldsTheEndOfTurnBack) {
+  TestServer& s = shared_server();
+  json off = {{"chat_template_kwargs", {{"enable_thinking", false}}}};
+  Reply plain = post(s, "/v1/chat/completions", chat_body("hi", off));
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  EXPECT_EQ(plain.j["usage"]["completion_tokens"], 3);  // "h", "i", <|im_end|>
+  json with_min = off;
+  with_min["min_tokens"] = 6;
+  Reply held = post(s, "/v1/chat/completions", chat_body("hi", with_min));
+  ASSERT_EQ(held.status, 200) << held.body;
+  EXPECT_EQ(held.j["usage"]["completion_tokens"], 7);  // 6 tokens, then <|im_end|>
+  EXPECT_EQ(held.j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(held.j["choices"][0]["message"]["content"].get<std::string>().rfind("hi", 0), 0u);
+  // Streamed, the same count; completions take it too.
+  with_min["stream"] = true;
+  with_min["stream_options"] = {{"include_usage", true}};
+  EXPECT_EQ(stream_chat(s, chat_body("hi", with_min)).usage["completion_tokens"], 7);
+  std::string prompt = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n";
+  Reply c = post(s, "/v1/completions", json{{"prompt", prompt}, {"min_tokens", 8}, {"max_tokens", 20}});
+  EXPECT_EQ(c.j["usage"]["completion_tokens"], 9);  // 5 echoed, 3 more, then <|im_end|>
+  EXPECT_EQ(post(s, "/v1/chat/completions", chat_body("hi", {{"min_tokens", 9}, {"max_tokens", 3}})).status, 400);
+}
+
+// continue_final_message: the prompt ends inside the assistant's turn. The Qwen3.5 template closes a final assistant
+// message with "<|im_end|>\n" (two tokens in the byte tokenizer), which the continued prompt leaves out.
+TEST(GenerationRoutes, ContinueFinalMessage) {
+  TestServer& s = shared_server();
+  json messages = {{{"role", "user"}, {"content", "Say it."}}, {{"role", "assistant"}, {"content", "The answer is"}}};
+  json base = {{"messages", messages}, {"max_tokens", 1}, {"add_generation_prompt", false}};
+  Reply closed = post(s, "/v1/chat/completions", base);
+  ASSERT_EQ(closed.status, 200) << closed.body;
+  json cont = base;
+  cont["continue_final_message"] = true;
+  Reply open = post(s, "/v1/chat/completions", cont);
+  ASSERT_EQ(open.status, 200) << open.body;
+  EXPECT_EQ(open.j["usage"]["prompt_tokens"].get<int>(), closed.j["usage"]["prompt_tokens"].get<int>() - 2);
+  cont.erase("add_generation_prompt");  // absent: false with continue_final_message
+  EXPECT_EQ(post(s, "/v1/chat/completions", cont).j["usage"]["prompt_tokens"], open.j["usage"]["prompt_tokens"]);
+  cont["add_generation_prompt"] = true;
+  Reply both = post(s, "/v1/chat/completions", cont);
+  EXPECT_EQ(both.status, 400);
+  EXPECT_EQ(both.j["error"]["param"], "continue_final_message");
+}
+
+TEST(GenerationRoutes, OverflowingNumberIs400) {
+  TestServer& s = shared_server();
+  Reply r = post(s, "/v1/chat/completions",
+                 std::string(R"({"messages": [{"role": "user", "content": "x"}], "temperature": 1e999})"));
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(r.j["error"]["code"], "invalid_json");
+  Reply a = post(s, "/v1/messages",
+                 std::string(R"({"model": "m", "max_tokens": 1e999, "messages": [{"role": "user", "content": "x"}]})"));
+  EXPECT_EQ(a.status, 400) << a.body;
+}
+
+TEST(GenerationRoutes, NonJsonToolArgumentsNameTheMessage) {
+  TestServer& s = shared_server();
+  json messages = {{{"role", "user"}, {"content", "weather?"}},
+                   {{"role", "assistant"},
+                    {"content", nullptr},
+                    {"tool_calls",
+                     {{{"id", "c1"}, {"type", "function"},
+                       {"function", {{"name", "get_weather"}, {"arguments", "city: Paris"}}}}}}},
+                   {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}};
+  Reply r = post(s, "/v1/chat/completions", json{{"messages", messages}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(r.j["error"]["param"], "messages[1].tool_calls[0].function.arguments");
+  EXPECT_EQ(r.j["error"]["message"].get<std::string>().find("chat template"), std::string::npos) << r.body;
+}
+
+// The embedding has rows past the tokenizer's ids (vocab 600, tokenizer 512): those ids are padding (empty tokens),
+// refused wherever a request names token ids.
+TEST(GenerationRoutes, PaddingTokenIdsAreRefused) {
+  ServerConfig cfg;
+  cfg.vocab = 600;
+  TestServer s(cfg);
+  Reply bias = post(s, "/v1/chat/completions", chat_body("hi", {{"logit_bias", {{"550", 5}}}}));
+  EXPECT_EQ(bias.status, 400);
+  EXPECT_EQ(bias.j["error"]["param"], "logit_bias");
+  EXPECT_NE(bias.j["error"]["message"].get<std::string>().find("[0, 512)"), std::string::npos) << bias.body;
+  Reply prompt = post(s, "/v1/completions", json{{"prompt", {104, 105, 550}}, {"max_tokens", 1}});
+  EXPECT_EQ(prompt.status, 400);
+  EXPECT_EQ(prompt.j["error"]["param"], "prompt");
+  EXPECT_EQ(post(s, "/v1/chat/completions", chat_body("hi", {{"stop_token_ids", {511, 599}}})).status, 400);
+  EXPECT_EQ(post(s, "/v1/completions", json{{"prompt", {104, 105, 511}}, {"max_tokens", 1}}).status, 200);
 }
 
 }  // namespace

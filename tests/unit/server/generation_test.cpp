@@ -124,5 +124,38 @@ TEST(Generation, ManyConcurrentStreamsMatchAlone) {
   EXPECT_TRUE(wait_for_zero(s, "kiln:kv_pages_used"));
 }
 
+
+// A shutdown whose timeout runs out aborts what still runs: a stream ends with an error event (503 shutting_down)
+// and no [DONE]; a non-streamed request gets that error as its answer, not a 200 cut short.
+TEST(Generation, ShutdownTimeoutEndsStreamsWithAnError) {
+  ServerConfig cfg;
+  cfg.step_delay_us = 3000;
+  TestServer s(cfg);
+  json long_gen = chat_body("x", {{"max_tokens", 1500}, {"ignore_eos", true}});
+  Reply streamed, whole;
+  std::thread a([&] {
+    json b = long_gen;
+    b["stream"] = true;
+    streamed = post(s, "/v1/chat/completions", b);
+  });
+  std::thread w([&] { whole = post(s, "/v1/chat/completions", long_gen); });
+  for (int i = 0; i < 200 && metric(s, "kiln:num_running_reqs") < 2; ++i) std::this_thread::sleep_for(10ms);
+  s.http().set_draining();
+  EXPECT_FALSE(s.engine().drain(std::chrono::milliseconds(50)));  // times out: the rest is aborted
+  a.join();
+  w.join();
+  EXPECT_EQ(streamed.status, 200);  // the stream had begun
+  bool done = true;
+  std::vector<json> events = sse_events(streamed.body, &done);
+  EXPECT_FALSE(done) << "a stream the shutdown cut short ended with [DONE]";
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back()["error"]["code"], "shutting_down") << events.back();
+  for (const auto& ev : events)
+    if (ev.contains("choices"))
+      for (const auto& ch : ev["choices"]) EXPECT_NE(ch["finish_reason"], "abort");
+  EXPECT_EQ(whole.status, 503) << whole.body;
+  EXPECT_EQ(whole.j["error"]["code"], "shutting_down");
+}
+
 }  // namespace
 }  // namespace kiln::server

@@ -151,5 +151,105 @@ TEST(Protocol, CompletionPrompts) {
   EXPECT_NE(std::string(too_many.what()).find("90 choices"), std::string::npos) << too_many.what();
 }
 
+
+// Issue 29: fields the official SDKs and agent clients send that change nothing here are accepted (a wrong type is
+// still a 400); completions take the ones that are not chat-specific.
+TEST(Protocol, HarmlessClientFieldsAreAccepted) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "store": false, "metadata": {"team": "a"}, "service_tier": "auto",
+      "prompt_cache_key": "k1", "safety_identifier": "u-7", "verbosity": "low", "reasoning_effort": "high"})")
+                .status,
+            0);
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "store": "yes"})").param, "store");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "metadata": [1]})").param, "metadata");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "reasoning_effort": "extreme"})").param, "reasoning_effort");
+  auto completion_error = [](const std::string& body) {
+    return error_of([&] { parse_completion_request(body, limits()); });
+  };
+  EXPECT_EQ(completion_error(R"({"prompt": "x", "store": true, "metadata": {}, "service_tier": "default",
+      "prompt_cache_key": "k", "safety_identifier": "s"})")
+                .status,
+            0);
+  // verbosity and reasoning_effort are chat settings: a completion that sends them is told so.
+  EXPECT_EQ(completion_error(R"({"prompt": "x", "verbosity": "low"})").code, "unsupported_parameter");
+}
+
+TEST(Protocol, ReasoningEffortNoneOrMinimalTurnsThinkingOff) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  for (const char* effort : {"none", "minimal"}) {
+    ChatRequest r = parse_chat_request("{" + msgs + R"(, "reasoning_effort": ")" + effort + "\"}", limits());
+    EXPECT_EQ(r.enable_thinking, false) << effort;
+    EXPECT_EQ(r.template_input["chat_template_kwargs"]["enable_thinking"], false) << effort;
+  }
+  ChatRequest high = parse_chat_request("{" + msgs + R"(, "reasoning_effort": "high"})", limits());
+  EXPECT_FALSE(high.enable_thinking.has_value());
+  EXPECT_FALSE(high.template_input.contains("chat_template_kwargs"));
+  // An explicit enable_thinking wins over the effort.
+  ChatRequest both = parse_chat_request(
+      "{" + msgs + R"(, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}})", limits());
+  EXPECT_EQ(both.enable_thinking, true);
+  EXPECT_EQ(both.template_input["chat_template_kwargs"]["enable_thinking"], true);
+}
+
+TEST(Protocol, MinTokens) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  EXPECT_EQ(parse_chat_request("{" + msgs + R"(, "min_tokens": 5, "max_tokens": 9})", limits()).min_tokens, 5);
+  EXPECT_EQ(parse_chat_request("{" + msgs + "}", limits()).min_tokens, 0);
+  EXPECT_EQ(parse_completion_request(R"({"prompt": "x", "min_tokens": 3})", limits()).min_tokens, 3);
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "min_tokens": 10, "max_tokens": 9})").param, "min_tokens");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "min_tokens": -1})").param, "min_tokens");
+}
+
+TEST(Protocol, ContinueFinalMessage) {
+  const std::string prefill = R"("messages": [{"role": "user", "content": "x"},
+      {"role": "assistant", "content": "The answer is"}])";
+  ChatRequest r = parse_chat_request("{" + prefill + R"(, "continue_final_message": true})", limits());
+  EXPECT_TRUE(r.continue_final_message);
+  EXPECT_EQ(r.template_input["continue_final_message"], true);
+  EXPECT_EQ(r.template_input["add_generation_prompt"], false);
+  EXPECT_EQ(parse_chat_request("{" + prefill + R"(, "continue_final_message": true, "add_generation_prompt": false})",
+                               limits())
+                .template_input["add_generation_prompt"],
+            false);
+  EXPECT_EQ(chat_error("{" + prefill + R"(, "continue_final_message": true, "add_generation_prompt": true})").param,
+            "continue_final_message");
+  // The last message must be an assistant turn with text to continue.
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true})").param,
+            "continue_final_message");
+}
+
+TEST(Protocol, NumberOutOfRangeIs400) {
+  ApiError e = error_of([] { parse_json_object(R"({"temperature": 1e999})"); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.code, "invalid_json");
+  EXPECT_NE(std::string(e.what()).find("1e999"), std::string::npos) << e.what();
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1e400})").status, 400);
+}
+
+TEST(Protocol, ToolCallArgumentsMustBeAJsonObject) {
+  auto with_args = [](const std::string& args) {
+    return R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": )" + args + "}}]}]}";
+  };
+  EXPECT_EQ(chat_error(with_args(R"("{\"city\": \"Paris\"}")")).status, 0);
+  EXPECT_EQ(chat_error(with_args(R"({"city": "Paris"})")).status, 0);  // the object itself
+  ApiError text = chat_error(with_args(R"("city=Paris")"));
+  EXPECT_EQ(text.status, 400);
+  EXPECT_EQ(text.param, "messages[1].tool_calls[1].function.arguments");
+  EXPECT_NE(std::string(text.what()).find("messages[1]"), std::string::npos) << text.what();
+  EXPECT_EQ(chat_error(with_args(R"("[1, 2]")")).param, "messages[1].tool_calls[1].function.arguments");
+  EXPECT_EQ(chat_error(with_args("42")).param, "messages[1].tool_calls[1].function.arguments");
+}
+
+TEST(Protocol, TokenIdsBeyondTheTokenizerAreRefused) {
+  // The server sets vocab_size to the tokenizer's ids (http_server.cpp); every id-taking field checks it.
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"999": 1}})").status, 0);
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"1000": 1}})").param, "logit_bias");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "stop_token_ids": [1000]})").param, "stop_token_ids");
+  EXPECT_EQ(error_of([] { parse_completion_request(R"({"prompt": [1, 1000]})", limits()); }).param, "prompt");
+}
+
 }  // namespace
 }  // namespace kiln::server

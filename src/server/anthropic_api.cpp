@@ -287,6 +287,10 @@ std::string AnthropicJob::finish_events() {
     status = 500;
     return out + event("error", anthropic_error_json(500, "generation failed: " + c.error()));
   }
+  if (c.engine_reason() == engine::FinishReason::abort) {  // a shutdown that timed out: an error, never end_turn
+    status = 503;
+    return out + event("error", anthropic_error_json(503, shutdown_abort_error().what()));
+  }
   json usage = anthropic_usage();
   out += event("message_delta", {{"type", "message_delta"},
                                  {"delta", {{"stop_reason", stop_reason()}, {"stop_sequence", stop_sequence()}}},

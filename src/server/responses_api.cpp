@@ -258,6 +258,9 @@ json ResponsesJob::response_object(json output) const {
   } else if (c.engine_reason() == engine::FinishReason::error) {
     r["status"] = "failed";
     r["error"] = {{"code", "server_error"}, {"message", "generation failed: " + c.error()}};
+  } else if (c.engine_reason() == engine::FinishReason::abort) {  // a shutdown that timed out: never "completed"
+    r["status"] = "failed";
+    r["error"] = {{"code", "server_shutting_down"}, {"message", shutdown_abort_error().what()}};
   } else if (c.engine_reason() == engine::FinishReason::length) {
     r["status"] = "incomplete";
     r["incomplete_details"] = {{"reason", "max_output_tokens"}};

@@ -54,6 +54,37 @@ if ! grep -q '"finish_reason":"length"' "$SERVE_WORK/stream2.txt"; then
 fi
 echo "ok: shutdown timeout aborts the stream, exit 0"
 
+# 2b. The same cut on the Anthropic Messages and Responses streams: an error event, never a normal end.
+for route in messages responses; do
+  start_server cut "${REAL_MODEL_ARGS[@]}" --shutdown-timeout 0
+  M=$(curl -s "$URL_cut/v1/models" | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  if [ $route = messages ]; then
+    BODY='{"model": "'"$M"'", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "stream": true}'
+  else
+    BODY='{"model": "'"$M"'", "input": "go", "max_output_tokens": 4000, "stream": true}'
+  fi
+  curl -sN "$URL_cut/v1/$route" -H 'Content-Type: application/json' -d "$BODY" > "$SERVE_WORK/$route.txt" &
+  CURL=$!
+  for _ in $(seq 100); do [ -s "$SERVE_WORK/$route.txt" ] && break; sleep 0.02; done
+  stop_server cut TERM
+  wait "$CURL" || true
+  [ "$RC_cut" = 0 ] || fail "exit status $RC_cut after SIGTERM with --shutdown-timeout 0 ($route)"
+  if [ $route = messages ]; then
+    ended='event: message_stop'; cut='"type":"overloaded_error"'
+  else
+    ended='"status":"completed"'; cut='"code":"server_shutting_down"'
+  fi
+  if grep -q "$ended" "$SERVE_WORK/$route.txt"; then
+    # The generation may have finished (eos) before the signal: then it must not have been cut.
+    grep -q "$cut" "$SERVE_WORK/$route.txt" && fail "the $route stream both ended normally and was cut"
+    echo "note: the $route stream finished before the signal (not cut)"
+  else
+    grep -q "$cut" "$SERVE_WORK/$route.txt" ||
+      fail "the cut $route stream has no shutdown error: $(tail -c 300 "$SERVE_WORK/$route.txt")"
+  fi
+done
+echo "ok: shutdown timeout ends Messages and Responses streams with an error"
+
 # 3. A port that is taken fails at once with a clear error.
 start_server first "${REAL_MODEL_ARGS[@]}"
 port=${URL_first##*:}

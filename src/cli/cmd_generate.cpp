@@ -86,7 +86,7 @@ int run_generate(const GenerateOptions& o) {
   kiln::cli::check_node_zero(o.parallel, "generate");
   lo.parallel = o.parallel;
   const format::ModelConfig config = format::load_model_config(dir);  // eos ids (any runner, TP too)
-  kiln::cli::SpeculativeChoice speculative = kiln::cli::resolve_speculative_flags(o.speculative, config, lo.parallel.tp_size);
+  kiln::cli::SpeculativeChoice speculative = kiln::cli::resolve_speculative_flags(o.speculative, config, lo.parallel.nnodes);
   kiln::cli::apply_speculative_choice(speculative, lo);
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   kiln::cli::check_speculative_runner(speculative, *runner);

@@ -184,7 +184,7 @@ Startup prepare(const ServeArgs& a, const backend::DeviceChoice& device, DType k
   s.load = cli::build_load_options(a, s.ctx, s.config, kv_dtype);
   // Speculative decoding with the checkpoint's MTP head (the runner loads the head only when it is on).
   s.speculative = a.dummy_runner.empty()
-                      ? cli::resolve_speculative_flags(a.speculative, s.config, a.parallel.tp_size)
+                      ? cli::resolve_speculative_flags(a.speculative, s.config, a.parallel.nnodes)
                       : cli::SpeculativeChoice{0, false, "off (--dummy-runner)"};
   cli::apply_speculative_choice(s.speculative, s.load);
   // NCCL runs only for a CUDA group: kiln's settings where the user has none (the summary says which).

@@ -50,8 +50,9 @@ inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
 }
 
 // Checks the flags and resolves them against the model's config (before loading): kiln::Error naming the fix.
+// nnodes: machines the tensor-parallel group spans (speculation runs on one machine's group, any --tp-size).
 inline SpeculativeChoice resolve_speculative_flags(const SpeculativeFlags& f, const format::ModelConfig& config,
-                                                   int tp_size) {
+                                                   int nnodes = 1) {
   std::string alg = f.algorithm;
   std::transform(alg.begin(), alg.end(), alg.begin(), [](unsigned char c) { return std::tolower(c); });
   if (alg != "auto" && alg != "nextn" && alg != "eagle" && alg != "none")
@@ -76,11 +77,11 @@ inline SpeculativeChoice resolve_speculative_flags(const SpeculativeFlags& f, co
     c.summary = "off (the checkpoint has no MTP head)";
     return c;
   }
-  if (tp_size > 1) {
+  if (nnodes > 1) {
     if (c.requested)
-      fail("--speculative-algorithm {} with --tp-size {}: the tensor-parallel runner does not drive the MTP head yet; "
-           "run with --speculative-algorithm none", f.algorithm, tp_size);
-    c.summary = fmt::format("off (--tp-size {}: the tensor-parallel runner does not drive the MTP head yet)", tp_size);
+      fail("--speculative-algorithm {} with --nnodes {}: speculative decoding across machines is not supported; run "
+           "with --speculative-algorithm none", f.algorithm, nnodes);
+    c.summary = fmt::format("off (--nnodes {}: speculative decoding runs on one machine's group only)", nnodes);
     return c;
   }
   c.num_steps = f.num_steps;

@@ -164,16 +164,55 @@ void Runner::restore_state(int slot) {
 }
 
 void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {
-  if (!model_->weights.has_mtp) fail("draft: the model has no MTP head");
   if (model_->weights.vocab_parallel && !options_.lone_rank)
     fail("draft on one tensor-parallel rank (its logits are a slice)");
+  const int64_t S = static_cast<int64_t>(seqs.size()), V = logits_width();
+  if (steps >= 1 && static_cast<int64_t>(tokens.size()) < S * steps)
+    fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
+  if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
+    fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
+  draft_chain(seqs, steps, [&](int k, const TensorView& out, std::span<int32_t> chosen) {
+    if (!logits.empty()) {
+      std::vector<float> host(static_cast<size_t>(S * V));
+      ops_->download(out, host.data());
+      for (int64_t s = 0; s < S; ++s)
+        std::memcpy(logits.data() + (s * steps + k) * V, host.data() + s * V, static_cast<size_t>(V) * sizeof(float));
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(S));
+    ops_->argmax_rows(out, ids);
+    for (int64_t s = 0; s < S; ++s) {
+      chosen[s] = id0 + ids[s];
+      tokens[static_cast<size_t>(s * steps + k)] = chosen[s];
+    }
+  });
+}
+
+void Runner::draft_rank(std::span<const DraftSeq> seqs, int steps, const DraftPick& pick,
+                        const DraftLogits& logits_slice) {
+  const int64_t S = static_cast<int64_t>(seqs.size()), V = logits_width();
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);
+  draft_chain(seqs, steps, [&](int k, const TensorView& out, std::span<int32_t> chosen) {
+    if (logits_slice) {
+      std::vector<float> host(static_cast<size_t>(S * V));
+      ops_->download(out, host.data());
+      for (int64_t s = 0; s < S; ++s) logits_slice(k, s, std::span<const float>(host.data() + s * V, V));
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(S));
+    std::vector<float> values(static_cast<size_t>(S));
+    ops_->argmax_rows_best(out, ids, values);
+    for (int32_t& id : ids) id += id0;
+    pick(k, ids, values, chosen);
+  });
+}
+
+void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
+                         const std::function<void(int, const TensorView&, std::span<int32_t>)>& next) {
+  if (!model_->weights.has_mtp) fail("draft: the model has no MTP head");
   const auto& c = model_->config;
   const int64_t S = static_cast<int64_t>(seqs.size()), V = logits_width(), H = c.hidden_size;
   if (S == 0) return;
   if (steps < 1) fail("draft: {} steps (at least 1)", steps);
-  if (static_cast<int64_t>(tokens.size()) < S * steps) fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
-  if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
-    fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);
   std::vector<int> slots;
   int max_pages = 1;
   for (const DraftSeq& d : seqs) {
@@ -196,7 +235,6 @@ void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t>
 
   Ops& ops = *ops_;
   ops.reset_scratch();
-  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
   std::vector<int32_t> cur(S), slot_rows(S);
   for (int64_t s = 0; s < S; ++s) {
     cur[s] = seqs[s].token;
@@ -205,7 +243,6 @@ void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t>
   const TensorView slot_row_ids = ops.upload(slot_rows.data(), DType::I32, Shape{S});
   TensorView hidden = ops.scratch(DType::F32, Shape{S, H});
   ops.gather_rows(row_range(mtp_rows_, 0, options_.state_slots), slot_row_ids, hidden);
-  std::vector<int32_t> ids(S);
   for (int k = 0; k < steps; ++k) {
     StepLayout step;
     step.num_seqs = static_cast<int>(S);
@@ -230,17 +267,7 @@ void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t>
     TensorView g = mtp_forward(f, model_->weights, *model_->family, c.num_layers, id_view, hidden);
     TensorView out = f.f32(Shape{S, V});
     ops.linear(g, model_->weights.lm_head, out);
-    if (!logits.empty()) {
-      std::vector<float> host(static_cast<size_t>(S * V));
-      ops.download(out, host.data());
-      for (int64_t s = 0; s < S; ++s)
-        std::memcpy(logits.data() + (s * steps + k) * V, host.data() + s * V, static_cast<size_t>(V) * sizeof(float));
-    }
-    ops.argmax_rows(out, ids);
-    for (int64_t s = 0; s < S; ++s) {
-      cur[s] = id0 + ids[s];
-      tokens[static_cast<size_t>(s * steps + k)] = cur[s];
-    }
+    next(k, out, cur);
     hidden = g;
   }
 }

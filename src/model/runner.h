@@ -64,6 +64,14 @@ class Runner : public ModelRunner {
   bool has_recurrent_state() const override { return !conv_state_.empty(); }
   int mtp_layers() const override { return model_->weights.has_mtp ? 1 : 0; }
   void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
+  // A tensor-parallel rank's share of a draft (TpRunner::draft): the same chain, but each step's next tokens come from
+  // pick(step, this rank's best global id and logit per sequence (NaN: none in its slice), out: the chosen ids), which
+  // meets the other ranks; logits_slice(step, sequence, this rank's logits row over its vocabulary slice), when given,
+  // receives the draft logits.
+  using DraftPick = std::function<void(int step, std::span<const int32_t> ids, std::span<const float> values,
+                                       std::span<int32_t> chosen)>;
+  using DraftLogits = std::function<void(int step, int64_t seq, std::span<const float> row)>;
+  void draft_rank(std::span<const DraftSeq> seqs, int steps, const DraftPick& pick, const DraftLogits& logits_slice);
   void save_state(int slot) override;
   void restore_state(int slot) override;
   // Its Ops' device figures with the KV pool and state slots it allocated (one entry, rank 0; none on the CPU).
@@ -120,6 +128,9 @@ class Runner : public ModelRunner {
   std::vector<KvLayerView> kv_;             // per full-attention layer
   std::vector<int> kv_index_, linear_index_;  // per layer
   std::vector<TensorView> conv_state_, recurrent_state_;  // per linear layer
+  // draft() and draft_rank(): the chain; next(step, logits [S, V local], chosen ids) picks each step's tokens.
+  void draft_chain(std::span<const DraftSeq> seqs, int steps,
+                   const std::function<void(int, const TensorView&, std::span<int32_t>)>& next);
   std::vector<TensorView> conv_saved_, recurrent_saved_;  // save_state() checkpoints (with an MTP head)
   // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
   // position); rows [slots, slots + prefill_chunk) the current pass's. F32 [slots + prefill_chunk, H].

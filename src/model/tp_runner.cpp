@@ -268,7 +268,7 @@ int64_t TpRunner::vocab_size() const { return ranks_[0]->vocab_size(); }
 void TpRunner::forward_ranks(std::span<const SeqChunk> chunks,
                              const std::function<void(int, const std::vector<float>&)>& done) {
   int64_t rows = 0;
-  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? ch.logits_tokens : 0;
   try {
     run_all([&](int r) {
       std::vector<float> local(static_cast<size_t>(rows * ranks_[r]->logits_width()));
@@ -284,7 +284,7 @@ void TpRunner::forward_ranks(std::span<const SeqChunk> chunks,
 void TpRunner::best_ranks(std::span<const SeqChunk> chunks,
                           const std::function<void(int, const std::vector<int32_t>&, const std::vector<float>&)>& done) {
   int64_t rows = 0;
-  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? ch.logits_tokens : 0;
   try {
     run_all([&](int r) {
       std::vector<int32_t> ids(static_cast<size_t>(rows));
@@ -300,7 +300,7 @@ void TpRunner::best_ranks(std::span<const SeqChunk> chunks,
 
 void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits) {
   int64_t rows = 0;
-  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? ch.logits_tokens : 0;
   const int64_t V = vocab_size();
   if (static_cast<int64_t>(logits.size()) < rows * V)
     fail("forward: logits buffer holds {} floats, {} rows of {} needed", logits.size(), rows, V);
@@ -327,7 +327,7 @@ void TpRunner::forward(std::span<const SeqChunk> chunks, std::span<float> logits
 
 void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
   int64_t rows = 0;
-  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? 1 : 0;
+  for (const SeqChunk& ch : chunks) rows += ch.want_logits ? ch.logits_tokens : 0;
   if (static_cast<int64_t>(tokens.size()) < rows)
     fail("forward_argmax: token buffer holds {} ids, {} needed", tokens.size(), rows);
   if (multi_node()) send_step(wire::encode_step(StepKind::argmax, chunks));
@@ -360,6 +360,83 @@ void TpRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_
     }
     tokens[static_cast<size_t>(i)] = pick < 0 ? 0 : best[pick][i].second;
   }
+}
+
+void TpRunner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {
+  if (multi_node())
+    fail("speculative decoding across machines (--nnodes > 1) is not supported: run with --speculative-algorithm none");
+  const int64_t S = static_cast<int64_t>(seqs.size()), V = vocab_size();
+  if (S == 0) return;
+  if (steps < 1) fail("draft: {} steps (at least 1)", steps);
+  if (static_cast<int64_t>(tokens.size()) < S * steps) fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
+  if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
+    fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);
+  // Each step, every rank writes its offers for step k into its own column and waits for the others; then each reads
+  // all columns and takes the same winner. Offers are kept per step, so a fast rank's next step cannot overwrite
+  // what a slow one still reads. A rank that fails wakes the waiting ones (they throw too).
+  const int n = size();
+  struct Exchange {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<int> arrived;
+    bool failed = false;
+  } ex;
+  ex.arrived.assign(static_cast<size_t>(steps), 0);
+  std::vector<std::vector<int32_t>> offer_ids(static_cast<size_t>(steps * n), std::vector<int32_t>(S));
+  std::vector<std::vector<float>> offer_values(static_cast<size_t>(steps * n), std::vector<float>(S));
+  auto pick = [&](int r, int k, std::span<const int32_t> ids, std::span<const float> values, std::span<int32_t> chosen) {
+    std::copy(ids.begin(), ids.end(), offer_ids[k * n + r].begin());
+    std::copy(values.begin(), values.end(), offer_values[k * n + r].begin());
+    {
+      std::unique_lock<std::mutex> lock(ex.mu);
+      if (++ex.arrived[k] == n) ex.cv.notify_all();
+      ex.cv.wait(lock, [&] { return ex.arrived[k] == n || ex.failed; });
+      if (ex.arrived[k] != n) fail("draft: another rank failed");
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      int best = -1;
+      for (int q = 0; q < n; ++q) {
+        const float v = offer_values[k * n + q][s];
+        if (std::isnan(v)) continue;  // a slice without a number
+        if (best < 0 || v > offer_values[k * n + best][s]) best = q;
+      }
+      chosen[s] = best < 0 ? 0 : offer_ids[k * n + best][s];
+      if (r == 0) tokens[static_cast<size_t>(s * steps + k)] = chosen[s];
+    }
+  };
+  run_all([&](int r) {
+    const format::Range cols = plan_.ranks[first_ + r].vocab;
+    Runner::DraftLogits slice;
+    if (!logits.empty())
+      slice = [&, cols](int k, int64_t s, std::span<const float> row) {
+        std::memcpy(logits.data() + (s * steps + k) * V + cols.begin, row.data(), row.size() * sizeof(float));
+      };
+    try {
+      ranks_[r]->draft_rank(
+          seqs, steps,
+          [&, r](int k, std::span<const int32_t> ids, std::span<const float> values, std::span<int32_t> chosen) {
+            pick(r, k, ids, values, chosen);
+          },
+          slice);
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(ex.mu);
+        ex.failed = true;
+      }
+      ex.cv.notify_all();
+      throw;
+    }
+  });
+}
+
+void TpRunner::save_state(int slot) {
+  if (multi_node()) fail("save_state across machines is not supported");
+  run_all([&](int r) { ranks_[r]->save_state(slot); });
+}
+
+void TpRunner::restore_state(int slot) {
+  if (multi_node()) fail("restore_state across machines is not supported");
+  run_all([&](int r) { ranks_[r]->restore_state(slot); });
 }
 
 void TpRunner::follow() {

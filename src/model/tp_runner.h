@@ -62,6 +62,13 @@ class TpRunner : public ModelRunner {
   bool can_copy_state() const override;
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return ranks_[0]->has_recurrent_state(); }
+  // Speculative decoding: every rank chains its share of the MTP head; each draft step the ranks offer their best
+  // (id, logit) over their vocabulary slices and all take the same winner (the highest logit, the lowest rank on
+  // ties: forward_argmax's rule), so the drafts equal one rank's. One machine only (a multi-node group refuses).
+  int mtp_layers() const override { return ranks_[0]->mtp_layers(); }
+  void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
+  void save_state(int slot) override;
+  void restore_state(int slot) override;
   std::string fatal_error() const override;
   // Every rank's device figures (rank r's entry has rank r).
   std::vector<DeviceMemory> device_memory() const override;

@@ -1024,8 +1024,9 @@ class SpecModel {
     kiln::test::write_fixture_model(base_, kiln::test::Family::qwen3_5_moe, kiln::test::Layout::bf16);
     kiln::test::write_model_with_mtp(base_, dir_, 28);
   }
-  std::unique_ptr<model::ModelRunner> load(bool mtp, int64_t kv_pages = 0, int slots = 8) const {
+  std::unique_ptr<model::ModelRunner> load(bool mtp, int64_t kv_pages = 0, int slots = 8, int tp = 1) const {
     backend::LoadOptions lo;
+    lo.parallel.tp_size = tp;
     lo.kv_dtype = DType::F32;
     lo.max_context = 256;
     lo.kv_pages = kv_pages;
@@ -1185,6 +1186,31 @@ TEST(EngineSpeculative, RandomHeadGreedyOutputEqualsPlainDecoding) {
     EXPECT_GT(m.spec_draft_tokens_total, 0u) << "K = " << k;
     EXPECT_EQ(m.kv_pages_used, 0);
     EXPECT_EQ(m.state_slots_used, 0);
+  }
+}
+
+// Tensor parallelism (model::TpRunner, ranks as threads): the ranks draft together (each offers its best over its
+// vocabulary slice, all take the same winner), save and restore their shares of the state; greedy output equals the
+// same TP size without speculation, with the random head and with scripted drafts (partial accepts and rejects).
+TEST(EngineSpeculative, TensorParallelGreedyOutputEqualsPlainDecoding) {
+  const auto prompts = spec_prompts();
+  for (int tp : {2, 4}) {
+    Engine plain(spec_model().load(false, 0, 8, tp), spec_options(8, 0));
+    plain.start();
+    const auto ref = run_all(plain, prompts, 20);
+    const auto refs = full_sequences(prompts, ref);
+    for (bool scripted : {false, true}) {
+      std::unique_ptr<model::ModelRunner> runner = spec_model().load(true, 0, 8, tp);
+      if (scripted)
+        runner = std::make_unique<ScriptedDrafts>(std::move(runner), refs,
+                                                  [](int64_t pos, int steps) { return (pos * 5 + 1) % (steps + 1); });
+      Engine e(std::move(runner), spec_options(8, 3));
+      e.start();
+      EXPECT_EQ(run_all(e, prompts, 20), ref) << "tp " << tp << (scripted ? " scripted" : " random head");
+      const auto m = e.metrics();
+      EXPECT_GT(m.spec_draft_tokens_total, 0u) << "tp " << tp;
+      if (scripted) EXPECT_GT(m.spec_accepted_tokens_total, 0u) << "tp " << tp;
+    }
   }
 }
 

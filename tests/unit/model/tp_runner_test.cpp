@@ -308,6 +308,58 @@ TEST(TpRunner, VocabularyNoSizeDivides) {
   }
 }
 
+// The MTP head under TP: after the same prefill, TP 2 and TP 4 draft the logits of TP 1 (the transformers-checked
+// head, tests/fixtures/reference/qwen3_5_moe_mtp) within the fp32 tolerance and the same tokens wherever TP 1's best
+// logit leads by more than the tolerance; save_state / restore_state bring a rank group back to the same drafts.
+TEST(TpRunner, MtpDraftsMatchTp1) {
+  const Fixture fx = Fixture::load("qwen3_5_moe_mtp");
+  auto opts = [](Size s) {
+    backend::LoadOptions o = opts_for(s);
+    o.mtp = true;
+    return o;
+  };
+  TestRunner one(fx.model_dir, opts({1, 1}));
+  ASSERT_EQ(one.runner->mtp_layers(), 1);
+  constexpr int kSteps = 3;
+  const int64_t V = fx.vocab;
+  for (Size s : {Size{2, 1}, Size{4, 1}, Size{2, 2}}) {
+    TestRunner tp(fx.model_dir, opts(s));
+    ASSERT_EQ(tp.runner->mtp_layers(), 1);
+    double worst = 0;
+    int tokens_checked = 0;
+    for (const Prompt& p : fx.prompts) {
+      const int64_t L = static_cast<int64_t>(p.tokens.size());
+      const std::vector<float> a = last_logits(*one.runner, one, 0, p.tokens, 0);
+      last_logits(*tp.runner, tp, 0, p.tokens, 0);
+      const int32_t next = static_cast<int32_t>(argmax(a.data(), V));
+      std::vector<int32_t> t1(kSteps), tn(kSteps), tn2(kSteps);
+      std::vector<float> l1(kSteps * V), ln(kSteps * V), ln2(kSteps * V);
+      model::DraftSeq d1{0, next, L, one.page_tables[0]}, dn{0, next, L, tp.page_tables[0]};
+      one.runner->draft({&d1, 1}, kSteps, t1, l1);
+      tp.runner->save_state(0);
+      tp.runner->draft({&dn, 1}, kSteps, tn, ln);
+      for (int k = 0; k < kSteps; ++k) {
+        const float* r1 = l1.data() + k * V;
+        worst = std::max(worst, max_abs_diff(std::vector<float>(ln.begin() + k * V, ln.begin() + (k + 1) * V), r1));
+        std::vector<float> sorted(r1, r1 + V);
+        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+        if (sorted[0] - sorted[1] <= 2 * kTol) break;  // a near tie: the chains may part here
+        EXPECT_EQ(tn[k], t1[k]) << fx.name << " tp " << s.tp << " ep " << s.ep << " step " << k;
+        ++tokens_checked;
+      }
+      // The drafts wrote only the head's KV entries; after a restore the same draft comes back bit for bit.
+      tp.runner->restore_state(0);
+      tp.runner->draft({&dn, 1}, kSteps, tn2, ln2);
+      EXPECT_EQ(tn2, tn);
+      EXPECT_EQ(ln2, ln);
+    }
+    std::printf("[tp] mtp drafts tp %d ep %d: max |TP - TP1| %.2e over %d prompts x %d steps, %d tokens checked\n",
+                s.tp, s.ep, worst, static_cast<int>(fx.prompts.size()), kSteps, tokens_checked);
+    EXPECT_LT(worst, kTol);
+    EXPECT_GT(tokens_checked, 0);
+  }
+}
+
 TEST(TpRunner, DescribeShowsPerRankFigures) {
   const Fixture fx = Fixture::load("qwen3_5_moe_bf16");
   TestRunner tp(fx.model_dir, opts_for({4, 2}));

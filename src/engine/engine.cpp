@@ -469,14 +469,19 @@ void Engine::end_cancelled(bool abort_all) {
 
 void Engine::run_step(const StepPlan& plan) {
   step_times_ = {};
+  const auto t0 = Clock::now();
   build_rows(plan);
   const OutputMode mode = choose_output_mode();
   if (!draft(plan)) return;
   if (!forward(plan, mode)) return;
   choose_tokens(mode);
   settle_speculation();
-  // Costs of pure decode steps teach the draft-length choice (a prefill chunk would swamp them).
+  emit_rows();
+  // Costs of pure decode steps teach the draft-length choice (a prefill chunk would swamp them). Whole steps, not
+  // passes alone: the host's work per step (building rows, choosing and emitting tokens) is what a draft saves or
+  // adds too; the verify pass is charged with the step less its draft chain and replay.
   if (opts_.speculative_num_steps > 0 && plan.num_prefill_tokens == 0 && !rows_.empty()) {
+    const double step_s = seconds_between(t0, Clock::now());
     int drafting = 0;
     int64_t verify_tokens = 0;
     for (const StepRow& row : rows_) {
@@ -484,14 +489,14 @@ void Engine::run_step(const StepPlan& plan) {
       verify_tokens += row.draft_k + 1;
     }
     if (drafting == 0) {
-      draft_chooser_.observe_decode(static_cast<int>(rows_.size()), step_times_.forward_s);
+      draft_chooser_.observe_decode(static_cast<int>(rows_.size()), step_s);
     } else {
-      draft_chooser_.observe_multi(verify_tokens, step_times_.forward_s);
+      draft_chooser_.observe_multi(verify_tokens,
+                                   std::max(step_s - step_times_.draft_s - step_times_.replay_s, step_times_.forward_s));
       draft_chooser_.observe_draft(drafting, step_k_, step_times_.draft_s);
       if (step_times_.replay_tokens > 0) draft_chooser_.observe_multi(step_times_.replay_tokens, step_times_.replay_s);
     }
   }
-  emit_rows();
 }
 
 // The step's draft length K: from the measured costs at this many decoding sequences (or the test hook).

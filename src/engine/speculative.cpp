@@ -105,6 +105,10 @@ int DraftLengthChooser::bucket_of(double n) {
 
 void DraftLengthChooser::Table::observe(double n, double s, double w) {
   const int b = bucket_of(n);
+  if (!warmed[b]) {
+    warmed[b] = true;
+    return;
+  }
   if (!seen[b]) {
     seen[b] = true;
     seconds[b] = s;
@@ -193,6 +197,11 @@ double DraftLengthChooser::expected_tokens_per_second(int batch, int k) const {
 
 int DraftLengthChooser::choose(int batch) {
   if (max_k_ == 0 || batch <= 0) return 0;
+  // Measure before trusting the model: in a batch bucket with no plain decode step timed yet, a plain step; then,
+  // with no draft chain timed, a full-length draft. (Estimates from other buckets alone once kept a model whose
+  // passes are launch-bound drafting although every plain step was faster.)
+  if (!decode_.seen_at(batch)) return 0;
+  if (!draft_.seen_at(batch)) return max_k_;
   int best = 0;
   double best_rate = -1;
   for (int k = 0; k <= max_k_; ++k) {
@@ -202,9 +211,17 @@ int DraftLengthChooser::choose(int batch) {
       best_rate = rate;
     }
   }
-  // Exploration: the other draft lengths in turn, one every explore_period choices of this bucket.
+  // Exploration: the other draft lengths in turn, one every explore_period choices of this bucket (and, while the
+  // bucket is young, at its 4th, 8th, 16th ... choice, so that an early estimate is soon checked).
   int& n = choices_[bucket_of(batch)];
-  if (explore_period_ > 0 && ++n % explore_period_ == 0) {
+  ++n;
+  if (explore_period_ > 0 && n < explore_period_ && n >= 4 && (n & (n - 1)) == 0) {
+    int young = 0;  // 4 -> 0, 8 -> 1, 16 -> 2, ...
+    for (int m = n; m > 4; m /= 2) ++young;
+    const int other = young % max_k_;  // the lengths other than best, in turn (0 first)
+    return other < best ? other : other + 1;
+  }
+  if (explore_period_ > 0 && n % explore_period_ == 0) {
     const int other = (n / explore_period_) % max_k_;  // 0 .. max_k - 1: the lengths other than best, in turn
     return other < best ? other : other + 1;
   }

@@ -88,9 +88,11 @@ class DraftLengthChooser {
     std::array<double, kBuckets> seconds{};
     std::array<double, kBuckets> size{};  // the mean size (tokens / sequences) observed in the bucket
     std::array<bool, kBuckets> seen{};
+    std::array<bool, kBuckets> warmed{};  // a bucket's first observation is a warm-up (lazy setup, cold caches): dropped
     void observe(double n, double s, double w);
     bool any() const;
     double estimate(double n) const;  // < 0: nothing measured
+    bool seen_at(double n) const { return seen[bucket_of(n)]; }
   };
   static int bucket_of(double n);
 

@@ -173,10 +173,12 @@ TEST(AcceptSampled, AcceptsEveryDraftWhenTheDrafterIsTheTarget) {
 
 // Feeds the chooser every power-of-two bucket of a cost function (ms per pass of n tokens), a draft cost per chain
 // step of b sequences, and `verifies` verifies at acceptance alpha per position (deterministic: the accepted count
-// of each follows alpha exactly in proportion).
+// of each follows alpha exactly in proportion). Each bucket is observed twice: a bucket's first observation is a
+// warm-up the chooser drops.
 void feed(DraftLengthChooser& c, const std::function<double(double)>& pass_ms,
           const std::function<double(double)>& draft_ms, double alpha, int max_k) {
-  for (int64_t n = 1; n <= 4096; n *= 2) {
+  for (int64_t i = 0; i < 2 * 13; ++i) {
+    const int64_t n = int64_t(1) << (i % 13);  // 1 .. 4096, twice
     c.observe_decode(static_cast<int>(n), pass_ms(static_cast<double>(n)) / 1e3);
     c.observe_multi(n, pass_ms(static_cast<double>(n)) / 1e3);
     c.observe_draft(static_cast<int>(n), 2, 2 * draft_ms(static_cast<double>(n)) / 1e3);
@@ -206,10 +208,23 @@ TEST(DraftLengthChooser, AcceptLengthFromPerPositionAcceptance) {
   EXPECT_EQ(c.expected_accept_length(0), 1.0);
 }
 
-TEST(DraftLengthChooser, NothingMeasuredYetDraftsTheMost) {
+// A batch bucket with nothing timed: a plain step first, then (plain steps timed, no draft chain) a full-length draft;
+// only then does the cost model choose. Launch-bound passes (every pass 1 ms whatever its size, a draft step 1 ms)
+// with poor acceptance then stay plain.
+TEST(DraftLengthChooser, MeasuresAPlainStepAndAFullDraftBeforeChoosing) {
   DraftLengthChooser c(3, 0.25, 0);
+  EXPECT_EQ(c.choose(1), 0);
+  c.observe_decode(1, 9e-3);  // the first plain step: a warm-up (lazy setup), dropped
+  EXPECT_EQ(c.choose(1), 0);  // still no plain step timed
+  c.observe_decode(1, 1e-3);
   EXPECT_EQ(c.choose(1), 3);
-  EXPECT_EQ(c.choose(64), 3);
+  EXPECT_EQ(c.choose(64), 0);  // another bucket: its own measurements
+  for (int i = 0; i < 2; ++i) {
+    c.observe_multi(4, 1e-3);
+    c.observe_draft(1, 3, 3e-3);
+  }
+  for (int i = 0; i < 50; ++i) c.observe_accepts(3, i % 5 == 0 ? 1 : 0);  // alpha_1 = 0.2
+  EXPECT_EQ(c.choose(1), 0);
   DraftLengthChooser off(0);
   EXPECT_EQ(off.choose(1), 0);
 }
@@ -258,6 +273,16 @@ TEST(DraftLengthChooser, ExploresTheOtherLengthsInTurn) {
     if ((i + 1) % 4 == 0) explored.push_back(picks[i]);
     else EXPECT_EQ(picks[i], 3) << i;
   EXPECT_EQ(explored, (std::vector<int>{1, 2, 0, 1}));
+  // The default period (64): a young bucket also explores at its 4th, 8th, 16th and 32nd choice, K = 0 first.
+  DraftLengthChooser young(3);
+  feed(young, [](double) { return 10.0; }, [](double) { return 0.1; }, 0.9, 3);
+  std::vector<int> early;
+  for (int i = 1; i <= 64; ++i) {
+    const int k = young.choose(1);
+    if (i == 4 || i == 8 || i == 16 || i == 32 || i == 64) early.push_back(k);
+    else EXPECT_EQ(k, 3) << i;
+  }
+  EXPECT_EQ(early, (std::vector<int>{0, 1, 2, 0, 1}));
 }
 
 }  // namespace

@@ -167,8 +167,11 @@ void mask_ending_tokens(std::span<float> logits, const Sequence& seq, const std:
 bool can_speculate(const Sequence& seq) {
   const SamplingParams& sp = seq.request.sampling;
   if (sp.repetition_penalty != 1.0f || sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f ||
-      !sp.logit_bias.empty() || seq.request.constraint || seq.num_generated < seq.request.min_tokens)
+      !sp.logit_bias.empty() || seq.num_generated < seq.request.min_tokens)
     return false;
+  // A grammar: greedy rows only (their verify runs through the sampler position by position, masked, the grammar
+  // advancing by each chosen token); rejection sampling does not mask the target's distribution.
+  if (seq.request.constraint && !model::greedy_temperature(sp.temperature)) return false;
   return !(seq.request.want_logprobs && !model::greedy_temperature(sp.temperature));
 }
 
@@ -551,6 +554,7 @@ Engine::OutputMode Engine::choose_output_mode() const {
   bool all_greedy = true, drafting = false;
   for (const StepRow& row : rows_) {
     if (needs_host_logits(*row.seq)) return OutputMode::host_logits;
+    if (row.draft_k > 0 && row.seq->request.constraint) return OutputMode::host_logits;  // masked, position by position
     all_greedy = all_greedy && model::greedy_temperature(row.seq->request.sampling.temperature);
     drafting = drafting || row.draft_k > 0;
   }
@@ -708,12 +712,14 @@ void Engine::choose_speculative(StepRow& row, OutputMode mode) {
     } else if (model::greedy_temperature(seq.request.sampling.temperature)) {
       // The sampler scores each position in turn (the target's token and logprobs) until it differs from the draft.
       const int top_n = seq.request.want_logprobs ? seq.request.top_logprobs : 0;
+      // With a grammar the sampler masks each position by the state the tokens before it reached; a token that
+      // completes the grammar ends the row (the sequence stops there).
       for (size_t j = 0; j <= K; ++j) {
         SampleResult r = seq.sampler->sample(row_logits(j), seq.tokens, static_cast<size_t>(seq.prompt_len), top_n,
                                              seq.request.want_logprobs);
         const bool matches = j < K && r.token == drafts[j];
         row.tokens.push_back(std::move(r));
-        if (!matches) break;
+        if (!matches || seq.sampler->constraint_finished()) break;
       }
     } else {
       // Rejection sampling against the sampler's distribution (temperature, then top-k / top-p / min-p) at each
@@ -805,13 +811,13 @@ bool Engine::emit_row(StepRow& row, Clock::time_point now) {
     finish(seq, FinishReason::error, fmt::format("sampling failed: {}", row.error));
     return true;
   }
-  for (SampleResult& chosen : row.tokens)
-    if (emit_token(seq, chosen, now)) return true;
+  for (size_t i = 0; i < row.tokens.size(); ++i)
+    if (emit_token(seq, row.tokens[i], now, /*last_of_row=*/i + 1 == row.tokens.size())) return true;
   return false;
 }
 
 // Appends one token to its sequence and sends it, with the finish it causes.
-bool Engine::emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now) {
+bool Engine::emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now, bool last_of_row) {
   TokenEvent ev;
   ev.index = seq.index;
   ev.token = chosen.token;
@@ -821,7 +827,7 @@ bool Engine::emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point n
   ++seq.num_generated;
   generation_tokens_.fetch_add(1);
   observe_token_time(seq, ev, now);
-  const FinishReason reason = finish_reason_after(seq);
+  const FinishReason reason = finish_reason_after(seq, last_of_row);
   ev.finished = reason != FinishReason::none;
   ev.finish_reason = reason;
   ev.is_stop_token = reason == FinishReason::stop;
@@ -833,14 +839,15 @@ bool Engine::emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point n
 
 // Whether the sequence's last token ends it: stop for an eos (unless ignore_eos) or stop token, or a grammar that is
 // complete (even with ignore_eos); length at max_tokens or the context length.
-FinishReason Engine::finish_reason_after(const Sequence& seq) const {
+FinishReason Engine::finish_reason_after(const Sequence& seq, bool last_of_row) const {
   const GenerateRequest& req = seq.request;
   const int32_t token = seq.tokens.back();
   const auto& eos_ids = opts_.eos_token_ids;
   const auto& stop_ids = req.stop_token_ids;
   const bool eos = !req.ignore_eos && std::binary_search(eos_ids.begin(), eos_ids.end(), token);
   const bool stop_token = std::find(stop_ids.begin(), stop_ids.end(), token) != stop_ids.end();
-  if (eos || stop_token || seq.sampler->constraint_finished()) return FinishReason::stop;
+  // The grammar's state is the row's last token's (a verify row stops at the token that completes it).
+  if (eos || stop_token || (last_of_row && seq.sampler->constraint_finished())) return FinishReason::stop;
   if (seq.num_generated >= req.max_tokens || static_cast<int64_t>(seq.tokens.size()) >= opts_.context_length)
     return FinishReason::length;
   return FinishReason::none;

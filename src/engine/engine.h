@@ -146,8 +146,9 @@ class Engine {
   void end_step_sequences(const StepPlan& plan, const std::string& what, const std::exception& e);
   void emit_rows();
   bool emit_row(StepRow& row, Clock::time_point now);
-  bool emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now);
-  FinishReason finish_reason_after(const Sequence& seq) const;
+  // last_of_row: the row's last token (a verify row's grammar state is its last token's).
+  bool emit_token(Sequence& seq, SampleResult& chosen, Clock::time_point now, bool last_of_row);
+  FinishReason finish_reason_after(const Sequence& seq, bool last_of_row) const;
 
   // Sends the final event and records the finish; the sequence's sampler goes with the sequence.
   void finish(Sequence& seq, FinishReason reason, const std::string& error = {});

@@ -1189,6 +1189,60 @@ TEST(EngineSpeculative, RandomHeadGreedyOutputEqualsPlainDecoding) {
   }
 }
 
+// A grammar with speculation (greedy): the verify runs through the sampler position by position, each masked by the
+// state the tokens before it reached; a token that completes the grammar ends the row. Output equal to plain
+// constrained decoding, valid, ended on eos; drafts accepted (scripted ones follow the reference) and rejected (the
+// random head's, often outside the grammar). The brackets grammar over the spec model's 96 ids: ids 1..63 are the
+// bytes 'A'..'~', the others (eos 95 among them) have none.
+TEST(EngineSpeculative, GrammarConstrainedGreedyOutputEqualsPlainDecoding) {
+  std::vector<std::string> bytes(96);
+  for (int i = 1; i < 64; ++i) bytes[static_cast<size_t>(i)] = std::string(1, static_cast<char>('A' + i - 1));
+  auto c = std::make_shared<grammar::Constraint>();
+  c->grammar = brackets();
+  c->tokens = std::make_shared<grammar::TokenTable>(bytes);
+  const auto prompts = spec_prompts();
+  auto run = [&](Engine& e) {
+    std::vector<std::shared_ptr<RequestChannel>> chans;
+    for (const auto& p : prompts) {
+      GenerateRequest r = greedy(p, 30);
+      r.constraint = c;
+      chans.push_back(e.submit({r}).channel);
+    }
+    std::vector<std::vector<int32_t>> out;
+    for (auto& ch : chans) {
+      Answer a = answer(ch);
+      EXPECT_EQ(a.reason, FinishReason::stop) << a.error;
+      out.push_back(a.tokens);
+    }
+    return out;
+  };
+  Engine plain(spec_model().load(false), spec_options(8, 0));
+  plain.start();
+  const auto ref = run(plain);
+  for (const auto& toks : ref) {
+    bool eos = false;
+    std::string s;
+    for (int32_t t : toks)
+      if (t >= 1 && t < 64) s += static_cast<char>('A' + t - 1);
+    EXPECT_TRUE(valid(s)) << s;
+    EXPECT_EQ(toks.back(), 95);
+    (void)eos;
+  }
+  const auto refs = full_sequences(prompts, ref);
+  for (bool scripted : {false, true}) {
+    std::unique_ptr<model::ModelRunner> runner = spec_model().load(true);
+    if (scripted)
+      runner = std::make_unique<ScriptedDrafts>(std::move(runner), refs,
+                                                [](int64_t pos, int steps) { return (pos * 3 + 2) % (steps + 1); });
+    Engine e(std::move(runner), spec_options(8, 3));
+    e.start();
+    EXPECT_EQ(run(e), ref) << (scripted ? "scripted drafts" : "random head");
+    const auto m = e.metrics();
+    EXPECT_GT(m.spec_draft_tokens_total, 0u);
+    if (scripted) EXPECT_GT(m.spec_accepted_tokens_total, 0u);
+  }
+}
+
 // Tensor parallelism (model::TpRunner, ranks as threads): the ranks draft together (each offers its best over its
 // vocabulary slice, all take the same winner), save and restore their shares of the state; greedy output equals the
 // same TP size without speculation, with the random head and with scripted drafts (partial accepts and rejects).

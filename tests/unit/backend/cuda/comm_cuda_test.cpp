@@ -1,4 +1,5 @@
-// Tensor parallelism on CUDA, on one GPU (NCCL refuses two ranks on one GPU; the peer transport does not):
+// The CUDA communicators (comm_cuda.h) and tensor parallelism on CUDA over them, on one GPU (NCCL refuses two
+// ranks on one GPU; the peer transport does not):
 //  - the peer all-reduce (comm_cuda.h) against the rank-order sum done on the host, bit for bit, for the GPU-waiting
 //    kernel (eager and replayed from CUDA graphs) and for the host-coordinated form of ranks sharing a GPU;
 //  - whole models split over ranks on one GPU (backend::load_model with --gpu-id-step 0: the host-coordinated

@@ -251,13 +251,19 @@ inline int64_t metric(TestServer& s, const std::string& name) {
   return -1;
 }
 
-inline bool wait_for_zero(TestServer& s, const std::string& name, std::chrono::milliseconds limit = 5000ms) {
+// Polls the metric until it equals `value` (true) or the limit passes (false).
+inline bool wait_for_value(TestServer& s, const std::string& name, int64_t value,
+                           std::chrono::milliseconds limit = 5000ms) {
   auto deadline = std::chrono::steady_clock::now() + limit;
   while (std::chrono::steady_clock::now() < deadline) {
-    if (metric(s, name) == 0) return true;
+    if (metric(s, name) == value) return true;
     std::this_thread::sleep_for(20ms);
   }
   return false;
+}
+
+inline bool wait_for_zero(TestServer& s, const std::string& name, std::chrono::milliseconds limit = 5000ms) {
+  return wait_for_value(s, name, 0, limit);
 }
 
 

@@ -64,7 +64,8 @@ class TestServer {
     d.vocab = cfg.vocab;
     d.kv_pages = 4096;
     d.page_size = 16;
-    d.state_slots = cfg.max_running;
+    // As kiln serve sizes them: a running request's slot plus the prefix cache's snapshots.
+    d.state_slots = cfg.max_running * engine::state_slots_per_request(true);
     d.max_context = cfg.context;
     d.step_delay_us = cfg.step_delay_us;
     d.echo = cfg.echo;

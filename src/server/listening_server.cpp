@@ -126,6 +126,7 @@ void ListeningServer::configure(const ServerOptions& o) {
   g.max_waiting = o.max_waiting_connections;
   g.max_body_bytes = o.max_request_bytes;
   g.retry_after_s = o.retry_after_s;
+  g.allowed_origins = o.allowed_origins;
   gate_ = std::make_unique<RequestGate>(g, [this](std::unique_ptr<GateConnection> c) { dispatch(std::move(c)); });
   const int threads = o.http_threads > 0 ? o.http_threads : 64;
   {

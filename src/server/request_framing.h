@@ -28,7 +28,7 @@ class RequestFraming {
 
   State state() const { return state_; }
   bool headers_complete() const { return state_ == State::kBody || state_ == State::kComplete; }
-  size_t header_bytes() const { return header_end_; }    // once headers_complete()
+  size_t header_bytes() const { return header_end_; }    // once the blank line arrived (also after a refused header)
   size_t request_bytes() const { return request_end_; }  // once kComplete: the request is data[0, request_bytes())
   // The body still to come, as far as the headers tell (Content-Length bodies; 0 for chunked ones).
   size_t announced_body_bytes() const { return content_length_; }

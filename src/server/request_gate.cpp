@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -53,11 +55,57 @@ const char* reason_of(int status) {
   }
 }
 
+// A header's value in a request's header section (the request line first), the name matched in any case; "" when
+// absent.
+std::string header_value(std::string_view head, std::string_view name) {
+  size_t pos = head.find("\r\n");
+  while (pos != std::string_view::npos && pos + 2 < head.size()) {
+    const size_t start = pos + 2;
+    size_t end = head.find("\r\n", start);
+    if (end == std::string_view::npos) end = head.size();
+    const std::string_view line = head.substr(start, end - start);
+    if (line.size() > name.size() && line[name.size()] == ':' &&
+        std::equal(name.begin(), name.end(), line.begin(), [](char a, char b) {
+          return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
+        })) {
+      std::string_view v = line.substr(name.size() + 1);
+      while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+      while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+      return std::string(v);
+    }
+    pos = end;
+  }
+  return "";
+}
+
+// The CORS and X-Request-Id header lines of an answer to a request with these headers (as the routes add them).
+std::string answer_headers(std::string_view head, const std::vector<std::string>& allowed_origins) {
+  std::string out;
+  const std::string origin = header_value(head, "Origin");
+  if (!origin.empty())
+    for (const auto& o : allowed_origins) {
+      if (o != "*" && o != origin) continue;
+      out += "Access-Control-Allow-Origin: " + (o == "*" ? std::string("*") : origin) + "\r\n";
+      if (o != "*") out += "Vary: Origin\r\n";
+      out += "Access-Control-Expose-Headers: X-Request-Id, Retry-After\r\n";
+      break;
+    }
+  std::string id;
+  for (char c : header_value(head, "X-Request-Id")) {
+    if (id.size() == 128) break;
+    if (std::isalnum(static_cast<unsigned char>(c)) || std::string_view("._:/+=-").find(c) != std::string_view::npos)
+      id += c;
+  }
+  if (!id.empty()) out += "X-Request-Id: " + id + "\r\n";
+  return out;
+}
+
 // Sends a whole error answer without blocking (it is small: it fits the socket buffer) and ends the sending side.
-void send_answer(int fd, int status, const std::string& message, const std::string& path, int retry_after_s) {
+void send_answer(int fd, int status, const std::string& message, const std::string& path, int retry_after_s,
+                 const std::string& extra_headers = "") {
   const std::string body = error_body(ApiError(status, message), error_style_of(path));
   std::string response = "HTTP/1.1 " + std::to_string(status) + " " + reason_of(status) +
-                         "\r\nContent-Type: application/json\r\nConnection: close\r\n";
+                         "\r\nContent-Type: application/json\r\nConnection: close\r\n" + extra_headers;
   if (status == 429 || status == 503) response += "Retry-After: " + std::to_string(retry_after_s) + "\r\n";
   response += "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
   ssize_t w = send(fd, response.data(), response.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -268,7 +316,10 @@ void RequestGate::answer(Held& h, int status, const std::string& message) {
   else
     KILN_LOG_INFO("request rejected remote={} status={} error=\"{}\"", h.conn->client, status, message);
   release(h.conn->client);  // first: the client may be told before the gate goes on
-  send_answer(fd, status, message, path, opts_.retry_after_s);
+  std::string extra;
+  if (h.framing.header_bytes() > 0)  // the header section arrived (also when one of its headers was refused)
+    extra = answer_headers(std::string_view(h.conn->bytes).substr(0, h.framing.header_bytes()), opts_.allowed_origins);
+  send_answer(fd, status, message, path, opts_.retry_after_s, extra);
   buffered_bytes_ -= h.conn->bytes.size();
   held_.erase(fd);  // h is gone from here on
   linger(fd, /*registered=*/true);

@@ -45,6 +45,9 @@ struct RequestGateOptions {
   size_t max_body_bytes = 32u << 20;
   size_t max_buffered_bytes = size_t{1} << 30;  // request bytes held in all connections' buffers at once
   int retry_after_s = 1;                 // Retry-After of the 429 / 503 answers
+  // --allowed-origins: a gate answer to a request whose headers arrived carries the CORS headers the routes would
+  // (an allowed Origin, or "*"), and the client's X-Request-Id (sanitised as the routes do).
+  std::vector<std::string> allowed_origins;
 };
 
 // A connection handed to a worker: its socket and the bytes read from it, the ready request first.

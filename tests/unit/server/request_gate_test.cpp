@@ -190,6 +190,33 @@ TEST(RequestGate, BodyWithoutLengthIs411AndTooLargeIs413) {
   close(c2);
 }
 
+// A gate answer to a request whose headers arrived carries what the routes would add: CORS for an allowed Origin and
+// the client's X-Request-Id (sanitised); an origin not allowed gets no CORS headers.
+TEST(RequestGate, AnswersCarryCorsAndTheRequestId) {
+  RequestGateOptions o;
+  o.max_body_bytes = 1000;
+  o.allowed_origins = {"https://app.example"};
+  GateUnderTest t(o);
+  auto [c1, s1] = connection();
+  t.gate.admit(s1);
+  send_text(c1, "POST /v1/completions HTTP/1.1\r\norigin: https://app.example\r\nX-REQUEST-ID: ab c/1<>\r\n"
+                "Content-Length: 1001\r\n\r\n");
+  std::string answer = read_all(c1);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 413", 0), 0u) << answer;
+  EXPECT_NE(answer.find("\r\nAccess-Control-Allow-Origin: https://app.example\r\n"), std::string::npos) << answer;
+  EXPECT_NE(answer.find("\r\nVary: Origin\r\n"), std::string::npos) << answer;
+  EXPECT_NE(answer.find("\r\nX-Request-Id: abc/1\r\n"), std::string::npos) << answer;
+  auto [c2, s2] = connection();
+  t.gate.admit(s2);
+  send_text(c2, "POST /v1/completions HTTP/1.1\r\nOrigin: https://evil.example\r\n\r\n");
+  answer = read_all(c2);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 411", 0), 0u) << answer;
+  EXPECT_EQ(answer.find("Access-Control"), std::string::npos) << answer;
+  EXPECT_EQ(answer.find("X-Request-Id"), std::string::npos) << answer;
+  close(c1);
+  close(c2);
+}
+
 TEST(RequestGate, ChunkedBodyGoesOnOnceItsLastChunkArrives) {
   GateUnderTest t;
   auto [client, server] = connection();

@@ -1,35 +1,61 @@
-// The one table of supported model families, by architecture.
+// The one table of supported model families, by architecture, and how a family's parts make a decoder layer.
 #include "core/error.h"
 #include "model/family.h"
 
 namespace kiln::model {
 namespace {
 
-struct Entry {
-  format::Arch arch;
-  const Family& (*get)();
-};
-
-constexpr Entry kFamilies[] = {
-    {format::Arch::qwen3_5_moe, qwen3_5_moe_family},
-    {format::Arch::qwen3_5, qwen3_5_family},
-    {format::Arch::qwen3_next, qwen3_next_family},
-    {format::Arch::qwen3_moe, qwen3_moe_family},
-    {format::Arch::qwen3, qwen3_family},
+constexpr const Family* kFamilies[] = {
+    &qwen3_5_moe_family, &qwen3_5_family, &qwen3_next_family, &qwen3_moe_family, &qwen3_family,
 };
 
 }  // namespace
 
 std::string supported_families() {
   std::string s;
-  for (const Entry& e : kFamilies) s += (s.empty() ? "" : ", ") + std::string(format::arch_name(e.arch));
+  for (const Family* f : kFamilies) s += (s.empty() ? "" : ", ") + std::string(format::arch_name(f->arch));
   return s;
 }
 
 const Family& family_for(format::Arch arch) {
-  for (const Entry& e : kFamilies)
-    if (e.arch == arch) return e.get();
+  for (const Family* f : kFamilies)
+    if (f->arch == arch) return *f;
   fail("model family '{}' is not supported (supported: {})", format::arch_name(arch), supported_families());
+}
+
+void Family::bind_layer(WeightBinder& b, int layer, LayerWeights& w) const {
+  if (mixer == Mixer::hybrid) {
+    bind_hybrid_mixer(b, layer, w, fused_qkvz);
+  } else {
+    bind_layer_norms(b, layer, w);
+    bind_full_attention(b, layer, w.attn);
+  }
+  switch (ffn) {
+    case Ffn::dense_mlp: bind_dense_mlp(b, layer, w.mlp); break;
+    case Ffn::moe_or_mlp: bind_moe_or_mlp(b, layer, w, shared_expert); break;
+    case Ffn::moe_renormalised:
+      w.is_moe = true;
+      bind_moe(b, layer, w.moe, shared_expert);
+      break;
+  }
+}
+
+void Family::forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const {
+  TensorView x;
+  if (mixer == Mixer::hybrid) {
+    x = hybrid_mixer(f, layer, w, hidden, deltanet);
+  } else {
+    x = input_norm(f, hidden, w.input_norm, NormKind::plain);
+    const TensorView y = full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain);
+    x = residual_norm(f, hidden, y, w.post_attention_norm, NormKind::plain);
+  }
+  switch (ffn) {
+    case Ffn::dense_mlp: residual_defer(f, mlp(f, w.mlp, x)); break;
+    case Ffn::moe_or_mlp: residual_defer(f, moe_or_mlp(f, layer, w, x)); break;
+    case Ffn::moe_renormalised:
+      residual_defer(f, moe(f, layer, w.moe, x, f.config.experts_per_tok, /*renormalise=*/true));
+      break;
+  }
 }
 
 }  // namespace kiln::model

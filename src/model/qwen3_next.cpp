@@ -3,7 +3,6 @@
 // [q_g (Dk) | k_g (Dk) | v_g (r Dv) | z_g (r Dv)] and in_proj_ba rows [b_g (r) | a_g (r)], r = Hv / Hk.
 // MoE with a sigmoid-gated shared expert (top-k renormalised when norm_topk_prob), dense MLP in
 // mlp_only_layers / off the decoder_sparse_step.
-#include "model/blocks.h"
 #include "model/family.h"
 
 namespace kiln::model {
@@ -38,27 +37,13 @@ TensorView gated_deltanet_fused(Forward& f, int layer, const LinearAttentionWeig
   return gated_deltanet_core(f, layer, w, mixed, z, b, a);
 }
 
-class Qwen3Next final : public Family {
- public:
-  format::Arch arch() const override { return format::Arch::qwen3_next; }
-  NormKind norm_kind() const override { return NormKind::zero_centred; }
-
-  void bind_layer(WeightBinder& b, int layer, LayerWeights& w) const override {
-    bind_hybrid_mixer(b, layer, w, /*fused_qkvz=*/true);
-    bind_moe_or_mlp(b, layer, w, /*shared_expert=*/true);
-  }
-
-  void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const override {
-    const TensorView x = hybrid_mixer(f, layer, w, hidden, gated_deltanet_fused);
-    residual_defer(f, moe_or_mlp(f, layer, w, x));
-  }
-};
-
 }  // namespace
 
-const Family& qwen3_next_family() {
-  static const Qwen3Next family;
-  return family;
-}
+constexpr Family qwen3_next_family{.arch = format::Arch::qwen3_next,
+                                   .mixer = Mixer::hybrid,
+                                   .ffn = Ffn::moe_or_mlp,
+                                   .shared_expert = true,
+                                   .deltanet = gated_deltanet_fused,
+                                   .fused_qkvz = true};
 
 }  // namespace kiln::model

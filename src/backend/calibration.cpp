@@ -18,12 +18,17 @@ bool ends_with(const std::string& s, std::string_view suffix) {
 
 }  // namespace
 
-CalibratingOps::CalibratingOps(std::unique_ptr<model::Ops> inner) : inner_(std::move(inner)) {
-  KILN_CHECK(inner_ != nullptr, "CalibratingOps needs an inner backend");
+namespace {
+std::unique_ptr<model::Ops> checked_inner(std::unique_ptr<model::Ops> inner) {
+  KILN_CHECK(inner != nullptr, "CalibratingOps needs an inner backend");
+  return inner;
 }
+}  // namespace
+
+CalibratingOps::CalibratingOps(std::unique_ptr<model::Ops> inner) : ForwardingOps(checked_inner(std::move(inner))) {}
 
 TensorView CalibratingOps::place_weight(const TensorView& host) {
-  TensorView placed = inner_->place_weight(host);
+  TensorView placed = inner().place_weight(host);
   const auto* begin = static_cast<const uint8_t*>(placed.data);
   if (begin != nullptr) placed_[begin] = Placed{begin + placed.nbytes(), static_cast<const uint8_t*>(host.data)};
   return placed;
@@ -79,18 +84,18 @@ void CalibratingOps::record(const void* placed_data, float value) {
 }
 
 void CalibratingOps::linear(const TensorView& x, const model::LinearWeight& w, TensorView out) {
-  record(w.weight.data, inner_->max_abs(x));
-  inner_->linear(x, w, out);
+  record(w.weight.data, inner().max_abs(x));
+  inner().linear(x, w, out);
 }
 
 void CalibratingOps::moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                                  std::span<const model::ExpertWeights> experts, TensorView out) {
   // x [T, H], expert_ids I32 [T, k]. The real output first, from the inner backend, untouched.
-  inner_->moe_experts(x, expert_ids, weights, experts, out);
+  inner().moe_experts(x, expert_ids, weights, experts, out);
 
   const int64_t n_tokens = x.dim(0), hidden = x.dim(1), top_k = expert_ids.dim(1);
   std::vector<int32_t> ids(static_cast<size_t>(expert_ids.numel()));
-  inner_->download(expert_ids, ids.data());
+  inner().download(expert_ids, ids.data());
   std::vector<std::vector<int32_t>> rows_of(experts.size());
   for (int64_t t = 0; t < n_tokens; ++t)
     for (int64_t j = 0; j < top_k; ++j) {
@@ -103,19 +108,19 @@ void CalibratingOps::moe_experts(const TensorView& x, const TensorView& expert_i
     const model::ExpertWeights& w = experts[e];
     if (rows.empty() || !w.gate.present()) continue;
     const int64_t r = static_cast<int64_t>(rows.size());
-    TensorView row_ids = inner_->upload(rows.data(), DType::I32, Shape{r});
-    TensorView xe = inner_->scratch(DType::F32, Shape{r, hidden});  // [R, H] the rows routed to e
-    inner_->gather_rows(x, row_ids, xe);
-    const float x_amax = inner_->max_abs(xe);
+    TensorView row_ids = inner().upload(rows.data(), DType::I32, Shape{r});
+    TensorView xe = inner().scratch(DType::F32, Shape{r, hidden});  // [R, H] the rows routed to e
+    inner().gather_rows(x, row_ids, xe);
+    const float x_amax = inner().max_abs(xe);
     record(w.gate.weight.data, x_amax);
     record(w.up.weight.data, x_amax);
     const int64_t inter = w.gate.out_features;
-    TensorView gate = inner_->scratch(DType::F32, Shape{r, inter});  // [R, I]
-    TensorView up = inner_->scratch(DType::F32, Shape{r, inter});
-    inner_->linear(xe, w.gate, gate);
-    inner_->linear(xe, w.up, up);
-    inner_->silu_mul(gate, up, gate);  // the input of down_proj
-    record(w.down.weight.data, inner_->max_abs(gate));
+    TensorView gate = inner().scratch(DType::F32, Shape{r, inter});  // [R, I]
+    TensorView up = inner().scratch(DType::F32, Shape{r, inter});
+    inner().linear(xe, w.gate, gate);
+    inner().linear(xe, w.up, up);
+    inner().silu_mul(gate, up, gate);  // the input of down_proj
+    record(w.down.weight.data, inner().max_abs(gate));
   }
 }
 

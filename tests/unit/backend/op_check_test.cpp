@@ -11,7 +11,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/error.h"
-#include "forwarding_ops.h"
+#include "model/forwarding_ops.h"
 
 namespace kiln::backend {
 namespace {
@@ -34,7 +34,7 @@ TEST(OpCompare, CpuAgainstCpuIsExact) {
 
 // The CPU backend with silu_mul's output scaled by (1 + 1e-3): a small error, 100x the fp32 tolerance, that only a
 // working harness notices.
-class PerturbedSiluMul final : public kiln::testing::ForwardingOps {
+class PerturbedSiluMul final : public kiln::model::ForwardingOps {
  public:
   using ForwardingOps::ForwardingOps;
   void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) override {

@@ -1,6 +1,6 @@
-// A model::Ops that forwards every call to an inner Ops, for tests that wrap a backend and change one op (a
-// perturbed backend the op-check harness must catch, a recorder). Override the ops to change; call the base to
-// forward.
+// A model::Ops that forwards every call to an inner Ops, for wrappers that change or watch a few ops (the
+// calibration recorder of `kiln quantize`, a perturbed backend the op-check harness must catch). Override the ops to
+// change; call the base (or inner()) to forward.
 #pragma once
 #include <memory>
 #include <optional>
@@ -10,11 +10,11 @@
 
 #include "model/ops.h"
 
-namespace kiln::testing {
+namespace kiln::model {
 
-class ForwardingOps : public model::Ops {
+class ForwardingOps : public Ops {
  public:
-  explicit ForwardingOps(std::unique_ptr<model::Ops> inner) : inner_(std::move(inner)) {}
+  explicit ForwardingOps(std::unique_ptr<Ops> inner) : inner_(std::move(inner)) {}
   model::Ops& inner() { return *inner_; }
 
   std::string name() const override { return inner_->name(); }
@@ -133,4 +133,4 @@ class ForwardingOps : public model::Ops {
   std::unique_ptr<model::Ops> inner_;
 };
 
-}  // namespace kiln::testing
+}  // namespace kiln::model

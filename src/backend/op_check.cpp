@@ -13,7 +13,9 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "backend/backend.h"
 #include "core/tensor.h"
+#include "model/blocks.h"
 
 namespace kiln::backend {
 
@@ -37,14 +39,7 @@ std::string op_check_failures(const std::vector<OpCheck>& results) {
 
 namespace {
 
-using model::DeltaRuleMode;
-using model::ExpertWeights;
-using model::KvLayerView;
-using model::LinearWeight;
-using model::NormKind;
 using model::Ops;
-using model::StepLayout;
-using model::WeightFormat;
 
 struct Pair {
   TensorView test, ref;
@@ -52,19 +47,7 @@ struct Pair {
 
 // A view of `base` with another shape / strides (elements) at an element offset, on both backends.
 Pair view_of(const Pair& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides) {
-  auto one = [&](const TensorView& b) {
-    TensorView v;
-    v.data = static_cast<char*>(b.data) + offset * static_cast<int64_t>(dtype_size(b.dtype));
-    v.dtype = b.dtype;
-    v.shape = shape;
-    int i = 0;
-    for (int64_t s : strides) v.strides[i++] = s;
-    return v;
-  };
-  return {one(base.test), one(base.ref)};
-}
-Pair reshape(const Pair& p, Shape shape) {
-  return {TensorView(p.test.data, p.test.dtype, shape), TensorView(p.ref.data, p.ref.dtype, shape)};
+  return {model::strided_view(base.test, offset, shape, strides), model::strided_view(base.ref, offset, shape, strides)};
 }
 
 class Harness {
@@ -444,6 +427,17 @@ Steps make_steps(Harness& h) {
   return st;
 }
 
+// Runs body(step_no, step, test layout, ref layout) on each of the two steps (1, then 2), each on fresh scratch.
+template <typename Body>
+void for_each_step(Harness& h, const Steps& st, Body body) {
+  int step_no = 0;
+  for (const HostStep* hs : {&st.first, &st.second}) {
+    ++step_no;
+    h.reset();
+    body(step_no, *hs, layout_on(h.test(), *hs), layout_on(h.ref(), *hs));
+  }
+}
+
 void check_attention(Harness& h, const Steps& st) {
   const auto& c = h.config();
   const int64_t Hq = c.q_heads, Hkv = c.kv_heads, D = c.head_dim;
@@ -456,12 +450,8 @@ void check_attention(Harness& h, const Steps& st) {
     ct.v = v_pool.test;
     cr.k = k_pool.ref;
     cr.v = v_pool.ref;
-    int step_no = 0;
-    for (const HostStep* hs : {&st.first, &st.second}) {
-      ++step_no;
-      h.reset();
-      const StepLayout lt = layout_on(h.test(), *hs), lr = layout_on(h.ref(), *hs);
-      const int64_t T = hs->num_tokens();
+    for_each_step(h, st, [&](int step_no, const HostStep& hs, const StepLayout& lt, const StepLayout& lr) {
+      const int64_t T = hs.num_tokens();
       TensorView hk = h.host_normal(DType::F32, Shape{T, Hkv, D}, 1.5f);
       TensorView hv = h.host_normal(DType::F32, Shape{T, Hkv, D}, 1.0f);
       if (kv == DType::F8_E4M3 && step_no == 1) {
@@ -481,9 +471,9 @@ void check_attention(Harness& h, const Steps& st) {
       h.test().attention(q.test, ct, lt, scale, out.test);
       h.ref().attention(q.ref, cr, lr, scale, out.ref);
       // bf16 / fp8 pools: the prefill kernel (tensor cores) may serve the step.
-      h.compare(fmt::format("attention kv={} step {} (T={}, {} seqs)", dtype_name(kv), step_no, T, hs->num_seqs()),
+      h.compare(fmt::format("attention kv={} step {} (T={}, {} seqs)", dtype_name(kv), step_no, T, hs.num_seqs()),
                 out, kv == DType::F32 ? c.tol : c.tensor_core_tol);
-    }
+    });
     h.compare(fmt::format("kv_store pool k kv={}", dtype_name(kv)), k_pool);
     h.compare(fmt::format("kv_store pool v kv={}", dtype_name(kv)), v_pool);
   }
@@ -499,13 +489,9 @@ void check_deltanet(Harness& h, const Steps& st) {
   Pair A_log = h.place(h.host_normal(DType::F32, Shape{Hv}, 0.5f, -1.0f));
   Pair dt_bias = h.place(h.host_normal(DType::BF16, Shape{Hv}, 0.5f));
   const DeltaRuleMode mode = c.chunked_reference ? DeltaRuleMode::chunked : DeltaRuleMode::recurrent;
-  int step_no = 0;
-  for (const HostStep* hs : {&st.first, &st.second}) {
-    ++step_no;
-    h.reset();
-    const StepLayout lt = layout_on(h.test(), *hs), lr = layout_on(h.ref(), *hs);
-    const int64_t T = hs->num_tokens();
-    const std::string at = fmt::format("step {} (T={}, {} seqs)", step_no, T, hs->num_seqs());
+  for_each_step(h, st, [&](int step_no, const HostStep& hs, const StepLayout& lt, const StepLayout& lr) {
+    const int64_t T = hs.num_tokens();
+    const std::string at = fmt::format("step {} (T={}, {} seqs)", step_no, T, hs.num_seqs());
 
     Pair x = h.upload(h.host_normal(DType::F32, Shape{T, C}, 1.0f));
     Pair conv = h.scratch(DType::F32, Shape{T, C});
@@ -549,7 +535,7 @@ void check_deltanet(Harness& h, const Steps& st) {
               c.delta_rule_tol);
     h.compare(std::string("gated_delta_rule_with_gates state ") + (c.chunked_reference ? "vs chunked " : "") + at,
               state, c.delta_rule_tol);
-  }
+  });
 }
 
 void check_moe(Harness& h) {

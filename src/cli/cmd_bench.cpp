@@ -1,9 +1,9 @@
 // kiln bench: a serving benchmark against any OpenAI-compatible server (see clients/bench.h).
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
 
+#include "cli/client_command.h"
 #include "cli/command.h"
 #include "cli/environment.h"
 #include "clients/bench.h"
@@ -73,9 +73,9 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
                  "--input-len; TTFT and ITL are also reported for the short and the long requests apart");
   return [args]() -> int {
     using namespace kiln::clients;
-    const std::string api_key = kiln::cli::resolve_api_key(args->api_key, kiln::cli::process_env());
     BenchOptions options;
-    options.server = parse_server_url(args->url, api_key, args->timeout_s);
+    options.server = kiln::cli::client_server_address(args->url, args->api_key, args->timeout_s,
+                                                      kiln::cli::process_env());
     options.model = args->model;
     options.endpoint = args->endpoint == "chat" ? BenchEndpoint::chat : BenchEndpoint::completions;
     options.input_len = args->input_len;
@@ -91,35 +91,17 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
     options.conversations = args->conversations;
     options.long_input_len = args->long_input_len;
     options.long_every = args->long_every;
-    std::ofstream json_file;
-    if (!args->json_path.empty()) {
-      json_file.open(args->json_path);
-      if (!json_file) kiln::fail("cannot write the --json results to '{}'", args->json_path);
-    }
-    if (options.multi_turn > 0) {
-      MultiTurnReport mt = run_multi_turn_bench(options, stdout);
-      if (json_file.is_open()) {
-        json_file << mt.to_json().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-        if (!json_file) kiln::fail("writing the --json results to '{}' failed", args->json_path);
-      }
-      if (!mt.passed) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "error: benchmark failed: %s\n", mt.failure.c_str());
-        return 1;
-      }
-      return 0;
-    }
-    BenchReport report = run_bench(options, stdout);
-    if (json_file.is_open()) {
-      json_file << report.to_json().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-      if (!json_file) kiln::fail("writing the --json results to '{}' failed", args->json_path);
-    }
-    if (!report.passed) {
+    kiln::cli::JsonOutputFile json_file(args->json_path, "results");
+    // Either report (BenchReport, MultiTurnReport): its JSON, then the exit status.
+    auto finish = [&](const auto& report) -> int {
+      json_file.write(report.to_json());
+      if (report.passed) return 0;
       std::fflush(stdout);
       std::fprintf(stderr, "error: benchmark failed: %s\n", report.failure.c_str());
       return 1;
-    }
-    return 0;
+    };
+    if (options.multi_turn > 0) return finish(run_multi_turn_bench(options, stdout));
+    return finish(run_bench(options, stdout));
   };
 }};
 

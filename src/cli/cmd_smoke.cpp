@@ -1,9 +1,9 @@
 // kiln smoke: does an OpenAI-compatible server answer correctly? (see clients/smoke.h)
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
 
+#include "cli/client_command.h"
 #include "cli/command.h"
 #include "cli/environment.h"
 #include "clients/smoke.h"
@@ -35,24 +35,16 @@ kiln::cli::Registrar reg{"smoke", "Check that an OpenAI-compatible server answer
       ->capture_default_str();
   return [args]() -> int {
     using namespace kiln::clients;
-    const std::string api_key = kiln::cli::resolve_api_key(args->api_key, kiln::cli::process_env());
     SmokeOptions options;
-    options.server = parse_server_url(args->url, api_key, args->timeout_s);
+    options.server = kiln::cli::client_server_address(args->url, args->api_key, args->timeout_s,
+                                                      kiln::cli::process_env());
     options.model = args->model;
     if (!args->tests.empty()) options.checks = parse_check_list(args->tests);
     if (args->baseline < 0) kiln::fail("--baseline must be a positive tok/s figure (got {})", args->baseline);
     if (args->baseline > 0) options.baseline_tok_s = args->baseline;
-    // Open the report file first: a typo in its path should not cost a whole run.
-    std::ofstream json_file;
-    if (!args->json_path.empty()) {
-      json_file.open(args->json_path);
-      if (!json_file) kiln::fail("cannot write the --json report to '{}'", args->json_path);
-    }
+    kiln::cli::JsonOutputFile json_file(args->json_path, "report");
     SmokeReport report = run_smoke(options, stdout);
-    if (json_file.is_open()) {
-      json_file << report.to_json().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-      if (!json_file) kiln::fail("writing the --json report to '{}' failed", args->json_path);
-    }
+    json_file.write(report.to_json());
     return report.passed() ? 0 : 1;
   };
 }};

@@ -141,26 +141,27 @@ void Runner::copy_state(int src_slot, int dst_slot) {
   if (mtp_rows_.data) ops_->copy(mtp_rows_.row(src_slot), mtp_rows_.row(dst_slot));
 }
 
-void Runner::save_state(int slot) {
-  if (conv_saved_.empty() && conv_state_.size()) fail("save_state: the runner keeps no state checkpoints (no MTP head)");
-  if (slot < 0 || slot >= options_.state_slots) fail("save_state: slot {} outside [0, {})", slot, options_.state_slots);
+void Runner::save_state(int slot) { copy_checkpoint(slot, /*save=*/true); }
+
+void Runner::restore_state(int slot) { copy_checkpoint(slot, /*save=*/false); }
+
+void Runner::copy_checkpoint(int slot, bool save) {
+  const char* what = save ? "save_state" : "restore_state";
+  if (conv_saved_.empty() && conv_state_.size()) fail("{}: the runner keeps no state checkpoints (no MTP head)", what);
+  if (slot < 0 || slot >= options_.state_slots) fail("{}: slot {} outside [0, {})", what, slot, options_.state_slots);
+  auto copy = [&](const TensorView& live, const TensorView& saved) {
+    if (save)
+      ops_->copy(live.row(slot), saved.row(slot));
+    else
+      ops_->copy(saved.row(slot), live.row(slot));
+  };
   for (size_t i = 0; i < conv_state_.size(); ++i) {
-    ops_->copy(conv_state_[i].row(slot), conv_saved_[i].row(slot));
-    ops_->copy(recurrent_state_[i].row(slot), recurrent_saved_[i].row(slot));
+    copy(conv_state_[i], conv_saved_[i]);
+    copy(recurrent_state_[i], recurrent_saved_[i]);
   }
   // The head's input for the slot's next entry (its last hidden state) belongs to the checkpoint too: a replay after
   // a rejected draft starts its head entries from it.
-  if (mtp_rows_saved_.data) ops_->copy(mtp_rows_.row(slot), mtp_rows_saved_.row(slot));
-}
-
-void Runner::restore_state(int slot) {
-  if (conv_saved_.empty() && conv_state_.size()) fail("restore_state: the runner keeps no state checkpoints (no MTP head)");
-  if (slot < 0 || slot >= options_.state_slots) fail("restore_state: slot {} outside [0, {})", slot, options_.state_slots);
-  for (size_t i = 0; i < conv_state_.size(); ++i) {
-    ops_->copy(conv_saved_[i].row(slot), conv_state_[i].row(slot));
-    ops_->copy(recurrent_saved_[i].row(slot), recurrent_state_[i].row(slot));
-  }
-  if (mtp_rows_saved_.data) ops_->copy(mtp_rows_saved_.row(slot), mtp_rows_.row(slot));
+  if (mtp_rows_saved_.data) copy(mtp_rows_, mtp_rows_saved_);
 }
 
 void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {

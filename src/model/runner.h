@@ -119,6 +119,8 @@ class Runner : public ModelRunner {
   TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids,
                        const MtpPass* mtp);
   void reset_slot(int slot);
+  // save_state (save: the slot's live state -> its checkpoint) and restore_state (the checkpoint -> the live state).
+  void copy_checkpoint(int slot, bool save);
 
   std::unique_ptr<Communicator> owned_comm_;  // destroyed after ops_
   std::unique_ptr<Ops> ops_;

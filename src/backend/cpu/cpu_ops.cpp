@@ -43,6 +43,13 @@ const int32_t* i32_data(const TensorView& t) {
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// The RMSNorm scale of one row x[0, D): 1 / sqrt(mean(x^2) + eps), the squares summed in double.
+float inv_rms(const float* x, int64_t D, float eps) {
+  double ss = 0;
+  for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(x[i]) * x[i];
+  return 1.0f / std::sqrt(static_cast<float>(ss / D) + eps);
+}
+
 }  // namespace
 
 float load_f32(const TensorView& t, int64_t i) {
@@ -197,9 +204,7 @@ void CpuOps::rms_norm(const TensorView& x, const TensorView& weight, float eps, 
   for_range(R, D * 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* xr = xs + r * stride;
-      double ss = 0;
-      for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / D) + eps);
+      const float inv = inv_rms(xr, D, eps);
       for (int64_t i = 0; i < D; ++i) o[r * D + i] = (xr[i] * inv) * w[i];
     }
   });
@@ -217,9 +222,7 @@ void CpuOps::gated_rms_norm(const TensorView& x, const TensorView& z, const Tens
   for_range(R, D * 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* xr = xs + r * D;
-      double ss = 0;
-      for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / D) + eps);
+      const float inv = inv_rms(xr, D, eps);
       // Qwen3_5RMSNormGated: (weight * x_hat) * silu(gate)
       for (int64_t i = 0; i < D; ++i) o[r * D + i] = (w[i] * (xr[i] * inv)) * silu(zs[r * D + i]);
     }

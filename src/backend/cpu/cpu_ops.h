@@ -7,17 +7,11 @@
 #include <memory>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/tensor.h"
 #include "model/ops.h"
 
 namespace kiln::backend::cpu {
-
-using model::DeltaRuleMode;
-using model::ExpertWeights;
-using model::KvLayerView;
-using model::LinearWeight;
-using model::NormKind;
-using model::StepLayout;
 
 class CpuOps final : public model::Ops {
  public:

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
@@ -27,12 +28,6 @@ namespace {
 
 namespace kops = ::kiln::cuda::ops;
 using ::kiln::cuda::DeviceBuffer;
-using model::DeltaRuleMode;
-using model::KvLayerView;
-using model::LinearWeight;
-using model::NormKind;
-using model::StepLayout;
-using model::WeightFormat;
 
 // Dense BF16 linears with at least this many rows run on tensor cores (cuBLASLt, bf16 activations): below it
 // the 8-row-tile gemv is faster (docs/perf/cuda-ops.md).

@@ -19,97 +19,59 @@ bool is_sequence(const Value& v) {
   return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
 }
 
+// v % m as Python computes it for the odd / even / divisibleby tests (a float: 0 when it divides, else 1).
+int64_t int_mod(const Value& v, int64_t m) {
+  if (!v.is_number()) runtime_fail("unsupported operand type(s) for %: '{}' and 'int'", type_name(v));
+  if (v.is_float()) return std::fmod(v.as_double(), static_cast<double>(m)) == 0 ? 0 : 1;
+  int64_t r = v.as_int() % m;
+  return r < 0 ? r + m : r;
+}
+
 const std::map<std::string, TestFn, std::less<>>& tests() {
   static const std::map<std::string, TestFn, std::less<>> table = [] {
     std::map<std::string, TestFn, std::less<>> t;
-    auto no_args = [](std::string_view name, CallArgs& args) { bind_args(name, args, {}); };
     auto one_arg = [](std::string_view name, CallArgs& args) {
       return bind_args(name, args, {{"other", std::nullopt}})[0];
     };
-    t["boolean"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("boolean", a);
-      return v.is_bool();
+    // The tests of the value alone: no arguments.
+    using Predicate = bool (*)(const Value&);
+    static const std::pair<const char*, Predicate> kPredicates[] = {
+        {"boolean", [](const Value& v) { return v.is_bool(); }},
+        {"callable",
+         [](const Value& v) { return v.is_callable() || v.is_undefined() || (v.is_object() && v.object().is_callable()); }},
+        {"defined", [](const Value& v) { return !v.is_undefined(); }},
+        {"undefined", [](const Value& v) { return v.is_undefined(); }},
+        {"none", [](const Value& v) { return v.is_none(); }},
+        {"true", [](const Value& v) { return v.is_bool() && v.as_bool(); }},
+        {"false", [](const Value& v) { return v.is_bool() && !v.as_bool(); }},
+        {"integer", [](const Value& v) { return v.is_int(); }},
+        {"float", [](const Value& v) { return v.is_float(); }},
+        {"number", [](const Value& v) { return v.is_number(); }},
+        {"string", [](const Value& v) { return v.is_string(); }},
+        {"mapping", [](const Value& v) { return v.is_dict(); }},
+        {"iterable", is_sequence},
+        {"sequence", is_sequence},
+        {"escaped", [](const Value& v) { return v.is_safe(); }},
+        {"lower",
+         [](const Value& v) {
+           std::string s = py_str(v);
+           return unicode::lower(s) == s && unicode::upper(s) != s;
+         }},
+        {"upper",
+         [](const Value& v) {
+           std::string s = py_str(v);
+           return unicode::upper(s) == s && unicode::lower(s) != s;
+         }},
+        {"odd", [](const Value& v) { return int_mod(v, 2) == 1; }},
+        {"even", [](const Value& v) { return int_mod(v, 2) == 0; }},
+        {"filter", [](const Value& v) { return v.is_string() && has_filter(v.str()); }},
+        {"test", [](const Value& v) { return v.is_string() && has_test(v.str()); }},
     };
-    t["callable"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("callable", a);
-      return v.is_callable() || v.is_undefined() || (v.is_object() && v.object().is_callable());
-    };
-    t["defined"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("defined", a);
-      return !v.is_undefined();
-    };
-    t["undefined"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("undefined", a);
-      return v.is_undefined();
-    };
-    t["none"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("none", a);
-      return v.is_none();
-    };
-    t["true"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("true", a);
-      return v.is_bool() && v.as_bool();
-    };
-    t["false"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("false", a);
-      return v.is_bool() && !v.as_bool();
-    };
-    t["integer"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("integer", a);
-      return v.is_int();
-    };
-    t["float"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("float", a);
-      return v.is_float();
-    };
-    t["number"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("number", a);
-      return v.is_number();
-    };
-    t["string"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("string", a);
-      return v.is_string();
-    };
-    t["mapping"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("mapping", a);
-      return v.is_dict();
-    };
-    t["iterable"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("iterable", a);
-      return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
-    };
-    t["sequence"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("sequence", a);
-      return is_sequence(v);
-    };
-    t["escaped"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("escaped", a);
-      return v.is_safe();
-    };
-    t["lower"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("lower", a);
-      std::string s = py_str(v);
-      return unicode::lower(s) == s && unicode::upper(s) != s;
-    };
-    t["upper"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("upper", a);
-      std::string s = py_str(v);
-      return unicode::upper(s) == s && unicode::lower(s) != s;
-    };
-    auto int_mod = [](const Value& v, int64_t m) -> int64_t {
-      if (!v.is_number()) runtime_fail("unsupported operand type(s) for %: '{}' and 'int'", type_name(v));
-      if (v.is_float()) return std::fmod(v.as_double(), static_cast<double>(m)) == 0 ? 0 : 1;
-      int64_t r = v.as_int() % m;
-      return r < 0 ? r + m : r;
-    };
-    t["odd"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("odd", a);
-      return int_mod(v, 2) == 1;
-    };
-    t["even"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("even", a);
-      return int_mod(v, 2) == 0;
-    };
+    for (const auto& [name, predicate] : kPredicates)
+      t[name] = [name, predicate](Interpreter&, const Value& v, CallArgs& a) {
+        bind_args(name, a, {});
+        return predicate(v);
+      };
     t["divisibleby"] = [=](Interpreter&, const Value& v, CallArgs& a) {
       Value num = bind_args("divisibleby", a, {{"num", std::nullopt}})[0];
       int64_t n = to_index(num, "num");
@@ -145,14 +107,6 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
         default:
           return v.identity() != nullptr && v.identity() == o.identity();
       }
-    };
-    t["filter"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("filter", a);
-      return v.is_string() && has_filter(v.str());
-    };
-    t["test"] = [=](Interpreter&, const Value& v, CallArgs& a) {
-      no_args("test", a);
-      return v.is_string() && has_test(v.str());
     };
     return t;
   }();

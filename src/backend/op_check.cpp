@@ -402,7 +402,8 @@ Steps make_steps(Harness& h) {
   const auto& c = h.config();
   Steps st;
   const int n = static_cast<int>(c.prefill_lens.size());
-  st.slots = n + 3;
+  const int live_slots = n + 3;
+  st.slots = live_slots + 2 * n;  // then a spare pair per sequence for the second step's position checkpoints
   int max_len = 4;
   for (int len : c.prefill_lens) max_len = std::max(max_len, len + 3);
   const int pages_per_seq = (max_len + c.page_size - 1) / c.page_size;
@@ -416,7 +417,7 @@ Steps make_steps(Harness& h) {
     for (int p = 0; p < pages_per_seq; ++p) t[p] = perm[static_cast<size_t>(seq) * pages_per_seq + p];
     return t;
   };
-  auto slot_of = [&](int seq) { return st.slots - 1 - seq; };  // distinct, not the identity
+  auto slot_of = [&](int seq) { return live_slots - 1 - seq; };  // distinct, not the identity
   st.first.page_size = st.second.page_size = c.page_size;
   st.first.max_pages = st.second.max_pages = pages_per_seq;
   for (int s = 0; s < n; ++s) st.first.add_seq(0, c.prefill_lens[s], slot_of(s), table_of(s));
@@ -424,6 +425,14 @@ Steps make_steps(Harness& h) {
   // a 3-token chunk, even ones decoding one token.
   st.second.add_seq(0, 2, slot_of(n), table_of(n));
   for (int s = n - 1; s >= 0; --s) st.second.add_seq(c.prefill_lens[s], s % 2 ? 3 : 1, slot_of(s), table_of(s));
+  // The 3-token chunks keep position checkpoints (a speculative verify): the state after each token but the last
+  // goes to a spare slot, so the conv and delta-rule checks compare those slots too.
+  st.second.checkpoint_slot.assign(static_cast<size_t>(st.second.num_tokens()), -1);
+  for (int i = 0; i < st.second.num_seqs(); ++i) {
+    const int32_t b = st.second.seq_begin[static_cast<size_t>(i)], e = st.second.seq_begin[static_cast<size_t>(i) + 1];
+    if (e - b != 3) continue;
+    for (int32_t t = b; t + 1 < e; ++t) st.second.checkpoint_slot[static_cast<size_t>(t)] = live_slots + 2 * i + (t - b);
+  }
   return st;
 }
 
@@ -677,6 +686,7 @@ model::StepLayout layout_on(model::Ops& ops, const HostStep& h) {
   s.host_seq_start_pos = h.seq_start;
   s.host_seq_state_slot = h.slot;
   s.host_page_table = h.page_table;
+  s.host_token_checkpoint_slot = h.checkpoint_slot;
   model::upload_step(ops, s);
   return s;
 }

@@ -15,6 +15,9 @@ namespace kiln::backend {
 struct HostStep {
   std::vector<int32_t> token_pos, seq_begin{0}, seq_start, slot, page_table;
   int max_pages = 1, page_size = 4, max_seq_tokens = 0;
+  // Position checkpoints (model::StepLayout::host_token_checkpoint_slot): per token, the slot that receives the state
+  // after it, -1 for none; empty when the step keeps none.
+  std::vector<int32_t> checkpoint_slot;
   // Sequence tokens [start, start + n) in state slot `state_slot`; `pages`: its page-table row (max_pages entries).
   void add_seq(int32_t start, int32_t n, int32_t state_slot, const std::vector<int32_t>& pages = {});
   int num_seqs() const { return static_cast<int>(seq_start.size()); }

@@ -99,13 +99,14 @@ kiln::DType bench_kv_dtype(const std::string& flag) {
   kiln::fail("--kv-dtype must be bf16, fp8 or f32, got '{}'", flag);
 }
 
-// The load options of the bench: one state slot per sequence of the largest batch, a context of the prompt and the
-// output, passes of --max-pass-tokens (no engine steps here).
-kiln::backend::LoadOptions bench_load_options(const BenchEngineOptions& o, int max_batch) {
+// The load options of the bench: one state slot per sequence of the largest batch (K per sequence with --spec-sweep
+// up to K: the runner keeps as many position checkpoints as state slots, and a verify of K drafts keeps K), a context
+// of the prompt and the output, passes of --max-pass-tokens (no engine steps here).
+kiln::backend::LoadOptions bench_load_options(const BenchEngineOptions& o, int max_batch, int max_draft) {
   using namespace kiln;
   backend::LoadOptions lo;
   lo.threads = o.threads;
-  lo.state_slots = max_batch;
+  lo.state_slots = max_batch * std::max(max_draft, 1);
   lo.max_context = o.input_len + o.output_len + 8;  // + the verify positions of --spec-sweep (K + 1 <= 6)
   lo.mtp = !o.spec_sweep.empty();
   lo.prefill_chunk = backend::resolve_pass_tokens(o.prefill_chunk, 0);
@@ -283,6 +284,22 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
                 "%.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
                 K, B, draft_ms, K + 1, verify_ms, static_cast<long long>(replay_tokens), replay_ms, L,
                 B * L / worst * 1e3, B * L / best * 1e3, plain_ms * L / worst, plain_ms * L / best, plain_ms);
+    // What the engine runs when the runner keeps position checkpoints: the verify keeps the state after each
+    // position (the recurrence; a CUDA graph per shape), and a row that rejected takes its accepted token's
+    // checkpoint (keep_verified: a copy of the row's state) instead of the replay.
+    if (runner.position_checkpoints() >= B * K) {
+      for (auto& c : vchunks) c.checkpoint_positions = true;
+      const double ckpt_verify_ms = median_ms([&] { runner.forward_argmax(vchunks, ids); });
+      const double settle_ms = median_ms([&] {
+        runner.forward_argmax(vchunks, ids);
+        for (int b = 0; b < B; ++b) runner.keep_verified(b, static_cast<int>(replay_tokens));
+      }) - ckpt_verify_ms;
+      const double best_c = draft_ms + ckpt_verify_ms, worst_c = best_c + std::max(settle_ms, 0.0);
+      std::printf("  spec K=%d batch %d, position checkpoints: verify %.3f ms, settle (keep_verified) %.3f ms "
+                  "| PROJECTION at accept length %.2f: %.1f-%.1f tok/s, %.2f-%.2fx the plain decode step\n",
+                  K, B, ckpt_verify_ms, settle_ms, L, B * L / worst_c * 1e3, B * L / best_c * 1e3,
+                  plain_ms * L / worst_c, plain_ms * L / best_c);
+    }
   }
   std::fflush(stdout);
 }
@@ -347,7 +364,8 @@ int run_bench_engine(const BenchEngineOptions& o) {
   const std::vector<int> sweep =
       o.spec_sweep.empty() ? std::vector<int>{} : parse_batches(o.spec_sweep, "--spec-sweep", "a draft length", 5);
   format::ModelDir dir = format::ModelDir::open_or_embedded(o.model_path);
-  const backend::LoadOptions lo = bench_load_options(o, max_batch);
+  const backend::LoadOptions lo =
+      bench_load_options(o, max_batch, sweep.empty() ? 0 : *std::max_element(sweep.begin(), sweep.end()));
   // A dummy-weights config without the head gets one (a copy of its config files in a temporary folder).
   std::string head_dir;
   if (!sweep.empty() && !format::load_model_config(dir).has_mtp()) {

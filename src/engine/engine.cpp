@@ -24,14 +24,16 @@
 //     more than its free KV pages, max_tokens and the context allow; prefill rows are plain;
 //   - draft (a phase before forward): the MTP head drafts k greedy tokens per row (ModelRunner::draft); the row's
 //     chunk becomes the verify chunk [pending, d_1 .. d_k] with logits for all k + 1 positions;
-//   - forward checkpoints each drafting row's recurrent state (save_state) before the pass;
+//   - forward: a runner with position checkpoints keeps the state after each verify token (the chunks'
+//     checkpoint_positions); otherwise each drafting row's recurrent state is checkpointed (save_state) first;
 //   - choose_speculative accepts by engine/speculative.h's rules: greedy rows while d_j is the target's argmax,
 //     then the target's token (host rows through the sampler, so logprobs are the target's); sampling rows by
 //     rejection sampling against the sampler's filtered distribution, with uniforms from the sequence's own seeded
 //     stream (reproducible); a greedy drafter is q = one-hot;
-//   - settle_speculation: a row that rejected a draft restores its checkpoint and runs [pending, accepted drafts]
-//     again (one batched pass, no logits) so that the DeltaNet recurrent and conv state and the MTP head's hidden
-//     state end at the last accepted token; KV rows of rejected positions are written again before any read. The
+//   - settle_speculation: the DeltaNet recurrent and conv state and the MTP head's hidden state of a row that
+//     rejected a draft are set to those after its last accepted token: the position checkpoint of that token
+//     (keep_verified), or, without them, the save_state checkpoint restored and [pending, accepted drafts] run again
+//     (one batched pass, no logits); KV rows of rejected positions are written again before any read. The
 //     scheduler counts the accepted tokens as computed;
 //   - emit_rows sends them like any tokens (eos / stop / max_tokens / context checked after each, nothing past).
 // A draft-less row after a speculative step thus starts from exactly the state a plain decode would have.
@@ -191,7 +193,9 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
       e2e_(latency_buckets_s()),
       queue_time_(latency_buckets_s()),
       spec_accept_length_(accept_length_buckets()),
-      draft_chooser_(opts_.speculative_num_steps) {
+      draft_chooser_(opts_.speculative_num_steps),
+      position_checkpoints_(opts_.speculative_num_steps > 0 ? runner_->position_checkpoints() : 0) {
+  draft_chooser_.set_replays(position_checkpoints_ == 0);
   seed_base_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   std::sort(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
   gauges_.kv_pages_total = capacity_.kv_pages;
@@ -531,6 +535,7 @@ void Engine::build_rows(const StepPlan& plan) {
   rows_.clear();
   step_k_ = step_draft_length(plan);
   size_t output = 0;
+  int checkpoints_left = position_checkpoints_;  // a verify of k drafts keeps k of them
   for (const PlannedChunk& c : plan.chunks) {
     chunks_.push_back(runner_chunk(c, capacity_.page_size));
     if (!c.want_logits) continue;
@@ -540,6 +545,10 @@ void Engine::build_rows(const StepPlan& plan) {
     row.output = output;
     row.completes_prompt = c.start_pos + c.num_tokens == c.seq->prompt_len;
     row.draft_k = row_draft_length(plan, c, step_k_);
+    if (position_checkpoints_ > 0) {
+      row.draft_k = std::min(row.draft_k, checkpoints_left);
+      checkpoints_left -= row.draft_k;
+    }
     output += static_cast<size_t>(row.draft_k) + 1;
     rows_.push_back(std::move(row));
   }
@@ -608,6 +617,7 @@ bool Engine::draft(const StepPlan& plan) {
         ch.page_table = std::span<const int32_t>(
             seq.pages.data(), static_cast<size_t>((end + capacity_.page_size - 1) / capacity_.page_size));
         ch.logits_tokens = k + 1;
+        ch.checkpoint_positions = position_checkpoints_ > 0;
       }
     }
   } catch (const std::exception& e) {
@@ -632,8 +642,9 @@ bool Engine::forward(const StepPlan& plan, OutputMode mode) {
   const auto t0 = Clock::now();
   try {
     for (const StateCopy& c : plan.restores) runner_->copy_state(c.src, c.dst);
-    for (const StepRow& row : rows_)
-      if (row.draft_k > 0) runner_->save_state(row.seq->state_slot);
+    if (position_checkpoints_ == 0)
+      for (const StepRow& row : rows_)
+        if (row.draft_k > 0) runner_->save_state(row.seq->state_slot);
     switch (mode) {
       case OutputMode::argmax: runner_->forward_argmax(chunks_, runner_tokens_); break;
       case OutputMode::device_sample: runner_->forward_sample(chunks_, row_sampling_, runner_tokens_); break;
@@ -755,9 +766,10 @@ void Engine::choose_speculative(StepRow& row, OutputMode mode) {
   }
 }
 
-// The state of every verified sequence ends at its last accepted token: a row that rejected a draft restores the
-// checkpoint taken before the verify and runs [pending, accepted drafts] again (one pass for all of them, no
-// logits); the scheduler then counts the accepted drafts as computed. A failed replay ends those sequences.
+// The state of every verified sequence ends at its last accepted token: a row that rejected a draft takes the position
+// checkpoint of that token or, without them, restores the checkpoint taken before the verify and runs [pending,
+// accepted drafts] again (one pass for all of them, no logits); the scheduler then counts the accepted drafts as
+// computed. A failed replay ends those sequences.
 void Engine::settle_speculation() {
   if (step_k_ == 0) return;
   std::vector<model::SeqChunk> replay;
@@ -769,6 +781,15 @@ void Engine::settle_speculation() {
     spec_accept_length_.observe(row.accepted + 1);
     draft_chooser_.observe_accepts(row.draft_k, row.accepted);
     if (row.accepted == row.draft_k) continue;  // the verify ran exactly the accepted tokens
+    if (position_checkpoints_ > 0) {
+      try {
+        runner_->keep_verified(row.seq->state_slot, row.accepted + 1);
+      } catch (const std::exception& e) {
+        KILN_LOG_ERROR("speculative state settle failed: {}", e.what());
+        row.error = fmt::format("model step failed: {}", e.what());
+      }
+      continue;
+    }
     model::SeqChunk ch = chunks_[row.chunk];
     ch.tokens = std::span<const int32_t>(row.verify_tokens.data(), static_cast<size_t>(row.accepted) + 1);
     ch.want_logits = false;

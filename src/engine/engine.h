@@ -200,6 +200,9 @@ class Engine {
   // Speculative decoding (engine thread).
   DraftLengthChooser draft_chooser_;
   int step_k_ = 0;  // the draft length chosen for the step being run
+  // The runner's position checkpoints (ModelRunner::position_checkpoints) when speculating: a step's drafts, summed
+  // over its rows, stay within them; 0: save_state / restore_state and a replay.
+  int position_checkpoints_ = 0;
   struct StepTimes {
     double draft_s = 0, forward_s = 0, replay_s = 0;
     int64_t replay_tokens = 0;

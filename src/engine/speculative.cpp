@@ -186,7 +186,7 @@ double DraftLengthChooser::expected_step_seconds(int batch, int k) const {
   double all = 1;
   for (int j = 1; j <= k; ++j) all *= acceptance(j);
   const double draft = std::max(draft_.estimate(b), 0.0);
-  const double replay_chance = 1 - std::pow(all, b);
+  const double replay_chance = replays_ ? 1 - std::pow(all, b) : 0.0;
   return multi(b * (k + 1)) + k * draft + replay_chance * multi(b * expected_accept_length(k));
 }
 

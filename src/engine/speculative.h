@@ -56,7 +56,8 @@ int32_t draw_index(std::span<const double> w, double u);
 //   seconds        T(b, 0) = decode(b)
 //                  T(b, K) = multi(b (K + 1)) + K draft(b) + (1 - prod_{j<=K} alpha_j ^ b) multi(b L(K))
 //                  (the last term: restoring the recurrent state and replaying the accepted tokens, which a step
-//                  needs as soon as one of its sequences rejected a draft)
+//                  needs as soon as one of its sequences rejected a draft; none with a runner's position
+//                  checkpoints, set_replays(false): taking one is a state copy, inside the measured step)
 //   choice         argmax_K b L(K) / T(b, K) (ties: the smaller K).
 // A cost never measured is estimated from the measured buckets of its table: linear between the nearest two, flat
 // below the smallest, proportional to the tokens above the largest; a multi-token pass with no measurement at all
@@ -71,6 +72,7 @@ class DraftLengthChooser {
   explicit DraftLengthChooser(int max_k, double ewma_weight = 0.25, int explore_period = 64);
 
   int max_k() const { return max_k_; }
+  void set_replays(bool replays) { replays_ = replays; }  // false: a rejected draft costs no replay pass
   int choose(int batch);
 
   void observe_decode(int batch, double seconds);
@@ -99,6 +101,7 @@ class DraftLengthChooser {
   int max_k_;
   double w_;
   int explore_period_;
+  bool replays_ = true;
   Table decode_, multi_, draft_;
   std::array<double, kMaxSteps + 1> attempts_{}, accepts_{};  // per draft position j (index j), decayed
   std::array<int, kBuckets> choices_{};

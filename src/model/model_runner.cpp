@@ -17,6 +17,9 @@ void ModelRunner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int
 
 void ModelRunner::save_state(int slot) { fail("this model runner cannot checkpoint state slot {}", slot); }
 void ModelRunner::restore_state(int slot) { fail("this model runner cannot restore state slot {}", slot); }
+void ModelRunner::keep_verified(int slot, int tokens) {
+  fail("this model runner keeps no position checkpoints (slot {}, {} tokens)", slot, tokens);
+}
 
 void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
   int64_t rows = 0;

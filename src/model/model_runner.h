@@ -40,6 +40,9 @@ struct SeqChunk {
   // With want_logits: logits rows for the chunk's last `logits_tokens` tokens (in token order; a speculative verify
   // asks for all K + 1), each counted as one row by forward / forward_argmax / forward_sample.
   int logits_tokens = 1;
+  // Keep the state after each of the chunk's tokens but the last (position checkpoints), so that keep_verified can
+  // settle a speculative verify without running it again. Only for runners with position_checkpoints() > 0.
+  bool checkpoint_positions = false;
 };
 
 // One sequence's draft chain (speculative decoding with the model's MTP head): `token` is the sequence's pending
@@ -97,6 +100,14 @@ class ModelRunner {
   // entries of rejected positions are never read before they are written again.
   virtual void save_state(int slot);
   virtual void restore_state(int slot);
+  // Position checkpoints, the alternative without a replay: a forward call keeps, for each chunk with
+  // checkpoint_positions, the state after each of its tokens but the last; keep_verified then makes the slot's state
+  // (recurrent, conv, the MTP head's input) the one after the chunk's first `tokens` tokens (1 .. its size), before
+  // the next forward or draft. position_checkpoints(): how many token states one forward call can keep (the sizes
+  // less one of its checkpoint_positions chunks, summed, must not exceed it); 0: none (save_state / restore_state and
+  // a replay then). A caller uses one scheme or the other: both share the runner's spare state rows.
+  virtual int position_checkpoints() const { return 0; }
+  virtual void keep_verified(int slot, int tokens);
 
   // Why this runner can no longer run steps ("" while it can): a multi-node group whose link failed. Safe to call
   // from any thread (the server's /health reports it).

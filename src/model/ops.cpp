@@ -70,6 +70,9 @@ void upload_step(Ops& ops, StepLayout& step) {
   step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
   step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
   step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
+  step.token_checkpoint_slot = step.host_token_checkpoint_slot.empty()
+                                   ? TensorView()
+                                   : ops.upload(step.host_token_checkpoint_slot.data(), DType::I32, Shape{T});
 }
 
 TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {

@@ -84,6 +84,11 @@ struct StepLayout {
   // Host mirrors (same content; always valid).
   std::vector<int32_t> host_token_pos, host_seq_token_begin, host_seq_start_pos, host_seq_state_slot,
       host_page_table;
+  // Position checkpoints (speculative verify; ModelRunner::keep_verified): per token, the state slot that receives the
+  // recurrent and conv state as it stands after that token (-1: none). Empty (both) when the pass keeps none; a pass
+  // that keeps some runs the delta rule as the recurrence.
+  TensorView token_checkpoint_slot;  // I32 [T]
+  std::vector<int32_t> host_token_checkpoint_slot;
 };
 
 // Routed experts of one MoE layer: expert e computes down(silu(gate x) * up x).

@@ -11,6 +11,9 @@
 namespace kiln::model {
 
 namespace {
+// The most tokens per sequence of a pass that is captured as a CUDA graph (a verify pass of up to 7 drafts).
+constexpr int64_t kGraphMaxTokensPerSeq = 8;
+
 // Rows [begin, begin + n) of a contiguous [R, H] view.
 TensorView row_range(const TensorView& t, int64_t begin, int64_t n) {
   return TensorView(static_cast<char*>(t.data) + begin * t.shape.dims[1] * static_cast<int64_t>(dtype_size(t.dtype)),
@@ -39,6 +42,10 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
     fail("recurrent state dtype {} is not supported (F32 or BF16)", dtype_name(state_dtype));
   kv_index_.assign(c.num_layers, -1);
   linear_index_.assign(c.num_layers, -1);
+  // With an MTP head every state tensor has a spare row per slot after the live ones: save_state's checkpoints, or a
+  // forward call's position checkpoints.
+  spare_rows_ = model_->weights.has_mtp ? options_.state_slots : 0;
+  const int64_t state_rows = options_.state_slots + spare_rows_;
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.layer_is_full_attention(l)) {
       kv_index_[l] = static_cast<int>(kv_.size());
@@ -54,13 +61,13 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
       kv_.push_back(v);
     } else {
       linear_index_[l] = static_cast<int>(conv_state_.size());
-      conv_state_.push_back(ops_->allocate(DType::F32, Shape{options_.state_slots, C, Kc - 1}));
-      recurrent_state_.push_back(ops_->allocate(state_dtype, Shape{options_.state_slots, Hv, Dk, Dv}));
+      conv_state_.push_back(ops_->allocate(DType::F32, Shape{state_rows, C, Kc - 1}));
+      recurrent_state_.push_back(ops_->allocate(state_dtype, Shape{state_rows, Hv, Dk, Dv}));
     }
   }
   if (model_->weights.has_mtp) {
-    // The MTP head's layer (index num_layers): its KV cache in the same pages, a checkpoint of every state slot for
-    // speculative verification, and the rows its hidden-state inputs are gathered from.
+    // The MTP head's layer (index num_layers): its KV cache in the same pages, and the rows its hidden-state inputs
+    // are gathered from.
     const int L = c.num_layers;
     kv_index_.push_back(static_cast<int>(kv_.size()));
     linear_index_.push_back(-1);
@@ -72,13 +79,8 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
       v.v_scale = model_->weights.mtp.layer.attn.v_scale;
     }
     kv_.push_back(v);
-    for (size_t i = 0; i < conv_state_.size(); ++i) {
-      conv_saved_.push_back(ops_->allocate(DType::F32, conv_state_[i].shape));
-      recurrent_saved_.push_back(ops_->allocate(recurrent_state_[i].dtype, recurrent_state_[i].shape));
-    }
-    mtp_rows_ = ops_->allocate(DType::F32, Shape{options_.state_slots + options_.prefill_chunk, c.hidden_size});
+    mtp_rows_ = ops_->allocate(DType::F32, Shape{state_rows + options_.prefill_chunk, c.hidden_size});
     ops_->fill_zero(mtp_rows_);
-    mtp_rows_saved_ = ops_->allocate(DType::F32, Shape{options_.state_slots, c.hidden_size});
     (void)L;
   }
   if (options_.kv_dtype == DType::F8_E4M3 && !kv_.empty()) {
@@ -96,7 +98,7 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
   capacity_.kv_bytes_per_token =
       static_cast<int64_t>(kv_.size()) * 2 * Hkv * D * static_cast<int64_t>(dtype_size(options_.kv_dtype));
   capacity_.state_bytes_per_slot =
-      static_cast<int64_t>(conv_state_.size() + conv_saved_.size()) *
+      static_cast<int64_t>(conv_state_.size()) * (spare_rows_ > 0 ? 2 : 1) *
       (C * (Kc - 1) * 4 + Hv * Dk * Dv * static_cast<int64_t>(dtype_size(state_dtype)));
 }
 
@@ -111,7 +113,7 @@ std::string Runner::describe() const {
       w.bytes_by_format[1] / 1e6, w.bytes_by_format[2] / 1e6, dtype_name(options_.kv_dtype), capacity_.kv_pages,
       capacity_.page_size, capacity_.kv_bytes_per_token, capacity_.state_slots, capacity_.state_bytes_per_slot / 1e6,
       recurrent_state_.empty() ? "" : fmt::format(", {} recurrent", dtype_name(recurrent_state_.front().dtype)),
-      options_.prefill_chunk, w.has_mtp ? " | MTP head (KV in the same pages, state checkpoints)" : "") +
+      options_.prefill_chunk, w.has_mtp ? " | MTP head (KV in the same pages, position checkpoints)" : "") +
       (options_.summary.empty() ? std::string() : " | " + options_.summary);
 }
 
@@ -131,14 +133,18 @@ void Runner::reset_slot(int slot) {
 void Runner::copy_state(int src_slot, int dst_slot) {
   if (src_slot < 0 || src_slot >= options_.state_slots || dst_slot < 0 || dst_slot >= options_.state_slots)
     fail("copy_state: slots {} -> {} outside [0, {})", src_slot, dst_slot, options_.state_slots);
-  if (src_slot == dst_slot) return;
+  copy_state_row(src_slot, dst_slot);
+}
+
+void Runner::copy_state_row(int64_t src, int64_t dst) {
+  if (src == dst) return;
   // Ops::copy runs on the backend's stream. The recurrent slots may be BF16 (Ops::recurrent_state_dtype): a backend
   // that stores them so copies their bytes as they are (CudaOps::copy moves elements of any size).
   for (size_t i = 0; i < conv_state_.size(); ++i) {
-    ops_->copy(conv_state_[i].row(src_slot), conv_state_[i].row(dst_slot));
-    ops_->copy(recurrent_state_[i].row(src_slot), recurrent_state_[i].row(dst_slot));
+    ops_->copy(conv_state_[i].row(src), conv_state_[i].row(dst));
+    ops_->copy(recurrent_state_[i].row(src), recurrent_state_[i].row(dst));
   }
-  if (mtp_rows_.data) ops_->copy(mtp_rows_.row(src_slot), mtp_rows_.row(dst_slot));
+  if (mtp_rows_.data) ops_->copy(mtp_rows_.row(src), mtp_rows_.row(dst));
 }
 
 void Runner::save_state(int slot) { copy_checkpoint(slot, /*save=*/true); }
@@ -147,21 +153,24 @@ void Runner::restore_state(int slot) { copy_checkpoint(slot, /*save=*/false); }
 
 void Runner::copy_checkpoint(int slot, bool save) {
   const char* what = save ? "save_state" : "restore_state";
-  if (conv_saved_.empty() && conv_state_.size()) fail("{}: the runner keeps no state checkpoints (no MTP head)", what);
+  if (spare_rows_ == 0) fail("{}: the runner keeps no state checkpoints (no MTP head)", what);
   if (slot < 0 || slot >= options_.state_slots) fail("{}: slot {} outside [0, {})", what, slot, options_.state_slots);
-  auto copy = [&](const TensorView& live, const TensorView& saved) {
-    if (save)
-      ops_->copy(live.row(slot), saved.row(slot));
-    else
-      ops_->copy(saved.row(slot), live.row(slot));
-  };
-  for (size_t i = 0; i < conv_state_.size(); ++i) {
-    copy(conv_state_[i], conv_saved_[i]);
-    copy(recurrent_state_[i], recurrent_saved_[i]);
-  }
-  // The head's input for the slot's next entry (its last hidden state) belongs to the checkpoint too: a replay after
-  // a rejected draft starts its head entries from it.
-  if (mtp_rows_saved_.data) copy(mtp_rows_, mtp_rows_saved_);
+  // The checkpoint is the slot's spare row. The head's input for the slot's next entry (its last hidden state)
+  // belongs to it too: a replay after a rejected draft starts its head entries from it.
+  const int64_t spare = options_.state_slots + slot;
+  if (save)
+    copy_state_row(slot, spare);
+  else
+    copy_state_row(spare, slot);
+}
+
+void Runner::keep_verified(int slot, int tokens) {
+  const auto it = kept_.find(slot);
+  if (it == kept_.end()) fail("keep_verified: the last forward call kept no position checkpoints for slot {}", slot);
+  const int n = static_cast<int>(it->second.size()) + 1;
+  if (tokens < 1 || tokens > n) fail("keep_verified: {} tokens of a chunk of {}", tokens, n);
+  if (tokens < n) copy_state_row(it->second[static_cast<size_t>(tokens - 1)], slot);
+  kept_.erase(it);
 }
 
 void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {
@@ -367,20 +376,48 @@ void Runner::forward_sample(std::span<const SeqChunk> chunks, std::span<const Ro
 
 void Runner::run_passes(std::span<const SeqChunk> chunks,
                         const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit) {
-  // Passes of at most prefill_chunk tokens; a chunk longer than the budget continues in the next pass.
+  // Passes of at most prefill_chunk tokens; a chunk longer than the budget continues in the next pass. A chunk that
+  // keeps position checkpoints runs whole in one pass, and when the call also has longer chunks, the checkpoint
+  // chunks and the one-token chunks go first, in passes of their own: such a pass runs the delta rule as the
+  // recurrence, which keeps the checkpoints (a prompt's pass takes the chunked form).
+  kept_.clear();
+  spare_used_ = 0;
   std::vector<int64_t> done(chunks.size(), 0), logits_row(chunks.size(), -1);
   int64_t r = 0;
-  for (size_t i = 0; i < chunks.size(); ++i)
+  bool any_checkpoints = false, any_long = false;
+  for (size_t i = 0; i < chunks.size(); ++i) {
     if (chunks[i].want_logits) {
       logits_row[i] = r;
       r += chunks[i].logits_tokens;
     }
+    const bool ckpt = chunks[i].checkpoint_positions;
+    if (ckpt && spare_rows_ == 0) fail("forward: position checkpoints asked of a runner that keeps none");
+    if (ckpt && static_cast<int64_t>(chunks[i].tokens.size()) > options_.prefill_chunk)
+      fail("forward: a chunk of {} tokens with position checkpoints is longer than a pass ({})", chunks[i].tokens.size(),
+           options_.prefill_chunk);
+    any_checkpoints = any_checkpoints || ckpt;
+    any_long = any_long || (!ckpt && chunks[i].tokens.size() > 1);
+  }
+  auto first_phase = [&](size_t i) { return chunks[i].checkpoint_positions || chunks[i].tokens.size() == 1; };
+  if (any_checkpoints && any_long) {
+    run_phase(chunks, done, logits_row, [&](size_t i) { return first_phase(i); }, emit);
+    run_phase(chunks, done, logits_row, [&](size_t i) { return !first_phase(i); }, emit);
+  } else {
+    run_phase(chunks, done, logits_row, [](size_t) { return true; }, emit);
+  }
+}
+
+void Runner::run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& done,
+                       const std::vector<int64_t>& logits_row, const std::function<bool(size_t)>& in_phase,
+                       const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit) {
   for (;;) {
     std::vector<Piece> pieces;
     int64_t budget = options_.prefill_chunk;
     for (size_t i = 0; i < chunks.size() && budget > 0; ++i) {
+      if (!in_phase(i)) continue;
       const int64_t left = static_cast<int64_t>(chunks[i].tokens.size()) - done[i];
       if (left <= 0) continue;
+      if (chunks[i].checkpoint_positions && left > budget) continue;  // whole, in the next pass
       const int64_t n = std::min(left, budget);
       budget -= n;
       Piece p{i, done[i], n, -1};
@@ -405,8 +442,11 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
                              const MtpPass* mtp) {
   const auto& c = model_->config;
   Ops& ops = *ops_;
-  Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
-            options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
+  // A pass that keeps position checkpoints runs the recurrence (run_passes gives it no long chunk).
+  const DeltaRuleMode mode =
+      step.host_token_checkpoint_slot.empty() ? options_.prefill_delta_rule : DeltaRuleMode::recurrent;
+  Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_, mode,
+            trace_ ? &trace_ : nullptr};
   const int64_t T = step.num_tokens;
   TensorView hidden = f.f32(Shape{T, c.hidden_size});
   embed(f, model_->weights, id_view, hidden);
@@ -418,13 +458,14 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   }
   residual_flush(f, hidden);
   if (mtp) {
-    // Every token's final-norm output goes to mtp_rows_ (after the slots' rows): the MTP head's entries of this pass
-    // read their hidden states from there, each slot keeps its last one, and the logits rows are gathered from it.
-    const int64_t slots = options_.state_slots, H = c.hidden_size;
-    TensorView normed_all = row_range(mtp_rows_, slots, T);
+    // Every token's final-norm output goes to mtp_rows_ (after the slots' and the spare rows): the MTP head's entries
+    // of this pass read their hidden states from there, each slot keeps its last one (and each position checkpoint
+    // its token's), and the logits rows are gathered from it.
+    const int64_t kept_rows = options_.state_slots + spare_rows_, H = c.hidden_size;
+    TensorView normed_all = row_range(mtp_rows_, kept_rows, T);
     ops.rms_norm(hidden, model_->weights.final_norm, static_cast<float>(c.rms_norm_eps), model_->family->norm_kind(),
                  normed_all);
-    const TensorView rows_all = row_range(mtp_rows_, 0, slots + T);
+    const TensorView rows_all = row_range(mtp_rows_, 0, kept_rows + T);
     if (mtp->step.num_seqs > 0) {
       TensorView h_in = f.f32(Shape{mtp->step.num_tokens, H});
       ops.gather_rows(rows_all, mtp->hidden_rows, h_in);
@@ -432,9 +473,9 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
                  options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
       mtp_forward(fm, model_->weights, *model_->family, c.num_layers, mtp->ids, h_in);
     }
-    TensorView keep = f.f32(Shape{slots, H});
+    TensorView keep = f.f32(Shape{kept_rows, H});
     ops.gather_rows(rows_all, mtp->keep_rows, keep);
-    ops.copy(keep, row_range(mtp_rows_, 0, slots));
+    ops.copy(keep, row_range(mtp_rows_, 0, kept_rows));
     if (!row_ids.data) return {};
     TensorView normed = f.f32(Shape{row_ids.numel(), H});
     ops.gather_rows(normed_all, row_ids, normed);
@@ -462,11 +503,22 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     const SeqChunk& ch = chunks[p.chunk];
     if (p.offset == 0 && ch.start_pos == 0) reset_slot(ch.state_slot);
   }
-  // A decode pass (one token and its logits per sequence) can be captured and replayed: its shape is (sequences,
-  // pages per sequence), the latter rounded up to a power of two so that a few graphs serve every context length.
-  bool graphable = !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 &&
-                   static_cast<int>(pieces.size()) <= options_.graph_max_batch;
-  for (const Piece& p : pieces) graphable = graphable && p.n_tokens == 1 && p.logits_count == 1;
+  // A decode pass (one token and its logits per sequence) or a verify pass (every sequence the same n <=
+  // kGraphMaxTokensPerSeq tokens, each with logits, a whole chunk) can be captured and replayed: its shape is
+  // (sequences, pages per sequence, n, position checkpoints or not), the pages rounded up to a power of two so that a
+  // few graphs serve every context length.
+  const int64_t n_uniform = pieces.empty() ? 0 : pieces.front().n_tokens;
+  // The pass's tokens stay within graph_max_batch, the step sizes the decode graphs were always captured at.
+  bool graphable = !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 && n_uniform >= 1 &&
+                   n_uniform <= kGraphMaxTokensPerSeq &&
+                   static_cast<int64_t>(pieces.size()) * n_uniform <= options_.graph_max_batch;
+  bool any_checkpoints = false;
+  for (const Piece& p : pieces) {
+    const SeqChunk& ch = chunks[p.chunk];
+    graphable = graphable && p.n_tokens == n_uniform && p.logits_count == n_uniform && p.offset == 0 &&
+                ch.checkpoint_positions == chunks[pieces.front().chunk].checkpoint_positions;
+    any_checkpoints = any_checkpoints || ch.checkpoint_positions;
+  }
   const bool has_mtp = model_->weights.has_mtp;
   // With the MTP head a captured decode pass has one head entry per sequence: none may be at position 0.
   if (has_mtp)
@@ -508,6 +560,28 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   }
   step.num_tokens = static_cast<int64_t>(ids.size());
   const int64_t T = step.num_tokens;
+  // Position checkpoints: each checkpoint chunk's tokens but the last get the next spare rows.
+  const int32_t slots = options_.state_slots;
+  std::vector<std::pair<int64_t, int64_t>> checkpoint_rows;  // (pass token, spare row)
+  if (any_checkpoints) {
+    step.host_token_checkpoint_slot.assign(static_cast<size_t>(T), -1);
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const SeqChunk& ch = chunks[pieces[s].chunk];
+      if (!ch.checkpoint_positions) continue;
+      KILN_CHECK(pieces[s].offset == 0 && pieces[s].n_tokens == static_cast<int64_t>(ch.tokens.size()),
+                 "a chunk with position checkpoints was split over passes");
+      if (spare_used_ + pieces[s].n_tokens - 1 > spare_rows_)
+        fail("forward: the chunks ask for more than the {} position checkpoints a call keeps", spare_rows_);
+      std::vector<int64_t>& kept = kept_[ch.state_slot];
+      for (int64_t t = 0; t + 1 < pieces[s].n_tokens; ++t) {
+        const int64_t row = slots + spare_used_++;
+        const int64_t token = step.host_seq_token_begin[s] + t;
+        step.host_token_checkpoint_slot[static_cast<size_t>(token)] = static_cast<int32_t>(row);
+        checkpoint_rows.emplace_back(token, row);
+        kept.push_back(row);
+      }
+    }
+  }
   std::vector<int32_t> rows;
   std::vector<int64_t> out_rows;
   for (size_t s = 0; s < pieces.size(); ++s) {
@@ -522,23 +596,24 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   MtpPass mtp;
   std::vector<int32_t> mtp_ids, mtp_hidden_rows, mtp_keep_rows;
   if (has_mtp) {
-    const int32_t slots = options_.state_slots;
+    const int32_t pass_row0 = static_cast<int32_t>(slots + spare_rows_);  // mtp_rows_: slots, spare rows, the pass's
     StepLayout& ms = mtp.step;
     ms.page_size = options_.page_size;
     ms.max_pages_per_seq = step.max_pages_per_seq;
     ms.host_seq_token_begin.push_back(0);
-    mtp_keep_rows.resize(static_cast<size_t>(slots));
-    for (int32_t i = 0; i < slots; ++i) mtp_keep_rows[i] = i;
+    mtp_keep_rows.resize(static_cast<size_t>(pass_row0));
+    for (int32_t i = 0; i < pass_row0; ++i) mtp_keep_rows[i] = i;
+    for (const auto& [token, row] : checkpoint_rows) mtp_keep_rows[row] = static_cast<int32_t>(pass_row0 + token);
     for (size_t s = 0; s < pieces.size(); ++s) {
       const Piece& p = pieces[s];
       const SeqChunk& ch = chunks[p.chunk];
       const int64_t start = ch.start_pos + p.offset, row0 = step.host_seq_token_begin[s];
-      mtp_keep_rows[ch.state_slot] = static_cast<int32_t>(slots + row0 + p.n_tokens - 1);
+      mtp_keep_rows[ch.state_slot] = static_cast<int32_t>(pass_row0 + row0 + p.n_tokens - 1);
       const int64_t first = std::max<int64_t>(start, 1);
       if (first >= start + p.n_tokens) continue;
       for (int64_t pos = first; pos < start + p.n_tokens; ++pos) {
         mtp_ids.push_back(ch.tokens[p.offset + (pos - start)]);
-        mtp_hidden_rows.push_back(pos - 1 >= start ? static_cast<int32_t>(slots + row0 + (pos - 1 - start))
+        mtp_hidden_rows.push_back(pos - 1 >= start ? static_cast<int32_t>(pass_row0 + row0 + (pos - 1 - start))
                                                    : ch.state_slot);
         ms.host_token_pos.push_back(static_cast<int32_t>(pos - 1));
       }
@@ -569,7 +644,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
 
   TensorView out;
   if (graphable) {
-    const std::pair<int, int> key{step.num_seqs, step.max_pages_per_seq};
+    const GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints};
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
       if (ops.graph_launch(it->second.handle)) {

@@ -74,6 +74,8 @@ class Runner : public ModelRunner {
   void draft_rank(std::span<const DraftSeq> seqs, int steps, const DraftPick& pick, const DraftLogits& logits_slice);
   void save_state(int slot) override;
   void restore_state(int slot) override;
+  int position_checkpoints() const override { return static_cast<int>(spare_rows_); }
+  void keep_verified(int slot, int tokens) override;
   // Its Ops' device figures with the KV pool and state slots it allocated (one entry, rank 0; none on the CPU).
   std::vector<DeviceMemory> device_memory() const override;
 
@@ -106,21 +108,28 @@ class Runner : public ModelRunner {
     StepLayout step;          // the entries: (t[p], h[p - 1]) at position p - 1 for each pass token at p >= 1
     TensorView ids;           // I32 [M] t[p]
     TensorView hidden_rows;   // I32 [M] rows of mtp_rows_ holding h[p - 1]
-    TensorView keep_rows;     // I32 [slots] each slot's new last hidden state (a row of mtp_rows_)
+    TensorView keep_rows;     // I32 [slots + spare rows] the rows of mtp_rows_ each slot's new last hidden state and
+                              // each spare row's (a position checkpoint's token; else itself) come from
   };
   // Checks the chunks; returns the number of logits rows they ask for.
   int64_t check_chunks(std::span<const SeqChunk> chunks) const;
   // Runs the passes; the last pass's logits rows (chunk order) are handed to `emit`.
   void run_passes(std::span<const SeqChunk> chunks, const std::function<void(const TensorView&,
                   const std::vector<int64_t>&)>& emit);
+  // The passes over the chunks for which in_phase(index) holds (done: tokens of each chunk run so far).
+  void run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& done, const std::vector<int64_t>& logits_row,
+                 const std::function<bool(size_t)>& in_phase,
+                 const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces,
                 const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // The compute of one pass after its uploads: embedding, layers, final norm and lm_head of `row_ids`.
   TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids,
                        const MtpPass* mtp);
   void reset_slot(int slot);
-  // save_state (save: the slot's live state -> its checkpoint) and restore_state (the checkpoint -> the live state).
+  // save_state (save: the slot's live state -> its checkpoint, its spare row) and restore_state (back).
   void copy_checkpoint(int slot, bool save);
+  // Copies row src of every state tensor (conv, recurrent, the MTP head's input rows) to row dst.
+  void copy_state_row(int64_t src, int64_t dst);
 
   std::unique_ptr<Communicator> owned_comm_;  // destroyed after ops_
   std::unique_ptr<Ops> ops_;
@@ -133,19 +142,30 @@ class Runner : public ModelRunner {
   // draft() and draft_rank(): the chain; next(step, logits [S, V local], chosen ids) picks each step's tokens.
   void draft_chain(std::span<const DraftSeq> seqs, int steps,
                    const std::function<void(int, const TensorView&, std::span<int32_t>)>& next);
-  std::vector<TensorView> conv_saved_, recurrent_saved_;  // save_state() checkpoints (with an MTP head)
+  // Spare state rows (with an MTP head: one per slot, rows [slots, 2 slots) of every state tensor and of mtp_rows_):
+  // save_state's checkpoints, or the current forward call's position checkpoints, handed out in order.
+  int64_t spare_rows_ = 0;
+  int64_t spare_used_ = 0;
+  // The position checkpoints of the last forward call: per slot, the spare row holding the state after each of its
+  // chunk's tokens but the last.
+  std::map<int, std::vector<int64_t>> kept_;
   // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
-  // position); rows [slots, slots + prefill_chunk) the current pass's. F32 [slots + prefill_chunk, H].
+  // position), then the spare rows, then the current pass's rows. F32 [2 slots + prefill_chunk, H].
   TensorView mtp_rows_;
-  TensorView mtp_rows_saved_;  // save_state()'s copy of a slot's row of mtp_rows_, F32 [slots, H]
   TraceFn trace_;
-  // Captured decode passes, by (sequences, pages per sequence).
+  // Captured passes, by shape: decode passes (one token and its logits per sequence) and speculative verify passes
+  // (every sequence the same few tokens, all with logits, maybe keeping position checkpoints).
+  struct GraphKey {
+    int seqs = 0, pages = 0, tokens_per_seq = 1;
+    bool checkpoints = false;
+    auto operator<=>(const GraphKey&) const = default;
+  };
   struct Graph {
     int handle = -1;
     TensorView logits;  // where the replayed pass leaves its logits
   };
-  std::map<std::pair<int, int>, Graph> graphs_;
-  std::map<std::pair<int, int>, int> graph_seen_;
+  std::map<GraphKey, Graph> graphs_;
+  std::map<GraphKey, int> graph_seen_;
   bool graphs_enabled_ = true;  // eager runs per shape before capturing
 };
 

@@ -439,6 +439,15 @@ void TpRunner::restore_state(int slot) {
   run_all([&](int r) { ranks_[r]->restore_state(slot); });
 }
 
+int TpRunner::position_checkpoints() const {
+  return multi_node() ? 0 : ranks_[0]->position_checkpoints();  // the wire carries no checkpoint chunks
+}
+
+void TpRunner::keep_verified(int slot, int tokens) {
+  if (multi_node()) fail("keep_verified across machines is not supported");
+  run_all([&](int r) { ranks_[r]->keep_verified(slot, tokens); });
+}
+
 void TpRunner::follow() {
   if (!multi_node() || options_.link->node_rank() == 0) fail("follow(): only the nodes other than 0 follow steps");
   NodeLink& link = *options_.link;

@@ -69,6 +69,8 @@ class TpRunner : public ModelRunner {
   void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
   void save_state(int slot) override;
   void restore_state(int slot) override;
+  int position_checkpoints() const override;
+  void keep_verified(int slot, int tokens) override;
   std::string fatal_error() const override;
   // Every rank's device figures (rank r's entry has rank r).
   std::vector<DeviceMemory> device_memory() const override;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
@@ -36,8 +37,10 @@ struct HeadInputs {
   int64_t ldq, ldk, ldv;  // row (token) strides of q, k, v in elements
 };
 
-// One sequence, one value head, tokens [t0, t0 + n): recurrence. S [Dk, Dv] updated in place.
-void recurrent_head(const HeadInputs& in, int64_t h, int64_t t0, int64_t n, float* S, float* out /*[T, Hv, Dv]*/) {
+// One sequence, one value head, tokens [t0, t0 + n): recurrence. S [Dk, Dv] updated in place. checkpoint(t), when
+// given, is where the state after token t is copied (null: nowhere): the step's position checkpoints.
+void recurrent_head(const HeadInputs& in, int64_t h, int64_t t0, int64_t n, float* S, float* out /*[T, Hv, Dv]*/,
+                    const std::function<float*(int64_t t)>& checkpoint) {
   const int64_t Dk = in.Dk, Dv = in.Dv, kh = h / (in.Hv / in.Hk);
   std::vector<float> q(Dk), k(Dk), kv_mem(Dv), delta(Dv);
   const float q_scale = std::sqrt(static_cast<float>(Dk));
@@ -61,6 +64,7 @@ void recurrent_head(const HeadInputs& in, int64_t h, int64_t t0, int64_t n, floa
     std::fill(o, o + Dv, 0.0f);
     for (int64_t i = 0; i < Dk; ++i)
       for (int64_t j = 0; j < Dv; ++j) o[j] += S[i * Dv + j] * q[i];
+    if (float* dst = checkpoint ? checkpoint(t) : nullptr) std::copy(S, S + Dk * Dv, dst);
   }
 }
 
@@ -156,6 +160,7 @@ void CpuOps::causal_conv1d_silu(const TensorView& x, const TensorView& weight, T
   const float* px = static_cast<const float*>(x.data);
   float* po = static_cast<float*>(out.data);
   float* ps = static_cast<float*>(conv_state.data);
+  const bool ckpt = !step.host_token_checkpoint_slot.empty();
   auto body = [&](int64_t c_begin, int64_t c_end) {
     std::vector<float> w(Kc), window;
     for (int64_t c = c_begin; c < c_end; ++c) {
@@ -170,6 +175,9 @@ void CpuOps::causal_conv1d_silu(const TensorView& x, const TensorView& weight, T
           float acc = 0;
           for (int64_t j = 0; j < Kc; ++j) acc += w[j] * window[i + j];
           po[(b + i) * C + c] = silu(acc);
+          // A position checkpoint: the state after token b + i (its last Kc - 1 inputs) into another slot.
+          const int32_t cs = ckpt ? step.host_token_checkpoint_slot[b + i] : -1;
+          if (cs >= 0) std::copy(window.begin() + i + 1, window.begin() + i + 1 + keep, ps + (cs * C + c) * keep);
         }
         std::copy(window.end() - keep, window.end(), state);
       }
@@ -219,6 +227,7 @@ void CpuOps::gated_delta_rule(const TensorView& q, const TensorView& k, const Te
              "gated_delta_rule: q {} v {} state {}", q.shape.str(), v.shape.str(), state.shape.str());
   float* ps = static_cast<float*>(state.data);
   float* po = static_cast<float*>(out.data);
+  const bool ckpt = !step.host_token_checkpoint_slot.empty();
   const int64_t items = static_cast<int64_t>(step.num_seqs) * in.Hv;
   auto body = [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
@@ -226,10 +235,16 @@ void CpuOps::gated_delta_rule(const TensorView& q, const TensorView& k, const Te
       const int64_t h = item % in.Hv;
       const int64_t t0 = step.host_seq_token_begin[s], n = step.host_seq_token_begin[s + 1] - t0;
       float* S = ps + (static_cast<int64_t>(step.host_seq_state_slot[s]) * in.Hv + h) * in.Dk * in.Dv;
-      if (mode == DeltaRuleMode::chunked && n > 1)
+      if (ckpt) {  // position checkpoints: the recurrence, copying the state after each marked token
+        recurrent_head(in, h, t0, n, S, po, [&](int64_t t) -> float* {
+          const int32_t cs = step.host_token_checkpoint_slot[t];
+          return cs < 0 ? nullptr : ps + (static_cast<int64_t>(cs) * in.Hv + h) * in.Dk * in.Dv;
+        });
+      } else if (mode == DeltaRuleMode::chunked && n > 1) {
         chunked_head(in, h, t0, n, S, po);
-      else
-        recurrent_head(in, h, t0, n, S, po);
+      } else {
+        recurrent_head(in, h, t0, n, S, po, {});
+      }
     }
   };
   if (step.num_tokens * in.Dk * in.Dv * 4 < (int64_t{1} << 15))

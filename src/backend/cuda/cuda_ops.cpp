@@ -129,6 +129,7 @@ kops::StepArgs step_args(const StepLayout& step) {
   a.num_seqs = step.num_seqs;
   a.max_pages = step.max_pages_per_seq;
   a.page_size = step.page_size;
+  a.token_checkpoint_slot = step.host_token_checkpoint_slot.empty() ? nullptr : i32(step.token_checkpoint_slot);
   for (int s = 0; s + 1 < static_cast<int>(step.host_seq_token_begin.size()); ++s)
     a.max_seq_tokens = std::max(a.max_seq_tokens, step.host_seq_token_begin[s + 1] - step.host_seq_token_begin[s]);
   KILN_CHECK(static_cast<int>(step.host_seq_token_begin.size()) == step.num_seqs + 1, "step layout: {} sequences, {} offsets",
@@ -844,6 +845,7 @@ bool CudaOps::delta_rule_chunked(const StepLayout& step, DeltaRuleMode mode) con
   // Chunks of 64 tokens (the UT-transform form, parallel over a chunk's tokens) when the step has a sequence of >= 32
   // tokens and the caller asks for the chunked mode (prefill); the recurrence otherwise (decode). The tests can ask
   // for the chunked form on every step (CudaOptions::delta_rule).
+  if (!step.host_token_checkpoint_slot.empty()) return false;  // position checkpoints: only the recurrence keeps them
   if (impl_->options.delta_rule == CudaOptions::DeltaRule::chunked) return true;
   return mode == DeltaRuleMode::chunked && step_args(step).max_seq_tokens >= kChunkedDeltaMinTokens;
 }

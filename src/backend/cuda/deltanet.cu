@@ -25,7 +25,8 @@ unsigned capped_grid(int64_t n) {
 // ---- Gated DeltaNet: causal conv (a thread per channel and chunk of a sequence's tokens) and gates
 
 // grid (C / 128, S, token chunks of kConvChunk): a thread per (channel, chunk of one sequence), so that a long prefill
-// runs in parallel over its tokens. The window before a chunk's first token comes from x (earlier tokens of the
+// runs in parallel over its tokens. Position checkpoints (step.token_checkpoint_slot) go to slots no sequence of the
+// step reads. The window before a chunk's first token comes from x (earlier tokens of the
 // sequence) or from conv_state (inputs before the sequence). Only chunk 0 touches conv_state: it reads the old
 // state, then writes the new one (the sequence's last KC - 1 inputs), so no block reads a state another rewrites.
 constexpr int kConvChunk = 64;
@@ -56,6 +57,13 @@ __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const
     out[int64_t(t) * C + c] = silu(acc);
 #pragma unroll
     for (int j = 0; j < KC - 1; ++j) win[j] = win[j + 1];
+    // A position checkpoint: the state as it stands after token t (its last KC - 1 inputs) into another slot.
+    const int cs = step.token_checkpoint_slot ? step.token_checkpoint_slot[t] : -1;
+    if (cs >= 0) {
+      float* dst = conv_state + (int64_t(cs) * C + c) * (KC - 1);
+#pragma unroll
+      for (int j = 0; j < KC - 1; ++j) dst[j] = win[j];
+    }
   }
   if (chunk == 0) {
     float next[KC - 1];
@@ -207,6 +215,17 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
 #pragma unroll
       for (int w = 0; w < kDeltaWarps; ++w) sum += red_o[w][lane];
       out[(int64_t(t) * Hv + h) * Dv + j] = sum;
+    }
+    // A position checkpoint: the state as it stands after token t into another slot (same rounding as the final
+    // write-back).
+    const int cs = step.token_checkpoint_slot ? step.token_checkpoint_slot[t] : -1;
+    if (cs >= 0) {
+      const int64_t C0 = (int64_t(cs) * Hv + h) * Dk * Dv;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = warp + kDeltaWarps * r;
+        if (col_ok && i < Dk) store_state(state, C0 + int64_t(i) * Dv + j, sv[r]);
+      }
     }
     // The next token's q_s / k_s / red_kv writes come after this token's reads: every thread has passed the
     // red_o barrier (all q_s / k_s reads done); red_kv is next written after the next barrier.

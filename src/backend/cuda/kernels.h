@@ -54,6 +54,9 @@ struct StepArgs {
   const int32_t* page_table = nullptr;       // [S, max_pages]
   int32_t num_tokens = 0, num_seqs = 0, max_pages = 0, page_size = 0;
   int32_t max_seq_tokens = 0;  // longest sequence of the step (host-known)
+  // [T] or null: the state slot that receives each token's conv / recurrent state after it (-1: none); the conv kernel
+  // and the delta rule's recurrence write these position checkpoints (the chunked form takes no such step).
+  const int32_t* token_checkpoint_slot = nullptr;
 };
 
 // One layer's paged KV pool: [pages, page_size, kv_heads, head_dim] each.

@@ -1079,6 +1079,10 @@ class ScriptedDrafts : public model::ModelRunner {
   int mtp_layers() const override { return inner_->mtp_layers(); }
   void save_state(int slot) override { inner_->save_state(slot); }
   void restore_state(int slot) override { inner_->restore_state(slot); }
+  // The inner runner's position checkpoints, unless hidden (the engine then checkpoints, restores and replays).
+  int position_checkpoints() const override { return replay_ ? 0 : inner_->position_checkpoints(); }
+  void keep_verified(int slot, int tokens) override { inner_->keep_verified(slot, tokens); }
+  void hide_checkpoints() { replay_ = true; }
   std::string describe() const override { return "scripted drafts over " + inner_->describe(); }
 
   void draft(std::span<const model::DraftSeq> seqs, int steps, std::span<int32_t> tokens,
@@ -1114,7 +1118,17 @@ class ScriptedDrafts : public model::ModelRunner {
   std::vector<std::vector<int32_t>> refs_;
   std::function<int(int64_t, int)> correct_;
   std::map<int, std::vector<int32_t>> seen_;
+  bool replay_ = false;
 };
+
+// A ScriptedDrafts that settles rejected drafts by the replay (position checkpoints hidden) when `replay`.
+std::unique_ptr<model::ModelRunner> scripted(std::unique_ptr<model::ModelRunner> inner,
+                                             std::vector<std::vector<int32_t>> refs,
+                                             std::function<int(int64_t, int)> correct, bool replay) {
+  auto d = std::make_unique<ScriptedDrafts>(std::move(inner), std::move(refs), std::move(correct));
+  if (replay) d->hide_checkpoints();
+  return d;
+}
 
 EngineOptions spec_options(int running, int k) {
   EngineOptions o;
@@ -1272,13 +1286,15 @@ TEST(EngineSpeculative, ScriptedDraftsGreedyOutputEqualsPlainDecoding) {
   const auto prompts = spec_prompts();
   const auto ref = reference_outputs(prompts, 30);
   const auto refs = full_sequences(prompts, ref);
-  for (int k = 1; k <= 4; ++k) {
-    // Correct drafts: 0 .. K by position, so full, partial and no accepts all happen.
-    auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true), refs,
-                                                   [](int64_t pos, int steps) { return (pos * 7 + 3) % (steps + 1); });
+  for (int k = 1; k <= 4; ++k) for (bool replay : {false, true}) {
+    // Correct drafts: 0 .. K by position, so full, partial and no accepts all happen. Rejected drafts settled by
+    // position checkpoints, and by the replay. 32 state slots: the runner keeps one position checkpoint per slot, and
+    // 6 rows of K = 4 drafts need 24 (with fewer the engine shortens the rows' drafts: other tests run that).
+    auto runner = scripted(spec_model().load(true, 0, 32), refs,
+                           [](int64_t pos, int steps) { return static_cast<int>((pos * 7 + 3) % (steps + 1)); }, replay);
     Engine e(std::move(runner), spec_options(8, k));
     e.start();
-    EXPECT_EQ(run_all(e, prompts, 30), ref) << "K = " << k;
+    EXPECT_EQ(run_all(e, prompts, 30), ref) << "K = " << k << (replay ? ", replay" : ", position checkpoints");
     const auto m = e.metrics();
     EXPECT_GT(m.spec_accepted_tokens_total, 0u);
     EXPECT_LT(m.spec_accepted_tokens_total, m.spec_draft_tokens_total);
@@ -1297,9 +1313,10 @@ TEST(EngineSpeculative, DraftlessStepAfterAcceptedDraftsSeesTheRightState) {
   const auto ref = reference_outputs(prompts, 30);
   const auto refs = full_sequences(prompts, ref);
   for (bool all_right : {true, false}) {
-    for (int k : {1, 3}) {
-      auto runner = std::make_unique<ScriptedDrafts>(
-          spec_model().load(true), refs, [all_right](int64_t, int steps) { return all_right ? steps : steps - 1; });
+    for (int k : {1, 3}) for (bool replay : {false, true}) {
+      auto runner = scripted(
+          spec_model().load(true), refs, [all_right](int64_t, int steps) { return all_right ? steps : steps - 1; },
+          replay);
       EngineOptions o = spec_options(8, k);
       auto step = std::make_shared<int>(0);
       o.draft_length_for_step = [k, step](int) { return (*step)++ % 2 == 0 ? k : 0; };

@@ -285,6 +285,57 @@ TEST_F(MtpHead, RestoreStateUndoesAVerifyPass) {
   EXPECT_EQ(max_abs_diff(after.data(), want.data(), fx_.vocab), 0.0);
 }
 
+// Position checkpoints: after a verify chunk of 4 tokens, keep_verified(slot, m) leaves the slot as running the first m
+// tokens would (the next token's logits and the head's drafts from there), for every m, beside a prompt that runs in
+// the same call (it goes to a pass of its own, the chunked delta rule).
+TEST_F(MtpHead, KeepVerifiedEqualsRunningTheAcceptedTokens) {
+  const std::vector<int32_t>& prompt = fx_.prompts[2].tokens;
+  const std::vector<int32_t>& other = fx_.prompts[3].tokens;
+  const int64_t L = static_cast<int64_t>(prompt.size()), V = fx_.vocab;
+  const std::vector<int32_t> guess = {5, 6, 7, 8};
+  const int32_t t = 9;
+  for (int m = 1; m <= 4; ++m) {
+    TestRunner r(mtp_dir_, f32_kv());
+    ASSERT_GT(r.runner->position_checkpoints(), 3);
+    r.run(0, prompt, 0);
+    model::SeqChunk verify = r.chunk(0, guess, L);
+    verify.logits_tokens = 4;
+    verify.checkpoint_positions = true;
+    const model::SeqChunk chunks[] = {verify, r.chunk(1, other, 0)};
+    std::vector<float> logits(static_cast<size_t>(5 * V));
+    r.runner->forward(chunks, logits);
+    r.runner->keep_verified(0, m);
+    const std::vector<float> after = r.run(0, std::span(&t, 1), L + m);
+    const Draft d = draft(r, 0, t, L + m, 2);
+
+    TestRunner fresh(mtp_dir_, f32_kv());
+    fresh.run(0, prompt, 0);
+    for (int j = 0; j < m; ++j) fresh.run(0, std::span(&guess[static_cast<size_t>(j)], 1), L + j);
+    const std::vector<float> want = fresh.run(0, std::span(&t, 1), L + m);
+    const Draft want_d = draft(fresh, 0, t, L + m, 2);
+    EXPECT_LT(max_abs_diff(after.data(), want.data(), V), 1e-5 * max_abs(want.data(), V)) << "m = " << m;
+    EXPECT_LT(max_abs_diff(d.logits.data(), want_d.logits.data(), 2 * V), 1e-5 * max_abs(want_d.logits.data(), 2 * V))
+        << "m = " << m;
+    EXPECT_EQ(d.tokens, want_d.tokens) << "m = " << m;
+  }
+}
+
+TEST_F(MtpHead, PositionCheckpointErrors) {
+  TestRunner r(mtp_dir_, f32_kv());
+  const std::vector<int32_t>& prompt = fx_.prompts[2].tokens;
+  const int64_t L = static_cast<int64_t>(prompt.size());
+  r.run(0, prompt, 0);
+  EXPECT_THROW(r.runner->keep_verified(0, 1), Error);  // the last call kept none for slot 0
+  const std::vector<int32_t> guess = {5, 6, 7};
+  model::SeqChunk verify = r.chunk(0, guess, L);
+  verify.checkpoint_positions = true;
+  std::vector<float> logits(static_cast<size_t>(fx_.vocab));
+  r.runner->forward({&verify, 1}, logits);
+  EXPECT_THROW(r.runner->keep_verified(0, 4), Error);  // more tokens than the chunk ran
+  EXPECT_THROW(r.runner->keep_verified(0, 0), Error);
+  EXPECT_NO_THROW(r.runner->keep_verified(0, 2));
+}
+
 TEST(MtpHeadErrors, DraftWithoutAHeadFails) {
   const Fixture fx = Fixture::load(kFixture);
   TestRunner r(fx.model_dir, f32_kv());

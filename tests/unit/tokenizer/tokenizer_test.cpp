@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "oracle_util.h"
@@ -505,7 +506,9 @@ const std::vector<json>& hf_oracle() {
   static const std::vector<json> lines = [] {
     std::vector<json> out;
     if (!testing::have_qwen3_tokenizer() || std::system("node --version > /dev/null 2>&1") != 0) return out;
-    const std::string file = std::string(KILN_BINARY_DIR) + "/tokenizer_oracle.jsonl";
+    // One file per process: ctest runs each case in its own process, in parallel, and a shared file would be read
+    // by one while another rewrites it.
+    const std::string file = std::string(KILN_BINARY_DIR) + "/tokenizer_oracle." + std::to_string(::getpid()) + ".jsonl";
     const std::string command = "cd '" + testing::source_path("tests/js") + "' && node tokenize_oracle.mjs '" +
                                 testing::qwen3_tokenizer_dir() + "' '" +
                                 testing::source_path("tests/fixtures/tokenizer/corpus") + "' '" + file +
@@ -513,6 +516,7 @@ const std::vector<json>& hf_oracle() {
     if (std::system(command.c_str()) != 0) return out;
     std::ifstream in(file);
     for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+    std::filesystem::remove(file);
     return out;
   }();
   return lines;

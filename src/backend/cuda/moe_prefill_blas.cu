@@ -109,9 +109,10 @@ unsigned rows_grid(int64_t n, int threads) {
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
-// The device copy of the GEMM arguments: the batch's expert ids, then the A, B, C pointer arrays (3E problems each:
-// up to 2 gate/up problems and one down problem per expert).
-size_t param_bytes(int64_t E) { return align16(static_cast<size_t>(E) * 4) + static_cast<size_t>(9 * E) * 8; }
+// The device copy of the GEMM arguments for up to n active experts (n = min(E, pairs)): their ids, then the A, B, C
+// pointer arrays (3n problems each: up to 2 gate/up problems and one down problem per expert).
+size_t param_bytes(int64_t n) { return align16(static_cast<size_t>(n) * 4) + static_cast<size_t>(9 * n) * 8; }
+int64_t max_active(int64_t T, int top_k, int64_t E) { return std::min<int64_t>(E, T * top_k); }
 
 struct Carve {
   void* groups;
@@ -134,7 +135,7 @@ Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
   c.gu = static_cast<uint16_t*>(take(P * 2 * I * 2));
   c.act = static_cast<uint16_t*>(take(P * I * 2));
   c.y = static_cast<uint16_t*>(take(P * H * 2));
-  c.params = static_cast<char*>(take(param_bytes(E)));
+  c.params = static_cast<char*>(take(param_bytes(max_active(T, top_k, E))));
   c.bytes = off;
   return c;
 }
@@ -195,10 +196,11 @@ void MoePrefillBlas::run(const float* x, int64_t T, int64_t H, const int32_t* id
 
   // Each expert's rows, on the host (the GEMM shapes). The previous call's argument copy from the pinned buffer is
   // earlier in stream order than this copy back, so after the synchronisation the host may overwrite it.
+  const int64_t n_max = max_active(T, top_k, E);
   const size_t off_bytes = align16(static_cast<size_t>(E + 1) * 4);
-  if (off_bytes + param_bytes(E) > host_bytes_) {
+  if (off_bytes + param_bytes(n_max) > host_bytes_) {
     KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    host_reserve(off_bytes + param_bytes(E));
+    host_reserve(off_bytes + param_bytes(n_max));
   }
   int32_t* h_off = static_cast<int32_t*>(host_);
   KILN_CUDA_CHECK(cudaMemcpyAsync(h_off, g.group_offset, static_cast<size_t>(E + 1) * 4, cudaMemcpyDeviceToHost, stream));
@@ -215,10 +217,10 @@ void MoePrefillBlas::run(const float* x, int64_t T, int64_t H, const int32_t* id
     // two), then one down problem per expert; experts in batches of consecutive active ones.
     char* hp = static_cast<char*>(host_) + off_bytes;
     int32_t* h_active = reinterpret_cast<int32_t*>(hp);
-    void** h_ptr = reinterpret_cast<void**>(hp + align16(static_cast<size_t>(E) * 4));
+    void** h_ptr = reinterpret_cast<void**>(hp + align16(static_cast<size_t>(n_max) * 4));
     void** hA = h_ptr;
-    void** hB = h_ptr + 3 * E;
-    void** hC = h_ptr + 6 * E;
+    void** hB = h_ptr + 3 * n_max;
+    void** hC = h_ptr + 6 * n_max;
     int64_t n_active = 0;
     for (int64_t e = 0; e < E; ++e)
       if (h_off[e + 1] > h_off[e]) h_active[n_active++] = static_cast<int32_t>(e);
@@ -266,12 +268,12 @@ void MoePrefillBlas::run(const float* x, int64_t T, int64_t H, const int32_t* id
       const uint16_t* wd = wbuf + (a % per_batch) * 3 * I * H + 2 * I * H;
       problem(h, static_cast<int>(nr), i, i, i, h, experts_host[3 * e + 2].scale, wd, c.act + r0 * I, c.y + r0 * H);
     }
-    KILN_CUDA_CHECK(cudaMemcpyAsync(c.params, hp, param_bytes(E), cudaMemcpyHostToDevice, stream));
+    KILN_CUDA_CHECK(cudaMemcpyAsync(c.params, hp, param_bytes(n_max), cudaMemcpyHostToDevice, stream));
     const int32_t* d_active = reinterpret_cast<const int32_t*>(c.params);
-    void** d_ptr = reinterpret_cast<void**>(c.params + align16(static_cast<size_t>(E) * 4));
+    void** d_ptr = reinterpret_cast<void**>(c.params + align16(static_cast<size_t>(n_max) * 4));
     void** dA = d_ptr;
-    void** dB = d_ptr + 3 * E;
-    void** dC = d_ptr + 6 * E;
+    void** dB = d_ptr + 3 * n_max;
+    void** dC = d_ptr + 6 * n_max;
 
     auto h_blas = static_cast<cublasHandle_t>(handle_);
     KILN_CUBLAS_CHECK(cublasSetStream(h_blas, stream));

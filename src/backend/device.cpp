@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 
+#include "backend/cuda/cuda_options.h"  // plain C++: the plan sizes the CUDA backend's expert scratch
 #include "backend/op_check.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -132,9 +133,15 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
   k.attention = pick("--attention-backend", o.gpu.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
   // auto: the grouped path. The fused decode kernels measured slower at batch 1 on an H100 (docs/perf/decode-latency.md),
   // so they are reachable by name only.
+  // kiln-grouped (auto): the mma kernels, and for steps of >= cuda::kMoePrefillBlasMinTokens tokens under bfloat16
+  // the NVFP4 experts dequantised to bf16 + cuBLAS grouped GEMMs; kiln-mma / kiln-blas pin one of the two (A/B runs).
   k.moe_runner = pick("--moe-runner-backend", o.gpu.moe_runner_backend,
-                      {"kiln-fused-decode", "kiln-grouped", "kiln-grouped-fp32"},
+                      {"kiln-fused-decode", "kiln-grouped", "kiln-mma", "kiln-blas", "kiln-grouped-fp32"},
                       "kiln-grouped");
+  if (k.moe_runner == "kiln-blas" && (k.dtype != "bfloat16" || compute_major < 9))
+    fail("--moe-runner-backend kiln-blas runs the NVFP4 experts as bf16 GEMMs: it needs --dtype bfloat16 (or auto) and "
+         "an sm_90 or newer GPU (here: --dtype {}, sm_{}x); use kiln-grouped or kiln-mma",
+         k.dtype, compute_major);
   if (o.gpu.fp4_gemm_backend == "native-fp4")
     fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
          "{}use kiln-w4a16 (FP4 decoded to BF16 in registers), kiln-fp32 or auto",
@@ -150,8 +157,12 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   cuda::CudaOptions c;
   c.device = device;
   c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
-  c.moe_tensor_cores = k.moe_runner == "kiln-grouped" || k.moe_runner == "kiln-fused-decode";
+  c.moe_tensor_cores = k.moe_runner == "kiln-grouped" || k.moe_runner == "kiln-fused-decode" ||
+                       k.moe_runner == "kiln-mma" || k.moe_runner == "kiln-blas";
   c.moe_decode_fused = k.moe_runner == "kiln-fused-decode";
+  c.moe_prefill = k.moe_runner == "kiln-mma"    ? cuda::MoePrefill::mma
+                  : k.moe_runner == "kiln-blas" ? cuda::MoePrefill::blas
+                                                : cuda::MoePrefill::by_step;
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
@@ -171,10 +182,12 @@ std::string MemoryPlan::str() const {
   return fmt::format(
       "memory plan{}: {:.1f} GiB x mem-fraction-static {:.2f}{} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
       "({} pages = {} tokens, max_total_num_tokens), state slots {:.2f} GiB ({} slots, {} running requests), "
-      "activations {:.2f} GiB (estimate); context {} tokens{}",
+      "activations {:.2f} GiB (estimate{}); context {} tokens{}",
       who, gpu_bytes / G, fraction, ranks_per_gpu > 1 ? fmt::format(" / {} ranks", ranks_per_gpu) : "",
       budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
-      state_slots, max_running, activation_bytes / G, context, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
+      state_slots, max_running, activation_bytes / G,
+      moe_dequant_bytes > 0 ? fmt::format(", of which {:.2f} GiB dequantised experts", moe_dequant_bytes / G) : "",
+      context, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
 }
 
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o, double gpu_bytes,
@@ -223,9 +236,21 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
                                1.5 * (H + config.experts_per_tok * static_cast<double>(config.moe_intermediate_size))
                          : 3.0 * static_cast<double>(config.intermediate_size);
   const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
+  // The NVFP4 routed experts of large steps dequantised to bf16 (cuda/moe_prefill_blas.h): one buffer of up to
+  // kMoePrefillWeightScratchBytes, reused by every layer and step, outside the scratch arena (its per-pass buffers
+  // come from the ffn term above). Counted whenever an NVFP4 MoE model runs with bf16 inputs and a runner that may
+  // take that path (every runner but kiln-mma and kiln-grouped-fp32), whatever the pass size.
+  const std::string& runner = o.gpu.moe_runner_backend;
+  const bool nvfp4 = quant.quant_algo == "NVFP4" || quant.quant_algo == "MIXED_PRECISION";
+  if (config.is_moe() && nvfp4 && resolve_dtype("cuda", o.gpu.dtype) == "bfloat16" && runner != "kiln-mma" &&
+      runner != "kiln-grouped-fp32") {
+    const double expert = 3.0 * 2.0 * static_cast<double>(config.moe_intermediate_size) * H;
+    p.moe_dequant_bytes = std::min(static_cast<double>(cuda::kMoePrefillWeightScratchBytes),
+                                   expert * std::max(config.num_experts, 1));
+  }
   auto activations = [&](int running) {
     const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, running));
-    return tokens * per_token + 4.0 * running * vocab_rows + 0.5 * G;
+    return tokens * per_token + 4.0 * running * vocab_rows + 0.5 * G + p.moe_dequant_bytes;
   };
   int slots = o.state_slots;
   if (slots <= 0) {
@@ -462,8 +487,10 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   KILN_LOG_INFO("{}", plan.str());
   CudaLoad l{dir, self_check, options, runner_options(options), placed};
   // Every rank's scratch arena starts at the plan's activation estimate (less the fixed 0.5 GiB it adds for the
-  // runtime's own buffers), so a large pass does not grow it by doubling past the plan.
-  l.planned.gpu.scratch_plan_bytes = std::max(plan.activation_bytes - 0.5 * 1024.0 * 1024.0 * 1024.0, 0.0);
+  // runtime's own buffers and the dequantised experts' buffer, both outside the arena), so a large pass does not grow
+  // it by doubling past the plan.
+  l.planned.gpu.scratch_plan_bytes =
+      std::max(plan.activation_bytes - 0.5 * 1024.0 * 1024.0 * 1024.0 - plan.moe_dequant_bytes, 0.0);
   l.ro.kv_pages = plan.kv_pages;
   l.ro.state_slots = plan.state_slots;
   l.ro.max_context = plan.context;

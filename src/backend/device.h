@@ -87,7 +87,10 @@ struct KernelChoice {
   // kernel) or "kiln-paged-fp32" (the split-KV kernel on CUDA cores for every step)
   std::string attention;
   // cpu: "cpu"; cuda: "kiln-fused-decode" (kiln-grouped plus decode steps in two fused kernels; by name only),
-  // "kiln-grouped" (NVFP4 experts on tensor cores) or "kiln-grouped-fp32" (fp32 CUDA-core kernels)
+  // "kiln-grouped" (NVFP4 experts on tensor cores: the mma kernels, and under bfloat16 for steps of
+  // >= cuda::kMoePrefillBlasMinTokens tokens dequantised to bf16 + cuBLAS grouped GEMMs), "kiln-mma" (the mma kernels
+  // at every step), "kiln-blas" (the dequantised path at every step outside graph capture; bfloat16, sm_90+) or
+  // "kiln-grouped-fp32" (fp32 CUDA-core kernels)
   std::string moe_runner;
   // cpu: "cpu"; cuda: "kiln-w4a16" (NVFP4 linears of many rows on tensor cores, FP4 decoded to bf16 in registers; no
   // FP4 tensor cores on sm_90) or "kiln-fp32" (the fp32 gemm)
@@ -105,6 +108,9 @@ struct MemoryPlan {
   int ranks_per_gpu = 1;  // ranks sharing one GPU (--gpu-id-step 0: all of a node's ranks); each gets 1 / this of it
   double gpu_bytes = 0, free_bytes = 0, fraction = 0.9, budget_bytes = 0;
   double weight_bytes = 0, state_bytes = 0, activation_bytes = 0, kv_bytes = 0;
+  // Part of activation_bytes: the bf16 buffer of the NVFP4 experts dequantised for large steps (cuda_options.h,
+  // kMoePrefillWeightScratchBytes at most; 0 when the model and flags never take that path).
+  double moe_dequant_bytes = 0;
   int64_t kv_pages = 0, kv_tokens = 0;  // kv_tokens: SGLang's max_total_num_tokens
   int state_slots = 0;                  // recurrent-state slots
   int max_running = 0;                  // state_slots / slots_per_request: the default --max-running-requests

@@ -48,10 +48,12 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
       ->capture_default_str();
   app.add_option("--moe-runner-backend", f.gpu.moe_runner_backend,
                  "cuda: auto = kiln-grouped (NVFP4 experts "
-                 "on tensor cores, routing and combine as separate kernels), or kiln-grouped-fp32 (fp32 CUDA-core "
-                 "kernels), or kiln-fused-decode (steps of <= 8 tokens: routing + NVFP4 experts in two fused "
-                 "CUDA-core kernels, larger steps as kiln-grouped; experimental: slower than kiln-grouped at batch 1 "
-                 "on an H100)")
+                 "on tensor cores, routing and combine as separate kernels; with --dtype bfloat16 steps of >= 1024 "
+                 "tokens dequantise the experts that received tokens to bf16 and run cuBLAS grouped GEMMs), or "
+                 "kiln-mma (the mma.sync expert kernels at every step), or kiln-blas (the dequantised cuBLAS path at "
+                 "every step outside CUDA graphs; bfloat16, sm_90+), or kiln-grouped-fp32 (fp32 CUDA-core kernels), "
+                 "or kiln-fused-decode (steps of <= 8 tokens: routing + NVFP4 experts in two fused CUDA-core kernels, "
+                 "larger steps as kiln-grouped; experimental: slower than kiln-grouped at batch 1 on an H100)")
       ->capture_default_str();
   app.add_option("--fp4-gemm-backend", f.gpu.fp4_gemm_backend,
                  "cuda: auto = kiln-w4a16 (NVFP4 linears of many rows on tensor cores, FP4 decoded in registers; "

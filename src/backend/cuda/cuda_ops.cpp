@@ -16,6 +16,7 @@
 #include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/moe_decode_fused.h"
+#include "backend/cuda/moe_prefill_blas.h"
 #include "backend/cuda/step_args.h"
 #include "backend/cuda/weight_upload.h"
 #include "core/error.h"
@@ -166,6 +167,7 @@ struct CudaOps::Impl {
     const void* first_gate = nullptr;
     const void* last_down = nullptr;
     DeviceBuffer table;  // [E][3] WeightDesc
+    std::vector<kops::WeightDesc> host;  // the same on the host (the dequantised cuBLAS path's GEMM alphas)
     bool vec_ok = false;
     int gemv2_kind = -1;
     int64_t inter = 0;
@@ -179,6 +181,10 @@ struct CudaOps::Impl {
   // Dense BF16 linears of many rows: cuBLASLt over the 3-way bf16 split of x (fp32-class accuracy).
   std::unique_ptr<::kiln::cuda::BlasLt> blas;
   DeviceBuffer blas_x, blas_out;  // reused by every such linear (one stream: calls never overlap)
+  // NVFP4 routed experts of large steps, dequantised + cuBLAS (moe_prefill_blas.h): its handle and the bf16 weight
+  // scratch, reused by every layer (counted by the memory plan: backend/device.cpp).
+  std::unique_ptr<kops::MoePrefillBlas> moe_blas;
+  DeviceBuffer moe_blas_weights;
 
   explicit Impl(const CudaOptions& o) : rt(o.device), options(o) { rt.set_scratch_plan(o.scratch_plan_bytes); }
 };
@@ -195,6 +201,7 @@ CudaOps::~CudaOps() {
   if (!impl_) return;
   cudaStreamSynchronize(impl_->rt.stream());
   impl_->blas.reset();
+  impl_->moe_blas.reset();
 }
 
 std::string CudaOps::describe() const {
@@ -228,8 +235,17 @@ std::string CudaOps::describe() const {
                                      : std::string(),
                   o.moe_tensor_cores
                       ? fmt::format("NVFP4 experts on tensor cores (FP4 decoded to bf16 in registers, {}; prefill "
-                                    "tiles stage x in shared memory), others on the fp32 kernels{}",
-                                    x_in, o.moe_decode_fused ? "" : " [--moe-runner-backend kiln-grouped]")
+                                    "tiles stage x in shared memory{}), others on the fp32 kernels{}",
+                                    x_in,
+                                    !bf16 || o.moe_prefill == MoePrefill::mma
+                                        ? std::string()
+                                        : o.moe_prefill == MoePrefill::blas
+                                              ? std::string("; every step outside graphs: experts dequantised to bf16, "
+                                                            "cuBLAS grouped GEMMs [--moe-runner-backend kiln-blas]")
+                                              : fmt::format("; steps of >= {} tokens: experts dequantised to bf16, "
+                                                            "cuBLAS grouped GEMMs",
+                                                            kMoePrefillBlasMinTokens),
+                                    o.moe_decode_fused ? "" : " [--moe-runner-backend kiln-grouped]")
                       : std::string("fp32 kernels, tile height from the rows per expert [--moe-runner-backend "
                                     "kiln-grouped-fp32]")),
       o.prefill_attention_tensor_cores
@@ -967,6 +983,7 @@ CudaOps::Impl::ExpertTable& CudaOps::Impl::expert_table(std::span<const model::E
     tab.table = DeviceBuffer(descs.size() * sizeof(kops::WeightDesc));
     KILN_CUDA_CHECK(cudaMemcpy(tab.table.data(), descs.data(), descs.size() * sizeof(kops::WeightDesc),
                                cudaMemcpyHostToDevice));
+    tab.host = std::move(descs);
     tab.count = held.size();
     tab.first_gate = held.front().gate.weight.data;
     tab.last_down = held.back().down.weight.data;
@@ -1059,6 +1076,28 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   const int64_t E = static_cast<int64_t>(experts.size());
 
   const Impl::ExpertTable& tab = impl_->expert_table(experts, H);
+  // Large steps (cuda_options.h, moe_prefill_blas: bf16 inputs, sm_90+, not under graph capture): the experts that
+  // received tokens dequantised to bf16, cuBLAS grouped GEMMs. Its per-pass buffers come from the scratch arena
+  // (no more than moe_workspace_bytes, which the plan sizes); the weight scratch is one reusable buffer the plan adds.
+  const CudaOptions& o = impl_->options;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  KILN_CUDA_CHECK(cudaStreamIsCapturing(impl_->rt.stream(), &capture));
+  if (o.moe_tensor_cores &&
+      moe_prefill_blas(o.moe_prefill, T, o.dtype == CudaOptions::ActivationDtype::bfloat16, impl_->rt.device().major,
+                       capture != cudaStreamCaptureStatusNone) &&
+      reinterpret_cast<uintptr_t>(x.data) % 16 == 0 &&
+      kops::moe_prefill_blas_supported(H, tab.inter, tab.gemv2_kind, tab.vec_ok, tab.host.data(), E)) {
+    if (!impl_->moe_blas) impl_->moe_blas = std::make_unique<kops::MoePrefillBlas>();
+    const size_t expert_bytes = kops::moe_prefill_blas_expert_bytes(H, tab.inter);
+    const size_t wbytes =
+        std::max(expert_bytes, std::min(kMoePrefillWeightScratchBytes, expert_bytes * static_cast<size_t>(E)));
+    void* wbuf = impl_->rt.reusable(impl_->moe_blas_weights, wbytes);
+    void* ws = impl_->rt.scratch(kops::moe_prefill_blas_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter));
+    impl_->moe_blas->run(f32(x), T, H, ids, f32(weights), static_cast<int>(k), tab.table.as<kops::WeightDesc>(),
+                         tab.host.data(), E, tab.inter, ws, wbuf, wbytes, f32_mut(out), shared, shared_gate,
+                         impl_->rt.stream());
+    return;
+  }
   const size_t ws_bytes = kops::moe_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter);
   void* ws = impl_->rt.scratch(ws_bytes);
   kops::moe_experts(f32(x), T, H, ids, f32(weights), static_cast<int>(k),

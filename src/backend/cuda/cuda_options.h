@@ -1,8 +1,35 @@
 // How the CUDA backend runs: the kernel choices a user may make (built from the command-line flags by
 // backend/device.cpp) and the forms the tests pin. Defaults are the fast paths. Plain C++.
 #pragma once
+#include <cstddef>
+#include <cstdint>
 
 namespace kiln::backend::cuda {
+
+// ---- The NVFP4 routed experts of large steps: dequantised to bf16, then cuBLAS grouped GEMMs (moe_prefill_blas.cu)
+// Steps of at least this many tokens take that path under `auto` (tunable). The mma kernels read 0.56 bytes per weight
+// and stay cheap at few rows per expert; the dequantised path writes and reads 2 bytes per weight of every expert that
+// received a token (~3.7 GB per layer at the 35B-A3B and at a 397B TP-8 rank: ~0.9 ms on an H200) and then runs at
+// tensor-core speed. The estimate of docs/perf/prefill.md puts the break-even near 800-1300 tokens on both shapes.
+constexpr int64_t kMoePrefillBlasMinTokens = 1024;
+// The bf16 scratch of the dequantised experts (gate, up, down of one batch of experts; a layer with more experts than
+// fit runs in batches). A buffer reused by every layer and step (CudaRuntime::reusable), outside the scratch arena;
+// the memory plan adds it to its activation estimate (backend/device.cpp, moe_dequant_scratch_bytes).
+constexpr size_t kMoePrefillWeightScratchBytes = size_t(256) << 20;
+// --moe-runner-backend's choice for the NVFP4 routed experts of non-decode steps: by_step (auto, kiln-grouped,
+// kiln-fused-decode): the dequantised path for steps of >= kMoePrefillBlasMinTokens tokens, the mma kernels below;
+// mma (kiln-mma): the mma kernels at every size; blas (kiln-blas): the dequantised path at every size it serves.
+enum class MoePrefill { by_step, mma, blas };
+// Whether a step of `tokens` tokens runs the routed experts dequantised + cuBLAS (the caller checks that the experts
+// are NVFP4 of the shapes it serves). Only with bf16 activation inputs (--dtype bfloat16: the GEMMs take x rounded
+// once to bf16, as the mma kernels do; float32 keeps its 3-part fp32 accuracy on the mma kernels), on sm_90 or newer,
+// and never while the stream is being captured into a CUDA graph: the path reads each expert's row count back to
+// the host (one stream synchronisation per layer) to size the GEMMs, which a captured graph cannot do. The capture
+// check is cudaStreamIsCapturing on the op's stream (not the step size), so it holds whatever steps get captured.
+constexpr bool moe_prefill_blas(MoePrefill mode, int64_t tokens, bool bf16_inputs, int compute_major, bool capturing) {
+  if (mode == MoePrefill::mma || !bf16_inputs || compute_major < 9 || capturing || tokens < 1) return false;
+  return mode == MoePrefill::blas || tokens >= kMoePrefillBlasMinTokens;
+}
 
 struct CudaOptions {
   // The CUDA device (a tensor-parallel rank's, from --base-gpu-id / --gpu-id-step); < 0: the first supported one.
@@ -26,6 +53,9 @@ struct CudaOptions {
   // routing and NVFP4 routed experts in two kernels (moe_decode_fused.cu, Ops::moe_route_experts); larger steps and
   // other weight formats as moe_tensor_cores says. false (kiln-grouped): the six-kernel path at every size.
   bool moe_decode_fused = true;
+  // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16
+  // and run through cuBLAS grouped GEMMs (moe_prefill_blas above), only with moe_tensor_cores.
+  MoePrefill moe_prefill = MoePrefill::by_step;
   // --fp4-gemm-backend: dense NVFP4 linears of more rows than the gemv takes on tensor cores (the expert kernel with
   // the weight as its only expert), or on the fp32 gemm (kiln-fp32).
   bool fp4_linear_tensor_cores = true;

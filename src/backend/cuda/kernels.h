@@ -223,6 +223,25 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
                  void* workspace, float* out, Stream stream, bool tensor_cores = true, const float* shared = nullptr,
                  const float* shared_gate = nullptr, int mma_parts = kMmaPartsFp32);
 
+// The grouping and the combine on their own (the dequantised cuBLAS path of moe_prefill_blas.cu runs its GEMMs
+// between them). moe_group_rows: the (token, slot) pairs of ids [T, top_k] sorted by expert (ids outside [0, E):
+// skipped, pair_pos -1); workspace: moe_row_groups_bytes() bytes, 256-aligned; the pointers returned point into it.
+struct MoeRowGroups {
+  int32_t* group_offset = nullptr;  // [E + 1] first sorted row of each expert; [E]: rows in all
+  int32_t* tile_offset = nullptr;   // [E + 1] (row tiles of 64 rows; the kernel writes them, nothing reads them here)
+  int32_t* tile_group = nullptr;    // [tiles]
+  int32_t* row_token = nullptr;     // [P] token of each sorted row
+  int32_t* pair_pos = nullptr;      // [P] sorted row of each pair, -1 when skipped
+};
+size_t moe_row_groups_bytes(int64_t T, int top_k, int64_t E);
+MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E, void* workspace, Stream stream);
+// out[t] = sum over the token's slots in ascending (expert id, slot) order of weights[t, j] * y[pair_pos[t, j]]
+// (+ shared[t] * sigmoid(shared_gate[t]) when given): moe_experts' combine. y [P, H] fp32, or bf16 (moe_combine_bf16).
+void moe_combine(const float* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+                 int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream);
+void moe_combine_bf16(const uint16_t* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+                      int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream);
+
 // The routed experts' gate/up and down GEMMs on the CUDA cores (linear.cu's kernels; moe_experts() calls it when the
 // tensor-core kernels do not serve the experts): act [P, I] = silu(x W_gate^T) * (x W_up^T), y [P, H] = act W_down^T
 // over the grouping moe_experts() built (sorted rows by expert, row tiles of tile_m rows).

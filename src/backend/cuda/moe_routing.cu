@@ -235,9 +235,27 @@ constexpr int kCombineBatch = 8;                   // slots whose y loads are in
 // columns 128 apart), loading y for 8 slots at a time and summing them in order.
 // shared / shared_gate (optional): out += shared[t] * sigmoid(shared_gate[t]) after the experts' sum (written as the
 // product, then the add; nvcc contracts the two into one fma, as it did in the block-per-token kernel).
-template <bool kVec>
+// y's rows as fp32 (Y float) or bf16 (Y uint16_t: the dequantised cuBLAS path's output, moe_prefill_blas.cu).
+__device__ __forceinline__ void load_y4(const float* p, float (&v)[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+}
+__device__ __forceinline__ void load_y4(const uint16_t* p, float (&v)[4]) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+  v[0] = bf16_to_f32(uint16_t(q.x & 0xffffu));
+  v[1] = bf16_to_f32(uint16_t(q.x >> 16));
+  v[2] = bf16_to_f32(uint16_t(q.y & 0xffffu));
+  v[3] = bf16_to_f32(uint16_t(q.y >> 16));
+}
+__device__ __forceinline__ float load_y(const float* p) { return *p; }
+__device__ __forceinline__ float load_y(const uint16_t* p) { return bf16_to_f32(*p); }
+
+template <bool kVec, typename Y>
 __global__ void __launch_bounds__(kCombineThreads)
-    moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, const float* __restrict__ weights,
+    moe_combine_kernel(const Y* __restrict__ y, const int32_t* __restrict__ ids, const float* __restrict__ weights,
                        const int32_t* __restrict__ pair_pos, int top_k, int H, float* __restrict__ out,
                        const float* __restrict__ shared, const float* __restrict__ shared_gate) {
   __shared__ int skey[64];       // expert id of each slot; 0x7fffffff for skipped slots (they sort last)
@@ -271,16 +289,12 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
     for (int u = 0; u < kCombineBatch; ++u) {
       if (n0 + u < valid) {
-        const float* src = y + srow[n0 + u] + h;
+        const Y* src = y + srow[n0 + u] + h;
         if constexpr (kVec) {
-          const float4 q = *reinterpret_cast<const float4*>(src);
-          v[u][0] = q.x;
-          v[u][1] = q.y;
-          v[u][2] = q.z;
-          v[u][3] = q.w;
+          load_y4(src, v[u]);
         } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[u][i] = h + i * kStep < H ? src[i * kStep] : 0.0f;
+          for (int i = 0; i < 4; ++i) v[u][i] = h + i * kStep < H ? load_y(src + i * kStep) : 0.0f;
         }
       }
     }
@@ -322,17 +336,19 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// The combine over T tokens: float4 columns when H % 4 == 0 and y, out and shared are 16-byte aligned.
-void launch_combine(const float* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+// The combine over T tokens: 4-wide loads of y (float4; bf16: 8 bytes) and float4 stores when H % 4 == 0 and y,
+// out and shared are 16-byte aligned.
+template <typename Y>
+void launch_combine(const Y* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
                     int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };  // null counts as aligned
   const bool vec = H % 4 == 0 && aligned(y) && aligned(out) && aligned(shared);
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>((H + kCombineCols - 1) / kCombineCols));
   const int h = static_cast<int>(H);
-  if (vec) launch_kernel(moe_combine_kernel<true>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k, h,
-                         out, shared, shared_gate);
-  else launch_kernel(moe_combine_kernel<false>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k, h,
-                     out, shared, shared_gate);
+  if (vec) launch_kernel(moe_combine_kernel<true, Y>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k,
+                         h, out, shared, shared_gate);
+  else launch_kernel(moe_combine_kernel<false, Y>, grid, kCombineThreads, 0, stream, y, ids, weights, pair_pos, top_k,
+                     h, out, shared, shared_gate);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
@@ -391,6 +407,65 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
                                                                                 renormalise, ids, weights);
   }
   KILN_CUDA_CHECK_LAUNCH();
+}
+
+// The grouping alone (moe_prefill_blas.cu): group_offset, tile_offset, tile_group (row tiles of kRowGroupTile rows,
+// unused by the caller but written by the kernel), row_token, pair_pos.
+constexpr int kRowGroupTile = 64;
+static MoeRowGroups carve_row_groups(void* base, int64_t P, int64_t E, size_t* bytes) {
+  size_t off = 0;
+  char* b = static_cast<char*>(base);
+  auto take = [&](size_t n) {
+    void* p = b ? b + off : nullptr;
+    off += align256(n);
+    return static_cast<int32_t*>(p);
+  };
+  MoeRowGroups g;
+  g.group_offset = take((E + 1) * 4);
+  g.tile_offset = take((E + 1) * 4);
+  g.tile_group = take((P / kRowGroupTile + E + 1) * 4);
+  g.row_token = take(P * 4);
+  g.pair_pos = take(P * 4);
+  if (bytes) *bytes = off;
+  return g;
+}
+
+size_t moe_row_groups_bytes(int64_t T, int top_k, int64_t E) {
+  size_t bytes = 0;
+  carve_row_groups(nullptr, T * top_k, E, &bytes);
+  return bytes;
+}
+
+MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E, void* workspace, Stream stream) {
+  if (top_k < 1 || top_k > 64) cuda_fail("moe_group_rows: top_k {} is not supported (1 to 64)", {top_k});
+  if (E * 4 > 48 * 1024) cuda_fail("moe_group_rows: {} experts is too many (at most 12288)", {E});
+  const int64_t P = T * top_k;
+  MoeRowGroups g = carve_row_groups(workspace, P, E, nullptr);
+  if (T == 0) return g;
+  MoeLayout lay{};
+  lay.group_offset = g.group_offset;
+  lay.tile_offset = g.tile_offset;
+  lay.tile_group = g.tile_group;
+  lay.tile_info = nullptr;
+  lay.max_tiles = 0;
+  lay.row_token = g.row_token;
+  lay.pair_pos = g.pair_pos;
+  const int group_threads = E <= 1024 && P <= 4096 ? 256 : 1024;
+  launch_kernel(moe_group_kernel, 1, group_threads, static_cast<size_t>(E) * 4, stream, ids, static_cast<int>(P), top_k,
+                static_cast<int>(E), kRowGroupTile, lay);
+  KILN_CUDA_CHECK_LAUNCH();
+  return g;
+}
+
+void moe_combine(const float* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+                 int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream) {
+  if (T == 0) return;
+  launch_combine(y, ids, weights, pair_pos, top_k, T, H, out, shared, shared_gate, stream);
+}
+void moe_combine_bf16(const uint16_t* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,
+                      int64_t T, int64_t H, float* out, const float* shared, const float* shared_gate, Stream stream) {
+  if (T == 0) return;
+  launch_combine(y, ids, weights, pair_pos, top_k, T, H, out, shared, shared_gate, stream);
 }
 
 size_t moe_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {

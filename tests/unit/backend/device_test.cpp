@@ -172,14 +172,18 @@ TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {
     EXPECT_DOUBLE_EQ(p16.state_bytes, 64.0 * 30 * (32.0 * 128 * 128 * 2 + 8192.0 * 3 * 4));
     EXPECT_GT(p16.kv_pages, p.kv_pages);
   }
-  // float32 named, or --dtype float32: the same plan as auto.
+  // float32 named, or --dtype float32: the same plan as auto, except that --dtype float32 never dequantises the
+  // experts (cuda_options.h, moe_prefill_blas), so its activations lack that buffer.
   for (const char* flag : {"mamba", "dtype"}) {
     LoadOptions f = o;
-    (std::string(flag) == "mamba" ? f.gpu.mamba_ssm_dtype : f.gpu.dtype) = "float32";
+    const bool dtype = std::string(flag) == "dtype";
+    (dtype ? f.gpu.dtype : f.gpu.mamba_ssm_dtype) = "float32";
     const MemoryPlan p32 = plan_device_memory(dir, f, 141.0 * GiB, 140.0 * GiB);
     EXPECT_DOUBLE_EQ(p32.state_bytes, 64.0 * 30 * (32.0 * 128 * 128 * 4 + 8192.0 * 3 * 4)) << flag;
     EXPECT_DOUBLE_EQ(p32.weight_bytes, p.weight_bytes) << flag;
-    EXPECT_EQ(p32.kv_pages, p.kv_pages) << flag;
+    EXPECT_DOUBLE_EQ(p32.activation_bytes, p.activation_bytes - (dtype ? p.moe_dequant_bytes : 0.0)) << flag;
+    if (dtype) EXPECT_GE(p32.kv_pages, p.kv_pages) << flag;
+    else EXPECT_EQ(p32.kv_pages, p.kv_pages) << flag;
   }
 
   // Nothing asked: the budget decides, and stays inside gpu x fraction.
@@ -189,6 +193,53 @@ TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {
   EXPECT_LT(q.kv_pages, 128 * (262144 / 16));
   EXPECT_GT(q.kv_bytes, 50.0 * GiB);
   EXPECT_LE(q.weight_bytes + q.kv_bytes + q.state_bytes + q.activation_bytes, 141.0 * GiB * 0.9 + 1);
+}
+
+// The NVFP4 experts dequantised for large steps (cuda/moe_prefill_blas.h): one bf16 buffer of at most 256 MiB, in
+// the activation estimate when the runner may take that path (bf16 inputs, not kiln-mma / kiln-grouped-fp32). The
+// 35B-A3B's experts hold 256 x 3 x 512 x 2048 x 2 bytes = 1.5 GiB in bf16 per layer, so the cap applies.
+TEST(MemoryPlan, DequantisedExpertsBufferIsPlannedWhenThePathCanRun) {
+  const format::ModelDir dir = format::ModelDir::open(kConfig35);
+  LoadOptions o;
+  o.state_slots = 64;
+  o.max_context = 4096;
+  const MemoryPlan p = plan_device_memory(dir, o, 141.0 * GiB, 0);
+  EXPECT_DOUBLE_EQ(p.moe_dequant_bytes, 256.0 * 1024 * 1024);
+  EXPECT_NE(p.str().find("of which 0.25 GiB dequantised experts"), std::string::npos) << p.str();
+  for (const char* runner : {"kiln-grouped", "kiln-blas", "kiln-fused-decode"}) {
+    LoadOptions f = o;
+    f.gpu.moe_runner_backend = runner;
+    EXPECT_DOUBLE_EQ(plan_device_memory(dir, f, 141.0 * GiB, 0).moe_dequant_bytes, p.moe_dequant_bytes) << runner;
+  }
+  for (const char* runner : {"kiln-mma", "kiln-grouped-fp32"}) {
+    LoadOptions f = o;
+    f.gpu.moe_runner_backend = runner;
+    const MemoryPlan q = plan_device_memory(dir, f, 141.0 * GiB, 0);
+    EXPECT_EQ(q.moe_dequant_bytes, 0.0) << runner;
+    EXPECT_DOUBLE_EQ(q.activation_bytes, p.activation_bytes - p.moe_dequant_bytes) << runner;
+    EXPECT_EQ(q.str().find("dequantised"), std::string::npos) << q.str();
+  }
+}
+
+// kiln-mma / kiln-blas pin the routed experts' path (A/B timing); kiln-blas needs bf16 inputs and sm_90+.
+TEST(KernelChoice, MoePrefillPathsResolveAndKilnBlasNeedsBf16OnSm90) {
+  LoadOptions o;
+  for (const char* runner : {"kiln-mma", "kiln-blas"}) {
+    o.gpu.moe_runner_backend = runner;
+    EXPECT_EQ(resolve_kernels("cuda", 9, o).moe_runner, runner);
+    EXPECT_EQ(resolve_kernels("cuda", 12, o).moe_runner, runner);
+    EXPECT_NE(error_of([&] { resolve_kernels("cpu", 0, o); }), "") << runner;
+  }
+  o.gpu.moe_runner_backend = "kiln-blas";
+  o.gpu.dtype = "float32";
+  std::string e = error_of([&] { resolve_kernels("cuda", 9, o); });
+  EXPECT_NE(e.find("--dtype bfloat16"), std::string::npos) << e;
+  o.gpu.dtype = "auto";
+  e = error_of([&] { resolve_kernels("cuda", 8, o); });
+  EXPECT_NE(e.find("sm_90"), std::string::npos) << e;
+  o.gpu.moe_runner_backend = "kiln-mma";
+  o.gpu.dtype = "float32";
+  EXPECT_EQ(error_of([&] { resolve_kernels("cuda", 8, o); }), "");
 }
 
 TEST(PrefillSizes, AutoByDeviceAndTheSetValues) {

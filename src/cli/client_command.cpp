@@ -9,6 +9,19 @@ clients::ServerAddress client_server_address(const std::string& url, const std::
   return clients::parse_server_url(url, resolve_api_key(api_key_flag, env), timeout_s);
 }
 
+void add_client_flags(CLI::App& app, ClientFlags& flags, const std::string& json_help) {
+  app.add_option("--url", flags.url, "Server base URL")->capture_default_str();
+  app.add_option("--api-key", flags.api_key, "Bearer token (default: $OPENAI_API_KEY)");
+  app.add_option("--model", flags.model, "Model name to send (default: the first of GET /v1/models)");
+  app.add_option("--json", flags.json_path, json_help);
+  app.add_option("--timeout", flags.timeout_s, "Seconds to wait for the next byte of any response")
+      ->capture_default_str();
+}
+
+clients::ServerAddress client_server_address(const ClientFlags& flags) {
+  return client_server_address(flags.url, flags.api_key, flags.timeout_s, process_env());
+}
+
 JsonOutputFile::JsonOutputFile(const std::string& path, std::string what) : path_(path), what_(std::move(what)) {
   if (path_.empty()) return;
   file_.open(path_);

@@ -12,9 +12,7 @@
 namespace {
 
 struct BenchArgs {
-  std::string url = "http://127.0.0.1:30000";
-  std::string api_key;
-  std::string model;
+  kiln::cli::ClientFlags client{.timeout_s = 600};
   std::string endpoint = "completions";
   size_t input_len = 1024;
   size_t output_len = 128;
@@ -23,8 +21,6 @@ struct BenchArgs {
   std::string request_rate = "inf";
   uint64_t seed = 1;
   std::string tokenizer_dir;
-  std::string json_path;
-  double timeout_s = 600;
   double max_failed_fraction = 0.05;
   bool no_progress = false;
   size_t multi_turn = 0;
@@ -36,9 +32,7 @@ struct BenchArgs {
 kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughput) against any OpenAI-compatible server",
                          [](CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
-  app.add_option("--url", args->url, "Server base URL")->capture_default_str();
-  app.add_option("--api-key", args->api_key, "Bearer token (default: $OPENAI_API_KEY)");
-  app.add_option("--model", args->model, "Model name to send (default: the first of GET /v1/models)");
+  kiln::cli::add_client_flags(app, args->client, "Also write the results to FILE");
   app.add_option("--endpoint", args->endpoint, "completions (raw prompt) or chat")
       ->check(CLI::IsMember({"completions", "chat"}))
       ->capture_default_str();
@@ -54,9 +48,6 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
   app.add_option("--seed", args->seed, "Seed of the random prompts and arrival times")->capture_default_str();
   app.add_option("--tokenizer", args->tokenizer_dir,
                  "Folder with the model's tokenizer.json: count prompt tokens locally, not with the server's /tokenize");
-  app.add_option("--json", args->json_path, "Also write the results to FILE");
-  app.add_option("--timeout", args->timeout_s, "Seconds to wait for the next byte of any response")
-      ->capture_default_str();
   app.add_option("--max-failed-fraction", args->max_failed_fraction,
                  "Fail the run when a level has more failed requests than this fraction")
       ->capture_default_str();
@@ -74,9 +65,8 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
   return [args]() -> int {
     using namespace kiln::clients;
     BenchOptions options;
-    options.server = kiln::cli::client_server_address(args->url, args->api_key, args->timeout_s,
-                                                      kiln::cli::process_env());
-    options.model = args->model;
+    options.server = kiln::cli::client_server_address(args->client);
+    options.model = args->client.model;
     options.endpoint = args->endpoint == "chat" ? BenchEndpoint::chat : BenchEndpoint::completions;
     options.input_len = args->input_len;
     options.output_len = args->output_len;
@@ -91,7 +81,7 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
     options.conversations = args->conversations;
     options.long_input_len = args->long_input_len;
     options.long_every = args->long_every;
-    kiln::cli::JsonOutputFile json_file(args->json_path, "results");
+    kiln::cli::JsonOutputFile json_file(args->client.json_path, "results");
     // Either report (BenchReport, MultiTurnReport): its JSON, then the exit status.
     auto finish = [&](const auto& report) -> int {
       json_file.write(report.to_json());

@@ -202,11 +202,12 @@ engine::DummyRunner::Options build_dummy_runner_options(const ServeArgs& a, cons
   }
   d.vocab = std::max<int64_t>(config.vocab_size, t.vocab);
   const int64_t mpe = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
-  d.max_context = a.context_length > 0 ? std::min(a.context_length, mpe) : mpe;
-  d.page_size = 16;
+  d.capacity.max_context = a.context_length > 0 ? std::min(a.context_length, mpe) : mpe;
+  d.capacity.page_size = 16;
   const int running = a.max_running_requests > 0 ? a.max_running_requests : kCpuDefaultRunning;
-  d.state_slots = running * c.slots_per_request;
-  d.kv_pages = a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16 : running * ((d.max_context + 15) / 16);
+  d.capacity.state_slots = running * c.slots_per_request;
+  d.capacity.kv_pages =
+      a.max_total_tokens > 0 ? (a.max_total_tokens + 15) / 16 : running * ((d.capacity.max_context + 15) / 16);
   return d;
 }
 

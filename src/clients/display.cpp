@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "core/json_string.h"
+
 namespace kiln::clients {
 
 std::string quote_for_display(std::string_view text, size_t max_chars) {
@@ -15,16 +17,8 @@ std::string quote_for_display(std::string_view text, size_t max_chars) {
       return out + fmt::format("\"...({} bytes)", text.size());
     }
     unsigned char c = static_cast<unsigned char>(text[i]);
-    switch (c) {
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      default:
-        if (c < 0x20 || c == 0x7F) out += fmt::format("\\u{:04x}", c);
-        else out += static_cast<char>(c);
-    }
+    if (c == 0x7F) out += "\\u007f";  // DEL: shown escaped, though JSON keeps it as it is
+    else append_json_escaped(out, c);
     if ((c & 0xC0) != 0x80) ++shown;
   }
   return out + "\"";

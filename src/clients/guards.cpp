@@ -115,9 +115,11 @@ std::optional<std::string> check_no_letters_or_digits(std::string_view text) {
   return fmt::format("garbage: no letter or digit in {}", quoted(text));
 }
 
-std::optional<std::string> check_repetition(std::string_view text, const RepetitionLimits& limits) {
+namespace {
+
+// (a) back-to-back runs; the smallest period is reported.
+std::optional<std::string> check_repeated_run(std::string_view text, const RepetitionLimits::Run& limits) {
   const size_t n = text.size();
-  // (a) back-to-back runs; the smallest period is reported.
   for (size_t period = 1; period <= limits.max_period_chars && period * limits.min_repeats <= n; ++period) {
     size_t run = 0;  // consecutive positions i with text[i] == text[i + period]
     for (size_t i = 0; i + period < n; ++i) {
@@ -138,8 +140,11 @@ std::optional<std::string> check_repetition(std::string_view text, const Repetit
                          quoted(pattern), span / period, span, start);
     }
   }
+  return std::nullopt;
+}
 
-  // (b) repetition spread over a long text.
+// (b) repetition spread over a long text.
+std::optional<std::string> check_repeated_words(std::string_view text, const RepetitionLimits::Words& limits) {
   std::vector<std::string> words = words_of(text);
   if (words.size() < limits.min_words) return std::nullopt;
   std::unordered_map<std::string, size_t> counts;
@@ -157,6 +162,13 @@ std::optional<std::string> check_repetition(std::string_view text, const Repetit
     return fmt::format("degenerate repetition: only {:.0f}% of the {} word 3-grams are distinct (phrases loop)",
                        100 * distinct, total);
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> check_repetition(std::string_view text, const RepetitionLimits& limits) {
+  if (auto why = check_repeated_run(text, limits.run)) return why;
+  return check_repeated_words(text, limits.words);
 }
 
 std::optional<std::string> check_think_tags(std::string_view text) {

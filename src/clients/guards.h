@@ -18,12 +18,16 @@
 namespace kiln::clients {
 
 struct RepetitionLimits {
-  size_t max_period_chars = 256;
-  size_t min_repeats = 4;
-  size_t min_run_chars = 40;
-  size_t min_words = 40;
-  double max_word_share = 0.30;
-  double min_distinct_trigram_share = 0.50;
+  struct Run {  // (a)
+    size_t max_period_chars = 256;
+    size_t min_repeats = 4;
+    size_t min_run_chars = 40;
+  } run;
+  struct Words {  // (b)
+    size_t min_words = 40;
+    double max_word_share = 0.30;
+    double min_distinct_trigram_share = 0.50;
+  } words;
 };
 
 // NUL, U+FFFD (what a decoder makes of invalid bytes), other C0 control characters except tab,

@@ -6,6 +6,8 @@
 #include <ctime>
 #include <mutex>
 
+#include "core/json_string.h"
+
 namespace kiln {
 namespace {
 
@@ -62,24 +64,6 @@ std::string iso8601_utc(int64_t time_ms) {
   char ts[32];
   std::strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
   return fmt::format("{}.{:03d}Z", ts, static_cast<int>(time_ms - floor_s * 1000));
-}
-
-// A JSON string literal of UTF-8 text (control characters escaped; bytes >= 0x80 kept as they are).
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-        else out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
 }
 
 }  // namespace

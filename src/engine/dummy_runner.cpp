@@ -19,21 +19,17 @@ uint64_t mix(uint64_t x) {
 
 DummyRunner::DummyRunner(Options o)
     : o_(o),
-      kv_(static_cast<size_t>(o.kv_pages * o.page_size), -1),
-      state_(static_cast<size_t>(o.state_slots), 0),
-      logits_done_(static_cast<size_t>(o.state_slots), 0) {
+      kv_(static_cast<size_t>(o.capacity.kv_pages * o.capacity.page_size), -1),
+      state_(static_cast<size_t>(o.capacity.state_slots), 0),
+      logits_done_(static_cast<size_t>(o.capacity.state_slots), 0) {
   if (o_.echo && (o_.turn_start < 0 || o_.turn_end < 0 || o_.newline < 0))
     fail("the echo dummy runner needs turn start / end and newline token ids");
 }
 
 model::RunnerCapacity DummyRunner::capacity() const {
-  model::RunnerCapacity c;
-  c.kv_pages = o_.kv_pages;
-  c.page_size = o_.page_size;
-  c.state_slots = o_.state_slots;
-  c.max_context = o_.max_context;
-  c.kv_bytes_per_token = 4;
-  c.state_bytes_per_slot = 8;
+  model::RunnerCapacity c = o_.capacity;
+  c.kv_bytes_per_token = sizeof(int32_t);     // kv_: one token id per page row
+  c.state_bytes_per_slot = sizeof(uint64_t);  // state_: one running hash per slot
   return c;
 }
 
@@ -53,9 +49,9 @@ int64_t DummyRunner::max_batch() const {
 }
 
 size_t DummyRunner::row_of(std::span<const int32_t> pages, int64_t pos) const {
-  int32_t page = pages[static_cast<size_t>(pos / o_.page_size)];
-  if (page < 0 || page >= o_.kv_pages) fail("dummy runner: page id {} outside the pool", page);
-  return static_cast<size_t>(page) * o_.page_size + static_cast<size_t>(pos % o_.page_size);
+  int32_t page = pages[static_cast<size_t>(pos / o_.capacity.page_size)];
+  if (page < 0 || page >= o_.capacity.kv_pages) fail("dummy runner: page id {} outside the pool", page);
+  return static_cast<size_t>(page) * o_.capacity.page_size + static_cast<size_t>(pos % o_.capacity.page_size);
 }
 
 int32_t DummyRunner::echo_token(std::span<const int32_t> pages, int64_t end, int64_t generated) const {
@@ -77,8 +73,8 @@ int32_t DummyRunner::echo_token(std::span<const int32_t> pages, int64_t end, int
 
 void DummyRunner::copy_state(int src_slot, int dst_slot) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (src_slot < 0 || src_slot >= o_.state_slots || dst_slot < 0 || dst_slot >= o_.state_slots)
-    fail("dummy runner: copy_state {} -> {} outside [0, {})", src_slot, dst_slot, o_.state_slots);
+  if (src_slot < 0 || src_slot >= o_.capacity.state_slots || dst_slot < 0 || dst_slot >= o_.capacity.state_slots)
+    fail("dummy runner: copy_state {} -> {} outside [0, {})", src_slot, dst_slot, o_.capacity.state_slots);
   state_[dst_slot] = state_[src_slot];
   logits_done_[dst_slot] = logits_done_[src_slot];
 }
@@ -90,10 +86,12 @@ void DummyRunner::forward(std::span<const model::SeqChunk> chunks, std::span<flo
   max_batch_ = std::max<int64_t>(max_batch_, static_cast<int64_t>(chunks.size()));
   size_t row = 0;
   for (const auto& c : chunks) {
-    if (c.state_slot < 0 || c.state_slot >= o_.state_slots) fail("dummy runner: bad state slot {}", c.state_slot);
+    if (c.state_slot < 0 || c.state_slot >= o_.capacity.state_slots)
+      fail("dummy runner: bad state slot {}", c.state_slot);
     int64_t end = c.start_pos + static_cast<int64_t>(c.tokens.size());
-    if (static_cast<int64_t>(c.page_table.size()) * o_.page_size < end) fail("dummy runner: page table too short");
-    if (end > o_.max_context) fail("dummy runner: position {} past the context", end);
+    if (static_cast<int64_t>(c.page_table.size()) * o_.capacity.page_size < end)
+      fail("dummy runner: page table too short");
+    if (end > o_.capacity.max_context) fail("dummy runner: position {} past the context", end);
     for (int32_t t : c.tokens)
       if (t == o_.fail_on_token) fail("injected failure");
     uint64_t& st = state_[c.state_slot];

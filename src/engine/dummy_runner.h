@@ -27,10 +27,9 @@ class DummyRunner : public model::ModelRunner {
  public:
   struct Options {
     int64_t vocab = 64;
-    int64_t kv_pages = 256;
-    int page_size = 4;
-    int state_slots = 16;
-    int64_t max_context = 512;
+    // The KV pool, state slots and context it has and reports (capacity() fills in its own bytes per token and per
+    // slot: those set here are ignored).
+    model::RunnerCapacity capacity{.kv_pages = 256, .page_size = 4, .state_slots = 16, .max_context = 512};
     int step_delay_us = 0;         // sleep per forward (a slow model)
     int32_t favourite_token = -1;  // hash mode: when >= 0, this token wins once a sequence has ...
     int favourite_after = 0;       //   ... this many tokens

@@ -23,14 +23,8 @@ class Builder {
   Builder(const ModelConfig& c, const QuantConfig& q) : c_(c), q_(q) {}
 
   void plain(const std::string& name, Shape shape, const char* role, int layer, const std::vector<DType>& dtypes = kFloat) {
-    ExpectedTensor t;
-    t.name = name;
-    t.dtypes = dtypes;
-    t.shape = shape;
-    t.role = role;
-    t.layer = layer;
-    t.params = shape.numel();
-    out.push_back(std::move(t));
+    out.push_back(
+        {.name = name, .dtypes = dtypes, .shape = shape, .role = role, .layer = layer, .params = shape.numel()});
   }
 
   // A linear `module` with weight [n_out, k_in], stored per its quantisation scheme.
@@ -38,15 +32,13 @@ class Builder {
               bool bias = false) {
     const QuantScheme s = effective_scheme(c_, q_, module);
     auto add = [&](std::string suffix, std::vector<DType> dtypes, Shape shape, int64_t params) {
-      ExpectedTensor t;
-      t.name = module + suffix;
-      t.dtypes = std::move(dtypes);
-      t.shape = shape;
-      t.role = role;
-      t.layer = layer;
-      t.expert = expert;
-      t.params = params;
-      out.push_back(std::move(t));
+      out.push_back({.name = module + suffix,
+                     .dtypes = std::move(dtypes),
+                     .shape = shape,
+                     .role = role,
+                     .layer = layer,
+                     .expert = expert,
+                     .params = params});
     };
     switch (s) {
       case QuantScheme::none:

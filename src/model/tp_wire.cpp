@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cstring>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -186,20 +187,24 @@ NodeCapacity node_capacity(const RunnerCapacity& c, int64_t vocab) {
   return NodeCapacity{c.kv_pages, c.page_size, c.state_slots, c.max_context, vocab};
 }
 
+namespace {
+// The capacity message: these fields as i64s, in this order (the names are the decoder's field names).
+constexpr std::pair<const char*, int64_t NodeCapacity::*> kCapacityFields[] = {
+    {"kv_pages", &NodeCapacity::kv_pages},       {"page_size", &NodeCapacity::page_size},
+    {"state_slots", &NodeCapacity::state_slots}, {"max_context", &NodeCapacity::max_context},
+    {"vocab", &NodeCapacity::vocab}};
+}  // namespace
+
 std::vector<uint8_t> encode_node_capacity(const NodeCapacity& c) {
   Writer w;
-  w.i64(c.kv_pages).i64(c.page_size).i64(c.state_slots).i64(c.max_context).i64(c.vocab);
+  for (const auto& [name, field] : kCapacityFields) w.i64(c.*field);
   return w.take();
 }
 
 NodeCapacity decode_node_capacity(std::span<const uint8_t> payload) {
   Reader r(payload, "capacity");
   NodeCapacity c;
-  c.kv_pages = r.i64("kv_pages");
-  c.page_size = r.i64("page_size");
-  c.state_slots = r.i64("state_slots");
-  c.max_context = r.i64("max_context");
-  c.vocab = r.i64("vocab");
+  for (const auto& [name, field] : kCapacityFields) c.*field = r.i64(name);
   r.finish();
   return c;
 }

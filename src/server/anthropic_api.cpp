@@ -1,10 +1,9 @@
 #include "server/anthropic_api.h"
 
-#include <algorithm>
-
 #include "core/log.h"
 #include "engine/engine.h"
 #include "server/api_error.h"
+#include "server/body_fields.h"
 #include "server/generation.h"
 #include "server/server_state.h"
 #include "tokenizer/tokenizer.h"
@@ -22,29 +21,16 @@ constexpr std::string_view kMessagesFields[] = {
 };
 
 std::string where_of(size_t message, size_t block) {
-  return "messages[" + std::to_string(message) + "].content[" + std::to_string(block) + "]";
-}
-
-const ojson& field(const ojson& obj, const char* name, const std::string& where, bool (ojson::*is)() const,
-                   const char* what) {
-  auto it = obj.find(name);
-  if (it == obj.end() || !((*it).*is)()) throw bad_param(where + "." + name, "'" + where + "." + name + "' must be " + what);
-  return *it;
+  return item_path(item_path("messages", message) + ".content", block);
 }
 
 // Text of a string or a list of text blocks (system, tool_result content), joined with newlines.
 std::string text_of(const ojson& v, const std::string& where) {
-  if (v.is_string()) return v.get<std::string>();
-  if (!v.is_array()) throw bad_param(where, "'" + where + "' must be a string or a list of text blocks");
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) {
-    const std::string w = where + "[" + std::to_string(i) + "]";
-    if (!v[i].is_object() || v[i].value("type", "") != "text")
+  return joined_text(v, where, "a list of text blocks", [](const ojson& block, const std::string& w) {
+    if (!block.is_object() || block.value("type", "") != "text")
       throw bad_param(w, "'" + w + "' must be a text block (this model reads text only)");
-    if (!out.empty()) out += "\n";
-    out += field(v[i], "text", w, &ojson::is_string, "a string").get<std::string>();
-  }
-  return out;
+    return string_field(block, "text", w);
+  });
 }
 
 // One Anthropic user message -> tool messages (its tool_result blocks) then a user message (its text blocks).
@@ -60,10 +46,10 @@ void add_user_message(const ojson& content, size_t m, ojson& out) {
     const std::string w = where_of(m, b);
     const std::string type = block.value("type", "");
     if (type == "text") {
-      text += (has_text ? "\n" : "") + field(block, "text", w, &ojson::is_string, "a string").get<std::string>();
+      text += (has_text ? "\n" : "") + string_field(block, "text", w);
       has_text = true;
     } else if (type == "tool_result") {
-      const std::string id = field(block, "tool_use_id", w, &ojson::is_string, "a string").get<std::string>();
+      const std::string id = string_field(block, "tool_use_id", w);
       std::string result = block.contains("content") ? text_of(block["content"], w + ".content") : "";
       if (block.value("is_error", false)) result = "Error: " + result;
       out.push_back({{"role", "tool"}, {"tool_call_id", id}, {"content", result}});
@@ -90,17 +76,17 @@ void add_assistant_message(const ojson& content, size_t m, ojson& out) {
     const std::string w = where_of(m, b);
     const std::string type = block.value("type", "");
     if (type == "text") {
-      text += field(block, "text", w, &ojson::is_string, "a string").get<std::string>();
+      text += string_field(block, "text", w);
     } else if (type == "thinking") {
-      reasoning += field(block, "thinking", w, &ojson::is_string, "a string").get<std::string>();
+      reasoning += string_field(block, "thinking", w);
     } else if (type == "redacted_thinking") {
       continue;  // another model's encrypted reasoning: nothing this one can read
     } else if (type == "tool_use") {
-      const ojson& input = field(block, "input", w, &ojson::is_object, "an object");
-      calls.push_back({{"id", field(block, "id", w, &ojson::is_string, "a string")},
+      const ojson& input = typed_field(block, "input", w, &ojson::is_object, "an object");
+      calls.push_back({{"id", typed_field(block, "id", w, &ojson::is_string, "a string")},
                        {"type", "function"},
                        {"function",
-                        {{"name", field(block, "name", w, &ojson::is_string, "a string")}, {"arguments", input.dump()}}}});
+                        {{"name", typed_field(block, "name", w, &ojson::is_string, "a string")}, {"arguments", input.dump()}}}});
     } else {
       throw bad_param(w, "content blocks of type '" + type + "' are not supported in assistant messages");
     }
@@ -120,7 +106,7 @@ ojson chat_messages(const ojson& body) {
     throw bad_param("messages", "'messages' is required: a non-empty list of {role, content}");
   for (size_t m = 0; m < it->size(); ++m) {
     const ojson& msg = (*it)[m];
-    const std::string w = "messages[" + std::to_string(m) + "]";
+    const std::string w = item_path("messages", m);
     if (!msg.is_object()) throw bad_param(w, "'" + w + "' must be an object");
     const std::string role = msg.value("role", "");
     auto content = msg.find("content");
@@ -134,21 +120,16 @@ ojson chat_messages(const ojson& body) {
 }
 
 ojson chat_tools(const ojson& tools) {
-  if (!tools.is_array()) throw bad_param("tools", "'tools' must be a list");
-  ojson out = ojson::array();
-  for (size_t i = 0; i < tools.size(); ++i) {
-    const ojson& t = tools[i];
-    const std::string w = "tools[" + std::to_string(i) + "]";
+  return chat_function_tools(tools, [](const ojson& t, const std::string& w) {
     if (!t.is_object()) throw bad_param(w, "'" + w + "' must be an object");
     if (t.contains("type") && t["type"] != "custom")
       throw bad_param(w + ".type", "only client tools {name, description, input_schema} are supported; '" +
                                        t["type"].dump() + "' is a server tool");
-    ojson fn = {{"name", field(t, "name", w, &ojson::is_string, "a string")}};
+    ojson fn = {{"name", typed_field(t, "name", w, &ojson::is_string, "a string")}};
     if (t.contains("description")) fn["description"] = t["description"];
-    fn["parameters"] = field(t, "input_schema", w, &ojson::is_object, "an object (a JSON schema)");
-    out.push_back({{"type", "function"}, {"function", fn}});
-  }
-  return out;
+    fn["parameters"] = typed_field(t, "input_schema", w, &ojson::is_object, "an object (a JSON schema)");
+    return fn;
+  });
 }
 
 // tool_choice -> (OpenAI tool_choice, parallel_tool_calls).
@@ -161,19 +142,10 @@ void chat_tool_choice(const ojson& choice, ojson& chat) {
   else if (type == "none") chat["tool_choice"] = "none";
   else if (type == "tool")
     chat["tool_choice"] = {{"type", "function"},
-                           {"function", {{"name", field(choice, "name", "tool_choice", &ojson::is_string, "a string")}}}};
+                           {"function", {{"name", typed_field(choice, "name", "tool_choice", &ojson::is_string, "a string")}}}};
   else throw bad_param("tool_choice.type", "'tool_choice.type' must be auto, any, tool or none");
   if (auto d = choice.find("disable_parallel_tool_use"); d != choice.end() && d->is_boolean() && d->get<bool>())
     chat["parallel_tool_calls"] = false;
-}
-
-void check_fields(const ojson& body) {
-  for (const auto& [key, value] : body.items()) {
-    if (value.is_null()) continue;
-    if (std::find(std::begin(kMessagesFields), std::end(kMessagesFields), key) != std::end(kMessagesFields)) continue;
-    throw ApiError(400, "'" + key + "' is not supported by kiln's /v1/messages (it would have no effect); remove it",
-                   key, "unsupported_parameter");
-  }
 }
 
 // thinking -> (on, budget); the chat template's enable_thinking follows.
@@ -195,7 +167,7 @@ void parse_thinking(const ojson& body, MessagesRequest& out) {
 }  // namespace
 
 MessagesRequest parse_messages_request(const ojson& body, const ProtocolLimits& limits, bool count_only) {
-  check_fields(body);
+  check_known_fields(body, kMessagesFields, "/v1/messages");
   MessagesRequest out;
   ojson chat = ojson::object();
   if (body.contains("model")) chat["model"] = body["model"];

@@ -12,35 +12,18 @@ void OutputBlocks::open(BlockKind kind, int tool_index, const std::string& name,
   kind_ = kind;
   tool_index_ = tool_index;
   index_ = next_index_++;
-  BlockEvent e;
-  e.op = BlockEvent::open;
-  e.kind = kind;
-  e.index = index_;
-  e.tool_index = tool_index;
-  e.name = name;
-  out.push_back(std::move(e));
+  out.push_back({.op = BlockEvent::open, .kind = kind, .index = index_, .tool_index = tool_index, .name = name});
 }
 
 void OutputBlocks::close(std::vector<BlockEvent>& out) {
   if (!is_open_) return;
   is_open_ = false;
-  BlockEvent e;
-  e.op = BlockEvent::close;
-  e.kind = kind_;
-  e.index = index_;
-  e.tool_index = tool_index_;
-  out.push_back(std::move(e));
+  out.push_back({.op = BlockEvent::close, .kind = kind_, .index = index_, .tool_index = tool_index_});
 }
 
 void OutputBlocks::append(BlockKind kind, const std::string& text, std::vector<BlockEvent>& out) {
   if (text.empty()) return;
-  BlockEvent e;
-  e.op = BlockEvent::append;
-  e.kind = kind;
-  e.index = index_;
-  e.tool_index = tool_index_;
-  e.text = text;
-  out.push_back(std::move(e));
+  out.push_back({.op = BlockEvent::append, .kind = kind, .index = index_, .tool_index = tool_index_, .text = text});
 }
 
 std::vector<BlockEvent> OutputBlocks::push(const ChoiceDelta& delta) {

@@ -1,9 +1,8 @@
 #include "server/responses_api.h"
 
-#include <algorithm>
-
 #include "engine/engine.h"
 #include "server/api_error.h"
+#include "server/body_fields.h"
 #include "server/generation.h"
 #include "server/server_state.h"
 
@@ -20,27 +19,14 @@ constexpr std::string_view kResponsesFields[] = {
     "metadata", "user", "include", "prompt_cache_key", "safety_identifier", "service_tier", "truncation",
 };
 
-std::string str_field(const ojson& obj, const char* name, const std::string& where) {
-  auto it = obj.find(name);
-  if (it == obj.end() || !it->is_string())
-    throw bad_param(where + "." + name, "'" + where + "." + name + "' must be a string");
-  return it->get<std::string>();
-}
-
 // Message content: a string or a list of text parts (input_text, output_text, text), joined with newlines.
 std::string content_text(const ojson& content, const std::string& where) {
-  if (content.is_string()) return content.get<std::string>();
-  if (!content.is_array()) throw bad_param(where, "'" + where + "' must be a string or a list of content parts");
-  std::string out;
-  for (size_t i = 0; i < content.size(); ++i) {
-    const std::string w = where + "[" + std::to_string(i) + "]";
-    const std::string type = content[i].is_object() ? content[i].value("type", "") : "";
+  return joined_text(content, where, "a list of content parts", [](const ojson& part, const std::string& w) {
+    const std::string type = part.is_object() ? part.value("type", "") : "";
     if (type != "input_text" && type != "output_text" && type != "text")
       throw bad_param(w, "content parts of type '" + type + "' are not supported (this model reads text only)");
-    if (!out.empty()) out += "\n";
-    out += str_field(content[i], "text", w);
-  }
-  return out;
+    return string_field(part, "text", w);
+  });
 }
 
 // Appends to the last message when it is an assistant turn still open for more (reasoning, calls), else a new one.
@@ -53,7 +39,7 @@ void add_item(const ojson& item, const std::string& w, ojson& msgs) {
   if (!item.is_object()) throw bad_param(w, "'" + w + "' must be an object");
   const std::string type = item.value("type", item.contains("role") ? "message" : "");
   if (type == "message") {
-    std::string role = str_field(item, "role", w);
+    std::string role = string_field(item, "role", w);
     if (role == "developer") role = "system";
     if (role != "user" && role != "assistant" && role != "system")
       throw bad_param(w + ".role", "'" + w + ".role' must be user, assistant, system or developer");
@@ -68,12 +54,12 @@ void add_item(const ojson& item, const std::string& w, ojson& msgs) {
   } else if (type == "function_call") {
     ojson& turn = assistant_turn(msgs);
     if (!turn.contains("tool_calls")) turn["tool_calls"] = ojson::array();
-    turn["tool_calls"].push_back({{"id", str_field(item, "call_id", w)},
+    turn["tool_calls"].push_back({{"id", string_field(item, "call_id", w)},
                                   {"type", "function"},
-                                  {"function", {{"name", str_field(item, "name", w)}, {"arguments", str_field(item, "arguments", w)}}}});
+                                  {"function", {{"name", string_field(item, "name", w)}, {"arguments", string_field(item, "arguments", w)}}}});
   } else if (type == "function_call_output") {
     const ojson& output = item.contains("output") ? item["output"] : ojson("");
-    msgs.push_back({{"role", "tool"}, {"tool_call_id", str_field(item, "call_id", w)},
+    msgs.push_back({{"role", "tool"}, {"tool_call_id", string_field(item, "call_id", w)},
                     {"content", content_text(output, w + ".output")}});
   } else if (type == "reasoning") {
     std::string text;
@@ -95,7 +81,7 @@ ojson input_messages(const ojson& body) {
   if (it->is_string()) {
     msgs.push_back({{"role", "user"}, {"content", *it}});
   } else if (it->is_array()) {
-    for (size_t i = 0; i < it->size(); ++i) add_item((*it)[i], "input[" + std::to_string(i) + "]", msgs);
+    for (size_t i = 0; i < it->size(); ++i) add_item((*it)[i], item_path("input", i), msgs);
   } else {
     throw bad_param("input", "'input' must be a string or a list of items");
   }
@@ -103,25 +89,20 @@ ojson input_messages(const ojson& body) {
 }
 
 ojson chat_tools(const ojson& tools) {
-  if (!tools.is_array()) throw bad_param("tools", "'tools' must be a list");
-  ojson out = ojson::array();
-  for (size_t i = 0; i < tools.size(); ++i) {
-    const ojson& t = tools[i];
-    const std::string w = "tools[" + std::to_string(i) + "]";
+  return chat_function_tools(tools, [](const ojson& t, const std::string& w) {
     if (!t.is_object() || t.value("type", "") != "function")
       throw bad_param(w + ".type", "only tools of type 'function' are supported");
-    ojson fn = {{"name", str_field(t, "name", w)}};
+    ojson fn = {{"name", string_field(t, "name", w)}};
     for (const char* key : {"description", "parameters", "strict"})
       if (t.contains(key) && !t[key].is_null()) fn[key] = t[key];
-    out.push_back({{"type", "function"}, {"function", fn}});
-  }
-  return out;
+    return fn;
+  });
 }
 
 ojson chat_tool_choice(const ojson& c) {
   if (c.is_string()) return c;  // auto, none, required (checked by protocol.h)
   if (c.is_object() && c.value("type", "") == "function")
-    return {{"type", "function"}, {"function", {{"name", str_field(c, "name", "tool_choice")}}}};
+    return {{"type", "function"}, {"function", {{"name", string_field(c, "name", "tool_choice")}}}};
   throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or {type: function, name}");
 }
 
@@ -141,15 +122,6 @@ ojson chat_response_format(const ojson& text) {
   return {{"type", "json_schema"}, {"json_schema", schema}};
 }
 
-void check_fields(const ojson& body) {
-  for (const auto& [key, value] : body.items()) {
-    if (value.is_null()) continue;
-    if (std::find(std::begin(kResponsesFields), std::end(kResponsesFields), key) != std::end(kResponsesFields)) continue;
-    throw ApiError(400, "'" + key + "' is not supported by kiln's /v1/responses (it would have no effect); remove it",
-                   key, "unsupported_parameter");
-  }
-}
-
 // The request fields a response object repeats (OpenAI's defaults where absent).
 json echo_fields(const ojson& body) {
   json e = {{"instructions", nullptr}, {"max_output_tokens", nullptr}, {"parallel_tool_calls", true},
@@ -165,7 +137,7 @@ json echo_fields(const ojson& body) {
 }  // namespace
 
 ResponsesRequest parse_responses_request(const ojson& body, const ProtocolLimits& limits, const ojson& previous) {
-  check_fields(body);
+  check_known_fields(body, kResponsesFields, "/v1/responses");
   ResponsesRequest out;
   out.conversation = previous.is_array() ? previous : ojson::array();
   for (auto& m : input_messages(body)) out.conversation.push_back(std::move(m));

@@ -62,11 +62,11 @@ class TestServer {
         read_file(std::string(KILN_SOURCE_DIR) + "/tests/fixtures/templates/Qwen3.5-4B.jinja"));
     engine::DummyRunner::Options d;
     d.vocab = cfg.vocab;
-    d.kv_pages = 4096;
-    d.page_size = 16;
+    d.capacity.kv_pages = 4096;
+    d.capacity.page_size = 16;
     // As kiln serve sizes them: a running request's slot plus the prefix cache's snapshots.
-    d.state_slots = cfg.max_running * engine::state_slots_per_request(true);
-    d.max_context = cfg.context;
+    d.capacity.state_slots = cfg.max_running * engine::state_slots_per_request(true);
+    d.capacity.max_context = cfg.context;
     d.step_delay_us = cfg.step_delay_us;
     d.echo = cfg.echo;
     d.turn_start = 508;

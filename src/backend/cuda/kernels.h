@@ -12,6 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "model/sampling.h"
+
 namespace kiln::cuda::ops {
 
 using Stream = cudaStream_t;
@@ -357,14 +359,8 @@ bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv);
 //  - the draw: the survivors' mass in ascending id, each thread one contiguous segment (segment sums, a block scan);
 //    the segment where the prefix passes u * S is walked in order.
 // A row with no finite largest value (all -inf / NaN, or +inf) gets -1. NaN logits are unsupported.
-// model::RowSampling as the kernel reads it.
-struct SampleRowArgs {
-  float temperature = 0.0f;
-  int32_t top_k = 0;
-  float top_p = 1.0f;
-  float min_p = 0.0f;
-  double u = 0.0;
-};
+// A row's parameters: model::RowSampling itself (plain data, read by the kernel as the host stores it).
+using SampleRowArgs = model::RowSampling;
 
 // ids[r] = the token of row r (logits + r * ld, V values) drawn as rows[r] says. rows, ids: device arrays [R].
 // V at most 2^30.

@@ -42,8 +42,8 @@ void Grammar::define_rule(int32_t rule, Frag body) {
   KILN_CHECK(rule >= 0 && static_cast<size_t>(rule) < rule_start_.size(), "no rule {}", rule);
   int32_t start = rule_start_[static_cast<size_t>(rule)];
   KILN_CHECK(nodes_[static_cast<size_t>(start)].edges.empty(), "rule {} defined twice", rule_names_[static_cast<size_t>(rule)]);
-  add_edge(start, {Edge::epsilon, 0, 0, -1, body.start});
-  add_edge(body.end, {Edge::epsilon, 0, 0, -1, rule_end_[static_cast<size_t>(rule)]});
+  link(start, body.start);
+  link(body.end, rule_end_[static_cast<size_t>(rule)]);
 }
 
 void Grammar::validate() const {
@@ -232,32 +232,32 @@ std::string Grammar::structure_key() const {
 
 Frag Grammar::seq(std::vector<Frag> parts) {
   if (parts.empty()) return empty();
-  for (size_t i = 0; i + 1 < parts.size(); ++i) add_edge(parts[i].end, {Edge::epsilon, 0, 0, -1, parts[i + 1].start});
+  for (size_t i = 0; i + 1 < parts.size(); ++i) link(parts[i].end, parts[i + 1].start);
   return {parts.front().start, parts.back().end};
 }
 
 Frag Grammar::alt(std::vector<Frag> options) {
   int32_t a = add_node(), b = add_node();
   for (const Frag& f : options) {
-    add_edge(a, {Edge::epsilon, 0, 0, -1, f.start});
-    add_edge(f.end, {Edge::epsilon, 0, 0, -1, b});
+    link(a, f.start);
+    link(f.end, b);
   }
   return {a, b};
 }
 
 Frag Grammar::opt(Frag f) {
   int32_t a = add_node(), b = add_node();
-  add_edge(a, {Edge::epsilon, 0, 0, -1, f.start});
-  add_edge(a, {Edge::epsilon, 0, 0, -1, b});
-  add_edge(f.end, {Edge::epsilon, 0, 0, -1, b});
+  link(a, f.start);
+  link(a, b);
+  link(f.end, b);
   return {a, b};
 }
 
 Frag Grammar::star(Frag f) {
   int32_t a = add_node(), b = add_node();
-  add_edge(a, {Edge::epsilon, 0, 0, -1, f.start});
-  add_edge(a, {Edge::epsilon, 0, 0, -1, b});
-  add_edge(f.end, {Edge::epsilon, 0, 0, -1, a});
+  link(a, f.start);
+  link(a, b);
+  link(f.end, a);
   return {a, b};
 }
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
 
 #include <unistd.h>
 
@@ -34,6 +35,30 @@ TEST(ClientServerAddress, TakesTheKeyFromTheFlagElseTheEnvironment) {
 
 TEST(ClientServerAddress, ABadUrlIsAnError) {
   EXPECT_THROW(client_server_address("not a url", "", 1, env_with_key(nullptr)), Error);
+}
+
+TEST(ClientFlags, ReadsTheFiveFlagsAndKeepsTheDefaults) {
+  ClientFlags flags{.timeout_s = 600};
+  CLI::App app;
+  add_client_flags(app, flags, "Also write the results to FILE");
+  app.parse("--model m --api-key sk-flag", false);
+  EXPECT_EQ(flags.url, "http://127.0.0.1:30000");
+  EXPECT_EQ(flags.api_key, "sk-flag");
+  EXPECT_EQ(flags.model, "m");
+  EXPECT_EQ(flags.json_path, "");
+  EXPECT_EQ(flags.timeout_s, 600);
+  EXPECT_NE(app.help().find("Also write the results to FILE"), std::string::npos);
+
+  ClientFlags set;
+  CLI::App app2;
+  add_client_flags(app2, set, "report");
+  app2.parse("--url http://10.0.0.2:8000 --json out.json --timeout 7.5", false);
+  EXPECT_EQ(set.url, "http://10.0.0.2:8000");
+  EXPECT_EQ(set.json_path, "out.json");
+  EXPECT_EQ(set.timeout_s, 7.5);
+  const clients::ServerAddress address = client_server_address(set);
+  EXPECT_EQ(address.base_url, "http://10.0.0.2:8000");
+  EXPECT_EQ(address.timeout_s, 7.5);
 }
 
 TEST(JsonOutputFile, WritesTheJsonAndANewline) {

@@ -226,16 +226,16 @@ TEST(BuildDummyRunnerOptions, SizesAsACpuLaunchAndEchoIds) {
   EXPECT_TRUE(d.echo);
   EXPECT_EQ(d.turn_end, 2);
   EXPECT_EQ(d.vocab, 2000);  // the larger of the model's and the tokenizer's
-  EXPECT_EQ(d.max_context, 1024);
-  EXPECT_EQ(d.state_slots, kCpuDefaultRunning * 3);
-  EXPECT_EQ(d.kv_pages, kCpuDefaultRunning * (1024 / 16));
+  EXPECT_EQ(d.capacity.max_context, 1024);
+  EXPECT_EQ(d.capacity.state_slots, kCpuDefaultRunning * 3);
+  EXPECT_EQ(d.capacity.kv_pages, kCpuDefaultRunning * (1024 / 16));
   a.dummy_runner = "hash";
   a.context_length = 100;
   a.max_total_tokens = 33;
   d = build_dummy_runner_options(a, context("cpu"), config_with(0), t);
   EXPECT_FALSE(d.echo);
-  EXPECT_EQ(d.max_context, 100);
-  EXPECT_EQ(d.kv_pages, 3);
+  EXPECT_EQ(d.capacity.max_context, 100);
+  EXPECT_EQ(d.capacity.kv_pages, 3);
 }
 
 TEST(StartupSummary, SaysWhatStartupChose) {

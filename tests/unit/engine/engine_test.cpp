@@ -235,8 +235,8 @@ TEST(Engine, StopsOnEosStopTokensAndLength) {
 
 TEST(Engine, RejectsWhatCanNeverFitWithNumbers) {
   DummyRunner::Options ro;
-  ro.max_context = 100;
-  ro.kv_pages = 30;  // 120 tokens
+  ro.capacity.max_context = 100;
+  ro.capacity.kv_pages = 30;  // 120 tokens
   Engine e(std::make_unique<DummyRunner>(ro), options(4, 8));
   e.start();
   auto r = e.submit({greedy(std::vector<int32_t>(90, 1), 20)});
@@ -246,7 +246,7 @@ TEST(Engine, RejectsWhatCanNeverFitWithNumbers) {
   {
     // A pool smaller than the context caps the context (a warning at startup): one sequence always fits.
     DummyRunner::Options small = ro;
-    small.kv_pages = 10;  // 40 tokens
+    small.capacity.kv_pages = 10;  // 40 tokens
     Engine e2(std::make_unique<DummyRunner>(small), options(4, 8));
     EXPECT_EQ(e2.context_length(), 40);
     e2.start();
@@ -687,10 +687,10 @@ TEST(EngineConstraint, RequestsSharingACompiledGrammar) {
 DummyRunner::Options dummy(int64_t pages, int slots) {
   DummyRunner::Options d;
   d.vocab = 50;
-  d.page_size = 4;
-  d.kv_pages = pages;
-  d.state_slots = slots;
-  d.max_context = 512;
+  d.capacity.page_size = 4;
+  d.capacity.kv_pages = pages;
+  d.capacity.state_slots = slots;
+  d.capacity.max_context = 512;
   return d;
 }
 

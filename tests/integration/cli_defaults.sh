@@ -60,7 +60,7 @@ grep -q "/health, /health_generate, /metrics stay open" "$DIR/help" || fail "ser
 # inspect: the router note once, no unused KV-token count beside serve's plan (on one GPU and per GPU at --tp 2).
 CFG="$ROOT/configs/qwen3.5-35b-a3b-nvfp4"
 "$KILN" inspect --model-path "$CFG" --gpu-mem-gib 141 > "$DIR/insp" 2>&1 || fail "inspect 35B"
-[ "$(grep -c "quantise" "$DIR/insp")" = 1 ] || fail "inspect: the router note $(grep -c quantise "$DIR/insp") times: $(grep quantise "$DIR/insp")"
+[ "$(grep -c "would quantise" "$DIR/insp")" = 1 ] || fail "inspect: the router note $(grep -c "would quantise" "$DIR/insp") times: $(grep "would quantise" "$DIR/insp")"
 grep -q "max KV tokens" "$DIR/insp" && fail "inspect: a max KV tokens line beside the serve plan"
 "$KILN" inspect --model-path "$CFG" --tp 2 --gpu-mem-gib 141 > "$DIR/insp2" 2>&1 || fail "inspect 35B --tp 2"
 grep -q "max KV tokens" "$DIR/insp2" && fail "inspect --tp 2: a max KV tokens line beside the serve plan"

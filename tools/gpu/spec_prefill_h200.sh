@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# GPU machine: issues "Multi-token prediction" (position checkpoints, verify graphs) and "Prefill at tensor-core
+# speed" in one call, on one binary (A/B by flags), from the repository root:
+#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: tests,smoke,spec35,tiny,prefill]
+# CARRY holds lib/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
+# Variables: TEST_FILTER, TEST_TIMEOUT, SPEC_BATCHES (35B spec sweep batches), PREFILL_VARIANTS ('|'-separated flag
+# sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs).
+set -uo pipefail
+CARRY=${1:-gpu-carry}
+WHAT=${2:-tests,smoke,spec35,tiny,prefill}
+OUT=${OUT:-/tmp/kiln-gpu}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$CARRY/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0
+for f in "$CARRY"/*/*.xz; do [ -e "$f" ] && python3 -c "
+import lzma, sys; open(sys.argv[1][:-3], 'wb').write(lzma.open(sys.argv[1]).read())" "$f" && chmod +x "${f%.xz}"; done
+has() { [[ ",$WHAT," == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+K="$CARRY/new/kiln"
+"$K" version || { ldd "$K" | grep "not found"; exit 1; }
+C35=configs/qwen3.5-35b-a3b-nvfp4
+
+if has tests && [ -x "$CARRY/new/test_cuda" ]; then
+  echo "== test_cuda ${TEST_FILTER:-(all)}"
+  timeout ${TEST_TIMEOUT:-360} "$CARRY/new/test_cuda" ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} > "$OUT/test_cuda.log" 2>&1
+  echo "test_cuda rc=$?"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/test_cuda.log" | head -40
+fi
+serve_bench() {  # $1: label, rest: serve flags; kiln-tiny on the GPU, then smoke or bench per $MODE
+  local label=$1; shift
+  "$K" serve --device cuda --model-path models/kiln-tiny "$@" --port 30000 > "$OUT/serve_$label.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 240); do curl -sf http://127.0.0.1:30000/health > /dev/null && break; sleep 0.5; done
+  if [ "$MODE" = smoke ]; then
+    timeout 300 "$K" smoke --url http://127.0.0.1:30000 2>&1 | tail -3
+  else
+    timeout 300 "$K" bench --url http://127.0.0.1:30000 --input-len 128 --output-len 256 --max-concurrency 1,8 \
+      --num-prompts 8 2>&1 | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept" | head -12
+    curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln_spec" | head -8
+  fi
+  kill -TERM $server; wait $server; echo "serve exit status: $?"
+}
+if has smoke; then
+  MODE=smoke
+  for s in "" "--kv-cache-dtype fp8_e4m3" "--tp 2 --gpu-id-step 0" "--speculative-algorithm none"; do
+    echo "== kiln serve --device cuda $s (kiln-tiny) + kiln smoke"
+    serve_bench smoke $s
+  done
+fi
+if has spec35; then
+  echo "== 35B-A3B dummy: spec sweep (replay path and position checkpoints, one binary)"
+  timeout 400 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${SPEC_BATCHES:-1,8} \
+    --input-len 256 --output-len 32 --skip-self-check --spec-sweep 1,2,3 > "$OUT/spec35.txt" 2>&1
+  echo "rc=$?"; grep -E "^batch|spec K" "$OUT/spec35.txt"
+fi
+if has tiny; then
+  MODE=bench
+  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN"; do
+    echo "== kiln-tiny serve $s: kiln bench 128/256 at concurrency 1, 8"
+    serve_bench "tiny_${s##* }" $s
+  done
+fi
+if has prefill; then
+  IFS='|' read -ra VARIANTS <<< "${PREFILL_VARIANTS:---moe-runner-backend kiln-mma|--moe-runner-backend auto}"
+  for shape in ${PREFILL_SHAPES:-4096:1 8192:1 512:16}; do
+    len=${shape%%:*}; b=${shape##*:}
+    for v in "${VARIANTS[@]}"; do
+      echo "== prefill 35B-A3B dummy, $b x $len tokens, $v"
+      timeout 300 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch $b --input-len $len \
+        --output-len 4 --max-pass-tokens $((len * b > 8192 ? 8192 : len * b)) --skip-self-check --profile $v \
+        > "$OUT/prefill_${len}x${b}_$(echo $v | tr -c 'a-z0-9' _).txt" 2>&1
+      grep -E "^batch" "$OUT/prefill_${len}x${b}_$(echo $v | tr -c 'a-z0-9' _).txt"
+    done
+  done
+fi

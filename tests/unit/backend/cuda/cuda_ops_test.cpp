@@ -167,8 +167,9 @@ struct Engine {
   int64_t vocab = 0;
 
   Engine(std::unique_ptr<model::Ops> ops, const std::string& dir, DType kv, int slots, int64_t max_context,
-         model::LoadFormat load_format = model::LoadFormat::safetensors, int graph_max_batch = 256) {
+         model::LoadFormat load_format = model::LoadFormat::safetensors, int graph_max_batch = 256, bool mtp = false) {
     model::RunnerOptions ro;
+    ro.mtp = mtp;
     ro.load_format = load_format;
     ro.graph_max_batch = graph_max_batch;
     ro.kv_dtype = kv;
@@ -464,6 +465,110 @@ TEST(CudaRunner, GraphReplayGivesTheEagerLogitsBitForBit) {
   EXPECT_EQ(dynamic_cast<CudaOps&>(eager.runner->ops()).graphs(), 0);
   std::printf("[ graphs   ] kiln-tiny, 3 sequences x 40 decode steps: graphed == eager bit for bit (%d graphs)\n",
               ops.graphs());
+}
+
+// Speculative decoding as the engine runs it (greedy): the MTP head drafts K tokens per sequence, one verify pass
+// keeps position checkpoints, each sequence accepts while the drafts are the target's argmax, and keep_verified sets
+// its state to the last accepted token. Generated tokens equal plain greedy decoding; the verify passes replayed as
+// CUDA graphs give the eager logits bit for bit.
+struct SpecRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<std::vector<float>> verify_logits;  // per step, every sequence's K + 1 rows
+  int accepted = 0, drafted = 0;
+};
+
+SpecRun speculate(Engine& e, const std::vector<std::vector<int32_t>>& prompts, int K, int min_tokens) {
+  const size_t n = prompts.size();
+  const int64_t V = e.vocab;
+  SpecRun r;
+  r.tokens.resize(n);
+  std::vector<float> out(n * V);
+  std::vector<model::SeqChunk> chunks(n);
+  std::vector<int64_t> pos(n);
+  for (size_t i = 0; i < n; ++i) {
+    chunks[i].state_slot = static_cast<int>(i);
+    chunks[i].tokens = prompts[i];
+    chunks[i].page_table = e.page_tables[i];
+    pos[i] = static_cast<int64_t>(prompts[i].size());
+  }
+  e.runner->forward(chunks, out);
+  for (size_t i = 0; i < n; ++i) r.tokens[i].push_back(testing::argmax(out.data() + i * V, V));
+  std::vector<std::vector<int32_t>> verify(n);
+  auto done = [&] {
+    for (const auto& t : r.tokens)
+      if (static_cast<int>(t.size()) < min_tokens) return false;
+    return true;
+  };
+  while (!done()) {
+    std::vector<model::DraftSeq> seqs(n);
+    for (size_t i = 0; i < n; ++i) {
+      seqs[i].state_slot = static_cast<int>(i);
+      seqs[i].token = r.tokens[i].back();
+      seqs[i].pos = pos[i];  // the pending token's position (the engine's tokens.size() - 1)
+      seqs[i].page_table = e.page_tables[i];
+    }
+    std::vector<int32_t> drafted(n * K);
+    e.runner->draft(seqs, K, drafted, {});
+    for (size_t i = 0; i < n; ++i) {
+      verify[i] = {r.tokens[i].back()};
+      verify[i].insert(verify[i].end(), drafted.begin() + i * K, drafted.begin() + (i + 1) * K);
+      chunks[i].tokens = verify[i];
+      chunks[i].start_pos = pos[i];
+      chunks[i].logits_tokens = K + 1;
+      chunks[i].checkpoint_positions = true;
+    }
+    std::vector<float> logits(n * (K + 1) * V);
+    e.runner->forward(chunks, logits);
+    r.verify_logits.push_back(logits);
+    for (size_t i = 0; i < n; ++i) {
+      int m = 0;  // drafts accepted
+      for (int j = 0; j <= K; ++j) {
+        const int32_t target = testing::argmax(logits.data() + (i * (K + 1) + j) * V, V);
+        r.tokens[i].push_back(target);
+        if (j == K || target != verify[i][static_cast<size_t>(j) + 1]) break;
+        ++m;
+      }
+      r.accepted += m;
+      r.drafted += K;
+      e.runner->keep_verified(static_cast<int>(i), m + 1);
+      pos[i] += m + 1;
+    }
+  }
+  return r;
+}
+
+TEST(CudaRunner, SpeculativeVerifyWithPositionCheckpointsEqualsGreedyAndGraphsEqualEager) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";  // ships a trained MTP head
+  std::vector<std::vector<int32_t>> prompts = {{3, 4, 5}, {77}, {500, 501, 502, 503, 504, 505, 506, 507, 508}};
+  constexpr int kTokens = 40;
+  Engine plain(std::make_unique<CudaOps>(), dir, DType::F32, 4, 256);
+  const Generation want = generate(plain, prompts, kTokens + 8);
+  for (int K : {1, 3}) {
+    // 12 state slots: as many position checkpoints, and 3 sequences of K = 3 drafts keep 9.
+    Engine eager(std::make_unique<CudaOps>(), dir, DType::F32, 12, 256, model::LoadFormat::safetensors, 0, true);
+    Engine graphed(std::make_unique<CudaOps>(), dir, DType::F32, 12, 256, model::LoadFormat::safetensors, 256, true);
+    ASSERT_GE(graphed.runner->position_checkpoints(), static_cast<int>(prompts.size()) * K);
+    const SpecRun a = speculate(eager, prompts, K, kTokens);
+    const SpecRun b = speculate(graphed, prompts, K, kTokens);
+    EXPECT_GT(a.accepted, 0) << "K = " << K;
+    EXPECT_LT(a.accepted, a.drafted) << "K = " << K;  // some rejected: keep_verified took a checkpoint
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const size_t n = std::min(a.tokens[i].size(), want.tokens[i].size());
+      EXPECT_EQ(std::vector<int32_t>(a.tokens[i].begin(), a.tokens[i].begin() + n),
+                std::vector<int32_t>(want.tokens[i].begin(), want.tokens[i].begin() + n))
+          << "K = " << K << " sequence " << i;
+      EXPECT_EQ(a.tokens[i], b.tokens[i]) << "K = " << K << " sequence " << i;
+    }
+    ASSERT_EQ(a.verify_logits.size(), b.verify_logits.size());
+    for (size_t s = 0; s < a.verify_logits.size(); ++s)
+      ASSERT_EQ(a.verify_logits[s], b.verify_logits[s]) << "K = " << K << " verify step " << s;
+    EXPECT_GE(dynamic_cast<CudaOps&>(graphed.runner->ops()).graphs(), 1) << "K = " << K;
+    EXPECT_EQ(dynamic_cast<CudaOps&>(eager.runner->ops()).graphs(), 0);
+    std::printf("[ spec     ] kiln-tiny K = %d, 3 sequences: %d of %d drafts accepted; verify graphs == eager bit for "
+                "bit; tokens == plain greedy\n",
+                K, a.accepted, a.drafted);
+  }
 }
 
 TEST(CudaRunner, DummyWeightsGiveTheCpusLogits) {

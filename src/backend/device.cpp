@@ -133,8 +133,8 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
   k.attention = pick("--attention-backend", o.gpu.attention_backend, {"kiln-paged", "kiln-paged-fp32"}, "kiln-paged");
   // auto: the grouped path. The fused decode kernels measured slower at batch 1 on an H100 (docs/perf/decode-latency.md),
   // so they are reachable by name only.
-  // kiln-grouped (auto): the mma kernels, and for steps of >= cuda::kMoePrefillBlasMinTokens tokens under bfloat16
-  // the NVFP4 experts dequantised to bf16 + cuBLAS grouped GEMMs; kiln-mma / kiln-blas pin one of the two (A/B runs).
+  // kiln-grouped (auto) and kiln-mma: the mma kernels; kiln-blas: the NVFP4 experts of every non-captured step
+  // dequantised to bf16 + cuBLAS grouped GEMMs (opt-in until measured on a GPU; A/B runs).
   k.moe_runner = pick("--moe-runner-backend", o.gpu.moe_runner_backend,
                       {"kiln-fused-decode", "kiln-grouped", "kiln-mma", "kiln-blas", "kiln-grouped-fp32"},
                       "kiln-grouped");
@@ -160,9 +160,9 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.moe_tensor_cores = k.moe_runner == "kiln-grouped" || k.moe_runner == "kiln-fused-decode" ||
                        k.moe_runner == "kiln-mma" || k.moe_runner == "kiln-blas";
   c.moe_decode_fused = k.moe_runner == "kiln-fused-decode";
-  c.moe_prefill = k.moe_runner == "kiln-mma"    ? cuda::MoePrefill::mma
-                  : k.moe_runner == "kiln-blas" ? cuda::MoePrefill::blas
-                                                : cuda::MoePrefill::by_step;
+  // The dequantised cuBLAS path is opt-in (kiln-blas) until it is measured and checked on a GPU
+  // (docs/perf/prefill.md); then auto takes it by step size (MoePrefill::by_step, from kMoePrefillBlasMinTokens).
+  c.moe_prefill = k.moe_runner == "kiln-blas" ? cuda::MoePrefill::blas : cuda::MoePrefill::mma;
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
@@ -238,12 +238,11 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
   // The NVFP4 routed experts of large steps dequantised to bf16 (cuda/moe_prefill_blas.h): one buffer of up to
   // kMoePrefillWeightScratchBytes, reused by every layer and step, outside the scratch arena (its per-pass buffers
-  // come from the ffn term above). Counted whenever an NVFP4 MoE model runs with bf16 inputs and a runner that may
-  // take that path (every runner but kiln-mma and kiln-grouped-fp32), whatever the pass size.
+  // come from the ffn term above). Counted whenever an NVFP4 MoE model runs with bf16 inputs and the runner that
+  // takes that path (kiln-blas, opt-in until measured on a GPU), whatever the pass size.
   const std::string& runner = o.gpu.moe_runner_backend;
   const bool nvfp4 = quant.quant_algo == "NVFP4" || quant.quant_algo == "MIXED_PRECISION";
-  if (config.is_moe() && nvfp4 && resolve_dtype("cuda", o.gpu.dtype) == "bfloat16" && runner != "kiln-mma" &&
-      runner != "kiln-grouped-fp32") {
+  if (config.is_moe() && nvfp4 && resolve_dtype("cuda", o.gpu.dtype) == "bfloat16" && runner == "kiln-blas") {
     const double expert = 3.0 * 2.0 * static_cast<double>(config.moe_intermediate_size) * H;
     p.moe_dequant_bytes = std::min(static_cast<double>(cuda::kMoePrefillWeightScratchBytes),
                                    expert * std::max(config.num_experts, 1));
@@ -494,8 +493,9 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.kv_pages = plan.kv_pages;
   l.ro.state_slots = plan.state_slots;
   l.ro.max_context = plan.context;
-  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}", kernels.str(), plan.str(),
-                             options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1 ? "on" : "off");
+  const bool graphs = options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1;
+  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
+                             graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);
   if (options.parallel.is_group()) return load_cuda_group(l);
   auto runner = std::make_unique<model::Runner>(l.ops(0), dir, l.ro);

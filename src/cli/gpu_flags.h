@@ -48,10 +48,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
       ->capture_default_str();
   app.add_option("--moe-runner-backend", f.gpu.moe_runner_backend,
                  "cuda: auto = kiln-grouped (NVFP4 experts "
-                 "on tensor cores, routing and combine as separate kernels; with --dtype bfloat16 steps of >= 1024 "
-                 "tokens dequantise the experts that received tokens to bf16 and run cuBLAS grouped GEMMs), or "
-                 "kiln-mma (the mma.sync expert kernels at every step), or kiln-blas (the dequantised cuBLAS path at "
-                 "every step outside CUDA graphs; bfloat16, sm_90+), or kiln-grouped-fp32 (fp32 CUDA-core kernels), "
+                 "on tensor cores, routing and combine as separate kernels), or kiln-mma (the same mma.sync expert "
+                 "kernels), or kiln-blas (experimental, not yet measured on a GPU: the experts that received tokens "
+                 "dequantised to bf16 and run as cuBLAS grouped GEMMs at every step outside CUDA graphs; bfloat16, "
+                 "sm_90+), or kiln-grouped-fp32 (fp32 CUDA-core kernels), "
                  "or kiln-fused-decode (steps of <= 8 tokens: routing + NVFP4 experts in two fused CUDA-core kernels, "
                  "larger steps as kiln-grouped; experimental: slower than kiln-grouped at batch 1 on an H100)")
       ->capture_default_str();
@@ -60,6 +60,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "Hopper has no FP4 tensor cores), or kiln-fp32 (the fp32 gemm)")
       ->capture_default_str();
   app.add_flag("--disable-cuda-graph", f.disable_cuda_graph, "cuda: run decode steps eagerly (no CUDA graphs)");
+  app.add_flag("--cuda-graph-verify", f.gpu.cuda_graph_verify,
+               "cuda, experimental: also capture speculative decoding's verify passes as CUDA graphs (off: they run "
+               "eagerly; not yet measured on a GPU)");
   // Removed (it was documented, so passing it fails with the reason instead of an unknown-option error or a silent
   // no-op); hidden from --help.
   app.add_flag_callback("--enable-pdl", [] {

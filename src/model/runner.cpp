@@ -510,7 +510,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   const int64_t n_uniform = pieces.empty() ? 0 : pieces.front().n_tokens;
   // The pass's tokens stay within graph_max_batch, the step sizes the decode graphs were always captured at.
   bool graphable = !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 && n_uniform >= 1 &&
-                   n_uniform <= kGraphMaxTokensPerSeq &&
+                   n_uniform <= (options_.graph_verify_passes ? kGraphMaxTokensPerSeq : 1) &&
                    static_cast<int64_t>(pieces.size()) * n_uniform <= options_.graph_max_batch;
   bool any_checkpoints = false;
   for (const Piece& p : pieces) {

@@ -48,20 +48,22 @@ if has smoke; then
   done
 fi
 if has spec35; then
-  echo "== 35B-A3B dummy: spec sweep (replay path and position checkpoints, one binary)"
-  timeout 400 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${SPEC_BATCHES:-1,8} \
-    --input-len 256 --output-len 32 --skip-self-check --spec-sweep 1,2,3 > "$OUT/spec35.txt" 2>&1
-  echo "rc=$?"; grep -E "^batch|spec K" "$OUT/spec35.txt"
+  for g in "" "--cuda-graph-verify"; do
+    echo "== 35B-A3B dummy: spec sweep (replay path and position checkpoints, one binary) $g"
+    timeout 300 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${SPEC_BATCHES:-1,8} \
+      --input-len 256 --output-len 32 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/spec35${g:+_graphs}.txt" 2>&1
+    echo "rc=$?"; grep -E "^batch|spec K" "$OUT/spec35${g:+_graphs}.txt"
+  done
 fi
 if has tiny; then
   MODE=bench
-  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN"; do
+  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN" "--speculative-algorithm NEXTN --cuda-graph-verify"; do
     echo "== kiln-tiny serve $s: kiln bench 128/256 at concurrency 1, 8"
-    serve_bench "tiny_${s##* }" $s
+    serve_bench "tiny_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
   done
 fi
 if has prefill; then
-  IFS='|' read -ra VARIANTS <<< "${PREFILL_VARIANTS:---moe-runner-backend kiln-mma|--moe-runner-backend auto}"
+  IFS='|' read -ra VARIANTS <<< "${PREFILL_VARIANTS:---moe-runner-backend kiln-mma|--moe-runner-backend kiln-blas}"
   for shape in ${PREFILL_SHAPES:-4096:1 8192:1 512:16}; do
     len=${shape%%:*}; b=${shape##*:}
     for v in "${VARIANTS[@]}"; do

@@ -29,6 +29,7 @@ model::RunnerOptions runner_options(const LoadOptions& options) {
   ro.load_format = options.load_format;
   ro.mtp = options.mtp;
   if (!options.gpu.cuda_graphs) ro.graph_max_batch = 0;
+  ro.graph_verify_passes = options.gpu.cuda_graph_verify;
   return ro;
 }
 

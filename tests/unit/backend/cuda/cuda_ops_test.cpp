@@ -170,6 +170,7 @@ struct Engine {
          model::LoadFormat load_format = model::LoadFormat::safetensors, int graph_max_batch = 256, bool mtp = false) {
     model::RunnerOptions ro;
     ro.mtp = mtp;
+    ro.graph_verify_passes = mtp;  // speculative verify passes captured too (--cuda-graph-verify)
     ro.load_format = load_format;
     ro.graph_max_batch = graph_max_batch;
     ro.kv_dtype = kv;

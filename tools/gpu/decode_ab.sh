@@ -11,13 +11,7 @@ set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,smoke,decode35,rank397,layers397}
 OUT=${OUT:-/tmp/kiln-gpu}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$PWD/$CARRY/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0
-for f in "$CARRY"/*/*.xz; do [ -e "$f" ] && python3 -c "
-import lzma, sys; open(sys.argv[1][:-3], 'wb').write(lzma.open(sys.argv[1]).read())" "$f" && chmod +x "${f%.xz}"; done
-has() { [[ ",$WHAT," == *",$1,"* ]]; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/carry.sh"
 VARIANTS=()
 for v in base new; do [ -x "$CARRY/$v/kiln" ] && VARIANTS+=("$v"); done
 for v in "${VARIANTS[@]}"; do "$CARRY/$v/kiln" version || { ldd "$CARRY/$v/kiln" | grep "not found"; exit 1; }; done

@@ -9,13 +9,7 @@ set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,smoke,spec35,tiny,prefill}
 OUT=${OUT:-/tmp/kiln-gpu}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$PWD/$CARRY/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0
-for f in "$CARRY"/*/*.xz; do [ -e "$f" ] && python3 -c "
-import lzma, sys; open(sys.argv[1][:-3], 'wb').write(lzma.open(sys.argv[1]).read())" "$f" && chmod +x "${f%.xz}"; done
-has() { [[ ",$WHAT," == *",$1,"* ]]; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/carry.sh"
 K="$CARRY/new/kiln"
 "$K" version || { ldd "$K" | grep "not found"; exit 1; }
 C35=configs/qwen3.5-35b-a3b-nvfp4

@@ -27,4 +27,17 @@ inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   KILN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// Consecutive 256-byte-aligned pieces of one workspace; with a null base only the bytes are counted (a kernel family's
+// workspace-size function runs the same carve as its launch).
+struct WorkspaceCarve {
+  char* base;
+  size_t bytes = 0;
+  explicit WorkspaceCarve(void* b) : base(static_cast<char*>(b)) {}
+  void* take(size_t n) {
+    void* p = base ? base + bytes : nullptr;
+    bytes += (n + 255) / 256 * 256;
+    return p;
+  }
+};
+
 }  // namespace kiln::cuda::ops

@@ -106,7 +106,6 @@ unsigned rows_grid(int64_t n, int threads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 1 << 20)));
 }
 
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
 // The device copy of the GEMM arguments for up to n active experts (n = min(E, pairs)): their ids, then the A, B, C
@@ -123,20 +122,15 @@ struct Carve {
 Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
   const size_t P = static_cast<size_t>(T * top_k);
   Carve c{};
-  size_t off = 0;
-  char* b = static_cast<char*>(base);
-  auto take = [&](size_t n) {
-    void* p = b ? b + off : nullptr;
-    off += align256(n);
-    return p;
-  };
+  WorkspaceCarve w(base);
+  auto take = [&](size_t n) { return w.take(n); };
   c.groups = take(moe_row_groups_bytes(T, top_k, E));
   c.xs = static_cast<uint16_t*>(take(P * H * 2));
   c.gu = static_cast<uint16_t*>(take(P * 2 * I * 2));
   c.act = static_cast<uint16_t*>(take(P * I * 2));
   c.y = static_cast<uint16_t*>(take(P * H * 2));
   c.params = static_cast<char*>(take(param_bytes(max_active(T, top_k, E))));
-  c.bytes = off;
+  c.bytes = w.bytes;
   return c;
 }
 

@@ -352,7 +352,6 @@ void launch_combine(const Y* y, const int32_t* ids, const float* weights, const 
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 struct MoeCarve {
   MoeLayout lay;
   float* act;  // [P, I]
@@ -364,13 +363,8 @@ struct MoeCarve {
 MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
   const int64_t P = T * top_k;
   MoeCarve c{};
-  size_t off = 0;
-  char* b = static_cast<char*>(base);
-  auto take = [&](size_t bytes) {
-    void* p = b ? b + off : nullptr;
-    off += align256(bytes);
-    return p;
-  };
+  WorkspaceCarve w(base);
+  auto take = [&](size_t n) { return w.take(n); };
   c.lay.group_offset = static_cast<int32_t*>(take((E + 1) * 4));
   c.lay.tile_offset = static_cast<int32_t*>(take((E + 1) * 4));
   c.lay.tile_group = static_cast<int32_t*>(take((P + E) * 4));  // tiles <= P / tm + E
@@ -382,7 +376,7 @@ MoeCarve moe_carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64
   c.y = static_cast<float*>(take(P * H * 4));
   c.xs = static_cast<uint16_t*>(take(T * H * 3 * 2));
   c.act_s = static_cast<uint16_t*>(take(P * I * 3 * 2));
-  c.bytes = off;
+  c.bytes = w.bytes;
   return c;
 }
 
@@ -413,20 +407,15 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 // unused by the caller but written by the kernel), row_token, pair_pos.
 constexpr int kRowGroupTile = 64;
 static MoeRowGroups carve_row_groups(void* base, int64_t P, int64_t E, size_t* bytes) {
-  size_t off = 0;
-  char* b = static_cast<char*>(base);
-  auto take = [&](size_t n) {
-    void* p = b ? b + off : nullptr;
-    off += align256(n);
-    return static_cast<int32_t*>(p);
-  };
+  WorkspaceCarve w(base);
+  auto take = [&](size_t n) { return static_cast<int32_t*>(w.take(n)); };
   MoeRowGroups g;
   g.group_offset = take((E + 1) * 4);
   g.tile_offset = take((E + 1) * 4);
   g.tile_group = take((P / kRowGroupTile + E + 1) * 4);
   g.row_token = take(P * 4);
   g.pair_pos = take(P * 4);
-  if (bytes) *bytes = off;
+  if (bytes) *bytes = w.bytes;
   return g;
 }
 

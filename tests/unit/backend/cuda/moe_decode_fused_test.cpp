@@ -44,23 +44,10 @@ using test::LayerShape;
 using test::make_experts;
 using test::normal;
 using test::place;
+using test::make_inputs;
 using test::read;
+using test::StepInputs;
 
-// One step's inputs on the host.
-struct StepInputs {
-  int64_t T = 0;
-  std::vector<float> x, logits, shared, shared_gate;
-};
-StepInputs make_inputs(const LayerShape& s, int64_t T, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  StepInputs in;
-  in.T = T;
-  in.x = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
-  in.logits = normal(rng, static_cast<size_t>(T * s.experts), 2.0f);
-  in.shared = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
-  in.shared_gate = normal(rng, static_cast<size_t>(T), 2.0f);
-  return in;
-}
 
 struct Outputs {
   std::vector<int32_t> ids;

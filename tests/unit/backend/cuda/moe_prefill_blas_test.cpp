@@ -95,20 +95,8 @@ TEST(MoePrefillChoice, ServesNvfp4ExpertsOnly) {
 
 // ---- the path on the GPU
 
-struct Inputs {
-  int64_t T = 0;
-  std::vector<float> x, logits, shared, shared_gate;
-};
-Inputs make_inputs(const LayerShape& s, int64_t T, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  Inputs in;
-  in.T = T;
-  in.x = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
-  in.logits = normal(rng, static_cast<size_t>(T * s.experts), 2.0f);
-  in.shared = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
-  in.shared_gate = normal(rng, static_cast<size_t>(T), 2.0f);
-  return in;
-}
+using Inputs = test::StepInputs;
+using test::make_inputs;
 
 struct Outputs {
   std::vector<int32_t> ids;

@@ -91,4 +91,20 @@ std::vector<T> read(model::Ops& ops, const TensorView& v) {
   return out;
 }
 
+// One step's inputs on the host: x [T, H], router logits [T, E], the shared expert's output [T, H] and gate [T].
+struct StepInputs {
+  int64_t T = 0;
+  std::vector<float> x, logits, shared, shared_gate;
+};
+inline StepInputs make_inputs(const LayerShape& s, int64_t T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  StepInputs in;
+  in.T = T;
+  in.x = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
+  in.logits = normal(rng, static_cast<size_t>(T * s.experts), 2.0f);
+  in.shared = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
+  in.shared_gate = normal(rng, static_cast<size_t>(T), 2.0f);
+  return in;
+}
+
 }  // namespace kiln::backend::cuda::test

@@ -319,6 +319,27 @@ void check_norms_and_rope(Harness& h) {
       h.compare(fmt::format("rope rotary {} theta {:g}", rd, theta), q);
     }
   }
+  // mrope (image positions): three positions per token, Qwen3.5's interleaved sections scaled to the rotary dim
+  {
+    const int half = c.rotary_dim / 2;
+    const int hs = half / 3 + (half % 3 > 1 ? 1 : 0), ws = half / 3;
+    const model::MRopeAxes axes = model::MRopeAxes::from_sections({half - hs - ws, hs, ws}, true, half);
+    Pair q = h.upload(h.host_normal(DType::F32, Shape{T, c.q_heads, c.head_dim}, 1.0f));
+    Pair pos = h.upload(h.host_ids(Shape{T, 3}, 6000));
+    h.test().mrope(q.test, pos.test, c.rotary_dim, 1e7, axes);
+    h.ref().mrope(q.ref, pos.ref, c.rotary_dim, 1e7, axes);
+    h.compare(fmt::format("mrope rotary {}", c.rotary_dim), q);
+  }
+  // scatter_rows: image embeddings over token embeddings
+  {
+    Pair dst = h.upload(h.host_normal(DType::F32, Shape{T, H}, 1.0f));
+    Pair src = h.upload(h.host_normal(DType::F32, Shape{2, H}, 1.0f));
+    std::vector<int32_t> r2 = {static_cast<int32_t>(T - 1), 0};
+    Pair rows = h.upload(TensorView(r2.data(), DType::I32, Shape{2}));
+    h.test().scatter_rows(src.test, rows.test, dst.test);
+    h.ref().scatter_rows(src.ref, rows.ref, dst.ref);
+    h.compare("scatter_rows", dst);
+  }
 }
 
 void check_linear(Harness& h) {

@@ -229,8 +229,15 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
   TensorView kn = rms_norm(f, reshaped(k, Shape{T * Hkv, D}), w.k_norm, qk_norm);
   qn = reshaped(qn, Shape{T, Hq, D});
   kn = reshaped(kn, Shape{T, Hkv, D});
-  f.ops.rope(qn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
-  f.ops.rope(kn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
+  if (f.step.token_mrope_pos.data) {  // a step with image tokens: three positions per token
+    if (c.mrope_section.empty()) fail("image positions given to a model without M-RoPE ({})", format::arch_name(c.arch));
+    const MRopeAxes axes = MRopeAxes::from_sections(c.mrope_section, c.mrope_interleaved, c.rotary_dim() / 2);
+    f.ops.mrope(qn, f.step.token_mrope_pos, c.rotary_dim(), c.rope_theta, axes);
+    f.ops.mrope(kn, f.step.token_mrope_pos, c.rotary_dim(), c.rope_theta, axes);
+  } else {
+    f.ops.rope(qn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
+    f.ops.rope(kn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
+  }
   f.name("q_rope", layer, qn);
   f.name("k_rope", layer, kn);
 

@@ -68,6 +68,13 @@ class ForwardingOps : public Ops {
   void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) override {
     inner_->rope(x, positions, rotary_dim, theta);
   }
+  void mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta,
+             const model::MRopeAxes& axes) override {
+    inner_->mrope(x, positions, rotary_dim, theta, axes);
+  }
+  void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) override {
+    inner_->scatter_rows(src, rows, dst);
+  }
   void add(const TensorView& a, const TensorView& b, TensorView out) override { inner_->add(a, b, out); }
   void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) override {
     inner_->silu_mul(gate, up, out);

@@ -9,6 +9,7 @@
 // page_table[p / page_size], row p % page_size. Linear-attention (Gated DeltaNet) layers keep a fixed
 // per-sequence state in `state_slot`.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -43,6 +44,15 @@ struct SeqChunk {
   // Keep the state after each of the chunk's tokens but the last (position checkpoints), so that keep_verified can
   // settle a speculative verify without running it again. Only for runners with position_checkpoints() > 0.
   bool checkpoint_positions = false;
+  // Image inputs (a prompt with images, and every later chunk of that sequence). Empty for text-only sequences.
+  // mrope_pos: the M-RoPE positions (t, h, w) of each token, [tokens.size() * 3]; mrope_prev: those of the token at
+  // start_pos - 1 (the MTP head's first entry of the chunk sits there). A text token's three positions are equal.
+  std::span<const int32_t> mrope_pos;
+  std::array<int32_t, 3> mrope_prev{0, 0, 0};
+  // Input embeddings that replace the token embeddings (image tokens): embed_offsets (ascending, chunk-relative) and
+  // their rows, embeds [embed_offsets.size() * hidden_size] floats in that order.
+  std::span<const int32_t> embed_offsets;
+  std::span<const float> embeds;
 };
 
 // One sequence's draft chain (speculative decoding with the model's MTP head): `token` is the sequence's pending
@@ -53,6 +63,9 @@ struct DraftSeq {
   int32_t token = 0;
   int64_t pos = 0;
   std::span<const int32_t> page_table;
+  // M-RoPE sequences (a prompt with images): the rope position of every position q >= pos - 1 is q + rope_delta on
+  // all three axes. 0 for text-only sequences.
+  int32_t rope_delta = 0;
 };
 
 class ModelRunner {

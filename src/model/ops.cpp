@@ -70,6 +70,9 @@ void upload_step(Ops& ops, StepLayout& step) {
   step.seq_start_pos = ops.upload(step.host_seq_start_pos.data(), DType::I32, Shape{S});
   step.seq_state_slot = ops.upload(step.host_seq_state_slot.data(), DType::I32, Shape{S});
   step.page_table = ops.upload(step.host_page_table.data(), DType::I32, Shape{S, step.max_pages_per_seq});
+  step.token_mrope_pos = step.host_token_mrope_pos.empty()
+                             ? TensorView()
+                             : ops.upload(step.host_token_mrope_pos.data(), DType::I32, Shape{T, 3});
   step.token_checkpoint_slot = step.host_token_checkpoint_slot.empty()
                                    ? TensorView()
                                    : ops.upload(step.host_token_checkpoint_slot.data(), DType::I32, Shape{T});
@@ -93,6 +96,36 @@ TensorView Ops::place_random_slice(DType dtype, const Shape& stored, const forma
 void Ops::embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out) {
   (void)table, (void)ids, (void)vocab_begin, (void)out;
   fail("the {} backend has no vocabulary-parallel embedding (needed for --tp-size > 1)", name());
+}
+
+MRopeAxes MRopeAxes::from_sections(const std::vector<int>& sections, bool interleaved, int half) {
+  if (half < 1 || half > 64) fail("M-RoPE: {} rotary frequencies (1 to 64 supported)", half);
+  if (sections.size() != 3) fail("M-RoPE: mrope_section has {} entries, expected 3 (t, h, w)", sections.size());
+  if (sections[0] < 0 || sections[1] < 0 || sections[2] < 0 || sections[0] + sections[1] + sections[2] != half)
+    fail("M-RoPE: mrope_section [{}, {}, {}] does not sum to the {} rotary frequencies", sections[0], sections[1],
+         sections[2], half);
+  MRopeAxes a;
+  for (int i = 0; i < half; ++i) {
+    int axis = 0;
+    if (interleaved) {
+      if (i % 3 == 1 && i < 3 * sections[1]) axis = 1;
+      else if (i % 3 == 2 && i < 3 * sections[2]) axis = 2;
+    } else {
+      axis = i < sections[0] ? 0 : i < sections[0] + sections[1] ? 1 : 2;
+    }
+    a.bits[i / 32] |= static_cast<uint64_t>(axis) << (2 * (i % 32));
+  }
+  return a;
+}
+
+void Ops::mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta, const MRopeAxes& axes) {
+  (void)x, (void)positions, (void)rotary_dim, (void)theta, (void)axes;
+  fail("the {} backend has no multimodal rope (needed for image inputs)", name());
+}
+
+void Ops::scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) {
+  (void)src, (void)rows, (void)dst;
+  fail("the {} backend cannot place image embeddings (scatter_rows)", name());
 }
 
 void Ops::all_reduce(TensorView x) {

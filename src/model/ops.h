@@ -61,6 +61,18 @@ enum class NormKind : uint8_t {
   zero_centred,  // x_hat * (1 + w)      (qwen3_5, qwen3_5_moe, qwen3_next)
 };
 
+// Multimodal RoPE (Qwen2-VL / Qwen3-VL / Qwen3.5): each token has three positions (time, height, width) and each
+// rotary frequency i in [0, rotary_dim / 2) takes its angle from one of them. Text tokens carry three equal positions,
+// which makes M-RoPE the plain rope. axis(i) is 0, 1 or 2, packed 2 bits per frequency (at most 64 frequencies).
+struct MRopeAxes {
+  uint64_t bits[2] = {0, 0};
+  int axis(int i) const { return static_cast<int>((bits[i / 32] >> (2 * (i % 32))) & 3u); }
+  // sections {t, h, w} (config mrope_section, summing to rotary_dim / 2). interleaved (Qwen3-VL, Qwen3.5): frequency
+  // i takes h when i % 3 == 1 and i < 3 h, w when i % 3 == 2 and i < 3 w, t otherwise. Not interleaved (Qwen2-VL):
+  // the first t frequencies take t, the next h take h, the rest w.
+  static MRopeAxes from_sections(const std::vector<int>& sections, bool interleaved, int half);
+};
+
 // One full-attention layer's slice of the paged KV pool.
 struct KvLayerView {
   TensorView k;  // [num_pages, page_size, kv_heads, head_dim]; F32, BF16 or F8_E4M3
@@ -76,14 +88,16 @@ struct StepLayout {
   int num_seqs = 0;        // S
   int page_size = 0;
   int max_pages_per_seq = 0;
-  TensorView token_pos;        // I32 [T]      absolute position of each token
+  TensorView token_pos;        // I32 [T]      absolute position of each token (KV row; the rope position too unless:)
+  TensorView token_mrope_pos;  // I32 [T, 3]   M-RoPE positions (t, h, w) of each token; empty (and host mirror
+                               //              empty) when every token's rope position is its position
   TensorView seq_token_begin;  // I32 [S + 1]  token range of sequence s: [begin[s], begin[s+1])
   TensorView seq_start_pos;    // I32 [S]      position of the first token of the sequence in this step
   TensorView seq_state_slot;   // I32 [S]      recurrent/conv state slot
   TensorView page_table;       // I32 [S, max_pages_per_seq] KV pages (unused entries -1)
   // Host mirrors (same content; always valid).
   std::vector<int32_t> host_token_pos, host_seq_token_begin, host_seq_start_pos, host_seq_state_slot,
-      host_page_table;
+      host_page_table, host_token_mrope_pos;
   // Position checkpoints (speculative verify; ModelRunner::keep_verified): per token, the state slot that receives the
   // recurrent and conv state as it stands after that token (-1: none). Empty (both) when the pass keeps none; a pass
   // that keeps some runs the delta rule as the recurrence.
@@ -226,6 +240,12 @@ class Ops {
   // rotary_dim/2), inv_freq[i] = theta^(-2i/rotary_dim), angle = pos * inv_freq (fp32).
   // x [T, heads, head_dim] contiguous, positions I32 [T].
   virtual void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) = 0;
+  // The same with three positions per token: frequency i of token t turns by positions[t, axes.axis(i)] * inv_freq[i].
+  // positions I32 [T, 3]. The default fails: a backend that serves images implements it.
+  virtual void mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta, const MRopeAxes& axes);
+  // dst[rows[r]] = src[r]: rows of precomputed input embeddings (image tokens) written over the token embeddings.
+  // src F32 [R, H], rows I32 [R] (distinct, < T), dst F32 [T, H]. The default fails (as mrope).
+  virtual void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst);
   // out = a + b (same shape, F32). out may alias a.
   virtual void add(const TensorView& a, const TensorView& b, TensorView out) = 0;
   // out = silu(gate) * up. gate, up, out [T, I]. out may alias gate.

@@ -304,6 +304,17 @@ int64_t Runner::check_chunks(std::span<const SeqChunk> chunks) const {
         fail("forward: page id {} out of range [0, {})", ch.page_table[p], options_.kv_pages);
     for (int32_t t : ch.tokens)
       if (t < 0 || t >= V) fail("forward: token id {} outside the vocabulary [0, {})", t, V);
+    if (!ch.mrope_pos.empty() && ch.mrope_pos.size() != 3 * ch.tokens.size())
+      fail("forward: {} M-RoPE positions for a chunk of {} tokens (3 each)", ch.mrope_pos.size(), ch.tokens.size());
+    if (!ch.embed_offsets.empty()) {
+      const int64_t H = model_->config.hidden_size;
+      if (static_cast<int64_t>(ch.embeds.size()) != static_cast<int64_t>(ch.embed_offsets.size()) * H)
+        fail("forward: {} embedding values for {} rows of {}", ch.embeds.size(), ch.embed_offsets.size(), H);
+      for (size_t i = 0; i < ch.embed_offsets.size(); ++i)
+        if (ch.embed_offsets[i] < 0 || ch.embed_offsets[i] >= static_cast<int32_t>(ch.tokens.size()) ||
+            (i > 0 && ch.embed_offsets[i] <= ch.embed_offsets[i - 1]))
+          fail("forward: embedding offsets must ascend within the chunk's {} tokens", ch.tokens.size());
+    }
     if (ch.want_logits) {
       if (ch.logits_tokens < 1 || ch.logits_tokens > static_cast<int64_t>(ch.tokens.size()))
         fail("forward: logits for the last {} of a chunk's {} tokens", ch.logits_tokens, ch.tokens.size());
@@ -439,7 +450,7 @@ void Runner::run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& d
 }
 
 TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids,
-                             const MtpPass* mtp) {
+                             const MtpPass* mtp, const PassEmbeds* embeds) {
   const auto& c = model_->config;
   Ops& ops = *ops_;
   // A pass that keeps position checkpoints runs the recurrence (run_passes gives it no long chunk).
@@ -450,6 +461,7 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   const int64_t T = step.num_tokens;
   TensorView hidden = f.f32(Shape{T, c.hidden_size});
   embed(f, model_->weights, id_view, hidden);
+  if (embeds) ops.scatter_rows(embeds->values, embeds->rows, hidden);
   f.name("embed", -1, hidden);
   for (int l = 0; l < c.num_layers; ++l) {
     model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
@@ -512,13 +524,16 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   bool graphable = !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 && n_uniform >= 1 &&
                    n_uniform <= (options_.graph_verify_passes ? kGraphMaxTokensPerSeq : 1) &&
                    static_cast<int64_t>(pieces.size()) * n_uniform <= options_.graph_max_batch;
-  bool any_checkpoints = false;
+  bool any_checkpoints = false, any_mrope = false, any_embeds = false;
   for (const Piece& p : pieces) {
     const SeqChunk& ch = chunks[p.chunk];
     graphable = graphable && p.n_tokens == n_uniform && p.logits_count == n_uniform && p.offset == 0 &&
                 ch.checkpoint_positions == chunks[pieces.front().chunk].checkpoint_positions;
     any_checkpoints = any_checkpoints || ch.checkpoint_positions;
+    any_mrope = any_mrope || !ch.mrope_pos.empty();
+    for (int32_t o : ch.embed_offsets) any_embeds = any_embeds || (o >= p.offset && o < p.offset + p.n_tokens);
   }
+  graphable = graphable && !any_embeds;  // image embeddings come with prompts: never a decode or verify pass
   const bool has_mtp = model_->weights.has_mtp;
   // With the MTP head a captured decode pass has one head entry per sequence: none may be at position 0.
   if (has_mtp)
@@ -536,6 +551,11 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       ids.push_back(ch.tokens[p.offset + t]);
       step.host_token_pos.push_back(static_cast<int32_t>(start + t));
     }
+    if (any_mrope)
+      for (int64_t t = 0; t < p.n_tokens; ++t)
+        for (int a = 0; a < 3; ++a)
+          step.host_token_mrope_pos.push_back(ch.mrope_pos.empty() ? static_cast<int32_t>(start + t)
+                                                                   : ch.mrope_pos[3 * (p.offset + t) + a]);
     step.host_seq_token_begin.push_back(static_cast<int32_t>(ids.size()));
     step.host_seq_start_pos.push_back(static_cast<int32_t>(start));
     step.host_seq_state_slot.push_back(ch.state_slot);
@@ -616,6 +636,13 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
         mtp_hidden_rows.push_back(pos - 1 >= start ? static_cast<int32_t>(pass_row0 + row0 + (pos - 1 - start))
                                                    : ch.state_slot);
         ms.host_token_pos.push_back(static_cast<int32_t>(pos - 1));
+        // The entry's rope position is that of the token at pos - 1 (whose hidden state it carries).
+        const int64_t prev = pos - 1 - ch.start_pos;  // chunk index of the token at pos - 1 (-1: before the chunk)
+        if (any_mrope)
+          for (int a = 0; a < 3; ++a)
+            ms.host_token_mrope_pos.push_back(ch.mrope_pos.empty() ? static_cast<int32_t>(pos - 1)
+                                              : prev < 0          ? ch.mrope_prev[a]
+                                                                  : ch.mrope_pos[3 * prev + a]);
       }
       ms.host_seq_token_begin.push_back(static_cast<int32_t>(mtp_ids.size()));
       ms.host_seq_start_pos.push_back(static_cast<int32_t>(first - 1));
@@ -641,10 +668,32 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     mtp.keep_rows = ops.upload(mtp_keep_rows.data(), DType::I32, Shape{static_cast<int64_t>(mtp_keep_rows.size())});
   }
   const MtpPass* mtp_pass = has_mtp ? &mtp : nullptr;
+  // Image embeddings of this pass's tokens (never in a captured pass): their pass rows and values.
+  PassEmbeds pass_embeds;
+  if (any_embeds) {
+    const int64_t H = model_->config.hidden_size;
+    std::vector<int32_t> rows_of;
+    std::vector<float> values;
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const Piece& p = pieces[s];
+      const SeqChunk& ch = chunks[p.chunk];
+      for (size_t i = 0; i < ch.embed_offsets.size(); ++i) {
+        const int32_t o = ch.embed_offsets[i];
+        if (o < p.offset || o >= p.offset + p.n_tokens) continue;
+        rows_of.push_back(static_cast<int32_t>(step.host_seq_token_begin[s] + (o - p.offset)));
+        values.insert(values.end(), ch.embeds.begin() + static_cast<int64_t>(i) * H,
+                      ch.embeds.begin() + static_cast<int64_t>(i + 1) * H);
+      }
+    }
+    const int64_t R = static_cast<int64_t>(rows_of.size());
+    pass_embeds.rows = ops.upload(rows_of.data(), DType::I32, Shape{R});
+    pass_embeds.values = ops.upload(values.data(), DType::F32, Shape{R, H});
+  }
 
   TensorView out;
   if (graphable) {
-    const GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints};
+    const GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints,
+                       any_mrope};
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
       if (ops.graph_launch(it->second.handle)) {
@@ -662,7 +711,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       if (ops.graph_capture_begin()) {
         TensorView o;
         try {
-          o = pass_body(step, id_view, row_ids, mtp_pass);
+          o = pass_body(step, id_view, row_ids, mtp_pass, nullptr);
         } catch (...) {
           ops.graph_capture_end();  // leave the stream usable, then report
           throw;
@@ -675,7 +724,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       }
     }
   }
-  if (!out.data) out = pass_body(step, id_view, row_ids, mtp_pass);
+  if (!out.data) out = pass_body(step, id_view, row_ids, mtp_pass, any_embeds ? &pass_embeds : nullptr);
   if (!rows.empty()) emit(out, out_rows);
 }
 

@@ -115,6 +115,10 @@ class Runner : public ModelRunner {
     TensorView keep_rows;     // I32 [slots + spare rows] the rows of mtp_rows_ each slot's new last hidden state and
                               // each spare row's (a position checkpoint's token; else itself) come from
   };
+  // A pass's input embeddings that replace token embeddings (SeqChunk::embeds): values F32 [R, H] for pass rows I32 [R].
+  struct PassEmbeds {
+    TensorView rows, values;
+  };
   // Checks the chunks; returns the number of logits rows they ask for.
   int64_t check_chunks(std::span<const SeqChunk> chunks) const;
   // Runs the passes; the last pass's logits rows (chunk order) are handed to `emit`.
@@ -128,7 +132,7 @@ class Runner : public ModelRunner {
                 const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // The compute of one pass after its uploads: embedding, layers, final norm and lm_head of `row_ids`.
   TensorView pass_body(const StepLayout& step, const TensorView& id_view, const TensorView& row_ids,
-                       const MtpPass* mtp);
+                       const MtpPass* mtp, const PassEmbeds* embeds);
   void reset_slot(int slot);
   // save_state (save: the slot's live state -> its checkpoint, its spare row) and restore_state (back).
   void copy_checkpoint(int slot, bool save);
@@ -162,6 +166,7 @@ class Runner : public ModelRunner {
   struct GraphKey {
     int seqs = 0, pages = 0, tokens_per_seq = 1;
     bool checkpoints = false;
+    bool mrope = false;  // three rope positions per token (sequences with images)
     auto operator<=>(const GraphKey&) const = default;
   };
   struct Graph {

@@ -216,6 +216,8 @@ std::vector<uint8_t> encode_step(StepKind kind, std::span<const SeqChunk> chunks
   Writer w;
   w.u8(static_cast<uint8_t>(kind)).u32(static_cast<uint32_t>(chunks.size()));
   for (const SeqChunk& c : chunks) {
+    if (!c.mrope_pos.empty() || !c.embed_offsets.empty())
+      fail("image inputs are not supported across machines yet (--nnodes > 1): serve images on one machine");
     w.i32(c.state_slot).i64(c.start_pos).flag(c.want_logits);
     w.array(c.tokens).array(c.page_table);
   }

@@ -229,7 +229,11 @@ void CpuOps::gated_rms_norm(const TensorView& x, const TensorView& z, const Tens
   });
 }
 
-void CpuOps::rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) {
+namespace {
+// Rotary embedding over the first rotary_dim dims of each head; frequency i of token t turns by
+// pos(t, i) * inv_freq[i] (rotate_half pairing i <-> i + rotary_dim / 2).
+template <typename PosOf>
+void rope_rows(TensorView x, int rotary_dim, double theta, PosOf pos_of) {
   KILN_CHECK(x.ndim() == 3 && x.is_contiguous(), "rope expects [T, heads, head_dim], got {}", x.shape.str());
   const int64_t T = x.dim(0), heads = x.dim(1), D = x.dim(2);
   const int half = rotary_dim / 2;
@@ -237,13 +241,12 @@ void CpuOps::rope(TensorView x, const TensorView& positions, int rotary_dim, dou
   std::vector<float> inv_freq(half);
   for (int i = 0; i < half; ++i)
     inv_freq[i] = static_cast<float>(1.0 / std::pow(theta, static_cast<double>(2 * i) / rotary_dim));
-  const int32_t* pos = i32_data(positions);
   float* xs = f32_mut(x);
   for_range(T, heads * D * 2, [&](int64_t b, int64_t e) {
     std::vector<float> cs(half), sn(half);
     for (int64_t t = b; t < e; ++t) {
       for (int i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(pos[t]) * inv_freq[i];
+        const float angle = static_cast<float>(pos_of(t, i)) * inv_freq[i];
         cs[i] = std::cos(angle);
         sn[i] = std::sin(angle);
       }
@@ -257,6 +260,34 @@ void CpuOps::rope(TensorView x, const TensorView& positions, int rotary_dim, dou
       }
     }
   });
+}
+}  // namespace
+
+void CpuOps::rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) {
+  KILN_CHECK(positions.numel() == x.dim(0), "rope: {} positions for {} tokens", positions.numel(), x.dim(0));
+  const int32_t* pos = i32_data(positions);
+  rope_rows(x, rotary_dim, theta, [&](int64_t t, int) { return pos[t]; });
+}
+
+void CpuOps::mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta,
+                   const model::MRopeAxes& axes) {
+  KILN_CHECK(positions.numel() == 3 * x.dim(0), "mrope: {} positions for {} tokens (3 each)", positions.numel(),
+             x.dim(0));
+  const int32_t* pos = i32_data(positions);
+  rope_rows(x, rotary_dim, theta, [&](int64_t t, int i) { return pos[t * 3 + axes.axis(i)]; });
+}
+
+void CpuOps::scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) {
+  const int64_t R = rows.numel(), H = dst.dim(1);
+  KILN_CHECK(src.ndim() == 2 && src.dim(0) == R && src.dim(1) == H, "scatter_rows: src {} for {} rows of {}",
+             src.shape.str(), R, H);
+  const int32_t* r = i32_data(rows);
+  const float* ps = f32_data(src);
+  float* o = f32_mut(dst);
+  for (int64_t i = 0; i < R; ++i) {
+    KILN_CHECK(r[i] >= 0 && r[i] < dst.dim(0), "scatter row {} of {}", r[i], dst.dim(0));
+    std::memcpy(o + r[i] * H, ps + i * H, H * sizeof(float));
+  }
 }
 
 void CpuOps::add(const TensorView& a, const TensorView& b, TensorView out) {

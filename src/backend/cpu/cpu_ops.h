@@ -39,6 +39,9 @@ class CpuOps final : public model::Ops {
   void gated_rms_norm(const TensorView& x, const TensorView& z, const TensorView& weight, float eps,
                       TensorView out) override;
   void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) override;
+  void mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta,
+             const model::MRopeAxes& axes) override;
+  void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) override;
   void add(const TensorView& a, const TensorView& b, TensorView out) override;
   void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) override;
   void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) override;

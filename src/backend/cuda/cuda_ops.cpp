@@ -705,6 +705,31 @@ void CudaOps::rope(TensorView x, const TensorView& positions, int rotary_dim, do
   kops::rope(f32_mut(x), x.dim(0), x.dim(1), x.dim(2), i32(positions), rotary_dim, theta, impl_->rt.stream());
 }
 
+void CudaOps::mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta,
+                    const model::MRopeAxes& axes) {
+  OpScope prof(impl_->rt, [&] { return std::string("mrope"); });
+  KILN_CHECK(x.ndim() == 3 && x.is_contiguous(), "mrope expects [T, heads, head_dim], got {}", x.shape.str());
+  expect_f32(x, "mrope x");
+  expect_i32(positions, "mrope positions");
+  KILN_CHECK(rotary_dim % 2 == 0 && rotary_dim <= x.dim(2) && rotary_dim <= 128, "rotary dim {} for head dim {}",
+             rotary_dim, x.dim(2));
+  KILN_CHECK(positions.numel() == 3 * x.dim(0), "mrope: {} positions for {} tokens (3 each)", positions.numel(),
+             x.dim(0));
+  kops::mrope(f32_mut(x), x.dim(0), x.dim(1), x.dim(2), i32(positions), axes.bits[0], axes.bits[1], rotary_dim,
+              theta, impl_->rt.stream());
+}
+
+void CudaOps::scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) {
+  OpScope prof(impl_->rt, [&] { return std::string("scatter_rows"); });
+  KILN_CHECK(src.ndim() == 2 && dst.ndim() == 2 && src.is_contiguous() && dst.is_contiguous() &&
+                 src.dim(0) == rows.numel() && src.dim(1) == dst.dim(1),
+             "scatter_rows src {} rows {} dst {}", src.shape.str(), rows.shape.str(), dst.shape.str());
+  expect_f32(src, "scatter_rows src");
+  expect_i32(rows, "scatter_rows rows");
+  expect_f32(dst, "scatter_rows dst");
+  kops::scatter_rows(f32(src), i32(rows), rows.numel(), src.dim(1), f32_mut(dst), dst.dim(0), impl_->rt.stream());
+}
+
 void CudaOps::add(const TensorView& a, const TensorView& b, TensorView out) {
   OpScope prof(impl_->rt, [&] { return std::string("add"); });
   KILN_CHECK(a.shape == b.shape && a.shape == out.shape && a.is_contiguous() && b.is_contiguous() &&

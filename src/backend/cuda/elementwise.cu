@@ -74,6 +74,16 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, 
   }
 }
 
+__global__ void scatter_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows, int64_t R,
+                                    int64_t H, float* __restrict__ dst, int64_t dst_rows) {
+  const int64_t total = R * H;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / H, h = i % H;
+    const int32_t d = rows[r];
+    if (d >= 0 && d < dst_rows) dst[int64_t(d) * H + h] = src[i];
+  }
+}
+
 // ---- norms: a warp per row
 
 constexpr int kRowsPerBlock = 8;  // warps per block
@@ -188,15 +198,18 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
 // ---- RoPE: a thread per (token, head, pair)
 
 __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
-                            const int32_t* __restrict__ positions, int rotary_dim, double theta) {
+                            const int32_t* __restrict__ positions, int pos_stride, uint64_t axes_lo, uint64_t axes_hi,
+                            int rotary_dim, double theta) {
   const int half = rotary_dim / 2;
   const int64_t total = T * heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int p = static_cast<int>(i % half);
     const int64_t th = i / half, t = th / heads;
-    // Same as the CPU: inv_freq in double rounded to float, angle = float(pos) * inv_freq in fp32.
+    // Same as the CPU: inv_freq in double rounded to float, angle = float(pos) * inv_freq in fp32. M-RoPE
+    // (pos_stride 3): frequency p takes the position of axis (axes >> 2p) & 3 (model::MRopeAxes).
+    const int axis = pos_stride == 1 ? 0 : static_cast<int>(((p < 32 ? axes_lo : axes_hi) >> (2 * (p % 32))) & 3u);
     const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
-    const float angle = static_cast<float>(positions[t]) * inv_freq;
+    const float angle = static_cast<float>(positions[t * pos_stride + axis]) * inv_freq;
     float s, c;
     sincosf(angle, &s, &c);
     float* v = x + th * D;
@@ -308,7 +321,24 @@ void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* position
           Stream stream) {
   const int64_t total = T * heads * (rotary_dim / 2);
   if (total == 0) return;
-  launch_kernel(rope_kernel, capped_grid(total), kBlock, 0, stream, x, T, heads, D, positions, rotary_dim, theta);
+  launch_kernel(rope_kernel, capped_grid(total), kBlock, 0, stream, x, T, heads, D, positions, 1, uint64_t{0},
+                uint64_t{0}, rotary_dim, theta);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void mrope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, uint64_t axes_lo,
+           uint64_t axes_hi, int rotary_dim, double theta, Stream stream) {
+  const int64_t total = T * heads * (rotary_dim / 2);
+  if (total == 0) return;
+  launch_kernel(rope_kernel, capped_grid(total), kBlock, 0, stream, x, T, heads, D, positions, 3, axes_lo, axes_hi,
+                rotary_dim, theta);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+void scatter_rows(const float* src, const int32_t* rows, int64_t R, int64_t H, float* dst, int64_t dst_rows,
+                  Stream stream) {
+  if (R * H == 0) return;
+  launch_kernel(scatter_rows_kernel, capped_grid(R * H), kBlock, 0, stream, src, rows, R, H, dst, dst_rows);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -139,6 +139,12 @@ void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const 
 // In place on x [T, heads, D]: rotate_half RoPE over the first rotary_dim dims.
 void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, int rotary_dim, double theta,
           Stream stream);
+// M-RoPE: positions [T, 3]; frequency p takes axis (axes >> 2p) & 3 (axes_lo: p < 32, axes_hi: p >= 32).
+void mrope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, uint64_t axes_lo,
+           uint64_t axes_hi, int rotary_dim, double theta, Stream stream);
+// dst[rows[r]] = src[r]; src [R, H], dst [dst_rows, H].
+void scatter_rows(const float* src, const int32_t* rows, int64_t R, int64_t H, float* dst, int64_t dst_rows,
+                  Stream stream);
 void add(const float* a, const float* b, float* out, int64_t n, Stream stream);
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, Stream stream);
 // out[t, i] = x[t, i] * sigmoid(g[t, g_cols == 1 ? 0 : i]); x, out [T, N], g [T, g_cols].

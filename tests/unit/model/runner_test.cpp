@@ -245,6 +245,84 @@ TEST(Runner, RejectsBadChunks) {
   EXPECT_THROW(tr.runner->forward(two, out2), Error);
 }
 
+// Image inputs (SeqChunk::mrope_pos, embeds) against the runner itself: three equal rope positions are the plain rope
+// (bit for bit), a shifted block of positions is not, and embeddings handed in for some tokens act exactly like the
+// token embeddings they equal (the values traced at "embed" from a run of the original tokens).
+TEST(RunnerImages, EqualMRopePositionsAreThePlainRopeAndEmbeddingsReplaceTokens) {
+  const Fixture fx = Fixture::load("qwen3_5_moe_bf16");
+  const std::vector<int32_t>& prompt = fx.prompts[2].tokens;  // 33 tokens
+  const int64_t L = static_cast<int64_t>(prompt.size());
+  TestRunner plain(fx.model_dir, f32_kv());
+  std::vector<float> embed_rows;
+  plain.impl().set_trace([&](std::string_view what, int, const TensorView& v) {
+    if (what != "embed") return;
+    const float* p = static_cast<const float*>(v.data);
+    embed_rows.assign(p, p + v.numel());
+  });
+  const std::vector<float> want = plain.run(0, prompt, 0);
+  plain.impl().set_trace(nullptr);
+  const int64_t H = static_cast<int64_t>(embed_rows.size()) / L;
+  ASSERT_GT(H, 0);
+  ASSERT_EQ(static_cast<int64_t>(embed_rows.size()), L * H);
+
+  // Equal positions, prompt in two chunks (the second carries mrope_prev), then a decode.
+  TestRunner mr(fx.model_dir, f32_kv());
+  std::vector<int32_t> pos3(L * 3);
+  for (int64_t i = 0; i < L * 3; ++i) pos3[i] = static_cast<int32_t>(i / 3);
+  model::SeqChunk a = mr.chunk(0, std::span(prompt).first(20), 0, false);
+  a.mrope_pos = std::span(pos3).first(60);
+  mr.runner->forward({&a, 1}, std::span<float>());
+  model::SeqChunk b = mr.chunk(0, std::span(prompt).subspan(20), 20);
+  b.mrope_pos = std::span(pos3).subspan(60);
+  b.mrope_prev = {19, 19, 19};
+  std::vector<float> got(fx.vocab);
+  mr.runner->forward({&b, 1}, got);
+  TestRunner plain2(fx.model_dir, f32_kv());
+  plain2.run(0, std::span(prompt).first(20), 0);
+  EXPECT_EQ(max_diff(got, plain2.run(0, std::span(prompt).subspan(20), 20)), 0.0);
+
+  // A block of tokens at image-like positions: the logits move.
+  std::vector<int32_t> shifted = pos3;
+  for (int64_t i = 10; i < 16; ++i) {
+    shifted[i * 3 + 1] = static_cast<int32_t>(10 + (i - 10) / 3);
+    shifted[i * 3 + 2] = static_cast<int32_t>(10 + (i - 10) % 3);
+  }
+  TestRunner moved(fx.model_dir, f32_kv());
+  model::SeqChunk c = moved.chunk(0, prompt, 0);
+  c.mrope_pos = shifted;
+  std::vector<float> got_moved(fx.vocab);
+  moved.runner->forward({&c, 1}, got_moved);
+  EXPECT_GT(max_diff(got_moved, want), 1e-3);
+
+  // Tokens 5..9 replaced by other ids, their original embeddings handed in: the original logits.
+  std::vector<int32_t> other = prompt;
+  std::vector<int32_t> offsets;
+  std::vector<float> rows;
+  for (int32_t o = 5; o < 10; ++o) {
+    other[o] = (other[o] + 1) % static_cast<int32_t>(fx.vocab);
+    offsets.push_back(o);
+    rows.insert(rows.end(), embed_rows.begin() + o * H, embed_rows.begin() + (o + 1) * H);
+  }
+  TestRunner emb(fx.model_dir, f32_kv());
+  model::SeqChunk d = emb.chunk(0, other, 0);
+  d.embed_offsets = offsets;
+  d.embeds = rows;
+  std::vector<float> got_emb(fx.vocab);
+  emb.runner->forward({&d, 1}, got_emb);
+  EXPECT_EQ(max_diff(got_emb, want), 0.0);
+  EXPECT_GT(max_diff(TestRunner(fx.model_dir, f32_kv()).run(0, other, 0), want), 1e-3);  // the ids alone differ
+
+  // Malformed image inputs are refused.
+  model::SeqChunk bad = emb.chunk(1, prompt, 0);
+  bad.mrope_pos = std::span(pos3).first(9);
+  EXPECT_THROW(emb.runner->forward({&bad, 1}, got), Error);
+  model::SeqChunk bad2 = emb.chunk(1, prompt, 0);
+  const int32_t backwards[] = {4, 3};
+  bad2.embed_offsets = backwards;
+  bad2.embeds = std::span(rows).first(2 * H);
+  EXPECT_THROW(emb.runner->forward({&bad2, 1}, got), Error);
+}
+
 }  // namespace
 }  // namespace kiln::testing
 

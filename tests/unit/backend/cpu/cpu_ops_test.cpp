@@ -196,5 +196,61 @@ TEST(CpuOps, ChunkedDeltaRuleEqualsRecurrence) {
   EXPECT_LT(d_state, 1e-4);
 }
 
+
+// M-RoPE against the rotation written out here: frequency i of token t turns the pair (i, i + half) of every head by
+// pos[t][axis(i)] * theta^(-2i / rotary_dim); dims past rotary_dim stay. With three equal positions it is rope().
+TEST(CpuOps, MRopeRotatesEachFrequencyByItsAxisPosition) {
+  auto ops = make_cpu_backend();
+  const int64_t T = 5, heads = 3, D = 24;
+  const int rotary = 16, half = 8;
+  const double theta = 10000.0;
+  const model::MRopeAxes axes = model::MRopeAxes::from_sections({3, 3, 2}, true, half);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> x(T * heads * D);
+  for (auto& v : x) v = dist(rng);
+  std::vector<int32_t> pos3(T * 3);
+  for (auto& p : pos3) p = static_cast<int32_t>(rng() % 50);
+  std::vector<float> got = x;
+  ops->mrope(TensorView(got.data(), DType::F32, Shape{T, heads, D}), TensorView(pos3.data(), DType::I32, Shape{T, 3}),
+             rotary, theta, axes);
+  // interleaved {3, 3, 2}: h at i % 3 == 1 below 9, w at i % 3 == 2 below 6, t elsewhere.
+  const int axis_of[half] = {0, 1, 2, 0, 1, 2, 0, 1};
+  double worst = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const float* v = x.data() + (t * heads + h) * D;
+        double ref = v[d];
+        if (d < rotary) {
+          const int i = static_cast<int>(d % half);
+          const double inv = 1.0 / std::pow(theta, 2.0 * i / rotary);
+          const double a = pos3[t * 3 + axis_of[i]] * inv;
+          ref = d < half ? v[i] * std::cos(a) - v[i + half] * std::sin(a)
+                         : v[i + half] * std::cos(a) + v[i] * std::sin(a);
+        }
+        worst = std::max(worst, std::fabs(got[(t * heads + h) * D + d] - ref));
+      }
+  EXPECT_LT(worst, 1e-4);
+  // Equal positions: bit for bit the plain rope.
+  std::vector<int32_t> pos1(T), eq3(T * 3);
+  for (int64_t t = 0; t < T; ++t) pos1[t] = eq3[t * 3] = eq3[t * 3 + 1] = eq3[t * 3 + 2] = static_cast<int32_t>(t * 7);
+  std::vector<float> a = x, b = x;
+  ops->rope(TensorView(a.data(), DType::F32, Shape{T, heads, D}), TensorView(pos1.data(), DType::I32, Shape{T}),
+            rotary, theta);
+  ops->mrope(TensorView(b.data(), DType::F32, Shape{T, heads, D}), TensorView(eq3.data(), DType::I32, Shape{T, 3}),
+             rotary, theta, axes);
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+}
+
+TEST(CpuOps, ScatterRowsWritesOnlyTheGivenRows) {
+  auto ops = make_cpu_backend();
+  std::vector<float> dst(4 * 3, -1.0f), src = {1, 2, 3, 4, 5, 6};
+  std::vector<int32_t> rows = {3, 1};
+  ops->scatter_rows(TensorView(src.data(), DType::F32, Shape{2, 3}), TensorView(rows.data(), DType::I32, Shape{2}),
+                    TensorView(dst.data(), DType::F32, Shape{4, 3}));
+  EXPECT_EQ(dst, (std::vector<float>{-1, -1, -1, 4, 5, 6, -1, -1, -1, 1, 2, 3}));
+}
+
 }  // namespace
 }  // namespace kiln::backend

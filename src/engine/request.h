@@ -28,9 +28,20 @@ struct SamplingParams {
 enum class FinishReason { none, stop, length, abort, error };
 const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort", "error"
 
+// One image of a prompt, preprocessed (the model's image processor: patches in transformers' layout). Its
+// placeholder run is prompt[offset, offset + tokens) with tokens = grid_t * grid_h * grid_w / merge^2 (the vision
+// encoder's merged patches); the engine encodes it with the runner's vision tower when it takes the request.
+struct ImageInput {
+  int64_t offset = 0;                 // index of the first placeholder token in the prompt
+  int64_t grid_t = 1, grid_h = 0, grid_w = 0;  // patch grid (grid_thw), before the spatial merge
+  std::vector<float> pixel_values;    // [grid_t * grid_h * grid_w, channels * temporal_patch * patch * patch]
+  uint64_t hash = 0;                  // content hash of the decoded image: the prefix cache's key for its tokens
+};
+
 struct GenerateRequest {
   std::string id;
   std::vector<int32_t> prompt;
+  std::vector<ImageInput> images;  // in prompt order, placeholder runs disjoint; empty for text
   SamplingParams sampling;
   int64_t max_tokens = 256;
   // SGLang / vLLM min_tokens: until this many tokens are generated, the eos and stop_token_ids tokens are masked out

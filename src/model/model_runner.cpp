@@ -15,6 +15,11 @@ void ModelRunner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int
   fail("this model runner has no MTP head to draft with (speculative decoding needs one)");
 }
 
+std::vector<float> ModelRunner::encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
+                                             int64_t grid_w) {
+  (void)pixel_values;
+  fail("this model has no vision encoder: an image of {} x {} x {} patches cannot be read", grid_t, grid_h, grid_w);
+}
 void ModelRunner::save_state(int slot) { fail("this model runner cannot checkpoint state slot {}", slot); }
 void ModelRunner::restore_state(int slot) { fail("this model runner cannot restore state slot {}", slot); }
 void ModelRunner::keep_verified(int slot, int tokens) {

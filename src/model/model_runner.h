@@ -120,6 +120,13 @@ class ModelRunner {
   // less one of its checkpoint_positions chunks, summed, must not exceed it); 0: none (save_state / restore_state and
   // a replay then). A caller uses one scheme or the other: both share the runner's spare state rows.
   virtual int position_checkpoints() const { return 0; }
+  // Image inputs. vision_merge_size(): 0 when the model has no vision tower (the default), else its spatial merge
+  // size. encode_image: one image's patches, pixel_values [grid_t * grid_h * grid_w, patch values] (transformers'
+  // layout); returns [grid_t * grid_h * grid_w / merge^2, text hidden size] floats (the text model's input embeddings
+  // of its placeholder tokens). The default fails.
+  virtual int vision_merge_size() const { return 0; }
+  virtual std::vector<float> encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
+                                          int64_t grid_w);
   virtual void keep_verified(int slot, int tokens);
 
   // Why this runner can no longer run steps ("" while it can): a multi-node group whose link failed. Safe to call

@@ -528,10 +528,10 @@ struct FixtureRun {
   std::vector<float> out, embed, block0;
   int64_t rows = 0, cols = 0;
 };
-FixtureRun run_fixture(LoadedTower& tower, const Expected& ex) {
+FixtureRun run_fixture(LoadedTower& tower, const Expected& ex, const std::string& grid_name) {
   Shape pshape, gshape;
   const std::vector<float> pixels = ex.get<float>("pixel_values", &pshape);
-  const std::vector<int32_t> grid = ex.get<int32_t>("grid_thw", &gshape);
+  const std::vector<int32_t> grid = ex.get<int32_t>(grid_name, &gshape);
   std::vector<ImageGrid> grids;
   for (int64_t i = 0; i < gshape[0]; ++i) grids.push_back({grid[i * 3], grid[i * 3 + 1], grid[i * 3 + 2]});
   Ops& ops = tower.ops;
@@ -561,7 +561,7 @@ TEST(Qwen35Vision, MatchesTransformersVisionModel) {
   LoadedTower tower(dir + "/model");
   ASSERT_TRUE(tower.config.has_vision) << tower.config.vision_problem;
   const Expected ex(dir + "/expected.safetensors");
-  const FixtureRun r = run_fixture(tower, ex);
+  const FixtureRun r = run_fixture(tower, ex, "grid_thw");
   Shape oshape;
   const std::vector<float> want = ex.get<float>("output", &oshape);
   ASSERT_EQ(r.rows, oshape[0]);
@@ -583,7 +583,7 @@ TEST(Qwen35Vision, MatchesTransformersImageEmbeddingsOfTheMultimodalFixture) {
   ASSERT_TRUE(tower.config.has_vision) << tower.config.vision_problem;
   EXPECT_EQ(tower.config.vision.out_hidden_size, tower.config.hidden_size);
   const Expected ex(dir + "/expected.safetensors");
-  const FixtureRun r = run_fixture(tower, ex);
+  const FixtureRun r = run_fixture(tower, ex, "image_grid_thw");
   const Diff d = compare(r.out.data(), as_double(ex.get<float>("image_embeds")));
   EXPECT_LT(d.rel_l2, kFixtureRelL2) << "max abs " << d.max_abs;
   // The special tokens config.json names are the ones the prompt uses.

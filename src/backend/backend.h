@@ -24,6 +24,7 @@ namespace kiln::backend {
 using Backend = model::Ops;
 using model::DeltaRuleMode;
 using model::ExpertWeights;
+using model::GeluKind;
 using model::KvLayerView;
 using model::LinearWeight;
 using model::NormKind;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -151,6 +152,12 @@ bool ModelConfig::layer_is_moe(int layer) const {
   if (layer >= num_layers) layer -= num_layers;  // MTP layer k is built as decoder layer k (vLLM, SGLang)
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
   return decoder_sparse_step <= 1 || (layer + 1) % decoder_sparse_step == 0;
+}
+
+int VisionConfig::position_grid_side() const {
+  if (num_position_embeddings <= 0) return 0;
+  int64_t side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(num_position_embeddings))));
+  return side * side == num_position_embeddings ? static_cast<int>(side) : 0;
 }
 
 int ModelConfig::num_full_attention_layers() const {
@@ -345,6 +352,95 @@ void read_special_tokens(const Reader& r, const Reader& top, std::string_view ge
   c.eos_token_ids.assign(eos.begin(), eos.end());
 }
 
+// The vision tower (qwen3_5*): vision_config's keys (wrong JSON types are errors, like the text settings), the
+// multimodal token ids at top level, then whether the tower can run (a problem turns images off with a warning; it
+// never stops the text model).
+void read_vision(const json& top, const std::string& source, ModelConfig& c) {
+  if (c.arch != Arch::qwen3_5_moe && c.arch != Arch::qwen3_5) return;
+  auto it = top.find("vision_config");
+  if (it == top.end() || it->is_null()) return;
+  if (!it->is_object()) fail("{}: \"vision_config\" must be an object, got {}", source, it->dump());
+  const Reader r(*it, *it, source + " vision_config");
+  VisionConfig& v = c.vision;
+  const VisionConfig d;
+  // patch_size / temporal_patch_size may be written as [n, n] (transformers accepts int | list).
+  auto size_of = [&](const char* key, int def) {
+    const json* e = r.find(key);
+    if (e && e->is_array()) {
+      const std::vector<int64_t> l = r.int_list(e, key);
+      if (l.empty() || std::adjacent_find(l.begin(), l.end(), std::not_equal_to<>()) != l.end())
+        fail("{} vision_config: \"{}\" {} must be one size (a square patch)", source, key, e->dump());
+      return static_cast<int>(l.front());
+    }
+    return static_cast<int>(r.integer_of(e, key, def));
+  };
+  v.depth = static_cast<int>(r.integer("depth", d.depth));
+  v.hidden_size = r.integer("hidden_size", d.hidden_size);
+  v.intermediate_size = r.integer("intermediate_size", d.intermediate_size);
+  v.num_heads = static_cast<int>(r.integer("num_heads", d.num_heads));
+  if (const json* a = r.find("hidden_act")) v.hidden_act = r.string(a, "hidden_act");
+  v.in_channels = static_cast<int>(r.integer("in_channels", d.in_channels));
+  v.patch_size = size_of("patch_size", d.patch_size);
+  v.temporal_patch_size = size_of("temporal_patch_size", d.temporal_patch_size);
+  v.spatial_merge_size = static_cast<int>(r.integer("spatial_merge_size", d.spatial_merge_size));
+  v.out_hidden_size = r.integer("out_hidden_size", d.out_hidden_size);
+  v.num_position_embeddings = r.integer("num_position_embeddings", d.num_position_embeddings);
+  std::string rope_type = "axial";
+  if (const json* rp = r.find("rope_parameters")) {
+    if (!rp->is_object()) fail("{} vision_config: rope_parameters must be an object", source);
+    const Reader rr(*rp, *rp, source + " vision_config rope_parameters");
+    if (const json* t = rr.find("rope_type")) rope_type = rr.string(t, "rope_type");
+    v.rope_theta = rr.number(rr.find("rope_theta"), "rope_theta", r.number("rope_theta", d.rope_theta));
+  } else {
+    v.rope_theta = r.number("rope_theta", d.rope_theta);
+  }
+  const Reader t(top, top, source);
+  c.image_token_id = t.integer("image_token_id", 248056);
+  c.video_token_id = t.integer("video_token_id", 248057);
+  c.vision_start_token_id = t.integer("vision_start_token_id", 248053);
+  c.vision_end_token_id = t.integer("vision_end_token_id", 248054);
+
+  std::string& problem = c.vision_problem;
+  auto check = [&](bool ok, std::string why) {
+    if (!ok && problem.empty()) problem = std::move(why);
+  };
+  auto in_range = [&](int64_t value, int64_t hi, const char* key) {
+    check(value > 0 && value <= hi, fmt::format("\"{}\" is {} (expected 1 .. {})", key, value, hi));
+  };
+  in_range(v.depth, 1024, "depth");
+  in_range(v.hidden_size, int64_t{1} << 16, "hidden_size");
+  in_range(v.intermediate_size, int64_t{1} << 18, "intermediate_size");
+  in_range(v.num_heads, 1024, "num_heads");
+  in_range(v.in_channels, 16, "in_channels");
+  in_range(v.patch_size, 1024, "patch_size");
+  in_range(v.temporal_patch_size, 64, "temporal_patch_size");
+  in_range(v.spatial_merge_size, 16, "spatial_merge_size");
+  in_range(v.out_hidden_size, int64_t{1} << 20, "out_hidden_size");
+  in_range(v.num_position_embeddings, int64_t{1} << 24, "num_position_embeddings");
+  if (problem.empty()) {
+    check(v.hidden_size % v.num_heads == 0,
+          fmt::format("hidden_size {} is not a multiple of num_heads {}", v.hidden_size, v.num_heads));
+    check(v.head_dim() % 4 == 0, fmt::format("the head size {} is not a multiple of 4 (the 2-D rotary embedding "
+                                             "gives a quarter of each head's dims to each of rows and columns, "
+                                             "sine and cosine halves)", v.head_dim()));
+    check(v.position_grid_side() > 0,
+          fmt::format("num_position_embeddings {} is not a square (the learned positions form a side x side grid)",
+                      v.num_position_embeddings));
+    check(v.hidden_act == "gelu_pytorch_tanh" || v.hidden_act == "gelu_new" || v.hidden_act == "gelu",
+          fmt::format("hidden_act '{}' is not supported (supported: gelu_pytorch_tanh, gelu_new, gelu)", v.hidden_act));
+    check(rope_type == "axial" || rope_type == "default",
+          fmt::format("rope_parameters.rope_type '{}' is not supported (supported: axial)", rope_type));
+    check(v.rope_theta > 0, fmt::format("rope_theta {} must be positive", v.rope_theta));
+    check(v.out_hidden_size == c.hidden_size,
+          fmt::format("out_hidden_size {} differs from the language model's hidden_size {}", v.out_hidden_size,
+                      c.hidden_size));
+  }
+  c.has_vision = problem.empty();
+  if (!c.has_vision)
+    c.warnings.push_back(fmt::format("{} vision_config: {}; images are not supported with this checkpoint "
+                                     "(text is unaffected)", source, problem));
+}
+
 // Sanity: everything later code divides by or allocates with.
 void check_sizes(const ModelConfig& c, const std::string& source) {
   auto positive = [&](int64_t v, const char* key) {
@@ -402,7 +498,6 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
     settings = &*tc;
     settings_source = source + " text_config";
   }
-  c.has_vision_config = top.contains("vision_config") && top["vision_config"].is_object();
   const Reader r(*settings, top, settings_source);
   const Reader top_reader(top, top, source);
   read_sizes(r, c);
@@ -421,6 +516,7 @@ ModelConfig parse_model_config(std::string_view config_json, std::string_view ge
   c.expert_layout = c.arch == Arch::qwen3_5_moe ? ExpertLayout::fused : ExpertLayout::per_expert;
   c.mtp_expert_layout = c.expert_layout;
   check_sizes(c, settings_source);
+  read_vision(top, source, c);
   return c;
 }
 

@@ -24,6 +24,33 @@ enum class LayerType { linear_attention, full_attention };
 enum class ExpertLayout { fused, per_expert };
 const char* layer_type_name(LayerType t);  // "linear_attention" / "full_attention"
 
+// The vision tower of a Qwen3.5 / Qwen3.5-MoE checkpoint (config.json "vision_config"; transformers
+// Qwen3_5MoeVisionConfig / Qwen3_5VisionConfig, whose defaults these are). model/qwen3_5_vision.h runs it.
+struct VisionConfig {
+  int depth = 27;                        // transformer blocks
+  int64_t hidden_size = 1152;
+  int64_t intermediate_size = 4304;      // the blocks' MLP
+  int num_heads = 16;
+  std::string hidden_act = "gelu_pytorch_tanh";  // the blocks' MLP activation (the merger's is always erf GELU)
+  int in_channels = 3;
+  int patch_size = 16;                   // spatial patch side, pixels
+  int temporal_patch_size = 2;           // frames per patch (an image is repeated to fill them)
+  int spatial_merge_size = 2;            // m: m x m patches merge into one output token
+  int64_t out_hidden_size = 3584;        // the merger's output: the language model's hidden size
+  int64_t num_position_embeddings = 2304;  // learned position grid side^2 (48 x 48)
+  double rope_theta = 10000.0;           // vision_config.rope_parameters.rope_theta (axial 2-D rotary)
+  double layer_norm_eps = 1e-6;          // fixed in transformers (nn.LayerNorm(..., eps=1e-6))
+
+  int64_t head_dim() const { return num_heads > 0 ? hidden_size / num_heads : 0; }
+  // Values per patch row of pixel_values: C * T * P * P (the Conv3d's flattened kernel).
+  int64_t patch_dim() const {
+    return int64_t{in_channels} * temporal_patch_size * patch_size * patch_size;
+  }
+  int64_t merge_unit() const { return int64_t{spatial_merge_size} * spatial_merge_size; }  // patches per token
+  int64_t merged_hidden() const { return hidden_size * merge_unit(); }  // the merger's input width
+  int position_grid_side() const;  // sqrt(num_position_embeddings); 0 when that is not a square
+};
+
 struct ModelConfig {
   Arch arch = Arch::qwen3;
   std::string model_type;    // as written at the top level of config.json ("qwen3_5_moe")
@@ -31,7 +58,16 @@ struct ModelConfig {
   // Things config.json says that kiln does not act on but the user should know (architectures naming
   // another family than model_type). load_model_config logs them as warnings.
   std::vector<std::string> warnings;
-  bool has_vision_config = false;  // a vision_config block is present (VL checkpoint)
+  // The vision tower (qwen3_5 / qwen3_5_moe with a "vision_config" object). has_vision is false without one, or when
+  // its settings cannot run (vision_problem says why; the text model is unaffected and a warning is logged).
+  bool has_vision = false;
+  VisionConfig vision;
+  std::string vision_problem;
+  // The multimodal special tokens (top level of config.json; transformers' defaults for Qwen3.5 when absent).
+  int64_t image_token_id = -1;
+  int64_t video_token_id = -1;
+  int64_t vision_start_token_id = -1;
+  int64_t vision_end_token_id = -1;
 
   int64_t hidden_size = 0;
   int num_layers = 0;

@@ -1,5 +1,6 @@
 #include "format/weight_map.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -234,6 +235,71 @@ std::vector<std::string> check_tensors(const Checkpoint& ckpt, const std::vector
 }
 
 }  // namespace
+
+std::vector<ExpectedTensor> expected_vision_tensors(const ModelConfig& config, const std::string& prefix) {
+  const VisionConfig& v = config.vision;
+  const int64_t h = v.hidden_size, inter = v.intermediate_size, merged = v.merged_hidden();
+  std::vector<ExpectedTensor> out;
+  auto add = [&](const std::string& name, Shape shape, int layer) {
+    out.push_back({.name = prefix + name, .dtypes = kFloat, .shape = shape, .role = role::kVision, .layer = layer,
+                   .params = shape.numel()});
+  };
+  auto linear = [&](const std::string& module, int64_t n_out, int64_t k_in, int layer) {
+    add(module + ".weight", Shape{n_out, k_in}, layer);
+    add(module + ".bias", Shape{n_out}, layer);
+  };
+  add("patch_embed.proj.weight", Shape{h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, -1);
+  add("patch_embed.proj.bias", Shape{h}, -1);
+  add("pos_embed.weight", Shape{v.num_position_embeddings, h}, -1);
+  for (int i = 0; i < v.depth; ++i) {
+    const std::string b = "blocks." + std::to_string(i) + ".";
+    for (const char* norm : {"norm1", "norm2"}) {
+      add(b + norm + ".weight", Shape{h}, i);
+      add(b + norm + ".bias", Shape{h}, i);
+    }
+    linear(b + "attn.qkv", 3 * h, h, i);
+    linear(b + "attn.proj", h, h, i);
+    linear(b + "mlp.linear_fc1", inter, h, i);
+    linear(b + "mlp.linear_fc2", h, inter, i);
+  }
+  add("merger.norm.weight", Shape{h}, -1);
+  add("merger.norm.bias", Shape{h}, -1);
+  linear("merger.linear_fc1", merged, merged, -1);
+  linear("merger.linear_fc2", v.out_hidden_size, merged, -1);
+  return out;
+}
+
+std::string detect_vision_prefix(const Checkpoint& ckpt) {
+  for (const char* p : {"model.visual.", "visual."})
+    if (ckpt.has(std::string(p) + "patch_embed.proj.weight")) return p;
+  return "";
+}
+
+std::string verify_vision_tensors(const Checkpoint& ckpt, const ModelConfig& config) {
+  const std::string where = ckpt.dir().display_path();
+  if (!config.has_vision) {
+    if (!config.vision_problem.empty())
+      fail("{}: images are not supported with this checkpoint: config.json vision_config: {}", where,
+           config.vision_problem);
+    fail("{}: images are not supported with this checkpoint: config.json has no vision_config (model_type {})", where,
+         config.model_type);
+  }
+  const std::string prefix = detect_vision_prefix(ckpt);
+  if (prefix.empty())
+    fail("{}: config.json describes a vision tower but the checkpoint holds none (no model.visual.patch_embed.proj."
+         "weight): use the full multimodal checkpoint, or serve text only", where);
+  VerifyReport report;
+  const std::vector<std::string> problems = check_tensors(ckpt, expected_vision_tensors(config, prefix), report);
+  if (!problems.empty()) {
+    std::string msg = fmt::format("{}: the vision tower does not match config.json's vision_config: {} problem{}",
+                                  where, problems.size(), problems.size() == 1 ? "" : "s");
+    const size_t shown = std::min<size_t>(problems.size(), 20);
+    for (size_t i = 0; i < shown; ++i) msg += "\n  - " + problems[i];
+    if (problems.size() > shown) msg += fmt::format("\n  ... and {} more", problems.size() - shown);
+    throw Error(msg);
+  }
+  return prefix;
+}
 
 VerifyReport verify_checkpoint(const Checkpoint& ckpt, ModelConfig& config, const QuantConfig& quant) {
   config.tensor_prefix = detect_tensor_prefix(ckpt);

@@ -48,6 +48,7 @@ inline constexpr const char* kSharedExpert = "shared_expert";
 inline constexpr const char* kDenseMlp = "dense_mlp";
 inline constexpr const char* kKvScale = "kv_scale";             // k_proj.k_scale / v_proj.v_scale
 inline constexpr const char* kMtpFc = "mtp_fc";                 // mtp.fc (replicated under tensor parallelism)
+inline constexpr const char* kVision = "vision";                // the vision tower (model.visual.*)
 }  // namespace role
 
 struct ExpectedTensor {
@@ -80,6 +81,23 @@ std::vector<ExpectedTensor> expected_tensors(const ModelConfig& config, const Qu
 // "model.language_model." or "model.", whichever the checkpoint's embed_tokens uses; kiln::Error if
 // neither is found.
 std::string detect_tensor_prefix(const Checkpoint& ckpt);
+
+// The vision tower's tensors (config.vision, config.has_vision) under `prefix`, every one BF16 / F16 / F32 (the NVFP4
+// releases keep the tower BF16 and list model.visual* in their exclude list), with h = hidden_size, I =
+// intermediate_size, M = h * spatial_merge_size^2, role kVision, layer = the block (-1 for the others):
+//   patch_embed.proj.weight [h, C, T, P, P] (the Conv3d), patch_embed.proj.bias [h], pos_embed.weight [num_pos, h]
+//   blocks.{i}.norm1.{weight,bias} [h], blocks.{i}.norm2.{weight,bias} [h]
+//   blocks.{i}.attn.qkv.weight [3h, h] (rows q | k | v), .bias [3h]; blocks.{i}.attn.proj.weight [h, h], .bias [h]
+//   blocks.{i}.mlp.linear_fc1.weight [I, h], .bias [I]; blocks.{i}.mlp.linear_fc2.weight [h, I], .bias [h]
+//   merger.norm.{weight,bias} [h]; merger.linear_fc1.weight [M, M], .bias [M];
+//   merger.linear_fc2.weight [out_hidden_size, M], .bias [out_hidden_size]
+std::vector<ExpectedTensor> expected_vision_tensors(const ModelConfig& config, const std::string& prefix);
+// "model.visual." (the Qwen3.5 releases) or "visual.", whichever holds patch_embed.proj.weight; "" when neither does.
+std::string detect_vision_prefix(const Checkpoint& ckpt);
+// Checks the vision tower against expected_vision_tensors under detect_vision_prefix and returns that prefix. One
+// kiln::Error listing every mismatch, or saying that config.json has no usable vision_config (config.vision_problem)
+// or that the checkpoint holds no vision tower.
+std::string verify_vision_tensors(const Checkpoint& ckpt, const ModelConfig& config);
 
 struct VerifyReport {
   int64_t matched = 0;          // expected tensors found with the right dtype and shape

@@ -125,6 +125,22 @@ class ForwardingOps : public Ops {
                           const TensorView& shared_gate, TensorView out) override {
     inner_->moe_experts_shared(x, expert_ids, weights, experts, shared, shared_gate, out);
   }
+  void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias, float eps,
+                  TensorView out) override {
+    inner_->layer_norm(x, weight, bias, eps, out);
+  }
+  void gelu(const TensorView& x, model::GeluKind kind, TensorView out) override { inner_->gelu(x, kind, out); }
+  void rope_cos_sin(TensorView x, const TensorView& cos, const TensorView& sin) override {
+    inner_->rope_cos_sin(x, cos, sin);
+  }
+  void attention_segments(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& cu_seqlens,
+                          int64_t max_seqlen, float scale, TensorView out) override {
+    inner_->attention_segments(q, k, v, cu_seqlens, max_seqlen, scale, out);
+  }
+  void weighted_embedding(const TensorView& table, const TensorView& ids, const TensorView& weights,
+                          TensorView out) override {
+    inner_->weighted_embedding(table, ids, weights, out);
+  }
   void all_reduce(TensorView x) override { inner_->all_reduce(x); }
   void argmax_rows(const TensorView& logits, std::span<int32_t> ids) override { inner_->argmax_rows(logits, ids); }
   void argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) override {

@@ -170,6 +170,34 @@ void Ops::moe_route_experts(const TensorView& x, const TensorView& logits, int t
   else moe_experts(x, expert_ids, weights, experts, out);
 }
 
+void Ops::layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias, float eps,
+                     TensorView out) {
+  (void)x, (void)weight, (void)bias, (void)eps, (void)out;
+  fail("layer_norm is not implemented on the {} backend (needed by the vision encoder)", name());
+}
+
+void Ops::gelu(const TensorView& x, GeluKind kind, TensorView out) {
+  (void)x, (void)kind, (void)out;
+  fail("gelu is not implemented on the {} backend (needed by the vision encoder)", name());
+}
+
+void Ops::rope_cos_sin(TensorView x, const TensorView& cos, const TensorView& sin) {
+  (void)x, (void)cos, (void)sin;
+  fail("rope_cos_sin is not implemented on the {} backend (needed by the vision encoder)", name());
+}
+
+void Ops::attention_segments(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& cu_seqlens, int64_t max_seqlen, float scale, TensorView out) {
+  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_seqlen, (void)scale, (void)out;
+  fail("attention_segments is not implemented on the {} backend (needed by the vision encoder)", name());
+}
+
+void Ops::weighted_embedding(const TensorView& table, const TensorView& ids, const TensorView& weights,
+                             TensorView out) {
+  (void)table, (void)ids, (void)weights, (void)out;
+  fail("weighted_embedding is not implemented on the {} backend (needed by the vision encoder)", name());
+}
+
 void Ops::argmax_rows(const TensorView& logits, std::span<int32_t> ids) {
   std::vector<float> values(ids.size());
   argmax_rows_best(logits, ids, values);

@@ -154,6 +154,11 @@ struct OpTime {
   bool nested = false;  // a stage inside another op's time (not added to the step's total)
 };
 
+enum class GeluKind : uint8_t {
+  erf,   // exact: torch nn.GELU(), transformers "gelu"
+  tanh,  // the tanh approximation: transformers "gelu_pytorch_tanh" / "gelu_new"
+};
+
 enum class DeltaRuleMode : uint8_t {
   recurrent,  // token by token (decode, and the definition)
   chunked,    // UT-transform chunks of 64 tokens (prefill); equals the recurrence up to rounding
@@ -321,6 +326,32 @@ class Ops {
                                  std::span<const ExpertWeights> experts, TensorView shared,
                                  const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
                                  TensorView out);
+
+  // ---- vision encoder (the Qwen3.5 vision tower, model/qwen3_5_vision.h). Every op below has a default that throws
+  // "<op> is not implemented on the <name> backend": a backend that encodes images implements them.
+  // out = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias per row over the last dim, fp32 (var: the biased
+  // variance, torch.nn.LayerNorm). x, out F32 [R, D] contiguous (out may alias x); weight, bias [D] (BF16 / F32).
+  virtual void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias, float eps,
+                          TensorView out);
+  // out = gelu(x) elementwise, fp32: erf form 0.5 x (1 + erf(x / sqrt 2)) (torch nn.GELU()), or the tanh
+  // approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) ("gelu_pytorch_tanh"). x, out F32, same shape,
+  // contiguous; out may alias x.
+  virtual void gelu(const TensorView& x, GeluKind kind, TensorView out);
+  // In-place rotary embedding over the whole head with per-token angles given as tables (rotate_half pairing
+  // i <-> i + D/2): x[i] = x[i] cos[t, i] - x[i + D/2] sin[t, i], x[i + D/2] = x[i + D/2] cos[t, i] + x[i] sin[t, i]
+  // for i < D/2. x F32 [T, heads, D] contiguous; cos, sin F32 [T, D/2].
+  virtual void rope_cos_sin(TensorView x, const TensorView& cos, const TensorView& sin);
+  // Bidirectional softmax attention within segments (flash-attention's varlen layout): token t of segment s
+  // ([cu_seqlens[s], cu_seqlens[s+1])) attends to every token of its segment, none of the others. scores =
+  // q.k * scale, softmax in fp32. q, k, v F32 [T, heads, D] contiguous; cu_seqlens I32 [S + 1] (0 first, T last,
+  // non-decreasing); max_seqlen = the longest segment (a GPU backend sizes its launch by it); out F32 [T, heads, D].
+  virtual void attention_segments(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& cu_seqlens, int64_t max_seqlen, float scale, TensorView out);
+  // out[t] = sum_j weights[t, j] * table[ids[t, j]] (j ascending, fp32): a weighted gather of table rows (the
+  // bilinear resampling of a learned position-embedding grid). table [V, H] (BF16 / F32), ids I32 [T, J],
+  // weights F32 [T, J], out F32 [T, H].
+  virtual void weighted_embedding(const TensorView& table, const TensorView& ids, const TensorView& weights,
+                                  TensorView out);
 
   // ---- tensor parallelism
   // The rank's group (model/comm.h), set by the tensor-parallel runner before the model loads; none on one device.

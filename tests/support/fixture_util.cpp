@@ -91,7 +91,8 @@ std::string tiny_config_json(Family family) {
       cfg = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}}, {"model_type", "qwen3_5_moe"}};
       text["model_type"] = "qwen3_5_moe_text";
       cfg["text_config"] = text;
-      cfg["vision_config"] = {{"depth", 1}, {"hidden_size", 32}};
+      cfg["vision_config"] = {{"depth", 1},        {"hidden_size", 32},     {"num_heads", 2},
+                              {"intermediate_size", 64}, {"out_hidden_size", 64}, {"num_position_embeddings", 16}};
       cfg["tie_word_embeddings"] = false;
       return cfg.dump(2);
     case Family::qwen3_5:

@@ -79,10 +79,16 @@ struct Fixture {
     return fx;
   }
 
+  // The text-model fixtures (a manifest with prompts); the vision fixtures of make_vision_fixtures.py
+  // (qwen3_5_vision, qwen3_5_moe_vl) have their own tests.
   static std::vector<std::string> all_names() {
     std::vector<std::string> names;
-    for (const auto& e : std::filesystem::directory_iterator(fixtures_root()))
-      if (std::filesystem::exists(e.path() / "manifest.json")) names.push_back(e.path().filename().string());
+    for (const auto& e : std::filesystem::directory_iterator(fixtures_root())) {
+      const auto manifest = e.path() / "manifest.json";
+      if (!std::filesystem::exists(manifest)) continue;
+      const nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest), nullptr, /*allow_exceptions=*/false);
+      if (m.is_object() && m.contains("prompts")) names.push_back(e.path().filename().string());
+    }
     std::sort(names.begin(), names.end());
     return names;
   }

@@ -59,6 +59,16 @@ class CpuOps final : public model::Ops {
                         const TensorView& beta, TensorView state, const StepLayout& step, DeltaRuleMode mode,
                         TensorView out) override;
 
+  // The vision encoder's ops (cpu_vision.cpp).
+  void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias, float eps,
+                  TensorView out) override;
+  void gelu(const TensorView& x, GeluKind kind, TensorView out) override;
+  void rope_cos_sin(TensorView x, const TensorView& cos, const TensorView& sin) override;
+  void attention_segments(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& cu_seqlens,
+                          int64_t max_seqlen, float scale, TensorView out) override;
+  void weighted_embedding(const TensorView& table, const TensorView& ids, const TensorView& weights,
+                          TensorView out) override;
+
   void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                  TensorView weights) override;
   void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,

@@ -68,7 +68,7 @@ TEST(ModelConfig, Bundled397BConfig) {
   ModelConfig c = load_model_config(ModelDir::open(std::string(KILN_SOURCE_DIR) + "/configs/qwen3.5-397b-a17b-nvfp4"));
   EXPECT_EQ(c.arch, Arch::qwen3_5_moe);
   EXPECT_EQ(c.architecture, "Qwen3_5MoeForConditionalGeneration");
-  EXPECT_TRUE(c.has_vision_config);
+  EXPECT_TRUE(c.has_vision);
   EXPECT_EQ(c.tensor_prefix, "model.language_model.");
   EXPECT_EQ(c.hidden_size, 4096);
   EXPECT_EQ(c.num_layers, 60);
@@ -91,7 +91,7 @@ TEST(ModelConfig, TextOnlyCausalLmAtTopLevel) {
   EXPECT_EQ(c.model_type, "qwen3_5_moe_text");
   EXPECT_EQ(c.hidden_size, 64);
   EXPECT_EQ(c.tensor_prefix, "model.");
-  EXPECT_FALSE(c.has_vision_config);
+  EXPECT_FALSE(c.has_vision);
 }
 
 TEST(ModelConfig, NestedTextConfigWinsOverDefaults) {
@@ -300,6 +300,113 @@ TEST(ModelConfig, ArchitecturesOfAnotherFamilyIsAWarning) {
                          R"({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})",
                          R"({"model_type": "qwen3"})"})
     EXPECT_TRUE(parse_model_config(ok).warnings.empty()) << ok;
+}
+
+// ---- vision_config (the Qwen3.5 vision tower)
+
+// A qwen3_5_moe config whose text hidden size is 64, with `vision` as its vision_config (JSON object text).
+std::string with_vision(const std::string& vision, const std::string& extra_top = "") {
+  return R"({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+             "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 64},)" +
+         extra_top + R"( "vision_config": )" + vision + "}";
+}
+
+TEST(ModelConfig, VisionConfigOfThe397BRelease) {
+  // configs/qwen3.5-397b-a17b-nvfp4: transformers' vision defaults with out_hidden_size 4096; its vision_config says
+  // model_type "qwen3_5_moe" (older releases' spelling, which transformers rewrites) and has no rope_parameters.
+  ModelConfig c = load_model_config(ModelDir::open(std::string(KILN_SOURCE_DIR) + "/configs/qwen3.5-397b-a17b-nvfp4"));
+  ASSERT_TRUE(c.has_vision) << c.vision_problem;
+  const VisionConfig& v = c.vision;
+  EXPECT_EQ(v.depth, 27);
+  EXPECT_EQ(v.hidden_size, 1152);
+  EXPECT_EQ(v.num_heads, 16);
+  EXPECT_EQ(v.head_dim(), 72);
+  EXPECT_EQ(v.intermediate_size, 4304);
+  EXPECT_EQ(v.hidden_act, "gelu_pytorch_tanh");
+  EXPECT_EQ(v.in_channels, 3);
+  EXPECT_EQ(v.patch_size, 16);
+  EXPECT_EQ(v.temporal_patch_size, 2);
+  EXPECT_EQ(v.spatial_merge_size, 2);
+  EXPECT_EQ(v.out_hidden_size, 4096);
+  EXPECT_EQ(v.num_position_embeddings, 2304);
+  EXPECT_EQ(v.position_grid_side(), 48);
+  EXPECT_EQ(v.patch_dim(), 1536);
+  EXPECT_EQ(v.merged_hidden(), 4608);
+  EXPECT_DOUBLE_EQ(v.rope_theta, 10000.0);
+  EXPECT_DOUBLE_EQ(v.layer_norm_eps, 1e-6);
+  EXPECT_EQ(c.image_token_id, 248056);
+  EXPECT_EQ(c.video_token_id, 248057);
+  EXPECT_EQ(c.vision_start_token_id, 248053);
+  EXPECT_EQ(c.vision_end_token_id, 248054);
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(ModelConfig, VisionConfigAsTransformers517WritesIt) {
+  // rope_parameters {"rope_type": "axial", "rope_theta": ...} and patch sizes as lists; token ids from the top level.
+  ModelConfig c = parse_model_config(with_vision(
+      R"({"model_type": "qwen3_5_moe_vision", "depth": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128,
+          "out_hidden_size": 64, "num_position_embeddings": 64, "patch_size": [16, 16], "temporal_patch_size": 2,
+          "rope_parameters": {"rope_type": "axial", "rope_theta": 20000.0}})",
+      R"("image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 498, "vision_end_token_id": 499,)"));
+  ASSERT_TRUE(c.has_vision) << c.vision_problem;
+  EXPECT_EQ(c.vision.depth, 2);
+  EXPECT_EQ(c.vision.head_dim(), 16);
+  EXPECT_EQ(c.vision.patch_size, 16);
+  EXPECT_EQ(c.vision.position_grid_side(), 8);
+  EXPECT_DOUBLE_EQ(c.vision.rope_theta, 20000.0);
+  EXPECT_EQ(c.image_token_id, 500);
+  EXPECT_EQ(c.video_token_id, 501);
+  EXPECT_EQ(c.vision_start_token_id, 498);
+  EXPECT_EQ(c.vision_end_token_id, 499);
+}
+
+TEST(ModelConfig, NoVisionConfigMeansNoVision) {
+  for (const std::string& text :
+       {std::string(R"({"model_type": "qwen3_5_moe"})"), std::string(R"({"model_type": "qwen3_5_moe_text"})"),
+        std::string(R"({"model_type": "qwen3_5_moe", "vision_config": null})"),
+        // Families without a vision tower ignore the block.
+        std::string(R"({"model_type": "qwen3", "vision_config": {"depth": "?"}})")}) {
+    ModelConfig c = parse_model_config(text);
+    EXPECT_FALSE(c.has_vision) << text;
+    EXPECT_TRUE(c.vision_problem.empty()) << text;
+    EXPECT_EQ(c.image_token_id, -1) << text;
+  }
+}
+
+TEST(ModelConfig, MalformedVisionConfigIsAClearError) {
+  EXPECT_THAT(error_of(with_vision(R"("yes")")), HasSubstr("test/config.json: \"vision_config\" must be an object"));
+  EXPECT_THAT(error_of(with_vision(R"({"depth": "two"})")),
+              HasSubstr("test/config.json vision_config: \"depth\" must be an integer, got \"two\""));
+  EXPECT_THAT(error_of(with_vision(R"({"hidden_act": 3})")), HasSubstr("\"hidden_act\" must be a string"));
+  EXPECT_THAT(error_of(with_vision(R"({"patch_size": [16, 14]})")),
+              HasSubstr("\"patch_size\" [16,14] must be one size"));
+  EXPECT_THAT(error_of(with_vision(R"({"rope_parameters": 10000})")), HasSubstr("rope_parameters must be an object"));
+  EXPECT_THAT(error_of(with_vision(R"({"out_hidden_size": 64})", R"("image_token_id": "pad",)")),
+              HasSubstr("\"image_token_id\" must be an integer"));
+}
+
+TEST(ModelConfig, VisionConfigThatCannotRunTurnsImagesOffWithAWarning) {
+  // The text model still loads; has_vision is false and vision_problem (also a warning) says why.
+  const std::pair<std::string, std::string> cases[] = {
+      {R"({"out_hidden_size": 64, "num_heads": 5})", "hidden_size 1152 is not a multiple of num_heads 5"},
+      {R"({"out_hidden_size": 64, "hidden_size": 12, "num_heads": 2})", "the head size 6 is not a multiple of 4"},
+      {R"({"out_hidden_size": 64, "num_position_embeddings": 2300})", "num_position_embeddings 2300 is not a square"},
+      {R"({"out_hidden_size": 64, "hidden_act": "quick_gelu"})", "hidden_act 'quick_gelu' is not supported"},
+      {R"({"out_hidden_size": 64, "rope_parameters": {"rope_type": "yarn"}})", "rope_parameters.rope_type 'yarn' is not supported"},
+      {R"({"out_hidden_size": 4096})", "out_hidden_size 4096 differs from the language model's hidden_size 64"},
+      {R"({"out_hidden_size": 64, "depth": 0})", "\"depth\" is 0 (expected 1 .. 1024)"},
+      {R"({"out_hidden_size": 64, "spatial_merge_size": -2})", "\"spatial_merge_size\" is -2"},
+  };
+  for (const auto& [vision, why] : cases) {
+    ModelConfig c = parse_model_config(with_vision(vision), "", "test/config.json");
+    EXPECT_FALSE(c.has_vision) << vision;
+    EXPECT_THAT(c.vision_problem, HasSubstr(why)) << vision;
+    ASSERT_EQ(c.warnings.size(), 1u) << vision;
+    EXPECT_THAT(c.warnings[0], HasSubstr("test/config.json vision_config: " + why));
+    EXPECT_THAT(c.warnings[0], HasSubstr("images are not supported with this checkpoint (text is unaffected)"));
+    EXPECT_EQ(c.hidden_size, 64);
+  }
+  EXPECT_TRUE(parse_model_config(with_vision(R"({"out_hidden_size": 64})")).has_vision);
 }
 
 }  // namespace

@@ -399,5 +399,53 @@ TEST(WeightMapModelFolders, ExtraLayerInCheckpoint) {
   EXPECT_THAT(load_error(tmp.path()), HasSubstr("layer 3 but the config has 3 layers"));
 }
 
+TEST(WeightMap, VisionTowerOfThe397BRelease) {
+  // The names and shapes of the released Qwen3.5 checkpoints' model.visual.* (transformers' Qwen3_5MoeVisionModel
+  // parameter names under model.visual.), for configs/qwen3.5-397b-a17b-nvfp4's vision_config.
+  ModelConfig c = load_model_config(ModelDir::open(std::string(KILN_SOURCE_DIR) + "/configs/qwen3.5-397b-a17b-nvfp4"));
+  ASSERT_TRUE(c.has_vision);
+  const std::vector<ExpectedTensor> ts = expected_vision_tensors(c, "model.visual.");
+  EXPECT_EQ(ts.size(), 3u + 27u * 12u + 6u);
+  std::map<std::string, Shape> by_name;
+  int64_t params = 0;
+  for (const auto& t : ts) {
+    by_name[t.name] = t.shape;
+    params += t.params;
+    EXPECT_EQ(t.role, role::kVision);
+    EXPECT_EQ(t.dtypes.front(), DType::BF16);
+  }
+  const std::map<std::string, Shape> want = {
+      {"model.visual.patch_embed.proj.weight", Shape{1152, 3, 2, 16, 16}},
+      {"model.visual.patch_embed.proj.bias", Shape{1152}},
+      {"model.visual.pos_embed.weight", Shape{2304, 1152}},
+      {"model.visual.blocks.0.norm1.weight", Shape{1152}},
+      {"model.visual.blocks.0.norm1.bias", Shape{1152}},
+      {"model.visual.blocks.0.norm2.weight", Shape{1152}},
+      {"model.visual.blocks.0.attn.qkv.weight", Shape{3456, 1152}},
+      {"model.visual.blocks.0.attn.qkv.bias", Shape{3456}},
+      {"model.visual.blocks.0.attn.proj.weight", Shape{1152, 1152}},
+      {"model.visual.blocks.0.attn.proj.bias", Shape{1152}},
+      {"model.visual.blocks.26.mlp.linear_fc1.weight", Shape{4304, 1152}},
+      {"model.visual.blocks.26.mlp.linear_fc1.bias", Shape{4304}},
+      {"model.visual.blocks.26.mlp.linear_fc2.weight", Shape{1152, 4304}},
+      {"model.visual.blocks.26.mlp.linear_fc2.bias", Shape{1152}},
+      {"model.visual.merger.norm.weight", Shape{1152}},
+      {"model.visual.merger.norm.bias", Shape{1152}},
+      {"model.visual.merger.linear_fc1.weight", Shape{4608, 4608}},
+      {"model.visual.merger.linear_fc1.bias", Shape{4608}},
+      {"model.visual.merger.linear_fc2.weight", Shape{4096, 4608}},
+      {"model.visual.merger.linear_fc2.bias", Shape{4096}},
+  };
+  for (const auto& [name, shape] : want) {
+    ASSERT_TRUE(by_name.count(name)) << name;
+    EXPECT_EQ(by_name[name], shape) << name;
+  }
+  EXPECT_FALSE(by_name.count("model.visual.blocks.27.norm1.weight"));
+  EXPECT_FALSE(by_name.count("model.visual.deepstack_merger_list.0.norm.weight"));  // Qwen3-VL's, not Qwen3.5's
+  // ~0.4 B parameters: 27 blocks of ~15.2 M, the merger ~40 M, the position table ~2.7 M.
+  EXPECT_GT(params, 400'000'000);
+  EXPECT_LT(params, 480'000'000);
+}
+
 }  // namespace
 }  // namespace kiln::format

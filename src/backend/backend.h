@@ -97,6 +97,7 @@ struct LoadOptions {
   DeltaRuleMode prefill_delta_rule = DeltaRuleMode::chunked;  // recurrent: token by token everywhere
   model::LoadFormat load_format = model::LoadFormat::safetensors;  // dummy: random weights from config.json
   bool mtp = false;  // load and run the checkpoint's MTP head (speculative decoding) when it has one
+  bool vision = false;  // load the checkpoint's vision tower (image inputs) when it has one (rank 0 of a group)
   GpuLoadOptions gpu;
   ParallelOptions parallel;
 };

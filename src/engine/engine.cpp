@@ -41,6 +41,8 @@
 // choose_output_mode, run in forward, read in choose_token.
 #include "engine/engine.h"
 
+#include "engine/image_inputs.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -458,6 +460,13 @@ void Engine::take_incoming(std::vector<std::unique_ptr<Sequence>> arrived) {
       finish(*seq, FinishReason::error, fmt::format("sampling failed: {}", e.what()));
       continue;
     }
+    try {
+      prepare_images(*seq, *runner_);  // encodes the prompt's images (none: nothing to do)
+    } catch (const std::exception& e) {
+      KILN_LOG_ERROR("image input failed for request {}: {}", seq->request.id, e.what());
+      finish(*seq, FinishReason::error, fmt::format("image input failed: {}", e.what()));
+      continue;
+    }
     scheduler_.enqueue(std::move(seq));
   }
 }
@@ -538,6 +547,7 @@ void Engine::build_rows(const StepPlan& plan) {
   int checkpoints_left = position_checkpoints_;  // a verify of k drafts keeps k of them
   for (const PlannedChunk& c : plan.chunks) {
     chunks_.push_back(runner_chunk(c, capacity_.page_size));
+    attach_image_inputs(*c.seq, chunks_.back());
     if (!c.want_logits) continue;
     StepRow row;
     row.seq = c.seq;
@@ -597,6 +607,7 @@ bool Engine::draft(const StepPlan& plan) {
         d.token = seq.tokens.back();
         d.pos = static_cast<int64_t>(seq.tokens.size()) - 1;
         d.page_table = std::span<const int32_t>(seq.pages.data(), seq.pages.size());
+        d.rope_delta = seq.has_images() ? seq.rope_delta : 0;
         seqs.push_back(d);
         of.push_back(&row);
       }
@@ -618,6 +629,7 @@ bool Engine::draft(const StepPlan& plan) {
             seq.pages.data(), static_cast<size_t>((end + capacity_.page_size - 1) / capacity_.page_size));
         ch.logits_tokens = k + 1;
         ch.checkpoint_positions = position_checkpoints_ > 0;
+        attach_image_inputs(*row.seq, ch);  // the verify tokens' rope positions
       }
     }
   } catch (const std::exception& e) {
@@ -792,6 +804,7 @@ void Engine::settle_speculation() {
     }
     model::SeqChunk ch = chunks_[row.chunk];
     ch.tokens = std::span<const int32_t>(row.verify_tokens.data(), static_cast<size_t>(row.accepted) + 1);
+    if (!ch.mrope_pos.empty()) ch.mrope_pos = ch.mrope_pos.first(3 * ch.tokens.size());
     ch.want_logits = false;
     ch.logits_tokens = 1;
     replay.push_back(ch);

@@ -1,5 +1,7 @@
 #include "engine/scheduler.h"
 
+#include "engine/image_inputs.h"
+
 #include <algorithm>
 
 #include "core/error.h"
@@ -89,7 +91,9 @@ void Scheduler::free_resources(Sequence& seq, bool cache) {
                                  : static_cast<size_t>(seq.num_cached / P);
     n = std::min(n, seq.pages.size());
     if (n > shared) {
-      cache_->insert(seq.tokens, std::span<const int32_t>(seq.pages.data(), n), snaps, free_pages, free_slots);
+      std::vector<int32_t> key_scratch;
+      cache_->insert(cache_key(seq, key_scratch), std::span<const int32_t>(seq.pages.data(), n), snaps, free_pages,
+                     free_slots);
       // The snapshot this sequence started from is superseded on its path by the deeper ones it handed in, unless
       // other sequences branch off there too (a shared prefix: the others still need it).
       if (!snaps.empty() && shared > 0 && seq.cache_path.back()->children.size() <= 1)
@@ -173,7 +177,8 @@ void Scheduler::admit(Clock::time_point now, StepPlan& plan) {
     // if needed, at worst the matched one itself, whose slot then is the sequence's (the restore copies nothing).
     PrefixCache::Match m;
     if (cache_) {
-      m = cache_->match(seq.tokens, seq.prefill_target - 1);  // at least one token left to compute
+      std::vector<int32_t> key_scratch;
+      m = cache_->match(cache_key(seq, key_scratch), seq.prefill_target - 1);  // at least one token left to compute
       cache_->lock(m.path);
     }
     int slot = -1;

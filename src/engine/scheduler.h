@@ -130,6 +130,18 @@ struct Sequence {
   // sequence. Null in scheduler tests.
   std::unique_ptr<SequenceSampler> sampler;
 
+  // Image inputs (request.images, engine/image_inputs.h), set when the engine takes the sequence: the encoded
+  // placeholder embeddings in prompt order (image_embeds [image tokens, hidden]), their prompt indices (ascending),
+  // their prefix-cache key ids (negative: never a real token; from the image's content hash), the prompt's M-RoPE
+  // positions [prompt_len * 3] and the rope delta of every later token. All empty for text prompts.
+  std::vector<float> image_embeds;
+  std::vector<int32_t> image_token_index, image_token_key, mrope_pos;
+  int32_t rope_delta = 0;
+  bool has_images() const { return !image_token_index.empty(); }
+  // The M-RoPE positions of this step's chunk (the runner reads them through SeqChunk spans) and the chunk-relative
+  // offsets of its image tokens.
+  std::vector<int32_t> step_mrope_pos, step_embed_offsets;
+
   Clock::time_point submitted_at{};
   Clock::time_point admitted_at{};
   Clock::time_point last_token_at{};

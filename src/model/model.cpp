@@ -14,7 +14,7 @@ LoadFormat parse_load_format(const std::string& name) {
 }
 
 std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, LoadFormat load_format,
-                                        const format::RankShard* shard, bool with_mtp) {
+                                        const format::RankShard* shard, bool with_mtp, bool with_vision) {
   auto m = std::make_unique<LoadedModel>();
   m->dir = dir;
   m->config = format::load_model_config(dir);
@@ -111,6 +111,20 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
   } catch (const Error& e) {
     fail("{}: loading the weights failed: {}", dir.display_path(), e.what());
   }
+  if (with_vision && c.has_vision && (!m->shard || m->shard->rank == 0)) {
+    if (load_format == LoadFormat::dummy) {
+      KILN_LOG_INFO("{}: the vision tower is not loaded with --load-format dummy (image inputs off)", dir.display_path());
+    } else if (format::detect_vision_prefix(*m->checkpoint).empty()) {
+      KILN_LOG_INFO("{}: config.json describes a vision tower but the checkpoint has none: image inputs off",
+                    dir.display_path());
+    } else {
+      try {
+        m->vision = load_vision_weights(*m->checkpoint, m->full_config, ops);
+      } catch (const Error& e) {
+        fail("{}: loading the vision tower failed: {}", dir.display_path(), e.what());
+      }
+    }
+  }
   guard.loaded = true;
   weight_progress().end(true);
   if (m->shard)
@@ -119,7 +133,8 @@ std::unique_ptr<LoadedModel> load_model(const format::ModelDir& dir, Ops& ops, L
   if (!m->shard || m->shard->rank == 0)
     KILN_LOG_INFO("loaded {} ({}, {} layers: {}{}), {} tensors matched{}", dir.display_path(),
                   format::arch_name(c.arch), c.num_layers, c.layer_pattern(),
-                  c.mtp_num_layers ? " + MTP head" : "", m->report.matched,
+                  std::string(c.mtp_num_layers ? " + MTP head" : "") + (m->vision ? " + vision tower" : ""),
+                  m->report.matched,
                   m->quant.is_quantized() ? ", quantisation " + m->quant.quant_algo : std::string());
   return m;
 }

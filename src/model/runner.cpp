@@ -23,7 +23,8 @@ TensorView row_range(const TensorView& t, int64_t begin, int64_t n) {
 
 Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const RunnerOptions& options)
     : ops_(std::move(ops)), options_(options) {
-  model_ = load_model(dir, *ops_, options_.load_format, options_.shard ? &*options_.shard : nullptr, options_.mtp);
+  model_ = load_model(dir, *ops_, options_.load_format, options_.shard ? &*options_.shard : nullptr, options_.mtp,
+                      options_.vision);
   const auto& c = model_->config;
   if (options_.kv_dtype != DType::BF16 && options_.kv_dtype != DType::F32 && options_.kv_dtype != DType::F8_E4M3)
     fail("KV cache dtype {} is not supported (BF16, F32 or F8_E4M3)", dtype_name(options_.kv_dtype));
@@ -253,6 +254,8 @@ void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
   const TensorView slot_row_ids = ops.upload(slot_rows.data(), DType::I32, Shape{S});
   TensorView hidden = ops.scratch(DType::F32, Shape{S, H});
   ops.gather_rows(row_range(mtp_rows_, 0, options_.state_slots), slot_row_ids, hidden);
+  bool any_delta = false;
+  for (const DraftSeq& d : seqs) any_delta = any_delta || d.rope_delta != 0;
   for (int k = 0; k < steps; ++k) {
     StepLayout step;
     step.num_seqs = static_cast<int>(S);
@@ -264,6 +267,8 @@ void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
     for (int64_t s = 0; s < S; ++s) {
       const int32_t pos = static_cast<int32_t>(seqs[s].pos - 1 + k);  // entry (token, hidden) runs at pos - 1 + k
       step.host_token_pos.push_back(pos);
+      if (any_delta)  // a sequence with images: text rope positions are shifted by its delta (mrope.h)
+        for (int a = 0; a < 3; ++a) step.host_token_mrope_pos.push_back(pos + seqs[s].rope_delta);
       step.host_seq_token_begin.push_back(static_cast<int32_t>(s + 1));
       step.host_seq_start_pos.push_back(pos);
       step.host_seq_state_slot.push_back(seqs[s].state_slot);
@@ -280,6 +285,25 @@ void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
     next(k, out, cur);
     hidden = g;
   }
+}
+
+std::vector<float> Runner::encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
+                                       int64_t grid_w) {
+  if (!model_->vision) return ModelRunner::encode_image(pixel_values, grid_t, grid_h, grid_w);
+  const format::VisionConfig& v = model_->full_config.vision;
+  const ImageGrid grid{grid_t, grid_h, grid_w};
+  if (grid_t < 1 || grid_h < 1 || grid_w < 1 || grid_h % v.spatial_merge_size || grid_w % v.spatial_merge_size)
+    fail("encode_image: a grid of {} x {} x {} patches (each side a multiple of the merge size {})", grid_t, grid_h,
+         grid_w, v.spatial_merge_size);
+  if (static_cast<int64_t>(pixel_values.size()) != grid.patches() * v.patch_dim())
+    fail("encode_image: {} pixel values for {} patches of {}", pixel_values.size(), grid.patches(), v.patch_dim());
+  Ops& ops = *ops_;
+  ops.reset_scratch();
+  const TensorView px = ops.upload(pixel_values.data(), DType::F32, Shape{grid.patches(), v.patch_dim()});
+  const TensorView out = vision_forward(ops, *model_->vision, v, px, std::span<const ImageGrid>(&grid, 1));
+  std::vector<float> host(static_cast<size_t>(out.numel()));
+  ops.download(out, host.data());
+  return host;
 }
 
 int64_t Runner::check_chunks(std::span<const SeqChunk> chunks) const {

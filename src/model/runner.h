@@ -45,6 +45,8 @@ struct RunnerOptions {
   // runs the head (its KV entries) and each state slot gets a checkpoint. Off (the default until the engine drives
   // speculation): the head is left unloaded and no pass runs it.
   bool mtp = false;
+  // Load the checkpoint's vision tower when it has one it can run (image inputs; model/qwen3_5_vision.h).
+  bool vision = false;
 };
 
 class Runner : public ModelRunner {
@@ -79,6 +81,11 @@ class Runner : public ModelRunner {
   void save_state(int slot) override;
   void restore_state(int slot) override;
   int position_checkpoints() const override { return static_cast<int>(spare_rows_); }
+  int vision_merge_size() const override {
+    return model_->vision ? model_->full_config.vision.spatial_merge_size : 0;
+  }
+  std::vector<float> encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
+                                  int64_t grid_w) override;
   void keep_verified(int slot, int tokens) override;
   // Its Ops' device figures with the KV pool and state slots it allocated (one entry, rank 0; none on the CPU).
   std::vector<DeviceMemory> device_memory() const override;

@@ -429,6 +429,15 @@ void TpRunner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_
   });
 }
 
+std::vector<float> TpRunner::encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
+                                         int64_t grid_w) {
+  std::vector<float> out;
+  run_all([&](int r) {  // on rank 0's thread (its device)
+    if (r == 0) out = ranks_[0]->encode_image(pixel_values, grid_t, grid_h, grid_w);
+  });
+  return out;
+}
+
 void TpRunner::save_state(int slot) {
   if (multi_node()) fail("save_state across machines is not supported");
   run_all([&](int r) { ranks_[r]->save_state(slot); });

@@ -66,6 +66,10 @@ class TpRunner : public ModelRunner {
   // (id, logit) over their vocabulary slices and all take the same winner (the highest logit, the lowest rank on
   // ties: forward_argmax's rule), so the drafts equal one rank's. One machine only (a multi-node group refuses).
   int mtp_layers() const override { return ranks_[0]->mtp_layers(); }
+  // Rank 0 holds the vision tower (replicated weights need no sharding: one rank encodes every image).
+  int vision_merge_size() const override { return ranks_[0]->vision_merge_size(); }
+  std::vector<float> encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
+                                  int64_t grid_w) override;
   void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
   void save_state(int slot) override;
   void restore_state(int slot) override;

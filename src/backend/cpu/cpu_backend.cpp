@@ -28,6 +28,7 @@ model::RunnerOptions runner_options(const LoadOptions& options) {
   ro.prefill_delta_rule = options.prefill_delta_rule;
   ro.load_format = options.load_format;
   ro.mtp = options.mtp;
+  ro.vision = options.vision;
   if (!options.gpu.cuda_graphs) ro.graph_max_batch = 0;
   ro.graph_verify_passes = options.gpu.cuda_graph_verify;
   return ro;

@@ -33,32 +33,52 @@ std::string text_of(const ojson& v, const std::string& where) {
   });
 }
 
-// One Anthropic user message -> tool messages (its tool_result blocks) then a user message (its text blocks).
+// An Anthropic image block's source as an image URL: {type: base64, media_type, data} -> a data URL, {type: url, url}.
+std::string image_block_url(const ojson& block, const std::string& w) {
+  if (!block.contains("source") || !block["source"].is_object())
+    throw bad_param(w + ".source", "'" + w + ".source' is required: {type: base64, media_type, data} or {type: url, url}");
+  const ojson& src = block["source"];
+  const std::string type = string_field(src, "type", w + ".source");
+  if (type == "base64")
+    return "data:" + string_field(src, "media_type", w + ".source") + ";base64," + string_field(src, "data", w + ".source");
+  if (type == "url") return string_field(src, "url", w + ".source");
+  throw bad_param(w + ".source.type", "image sources of type '" + type + "' are not supported (use base64 or url)");
+}
+
+// One Anthropic user message -> tool messages (its tool_result blocks) then a user message (its text and image
+// blocks: one string when it has no image, else chat content parts).
 void add_user_message(const ojson& content, size_t m, ojson& out) {
   if (content.is_string()) {
     out.push_back({{"role", "user"}, {"content", content}});
     return;
   }
   std::string text;
-  bool has_text = false;
+  ojson parts = ojson::array();
+  bool has_text = false, has_image = false;
   for (size_t b = 0; b < content.size(); ++b) {
     const ojson& block = content[b];
     const std::string w = where_of(m, b);
     const std::string type = block.value("type", "");
     if (type == "text") {
-      text += (has_text ? "\n" : "") + string_field(block, "text", w);
+      const std::string t = string_field(block, "text", w);
+      text += (has_text ? "\n" : "") + t;
+      parts.push_back({{"type", "text"}, {"text", t}});
       has_text = true;
+    } else if (type == "image") {
+      parts.push_back({{"type", "image_url"}, {"image_url", {{"url", image_block_url(block, w)}}}});
+      has_image = true;
     } else if (type == "tool_result") {
       const std::string id = string_field(block, "tool_use_id", w);
       std::string result = block.contains("content") ? text_of(block["content"], w + ".content") : "";
       if (block.value("is_error", false)) result = "Error: " + result;
       out.push_back({{"role", "tool"}, {"tool_call_id", id}, {"content", result}});
     } else {
-      throw bad_param(w, "content blocks of type '" + type + "' are not supported in user messages (use text or "
-                         "tool_result; this model reads text only)");
+      throw bad_param(w, "content blocks of type '" + type + "' are not supported in user messages (use text, image "
+                         "or tool_result)");
     }
   }
-  if (has_text) out.push_back({{"role", "user"}, {"content", text}});
+  if (has_image) out.push_back({{"role", "user"}, {"content", std::move(parts)}});
+  else if (has_text) out.push_back({{"role", "user"}, {"content", text}});
 }
 
 // One Anthropic assistant message -> an assistant message with content, reasoning_content and tool_calls.

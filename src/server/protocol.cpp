@@ -272,25 +272,51 @@ void parse_generation_fields(const ojson& body, const ProtocolLimits& limits, bo
   }
 }
 
-// Message content: a string, null, or a list of text parts (joined with newlines).
-ojson normalise_content(const ojson& content, size_t index, const std::string& role) {
+// Message content: a string, null, or a list of parts: text parts (joined with newlines when there is no image) and
+// image_url parts ({image_url: {url, detail}} or {image_url: url}); a message with images keeps its parts as the
+// chat template's items ({type: text, text} and {type: image}) and its image references go to `images`.
+ojson normalise_content(const ojson& content, size_t index, const std::string& role, std::vector<ImageRef>& images,
+                        const ProtocolLimits& limits) {
   std::string where = "messages[" + std::to_string(index) + "].content";
   if (content.is_null() || content.is_string()) return content;
   if (!content.is_array())
     throw bad_param(where, "'" + where + "' must be a string or a list of content parts, got " + json_type_name(content));
   std::string text;
+  ojson items = ojson::array();
+  bool has_image = false;
   for (size_t i = 0; i < content.size(); ++i) {
     const ojson& part = content[i];
+    const std::string w = where + "[" + std::to_string(i) + "]";
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
       throw bad_param(where, "'" + where + "' parts must be objects with a 'type'");
     std::string type = part["type"].get<std::string>();
+    if (type == "image_url") {
+      if (limits.max_images <= 0)
+        throw bad_param(w, "this model reads text only: image parts are not accepted (a model with a vision tower "
+                           "reads them unless kiln serve runs with --limit-mm-per-prompt image=0)");
+      if (role == "assistant" || role == "tool")
+        throw bad_param(w, "image parts are accepted in user messages only");
+      const ojson* u = part.contains("image_url") ? &part["image_url"] : nullptr;
+      if (u && u->is_object()) u = u->contains("url") ? &(*u)["url"] : nullptr;
+      if (!u || !u->is_string() || u->get<std::string>().empty())
+        throw bad_param(w, "'" + w + "' needs 'image_url': {\"url\": \"data:image/png;base64,...\" or a URL}");
+      if (static_cast<int>(images.size()) >= limits.max_images)
+        throw bad_param(w, fmt::format("more than {} images in one request (the server's --limit-mm-per-prompt "
+                                       "image={})", limits.max_images, limits.max_images));
+      images.push_back({u->get<std::string>(), w});
+      items.push_back({{"type", "image"}});
+      has_image = true;
+      continue;
+    }
     if (type != "text")
-      throw bad_param(where, "content parts of type '" + type + "' are not supported (this model reads text only)");
+      throw bad_param(where, "content parts of type '" + type + "' are not supported (use text or image_url)");
     if (!part.contains("text") || !part["text"].is_string())
       throw bad_param(where, "'" + where + "' text parts need a string 'text'");
     if (!text.empty()) text += "\n";
     text += part["text"].get<std::string>();
+    items.push_back({{"type", "text"}, {"text", part["text"].get<std::string>()}});
   }
+  if (has_image) return items;
   return text;
 }
 
@@ -309,7 +335,7 @@ void check_tool_arguments(const ojson& function, const std::string& where) {
     throw bad_param(where, "'" + where + "' must encode a JSON object, got " + json_type_name(parsed));
 }
 
-ojson validate_messages(const ojson& body) {
+ojson validate_messages(const ojson& body, std::vector<ImageRef>& images, const ProtocolLimits& limits) {
   auto it = body.find("messages");
   if (it == body.end() || it->is_null()) throw bad_param("messages", "'messages' is required");
   if (!it->is_array()) throw bad_param("messages", "'messages' must be a list, got " + json_type_name(*it));
@@ -334,7 +360,7 @@ ojson validate_messages(const ojson& body) {
       if (role != "assistant") throw bad_param(where + ".content", "'" + where + ".content' is required");
       msg["content"] = "";
     } else {
-      msg["content"] = normalise_content(*content_it, i, role);
+      msg["content"] = normalise_content(*content_it, i, role, images, limits);
     }
     if (has_tool_calls) {
       const ojson& calls = m["tool_calls"];
@@ -435,7 +461,7 @@ ChatRequest parse_chat_request(std::string_view body_text, const ProtocolLimits&
 
 ChatRequest parse_chat_body(const ojson& body, const ProtocolLimits& limits) {
   ChatRequest r;
-  ojson messages = validate_messages(body);
+  ojson messages = validate_messages(body, r.images, limits);
   parse_generation_fields(body, limits, /*is_chat=*/true, r);
   validate_tools(body, r);
   Fields f(body);

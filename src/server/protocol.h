@@ -23,6 +23,14 @@ struct ProtocolLimits {
   int max_top_logprobs = 20;
   int max_stop_strings = 16;
   engine::SamplingParams default_sampling;  // from the model's generation_config.json, else OpenAI's
+  int max_images = 16;  // image parts per request (--limit-mm-per-prompt image=N); 0: the model reads no images
+};
+
+// An image a chat request names (an OpenAI image_url part; the Messages and Responses bodies translate theirs into
+// one), in prompt order; prepare_chat reads, decodes and preprocesses it.
+struct ImageRef {
+  std::string url;    // data: URL, file path / file:// URL, or http(s) URL (media/image_source.h decides)
+  std::string where;  // the request field, for errors: "messages[1].content[0]"
 };
 
 // What chat and text completions share.
@@ -51,7 +59,10 @@ struct GenerationFields {
 };
 
 struct ChatRequest : GenerationFields {
-  ojson template_input;  // messages (text parts joined), tools, chat_template_kwargs, add_generation_prompt
+  // messages (text parts joined; a message with images keeps its parts as the template's items: {type: text, text}
+  // and {type: image}), tools, chat_template_kwargs, add_generation_prompt
+  ojson template_input;
+  std::vector<ImageRef> images;  // the image parts of the messages, in order
   ojson tools;           // null when none
   bool tool_choice_none = false;
   ojson tool_choice;                // null, "none" / "auto" / "required", or {type: function, function: {name}}

@@ -29,6 +29,32 @@ std::string content_text(const ojson& content, const std::string& where) {
   });
 }
 
+// A message's content with input_image parts: chat content parts (text, image_url) for protocol.h to read. Null when
+// the content has no image (content_text then joins its text).
+ojson content_parts_with_images(const ojson& content, const std::string& where) {
+  if (!content.is_array()) return nullptr;
+  bool any = false;
+  for (const ojson& part : content) any = any || (part.is_object() && part.value("type", "") == "input_image");
+  if (!any) return nullptr;
+  ojson parts = ojson::array();
+  for (size_t i = 0; i < content.size(); ++i) {
+    const ojson& part = content[i];
+    const std::string w = item_path(where, i);
+    const std::string type = part.is_object() ? part.value("type", "") : "";
+    if (type == "input_image") {
+      if (part.contains("file_id") && !part["file_id"].is_null())
+        throw bad_param(w + ".file_id", "input_image by file_id is not supported (kiln has no Files API); send "
+                                        "'image_url' with a data URL or an image URL");
+      parts.push_back({{"type", "image_url"}, {"image_url", {{"url", string_field(part, "image_url", w)}}}});
+    } else if (type == "input_text" || type == "output_text" || type == "text") {
+      parts.push_back({{"type", "text"}, {"text", string_field(part, "text", w)}});
+    } else {
+      throw bad_param(w, "content parts of type '" + type + "' are not supported (use input_text or input_image)");
+    }
+  }
+  return parts;
+}
+
 // Appends to the last message when it is an assistant turn still open for more (reasoning, calls), else a new one.
 ojson& assistant_turn(ojson& msgs) {
   if (msgs.empty() || msgs.back()["role"] != "assistant") msgs.push_back({{"role", "assistant"}, {"content", ""}});
@@ -43,7 +69,13 @@ void add_item(const ojson& item, const std::string& w, ojson& msgs) {
     if (role == "developer") role = "system";
     if (role != "user" && role != "assistant" && role != "system")
       throw bad_param(w + ".role", "'" + w + ".role' must be user, assistant, system or developer");
-    std::string text = content_text(item.contains("content") ? item["content"] : ojson(""), w + ".content");
+    const ojson content = item.contains("content") ? item["content"] : ojson("");
+    if (ojson parts = content_parts_with_images(content, w + ".content"); !parts.is_null()) {
+      if (role != "user") throw bad_param(w + ".content", "input_image parts are accepted in user messages only");
+      msgs.push_back({{"role", role}, {"content", std::move(parts)}});
+      return;
+    }
+    std::string text = content_text(content, w + ".content");
     ojson& last = msgs.empty() ? msgs : msgs.back();
     // An assistant message after its reasoning item is the same turn.
     if (role == "assistant" && !msgs.empty() && last["role"] == "assistant" && last["content"] == "" &&

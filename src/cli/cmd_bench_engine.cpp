@@ -1,8 +1,8 @@
 // kiln bench-engine: the model runner alone (no scheduler, no HTTP): B sequences of random prompt tokens, one
 // batched prefill, then O batched greedy decode steps. Prints prefill tok/s, the decode step latency (median,
 // p10, p90) and decode tok/s. --spec-sweep K,... (speculative decoding with the model's MTP head): after the decode
-// steps, the draft chain of K tokens, the verify pass of K + 1 tokens per sequence and the replay of the accepted
-// tokens are timed at each K, and the tok/s they would give at the published acceptance lengths of Qwen3.5-397B
+// steps, the draft chain of K tokens (after a warm-up: on one GPU the chain replays as one CUDA graph), the verify pass
+// of K + 1 tokens per sequence and the replay of the accepted tokens are timed at each K, and the tok/s they would give at the published acceptance lengths of Qwen3.5-397B
 // (K = 1..5: 1.93, 2.73, 3.39, 3.97, 4.41 tokens per verify) is printed, labelled as a projection. Under
 // --load-format dummy a config without an MTP head gets one (mtp_num_hidden_layers 1, as the real checkpoints have).
 //
@@ -227,8 +227,9 @@ bool profile_step(kiln::model::Runner& mr, BenchBatch& batch, const char* what) 
 // --spec-sweep: speculative decoding's step costs at each K from the sequences' position `pos` (the passes write the
 // same positions again and again; with dummy weights acceptance means nothing, so the tok/s is projected from the
 // published acceptance lengths). plain_ms: the measured plain decode step (the head loaded: every pass runs it).
+// graphs: CUDA graphs on (a single runner then replays the whole draft chain as one graph).
 void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner, BenchBatch& batch, int64_t pos,
-                double plain_ms) {
+                double plain_ms, bool graphs) {
   using namespace kiln;
   const int B = batch.B;
   auto median_ms = [&](const std::function<void()>& fn) {
@@ -241,6 +242,13 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
     ms.erase(ms.begin());  // the first run of a shape (setup, scratch growth)
     return percentile(ms, 0.5);
   };
+  // How the draft below runs: one runner chains the head on the device (each step's argmax feeds the next without a
+  // host round trip) and, with graphs, replays the whole chain of a shape as one CUDA graph; tensor-parallel ranks meet
+  // on the host every step (eager).
+  const bool one_runner = dynamic_cast<model::Runner*>(&runner) != nullptr;
+  const char* draft_how = !one_runner ? "eager, ranks meet per step"
+                          : graphs    ? "one CUDA graph, ids on the device"
+                                      : "eager, ids on the device";
   for (int K : sweep) {
     std::vector<model::DraftSeq> seqs(B);
     std::vector<std::vector<int32_t>> verify(B);
@@ -251,6 +259,9 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
       seqs[b].pos = pos;
       seqs[b].page_table = batch.pages[b];
     }
+    // Two calls before the timed ones: a shape's first chain runs eagerly, the second is captured; the timed calls
+    // replay the graph (the chain writes the same KV entries each time).
+    for (int warm = 0; warm < 2; ++warm) runner.draft(seqs, K, drafted, {});
     const double draft_ms = median_ms([&] { runner.draft(seqs, K, drafted, {}); });
     std::vector<model::SeqChunk> vchunks(B);
     for (int b = 0; b < B; ++b) {
@@ -279,10 +290,10 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
       runner.forward(rchunks, {});
     });
     const double best = draft_ms + verify_ms, worst = best + replay_ms;
-    std::printf("  spec K=%d batch %d: draft %.3f ms, verify (%d tokens/seq) %.3f ms, replay (%lld tokens/seq) %.3f ms "
-                "| PROJECTION at the published accept length %.2f: %.1f-%.1f tok/s (replay every step .. never), "
-                "%.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
-                K, B, draft_ms, K + 1, verify_ms, static_cast<long long>(replay_tokens), replay_ms, L,
+    std::printf("  spec K=%d batch %d: draft %.3f ms (%s), verify (%d tokens/seq) %.3f ms, replay (%lld tokens/seq) "
+                "%.3f ms | PROJECTION at the published accept length %.2f: %.1f-%.1f tok/s (replay every step .. "
+                "never), %.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
+                K, B, draft_ms, draft_how, K + 1, verify_ms, static_cast<long long>(replay_tokens), replay_ms, L,
                 B * L / worst * 1e3, B * L / best * 1e3, plain_ms * L / worst, plain_ms * L / best, plain_ms);
     // What the engine runs when the runner keeps position checkpoints: the verify keeps the state after each
     // position (the recurrence; a CUDA graph per shape), and a row that rejected takes its accepted token's
@@ -306,7 +317,8 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
 
 // Warm-up, the measured prefill and decode of one batch size, the numbers, and --profile's op times.
 void bench_batch(const BenchEngineOptions& o, const kiln::format::ModelDir& dir, const kiln::backend::LoadOptions& lo,
-                 kiln::model::ModelRunner& runner, int B, int64_t pages_per_seq, const std::vector<int>& sweep) {
+                 kiln::model::ModelRunner& runner, int B, int64_t pages_per_seq, const std::vector<int>& sweep,
+                 bool graphs) {
   BenchBatch batch(o, runner, B, pages_per_seq);
   // Warm-up (kernel loading, scratch growth, library plans, graph capture): the prefill once, then a short prefill
   // and three decode steps; the measured prefill below starts the sequences over.
@@ -344,7 +356,7 @@ void bench_batch(const BenchEngineOptions& o, const kiln::format::ModelDir& dir,
               B * o.output_len / std::max(decode_ms, 1e-9) * 1e3);
   if (B == 1) print_bandwidth(dir, lo, median);
   std::fflush(stdout);
-  if (!sweep.empty()) spec_sweep(sweep, runner, batch, pos, median);
+  if (!sweep.empty()) spec_sweep(sweep, runner, batch, pos, median, graphs);
   auto* mr = dynamic_cast<kiln::model::Runner*>(&runner);
   if (!o.profile || !mr) return;
   // A decode step, and at batch 1 the prefill of the prompt again (from position 0: the sequence starts over).
@@ -411,7 +423,8 @@ int run_bench_engine(const BenchEngineOptions& o) {
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
               static_cast<long long>(o.prefill_chunk),
               !on_gpu ? "n/a (cpu)" : o.gpu.disable_cuda_graph ? "off" : "on", sampling.c_str(), load_ms);
-  for (const int B : batches) bench_batch(o, dir, lo, *runner, B, pages_per_seq, sweep);
+  const bool graphs = on_gpu && !o.gpu.disable_cuda_graph;
+  for (const int B : batches) bench_batch(o, dir, lo, *runner, B, pages_per_seq, sweep, graphs);
   return 0;
 }
 

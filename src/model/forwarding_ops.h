@@ -146,6 +146,9 @@ class ForwardingOps : public Ops {
   void argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) override {
     inner_->argmax_rows_best(logits, ids, values);
   }
+  void argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) override {
+    inner_->argmax_rows_into(logits, ids, id_offset);
+  }
   void sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
                    std::span<int32_t> ids) override {
     inner_->sample_rows(logits, rows, ids);

@@ -218,6 +218,16 @@ void Ops::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std
   }
 }
 
+void Ops::argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) {
+  KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && ids.dtype == DType::I32 && ids.is_contiguous() &&
+                 ids.numel() == logits.dim(0),
+             "argmax_rows_into: logits {} for ids {} {}", logits.shape.str(), ids.shape.str(), dtype_name(ids.dtype));
+  std::vector<int32_t> host(static_cast<size_t>(ids.numel()));
+  argmax_rows(logits, host);
+  for (int32_t& id : host) id += id_offset;
+  copy(upload(host.data(), DType::I32, ids.shape), ids);
+}
+
 void Ops::sample_rows(const TensorView& logits, std::span<const RowSampling> rows, std::span<int32_t> ids) {
   KILN_CHECK(logits.ndim() == 2 && logits.dtype == DType::F32 && static_cast<int64_t>(ids.size()) == logits.dim(0) &&
                  rows.size() == ids.size(),

@@ -371,6 +371,12 @@ class Ops {
   // argmax_rows plus each row's best logit (values[r] = logits[r, ids[r]]; NaN for a row without a number): what a
   // tensor-parallel rank's vocabulary slice offers against the other ranks'. The default downloads and scans.
   virtual void argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values);
+  // ids[r] = id_offset + argmax_v logits[r, v] (argmax_rows' rule: lowest index on ties; NaN never wins; all NaN: 0),
+  // written to device memory: ids I32 [R] contiguous, logits F32 [R, V] contiguous. No host copy and no
+  // synchronisation, so a captured step graph (the MTP draft chain) can feed the ids to its next step. id_offset: a
+  // lone tensor-parallel rank's first vocabulary id (0 otherwise). The default runs argmax_rows (a download) and
+  // uploads the ids, which a graph cannot capture; the CPU and CUDA backends pick on the device itself.
+  virtual void argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset);
   // ids[r] = sample_row_host(logits[r], V, rows[r]) (model/sampling.h: temperature, top-k, top-p, min-p, the draw
   // with rows[r].u; -1 for a row without a finite logit), written to host memory (synchronises). logits F32 [R, V]
   // contiguous. The default downloads the logits and samples on the host; a GPU backend samples on the device and

@@ -182,14 +182,17 @@ void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t>
     fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
   if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
     fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);
+  if (logits.empty()) {
+    draft_device(seqs, steps, tokens);
+    return;
+  }
+  // The logits asked for: each step's rows come back to the host, and so do its ids.
   const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
   draft_chain(seqs, steps, [&](int k, const TensorView& out, std::span<int32_t> chosen) {
-    if (!logits.empty()) {
-      std::vector<float> host(static_cast<size_t>(S * V));
-      ops_->download(out, host.data());
-      for (int64_t s = 0; s < S; ++s)
-        std::memcpy(logits.data() + (s * steps + k) * V, host.data() + s * V, static_cast<size_t>(V) * sizeof(float));
-    }
+    std::vector<float> host(static_cast<size_t>(S * V));
+    ops_->download(out, host.data());
+    for (int64_t s = 0; s < S; ++s)
+      std::memcpy(logits.data() + (s * steps + k) * V, host.data() + s * V, static_cast<size_t>(V) * sizeof(float));
     std::vector<int32_t> ids(static_cast<size_t>(S));
     ops_->argmax_rows(out, ids);
     for (int64_t s = 0; s < S; ++s) {
@@ -217,13 +220,11 @@ void Runner::draft_rank(std::span<const DraftSeq> seqs, int steps, const DraftPi
   });
 }
 
-void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
-                         const std::function<void(int, const TensorView&, std::span<int32_t>)>& next) {
+int Runner::check_draft(std::span<const DraftSeq> seqs, int steps) const {
   if (!model_->weights.has_mtp) fail("draft: the model has no MTP head");
-  const auto& c = model_->config;
-  const int64_t S = static_cast<int64_t>(seqs.size()), V = logits_width(), H = c.hidden_size;
-  if (S == 0) return;
+  if (seqs.empty()) return 0;
   if (steps < 1) fail("draft: {} steps (at least 1)", steps);
+  const auto& c = model_->config;
   std::vector<int> slots;
   int max_pages = 1;
   for (const DraftSeq& d : seqs) {
@@ -243,46 +244,86 @@ void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
         fail("draft: page id {} out of range [0, {})", d.page_table[p], options_.kv_pages);
     max_pages = std::max<int>(max_pages, static_cast<int>(pages));
   }
+  return max_pages;
+}
 
-  Ops& ops = *ops_;
-  ops.reset_scratch();
-  std::vector<int32_t> cur(S), slot_rows(S);
-  for (int64_t s = 0; s < S; ++s) {
-    cur[s] = seqs[s].token;
-    slot_rows[s] = seqs[s].state_slot;
-  }
-  const TensorView slot_row_ids = ops.upload(slot_rows.data(), DType::I32, Shape{S});
-  TensorView hidden = ops.scratch(DType::F32, Shape{S, H});
-  ops.gather_rows(row_range(mtp_rows_, 0, options_.state_slots), slot_row_ids, hidden);
+Runner::DraftInputs Runner::upload_draft(std::span<const DraftSeq> seqs, int steps, int pages_per_seq) {
+  const int64_t S = static_cast<int64_t>(seqs.size()), P = pages_per_seq;
+  // One host block, one upload. Its sections (each on a 256-byte boundary): the token ranges [S + 1] and the state
+  // slots [S] (also the rows of mtp_rows_ holding each sequence's last hidden state), shared by every step; the page
+  // tables [S, P] (every page the chain's positions reach: a step reads none past its own position); the positions
+  // [steps, S] (step k's entries run at pos - 1 + k: its token_pos and seq_start_pos alike); the pending tokens [S].
+  auto padded = [](int64_t n) { return (n + 63) / 64 * 64; };
+  // Sequences with images add their M-RoPE positions [steps, S, 3]: text positions shifted by the rope delta.
   bool any_delta = false;
   for (const DraftSeq& d : seqs) any_delta = any_delta || d.rope_delta != 0;
+  const int64_t o_slot = padded(S + 1), o_pages = o_slot + padded(S), o_pos = o_pages + padded(S * P),
+                o_ids = o_pos + padded(steps * S), o_mrope = o_ids + padded(S),
+                n = o_mrope + (any_delta ? padded(steps * S * 3) : 0);
+  std::vector<int32_t> blob(static_cast<size_t>(n), 0);
+  std::fill(blob.begin() + o_pages, blob.begin() + o_pages + S * P, -1);
+  for (int64_t s = 0; s < S; ++s) {
+    const DraftSeq& d = seqs[s];
+    blob[static_cast<size_t>(s + 1)] = static_cast<int32_t>(s + 1);
+    blob[static_cast<size_t>(o_slot + s)] = d.state_slot;
+    const int64_t pages = (d.pos - 1 + steps + options_.page_size - 1) / options_.page_size;
+    for (int64_t p = 0; p < pages; ++p) blob[static_cast<size_t>(o_pages + s * P + p)] = d.page_table[p];
+    for (int k = 0; k < steps; ++k) blob[static_cast<size_t>(o_pos + k * S + s)] = static_cast<int32_t>(d.pos - 1 + k);
+    blob[static_cast<size_t>(o_ids + s)] = d.token;
+    if (any_delta)
+      for (int k = 0; k < steps; ++k)
+        for (int a = 0; a < 3; ++a)
+          blob[static_cast<size_t>(o_mrope + (k * S + s) * 3 + a)] = static_cast<int32_t>(d.pos - 1 + k + d.rope_delta);
+  }
+  const TensorView dev = ops_->upload(blob.data(), DType::I32, Shape{n});
+  auto view = [&](int64_t offset, Shape shape) {
+    return TensorView(static_cast<int32_t*>(dev.data) + offset, DType::I32, shape);
+  };
+  auto host = [&](int64_t offset, int64_t count) {
+    return std::vector<int32_t>(blob.begin() + offset, blob.begin() + offset + count);
+  };
+  DraftInputs in;
+  in.steps.resize(static_cast<size_t>(steps));
   for (int k = 0; k < steps; ++k) {
-    StepLayout step;
-    step.num_seqs = static_cast<int>(S);
-    step.num_tokens = S;
-    step.page_size = options_.page_size;
-    step.max_pages_per_seq = max_pages;
-    step.host_seq_token_begin.push_back(0);
-    step.host_page_table.assign(static_cast<size_t>(S) * max_pages, -1);
-    for (int64_t s = 0; s < S; ++s) {
-      const int32_t pos = static_cast<int32_t>(seqs[s].pos - 1 + k);  // entry (token, hidden) runs at pos - 1 + k
-      step.host_token_pos.push_back(pos);
-      if (any_delta)  // a sequence with images: text rope positions are shifted by its delta (mrope.h)
-        for (int a = 0; a < 3; ++a) step.host_token_mrope_pos.push_back(pos + seqs[s].rope_delta);
-      step.host_seq_token_begin.push_back(static_cast<int32_t>(s + 1));
-      step.host_seq_start_pos.push_back(pos);
-      step.host_seq_state_slot.push_back(seqs[s].state_slot);
-      const int64_t pages = (pos + 1 + options_.page_size - 1) / options_.page_size;
-      for (int64_t p = 0; p < pages; ++p) step.host_page_table[s * max_pages + p] = seqs[s].page_table[p];
+    StepLayout& st = in.steps[static_cast<size_t>(k)];
+    st.num_tokens = S;
+    st.num_seqs = static_cast<int>(S);
+    st.page_size = options_.page_size;
+    st.max_pages_per_seq = pages_per_seq;
+    st.token_pos = view(o_pos + k * S, Shape{S});
+    st.seq_token_begin = view(0, Shape{S + 1});
+    st.seq_start_pos = st.token_pos;
+    st.seq_state_slot = view(o_slot, Shape{S});
+    st.page_table = view(o_pages, Shape{S, P});
+    st.host_token_pos = host(o_pos + k * S, S);
+    st.host_seq_token_begin = host(0, S + 1);
+    st.host_seq_start_pos = st.host_token_pos;
+    st.host_seq_state_slot = host(o_slot, S);
+    st.host_page_table = host(o_pages, S * P);
+    if (any_delta) {
+      st.token_mrope_pos = view(o_mrope + k * S * 3, Shape{S, 3});
+      st.host_token_mrope_pos = host(o_mrope + k * S * 3, S * 3);
     }
-    upload_step(ops, step);
-    const TensorView id_view = ops.upload(cur.data(), DType::I32, Shape{S});
-    Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
+  }
+  in.first_ids = view(o_ids, Shape{S});
+  in.slot_rows = view(o_slot, Shape{S});
+  return in;
+}
+
+void Runner::draft_body(const DraftInputs& in, const std::function<TensorView(int, const TensorView&)>& pick) {
+  const auto& c = model_->config;
+  Ops& ops = *ops_;
+  const int64_t S = in.first_ids.numel(), V = logits_width();
+  TensorView hidden = ops.scratch(DType::F32, Shape{S, c.hidden_size});
+  ops.gather_rows(row_range(mtp_rows_, 0, options_.state_slots), in.slot_rows, hidden);
+  TensorView ids = in.first_ids;
+  for (size_t k = 0; k < in.steps.size(); ++k) {
+    Forward f{ops, c, in.steps[k], kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
               options_.prefill_delta_rule, trace_ ? &trace_ : nullptr};
-    TensorView g = mtp_forward(f, model_->weights, *model_->family, c.num_layers, id_view, hidden);
+    TensorView g = mtp_forward(f, model_->weights, *model_->family, c.num_layers, ids, hidden);
     TensorView out = f.f32(Shape{S, V});
     ops.linear(g, model_->weights.lm_head, out);
-    next(k, out, cur);
+    ids = pick(static_cast<int>(k), out);
     hidden = g;
   }
 }
@@ -304,6 +345,52 @@ std::vector<float> Runner::encode_image(std::span<const float> pixel_values, int
   std::vector<float> host(static_cast<size_t>(out.numel()));
   ops.download(out, host.data());
   return host;
+}
+
+void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
+                         const std::function<void(int, const TensorView&, std::span<int32_t>)>& next) {
+  const int pages = check_draft(seqs, steps);
+  if (seqs.empty()) return;
+  Ops& ops = *ops_;
+  ops.reset_scratch();
+  const DraftInputs in = upload_draft(seqs, steps, pages);
+  std::vector<int32_t> chosen(seqs.size());
+  draft_body(in, [&](int k, const TensorView& logits) {
+    next(k, logits, chosen);
+    return ops.upload(chosen.data(), DType::I32, Shape{static_cast<int64_t>(chosen.size())});
+  });
+}
+
+void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens) {
+  int pages = check_draft(seqs, steps);
+  if (seqs.empty()) return;
+  const int64_t S = static_cast<int64_t>(seqs.size());
+  // A chain of decode-sized steps is captured once per shape (sequences, pages per sequence rounded up as run_pass
+  // rounds them, steps) and replayed: its inputs are all uploaded before the compute, and each step's ids stay on the
+  // device.
+  const bool graphable =
+      !trace_ && graphs_enabled_ && options_.graph_max_batch > 0 && S <= options_.graph_max_batch;
+  if (graphable) pages = graph_pages(pages);
+  Ops& ops = *ops_;
+  ops.reset_scratch();
+  const DraftInputs in = upload_draft(seqs, steps, pages);
+  const TensorView ids = ops.scratch(DType::I32, Shape{steps, S});  // row k: step k's picks
+  const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
+  GraphKey key{static_cast<int>(S), pages, 1, false, steps};
+  for (const DraftSeq& d : seqs) key.mrope = key.mrope || d.rope_delta != 0;
+  const TensorView out = run_graphed(graphable, key, [&] {
+    draft_body(in, [&](int k, const TensorView& logits) {
+      TensorView row = ids.row(k);
+      ops.argmax_rows_into(logits, row, id0);
+      return row;
+    });
+    return ids;
+  });
+  std::vector<int32_t> host(static_cast<size_t>(S * steps));
+  ops.download(out, host.data());
+  for (int64_t s = 0; s < S; ++s)
+    for (int k = 0; k < steps; ++k)
+      tokens[static_cast<size_t>(s * steps + k)] = host[static_cast<size_t>(k * S + s)];
 }
 
 int64_t Runner::check_chunks(std::span<const SeqChunk> chunks) const {
@@ -587,12 +674,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     step.max_pages_per_seq = std::max<int>(step.max_pages_per_seq, static_cast<int>(pages));
   }
   step.max_pages_per_seq = std::max(step.max_pages_per_seq, 1);
-  if (graphable) {
-    const int cap = static_cast<int>((options_.max_context + options_.page_size - 1) / options_.page_size);
-    int bucket = 1;
-    while (bucket < step.max_pages_per_seq) bucket *= 2;
-    step.max_pages_per_seq = std::max(step.max_pages_per_seq, std::min(bucket, cap));
-  }
+  if (graphable) step.max_pages_per_seq = graph_pages(step.max_pages_per_seq);
   step.host_page_table.assign(static_cast<size_t>(step.num_seqs) * step.max_pages_per_seq, -1);
   if (!kv_.empty()) {
     for (size_t s = 0; s < pieces.size(); ++s) {
@@ -714,20 +796,30 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     pass_embeds.values = ops.upload(values.data(), DType::F32, Shape{R, H});
   }
 
-  TensorView out;
+  GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints};
+  key.mrope = any_mrope;
+  const PassEmbeds* embeds = any_embeds ? &pass_embeds : nullptr;  // never in a graphable pass
+  const TensorView out =
+      run_graphed(graphable, key, [&] { return pass_body(step, id_view, row_ids, mtp_pass, embeds); });
+  if (!rows.empty()) emit(out, out_rows);
+}
+
+int Runner::graph_pages(int pages) const {
+  const int cap = static_cast<int>((options_.max_context + options_.page_size - 1) / options_.page_size);
+  int bucket = 1;
+  while (bucket < pages) bucket *= 2;
+  return std::max(pages, std::min(bucket, cap));
+}
+
+TensorView Runner::run_graphed(bool graphable, const GraphKey& key, const std::function<TensorView()>& body) {
+  Ops& ops = *ops_;
   if (graphable) {
-    const GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints,
-                       any_mrope};
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
-      if (ops.graph_launch(it->second.handle)) {
-        out = it->second.logits;
-      } else {
-        graphs_.erase(it);  // scratch memory moved: capture again below
-        it = graphs_.end();
-      }
+      if (ops.graph_launch(it->second.handle)) return it->second.out;
+      graphs_.erase(it);  // scratch memory moved: capture again below
     }
-    if (!out.data && graph_seen_[key]++ >= 1) {  // the first run of a shape is eager (lazy setup, scratch growth)
+    if (graph_seen_[key]++ >= 1) {  // the first run of a shape is eager (lazy setup, scratch growth)
       if (graphs_.size() >= 512) {  // bound the graphs kept (serving with ever new shapes)
         ops.graph_reset();
         graphs_.clear();
@@ -735,7 +827,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       if (ops.graph_capture_begin()) {
         TensorView o;
         try {
-          o = pass_body(step, id_view, row_ids, mtp_pass, nullptr);
+          o = body();
         } catch (...) {
           ops.graph_capture_end();  // leave the stream usable, then report
           throw;
@@ -743,13 +835,12 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
         const int handle = ops.graph_capture_end();
         if (handle >= 0 && ops.graph_launch(handle)) {
           graphs_[key] = Graph{handle, o};
-          out = o;
+          return o;
         }
       }
     }
   }
-  if (!out.data) out = pass_body(step, id_view, row_ids, mtp_pass, any_embeds ? &pass_embeds : nullptr);
-  if (!rows.empty()) emit(out, out_rows);
+  return body();
 }
 
 std::vector<DeviceMemory> Runner::device_memory() const {

@@ -154,9 +154,27 @@ class Runner : public ModelRunner {
   std::vector<KvLayerView> kv_;             // per full-attention layer
   std::vector<int> kv_index_, linear_index_;  // per layer
   std::vector<TensorView> conv_state_, recurrent_state_;  // per linear layer
-  // draft() and draft_rank(): the chain; next(step, logits [S, V local], chosen ids) picks each step's tokens.
+  // A draft chain's inputs, uploaded in one piece before any compute (a replayed chain finds them where the captured
+  // one read them): each step's layout (its entries at positions pos - 1 + k), the pending tokens and the rows of
+  // mtp_rows_ holding each sequence's last hidden state.
+  struct DraftInputs {
+    std::vector<StepLayout> steps;
+    TensorView first_ids;  // I32 [S]
+    TensorView slot_rows;  // I32 [S]
+  };
+  // Checks a draft's sequences; the pages per sequence its positions reach (the most of any sequence; 0: none).
+  int check_draft(std::span<const DraftSeq> seqs, int steps) const;
+  DraftInputs upload_draft(std::span<const DraftSeq> seqs, int steps, int pages_per_seq);
+  // The chain's compute: step k runs the head over (ids, hidden), step 0's being the pending tokens and each slot's
+  // last hidden state, then lm_head; pick(k, logits [S, V local]) returns the I32 [S] device ids step k + 1 embeds.
+  void draft_body(const DraftInputs& in, const std::function<TensorView(int, const TensorView&)>& pick);
+  // The chain with each step's ids chosen on the host (draft() with logits, draft_rank()): next(step, logits [S, V
+  // local], chosen ids) picks them; eager.
   void draft_chain(std::span<const DraftSeq> seqs, int steps,
                    const std::function<void(int, const TensorView&, std::span<int32_t>)>& next);
+  // draft() without logits: each step's argmax stays on the device (Ops::argmax_rows_into) and feeds the next step, the
+  // S x steps ids come back in one download, and the whole chain is captured and replayed as one graph per shape.
+  void draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens);
   // Spare state rows (with an MTP head: one per slot, rows [slots, 2 slots) of every state tensor and of mtp_rows_):
   // save_state's checkpoints, or the current forward call's position checkpoints, handed out in order.
   int64_t spare_rows_ = 0;
@@ -170,18 +188,27 @@ class Runner : public ModelRunner {
   TraceFn trace_;
   // Captured passes, by shape: decode passes (one token and its logits per sequence) and speculative verify passes
   // (every sequence the same few tokens, all with logits, maybe keeping position checkpoints).
+  // And draft chains (draft_steps > 0: the MTP head's chain of that many steps, one token per sequence each).
   struct GraphKey {
     int seqs = 0, pages = 0, tokens_per_seq = 1;
     bool checkpoints = false;
+    int draft_steps = 0;
     bool mrope = false;  // three rope positions per token (sequences with images)
     auto operator<=>(const GraphKey&) const = default;
   };
   struct Graph {
     int handle = -1;
-    TensorView logits;  // where the replayed pass leaves its logits
+    TensorView out;  // where the replayed pass leaves its logits (a draft chain: its ids)
   };
   std::map<GraphKey, Graph> graphs_;
   std::map<GraphKey, int> graph_seen_;
+  // The pages per sequence a captured step is laid out for: `pages` rounded up to a power of two (at most the
+  // context's), so that a few graphs serve every context length.
+  int graph_pages(int pages) const;
+  // Runs body (the compute after a step's uploads; it returns the step's output view) eagerly, or, when graphable,
+  // from the graph captured for `key`: the first run of a shape is eager, the second is captured and launched, later
+  // ones replay it (a stale graph is captured again).
+  TensorView run_graphed(bool graphable, const GraphKey& key, const std::function<TensorView()>& body);
   bool graphs_enabled_ = true;  // eager runs per shape before capturing
 };
 

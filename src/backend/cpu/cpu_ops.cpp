@@ -335,6 +335,18 @@ void CpuOps::gather_rows(const TensorView& x, const TensorView& rows, TensorView
   }
 }
 
+// ---- sampling
+
+void CpuOps::argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) {
+  KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous() && ids.dtype == DType::I32 && ids.is_contiguous() &&
+                 ids.numel() == logits.dim(0),
+             "argmax_rows_into: logits {} for ids {} {}", logits.shape.str(), ids.shape.str(), dtype_name(ids.dtype));
+  const float* l = f32_data(logits);
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  int32_t* out = static_cast<int32_t*>(ids.data);
+  for (int64_t r = 0; r < R; ++r) out[r] = id_offset + model::host_argmax(l + r * V, V);
+}
+
 // ---- routing
 
 void CpuOps::moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,

@@ -74,6 +74,9 @@ class CpuOps final : public model::Ops {
   void moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                    std::span<const ExpertWeights> experts, TensorView out) override;
 
+  // The argmax_rows rule (model::host_argmax) straight into ids: no copy (host memory is the device's).
+  void argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) override;
+
  private:
   std::vector<Buffer> persistent_;
   std::vector<Buffer> scratch_blocks_;

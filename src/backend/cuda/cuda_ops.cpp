@@ -309,6 +309,22 @@ void CudaOps::argmax_rows_best(const TensorView& logits, std::span<int32_t> ids,
                                     impl_->rt.stream()));
   synchronize();
 }
+void CudaOps::argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) {
+  KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous() && ids.dtype == DType::I32 && ids.is_contiguous() &&
+                 ids.numel() == logits.dim(0),
+             "argmax_rows_into: logits {} for ids {} {}", logits.shape.str(), ids.shape.str(), dtype_name(ids.dtype));
+  expect_f32(logits, "argmax_rows_into logits");
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  if (R == 0) return;
+  KILN_CHECK(R <= INT32_MAX, "argmax_rows_into: {} rows", R);
+  OpScope prof(impl_->rt, [&] { return std::string("argmax_into"); });
+  // The chunk keys in the step's scratch (not argmax_work, which a later, larger argmax may move): a captured draft
+  // chain replays with them where it found them.
+  void* work = impl_->rt.scratch(kops::argmax_workspace_bytes(R, V));
+  kops::argmax_rows(f32(logits), V, R, V, static_cast<int32_t*>(ids.data), work, impl_->rt.stream(), nullptr,
+                    id_offset);
+}
+
 void CudaOps::sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
                           std::span<int32_t> ids) {
   KILN_CHECK(logits.ndim() == 2 && logits.is_contiguous() && static_cast<int64_t>(ids.size()) == logits.dim(0) &&

@@ -57,6 +57,8 @@ class CudaOps final : public model::Ops {
   std::vector<model::OpTime> profile_end() override;
   void argmax_rows(const TensorView& logits, std::span<int32_t> ids) override;
   void argmax_rows_best(const TensorView& logits, std::span<int32_t> ids, std::span<float> values) override;
+  // The same kernels, the ids left in device memory (its workspace from the step's scratch: capturable).
+  void argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) override;
   void sample_rows(const TensorView& logits, std::span<const model::RowSampling> rows,
                    std::span<int32_t> ids) override;
 

@@ -77,9 +77,10 @@ void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shap
 // ids[r] = argmax_v logits[r * ld + v] over v < V (lowest index on ties, NaN never wins, all NaN: 0).
 // work: argmax_workspace_bytes(R, V) bytes of device memory.
 size_t argmax_workspace_bytes(int64_t R, int64_t V);
-// values (optional, device): each row's best logit (NaN for a row without a number).
+// values (optional, device): each row's best logit (NaN for a row without a number). id_offset is added to every id
+// written (a lone tensor-parallel rank's first vocabulary id; values are still read at the row's own index).
 void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream,
-                 float* values = nullptr);
+                 float* values = nullptr, int32_t id_offset = 0);
 // *result = max |x| (result: one device float, overwritten).
 void max_abs(const float* x, int64_t n, float* result, Stream stream);
 

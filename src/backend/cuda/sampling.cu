@@ -414,11 +414,11 @@ __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* 
 }
 
 // values (optional): the best logit itself (NaN for a row without a number), for a tensor-parallel rank whose slice
-// competes with the others'.
+// competes with the others'. ids get id_offset added (the row's own index still reads the value).
 __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_t* __restrict__ keys, int chunks,
                                                                    int32_t* __restrict__ ids,
                                                                    const float* __restrict__ logits, int64_t ld,
-                                                                   float* __restrict__ values) {
+                                                                   float* __restrict__ values, int32_t id_offset) {
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.x;
   unsigned long long best = 0;
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_
   best = dev::block_max(best, red);
   if (threadIdx.x == 0) {
     const int32_t id = best == 0 ? 0 : int32_t(0xffffffffu - uint32_t(best & 0xffffffffu));
-    ids[r] = id;
+    ids[r] = id + id_offset;
     if (values) values[r] = best == 0 ? __int_as_float(0x7fc00000) : logits[r * ld + id];
   }
 }
@@ -453,7 +453,7 @@ size_t argmax_workspace_bytes(int64_t R, int64_t V) {
 }
 
 void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t* ids, void* work, Stream stream,
-                 float* values) {
+                 float* values, int32_t id_offset) {
   if (R == 0) return;
   if (V <= 0 || V > 0x7fffffff) cuda_fail("argmax: vocabulary {} is not supported", {V});
   const int64_t chunks = (V + kArgChunk - 1) / kArgChunk;
@@ -463,7 +463,7 @@ void argmax_rows(const float* logits, int64_t ld, int64_t R, int64_t V, int32_t*
     launch_kernel(argmax_chunk_kernel, dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(n)), kArgThreads, 0,
                   stream, logits + r0 * ld, ld, V, keys + r0 * chunks);
     launch_kernel(argmax_final_kernel, static_cast<unsigned>(n), kArgThreads, 0, stream, keys + r0 * chunks,
-                  static_cast<int>(chunks), ids + r0, logits + r0 * ld, ld, values ? values + r0 : nullptr);
+                  static_cast<int>(chunks), ids + r0, logits + r0 * ld, ld, values ? values + r0 : nullptr, id_offset);
   }
 }
 

@@ -4,7 +4,9 @@
 //    here) and fed, as the embedding rows of a separate one-layer model holding the MTP layer's weights, through the
 //    ordinary runner: the draft chain's logits must equal that model's;
 //  - the head's entries are the same whether the prompt ran in one pass, in small passes or as prefill + decode;
-//  - the head leaves the target model's logits alone; save_state / restore_state bring a slot back.
+//  - the head leaves the target model's logits alone; save_state / restore_state bring a slot back;
+//  - the greedy chain on the device (draft() without logits: each step's argmax fed on as device ids, one download) gives
+//    the tokens of the chain that reads every step back to the host (draft() with logits), and transformers' drafts.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -336,6 +338,58 @@ TEST_F(MtpHead, PositionCheckpointErrors) {
   EXPECT_NO_THROW(r.runner->keep_verified(0, 2));
 }
 
+// Runners a and b take the same steps: sequence i (slot i) runs prompt i, then each round two more tokens; after every
+// step both draft K tokens from the pending token (the argmax of the step's logits), a through the host chain (logits
+// asked for: each step's ids chosen on the host, then uploaded), b through the device chain. Same tokens, each the
+// argmax of a's draft logits; the target's logits stay bit for bit the same (the chain writes only the head's KV at its
+// own positions, which the next pass writes again before any read).
+TEST_F(MtpHead, DeviceChainGivesTheHostChainsTokens) {
+  const int64_t V = fx_.vocab;
+  const std::vector<int32_t> more = {11, 200, 37, 5, 90, 3};
+  int drafts = 0;
+  for (int S : {1, 3}) {
+    for (int K = 1; K <= 4; ++K) {
+      TestRunner a(mtp_dir_, f32_kv()), b(mtp_dir_, f32_kv());
+      std::vector<int64_t> pos(static_cast<size_t>(S), 0);
+      std::vector<int32_t> pending(static_cast<size_t>(S));
+      for (int round = 0; round < 3; ++round) {
+        std::vector<model::SeqChunk> ca, cb;
+        for (int i = 0; i < S; ++i) {
+          const std::span<const int32_t> toks =
+              round == 0 ? std::span<const int32_t>(fx_.prompts[static_cast<size_t>(i)].tokens)
+                         : std::span<const int32_t>(more).subspan(static_cast<size_t>(2 * (round - 1) + (i % 2)), 2);
+          ca.push_back(a.chunk(i, toks, pos[static_cast<size_t>(i)]));
+          cb.push_back(b.chunk(i, toks, pos[static_cast<size_t>(i)]));
+          pos[static_cast<size_t>(i)] += static_cast<int64_t>(toks.size());
+        }
+        std::vector<float> la(static_cast<size_t>(S * V)), lb(la.size());
+        a.runner->forward(ca, la);
+        b.runner->forward(cb, lb);
+        ASSERT_EQ(la, lb) << "S " << S << " K " << K << " round " << round;
+        std::vector<model::DraftSeq> sa(static_cast<size_t>(S)), sb;
+        for (int i = 0; i < S; ++i) {
+          pending[static_cast<size_t>(i)] = argmax(la.data() + i * V, V);
+          sa[static_cast<size_t>(i)].state_slot = i;
+          sa[static_cast<size_t>(i)].token = pending[static_cast<size_t>(i)];
+          sa[static_cast<size_t>(i)].pos = pos[static_cast<size_t>(i)];
+          sa[static_cast<size_t>(i)].page_table = a.page_tables[static_cast<size_t>(i)];
+        }
+        sb = sa;
+        for (int i = 0; i < S; ++i) sb[static_cast<size_t>(i)].page_table = b.page_tables[static_cast<size_t>(i)];
+        std::vector<int32_t> ta(static_cast<size_t>(S * K), -1), tb(ta.size(), -2);
+        std::vector<float> logits(static_cast<size_t>(S * K * V));
+        a.runner->draft(sa, K, ta, logits);
+        b.runner->draft(sb, K, tb, {});
+        EXPECT_EQ(ta, tb) << "S " << S << " K " << K << " round " << round;
+        for (int64_t r = 0; r < S * K; ++r)
+          EXPECT_EQ(ta[static_cast<size_t>(r)], argmax(logits.data() + r * V, V)) << "S " << S << " K " << K;
+        drafts += S * K;
+      }
+    }
+  }
+  EXPECT_EQ(drafts, 3 * (1 + 3) * (1 + 2 + 3 + 4));
+}
+
 TEST(MtpHeadErrors, DraftWithoutAHeadFails) {
   const Fixture fx = Fixture::load(kFixture);
   TestRunner r(fx.model_dir, f32_kv());
@@ -380,6 +434,16 @@ TEST(MtpHeadReference, DraftLogitsMatchTransformers) {
       std::memcpy(&want_k, want_tok->data + k * 4, 4);
       if (d.tokens[k] != want_k) break;
     }
+    // The device chain (no logits) from the same state: the same tokens.
+    std::vector<int32_t> device(static_cast<size_t>(steps), -1);
+    model::DraftSeq ds;
+    ds.state_slot = s;
+    ds.token = next_token;
+    ds.pos = static_cast<int64_t>(prompt.size());
+    ds.page_table = r.page_tables[static_cast<size_t>(s)];
+    r.runner->draft({&ds, 1}, steps, device, {});
+    EXPECT_EQ(device, d.tokens) << pre;
+    EXPECT_EQ(device[0], first_draft) << pre;
   }
 }
 

@@ -347,7 +347,10 @@ class RecordingOps final : public Ops {
   void finish_weights() override { in_->finish_weights(); }
   TensorView scratch(DType d, Shape s) override { return in_->scratch(d, s); }
   void reset_scratch() override { in_->reset_scratch(); }
-  TensorView upload(const void* h, DType d, Shape s) override { return in_->upload(h, d, s); }
+  TensorView upload(const void* h, DType d, Shape s) override {
+    KILN_CHECK(!capturing_, "upload during a capture (a replay would not see the new values)");
+    return in_->upload(h, d, s);
+  }
   void download(const TensorView& src, void* host) override {
     KILN_CHECK(!capturing_, "download during a capture");
     in_->download(src, host);
@@ -447,6 +450,9 @@ class RecordingOps final : public Ops {
                    std::span<const ExpertWeights> experts, TensorView out) override {
     run([=, this] { in_->moe_experts(x, ids, w, experts, out); });
   }
+  void argmax_rows_into(const TensorView& logits, TensorView ids, int32_t offset) override {
+    run([=, this] { in_->argmax_rows_into(logits, ids, offset); });
+  }
 
  private:
   template <typename F>
@@ -466,8 +472,9 @@ const std::string kTiny = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
 struct Gen {
   std::unique_ptr<Runner> runner;
   std::vector<std::vector<int32_t>> pages;
-  Gen(std::unique_ptr<Ops> ops, int graph_max_batch) {
+  Gen(std::unique_ptr<Ops> ops, int graph_max_batch, bool mtp = false) {
     RunnerOptions ro;
+    ro.mtp = mtp;
     ro.state_slots = 3;
     ro.max_context = 128;
     ro.kv_dtype = DType::F32;
@@ -479,9 +486,9 @@ struct Gen {
       for (int64_t p = 0; p < per; ++p) pages.back()[p] = static_cast<int32_t>(s * per + p);
     }
   }
+  const std::vector<std::vector<int32_t>> prompts = {{5, 6, 7}, {100, 200}, {9, 9, 9, 9, 40}};
   // Prefill three prompts, then `steps` greedy decode steps; the logits of every step, concatenated.
   std::vector<float> run(int steps, const std::function<void(int)>& before_step = nullptr) {
-    const std::vector<std::vector<int32_t>> prompts = {{5, 6, 7}, {100, 200}, {9, 9, 9, 9, 40}};
     const int64_t V = runner->vocab_size();
     std::vector<SeqChunk> chunks(3);
     std::vector<int32_t> next(3);
@@ -527,6 +534,59 @@ TEST(RunnerGraphs, CapturedPassesGiveTheEagerLogitsAndStaleGraphsAreCapturedAgai
   EXPECT_GE(rec->captures, 8);
   EXPECT_EQ(rec->launches, rec->captures);
   EXPECT_GE(rec->stale, rec->captures - 2);
+}
+
+// The MTP draft chain (draft() without logits) as one graph: kiln-tiny's trained head over RecordingOps drafts the
+// tokens of a plain CPU runner for one and three sequences and K = 1..4, three calls per shape (eager, captured, captured
+// again: the recording is stale after one launch). Nothing in the chain uploads or downloads inside the capture
+// (RecordingOps refuses both): each step's ids reach the next through device memory (Ops::argmax_rows_into).
+TEST(RunnerGraphs, CapturedDraftChainsGiveTheEagerTokens) {
+  Gen plain(backend::make_cpu_backend(), 0, /*mtp=*/true);
+  auto rec_owner = std::make_unique<RecordingOps>(backend::make_cpu_backend());
+  RecordingOps* rec = rec_owner.get();
+  Gen graphed(std::move(rec_owner), 256, /*mtp=*/true);
+  ASSERT_EQ(plain.runner->mtp_layers(), 1);
+  constexpr int kSteps = 2;
+  const std::vector<float> la = plain.run(kSteps), lb = graphed.run(kSteps);
+  ASSERT_EQ(la, lb);
+  const int64_t V = plain.runner->vocab_size();
+  const float* last = la.data() + la.size() - static_cast<size_t>(3 * V);  // the last step's rows: pending tokens
+  for (int S : {1, 3}) {
+    for (int K = 1; K <= 4; ++K) {
+      std::vector<DraftSeq> sp(static_cast<size_t>(S)), sg;
+      for (int i = 0; i < S; ++i) {
+        DraftSeq& d = sp[static_cast<size_t>(i)];
+        d.state_slot = i;
+        d.token = host_argmax(last + i * V, V);
+        d.pos = static_cast<int64_t>(plain.prompts[static_cast<size_t>(i)].size()) + kSteps;
+        d.page_table = plain.pages[static_cast<size_t>(i)];
+      }
+      sg = sp;
+      for (int i = 0; i < S; ++i) sg[static_cast<size_t>(i)].page_table = graphed.pages[static_cast<size_t>(i)];
+      std::vector<int32_t> want(static_cast<size_t>(S * K));
+      plain.runner->draft(sp, K, want, {});
+      for (int call = 0; call < 3; ++call) {
+        const int captures = rec->captures;
+        std::vector<int32_t> got(want.size(), -1);
+        graphed.runner->draft(sg, K, got, {});
+        EXPECT_EQ(got, want) << "S " << S << " K " << K << " call " << call;
+        EXPECT_EQ(rec->captures - captures, call == 0 ? 0 : 1) << "S " << S << " K " << K << " call " << call;
+      }
+    }
+  }
+  EXPECT_EQ(rec->launches, rec->captures);
+  // The target's next step is untouched by the chains (bit for bit).
+  std::vector<float> next_a(static_cast<size_t>(V)), next_b(next_a.size());
+  for (auto [g, out] : {std::pair{&plain, &next_a}, std::pair{&graphed, &next_b}}) {
+    SeqChunk ch;
+    ch.state_slot = 0;
+    const int32_t t = host_argmax(last, V);
+    ch.tokens = std::span<const int32_t>(&t, 1);
+    ch.start_pos = static_cast<int64_t>(g->prompts[0].size()) + kSteps;
+    ch.page_table = g->pages[0];
+    g->runner->forward({&ch, 1}, *out);
+  }
+  EXPECT_EQ(next_a, next_b);
 }
 
 TEST(RunnerGraphs, AFailureInsideACaptureEndsTheCaptureAndTheRunnerKeepsWorking) {

@@ -1,14 +1,17 @@
 // CPU backend ops against independent maths: NVFP4 / FP8 / BF16 weight decoding (REFERENCE section 2 written
-// out here, not taken from the code under test), the matmul on awkward shapes, and the chunked delta rule.
+// out here, not taken from the code under test), the matmul on awkward shapes, the chunked delta rule, and the argmax
+// into device ids (argmax_rows_into, CpuOps' and Ops' default) against a scan written here.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_ops.h"
 #include "core/dtype.h"
+#include "model/forwarding_ops.h"
 
 namespace kiln::backend {
 namespace {
@@ -250,6 +253,79 @@ TEST(CpuOps, ScatterRowsWritesOnlyTheGivenRows) {
   ops->scatter_rows(TensorView(src.data(), DType::F32, Shape{2, 3}), TensorView(rows.data(), DType::I32, Shape{2}),
                     TensorView(dst.data(), DType::F32, Shape{4, 3}));
   EXPECT_EQ(dst, (std::vector<float>{-1, -1, -1, 4, 5, 6, -1, -1, -1, 1, 2, 3}));
+}
+
+// Ops::argmax_rows_into's default (argmax_rows, then an upload copied into the ids), reached through a wrapper that
+// does not forward it.
+class DefaultArgmaxInto final : public model::ForwardingOps {
+ public:
+  using ForwardingOps::ForwardingOps;
+  void argmax_rows_into(const TensorView& logits, TensorView ids, int32_t id_offset) override {
+    model::Ops::argmax_rows_into(logits, ids, id_offset);
+  }
+};
+
+// The rule, written out: the largest non-NaN value, the lowest index among equals (+0 and -0 are equal), 0 when the
+// row has no number.
+int32_t argmax_ref(const float* row, int64_t n) {
+  int32_t best = -1;
+  for (int64_t v = 0; v < n; ++v) {
+    if (row[v] != row[v]) continue;  // NaN
+    if (best < 0 || row[v] > row[best]) best = static_cast<int32_t>(v);
+  }
+  return best < 0 ? 0 : best;
+}
+
+TEST(CpuOps, ArgmaxRowsIntoIsTheLowestBestIdPlusTheOffset) {
+  auto cpu = make_cpu_backend();
+  DefaultArgmaxInto composed(make_cpu_backend());
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::mt19937 rng(7);
+  int rows_checked = 0;
+  // Widths on both sides of the CUDA kernels' chunk (4096 values) and their per-thread stride (256).
+  for (int64_t V : {1, 2, 3, 255, 257, 4095, 4097, 8193, 12000}) {
+    const int64_t R = 6;
+    std::vector<float> h(static_cast<size_t>(R * V));
+    std::uniform_int_distribution<int> level(-4, 4);  // few distinct values: many ties
+    for (float& x : h) x = 0.5f * static_cast<float>(level(rng));
+    std::uniform_int_distribution<int64_t> pos(0, V - 1);
+    float* r1 = h.data() + 1 * V;  // the maximum twice: the lower index wins
+    const int64_t a = pos(rng), b = pos(rng);
+    r1[a] = r1[b] = 9.0f;
+    float* r2 = h.data() + 2 * V;  // NaN everywhere but one -inf
+    for (int64_t v = 0; v < V; ++v) r2[v] = nan;
+    r2[pos(rng)] = -inf;
+    float* r3 = h.data() + 3 * V;  // all NaN: 0
+    for (int64_t v = 0; v < V; ++v) r3[v] = nan;
+    float* r4 = h.data() + 4 * V;  // zeros of both signs, -0 first: index 0
+    for (int64_t v = 0; v < V; ++v) r4[v] = v % 2 ? 0.0f : -0.0f;
+    float* r5 = h.data() + 5 * V;  // +inf at the end behind a NaN at the front
+    r5[0] = nan;
+    r5[V - 1] = inf;
+    for (int32_t offset : {0, 1000}) {
+      // The ids go to row 1 of a [3, R] block; rows 0 and 2 must stay as they were.
+      for (model::Ops* ops : {static_cast<model::Ops*>(cpu.get()), static_cast<model::Ops*>(&composed)}) {
+        ops->reset_scratch();
+        const TensorView logits = ops->upload(h.data(), DType::F32, Shape{R, V});
+        std::vector<int32_t> init(static_cast<size_t>(3 * R), -7);
+        const TensorView block = ops->upload(init.data(), DType::I32, Shape{3, R});
+        ops->argmax_rows_into(logits, block.row(1), offset);
+        std::vector<int32_t> got(static_cast<size_t>(3 * R));
+        ops->download(block, got.data());
+        for (int64_t r = 0; r < R; ++r) {
+          EXPECT_EQ(got[static_cast<size_t>(R + r)], offset + argmax_ref(h.data() + r * V, V))
+              << ops->name() << " V " << V << " row " << r << " offset " << offset;
+          EXPECT_EQ(got[static_cast<size_t>(r)], -7);
+          EXPECT_EQ(got[static_cast<size_t>(2 * R + r)], -7);
+          ++rows_checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(rows_checked, 9 * 2 * 2 * 6);
+  // The reference scan itself on a fixed row: the first of two equal maxima, NaN skipped.
+  const float fixed[] = {1.0f, 3.0f, nan, 3.0f, -inf};
+  EXPECT_EQ(argmax_ref(fixed, 5), 1);
 }
 
 }  // namespace

@@ -572,6 +572,129 @@ TEST(CudaRunner, SpeculativeVerifyWithPositionCheckpointsEqualsGreedyAndGraphsEq
   }
 }
 
+// The MTP draft chain without host round trips (Runner::draft without logits: each step's argmax stays on the device
+// and feeds the next step, the ids come back in one download, the whole chain a CUDA graph per shape). Three kiln-tiny
+// runners (its trained head, F32 KV) in lockstep over S sequences: `cpu` (the reference; it drafts through the host
+// chain, logits asked for, so its margins are known), `eager` and `graphed`. Five rounds: all three draft K tokens from
+// the same pending token and position, then run the same 3 tokens (new tokens, positions and page counts for the next
+// chain; prompts of 34-40 tokens keep every chain's pages in one graph bucket: round 0 runs eagerly, round 1 captures,
+// rounds 2-4 replay). eager's and graphed's tokens must be identical, and the target's logits after each chain too; the
+// CPU's are compared step by step until a step whose own best two logits are within 2 kLogitTol (the backends' rounding
+// may then pick the other; the chains part there).
+struct DraftChainCheck {
+  int drafts = 0;      // tokens each runner drafted
+  int cpu_equal = 0;   // of them compared with the CPU's and equal
+  int near_ties = 0;   // chains that parted from the CPU's at a near tie
+};
+
+DraftChainCheck check_draft_chains(Engine& cpu, Engine& eager, Engine& graphed, int S, int K) {
+  const int64_t V = cpu.vocab;
+  std::mt19937 rng(static_cast<uint32_t>(100 * S + K));
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(V) - 1);
+  const int lengths[] = {34, 36, 40};
+  std::vector<std::vector<int32_t>> inputs(static_cast<size_t>(S));
+  for (int i = 0; i < S; ++i) {
+    inputs[static_cast<size_t>(i)].resize(static_cast<size_t>(lengths[i]));
+    for (int32_t& t : inputs[static_cast<size_t>(i)]) t = tok(rng);
+  }
+  std::vector<int64_t> pos(static_cast<size_t>(S), 0);
+  Engine* engines[] = {&cpu, &eager, &graphed};
+  DraftChainCheck c;
+  for (int round = 0; round < 5; ++round) {
+    // The step: every engine runs the same tokens; the pending tokens are the CPU's argmax.
+    std::vector<std::vector<float>> logits(3, std::vector<float>(static_cast<size_t>(S * V)));
+    for (int e = 0; e < 3; ++e) {
+      std::vector<model::SeqChunk> chunks(static_cast<size_t>(S));
+      for (int i = 0; i < S; ++i) {
+        model::SeqChunk& ch = chunks[static_cast<size_t>(i)];
+        ch.state_slot = i;
+        ch.tokens = inputs[static_cast<size_t>(i)];
+        ch.start_pos = pos[static_cast<size_t>(i)];
+        ch.page_table = engines[e]->page_tables[static_cast<size_t>(i)];
+      }
+      engines[e]->runner->forward(chunks, logits[static_cast<size_t>(e)]);
+    }
+    EXPECT_EQ(logits[1], logits[2]) << "S " << S << " K " << K << " round " << round << ": eager vs graphed target";
+    std::vector<model::DraftSeq> seqs(static_cast<size_t>(S));
+    for (int i = 0; i < S; ++i) {
+      pos[static_cast<size_t>(i)] += static_cast<int64_t>(inputs[static_cast<size_t>(i)].size());
+      seqs[static_cast<size_t>(i)].state_slot = i;
+      seqs[static_cast<size_t>(i)].token = testing::argmax(logits[0].data() + i * V, V);
+      seqs[static_cast<size_t>(i)].pos = pos[static_cast<size_t>(i)];
+    }
+    // The chains.
+    std::vector<std::vector<int32_t>> drafted(3, std::vector<int32_t>(static_cast<size_t>(S * K), -1));
+    std::vector<float> cpu_logits(static_cast<size_t>(S * K * V));
+    for (int e = 0; e < 3; ++e) {
+      std::vector<model::DraftSeq> mine = seqs;
+      for (int i = 0; i < S; ++i) mine[static_cast<size_t>(i)].page_table = engines[e]->page_tables[static_cast<size_t>(i)];
+      engines[e]->runner->draft(mine, K, drafted[static_cast<size_t>(e)],
+                                e == 0 ? std::span<float>(cpu_logits) : std::span<float>());
+    }
+    EXPECT_EQ(drafted[1], drafted[2]) << "S " << S << " K " << K << " round " << round << ": eager vs graphed chain";
+    for (int i = 0; i < S; ++i) {
+      for (int k = 0; k < K; ++k) {
+        const size_t r = static_cast<size_t>(i * K + k);
+        const float* row = cpu_logits.data() + r * V;
+        const int32_t want = drafted[0][r];
+        if (drafted[2][r] == want) {
+          ++c.cpu_equal;
+          continue;
+        }
+        float second = -INFINITY;
+        for (int64_t v = 0; v < V; ++v)
+          if (v != want) second = std::max(second, row[v]);
+        const double margin = static_cast<double>(row[want]) - second;
+        EXPECT_LE(margin, 2 * kLogitTol) << "S " << S << " K " << K << " round " << round << " sequence " << i
+                                         << " step " << k << ": cuda drafted " << drafted[2][r] << ", cpu " << want;
+        ++c.near_ties;
+        break;  // the chains part here
+      }
+    }
+    c.drafts += S * K;
+    // The next step's inputs: the pending token and two more.
+    for (int i = 0; i < S; ++i) inputs[static_cast<size_t>(i)] = {seqs[static_cast<size_t>(i)].token, tok(rng), tok(rng)};
+  }
+  return c;
+}
+
+TEST(CudaRunner, DraftChainAsOneGraphEqualsTheEagerChainAndTheCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";  // ships a trained MTP head
+  for (int S : {1, 3}) {
+    for (int K = 1; K <= 4; ++K) {
+      Engine cpu(make_cpu_backend(), dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 0, true);
+      Engine eager(std::make_unique<CudaOps>(), dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 0, true);
+      Engine graphed(std::make_unique<CudaOps>(), dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 256, true);
+      ASSERT_EQ(graphed.runner->mtp_layers(), 1);
+      const DraftChainCheck c = check_draft_chains(cpu, eager, graphed, S, K);
+      // One graph: the draft chain's (the steps of 3 tokens with one logits row are not captured).
+      EXPECT_EQ(dynamic_cast<CudaOps&>(graphed.runner->ops()).graphs(), 1) << "S " << S << " K " << K;
+      EXPECT_EQ(dynamic_cast<CudaOps&>(eager.runner->ops()).graphs(), 0);
+      EXPECT_GT(c.cpu_equal, c.drafts / 2) << "S " << S << " K " << K;
+      std::printf("[ draft    ] kiln-tiny S = %d K = %d: graphed chain == eager chain (%d tokens over 5 calls); %d equal "
+                  "to the CPU's, %d chains parted at a near tie\n",
+                  S, K, c.drafts, c.cpu_equal, c.near_ties);
+    }
+  }
+}
+
+// The same harness with three CPU runners (no GPU needed): the bookkeeping above, and the CPU's device chain (no logits)
+// against its host chain.
+TEST(CudaRunner, DraftChainHarnessOnCpu) {
+  const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
+  for (int S : {1, 3}) {
+    const int K = S == 1 ? 4 : 2;
+    Engine a(make_cpu_backend(), dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 0, true);
+    Engine b(make_cpu_backend(), dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 0, true);
+    Engine c(make_cpu_backend(), dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 256, true);
+    const DraftChainCheck r = check_draft_chains(a, b, c, S, K);
+    EXPECT_EQ(r.drafts, 5 * S * K);
+    EXPECT_EQ(r.cpu_equal, r.drafts);
+    EXPECT_EQ(r.near_ties, 0);
+  }
+}
+
 TEST(CudaRunner, DummyWeightsGiveTheCpusLogits) {
   KILN_REQUIRE_CUDA_DEVICE();
   const std::string dir = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";

@@ -1,7 +1,8 @@
 // Device sampling (sampling.cu) through CudaOps: argmax_rows (and argmax_rows_best's values) against
 // model::host_argmax (lowest index on ties, NaN never wins, an all-NaN row gives 0, -0 ties +0; rows of 1 .. 248,320
-// values, ties across chunk boundaries, NaN / inf), and sample_rows against model::sample_row_host. Skipped without
-// a usable GPU.
+// values, ties across chunk boundaries, NaN / inf); argmax_rows_into (ids left on the device, plus an offset) against
+// host_argmax and the CPU backend's, eagerly and replayed from a CUDA graph on new logits; and sample_rows against
+// model::sample_row_host. Skipped without a usable GPU.
 //
 // The device sums the probabilities in another order than the host (trees and per-thread segments there, running
 // sums here), so in principle a token could differ when a uniform or a top-p / min-p threshold lands within ~1e-12
@@ -13,6 +14,10 @@
 #include <random>
 #include <vector>
 
+#include <cuda_runtime.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
 #include "model/ops.h"
 #include "model/sampling.h"
@@ -78,6 +83,113 @@ TEST(CudaArgmaxRows, MatchesHostDefinition) {
     }
   }
   EXPECT_GT(cases, 100);
+}
+
+// Rows of the kinds above (ties far apart and within a chunk, NaN, all NaN, infinities, signed zeros) for the ids-on-
+// the-device form.
+std::vector<float> argmax_case(std::mt19937& rng, int64_t R, int64_t V) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::vector<float> h(static_cast<size_t>(R * V));
+  std::uniform_real_distribution<float> u(-20.0f, 20.0f);
+  std::uniform_int_distribution<int64_t> pos(0, V - 1);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = h.data() + r * V;
+    const int kind = static_cast<int>(r % 6);
+    for (int64_t v = 0; v < V; ++v) row[v] = kind == 1 ? std::round(u(rng)) : u(rng);
+    switch (kind) {
+      case 0: {
+        const int64_t a = pos(rng), b = pos(rng);
+        row[a] = row[b] = 25.0f;
+        break;
+      }
+      case 2:
+        for (int64_t v = 0; v < V; ++v) row[v] = nan;
+        row[pos(rng)] = -3.0f;
+        break;
+      case 3:
+        for (int64_t v = 0; v < V; ++v) row[v] = nan;
+        break;
+      case 4:
+        for (int64_t v = 0; v < V; ++v) row[v] = -inf;
+        row[pos(rng)] = inf;
+        row[0] = nan;
+        break;
+      case 5:
+        for (int64_t v = 0; v < V; ++v) row[v] = (v % 3 == 0) ? 0.0f : -0.0f;
+        break;
+      default: break;
+    }
+  }
+  return h;
+}
+
+TEST(CudaArgmaxRows, IntoDeviceIdsMatchesTheCpuBackend) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  auto cpu = make_cpu_backend();
+  std::mt19937 rng(321);
+  int cases = 0;
+  for (int64_t V : {1, 3, 255, 4095, 4096, 4097, 12289, 50000, 248320}) {
+    for (int64_t R : {1, 3, 13}) {
+      const std::vector<float> h = argmax_case(rng, R, V);
+      for (int32_t offset : {0, 124160}) {
+        // The ids go to row 1 of a [3, R] block (a draft chain's step row); rows 0 and 2 stay as they were.
+        std::vector<int32_t> init(static_cast<size_t>(3 * R), -7), got(init.size()), want(init.size());
+        for (model::Ops* ops : {static_cast<model::Ops*>(&gpu), static_cast<model::Ops*>(cpu.get())}) {
+          ops->reset_scratch();
+          const TensorView logits = ops->upload(h.data(), DType::F32, Shape{R, V});
+          const TensorView block = ops->upload(init.data(), DType::I32, Shape{3, R});
+          ops->argmax_rows_into(logits, block.row(1), offset);
+          ops->download(block, ops == &gpu ? got.data() : want.data());
+        }
+        EXPECT_EQ(got, want) << "V " << V << " R " << R << " offset " << offset;
+        for (int64_t r = 0; r < R; ++r) {
+          EXPECT_EQ(got[static_cast<size_t>(R + r)], offset + model::host_argmax(h.data() + r * V, V))
+              << "V " << V << " row " << r << " offset " << offset;
+          EXPECT_EQ(got[static_cast<size_t>(r)], -7);
+          EXPECT_EQ(got[static_cast<size_t>(2 * R + r)], -7);
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 9 * (1 + 3 + 13) * 2);
+}
+
+// Captured once, replayed on other logits at the same address: the ids follow the new logits (the op reads and writes
+// only device memory; its chunk keys live in the step's scratch).
+TEST(CudaArgmaxRows, IntoDeviceIdsReplaysFromAGraph) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOps gpu;
+  std::mt19937 rng(99);
+  const int64_t R = 3, V = 50000;
+  const TensorView logits = gpu.allocate(DType::F32, Shape{R, V});
+  const TensorView ids = gpu.allocate(DType::I32, Shape{R});
+  auto put = [&](const std::vector<float>& h) {
+    KILN_CUDA_CHECK(cudaMemcpy(logits.data, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+  };
+  auto check = [&](const std::vector<float>& h, int32_t offset, const char* what) {
+    std::vector<int32_t> got(static_cast<size_t>(R));
+    gpu.download(ids, got.data());
+    for (int64_t r = 0; r < R; ++r)
+      EXPECT_EQ(got[static_cast<size_t>(r)], offset + model::host_argmax(h.data() + r * V, V)) << what << " row " << r;
+  };
+  std::vector<float> h = argmax_case(rng, R, V);
+  put(h);
+  gpu.argmax_rows_into(logits, ids, 7);  // eager: the scratch grows to what the op takes
+  check(h, 7, "eager");
+  gpu.reset_scratch();
+  gpu.synchronize();
+  ASSERT_TRUE(gpu.graph_capture_begin());
+  gpu.argmax_rows_into(logits, ids, 7);
+  const int graph = gpu.graph_capture_end();
+  ASSERT_GE(graph, 0) << "the capture failed";
+  for (int replay = 0; replay < 3; ++replay) {
+    h = argmax_case(rng, R, V);
+    put(h);
+    ASSERT_TRUE(gpu.graph_launch(graph)) << "replay " << replay;
+    check(h, 7, "replay");
+  }
 }
 
 // Logits of several kinds: continuous, heavy ties (8 levels), -inf entries, one dominant token, all equal.

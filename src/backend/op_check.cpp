@@ -640,6 +640,114 @@ void check_moe(Harness& h) {
   }
 }
 
+// The vision encoder's ops at one shape: rows [R, D] (layer_norm, gelu, weighted_embedding over a [table_rows, D]
+// table), heads [T, heads, head_dim] (rope_cos_sin, attention_segments over `segments`, T their sum).
+struct VisionShape {
+  int64_t rows = 0, dim = 0, heads = 0, head_dim = 0, table_rows = 0;
+  std::vector<int> segments;
+};
+
+void check_vision(Harness& h, const VisionShape& v) {
+  const auto& c = h.config();
+  h.reset();
+  const int64_t R = v.rows, D = v.dim, Hd = v.head_dim;
+  // layer_norm: BF16 and F32 weight / bias, rows with a non-zero mean (the residual stream); out of place, in place
+  for (DType dt : {DType::BF16, DType::F32}) {
+    Pair w = h.place(h.host_normal(dt, Shape{D}, 0.2f, 1.0f));
+    Pair b = h.place(h.host_normal(dt, Shape{D}, 0.2f));
+    Pair x = h.upload(h.host_normal(DType::F32, Shape{R, D}, 2.0f, 0.7f));
+    Pair out = h.scratch(DType::F32, Shape{R, D});
+    h.test().layer_norm(x.test, w.test, b.test, 1e-6f, out.test);
+    h.ref().layer_norm(x.ref, w.ref, b.ref, 1e-6f, out.ref);
+    h.compare(fmt::format("layer_norm {} R={} D={}", dtype_name(dt), R, D), out);
+    h.test().layer_norm(x.test, w.test, b.test, 1e-6f, x.test);
+    h.ref().layer_norm(x.ref, w.ref, b.ref, 1e-6f, x.ref);
+    h.compare(fmt::format("layer_norm {} in place R={} D={}", dtype_name(dt), R, D), x);
+  }
+  // gelu, erf and tanh forms; out of place, in place
+  for (model::GeluKind kind : {model::GeluKind::erf, model::GeluKind::tanh}) {
+    const char* form = kind == model::GeluKind::erf ? "erf" : "tanh";
+    Pair x = h.upload(h.host_normal(DType::F32, Shape{R, D}, 2.0f));
+    Pair out = h.scratch(DType::F32, Shape{R, D});
+    h.test().gelu(x.test, kind, out.test);
+    h.ref().gelu(x.ref, kind, out.ref);
+    h.compare(fmt::format("gelu {} R={} D={}", form, R, D), out);
+    h.test().gelu(x.test, kind, x.test);
+    h.ref().gelu(x.ref, kind, x.ref);
+    h.compare(fmt::format("gelu {} in place R={} D={}", form, R, D), x);
+  }
+  // weighted_embedding: 4 taps per row (the bilinear resampling), BF16 and F32 tables
+  for (DType dt : {DType::BF16, DType::F32}) {
+    Pair table = h.place(h.host_normal(dt, Shape{v.table_rows, D}, 1.0f));
+    Pair ids = h.upload(h.host_ids(Shape{R, 4}, static_cast<int32_t>(v.table_rows)));
+    Pair wts = h.upload(h.host_uniform(Shape{R, 4}, 0.0f, 1.0f));
+    Pair out = h.scratch(DType::F32, Shape{R, D});
+    h.test().weighted_embedding(table.test, ids.test, wts.test, out.test);
+    h.ref().weighted_embedding(table.ref, ids.ref, wts.ref, out.ref);
+    h.compare(fmt::format("weighted_embedding {} [{}, {}] R={} J=4", dtype_name(dt), v.table_rows, D, R), out);
+  }
+  // rope_cos_sin over the segments' tokens: tables of random angles
+  std::vector<int32_t> cu{0};
+  int64_t longest = 0;
+  std::string segs;
+  for (int n : v.segments) {
+    cu.push_back(cu.back() + n);
+    longest = std::max<int64_t>(longest, n);
+    segs += (segs.empty() ? "" : ",") + std::to_string(n);
+  }
+  const int64_t T = cu.back(), S = static_cast<int64_t>(v.segments.size());
+  {
+    TensorView hc = h.host(DType::F32, Shape{T, Hd / 2}), hs = h.host(DType::F32, Shape{T, Hd / 2});
+    for (int64_t i = 0; i < hc.numel(); ++i) {
+      const float angle = h.uniform(-60.0f, 60.0f);
+      hc.ptr<float>()[i] = std::cos(angle);
+      hs.ptr<float>()[i] = std::sin(angle);
+    }
+    Pair cos_t = h.upload(hc), sin_t = h.upload(hs);
+    Pair x = h.upload(h.host_normal(DType::F32, Shape{T, v.heads, Hd}, 1.0f));
+    h.test().rope_cos_sin(x.test, cos_t.test, sin_t.test);
+    h.ref().rope_cos_sin(x.ref, cos_t.ref, sin_t.ref);
+    h.compare(fmt::format("rope_cos_sin T={} heads {} D={}", T, v.heads, Hd), x);
+  }
+  // attention_segments: each segment's tokens attend to each other only (an empty segment among them)
+  {
+    Pair cu_seqlens = h.upload(TensorView(cu.data(), DType::I32, Shape{S + 1}));
+    Pair q = h.upload(h.host_normal(DType::F32, Shape{T, v.heads, Hd}, 1.0f));
+    Pair k = h.upload(h.host_normal(DType::F32, Shape{T, v.heads, Hd}, 1.5f));
+    Pair val = h.upload(h.host_normal(DType::F32, Shape{T, v.heads, Hd}, 1.0f));
+    Pair out = h.scratch(DType::F32, Shape{T, v.heads, Hd});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Hd));
+    h.test().attention_segments(q.test, k.test, val.test, cu_seqlens.test, longest, scale, out.test);
+    h.ref().attention_segments(q.ref, k.ref, val.ref, cu_seqlens.ref, longest, scale, out.ref);
+    // A GPU backend may run it on tensor cores.
+    h.compare(fmt::format("attention_segments heads {} D={} segments {}", v.heads, Hd, segs), out,
+              c.tensor_core_tol);
+  }
+}
+
+void check_vision_ops(Harness& h) {
+  const auto& c = h.config();
+  VisionShape at_config;  // the config's sizes; the prefill lengths as segments, an empty one second
+  at_config.rows = std::max<int64_t>(c.linear_rows.back(), 2);
+  at_config.dim = c.hidden;
+  at_config.heads = c.q_heads;
+  at_config.head_dim = c.head_dim;
+  at_config.table_rows = c.vocab;
+  at_config.segments = c.prefill_lens;
+  at_config.segments.insert(at_config.segments.begin() + 1, 0);
+  check_vision(h, at_config);
+  if (c.vision_tower_shapes) {
+    VisionShape tower;  // Qwen3.5's vision tower: hidden 1152 (16 heads of 72; 2 here), a 48 x 48 position grid
+    tower.rows = 64;
+    tower.dim = 1152;
+    tower.heads = 2;
+    tower.head_dim = 72;
+    tower.table_rows = 2304;
+    tower.segments = {1, 0, 17, 300, 1024};
+    check_vision(h, tower);
+  }
+}
+
 }  // namespace
 
 std::vector<OpCheck> compare_ops(Ops& test, Ops& reference, const OpCheckConfig& config) {
@@ -654,6 +762,7 @@ std::vector<OpCheck> compare_ops(Ops& test, Ops& reference, const OpCheckConfig&
   check_attention(h, steps);
   check_deltanet(h, steps);
   check_moe(h);
+  check_vision_ops(h);
   h.reset();
   return std::move(h.results);
 }

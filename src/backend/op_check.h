@@ -48,13 +48,19 @@ struct OpCheckConfig {
   int64_t experts = 8, top_k = 2, expert_inter = 32;
   int64_t vocab = 300;
   int page_size = 4;
+  // The vision encoder's ops (layer_norm, gelu, rope_cos_sin, attention_segments, weighted_embedding) run at the
+  // shapes above (rows [T, hidden], heads [T, q_heads, head_dim], prefill_lens plus an empty one as the attention's
+  // segments); with vision_tower_shapes also at the Qwen3.5 vision tower's (hidden 1152, head_dim 72, segments of 1,
+  // 0, 17, 300 and 1024 tokens, a 2304-row position table): slower (the reference's attention over 1024 keys), for
+  // the GPU tests; the startup check keeps the small shapes.
+  bool vision_tower_shapes = false;
   // The reference runs the chunked delta rule for multi-token sequences (the CPU runner's prefill default), the
   // test always the recurrence: equal up to rounding, checked at delta_rule_tol.
   bool chunked_reference = false;
   double tol = 1e-5;             // fp32 paths: summation order is the only difference
   double delta_rule_tol = 1e-5;  // with chunked_reference: ~1e-4
   // The ops a CUDA backend may run on tensor cores: dense BF16 and NVFP4 linears (tensor_core_linear_tol), NVFP4
-  // routed experts and attention over bf16 / fp8 pools (tensor_core_tol). With --dtype float32 (x split into 3 bf16
+  // routed experts, attention over bf16 / fp8 pools and attention within segments (tensor_core_tol). With --dtype float32 (x split into 3 bf16
   // parts) they are fp32 paths like the rest; with --dtype bfloat16 use_bf16_input_budgets() sets the budgets below.
   double tensor_core_linear_tol = 1e-5;
   double tensor_core_tol = 1e-5;
@@ -67,10 +73,10 @@ struct OpCheckConfig {
 // a layer's outputs (the weights are exact in bf16; accumulation is fp32). A CPU emulation of the harness's random
 // inputs gives 1.63-1.69e-3 for K = 64 .. 4096 and NVFP4-shaped weights. The routed experts round twice in series
 // (x, then silu(gate) * up): ~3.0e-3; attention rounds q and the softmax weights p: 1.9-3.1e-3 (19 to 4096 keys,
-// head_dim 32 .. 256). The budgets leave ~3x of that for the spread of small shapes; a wrong layout, a skipped tile
+// head_dim 32 .. 256); attention within segments rounds k and v too (their fp32 values are the op's inputs). The budgets leave ~3x of that for the spread of small shapes; a wrong layout, a skipped tile
 // or a missing scale is off by O(1) and still fails.
 constexpr double kBf16InputLinearTol = 5e-3;
-constexpr double kBf16InputTol = 1e-2;  // experts (two roundings in series), attention (q and p)
+constexpr double kBf16InputTol = 1e-2;  // experts (two roundings in series), attention (q and p; segments: q, k, p, v)
 // config with the tensor-core budgets of bf16 inputs (the other ops keep config.tol).
 OpCheckConfig use_bf16_input_budgets(OpCheckConfig config);
 

@@ -18,6 +18,7 @@
 #include "backend/cuda/moe_decode_fused.h"
 #include "backend/cuda/moe_prefill_blas.h"
 #include "backend/cuda/step_args.h"
+#include "backend/cuda/vision.h"
 #include "backend/cuda/weight_upload.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -219,8 +220,8 @@ std::string CudaOps::describe() const {
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "
       "fp32 accumulation); linear: {}, else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem "
       "tiles); weights decoded in-kernel (bf16/f16/f32, fp8 per-tensor, nvfp4); MoE: experts grouped on the device, "
-      "{}; attention: paged, split-KV, online softmax (f32/bf16/fp8 KV){}; delta rule: {}, {} recurrent state; decode "
-      "steps as CUDA graphs",
+      "{}; attention: paged, split-KV, online softmax (f32/bf16/fp8 KV){}; vision attention within segments: {}; delta "
+      "rule: {}, {} recurrent state; decode steps as CUDA graphs",
       d.name, d.index, d.major, d.minor, d.multiprocessors, static_cast<double>(d.memory_bytes) / (1 << 30),
       bf16 ? "bfloat16" : "float32",
       bf16 ? ", rounded to bf16 at each tensor-core input" : ", split into 3 bf16 parts at each tensor-core input",
@@ -252,6 +253,10 @@ std::string CudaOps::describe() const {
           ? fmt::format(", prefill (>= 16 tokens in a sequence) flash-style on tensor cores ({})",
                         bf16 ? "q and p rounded once to bf16" : "q and p in 3 bf16 parts")
           : std::string(", prefill on the split-KV kernel too [--attention-backend kiln-paged-fp32]"),
+      o.prefill_attention_tensor_cores
+          ? fmt::format("flash-style on tensor cores ({}; head_dim % 4 != 0: fp32 CUDA cores)",
+                        bf16 ? "q, k, p, v rounded to bf16" : "q, k, p, v in 3 bf16 parts")
+          : std::string("fp32 CUDA cores"),
       o.delta_rule == CudaOptions::DeltaRule::chunked
           ? "chunks of 64 tokens wherever supported [every step]"
           : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
@@ -790,6 +795,89 @@ void CudaOps::gather_rows(const TensorView& x, const TensorView& rows, TensorVie
   expect_i32(rows, "gather_rows rows");
   expect_f32(out, "gather_rows out");
   kops::gather_rows(f32(x), x.dim(0), x.dim(1), i32(rows), rows.numel(), f32_mut(out), impl_->rt.stream());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Vision encoder (vision.h)
+
+void CudaOps::layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias, float eps,
+                         TensorView out) {
+  OpScope prof(impl_->rt, [&] { return fmt::format("layer_norm D={}", weight.numel()); });
+  KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.shape == x.shape && out.is_contiguous(),
+             "layer_norm: x {} out {} (contiguous [R, D] each)", x.shape.str(), out.shape.str());
+  expect_f32(x, "layer_norm x");
+  expect_f32(out, "layer_norm out");
+  const int64_t R = x.dim(0), D = x.dim(1);
+  KILN_CHECK(weight.numel() == D && bias.numel() == D && weight.is_contiguous() && bias.is_contiguous(),
+             "layer_norm: weight {} bias {} for D {}", weight.shape.str(), bias.shape.str(), D);
+  kops::layer_norm(f32(x), R, D, weight.data, elem_of(weight.dtype, "layer_norm weight"), bias.data,
+                   elem_of(bias.dtype, "layer_norm bias"), eps, f32_mut(out), impl_->rt.stream());
+}
+
+void CudaOps::gelu(const TensorView& x, model::GeluKind kind, TensorView out) {
+  OpScope prof(impl_->rt, [&] { return std::string(kind == model::GeluKind::tanh ? "gelu tanh" : "gelu erf"); });
+  KILN_CHECK(x.is_contiguous() && out.is_contiguous() && out.numel() == x.numel(), "gelu: x {} out {}",
+             x.shape.str(), out.shape.str());
+  expect_f32(x, "gelu x");
+  expect_f32(out, "gelu out");
+  kops::gelu(f32(x), x.numel(), kind == model::GeluKind::tanh, f32_mut(out), impl_->rt.stream());
+}
+
+void CudaOps::rope_cos_sin(TensorView x, const TensorView& cos, const TensorView& sin) {
+  OpScope prof(impl_->rt, [&] { return std::string("rope_cos_sin"); });
+  KILN_CHECK(x.ndim() == 3 && x.is_contiguous(), "rope_cos_sin: x {} (contiguous [T, heads, D])", x.shape.str());
+  const int64_t T = x.dim(0), heads = x.dim(1), D = x.dim(2);
+  KILN_CHECK(D % 2 == 0 && cos.ndim() == 2 && cos.shape == sin.shape && cos.dim(0) == T && cos.dim(1) == D / 2 &&
+                 cos.is_contiguous() && sin.is_contiguous(),
+             "rope_cos_sin: x {} with cos {} sin {}", x.shape.str(), cos.shape.str(), sin.shape.str());
+  expect_f32(x, "rope_cos_sin x");
+  expect_f32(cos, "rope_cos_sin cos");
+  expect_f32(sin, "rope_cos_sin sin");
+  kops::rope_cos_sin(f32_mut(x), T, heads, D, f32(cos), f32(sin), impl_->rt.stream());
+}
+
+void CudaOps::attention_segments(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& cu_seqlens, int64_t max_seqlen, float scale, TensorView out) {
+  KILN_CHECK(q.ndim() == 3 && k.shape == q.shape && v.shape == q.shape && out.shape == q.shape && q.is_contiguous() &&
+                 k.is_contiguous() && v.is_contiguous() && out.is_contiguous(),
+             "attention_segments: q {} k {} v {} out {} (contiguous [T, heads, D] each)", q.shape.str(),
+             k.shape.str(), v.shape.str(), out.shape.str());
+  for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &out})
+    expect_f32(*t, "attention_segments");
+  expect_i32(cu_seqlens, "attention_segments cu_seqlens");
+  KILN_CHECK(cu_seqlens.ndim() == 1 && cu_seqlens.dim(0) >= 2 && cu_seqlens.is_contiguous(),
+             "attention_segments: cu_seqlens {} (I32 [S + 1])", cu_seqlens.shape.str());
+  const int64_t T = q.dim(0), H = q.dim(1), D = q.dim(2), S = cu_seqlens.dim(0) - 1;
+  KILN_CHECK(D >= 1 && D <= kops::kSegmentAttentionMaxHeadDim,
+             "attention_segments: head_dim {} (the cuda backend takes 1 to {})", D,
+             kops::kSegmentAttentionMaxHeadDim);
+  KILN_CHECK(max_seqlen >= 0 && max_seqlen <= T && (T == 0 || max_seqlen >= 1),
+             "attention_segments: max_seqlen {} for {} tokens", max_seqlen, T);
+  // The tensor-core kernel where it serves the head size (vision.h), else, and with --attention-backend
+  // kiln-paged-fp32, the CUDA-core one.
+  const int parts = impl_->options.prefill_attention_tensor_cores ? impl_->options.mma_parts() : 0;
+  const bool mma = parts && kops::attention_segments_mma_supported(D, parts, q.data, k.data, v.data, out.data);
+  OpScope prof(impl_->rt, [&] {
+    return fmt::format("attention_segments D={} {}", D,
+                       !mma ? "fp32" : (parts == kops::kMmaPartsBf16 ? "mma bf16" : "mma bf16x3"));
+  });
+  kops::attention_segments(f32(q), f32(k), f32(v), i32(cu_seqlens), S, max_seqlen, T, H, D, scale, f32_mut(out),
+                           mma ? parts : kops::kSegmentAttentionFp32, impl_->rt.stream());
+}
+
+void CudaOps::weighted_embedding(const TensorView& table, const TensorView& ids, const TensorView& weights,
+                                 TensorView out) {
+  OpScope prof(impl_->rt, [&] { return std::string("weighted_embedding"); });
+  KILN_CHECK(table.ndim() == 2 && table.is_contiguous(), "weighted_embedding: table {}", table.shape.str());
+  expect_i32(ids, "weighted_embedding ids");
+  expect_f32(weights, "weighted_embedding weights");
+  expect_f32(out, "weighted_embedding out");
+  KILN_CHECK(ids.ndim() == 2 && ids.is_contiguous() && weights.shape == ids.shape && weights.is_contiguous() &&
+                 out.ndim() == 2 && out.is_contiguous() && out.dim(0) == ids.dim(0) && out.dim(1) == table.dim(1),
+             "weighted_embedding: ids {} weights {} out {} for table {}", ids.shape.str(), weights.shape.str(),
+             out.shape.str(), table.shape.str());
+  kops::weighted_embedding(table.data, elem_of(table.dtype, "weighted_embedding table"), table.dim(0), table.dim(1),
+                           i32(ids), f32(weights), ids.dim(0), ids.dim(1), f32_mut(out), impl_->rt.stream());
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -84,6 +84,17 @@ class CudaOps final : public model::Ops {
   void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) override;
   void gather_rows(const TensorView& x, const TensorView& rows, TensorView out) override;
 
+  // The vision encoder's ops (vision.h): attention_segments on tensor cores in mma_parts() bf16 parts where the
+  // head size allows (any D % 4 == 0 up to 256), else (and with prefill_attention_tensor_cores off) on the CUDA cores.
+  void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias, float eps,
+                  TensorView out) override;
+  void gelu(const TensorView& x, model::GeluKind kind, TensorView out) override;
+  void rope_cos_sin(TensorView x, const TensorView& cos, const TensorView& sin) override;
+  void attention_segments(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& cu_seqlens,
+                          int64_t max_seqlen, float scale, TensorView out) override;
+  void weighted_embedding(const TensorView& table, const TensorView& ids, const TensorView& weights,
+                          TensorView out) override;
+
   void kv_store(const TensorView& k, const TensorView& v, model::KvLayerView cache,
                 const model::StepLayout& step) override;
   void attention(const TensorView& q, model::KvLayerView cache, const model::StepLayout& step, float scale,

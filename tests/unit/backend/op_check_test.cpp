@@ -16,19 +16,28 @@
 namespace kiln::backend {
 namespace {
 
-// The comparison harness itself, without a GPU: the CPU backend against a second CPU backend is exact.
+// The comparison harness itself, without a GPU: the CPU backend against a second CPU backend is exact (the second
+// run with the vision tower's shapes too).
 TEST(OpCompare, CpuAgainstCpuIsExact) {
   auto a = make_cpu_backend(), b = make_cpu_backend();
   for (bool chunked : {false, true}) {
     OpCheckConfig c;
     c.seed = 9;
     c.chunked_reference = chunked;
+    c.vision_tower_shapes = chunked;
     const std::vector<OpCheck> results = compare_ops(*a, *b, c);
     EXPECT_GT(results.size(), 50u);
+    int vision = 0, tower = 0;
     for (const OpCheck& r : results) {
       EXPECT_TRUE(r.passed()) << r.str();
       EXPECT_EQ(r.rel_err, 0.0) << r.str();
+      for (const char* op : {"layer_norm ", "gelu ", "rope_cos_sin ", "attention_segments ", "weighted_embedding "})
+        if (r.op.rfind(op, 0) == 0) ++vision;
+      tower += r.op == "attention_segments heads 2 D=72 segments 1,0,17,300,1024";
     }
+    // 4 layer_norm, 4 gelu, 2 weighted_embedding, rope_cos_sin, attention_segments per shape
+    EXPECT_EQ(vision, chunked ? 24 : 12);
+    EXPECT_EQ(tower, chunked ? 1 : 0);
   }
 }
 
@@ -82,8 +91,8 @@ TEST(OpCompare, NoChecksIsAFailure) {
 }
 
 // use_bf16_input_budgets (--dtype bfloat16) loosens exactly the ops a CUDA backend may run on tensor cores: dense
-// BF16 (no bias, K % 8 == 0) and NVFP4 linears and linear_multi to 5e-3, NVFP4 experts and attention over bf16 / fp8
-// pools to 1e-2; every other op keeps the fp32 tolerance.
+// BF16 (no bias, K % 8 == 0) and NVFP4 linears and linear_multi to 5e-3, NVFP4 experts, attention over bf16 / fp8
+// pools and attention within segments to 1e-2; every other op keeps the fp32 tolerance.
 TEST(OpCompare, Bf16InputBudgetsApplyToTheTensorCoreOpsOnly) {
   auto a = make_cpu_backend(), b = make_cpu_backend();
   OpCheckConfig c;
@@ -102,6 +111,8 @@ TEST(OpCompare, Bf16InputBudgetsApplyToTheTensorCoreOpsOnly) {
     else if (starts(r.op, "moe_experts") && has(r.op, " nvfp4 "))
       want = kBf16InputTol;
     else if (starts(r.op, "attention kv=") && !starts(r.op, "attention kv=F32"))
+      want = kBf16InputTol;
+    else if (starts(r.op, "attention_segments "))
       want = kBf16InputTol;
     else if (starts(r.op, "moe_route ids"))
       want = 0;  // integer outputs: exact

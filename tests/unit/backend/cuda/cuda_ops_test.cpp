@@ -87,6 +87,7 @@ OpCheckConfig qwen35_head_sizes() {
   c.expert_inter = 128;
   c.vocab = 1000;
   c.page_size = 16;
+  c.vision_tower_shapes = true;  // the vision encoder's ops at its sizes too (head_dim 72, one 1024-token segment)
   return c;
 }
 

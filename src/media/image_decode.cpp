@@ -282,7 +282,15 @@ bool jpeg_read_pixels(JpegReader* r, uint8_t* out, size_t row_bytes) {
     fail("image: the JPEG declares a zero-size image ({} x {} pixels)", r.cinfo.image_width, r.cinfo.image_height);
   if (r.st.truncated || r.st.mgr.msg_code == JWRN_JPEG_EOF)
     fail("image: truncated JPEG data (the file ends before the image data does)");
-  fail("image: corrupt JPEG data ({})", r.st.message);
+  switch (r.st.mgr.msg_code) {
+    case JERR_BAD_PRECISION:       // 12-bit samples
+    case JERR_ARITH_NOTIMPL:
+    case JERR_NOT_COMPILED:
+    case JERR_CONVERSION_NOTIMPL:
+      fail("image: unsupported JPEG variant ({}); {}", r.st.message, kAccepted);
+    default:
+      fail("image: corrupt JPEG data ({})", r.st.message);
+  }
 }
 
 void jpeg_init(JpegReader* r) {
@@ -351,6 +359,8 @@ std::string webp_status(VP8StatusCode s) {
 
 [[noreturn]] void webp_fail(VP8StatusCode s) {
   if (s == VP8_STATUS_NOT_ENOUGH_DATA) fail("image: truncated WebP data (the file ends before the image data does)");
+  if (s == VP8_STATUS_UNSUPPORTED_FEATURE) fail("image: unsupported WebP feature; {}", kAccepted);
+  if (s == VP8_STATUS_OUT_OF_MEMORY) fail("image: out of memory decoding the WebP image");
   fail("image: corrupt WebP data ({})", webp_status(s));
 }
 

@@ -23,6 +23,7 @@
 //   3. rescale and normalise, in each backend's float32 arithmetic:
 //        torchvision: (x - mean * (1 / rescale)) / (std * (1 / rescale))   (mean, std fused with the rescale)
 //        pil:         (float32(x * rescale) - mean) / std
+//   (do_convert_rgb is implied: decode_image always gives RGB.)
 //   4. patches: the image repeated temporal_patch_size times along time; rows ordered
 //      (t, h / merge, w / merge, merge_h, merge_w), each row flattened (C, T, P, P).
 #pragma once

@@ -76,7 +76,7 @@ void composite_onto_white(const uint8_t* rgba, size_t pixels, uint8_t* rgb) {
 }
 
 // A decoded buffer of `channels` (3 or 4) per pixel into the RGB image.
-RgbImage finish(int width, int height, int channels, std::vector<uint8_t> pixels) {
+RgbImage finish(int width, int height, int channels, std::vector<uint8_t> pixels, AlphaMode alpha) {
   RgbImage img;
   img.width = width;
   img.height = height;
@@ -86,7 +86,12 @@ RgbImage finish(int width, int height, int channels, std::vector<uint8_t> pixels
   } else {
     KILN_CHECK(channels == 4, "decoder produced {} channels", channels);
     img.rgb.resize(count * 3);
-    composite_onto_white(pixels.data(), count, img.rgb.data());
+    if (alpha == AlphaMode::composite_on_white) {
+      composite_onto_white(pixels.data(), count, img.rgb.data());
+    } else {
+      for (size_t i = 0; i < count; ++i)  // Pillow's rgba2rgb: the colour samples, alpha dropped
+        for (int c = 0; c < 3; ++c) img.rgb[i * 3 + c] = pixels[i * 4 + c];
+    }
   }
   KILN_CHECK(img.rgb.size() == count * 3);
   return img;
@@ -137,8 +142,9 @@ bool png_read_layout(png_structp png, png_infop info, PngLayout* out) {
   if (depth == 16) png_set_strip_16(png);  // high byte, as Pillow's 16-bit unpackers
   if (color == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(png);
   if (color == PNG_COLOR_TYPE_GRAY && depth < 8) png_set_expand_gray_1_2_4_to_8(png);
-  // Pillow turns a tRNS colour into alpha for palette and gray images (convert("RGBA")); an RGB image's
-  // tRNS is ignored because convert_to_rgb returns mode "RGB" images unchanged.
+  // A palette's or a gray image's tRNS becomes alpha (what Pillow's convert("RGBA") does, used when compositing;
+  // dropped otherwise). An RGB image's tRNS colour is ignored either way: Pillow opens it as mode "RGB", which
+  // convert_to_rgb returns unchanged.
   if (png_get_valid(png, info, PNG_INFO_tRNS) && color != PNG_COLOR_TYPE_RGB) png_set_tRNS_to_alpha(png);
   if (color == PNG_COLOR_TYPE_GRAY || color == PNG_COLOR_TYPE_GRAY_ALPHA) png_set_gray_to_rgb(png);
   png_set_interlace_handling(png);
@@ -178,7 +184,7 @@ ImageInfo png_probe(std::span<const uint8_t> b, int64_t max_pixels) {
   return {ImageFormat::png, static_cast<int>(width), static_cast<int>(height)};
 }
 
-RgbImage png_decode(std::span<const uint8_t> b, int64_t max_pixels) {
+RgbImage png_decode(std::span<const uint8_t> b, int64_t max_pixels, AlphaMode alpha) {
   const ImageInfo declared = png_probe(b, max_pixels);
   PngState st;
   st.data = b;
@@ -205,7 +211,7 @@ RgbImage png_decode(std::span<const uint8_t> b, int64_t max_pixels) {
   std::vector<png_bytep> rows(layout.height);
   for (uint32_t y = 0; y < layout.height; ++y) rows[y] = pixels.data() + y * layout.row_bytes;
   if (!png_read_pixels(r.png, rows.data())) png_fail(st);
-  return finish(declared.width, declared.height, layout.channels, std::move(pixels));
+  return finish(declared.width, declared.height, layout.channels, std::move(pixels), alpha);
 }
 
 // ---- JPEG (libjpeg-turbo) ----------------------------------------------------------------------------------
@@ -328,7 +334,7 @@ RgbImage jpeg_decode(std::span<const uint8_t> b, int64_t max_pixels) {
   if (r.st.truncated) fail("image: truncated JPEG data (the file ends before the image data does)");
   KILN_CHECK(static_cast<int>(r.cinfo.output_width) == declared.width &&
              r.cinfo.output_components == channels);
-  if (!cmyk) return finish(declared.width, declared.height, 3, std::move(pixels));
+  if (!cmyk) return finish(declared.width, declared.height, 3, std::move(pixels), AlphaMode::drop);
 
   RgbImage img;
   img.width = declared.width;
@@ -373,7 +379,7 @@ ImageInfo webp_header(std::span<const uint8_t> b, int64_t max_pixels, WebPBitstr
   return {ImageFormat::webp, f->width, f->height};
 }
 
-RgbImage webp_decode(std::span<const uint8_t> b, int64_t max_pixels) {
+RgbImage webp_decode(std::span<const uint8_t> b, int64_t max_pixels, AlphaMode alpha) {
   WebPDecoderConfig config;
   if (!WebPInitDecoderConfig(&config)) fail("image: cannot start the WebP decoder (library version mismatch)");
   const ImageInfo declared = webp_header(b, max_pixels, &config.input);
@@ -388,7 +394,7 @@ RgbImage webp_decode(std::span<const uint8_t> b, int64_t max_pixels) {
   const VP8StatusCode s = WebPDecode(b.data(), b.size(), &config);
   WebPFreeDecBuffer(&config.output);  // external memory: frees nothing of ours
   if (s != VP8_STATUS_OK) webp_fail(s);
-  return finish(declared.width, declared.height, channels, std::move(pixels));
+  return finish(declared.width, declared.height, channels, std::move(pixels), alpha);
 }
 
 [[noreturn]] void refuse_format(ImageFormat f, std::span<const uint8_t> b) {
@@ -399,6 +405,10 @@ RgbImage webp_decode(std::span<const uint8_t> b, int64_t max_pixels) {
 }
 
 }  // namespace
+
+const char* alpha_mode_name(AlphaMode alpha) {
+  return alpha == AlphaMode::composite_on_white ? "composite_on_white" : "drop";
+}
 
 const char* image_format_name(ImageFormat format) {
   switch (format) {
@@ -456,12 +466,12 @@ ImageInfo probe_image(std::span<const uint8_t> bytes, int64_t max_pixels) {
   }
 }
 
-RgbImage decode_image(std::span<const uint8_t> bytes, int64_t max_pixels) {
+RgbImage decode_image(std::span<const uint8_t> bytes, int64_t max_pixels, AlphaMode alpha) {
   const ImageFormat f = detect_image_format(bytes);
   switch (f) {
-    case ImageFormat::png: return png_decode(bytes, max_pixels);
+    case ImageFormat::png: return png_decode(bytes, max_pixels, alpha);
     case ImageFormat::jpeg: return jpeg_decode(bytes, max_pixels);
-    case ImageFormat::webp: return webp_decode(bytes, max_pixels);
+    case ImageFormat::webp: return webp_decode(bytes, max_pixels, alpha);
     default: refuse_format(f, bytes);
   }
 }

@@ -3,12 +3,14 @@
 //
 //   RgbImage img = decode_image(bytes, options.max_pixels);   // kiln::Error on anything a user can send
 //
-// The format is detected from the leading bytes, never from a claimed media type. Conversion follows
-// transformers' convert_to_rgb (image.convert("RGBA") then alpha_composite onto opaque white, then RGB) with
-// Pillow's integer arithmetic:
-//   - RGBA, gray + alpha, palette with a tRNS chunk and gray with a tRNS colour are composited onto WHITE:
-//     out = round((c * a + 255 * (255 - a)) / 255) (Pillow's AlphaComposite, exact);
-//   - an RGB PNG's tRNS colour is ignored (Pillow keeps mode "RGB" and convert_to_rgb returns it unchanged);
+// The format is detected from the leading bytes, never from a claimed media type. Conversion to RGB is
+// Pillow's, as transformers' Qwen2-VL processor calls it (image_transforms.convert_to_rgb: image.convert("RGB")
+// for any mode but "RGB"), bit for bit:
+//   - alpha (RGBA, gray + alpha, a palette's or a gray image's tRNS transparency) is dropped: the colour
+//     samples are kept as stored (AlphaMode::drop, the default). AlphaMode::composite_on_white composites onto
+//     opaque white instead, with Pillow's alpha_composite arithmetic (round((c * a + 255 * (255 - a)) / 255)):
+//     what vLLM's loader and transformers' idefics2 / mllama / chameleon processors do;
+//   - an RGB PNG's tRNS colour is ignored (Pillow keeps mode "RGB");
 //   - gray is replicated, palettes expanded, 1/2/4-bit gray scaled to 0..255;
 //   - 16-bit samples keep their high byte (Pillow's "RGB;16B" / "RGBA;16B" / "LA;16B" unpackers). 16-bit
 //     gray differs: Pillow opens it as mode "I;16" and clamps values to 255; kiln keeps the high byte;
@@ -30,6 +32,10 @@
 namespace kiln::media {
 
 enum class ImageFormat { unknown, png, jpeg, webp, gif, bmp, tiff, ico, heif, avif, svg, pdf };
+
+// What becomes of transparency (see above).
+enum class AlphaMode { drop, composite_on_white };
+const char* alpha_mode_name(AlphaMode alpha);  // "drop" / "composite_on_white"
 
 // "PNG", "JPEG", ... ("unknown" for unknown).
 const char* image_format_name(ImageFormat format);
@@ -58,6 +64,6 @@ ImageInfo probe_image(std::span<const uint8_t> bytes, int64_t max_pixels);
 
 // Decodes a PNG, JPEG or WebP. kiln::Error (one line: what is wrong and what is accepted) for everything
 // probe_image refuses and for truncated or corrupt pixel data.
-RgbImage decode_image(std::span<const uint8_t> bytes, int64_t max_pixels);
+RgbImage decode_image(std::span<const uint8_t> bytes, int64_t max_pixels, AlphaMode alpha = AlphaMode::drop);
 
 }  // namespace kiln::media

@@ -13,7 +13,7 @@ It writes tests/fixtures/media/ (about 1 MB):
     processor_config.json       the processor settings used: configs/qwen3.5-397b-a17b-nvfp4/preprocessor_config.json
                                 with a small pixel budget (size 1024..2048 pixels) so the tensors stay small
     expected.safetensors        per case <name>:
-        <name>.decoded                U8  [H, W, 3]   Image.open + transformers.image_transforms.convert_to_rgb
+        <name>.decoded                U8  [H, W, 3]   Image.open + the default processor's convert_to_rgb
                                                       (cases up to 40,000 pixels; larger ones are PNGs)
         <name>.pixel_values           F32 [N, 3*T*P*P] the default AutoImageProcessor's pixel_values
         <name>.grid_thw               I64 [1, 3]       its image_grid_thw
@@ -21,7 +21,8 @@ It writes tests/fixtures/media/ (about 1 MB):
                                                        torchvision, and the reverse), time index 0 only (the
                                                        script checks the T copies are equal)
         <name>.alt_grid_thw           I64 [1, 3]
-    manifest.json               versions, the two processors' classes and backends, the cases
+    manifest.json               versions, the two processors' classes and backends, what convert_to_rgb does
+                                with alpha ("drop" for Pillow's convert("RGB"), or "composite_on_white"), the cases
     README.md                   what this folder is and how to regenerate it
 
 What it checks and prints: library versions (and Pillow's libjpeg-turbo / libwebp / zlib), which processor
@@ -287,6 +288,25 @@ def build_processors(folder):
     return default, alt, transformers
 
 
+def rgb_converter(proc):
+    """The convert_to_rgb the processor applies to PIL images (its method, else transformers' global one)."""
+    fn = getattr(proc, "convert_to_rgb", None)
+    if callable(fn):
+        return fn, f"{type(proc).__name__}.convert_to_rgb"
+
+    return convert_to_rgb, "transformers.image_transforms.convert_to_rgb"
+
+
+def alpha_behaviour(np, Image, convert):
+    """'drop' (Pillow's convert("RGB") keeps the colour) or 'composite_on_white', probed on one pixel."""
+    out = tuple(int(v) for v in np.asarray(convert(Image.new("RGBA", (1, 1), (10, 20, 30, 0))).convert("RGB"))[0, 0])
+    if out == (10, 20, 30):
+        return "drop"
+    if out == (255, 255, 255):
+        return "composite_on_white"
+    return f"other {out}"
+
+
 def run_processor(np, proc, image):
     try:
         out = proc(images=image, return_tensors="np")
@@ -328,7 +348,6 @@ def main():
     import numpy as np
     from PIL import Image
     from safetensors.numpy import save_file
-    from transformers.image_transforms import convert_to_rgb
 
     vers = versions()
     log("versions:")
@@ -366,6 +385,14 @@ def main():
     if dinfo["backend"] != "torchvision":
         log("  NOTE: the default is not the torchvision backend (is torchvision installed?): kiln's default "
             "arithmetic follows transformers 5.x with torchvision")
+
+    convert_to_rgb, convert_name = rgb_converter(default)
+    alpha_mode = alpha_behaviour(np, Image, convert_to_rgb)
+    log(f"decoded goldens: {convert_name}, alpha handling: {alpha_mode}")
+    if alt is not None:
+        alt_mode = alpha_behaviour(np, Image, rgb_converter(alt)[0])
+        if alt_mode != alpha_mode:
+            log(f"  NOTE: the other processor's convert_to_rgb handles alpha differently: {alt_mode}")
 
     tensors, manifest_cases, failures = {}, [], []
     std = min(cfg.get("image_std", [0.5]))
@@ -437,6 +464,8 @@ def main():
         "generated_by": "tools/reference/make_image_fixtures.py",
         "versions": vers,
         "processor_config": "processor_config.json",
+        "convert_to_rgb": alpha_mode,
+        "convert_to_rgb_function": convert_name,
         "default_processor": dinfo,
         "alt_processor": ainfo,
         "min_pixels": FIXTURE_MIN_PIXELS,

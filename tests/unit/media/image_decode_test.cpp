@@ -104,14 +104,19 @@ TEST(ImageDecode, PngRgbRoundTripsExactly) {
   }
 }
 
-TEST(ImageDecode, PngRgbaIsCompositedOntoWhite) {
+TEST(ImageDecode, PngRgbaDropsOrCompositesAlpha) {
   PngSpec s;
   s.width = 256, s.height = 4;  // every alpha value, four colours
   s.color_type = PNG_COLOR_TYPE_RGB_ALPHA;
   s.rows = random_bytes(256 * 4 * 4, 11);
   for (int y = 0; y < 4; ++y)
     for (int x = 0; x < 256; ++x) s.rows[(y * 256 + x) * 4 + 3] = static_cast<uint8_t>(x);
-  const RgbImage img = decode_image(encode_png(s), kLimit);
+  const std::vector<uint8_t> png = encode_png(s);
+  // Default: Pillow's convert("RGB"), the colour samples as stored.
+  const RgbImage dropped = decode_image(png, kLimit);
+  for (size_t i = 0; i < 256 * 4; ++i)
+    for (int c = 0; c < 3; ++c) ASSERT_EQ(dropped.rgb[i * 3 + c], s.rows[i * 4 + c]) << "pixel " << i;
+  const RgbImage img = decode_image(png, kLimit, AlphaMode::composite_on_white);
   for (size_t i = 0; i < 256 * 4; ++i)
     for (int c = 0; c < 3; ++c) {
       const int v = s.rows[i * 4 + c], a = s.rows[i * 4 + 3];
@@ -122,7 +127,7 @@ TEST(ImageDecode, PngRgbaIsCompositedOntoWhite) {
   EXPECT_EQ(img.rgb[255 * 3], s.rows[255 * 4]);
 }
 
-TEST(ImageDecode, PngGrayIsReplicatedAndGrayAlphaComposited) {
+TEST(ImageDecode, PngGrayIsReplicatedAndGrayAlphaHandled) {
   PngSpec g;
   g.width = 16, g.height = 16;
   g.color_type = PNG_COLOR_TYPE_GRAY;
@@ -134,7 +139,11 @@ TEST(ImageDecode, PngGrayIsReplicatedAndGrayAlphaComposited) {
   PngSpec ga = g;
   ga.color_type = PNG_COLOR_TYPE_GRAY_ALPHA;
   ga.rows = random_bytes(512, 6);
-  img = decode_image(encode_png(ga), kLimit);
+  const std::vector<uint8_t> png = encode_png(ga);
+  img = decode_image(png, kLimit);
+  for (size_t i = 0; i < 256; ++i)
+    for (int c = 0; c < 3; ++c) ASSERT_EQ(img.rgb[i * 3 + c], ga.rows[i * 2]);
+  img = decode_image(png, kLimit, AlphaMode::composite_on_white);
   for (size_t i = 0; i < 256; ++i) {
     const int v = ga.rows[i * 2], a = ga.rows[i * 2 + 1];
     for (int c = 0; c < 3; ++c) ASSERT_EQ(img.rgb[i * 3 + c], round_div255(v * a + 255 * (255 - a)));
@@ -160,22 +169,25 @@ TEST(ImageDecode, PngLowBitDepthGrayIsScaled) {
   for (int x = 0; x < 4; ++x) EXPECT_EQ(img.rgb[x * 3 + 1], v[x] * 17) << x;
 }
 
-TEST(ImageDecode, PngPaletteIsExpandedAndItsTransparencyComposited) {
+TEST(ImageDecode, PngPaletteIsExpandedAndItsTransparencyHandled) {
   PngSpec s;
   s.width = 6, s.height = 1;
   s.color_type = PNG_COLOR_TYPE_PALETTE;
   s.palette = {{10, 20, 30}, {200, 100, 50}, {0, 0, 0}, {90, 180, 45}};
   s.rows = {0, 1, 2, 3, 1, 0};
-  RgbImage img = decode_image(encode_png(s), kLimit);
-  for (int x = 0; x < 6; ++x) {
-    const png_color& p = s.palette[s.rows[x]];
-    EXPECT_EQ(img.rgb[x * 3 + 0], p.red);
-    EXPECT_EQ(img.rgb[x * 3 + 1], p.green);
-    EXPECT_EQ(img.rgb[x * 3 + 2], p.blue);
-  }
-  // tRNS shorter than the palette: entries without an alpha are opaque.
+  auto expect_palette_colours = [&](const RgbImage& img) {
+    for (int x = 0; x < 6; ++x) {
+      const png_color& p = s.palette[s.rows[x]];
+      EXPECT_EQ(img.rgb[x * 3 + 0], p.red) << x;
+      EXPECT_EQ(img.rgb[x * 3 + 1], p.green) << x;
+      EXPECT_EQ(img.rgb[x * 3 + 2], p.blue) << x;
+    }
+  };
+  expect_palette_colours(decode_image(encode_png(s), kLimit));
+  // tRNS shorter than the palette: entries without an alpha are opaque. Dropped by default.
   s.trns_alpha = {0, 128};
-  img = decode_image(encode_png(s), kLimit);
+  expect_palette_colours(decode_image(encode_png(s), kLimit));
+  const RgbImage img = decode_image(encode_png(s), kLimit, AlphaMode::composite_on_white);
   const int alpha[4] = {0, 128, 255, 255};
   for (int x = 0; x < 6; ++x) {
     const png_color& p = s.palette[s.rows[x]];
@@ -186,8 +198,9 @@ TEST(ImageDecode, PngPaletteIsExpandedAndItsTransparencyComposited) {
 }
 
 TEST(ImageDecode, PngTransparentColourCountsForGrayButNotForRgb) {
-  // Pillow: a gray image's tRNS value becomes alpha 0 (white after compositing); an RGB image's tRNS colour
-  // is ignored (convert_to_rgb returns mode "RGB" images unchanged).
+  // Pillow: a gray image's tRNS value becomes alpha 0 in convert("RGBA") (white once composited) and is
+  // ignored by convert("RGB"); an RGB image's tRNS colour is ignored either way (convert_to_rgb returns mode
+  // "RGB" images unchanged).
   PngSpec g;
   g.width = 4, g.height = 1;
   g.color_type = PNG_COLOR_TYPE_GRAY;
@@ -196,6 +209,8 @@ TEST(ImageDecode, PngTransparentColourCountsForGrayButNotForRgb) {
   key.gray = 7;
   g.trns_color = key;
   RgbImage img = decode_image(encode_png(g), kLimit);
+  EXPECT_EQ((std::vector<int>{img.rgb[0], img.rgb[3], img.rgb[6], img.rgb[9]}), (std::vector<int>{7, 8, 7, 0}));
+  img = decode_image(encode_png(g), kLimit, AlphaMode::composite_on_white);
   EXPECT_EQ((std::vector<int>{img.rgb[0], img.rgb[3], img.rgb[6], img.rgb[9]}), (std::vector<int>{255, 8, 255, 0}));
 
   PngSpec c;
@@ -204,8 +219,8 @@ TEST(ImageDecode, PngTransparentColourCountsForGrayButNotForRgb) {
   png_color_16 rgb_key{};
   rgb_key.red = 10, rgb_key.green = 20, rgb_key.blue = 30;
   c.trns_color = rgb_key;
-  img = decode_image(encode_png(c), kLimit);
-  EXPECT_EQ(img.rgb, c.rows);
+  EXPECT_EQ(decode_image(encode_png(c), kLimit).rgb, c.rows);
+  EXPECT_EQ(decode_image(encode_png(c), kLimit, AlphaMode::composite_on_white).rgb, c.rows);
 }
 
 TEST(ImageDecode, Png16BitKeepsTheHighByte) {
@@ -341,18 +356,26 @@ TEST(ImageDecode, TruncatedOrCorruptJpegIsAnError) {
   decode_error(header);
 }
 
-TEST(ImageDecode, WebpLosslessRoundTripsAndCompositesAlpha) {
+TEST(ImageDecode, WebpLosslessRoundTripsAndHandlesAlpha) {
   const int w = 29, h = 17;
   const std::vector<uint8_t> rgb = random_bytes(static_cast<size_t>(w) * h * 3, 31);
   RgbImage img = decode_image(encode_webp_lossless_rgb(w, h, rgb), kLimit);
   EXPECT_EQ(img.rgb, rgb);
 
-  const std::vector<uint8_t> rgba = random_bytes(static_cast<size_t>(w) * h * 4, 32);
-  img = decode_image(encode_webp_lossless_rgba(w, h, rgba), kLimit);
+  // Alpha at least 1 everywhere: the lossless encoder keeps every colour sample (it may rewrite the colour
+  // of fully transparent pixels, which then only the compositing check sees).
+  std::vector<uint8_t> rgba = random_bytes(static_cast<size_t>(w) * h * 4, 32);
+  for (size_t i = 0; i < static_cast<size_t>(w) * h; ++i) rgba[i * 4 + 3] = std::max<uint8_t>(rgba[i * 4 + 3], 1);
+  rgba[3] = 0;  // one fully transparent pixel
+  const std::vector<uint8_t> webp = encode_webp_lossless_rgba(w, h, rgba);
+  img = decode_image(webp, kLimit);
+  for (size_t i = 1; i < static_cast<size_t>(w) * h; ++i)
+    for (int c = 0; c < 3; ++c) ASSERT_EQ(img.rgb[i * 3 + c], rgba[i * 4 + c]) << i;
+  img = decode_image(webp, kLimit, AlphaMode::composite_on_white);
   for (size_t i = 0; i < static_cast<size_t>(w) * h; ++i) {
     const int a = rgba[i * 4 + 3];
     for (int c = 0; c < 3; ++c)
-      ASSERT_EQ(img.rgb[i * 3 + c], round_div255(rgba[i * 4 + c] * a + 255 * (255 - a))) << i;
+      ASSERT_EQ(img.rgb[i * 3 + c], a == 0 ? 255 : round_div255(rgba[i * 4 + c] * a + 255 * (255 - a))) << i;
   }
 }
 
@@ -425,12 +448,18 @@ TEST(ImageDecode, ProbeReadsTheHeaderOnly) {
 // levels are tolerated for version differences in colour conversion / upsampling rounding.
 TEST(ImageDecode, MatchesPillowOnTheTransformersFixtures) {
   KILN_REQUIRE_MEDIA_FIXTURES(fx);
+  // What the processor's convert_to_rgb did with alpha, as the script observed it; kiln's default is "drop".
+  const std::string observed = fx->manifest.at("convert_to_rgb");
+  const AlphaMode alpha = observed == "composite_on_white" ? AlphaMode::composite_on_white : AlphaMode::drop;
+  std::printf("  transformers' convert_to_rgb: %s (kiln's default: %s)\n", observed.c_str(),
+              alpha_mode_name(AlphaMode::drop));
+  EXPECT_EQ(observed, alpha_mode_name(AlphaMode::drop)) << "kiln's default alpha handling differs from transformers'";
   int compared = 0;
   for (const auto& c : fx->manifest.at("cases")) {
     const std::string name = c.at("name");
     const format::TensorInfo* expected = fx->tensor(name + ".decoded");
     if (!expected) continue;  // large cases store no decoded pixels
-    const RgbImage img = decode_image(fx->read(c.at("file")), kLimit);
+    const RgbImage img = decode_image(fx->read(c.at("file")), kLimit, alpha);
     ASSERT_EQ(expected->shape, (Shape{img.height, img.width, 3})) << name;
     ASSERT_EQ(expected->nbytes, img.rgb.size()) << name;
     int worst = 0;

@@ -11,6 +11,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates curl
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libfmt-dev
   libpcre2-dev libxxhash-dev
+  libpng-dev libjpeg62-turbo-dev libwebp-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang libclang-rt-14-dev
   python3 python3-jinja2

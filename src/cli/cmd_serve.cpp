@@ -23,6 +23,7 @@
 #include "cli/gpu_flags.h"
 #include "cli/parallel_flags.h"
 #include "cli/serve_options.h"
+#include "media/image_processor.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/dummy_runner.h"
@@ -154,6 +155,9 @@ struct Startup {
   std::vector<cli::EnvReport> nccl;
   std::string sampling_desc;
   cli::SpeculativeChoice speculative;
+  int max_images = 0;  // --limit-mm-per-prompt
+  media::MediaOptions media;
+  std::string images_desc;  // the summary's images line
 };
 
 // Reads the model folder and builds every option; kiln::Error on bad input, before the port opens.
@@ -187,9 +191,40 @@ Startup prepare(const ServeArgs& a, const backend::DeviceChoice& device, DType k
                       ? cli::resolve_speculative_flags(a.speculative, s.config, a.parallel.nnodes)
                       : cli::SpeculativeChoice{0, false, "off (--dummy-runner)"};
   cli::apply_speculative_choice(s.speculative, s.load);
+  // Image inputs: the vision tower is loaded when the checkpoint has one and images are not turned off.
+  s.max_images = cli::parse_image_limit(a.limit_mm_per_prompt);
+  s.media = cli::build_media_options(a);
+  s.load.vision = s.max_images > 0 && s.config.has_vision && a.dummy_runner.empty();
   // NCCL runs only for a CUDA group: kiln's settings where the user has none (the summary says which).
   if (device.device == "cuda" && a.parallel.is_group()) s.nccl = cli::apply_nccl_env();
   return s;
+}
+
+// The image processor when the loaded runner encodes images (its vision tower loaded); the summary line either way.
+std::unique_ptr<media::ImageProcessor> image_side(Startup& s, const model::ModelRunner& runner) {
+  const int merge = runner.vision_merge_size();
+  if (merge <= 0) {
+    if (s.config.has_vision)
+      s.images_desc = s.max_images == 0 ? "off (--limit-mm-per-prompt image=0)"
+                                        : "off (the checkpoint's vision tower is not loaded: see the log)";
+    else if (!s.config.vision_problem.empty())
+      s.images_desc = "off (config.json vision_config: " + s.config.vision_problem + ")";
+    return nullptr;
+  }
+  auto proc = std::make_unique<media::ImageProcessor>(media::ImageProcessorConfig::load(s.dir));
+  const media::ImageProcessorConfig& pc = proc->config();
+  if (pc.merge_size != merge)
+    fail("{}: preprocessor_config.json merge_size {} differs from the vision tower's spatial_merge_size {}",
+         s.dir.display_path(), pc.merge_size, merge);
+  if (s.config.image_token_id < 0) fail("{}: config.json names no image_token_id", s.dir.display_path());
+  s.images_desc = fmt::format(
+      "on, up to {} per request (--limit-mm-per-prompt); {} to {} pixels, patch {} x merge {}, {} resize ({}); "
+      "sources: data URLs{}{}",
+      s.max_images, pc.min_pixels, pc.max_pixels, pc.patch_size, pc.merge_size,
+      media::processor_backend_name(pc.backend), pc.source,
+      s.media.allowed_local_path.empty() ? "" : ", files under " + s.media.allowed_local_path,
+      s.media.allow_url_fetch ? ", http(s) URLs" : "");
+  return proc;
 }
 
 // Several machines, a node other than 0: no HTTP front and no scheduler; load this node's ranks, meet the others,
@@ -275,6 +310,7 @@ cli::ServeSummary summarize(const Startup& s, const engine::Engine& engine, cons
   m.prefill = s.ctx.prefill;
   m.prefix_cache = engine.options().enable_prefix_cache;
   m.speculative = s.speculative.summary;
+  m.images = s.images_desc;
   m.sampling = s.sampling_desc;
   m.reasoning_parser = http.reasoning_parser_on();
   m.tool_call_parser = http.tool_call_parser_on();
@@ -308,6 +344,7 @@ int run_server(Startup& s, SignalWaiter& signals) {
 
   std::unique_ptr<model::ModelRunner> runner = load_runner(s);
   const std::string description = runner->describe();
+  std::unique_ptr<media::ImageProcessor> image_processor = image_side(s, *runner);
   cli::check_speculative_runner(s.speculative, *runner);
   s.engine_options.speculative_num_steps = s.speculative.num_steps;
   if (s.engine_options.max_running_requests <= 0)
@@ -318,6 +355,10 @@ int run_server(Startup& s, SignalWaiter& signals) {
   mc.engine = &engine;
   mc.tokenizer = s.text.tokenizer.get();
   mc.chat_template = s.text.chat_template.get();
+  mc.image_processor = image_processor.get();
+  mc.image_token_id = static_cast<int32_t>(s.config.image_token_id);
+  mc.media = s.media;
+  mc.max_images = s.max_images;
   http.attach(mc);
   std::fputs(cli::startup_summary(summarize(s, engine, http, description)).c_str(), stdout);
   std::fflush(stdout);
@@ -435,6 +476,19 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
   app.add_option("--max-request-bytes", a->max_request_bytes, "Largest request body (larger: 413)")
       ->capture_default_str();
   add_http_front_flags(app, a->http_front);
+  app.add_option("--limit-mm-per-prompt", a->limit_mm_per_prompt,
+                 "Images per request: image=N or '{\"image\": N}' (0: the vision tower is not loaded)")
+      ->capture_default_str();
+  app.add_option(media::kFlagMaxImageBytes, a->max_image_bytes, "Largest encoded image (bytes)")->capture_default_str();
+  app.add_option(media::kFlagMaxImagePixels, a->max_image_pixels,
+                 "Most pixels an image file may declare (checked before decoding)")
+      ->capture_default_str();
+  app.add_option(media::kFlagAllowedLocalMediaPath, a->allowed_local_media_path,
+                 "Serve file:// and absolute-path images from under this directory (default: none)");
+  app.add_flag(media::kFlagAllowImageUrlFetch, a->allow_image_url_fetch,
+               "Fetch http(s) image URLs named in requests (default: only data URLs)");
+  app.add_option(media::kFlagImageFetchTimeout, a->image_fetch_timeout_s, "Seconds for one image fetch")
+      ->capture_default_str();
   app.add_option("--dummy-runner", a->dummy_runner,
                  "Testing without weights: 'hash' (logits hash each sequence's tokens) or 'echo' (repeats the "
                  "last chat turn); uses the model folder's tokenizer and template only")

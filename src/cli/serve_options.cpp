@@ -1,6 +1,8 @@
 #include "cli/serve_options.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -249,6 +251,7 @@ std::string startup_summary(const ServeSummary& s) {
                                                  ? "on (radix tree over KV pages + state snapshots; --disable-radix-cache)"
                                                  : "off");
   if (!s.speculative.empty()) out += fmt::format("  speculative: {}\n", s.speculative);
+  if (!s.images.empty()) out += fmt::format("  images:    {}\n", s.images);
   out += fmt::format("  sampling:  defaults {}\n", s.sampling.empty() ? "OpenAI's (temperature 1, top_p 1)"
                                                                      : "from generation_config.json: " + s.sampling);
   out += fmt::format("  parsers:   reasoning {}, tool calls {}\n", s.reasoning_parser ? "qwen3" : "off",
@@ -258,6 +261,44 @@ std::string startup_summary(const ServeSummary& s) {
   out += fmt::format("  api key:   {}\n", s.api_key ? "required (Authorization: Bearer ...)" : "none (open)");
   out += fmt::format("ready: http://{}:{} (model \"{}\")\n", s.host, s.port, s.served_model_name);
   return out;
+}
+
+int parse_image_limit(const std::string& flag) {
+  std::string f = flag;
+  f.erase(std::remove_if(f.begin(), f.end(), [](char c) { return c == ' '; }), f.end());
+  int64_t n = -1;
+  if (!f.empty() && f.front() == '{') {
+    const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      fail("--limit-mm-per-prompt '{}': not a JSON object (use image=N or '{{\"image\": N}}')", flag);
+    for (const auto& [k, v] : j.items()) {
+      if (k != "image") fail("--limit-mm-per-prompt: '{}' inputs are not supported (kiln reads images only)", k);
+      if (!v.is_number_integer()) fail("--limit-mm-per-prompt: the image count must be an integer");
+      n = v.get<int64_t>();
+    }
+  } else if (f.rfind("image=", 0) == 0) {
+    const std::string v = f.substr(6);
+    char* end = nullptr;
+    n = v.empty() ? -1 : std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end) fail("--limit-mm-per-prompt '{}': the count after image= must be an integer", flag);
+  } else {
+    fail("--limit-mm-per-prompt '{}': use image=N or '{{\"image\": N}}' (kiln reads images only)", flag);
+  }
+  if (n < 0 || n > 1000) fail("--limit-mm-per-prompt: {} images per request (0 to 1000)", n);
+  return static_cast<int>(n);
+}
+
+media::MediaOptions build_media_options(const ServeArgs& a) {
+  media::MediaOptions m;
+  if (a.max_image_bytes < 1) fail("{} must be at least 1", media::kFlagMaxImageBytes);
+  if (a.max_image_pixels < 1) fail("{} must be at least 1", media::kFlagMaxImagePixels);
+  if (!(a.image_fetch_timeout_s > 0)) fail("{} must be positive (seconds)", media::kFlagImageFetchTimeout);
+  m.max_image_bytes = static_cast<size_t>(a.max_image_bytes);
+  m.max_pixels = a.max_image_pixels;
+  m.allowed_local_path = a.allowed_local_media_path;
+  m.allow_url_fetch = a.allow_image_url_fetch;
+  m.fetch_timeout_s = a.image_fetch_timeout_s;
+  return m;
 }
 
 }  // namespace kiln::cli

@@ -17,6 +17,7 @@
 #include "cli/environment.h"
 #include "cli/gpu_flags.h"
 #include "cli/speculative_flags.h"
+#include "media/media_options.h"
 #include "core/dtype.h"
 #include "core/log.h"
 #include "engine/dummy_runner.h"
@@ -67,7 +68,21 @@ struct ServeArgs {
   int64_t responses_store_ttl_s = 3600;
   std::string dummy_runner;  // "", hash or echo
   HttpFrontFlags http_front;
+  // Image inputs (a checkpoint with a vision tower): how many per request ("image=N" or {"image": N}; 0 leaves the
+  // tower unloaded), and where images may come from (media/media_options.h names these flags in its errors).
+  std::string limit_mm_per_prompt = "image=16";
+  int64_t max_image_bytes = int64_t{20} << 20;
+  int64_t max_image_pixels = int64_t{1} << 26;
+  std::string allowed_local_media_path;
+  bool allow_image_url_fetch = false;
+  double image_fetch_timeout_s = 10.0;
 };
+
+// --limit-mm-per-prompt: "image=N" or a JSON object {"image": N} (vLLM's form); kiln::Error for other modalities
+// (kiln reads images only) or a negative count.
+int parse_image_limit(const std::string& flag);
+// The image knobs of the server, checked (kiln::Error naming the flag).
+media::MediaOptions build_media_options(const ServeArgs& a);
 
 // The flags' own checks (kiln::Error naming the flag), before anything slow. Returns the KV cache dtype asked for.
 DType check_serve_args(const ServeArgs& a);
@@ -146,6 +161,7 @@ struct ServeSummary {
   backend::PrefillSizes prefill;
   bool prefix_cache = true;
   std::string speculative;  // speculative decoding: on / off and why (cli/speculative_flags.h); "": no line
+  std::string images;       // image inputs: on (the processor, the limits) or off and why
   std::string sampling;  // default_sampling's description
   bool reasoning_parser = false, tool_call_parser = false;
   std::string runner;  // the runner's describe()

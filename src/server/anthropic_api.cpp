@@ -337,6 +337,7 @@ void handle_messages(ServerState& s, const httplib::Request& req, httplib::Respo
   job->chat = true;
   init_job(s, *job, "msg_", "/v1/messages", mr.chat);
   if (mr.thinking_budget && p.choice.start_in_reasoning) job->reasoning_budget = *mr.thinking_budget;
+  job->images = std::move(p.images);
   run_generation(s, req, res, job, {p.prompt}, p.choice, "messages");
 }
 

@@ -4,6 +4,8 @@
 
 #include "core/error.h"
 #include "engine/engine.h"
+#include "media/image_decode.h"
+#include "media/image_source.h"
 #include "server/server_state.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -17,7 +19,8 @@ namespace {
 // n sequences per prompt, in order (choice index = prompt index x n + j, as OpenAI numbers them).
 std::vector<engine::GenerateRequest> make_requests(const std::string& id,
                                                    const std::vector<std::vector<int32_t>>& prompts,
-                                                   const GenerationFields& f, const std::vector<int64_t>& max_tokens) {
+                                                   const GenerationFields& f, const std::vector<int64_t>& max_tokens,
+                                                   const std::vector<engine::ImageInput>& images) {
   std::vector<engine::GenerateRequest> reqs;
   const bool several = prompts.size() * static_cast<size_t>(f.n) > 1;
   for (size_t p = 0; p < prompts.size(); ++p)
@@ -35,6 +38,7 @@ std::vector<engine::GenerateRequest> make_requests(const std::string& id,
       r.want_logprobs = f.logprobs;
       r.top_logprobs = f.top_logprobs;
       r.constraint = f.constraint;
+      if (prompts.size() == 1) r.images = images;
       reqs.push_back(std::move(r));
     }
   return reqs;
@@ -137,6 +141,49 @@ void answer_whole(httplib::Response& res, const std::shared_ptr<GenerationJob>& 
   job->log_line();
 }
 
+// Reads, decodes and preprocesses the request's images, then gives each image placeholder of the prompt (in order) the
+// image's token count: the prompt the engine runs and usage counts.
+void place_images(ServerState& state, const ChatRequest& cr, PreparedChat& p, const char* messages_param) {
+  const ModelContext& m = state.model;
+  if (!m.image_processor || m.image_token_id < 0)
+    throw bad_param(cr.images.front().where, "this model reads text only: it has no vision encoder loaded");
+  std::vector<size_t> at;
+  for (size_t i = 0; i < p.prompt.size(); ++i)
+    if (p.prompt[i] == m.image_token_id) at.push_back(i);
+  if (at.size() != cr.images.size())
+    throw ApiError(400,
+                   fmt::format("the chat template placed {} image placeholders for the request's {} images (an image "
+                               "in a message the template does not render, or a placeholder token typed as text)",
+                               at.size(), cr.images.size()),
+                   messages_param);
+  std::vector<int32_t> prompt;
+  for (size_t i = 0; i < cr.images.size(); ++i) {
+    const ImageRef& ref = cr.images[i];
+    media::ProcessedImage img;
+    try {
+      const media::EncodedImage enc = media::load_image_url(ref.url, m.media);
+      img = m.image_processor->process(media::decode_image(enc.bytes, m.media.max_pixels));
+    } catch (const InternalError&) {
+      throw;
+    } catch (const Error& e) {
+      throw bad_param(ref.where, fmt::format("image {} ('{}'): {}", i, ref.where, e.what()));
+    }
+    prompt.insert(prompt.end(), p.prompt.begin() + static_cast<std::ptrdiff_t>(i == 0 ? 0 : at[i - 1] + 1),
+                  p.prompt.begin() + static_cast<std::ptrdiff_t>(at[i]));
+    engine::ImageInput in;
+    in.offset = static_cast<int64_t>(prompt.size());
+    in.grid_t = img.grid_t;
+    in.grid_h = img.grid_h;
+    in.grid_w = img.grid_w;
+    in.hash = img.hash.low ^ (img.hash.high * 0x9E3779B97F4A7C15ull);
+    prompt.insert(prompt.end(), static_cast<size_t>(img.num_image_tokens()), m.image_token_id);
+    in.pixel_values = std::move(img.pixel_values);
+    p.images.push_back(std::move(in));
+  }
+  prompt.insert(prompt.end(), p.prompt.begin() + static_cast<std::ptrdiff_t>(at.back() + 1), p.prompt.end());
+  p.prompt = std::move(prompt);
+}
+
 }  // namespace
 
 PreparedChat prepare_chat(ServerState& state, ChatRequest& cr, const char* messages_param) {
@@ -154,6 +201,7 @@ PreparedChat prepare_chat(ServerState& state, ChatRequest& cr, const char* messa
     throw ApiError(400, std::string("the chat template rejected the request: ") + e.what(), messages_param);
   }
   p.prompt = state.model.tokenizer->encode(p.prompt_text, /*parse_special=*/true);
+  if (!cr.images.empty()) place_images(state, cr, p, messages_param);
   ChoiceOptions& co = p.choice;
   co.stop = cr.stop;
   co.skip_special_tokens = cr.skip_special_tokens;
@@ -196,7 +244,8 @@ void run_generation(ServerState& state, const httplib::Request& req, httplib::Re
 
   const std::string client_id = client_request_id(req);
   job->request_id = client_id.empty() ? job->id : client_id;
-  std::vector<engine::GenerateRequest> reqs = make_requests(job->request_id, prompts, f, max_tokens);
+  std::vector<engine::GenerateRequest> reqs = make_requests(job->request_id, prompts, f, max_tokens, job->images);
+  job->images.clear();  // the requests hold them now
   if (job->reasoning_budget >= 0) {  // the continuation after the thinking budget starts from this request
     job->engine = &eng;
     job->submitted = reqs.at(0);

@@ -22,12 +22,14 @@ struct ServerState;
 // A chat request made ready to generate: its prompt tokens and text, and how to read the output.
 struct PreparedChat {
   std::string prompt_text;
-  std::vector<int32_t> prompt;
+  std::vector<int32_t> prompt;  // with each image's placeholder expanded to its token count
+  std::vector<engine::ImageInput> images;
   ChoiceOptions choice;
 };
 
-// Renders the template (a template error is a 400 on `messages_param`), tokenizes, picks the parsers, and sets
-// cr.constraint from response_format / tool_choice (structured_output.h).
+// Renders the template (a template error is a 400 on `messages_param`), tokenizes, reads and preprocesses the images
+// (a bad image is a 400 naming its part), picks the parsers, and sets cr.constraint from response_format / tool_choice
+// (structured_output.h).
 PreparedChat prepare_chat(ServerState& state, ChatRequest& cr, const char* messages_param = "messages");
 
 // Fills the job's common fields (id = prefix + random hex) and counts it as active.

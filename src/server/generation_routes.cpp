@@ -16,6 +16,7 @@ void handle_chat(ServerState& s, const httplib::Request& req, httplib::Response&
   job->chat = true;
   init_job(s, *job, "chatcmpl-", "/v1/chat/completions", cr);
   job->stream_reasoning = cr.stream_reasoning;
+  job->images = std::move(p.images);
   run_generation(s, req, res, job, {p.prompt}, p.choice, "messages");
 }
 

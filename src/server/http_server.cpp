@@ -269,6 +269,7 @@ void HttpServer::attach(const ModelContext& model) {
   // Requests name ids of the tokenizer's vocabulary; the embedding's rows past it are padding (empty tokens).
   s.limits.vocab_size = std::min(model.engine->vocab_size(), model.tokenizer->vocab_size());
   s.limits.default_sampling = s.opts.default_sampling;
+  s.limits.max_images = model.image_processor && model.image_token_id >= 0 ? model.max_images : 0;
   const tmpl::ChatTemplate* t = model.chat_template;
   if (s.opts.reasoning_parser == "qwen3")
     s.reasoning_on = true;

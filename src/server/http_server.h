@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "engine/request.h"
+#include "media/image_processor.h"
+#include "media/media_options.h"
 #include "server/response_store.h"
 
 namespace kiln::engine {
@@ -70,6 +72,13 @@ struct ModelContext {
   engine::Engine* engine = nullptr;
   const tok::Tokenizer* tokenizer = nullptr;
   const tmpl::ChatTemplate* chat_template = nullptr;  // null: /v1/chat/completions answers 400
+  // Image inputs: the model's image processor (null: the model reads no images, image parts answer 400), the
+  // placeholder token the chat template writes for each image, where images may come from, and how many a request
+  // may carry (--limit-mm-per-prompt).
+  const media::ImageProcessor* image_processor = nullptr;
+  int32_t image_token_id = -1;
+  media::MediaOptions media;
+  int max_images = 0;
 };
 
 class HttpServer {

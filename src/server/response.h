@@ -43,6 +43,7 @@ struct GenerationJob {
   virtual ~GenerationJob();
 
   bool chat = true;
+  std::vector<engine::ImageInput> images;  // the prompt's images (chat; one prompt), handed to every choice's request
   std::string id;
   std::string request_id;  // the client's X-Request-Id (sanitised), else id: the X-Request-Id answered and logged
   std::string endpoint;

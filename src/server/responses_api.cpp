@@ -416,6 +416,7 @@ void handle_responses(ServerState& s, const httplib::Request& req, httplib::Resp
   job->conversation = std::move(rr.conversation);
   job->echo = std::move(rr.echo);
   job->previous_response_id = rr.previous_response_id;
+  job->images = std::move(p.images);
   run_generation(s, req, res, job, {p.prompt}, p.choice, "input");
 }
 

@@ -84,6 +84,31 @@ TEST(AnthropicApi, TranslatesBlocksToolsAndChoice) {
   EXPECT_EQ(n.chat.enable_thinking, true);
 }
 
+TEST(AnthropicApi, ImageBlocksBecomeImageParts) {
+  ojson body = ojson::parse(R"({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [
+      {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+      {"type": "text", "text": "what is it?"},
+      {"type": "image", "source": {"type": "url", "url": "https://example.com/x.jpg"}}]}]})");
+  MessagesRequest r = parse_messages_request(body, limits());
+  const ojson& m = r.chat.template_input["messages"];
+  ASSERT_EQ(m.size(), 1u);
+  ASSERT_TRUE(m[0]["content"].is_array());
+  EXPECT_EQ(m[0]["content"][0]["type"], "image");
+  EXPECT_EQ(m[0]["content"][1]["text"], "what is it?");
+  ASSERT_EQ(r.chat.images.size(), 2u);
+  EXPECT_EQ(r.chat.images[0].url, "data:image/png;base64,iVBORw0KGgo=");
+  EXPECT_EQ(r.chat.images[1].url, "https://example.com/x.jpg");
+  ojson bad = ojson::parse(R"({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [
+      {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]})");
+  try {
+    parse_messages_request(bad, limits());
+    ADD_FAILURE() << "a file source was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "messages[0].content[0].source.type");
+  }
+}
+
 TEST(AnthropicApi, ValidationNamesTheField) {
   auto param_of = [](const std::string& text, bool count_only = false) {
     try {
@@ -98,7 +123,7 @@ TEST(AnthropicApi, ValidationNamesTheField) {
   EXPECT_EQ(param_of(R"({"max_tokens": 5, "messages": []})"), "messages");
   EXPECT_EQ(param_of(R"({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]})"), "messages[0].role");
   EXPECT_EQ(param_of(R"({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]})"),
-            "messages[0].content[0]");
+            "messages[0].content[0].source");  // an image block needs its source
   EXPECT_EQ(param_of(R"({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]})"),
             "temperature");
   EXPECT_EQ(param_of(R"({"max_tokens": 5, "tool_choice": {"type": "maybe"}, "messages": [{"role": "user", "content": "x"}]})"),

@@ -69,6 +69,46 @@ TEST(Protocol, ChatMessageErrorsNameTheMessage) {
             "messages[0].tool_calls");
 }
 
+TEST(Protocol, ImagePartsBecomeTemplateItemsAndReferences) {
+  ChatRequest r = parse_chat_request(R"({"messages": [
+      {"role": "system", "content": "look"},
+      {"role": "user", "content": [{"type": "text", "text": "compare"},
+                                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "high"}},
+                                   {"type": "image_url", "image_url": "https://example.com/b.png"}]},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})",
+                                     limits());
+  const ojson& m = r.template_input["messages"];
+  // The parts stay items for the template (which writes the vision placeholders), text parts unjoined.
+  ASSERT_TRUE(m[1]["content"].is_array());
+  EXPECT_EQ(m[1]["content"].size(), 3u);
+  EXPECT_EQ(m[1]["content"][0]["text"], "compare");
+  EXPECT_EQ(m[1]["content"][1]["type"], "image");
+  EXPECT_EQ(m[1]["content"][2]["type"], "image");
+  EXPECT_EQ(m[2]["content"], "a\nb");  // no image: joined as before
+  ASSERT_EQ(r.images.size(), 2u);
+  EXPECT_EQ(r.images[0].url, "data:image/png;base64,AAAA");
+  EXPECT_EQ(r.images[0].where, "messages[1].content[1]");
+  EXPECT_EQ(r.images[1].url, "https://example.com/b.png");
+  // Limits, roles, shapes.
+  ProtocolLimits one = limits();
+  one.max_images = 1;
+  const std::string two = R"({"messages": [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": "a"}}, {"type": "image_url", "image_url": {"url": "b"}}]}]})";
+  ApiError over = error_of([&] { parse_chat_request(two, one); });
+  EXPECT_EQ(over.param, "messages[0].content[1]");
+  EXPECT_NE(std::string(over.what()).find("--limit-mm-per-prompt"), std::string::npos) << over.what();
+  ProtocolLimits none = limits();
+  none.max_images = 0;
+  ApiError text_only = error_of([&] { parse_chat_request(two, none); });
+  EXPECT_NE(std::string(text_only.what()).find("text only"), std::string::npos) << text_only.what();
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "a"}}]}]})")
+                .param,
+            "messages[0].content[0]");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}]})")
+                .status,
+            400);
+}
+
 TEST(Protocol, SamplingDefaultsAndRanges) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
   ChatRequest d = parse_chat_request("{" + msgs + "}", limits());

@@ -76,6 +76,26 @@ TEST(ResponsesApi, TranslatesItemsInstructionsAndFormat) {
   EXPECT_EQ(r.echo["max_output_tokens"], 50);
 }
 
+TEST(ResponsesApi, InputImagesBecomeImageParts) {
+  ojson body = ojson::parse(R"({"model": "m", "input": [{"role": "user", "content": [
+      {"type": "input_text", "text": "describe"},
+      {"type": "input_image", "image_url": "data:image/jpeg;base64,/9j/", "detail": "auto"}]}]})");
+  ResponsesRequest r = parse_responses_request(body, limits(), nullptr);
+  const ojson& m = r.chat.template_input["messages"];
+  ASSERT_TRUE(m.back()["content"].is_array());
+  EXPECT_EQ(m.back()["content"][1]["type"], "image");
+  ASSERT_EQ(r.chat.images.size(), 1u);
+  EXPECT_EQ(r.chat.images[0].url, "data:image/jpeg;base64,/9j/");
+  ojson by_file = ojson::parse(R"({"model": "m", "input": [{"role": "user", "content": [
+      {"type": "input_image", "file_id": "file-1"}]}]})");
+  try {
+    parse_responses_request(by_file, limits(), nullptr);
+    ADD_FAILURE() << "an input_image by file_id was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_NE(std::string(e.what()).find("file_id"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ResponsesApi, ValidationNamesTheField) {
   auto param_of = [](const std::string& text) {
     try {

@@ -233,7 +233,7 @@ TEST(GenerationRoutes, ValidationErrorsNameTheParameter) {
       {R"({"messages": [{"content": "x"}]})", 400, "messages[0].role"},
       {R"({"messages": [{"role": "user"}]})", 400, "messages[0].content"},
       {R"({"messages": [{"role": "user", "content": 5}]})", 400, "messages[0].content"},
-      {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400, "messages[0].content"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400, "messages[0].content[0]"},
       {with("temperature", 3), 400, "temperature"},
       {with("temperature", "hot"), 400, "temperature"},
       {with("top_p", 0), 400, "top_p"},

@@ -108,7 +108,7 @@ TEST(ResponsesApi, ValidationNamesTheField) {
   EXPECT_EQ(param_of(R"({})"), "input");
   EXPECT_EQ(param_of(R"({"input": "x"})"), "(none)");
   EXPECT_EQ(param_of(R"({"input": [{"type": "item_reference", "id": "x"}]})"), "input[0].type");
-  EXPECT_EQ(param_of(R"({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})"), "input[0].content[0]");
+  EXPECT_EQ(param_of(R"({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})"), "input[0].content[0].image_url");
   EXPECT_EQ(param_of(R"({"input": "x", "tools": [{"type": "web_search"}]})"), "tools[0].type");
   EXPECT_EQ(param_of(R"({"input": "x", "max_output_tokens": 0})"), "max_output_tokens");
   EXPECT_EQ(param_of(R"({"input": "x", "background": true})"), "background");

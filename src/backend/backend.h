@@ -98,6 +98,9 @@ struct LoadOptions {
   model::LoadFormat load_format = model::LoadFormat::safetensors;  // dummy: random weights from config.json
   bool mtp = false;  // load and run the checkpoint's MTP head (speculative decoding) when it has one
   bool vision = false;  // load the checkpoint's vision tower (image inputs) when it has one (rank 0 of a group)
+  // The most patches one image can have (the image processor's max_pixels / patch^2): the GPU memory plan reserves
+  // the vision tower's activations for it.
+  int64_t vision_max_patches = 0;
   GpuLoadOptions gpu;
   ParallelOptions parallel;
 };

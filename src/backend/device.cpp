@@ -182,11 +182,12 @@ std::string MemoryPlan::str() const {
   return fmt::format(
       "memory plan{}: {:.1f} GiB x mem-fraction-static {:.2f}{} = {:.1f} GiB: weights {:.2f} GiB, KV cache {:.2f} GiB "
       "({} pages = {} tokens, max_total_num_tokens), state slots {:.2f} GiB ({} slots, {} running requests), "
-      "activations {:.2f} GiB (estimate{}); context {} tokens{}",
+      "activations {:.2f} GiB (estimate{}){}; context {} tokens{}",
       who, gpu_bytes / G, fraction, ranks_per_gpu > 1 ? fmt::format(" / {} ranks", ranks_per_gpu) : "",
       budget_bytes / G, weight_bytes / G, kv_bytes / G, kv_pages, kv_tokens, state_bytes / G,
       state_slots, max_running, activation_bytes / G,
       moe_dequant_bytes > 0 ? fmt::format(", of which {:.2f} GiB dequantised experts", moe_dequant_bytes / G) : "",
+      vision_bytes > 0 ? fmt::format(", vision tower {:.2f} GiB (weights + one largest image)", vision_bytes / G) : "",
       context, free_bytes > 0 ? fmt::format("; {:.1f} GiB free at start", free_bytes / G) : "");
 }
 
@@ -247,9 +248,20 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
     p.moe_dequant_bytes = std::min(static_cast<double>(cuda::kMoePrefillWeightScratchBytes),
                                    expert * std::max(config.num_experts, 1));
   }
+  if (o.vision && full.has_vision) {
+    // Weights as stored (BF16 in the releases); per patch of the largest image the forward's fp32 buffers (x, y, the
+    // normed rows, q / k / v / attention output, qkv, the MLP's rows: 10 h + I floats), with a quarter for the plan's
+    // tables and the linears' own scratch.
+    double params = 0;
+    for (const format::ExpectedTensor& t : format::expected_vision_tensors(full, "model.visual."))
+      params += static_cast<double>(t.shape.numel());
+    const format::VisionConfig& v = full.vision;
+    const double per_patch = 4.0 * (10.0 * static_cast<double>(v.hidden_size) + static_cast<double>(v.intermediate_size));
+    p.vision_bytes = 2.0 * params + 1.25 * per_patch * static_cast<double>(std::max<int64_t>(o.vision_max_patches, 0));
+  }
   auto activations = [&](int running) {
     const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, running));
-    return tokens * per_token + 4.0 * running * vocab_rows + 0.5 * G + p.moe_dequant_bytes;
+    return tokens * per_token + 4.0 * running * vocab_rows + 0.5 * G + p.moe_dequant_bytes + p.vision_bytes;
   };
   int slots = o.state_slots;
   if (slots <= 0) {

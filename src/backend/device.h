@@ -111,6 +111,9 @@ struct MemoryPlan {
   // Part of activation_bytes: the bf16 buffer of the NVFP4 experts dequantised for large steps (cuda_options.h,
   // kMoePrefillWeightScratchBytes at most; 0 when the model and flags never take that path).
   double moe_dequant_bytes = 0;
+  // The vision tower (LoadOptions::vision, a checkpoint with one): its weights and the activations of encoding the
+  // largest image (LoadOptions::vision_max_patches), held on every rank's plan (rank 0 loads it).
+  double vision_bytes = 0;
   int64_t kv_pages = 0, kv_tokens = 0;  // kv_tokens: SGLang's max_total_num_tokens
   int state_slots = 0;                  // recurrent-state slots
   int max_running = 0;                  // state_slots / slots_per_request: the default --max-running-requests

@@ -154,6 +154,12 @@ void print_json(const Inspection& in) {
   j["params_active"] = p.params_active;
   j["mtp_params"] = p.mtp_params;
   j["mtp_weight_bytes"] = p.mtp_weight_bytes;
+  if (cfg.has_vision) {
+    int64_t vp = 0;
+    for (const auto& t : format::expected_vision_tensors(cfg, "model.visual.")) vp += t.shape.numel();
+    j["vision_params"] = vp;
+    j["vision_weight_bytes_bf16"] = 2 * vp;
+  }
   j["weight_bytes"] = p.weight_bytes;
   nlohmann::ordered_json by_dtype = nlohmann::ordered_json::object();
   for (auto& [d, b] : p.weight_bytes_by_dtype) by_dtype[dtype_name(d)] = b;
@@ -260,6 +266,15 @@ void print_model_text(const Inspection& in) {
   else
     line("checkpoint", "no weights in the folder: sizes computed from the config");
   line("params", fmt::format("{} total, {} active per token", billions(p.params_total), billions(p.params_active)));
+  if (cfg.has_vision) {
+    int64_t vp = 0;
+    for (const auto& t : format::expected_vision_tensors(cfg, "model.visual.")) vp += t.shape.numel();
+    line("vision tower", fmt::format("{} blocks, hidden {}, {} params, {} as BF16 (not in the totals; kiln serve loads "
+                                     "it on rank 0 unless --limit-mm-per-prompt image=0)",
+                                     cfg.vision.depth, cfg.vision.hidden_size, billions(vp), gb(2 * vp)));
+  } else if (!cfg.vision_problem.empty()) {
+    line("vision tower", "not usable: " + cfg.vision_problem);
+  }
   if (p.mtp_params > 0)
     line("MTP head", fmt::format("{} layer(s), {} params, {} (in the totals; its KV in the KV cache/token)",
                                  cfg.mtp_num_layers, billions(p.mtp_params), gb(p.mtp_weight_bytes)));

@@ -195,6 +195,10 @@ Startup prepare(const ServeArgs& a, const backend::DeviceChoice& device, DType k
   s.max_images = cli::parse_image_limit(a.limit_mm_per_prompt);
   s.media = cli::build_media_options(a);
   s.load.vision = s.max_images > 0 && s.config.has_vision && a.dummy_runner.empty();
+  if (s.load.vision) {  // the memory plan reserves the tower's activations for the largest image the processor makes
+    const media::ImageProcessorConfig pc = media::ImageProcessorConfig::load(s.dir);
+    s.load.vision_max_patches = pc.max_pixels / (int64_t{pc.patch_size} * pc.patch_size);
+  }
   // NCCL runs only for a CUDA group: kiln's settings where the user has none (the summary says which).
   if (device.device == "cuda" && a.parallel.is_group()) s.nccl = cli::apply_nccl_env();
   return s;

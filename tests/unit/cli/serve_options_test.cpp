@@ -292,5 +292,25 @@ TEST(HumanBytes, BinaryUnits) {
   EXPECT_EQ(human_bytes(3.0 * 1024 * 1024 * 1024), "3.0 GiB");
 }
 
+
+TEST(ServeOptions, ImageLimitFlag) {
+  EXPECT_EQ(parse_image_limit("image=16"), 16);
+  EXPECT_EQ(parse_image_limit("image=0"), 0);
+  EXPECT_EQ(parse_image_limit("{\"image\": 3}"), 3);
+  EXPECT_EQ(parse_image_limit("{ \"image\" : 2 }"), 2);
+  for (const char* bad : {"video=1", "{\"video\": 1}", "image=-1", "image=x", "image=", "3", "{\"image\": 1.5}",
+                          "image=5000"})
+    EXPECT_THROW(parse_image_limit(bad), Error) << bad;
+  ServeArgs a;
+  a.max_image_bytes = 0;
+  EXPECT_THROW(build_media_options(a), Error);
+  a = ServeArgs{};
+  a.allowed_local_media_path = "/srv/images";
+  a.allow_image_url_fetch = true;
+  const media::MediaOptions m = build_media_options(a);
+  EXPECT_EQ(m.allowed_local_path, "/srv/images");
+  EXPECT_TRUE(m.allow_url_fetch);
+}
+
 }  // namespace
 }  // namespace kiln::cli

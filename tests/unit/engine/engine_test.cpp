@@ -1153,8 +1153,10 @@ std::vector<std::vector<int32_t>> spec_prompts() {
 }
 
 // Every prompt submitted at once (a batch of several); each sequence's tokens.
+// start_after_submit: the engine is not started yet; every request is queued first, so the first step sees them all
+// (a test that needs them to run together, e.g. to force preemptions, does not depend on thread timing).
 std::vector<std::vector<int32_t>> run_all(Engine& e, const std::vector<std::vector<int32_t>>& prompts,
-                                          int64_t max_tokens, bool ignore_eos = true) {
+                                          int64_t max_tokens, bool ignore_eos = true, bool start_after_submit = false) {
   std::vector<std::shared_ptr<RequestChannel>> chans;
   for (const auto& p : prompts) {
     GenerateRequest r = greedy(p, max_tokens);
@@ -1163,6 +1165,7 @@ std::vector<std::vector<int32_t>> run_all(Engine& e, const std::vector<std::vect
     EXPECT_EQ(s.status, SubmitStatus::ok) << s.message;
     chans.push_back(s.channel);
   }
+  if (start_after_submit) e.start();
   std::vector<std::vector<int32_t>> out;
   for (auto& ch : chans) {
     Answer a = answer(ch);
@@ -1493,8 +1496,7 @@ TEST(EngineSpeculative, PreemptionAndThePrefixCacheChangeNothing) {
     auto runner = std::make_unique<ScriptedDrafts>(spec_model().load(true, 12, 8), refs,
                                                    [](int64_t pos, int s) { return static_cast<int>(pos % (s + 1)); });
     Engine e(std::move(runner), spec_options(6, 3));
-    e.start();
-    EXPECT_EQ(run_all(e, prompts, 40), ref);
+    EXPECT_EQ(run_all(e, prompts, 40, true, /*start_after_submit=*/true), ref);
     const auto m = e.metrics();
     EXPECT_GT(m.preemptions_total, 0u);
     EXPECT_GT(m.spec_accepted_tokens_total, 0u);

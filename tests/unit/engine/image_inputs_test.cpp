@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
+#include <filesystem>
 #include <cstring>
 
 #include "backend/cpu/cpu_backend.h"
@@ -16,6 +18,8 @@
 #include "engine/engine.h"
 #include "format/model_dir.h"
 #include "format/safetensors.h"
+#include "model/mrope.h"
+#include "reference_fixture.h"
 
 namespace kiln::engine {
 namespace {
@@ -305,6 +309,92 @@ TEST(ImageInputsEngine, OneTokenImagesEqualTheTextTheyEmbedAndTheCacheKeysByCont
   no_vision.start();
   const Result none = run(no_vision, r);
   EXPECT_NE(none.error.find("no vision encoder"), std::string::npos) << none.error;
+}
+
+// ---- against transformers: the tiny Qwen3_5MoeForConditionalGeneration of tools/reference/make_vision_fixtures.py
+// (fixture qwen3_5_moe_vl: one image of grid 1 x 4 x 6 inside an 18-token prompt). kiln's M-RoPE positions must be
+// transformers' exactly; the prefill logits of every position within the reference fixtures' tolerance; greedy decoding
+// through the engine (the image encoded by the CPU vision tower, the M-RoPE delta on later tokens) the same 8 tokens.
+TEST(ImageInputsTransformers, PromptWithAnImageMatchesTransformers) {
+  const std::string dir = testing::fixtures_root() + "/qwen3_5_moe_vl";
+  if (!std::filesystem::exists(dir + "/expected.safetensors"))
+    GTEST_SKIP() << "fixture qwen3_5_moe_vl absent: run tools/reference/make_vision_fixtures.py (torch + transformers)";
+  const std::vector<uint8_t> bytes = testing::read_bytes(dir + "/expected.safetensors");
+  format::SafetensorsFile f(bytes, "qwen3_5_moe_vl/expected.safetensors");
+  auto i32 = [&](const char* n) {
+    const format::TensorInfo* t = f.find(n);
+    KILN_CHECK(t, "{} missing", n);
+    std::vector<int32_t> v(static_cast<size_t>(t->shape.numel()));
+    std::memcpy(v.data(), t->data, v.size() * 4);
+    return v;
+  };
+  auto f32 = [&](const char* n) {
+    const format::TensorInfo* t = f.find(n);
+    KILN_CHECK(t, "{} missing", n);
+    std::vector<float> v(static_cast<size_t>(t->shape.numel()));
+    std::memcpy(v.data(), t->data, v.size() * 4);
+    return v;
+  };
+  const std::vector<int32_t> ids = i32("input_ids"), types = i32("mm_token_type_ids"), grid = i32("image_grid_thw");
+  const std::vector<int32_t> pos = i32("position_ids"), greedy = i32("greedy_tokens");
+  const std::vector<float> pixels = f32("pixel_values"), prefill = f32("prefill_logits");
+  const int64_t L = static_cast<int64_t>(ids.size()), V = static_cast<int64_t>(prefill.size()) / L;
+  const int64_t offset = std::find(types.begin(), types.end(), 1) - types.begin();
+  // Positions: kiln's reading of get_rope_index against transformers' [3, L] rows.
+  const model::ImagePlacement im{offset, grid[0], grid[1] / 2, grid[2] / 2};
+  const model::MRopePositions mp = model::mrope_positions(L, std::span<const model::ImagePlacement>(&im, 1));
+  for (int64_t t = 0; t < L; ++t)
+    for (int a = 0; a < 3; ++a) ASSERT_EQ(mp.pos[3 * t + a], pos[a * L + t]) << "token " << t << " axis " << a;
+  // Prefill logits at every position through the runner (vision tower loaded, CPU, F32 KV).
+  backend::LoadOptions lo;
+  lo.kv_dtype = DType::F32;
+  lo.max_context = 256;
+  lo.vision = true;
+  auto runner = backend::load_cpu_model(format::ModelDir::open(dir + "/model"), lo);
+  ASSERT_EQ(runner->vision_merge_size(), 2);
+  const std::vector<float> emb = runner->encode_image(pixels, grid[0], grid[1], grid[2]);
+  std::vector<int32_t> offsets;
+  for (int64_t t = 0; t < L; ++t)
+    if (types[t]) offsets.push_back(static_cast<int32_t>(t));
+  std::vector<int32_t> pages(16);
+  for (int i = 0; i < 16; ++i) pages[i] = i;
+  model::SeqChunk c;
+  c.state_slot = 0;
+  c.tokens = ids;
+  c.start_pos = 0;
+  c.page_table = pages;
+  c.logits_tokens = static_cast<int>(L);
+  c.mrope_pos = mp.pos;
+  c.embed_offsets = offsets;
+  c.embeds = emb;
+  std::vector<float> got(static_cast<size_t>(L * V));
+  runner->forward({&c, 1}, got);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += (got[i] - prefill[i]) * (got[i] - prefill[i]);
+    den += prefill[i] * prefill[i];
+  }
+  const double rel = std::sqrt(num / den);
+  std::printf("[images] qwen3_5_moe_vl prefill logits rel-L2 vs transformers %.2e\n", rel);
+  EXPECT_LT(rel, 1e-4);  // fp32 on both sides: summation order only (the text fixtures' bound)
+  // Greedy through the engine, the image encoded there.
+  EngineOptions o;
+  o.max_running_requests = 1;
+  o.eos_token_ids = {-1};
+  Engine e(backend::load_cpu_model(format::ModelDir::open(dir + "/model"), lo), o);
+  e.start();
+  GenerateRequest r;
+  r.prompt = ids;
+  r.max_tokens = static_cast<int64_t>(greedy.size());
+  r.ignore_eos = true;
+  r.sampling.temperature = 0.0f;
+  ImageInput in = image(offset, grid[1], grid[2], 0.0f, 1);
+  in.grid_t = grid[0];
+  in.pixel_values = pixels;
+  r.images = {in};
+  const Result out = run(e, r);
+  EXPECT_EQ(out.error, "");
+  EXPECT_EQ(out.tokens, greedy);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "backend/cpu/cpu_parallel.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 
@@ -13,19 +14,6 @@ namespace kiln::backend::cpu {
 namespace {
 
 size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-
-// Runs body(begin, end) over [0, n), in parallel when there is enough work (`cost` per item, in rough
-// multiply-adds) to pay for waking the pool.
-template <typename F>
-void for_range(int64_t n, int64_t cost, F&& body) {
-  if (n <= 0) return;
-  if (n * std::max<int64_t>(cost, 1) < (int64_t{1} << 15)) {
-    body(int64_t{0}, n);
-    return;
-  }
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(cost, 1));
-  ThreadPool::global().parallel_for(n, [&](int64_t b, int64_t e) { body(b, e); }, grain);
-}
 
 const float* f32_data(const TensorView& t) {
   KILN_CHECK(t.dtype == DType::F32, "expected F32, got {}", dtype_name(t.dtype));

@@ -8,23 +8,12 @@
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_parallel.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 
 namespace kiln::backend::cpu {
 namespace {
-
-// body(begin, end) over [0, n): on the pool when n * cost (rough multiply-adds) pays for waking it.
-template <typename F>
-void parallel_rows(int64_t n, int64_t cost, F&& body) {
-  if (n <= 0) return;
-  if (n * std::max<int64_t>(cost, 1) < (int64_t{1} << 15)) {
-    body(int64_t{0}, n);
-    return;
-  }
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(cost, 1));
-  ThreadPool::global().parallel_for(n, [&](int64_t b, int64_t e) { body(b, e); }, grain);
-}
 
 void check_f32_contiguous(const TensorView& t, const char* op, const char* what) {
   KILN_CHECK(t.dtype == DType::F32 && t.is_contiguous(), "{}: {} must be contiguous F32, got {} {}", op, what,
@@ -48,7 +37,7 @@ void CpuOps::layer_norm(const TensorView& x, const TensorView& weight, const Ten
   }
   const float* xs = x.ptr<float>();
   float* o = out.ptr<float>();
-  parallel_rows(R, D * 4, [&](int64_t r0, int64_t r1) {
+  for_range(R, D * 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xs + r * D;
       double sum = 0;
@@ -71,7 +60,7 @@ void CpuOps::gelu(const TensorView& x, GeluKind kind, TensorView out) {
   const float* xs = x.ptr<float>();
   float* o = out.ptr<float>();
   const float inv_sqrt2 = 0.70710678118654752f, sqrt_2_over_pi = 0.79788456080286536f;
-  parallel_rows(x.numel(), 16, [&](int64_t b, int64_t e) {
+  for_range(x.numel(), 16, [&](int64_t b, int64_t e) {
     if (kind == GeluKind::erf) {
       for (int64_t i = b; i < e; ++i) o[i] = 0.5f * xs[i] * (1.0f + std::erf(xs[i] * inv_sqrt2));
     } else {
@@ -94,7 +83,7 @@ void CpuOps::rope_cos_sin(TensorView x, const TensorView& cos, const TensorView&
   float* xs = x.ptr<float>();
   const float* cs = cos.ptr<float>();
   const float* sn = sin.ptr<float>();
-  parallel_rows(T, heads * D * 2, [&](int64_t b, int64_t e) {
+  for_range(T, heads * D * 2, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cs + t * half;
       const float* s = sn + t * half;
@@ -187,7 +176,7 @@ void CpuOps::weighted_embedding(const TensorView& table, const TensorView& ids, 
   for (int64_t i = 0; i < T * J; ++i)
     KILN_CHECK(id[i] >= 0 && id[i] < V, "weighted_embedding: row id {} outside [0, {})", id[i], V);
   float* o = out.ptr<float>();
-  parallel_rows(T, J * H * 2, [&](int64_t b, int64_t e) {
+  for_range(T, J * H * 2, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float* orow = o + t * H;
       std::fill(orow, orow + H, 0.0f);

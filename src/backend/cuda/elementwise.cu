@@ -36,10 +36,6 @@ __global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, Copy
   }
 }
 
-unsigned capped_grid(int64_t n) {
-  const int64_t g = (n + kBlock - 1) / kBlock;
-  return static_cast<unsigned>(g < 65536 ? (g > 0 ? g : 1) : 65536);
-}
 
 // ---- max |x|
 

@@ -27,6 +27,12 @@ inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   KILN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// Blocks for a grid-stride loop over n items, `block` threads each: at least 1, at most 65,536.
+inline unsigned capped_grid(int64_t n, int block = 256) {
+  const int64_t g = (n + block - 1) / block;
+  return static_cast<unsigned>(g < 65536 ? (g > 0 ? g : 1) : 65536);
+}
+
 // Consecutive 256-byte-aligned pieces of one workspace; with a null base only the bytes are counted (a kernel family's
 // workspace-size function runs the same carve as its launch).
 struct WorkspaceCarve {

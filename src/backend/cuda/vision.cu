@@ -40,10 +40,6 @@ using namespace dev;
 
 constexpr int kBlock = 256;
 
-unsigned capped_grid(int64_t n) {
-  const int64_t g = (n + kBlock - 1) / kBlock;
-  return static_cast<unsigned>(g < 65536 ? (g > 0 ? g : 1) : 65536);
-}
 
 // ---- LayerNorm: a block per row
 

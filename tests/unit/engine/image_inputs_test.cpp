@@ -19,6 +19,7 @@
 #include "format/model_dir.h"
 #include "format/safetensors.h"
 #include "model/mrope.h"
+#include "forwarding_runner.h"
 #include "reference_fixture.h"
 
 namespace kiln::engine {
@@ -176,10 +177,10 @@ const std::string kFixture = std::string(KILN_SOURCE_DIR) + "/tests/fixtures/ref
 
 // The CPU runner of the fixture, with a vision encoder that returns embedding-table rows: image i of a call gives,
 // for its k-th token, the row of token rows[pixel_values[0]][k].
-class TableVision : public model::ModelRunner {
+class TableVision : public test::ForwardingRunner {
  public:
   TableVision(std::unique_ptr<model::ModelRunner> inner, std::vector<std::vector<int32_t>> rows)
-      : inner_(std::move(inner)), rows_(std::move(rows)) {
+      : ForwardingRunner(std::move(inner)), rows_(std::move(rows)) {
     const std::vector<uint8_t> bytes = read_file(kFixture + "/model.safetensors");
     format::SafetensorsFile f(bytes, "fixture");
     const format::TensorInfo* t = f.find("model.language_model.embed_tokens.weight");
@@ -198,14 +199,6 @@ class TableVision : public model::ModelRunner {
     std::fclose(fp);
     return v;
   }
-  model::RunnerCapacity capacity() const override { return inner_->capacity(); }
-  int64_t vocab_size() const override { return inner_->vocab_size(); }
-  void forward(std::span<const model::SeqChunk> c, std::span<float> l) override { inner_->forward(c, l); }
-  void forward_argmax(std::span<const model::SeqChunk> c, std::span<int32_t> t) override { inner_->forward_argmax(c, t); }
-  bool can_copy_state() const override { return inner_->can_copy_state(); }
-  void copy_state(int a, int b) override { inner_->copy_state(a, b); }
-  bool has_recurrent_state() const override { return inner_->has_recurrent_state(); }
-  std::string describe() const override { return inner_->describe(); }
   int vision_merge_size() const override { return 2; }
   std::vector<float> encode_image(std::span<const float> px, int64_t t, int64_t h, int64_t w) override {
     const std::vector<int32_t>& ids = rows_.at(static_cast<size_t>(px[0]));
@@ -216,7 +209,6 @@ class TableVision : public model::ModelRunner {
   }
 
  private:
-  std::unique_ptr<model::ModelRunner> inner_;
   std::vector<std::vector<int32_t>> rows_;
   std::vector<float> table_;
   int64_t hidden_ = 0;

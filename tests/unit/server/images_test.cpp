@@ -12,6 +12,7 @@
 #include "../media/media_test_util.h"
 #include "backend/cpu/cpu_backend.h"
 #include "engine/engine.h"
+#include "forwarding_runner.h"
 #include "format/model_dir.h"
 #include "media/image_processor.h"
 #include "server/http_server.h"
@@ -26,17 +27,9 @@ const std::string kTiny = std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny";
 constexpr int32_t kImagePad = 2060;  // kiln-tiny's <|image_pad|>
 
 // kiln-tiny with a vision encoder that returns zeros for every image token.
-class ZeroVision : public model::ModelRunner {
+class ZeroVision : public test::ForwardingRunner {
  public:
-  explicit ZeroVision(std::unique_ptr<model::ModelRunner> inner) : inner_(std::move(inner)) {}
-  model::RunnerCapacity capacity() const override { return inner_->capacity(); }
-  int64_t vocab_size() const override { return inner_->vocab_size(); }
-  void forward(std::span<const model::SeqChunk> c, std::span<float> l) override { inner_->forward(c, l); }
-  void forward_argmax(std::span<const model::SeqChunk> c, std::span<int32_t> t) override { inner_->forward_argmax(c, t); }
-  bool can_copy_state() const override { return inner_->can_copy_state(); }
-  void copy_state(int a, int b) override { inner_->copy_state(a, b); }
-  bool has_recurrent_state() const override { return inner_->has_recurrent_state(); }
-  std::string describe() const override { return inner_->describe(); }
+  using ForwardingRunner::ForwardingRunner;
   int vision_merge_size() const override { return 2; }
   std::vector<float> encode_image(std::span<const float>, int64_t t, int64_t h, int64_t w) override {
     ++encoded;
@@ -44,9 +37,6 @@ class ZeroVision : public model::ModelRunner {
   }
   std::atomic<int> encoded{0};
   int64_t hidden = 0;
-
- private:
-  std::unique_ptr<model::ModelRunner> inner_;
 };
 
 std::string base64(const std::vector<uint8_t>& b) {

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU machine: issues "Multi-token prediction" (position checkpoints, verify graphs) and "Prefill at tensor-core
 # speed" in one call, on one binary (A/B by flags), from the repository root:
-#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: tests,smoke,spec35,tiny,prefill]
+#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: train,tests,smoke,spec35,tiny,tinyengine,prefill]
 # CARRY holds lib/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
 # Variables: TEST_FILTER, TEST_TIMEOUT, SPEC_BATCHES (35B spec sweep batches), PREFILL_VARIANTS ('|'-separated flag
-# sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs).
+# sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs), TRAIN_SECONDS (train: tools/tiny/train_mtp.py in
+# the background while the other steps run; the new head's mtp.* tensors come back as $OUT/mtp_head.safetensors).
 set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,smoke,spec35,tiny,prefill}
@@ -13,6 +14,21 @@ source "$(dirname "$0")/carry.sh"
 K="$CARRY/new/kiln"
 "$K" version || { ldd "$K" | grep "not found"; exit 1; }
 C35=configs/qwen3.5-35b-a3b-nvfp4
+
+if has train; then
+  echo "== tools/tiny/train_mtp.py, ${TRAIN_SECONDS:-300} s, in the background"
+  ( PYTHONUNBUFFERED=1 python3 tools/tiny/train_mtp.py --model models/kiln-tiny --out /tmp/mtpout \
+      --train-seconds ${TRAIN_SECONDS:-300} --skip-eval-before --eval-conversations 16 --eval-positions 6 \
+      > "$OUT/train_mtp.log" 2>&1
+    python3 -c "
+import sys
+from safetensors.torch import load_file, save_file
+t = load_file('/tmp/mtpout/model/model.safetensors')
+save_file({k: v for k, v in t.items() if k.startswith('mtp.')}, sys.argv[1], metadata={'format': 'pt'})
+" "$OUT/mtp_head.safetensors" >> "$OUT/train_mtp.log" 2>&1
+    cp /tmp/mtpout/train_mtp_meta.json "$OUT/" 2>/dev/null ) &
+  TRAIN_PID=$!
+fi
 
 if has tests && [ -x "$CARRY/new/test_cuda" ]; then
   echo "== test_cuda ${TEST_FILTER:-(all)}"
@@ -56,6 +72,14 @@ if has tiny; then
     serve_bench "tiny_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
   done
 fi
+if has tinyengine; then
+  for g in "" "--cuda-graph-verify"; do
+    echo "== kiln-tiny bench-engine spec sweep $g"
+    timeout 200 "$K" bench-engine --device cuda --model-path models/kiln-tiny --batch 1,8 --input-len 128 \
+      --output-len 64 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/tinyengine${g:+_graphs}.txt" 2>&1
+    echo "rc=$?"; grep -E "^batch|spec K|draft|verify" "$OUT/tinyengine${g:+_graphs}.txt" | head -30
+  done
+fi
 if has prefill; then
   IFS='|' read -ra VARIANTS <<< "${PREFILL_VARIANTS:---moe-runner-backend kiln-mma|--moe-runner-backend kiln-blas}"
   for shape in ${PREFILL_SHAPES:-4096:1 8192:1 512:16}; do
@@ -68,4 +92,8 @@ if has prefill; then
       grep -E "^batch" "$OUT/prefill_${len}x${b}_$(echo $v | tr -c 'a-z0-9' _).txt"
     done
   done
+fi
+if [ -n "${TRAIN_PID:-}" ]; then
+  echo "== waiting for train_mtp.py"; wait $TRAIN_PID
+  grep -E "steps|acceptance|loss|wrote|Error|error" "$OUT/train_mtp.log" | tail -8; ls -l "$OUT/mtp_head.safetensors"
 fi

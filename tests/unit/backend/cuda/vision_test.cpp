@@ -17,9 +17,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,9 +29,14 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/vision.h"
+#include "backend/device.h"
 #include "backend/op_check.h"
 #include "format/model_config.h"
+#include "format/model_dir.h"
+#include "format/safetensors.h"
+#include "model/mrope.h"
 #include "model/qwen3_5_vision.h"
+#include "reference_fixture.h"
 #include "test_util.h"
 
 namespace kiln::backend::cuda {
@@ -333,6 +340,98 @@ TEST(CudaVision, TowerCostAtTheRealShape) {
                   static_cast<long long>(prof[i].calls), prof[i].total_us / 1000.0,
                   100.0 * prof[i].total_us / std::max(total, 1e-9));
   }
+}
+
+// The whole multimodal path on CUDA against transformers: the tiny Qwen3_5MoeForConditionalGeneration of
+// tools/reference/make_vision_fixtures.py (fixture qwen3_5_moe_vl: one image of grid 1 x 4 x 6 inside an 18-token
+// prompt), loaded by backend::load_model on "cuda" with its vision tower, --dtype float32 and an F32 KV cache. The
+// image is encoded by the CUDA tower, its rows replace the placeholders' embeddings, the prompt runs with M-RoPE
+// positions (t, h, w) and the greedy tokens after it at index + delta on all three axes, as the engine sends them
+// (engine/image_inputs.cpp). Prefill logits within the text fixtures' bound of transformers'; the same 8 greedy tokens.
+TEST(CudaImageInputs, PromptWithAnImageMatchesTransformers) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const std::string dir = ::kiln::testing::fixtures_root() + "/qwen3_5_moe_vl";
+  const std::vector<uint8_t> bytes = ::kiln::testing::read_bytes(dir + "/expected.safetensors");
+  format::SafetensorsFile f(bytes, "qwen3_5_moe_vl/expected.safetensors");
+  auto i32 = [&](const char* n) {
+    const format::TensorInfo* t = f.find(n);
+    KILN_CHECK(t, "{} missing", n);
+    std::vector<int32_t> v(static_cast<size_t>(t->shape.numel()));
+    std::memcpy(v.data(), t->data, v.size() * 4);
+    return v;
+  };
+  auto f32 = [&](const char* n) {
+    const format::TensorInfo* t = f.find(n);
+    KILN_CHECK(t, "{} missing", n);
+    std::vector<float> v(static_cast<size_t>(t->shape.numel()));
+    std::memcpy(v.data(), t->data, v.size() * 4);
+    return v;
+  };
+  const std::vector<int32_t> ids = i32("input_ids"), types = i32("mm_token_type_ids"), grid = i32("image_grid_thw");
+  const std::vector<int32_t> greedy = i32("greedy_tokens");
+  const std::vector<float> pixels = f32("pixel_values"), prefill = f32("prefill_logits"), want_emb = f32("image_embeds");
+  const int64_t L = static_cast<int64_t>(ids.size()), V = static_cast<int64_t>(prefill.size()) / L;
+  const int64_t offset = std::find(types.begin(), types.end(), 1) - types.begin();
+  const model::ImagePlacement im{offset, grid[0], grid[1] / 2, grid[2] / 2};
+  const model::MRopePositions mp = model::mrope_positions(L, std::span<const model::ImagePlacement>(&im, 1));
+
+  LoadOptions lo;
+  lo.gpu.dtype = "float32";
+  lo.kv_dtype = DType::F32;
+  lo.state_slots = 1;
+  lo.max_context = 256;
+  lo.kv_pages = 256 / 16;
+  lo.vision = true;
+  auto runner = load_model(format::ModelDir::open(dir + "/model"), "cuda", lo, /*self_check=*/false);
+  ASSERT_EQ(runner->vision_merge_size(), 2);
+  const std::vector<float> emb = runner->encode_image(pixels, grid[0], grid[1], grid[2]);
+  const double emb_err = rel_err(emb, want_emb);
+  EXPECT_LT(emb_err, 1e-4) << "CUDA vision tower against transformers' image_embeds";
+
+  std::vector<int32_t> offsets;
+  for (int64_t t = 0; t < L; ++t)
+    if (types[t]) offsets.push_back(static_cast<int32_t>(t));
+  std::vector<int32_t> pages(16);
+  for (int i = 0; i < 16; ++i) pages[i] = i;
+  model::SeqChunk c;
+  c.state_slot = 0;
+  c.tokens = ids;
+  c.start_pos = 0;
+  c.page_table = pages;
+  c.logits_tokens = static_cast<int>(L);
+  c.mrope_pos = mp.pos;
+  c.embed_offsets = offsets;
+  c.embeds = emb;
+  std::vector<float> got(static_cast<size_t>(L * V));
+  runner->forward({&c, 1}, got);
+  const double prefill_err = rel_err(got, prefill);
+  EXPECT_LT(prefill_err, 1e-4);  // fp32 on both sides: summation order only (the text fixtures' bound)
+
+  // Greedy decoding: token s + 1 from the logits after token s, at position L + s, rope position L + s + delta.
+  std::vector<int32_t> tokens;
+  std::vector<float> row(static_cast<size_t>(V));
+  auto argmax = [&](const float* r) { return static_cast<int32_t>(std::max_element(r, r + V) - r); };
+  tokens.push_back(argmax(got.data() + (L - 1) * V));
+  std::array<int32_t, 3> prev{mp.pos[3 * (L - 1)], mp.pos[3 * (L - 1) + 1], mp.pos[3 * (L - 1) + 2]};
+  while (tokens.size() < greedy.size()) {
+    const int64_t pos = L + static_cast<int64_t>(tokens.size()) - 1;
+    const int32_t rp = static_cast<int32_t>(pos) + mp.delta;
+    const std::array<int32_t, 3> mpos{rp, rp, rp};
+    model::SeqChunk d;
+    d.state_slot = 0;
+    d.tokens = std::span<const int32_t>(&tokens.back(), 1);
+    d.start_pos = pos;
+    d.page_table = pages;
+    d.mrope_pos = mpos;
+    d.mrope_prev = prev;
+    runner->forward({&d, 1}, row);
+    tokens.push_back(argmax(row.data()));
+    prev = mpos;
+  }
+  EXPECT_EQ(tokens, greedy);
+  std::printf("[ vision   ] qwen3_5_moe_vl on CUDA (--dtype float32) against transformers: image embeddings rel-L2 "
+              "%.2e, prefill logits rel-L2 %.2e, %zu greedy tokens %s\n",
+              emb_err, prefill_err, tokens.size(), tokens == greedy ? "identical" : "DIFFER");
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ constexpr double kFp8WeightRms = 1.3650;
 }  // namespace
 
 format::Checkpoint dummy_checkpoint(const format::ModelDir& dir, const format::ModelConfig& config,
-                                    const format::QuantConfig& quant) {
+                                    const format::QuantConfig& quant, bool vision) {
   // config.tensor_prefix and expert_layout keep the defaults the architecture implies (a real checkpoint of it).
   std::vector<format::TensorInfo> tensors;
   for (const format::ExpectedTensor& e : format::expected_tensors(config, quant)) {
@@ -35,6 +35,14 @@ format::Checkpoint dummy_checkpoint(const format::ModelDir& dir, const format::M
     t.shape = e.shape;
     tensors.push_back(std::move(t));
   }
+  if (vision && config.has_vision)
+    for (const format::ExpectedTensor& e : format::expected_vision_tensors(config, "model.visual.")) {
+      format::TensorInfo t;
+      t.name = e.name;
+      t.dtype = DType::BF16;
+      t.shape = e.shape;
+      tensors.push_back(std::move(t));
+    }
   return format::Checkpoint::synthetic(dir, std::move(tensors));
 }
 

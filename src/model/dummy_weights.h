@@ -17,9 +17,11 @@
 
 namespace kiln::model {
 
-// The synthetic checkpoint of `config` + `quant` (tensor prefix and expert layout as the architecture implies).
+// The synthetic checkpoint of `config` + `quant` (tensor prefix and expert layout as the architecture implies). With
+// `vision` and a config with a usable vision tower, the tower's tensors too (under "model.visual.", BF16, as the
+// releases store it).
 format::Checkpoint dummy_checkpoint(const format::ModelDir& dir, const format::ModelConfig& config,
-                                    const format::QuantConfig& quant);
+                                    const format::QuantConfig& quant, bool vision = false);
 // How tensor `t` of a synthetic checkpoint is filled (seeded by its name).
 RandomFill dummy_fill(const format::TensorInfo& t, NormKind norm_kind);
 // The value of scalar tensor `name` (weight_scale_2, weight_scale, input_scale, k_scale / v_scale).

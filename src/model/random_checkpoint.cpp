@@ -23,7 +23,7 @@ RandomCheckpointSummary write_random_checkpoint(const format::ModelDir& config_d
   const format::ModelConfig config = format::load_model_config(config_dir);
   const format::QuantConfig quant = format::load_quant_config(config_dir);
   const NormKind norm_kind = family_for(config.arch).norm_kind();
-  const format::Checkpoint ckpt = dummy_checkpoint(config_dir, config, quant);
+  const format::Checkpoint ckpt = dummy_checkpoint(config_dir, config, quant, /*vision=*/true);
 
   std::error_code ec;
   fs::create_directories(out_dir, ec);

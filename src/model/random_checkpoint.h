@@ -1,7 +1,9 @@
 // A full-size checkpoint with random weights in the real on-disk layout, written from config.json alone.
 //
 // The tensors are those of `--load-format dummy` (model/dummy_weights.h), with the same values: loading the
-// written folder gives the same weights as `--load-format dummy` on its config. What it is for: timing the
+// written folder gives the same weights as `--load-format dummy` on its config. A config with a vision tower
+// (vision_config) also gets the tower's tensors (BF16, under model.visual.), as the releases ship it, so that
+// `kiln serve` on the folder takes images (`--load-format dummy` loads no tower). What it is for: timing the
 // real load path (safetensors shards, mmap, upload) and serving benchmarks through `kiln serve` on a model
 // of the real size without a download. The output of such a model is meaningless text.
 #pragma once

@@ -18,7 +18,7 @@ C35=configs/qwen3.5-35b-a3b-nvfp4
 if has train; then
   echo "== tools/tiny/train_mtp.py, ${TRAIN_SECONDS:-300} s, in the background"
   ( PYTHONUNBUFFERED=1 python3 tools/tiny/train_mtp.py --model models/kiln-tiny --out /tmp/mtpout \
-      --train-seconds ${TRAIN_SECONDS:-300} --skip-eval-before --eval-conversations 16 --eval-positions 6 \
+      --train-seconds ${TRAIN_SECONDS:-300} ${TRAIN_FLAGS:---skip-eval-before} --eval-conversations 16 --eval-positions 6 \
       > "$OUT/train_mtp.log" 2>&1
     python3 -c "
 import sys

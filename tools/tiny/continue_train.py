@@ -223,12 +223,12 @@ def load_shipped_state(model_dir, num_layers, num_experts):
         state[prefix + ".gate_up_proj"] = torch.stack(gate_up)
         state[prefix + ".down_proj"] = torch.stack(down)
     for name, info in header.items():
-        if ".mlp.experts." in name:
-            continue
+        if ".mlp.experts." in name or name.startswith("mtp."):
+            continue  # mtp.*: an MTP head (train_mtp.py), not part of the target
         if info["dtype"] != "BF16":
             raise ValueError(f"{name}: expected BF16, got {info['dtype']}")
         state[name] = get(name)
-    unused = sorted(set(header) - used)
+    unused = sorted(n for n in set(header) - used if not n.startswith("mtp."))
     if unused:
         raise ValueError(f"tensors not used by the loader: {unused[:10]}")
     return state

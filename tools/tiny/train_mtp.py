@@ -298,6 +298,8 @@ def main():
     ap.add_argument("--batch-tokens", type=int, default=32_768)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-k", type=int, default=4)
+    ap.add_argument("--resume", action="store_true",
+                    help="start from the mtp.* head --model already holds (else a fresh head from the last layer)")
     ap.add_argument("--skip-eval-before", action="store_true",
                     help="skip measuring the untrained head's acceptance (the reference delta rule makes it slow)")
     ap.add_argument("--eval-conversations", type=int, default=60)
@@ -330,6 +332,14 @@ def main():
     for p in target.parameters():
         p.requires_grad_(False)
     head, layer_idx = build_head(target, cfg)
+    if args.resume:
+        from safetensors.torch import load_file
+        shipped = {k[4:]: v.float() for k, v in load_file(os.path.join(args.model, "model.safetensors")).items()
+                   if k.startswith("mtp.")}
+        if not shipped:
+            raise ValueError(f"--resume: {args.model} has no mtp.* tensors")
+        head.load_state_dict(shipped)  # strict: every tensor of the head, nothing else
+        log(f"resumed from the {len(shipped)} mtp.* tensors of {args.model}")
     head = head.cuda().float().train()
     run = TargetRun(target, layer_idx)
     log(f"head: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters (layer from target layer {layer_idx})")

@@ -29,7 +29,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/vision.h"
-#include "backend/device.h"
+#include "model/runner.h"
 #include "backend/op_check.h"
 #include "format/model_config.h"
 #include "format/model_dir.h"
@@ -344,7 +344,7 @@ TEST(CudaVision, TowerCostAtTheRealShape) {
 
 // The whole multimodal path on CUDA against transformers: the tiny Qwen3_5MoeForConditionalGeneration of
 // tools/reference/make_vision_fixtures.py (fixture qwen3_5_moe_vl: one image of grid 1 x 4 x 6 inside an 18-token
-// prompt), loaded by backend::load_model on "cuda" with its vision tower, --dtype float32 and an F32 KV cache. The
+// prompt), on a CUDA model::Runner with its vision tower, --dtype float32 and an F32 KV cache. The
 // image is encoded by the CUDA tower, its rows replace the placeholders' embeddings, the prompt runs with M-RoPE
 // positions (t, h, w) and the greedy tokens after it at index + delta on all three axes, as the engine sends them
 // (engine/image_inputs.cpp). Prefill logits within the text fixtures' bound of transformers'; the same 8 greedy tokens.
@@ -375,14 +375,14 @@ TEST(CudaImageInputs, PromptWithAnImageMatchesTransformers) {
   const model::ImagePlacement im{offset, grid[0], grid[1] / 2, grid[2] / 2};
   const model::MRopePositions mp = model::mrope_positions(L, std::span<const model::ImagePlacement>(&im, 1));
 
-  LoadOptions lo;
-  lo.gpu.dtype = "float32";
-  lo.kv_dtype = DType::F32;
-  lo.state_slots = 1;
-  lo.max_context = 256;
-  lo.kv_pages = 256 / 16;
-  lo.vision = true;
-  auto runner = load_model(format::ModelDir::open(dir + "/model"), "cuda", lo, /*self_check=*/false);
+  CudaOptions co;
+  co.dtype = CudaOptions::ActivationDtype::float32;
+  model::RunnerOptions ro;
+  ro.kv_dtype = DType::F32;  // as the CPU test: the cache adds no rounding of its own
+  ro.state_slots = 1;
+  ro.max_context = 256;
+  ro.vision = true;
+  auto runner = std::make_unique<model::Runner>(std::make_unique<CudaOps>(co), format::ModelDir::open(dir + "/model"), ro);
   ASSERT_EQ(runner->vision_merge_size(), 2);
   const std::vector<float> emb = runner->encode_image(pixels, grid[0], grid[1], grid[2]);
   const double emb_err = rel_err(emb, want_emb);

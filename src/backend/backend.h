@@ -47,7 +47,7 @@ struct GpuLoadOptions {
   // Share of GPU memory for weights + KV cache + state + activations; 0: 0.90.
   double mem_fraction_static = 0;
   bool cuda_graphs = true;                 // capture and replay decode steps
-  bool cuda_graph_verify = false;          // and speculative verify passes (experimental: model::RunnerOptions)
+  bool cuda_graph_verify = true;           // and speculative verify passes (model::RunnerOptions::graph_verify_passes)
   bool disable_custom_all_reduce = false;  // all-reduces through NCCL only, not the one-shot peer-memory kernel
   // Set by the loader from the memory plan, not a flag: the activation estimate of one pass (bytes), the size of a
   // CUDA rank's first scratch block.

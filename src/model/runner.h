@@ -31,8 +31,8 @@ struct RunnerOptions {
   // replayed (CUDA graphs) on backends that can; 0 disables.
   int graph_max_batch = 256;
   // Also capture speculative verify passes (every sequence the same n <= 8 tokens, each with logits) as graphs.
-  // Off by default until measured and checked on a GPU (test_cuda's
-  // CudaRunner.SpeculativeVerifyWithPositionCheckpointsEqualsGreedyAndGraphsEqualEager); --cuda-graph-verify.
+  // Checked by test_cuda's CudaRunner.SpeculativeVerifyWithPositionCheckpointsEqualsGreedyAndGraphsEqualEager; the
+  // servers' default (backend::GpuLoadOptions::cuda_graph_verify; --disable-cuda-graph-verify turns it off).
   bool graph_verify_passes = false;
   std::string summary;  // backend-specific lines for describe() (kernel choices, memory plan)
   // A rank of a tensor-parallel group (model/tp_runner.h): load only its slices, run with its local sizes; its

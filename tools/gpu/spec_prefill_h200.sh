@@ -58,26 +58,26 @@ if has smoke; then
   done
 fi
 if has spec35; then
-  for g in "" "--cuda-graph-verify"; do
+  for g in "--disable-cuda-graph-verify" ""; do
     echo "== 35B-A3B dummy: spec sweep (replay path and position checkpoints, one binary) $g"
     timeout 300 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${SPEC_BATCHES:-1,8} \
-      --input-len 256 --output-len 32 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/spec35${g:+_graphs}.txt" 2>&1
-    echo "rc=$?"; grep -E "^batch|spec K" "$OUT/spec35${g:+_graphs}.txt"
+      --input-len 256 --output-len 32 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/spec35${g:+_eager}.txt" 2>&1
+    echo "rc=$?"; grep -E "^batch|spec K" "$OUT/spec35${g:+_eager}.txt"
   done
 fi
 if has tiny; then
   MODE=bench
-  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN" "--speculative-algorithm NEXTN --cuda-graph-verify"; do
+  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN --disable-cuda-graph-verify" "--speculative-algorithm NEXTN"; do
     echo "== kiln-tiny serve $s: kiln bench 128/256 at concurrency 1, 8"
     serve_bench "tiny_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
   done
 fi
 if has tinyengine; then
-  for g in "" "--cuda-graph-verify"; do
+  for g in "--disable-cuda-graph-verify" ""; do
     echo "== kiln-tiny bench-engine spec sweep $g"
     timeout 200 "$K" bench-engine --device cuda --model-path models/kiln-tiny --batch 1,8 --input-len 128 \
-      --output-len 64 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/tinyengine${g:+_graphs}.txt" 2>&1
-    echo "rc=$?"; grep -E "^batch|spec K|draft|verify" "$OUT/tinyengine${g:+_graphs}.txt" | head -30
+      --output-len 64 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/tinyengine${g:+_eager}.txt" 2>&1
+    echo "rc=$?"; grep -E "^batch|spec K|draft|verify" "$OUT/tinyengine${g:+_eager}.txt" | head -30
   done
 fi
 if has prefill; then

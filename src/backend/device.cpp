@@ -160,9 +160,12 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.moe_tensor_cores = k.moe_runner == "kiln-grouped" || k.moe_runner == "kiln-fused-decode" ||
                        k.moe_runner == "kiln-mma" || k.moe_runner == "kiln-blas";
   c.moe_decode_fused = k.moe_runner == "kiln-fused-decode";
-  // The dequantised cuBLAS path is opt-in (kiln-blas) until it is measured and checked on a GPU
-  // (docs/perf/prefill.md); then auto takes it by step size (MoePrefill::by_step, from kMoePrefillBlasMinTokens).
-  c.moe_prefill = k.moe_runner == "kiln-blas" ? cuda::MoePrefill::blas : cuda::MoePrefill::mma;
+  // The NVFP4 experts of large steps: dequantised + cuBLAS from kMoePrefillBlasMinTokens tokens under auto
+  // (kiln-grouped, kiln-fused-decode; measured and checked on an H100: docs/perf/prefill.md); kiln-mma / kiln-blas
+  // pin one path at every size (A/B timing).
+  c.moe_prefill = k.moe_runner == "kiln-blas"  ? cuda::MoePrefill::blas
+                  : k.moe_runner == "kiln-mma" ? cuda::MoePrefill::mma
+                                               : cuda::MoePrefill::by_step;
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;
@@ -224,9 +227,12 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   p.weight_bytes = static_cast<double>(cap.weight_bytes_per_gpu);
   const int per = std::max(o.slots_per_request, 1);
   const double state_per_seq = static_cast<double>(cap.state_bytes_per_sequence_per_gpu);
-  // Scratch of one pass (nothing is freed inside a step): per token and layer the hidden-sized buffers, the
-  // projections' outputs and the experts' rows (and their bf16 split for the tensor-core kernels), plus the logits
-  // of every running sequence (a rank's vocabulary rows). Head counts and intermediate sizes are the rank's.
+  // Scratch of one pass: per token and layer the hidden-sized buffers, the projections' outputs and the experts' rows
+  // (and their bf16 split for the tensor-core kernels), plus the logits of every running sequence (a rank's
+  // vocabulary rows). Head counts and intermediate sizes are the rank's. A pass of fewer than
+  // model::kLayerScratchReleaseMinTokens tokens (decode, verify) holds every layer's buffers until the step ends; a
+  // larger one frees each layer's when the layer is done (model/runner.h), so it holds about one layer's (counted
+  // twice: the residual stream, the MTP head's layer and the final norm's rows are beside it).
   const double H = static_cast<double>(config.hidden_size);
   const double C = 2.0 * config.linear_num_key_heads * config.linear_key_head_dim +
                    static_cast<double>(config.linear_num_value_heads) * config.linear_value_head_dim;
@@ -236,14 +242,23 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
                                config.num_experts + 3.0 * config.shared_expert_intermediate_size +
                                1.5 * (H + config.experts_per_tok * static_cast<double>(config.moe_intermediate_size))
                          : 3.0 * static_cast<double>(config.intermediate_size);
-  const double per_token = 4.0 * config.num_layers * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
+  const double per_token_layer = 4.0 * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
+  auto pass_bytes = [&](double tokens) {
+    return tokens < static_cast<double>(model::kLayerScratchReleaseMinTokens)
+               ? tokens * per_token_layer * config.num_layers
+               : tokens * per_token_layer * std::min(2.0, static_cast<double>(config.num_layers));
+  };
   // The NVFP4 routed experts of large steps dequantised to bf16 (cuda/moe_prefill_blas.h): one buffer of up to
   // kMoePrefillWeightScratchBytes, reused by every layer and step, outside the scratch arena (its per-pass buffers
-  // come from the ffn term above). Counted whenever an NVFP4 MoE model runs with bf16 inputs and the runner that
-  // takes that path (kiln-blas, opt-in until measured on a GPU), whatever the pass size.
+  // come from the ffn term above). Counted whenever an NVFP4 MoE model runs with bf16 inputs and a runner that takes
+  // that path: kiln-blas at any pass size, auto / kiln-grouped / kiln-fused-decode when passes reach
+  // kMoePrefillBlasMinTokens tokens.
   const std::string& runner = o.gpu.moe_runner_backend;
   const bool nvfp4 = quant.quant_algo == "NVFP4" || quant.quant_algo == "MIXED_PRECISION";
-  if (config.is_moe() && nvfp4 && resolve_dtype("cuda", o.gpu.dtype) == "bfloat16" && runner == "kiln-blas") {
+  const bool dequant_path =
+      runner == "kiln-blas" || ((runner == "auto" || runner == "kiln-grouped" || runner == "kiln-fused-decode") &&
+                                o.prefill_chunk >= cuda::kMoePrefillBlasMinTokens);
+  if (config.is_moe() && nvfp4 && resolve_dtype("cuda", o.gpu.dtype) == "bfloat16" && dequant_path) {
     const double expert = 3.0 * 2.0 * static_cast<double>(config.moe_intermediate_size) * H;
     p.moe_dequant_bytes = std::min(static_cast<double>(cuda::kMoePrefillWeightScratchBytes),
                                    expert * std::max(config.num_experts, 1));
@@ -260,8 +275,11 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
     p.vision_bytes = 2.0 * params + 1.25 * per_patch * static_cast<double>(std::max<int64_t>(o.vision_max_patches, 0));
   }
   auto activations = [&](int running) {
+    // The largest pass, and the largest one below the release threshold (a decode step of many sequences).
     const double tokens = static_cast<double>(std::max<int64_t>(o.prefill_chunk, running));
-    return tokens * per_token + 4.0 * running * vocab_rows + 0.5 * G + p.moe_dequant_bytes + p.vision_bytes;
+    const double held = std::max(pass_bytes(tokens),
+                                 pass_bytes(std::min(tokens, model::kLayerScratchReleaseMinTokens - 1.0)));
+    return held + 4.0 * running * vocab_rows + 0.5 * G + p.moe_dequant_bytes + p.vision_bytes;
   };
   int slots = o.state_slots;
   if (slots <= 0) {

@@ -31,6 +31,9 @@ class ForwardingOps : public Ops {
   void finish_weights() override { inner_->finish_weights(); }
   TensorView scratch(DType dtype, Shape shape) override { return inner_->scratch(dtype, shape); }
   void reset_scratch() override { inner_->reset_scratch(); }
+  ScratchMark scratch_mark() override { return inner_->scratch_mark(); }
+  void scratch_release(const ScratchMark& mark) override { inner_->scratch_release(mark); }
+  size_t scratch_peak_bytes() const override { return inner_->scratch_peak_bytes(); }
   TensorView upload(const void* host, DType dtype, Shape shape) override { return inner_->upload(host, dtype, shape); }
   void download(const TensorView& src, void* host) override { inner_->download(src, host); }
   void fill_zero(TensorView t) override { inner_->fill_zero(t); }

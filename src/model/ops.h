@@ -191,6 +191,17 @@ class Ops {
   // Per-step scratch, valid until reset_scratch() (called by the runner at the start of each step).
   virtual TensorView scratch(DType dtype, Shape shape) = 0;
   virtual void reset_scratch() = 0;
+  // Scratch as a stack inside a step: scratch_release(m) ends every scratch view taken since m = scratch_mark() (the
+  // memory is reused by the next scratch() calls; work already queued on it is ordered before them on a backend's
+  // stream). The runner frees each layer's buffers this way in large passes. Default: nothing is freed before the
+  // next reset_scratch().
+  struct ScratchMark {
+    size_t blocks = 0, used = 0, in_use = 0;
+  };
+  virtual ScratchMark scratch_mark() { return {}; }
+  virtual void scratch_release(const ScratchMark& mark) { (void)mark; }
+  // Bytes of scratch in use at most since the last reset_scratch() (0: the backend does not count).
+  virtual size_t scratch_peak_bytes() const { return 0; }
   // Host -> device copy into scratch.
   virtual TensorView upload(const void* host, DType dtype, Shape shape) = 0;
   // Device -> host (contiguous src); synchronises.

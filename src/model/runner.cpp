@@ -574,8 +574,17 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   embed(f, model_->weights, id_view, hidden);
   if (embeds) ops.scatter_rows(embeds->values, embeds->rows, hidden);
   f.name("embed", -1, hidden);
+  // Large passes (prefill) free each layer's scratch when the layer is done: its block output is added to the
+  // residual stream there (one add; smaller passes fuse it into the next layer's norm), so a pass holds one layer's
+  // buffers at a time instead of every layer's (the memory plan's activation estimate counts on this).
+  const bool free_layers = T >= kLayerScratchReleaseMinTokens && !(f.trace && *f.trace);
   for (int l = 0; l < c.num_layers; ++l) {
+    const Ops::ScratchMark mark = free_layers ? ops.scratch_mark() : Ops::ScratchMark{};
     model_->family->forward_layer(f, l, model_->weights.layers[l], hidden);
+    if (free_layers) {
+      residual_flush(f, hidden);
+      ops.scratch_release(mark);
+    }
     if (f.trace && *f.trace) residual_flush(f, hidden);  // a traced layer output is the whole residual stream
     f.name("layer_out", l, hidden);
   }

@@ -18,6 +18,11 @@
 
 namespace kiln::model {
 
+// Forward passes of at least this many tokens free each layer's scratch once the layer is done (Runner::pass_body),
+// so a prefill pass holds one layer's buffers at a time. Above the decode graphs' default largest batch, so decode and
+// verify passes keep the residual add fused into the next layer's norm.
+inline constexpr int64_t kLayerScratchReleaseMinTokens = 257;
+
 struct RunnerOptions {
   DType kv_dtype = DType::BF16;  // BF16 (default), F32 (exact reference checks) or F8_E4M3 (scaled)
   int64_t max_context = 0;       // 0: max_position_embeddings

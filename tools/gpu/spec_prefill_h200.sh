@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU machine: issues "Multi-token prediction" (position checkpoints, verify graphs) and "Prefill at tensor-core
 # speed" in one call, on one binary (A/B by flags), from the repository root:
-#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: train,tests,smoke,spec35,tiny,tinyengine,prefill]
+#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: train,tests,smoke,spec35,tiny,tinyengine,prefill,lines,images]
 # CARRY holds lib/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
 # Variables: TEST_FILTER, TEST_TIMEOUT, SPEC_BATCHES (35B spec sweep batches), PREFILL_VARIANTS ('|'-separated flag
 # sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs), TRAIN_SECONDS (train: tools/tiny/train_mtp.py in
-# the background while the other steps run; the new head's mtp.* tensors come back as $OUT/mtp_head.safetensors).
+# the background while the other steps run; the new head's mtp.* tensors come back as $OUT/mtp_head.safetensors),
+# SPEC_SWEEP (spec35: draft lengths, default 1,2,3), LINES (lines: a file of `label|kiln bench-engine arguments`, one
+# run per line, its output in $OUT/lines.txt), images (tests/integration/serve_images.sh on the CPU and CUDA).
 set -uo pipefail
 CARRY=${1:-gpu-carry}
 WHAT=${2:-tests,smoke,spec35,tiny,prefill}
@@ -61,7 +63,7 @@ if has spec35; then
   for g in "--disable-cuda-graph-verify" ""; do
     echo "== 35B-A3B dummy: spec sweep (replay path and position checkpoints, one binary) $g"
     timeout 300 "$K" bench-engine --device cuda --model-path $C35 --load-format dummy --batch ${SPEC_BATCHES:-1,8} \
-      --input-len 256 --output-len 32 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/spec35${g:+_eager}.txt" 2>&1
+      --input-len 256 --output-len 32 --skip-self-check --spec-sweep ${SPEC_SWEEP:-1,2,3} $g > "$OUT/spec35${g:+_eager}.txt" 2>&1
     echo "rc=$?"; grep -E "^batch|spec K" "$OUT/spec35${g:+_eager}.txt"
   done
 fi
@@ -79,6 +81,19 @@ if has tinyengine; then
       --output-len 64 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/tinyengine${g:+_eager}.txt" 2>&1
     echo "rc=$?"; grep -E "^batch|spec K|draft|verify" "$OUT/tinyengine${g:+_eager}.txt" | head -30
   done
+fi
+if has lines && [ -f "${LINES:-}" ]; then
+  while IFS='|' read -r label args; do
+    [ -z "$label" ] && continue
+    echo "== $label: kiln bench-engine $args" | tee -a "$OUT/lines.txt"
+    timeout 300 "$K" bench-engine --device cuda --skip-self-check $args >> "$OUT/lines.txt" 2>&1
+    echo "rc=$?" | tee -a "$OUT/lines.txt"
+    tail -n 40 "$OUT/lines.txt" | grep -E "^batch|spec K|plan|error|Error" | tail -12
+  done < "$LINES"
+fi
+if has images; then
+  echo "== serve_images.sh on cpu and cuda"
+  KILN_TEST_DEVICES="cpu cuda" timeout 300 bash tests/integration/serve_images.sh "$K" . 2>&1 | tail -12
 fi
 if has prefill; then
   IFS='|' read -ra VARIANTS <<< "${PREFILL_VARIANTS:---moe-runner-backend kiln-mma|--moe-runner-backend kiln-blas}"

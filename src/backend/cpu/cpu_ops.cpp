@@ -73,18 +73,28 @@ TensorView CpuOps::scratch(DType dtype, Shape shape) {
   }
   void* p = static_cast<char*>(scratch_blocks_.back().data()) + scratch_used_;
   scratch_used_ += bytes;
-  scratch_high_water_ += bytes;
+  scratch_in_use_ += bytes;
+  scratch_high_water_ = std::max(scratch_high_water_, scratch_in_use_);
   return TensorView(p, dtype, shape);
+}
+
+model::Ops::ScratchMark CpuOps::scratch_mark() { return {scratch_blocks_.size(), scratch_used_, scratch_in_use_}; }
+
+void CpuOps::scratch_release(const ScratchMark& mark) {
+  // Blocks added since the mark hold only released views: the newest is reused from its start.
+  scratch_used_ = scratch_blocks_.size() == mark.blocks ? mark.used : 0;
+  scratch_in_use_ = mark.in_use;
 }
 
 void CpuOps::reset_scratch() {
   if (scratch_blocks_.size() > 1) {
-    // Next step: one block big enough for everything the last step asked for.
+    // Next step: one block big enough for the most the last step held at once.
     const size_t total = align64(scratch_high_water_ + (size_t{1} << 16));
     scratch_blocks_.clear();
     scratch_blocks_.emplace_back(total);
   }
   scratch_used_ = 0;
+  scratch_in_use_ = 0;
   scratch_high_water_ = 0;
 }
 

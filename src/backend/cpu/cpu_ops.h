@@ -25,6 +25,9 @@ class CpuOps final : public model::Ops {
   TensorView place_weight(const TensorView& host) override { return host; }
   TensorView scratch(DType dtype, Shape shape) override;
   void reset_scratch() override;
+  ScratchMark scratch_mark() override;
+  void scratch_release(const ScratchMark& mark) override;
+  size_t scratch_peak_bytes() const override { return scratch_high_water_; }
   TensorView upload(const void* host, DType dtype, Shape shape) override;
   void download(const TensorView& src, void* host) override;
   void fill_zero(TensorView t) override;
@@ -81,7 +84,8 @@ class CpuOps final : public model::Ops {
   std::vector<Buffer> persistent_;
   std::vector<Buffer> scratch_blocks_;
   size_t scratch_used_ = 0;      // bytes used in the last block
-  size_t scratch_high_water_ = 0;  // total bytes asked for since the last reset
+  size_t scratch_in_use_ = 0;      // bytes of live scratch views (all blocks)
+  size_t scratch_high_water_ = 0;  // the most scratch_in_use_ since the last reset
 };
 
 // ---- kernels shared by the ops (cpu_linear.cpp, cpu_delta_rule.cpp), exposed for tests

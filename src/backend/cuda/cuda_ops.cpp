@@ -444,6 +444,16 @@ TensorView CudaOps::scratch(DType dtype, Shape shape) {
 
 void CudaOps::reset_scratch() { impl_->rt.reset_scratch(); }
 
+model::Ops::ScratchMark CudaOps::scratch_mark() {
+  ScratchMark m;
+  impl_->rt.scratch_mark(m.blocks, m.used, m.in_use);
+  return m;
+}
+
+void CudaOps::scratch_release(const ScratchMark& mark) { impl_->rt.scratch_release(mark.blocks, mark.used, mark.in_use); }
+
+size_t CudaOps::scratch_peak_bytes() const { return impl_->rt.scratch_peak_bytes(); }
+
 TensorView CudaOps::upload(const void* host, DType dtype, Shape shape) {
   TensorView t = scratch(dtype, shape);
   // Pageable source: the call returns once the bytes are staged, so the caller may reuse its buffer.

@@ -43,6 +43,9 @@ class CudaOps final : public model::Ops {
   void set_weight_upload(const UploadOptions& options);
   TensorView scratch(DType dtype, Shape shape) override;
   void reset_scratch() override;
+  ScratchMark scratch_mark() override;
+  void scratch_release(const ScratchMark& mark) override;
+  size_t scratch_peak_bytes() const override;
   TensorView upload(const void* host, DType dtype, Shape shape) override;
   void download(const TensorView& src, void* host) override;
   void fill_zero(TensorView t) override;

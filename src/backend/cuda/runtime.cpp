@@ -200,13 +200,27 @@ void* CudaRuntime::scratch(size_t bytes) {
   }
   void* p = static_cast<char*>(scratch_blocks_.back().data()) + scratch_used_;
   scratch_used_ += bytes;
-  scratch_high_water_ += bytes;
+  scratch_in_use_ += bytes;
+  scratch_high_water_ = std::max(scratch_high_water_, scratch_in_use_);
   return p;
+}
+
+void CudaRuntime::scratch_mark(size_t& blocks, size_t& used, size_t& in_use) const {
+  blocks = scratch_blocks_.size();
+  used = scratch_used_;
+  in_use = scratch_in_use_;
+}
+
+void CudaRuntime::scratch_release(size_t blocks, size_t used, size_t in_use) {
+  // Kernels queued on the released memory run before any later kernel of this stream, so reuse needs no wait.
+  // Blocks added since the mark hold only released memory: the newest is reused from its start.
+  scratch_used_ = scratch_blocks_.size() == blocks ? used : 0;
+  scratch_in_use_ = in_use;
 }
 
 void CudaRuntime::reset_scratch() {
   if (scratch_blocks_.size() > 1) {
-    // Next step: one block big enough for everything the last step asked for. Queued kernels may still read the
+    // Next step: one block big enough for the most the last step held at once. Queued kernels may still read the
     // old blocks: wait for them before freeing.
     synchronize();
     const size_t total = align_up(scratch_high_water_ + (size_t{1} << 20));
@@ -215,6 +229,7 @@ void CudaRuntime::reset_scratch() {
     ++scratch_generation_;
   }
   scratch_used_ = 0;
+  scratch_in_use_ = 0;
   scratch_high_water_ = 0;
 }
 

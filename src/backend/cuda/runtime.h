@@ -61,6 +61,10 @@ class CudaRuntime {
   // graph captured in the current generation still points at live scratch memory.
   void* scratch(size_t bytes);
   void reset_scratch();
+  // model::Ops::scratch_mark / scratch_release: {blocks, used in the last block, bytes in use}.
+  void scratch_mark(size_t& blocks, size_t& used, size_t& in_use) const;
+  void scratch_release(size_t blocks, size_t used, size_t in_use);
+  size_t scratch_peak_bytes() const { return scratch_high_water_; }
   size_t scratch_bytes() const;
   // The memory plan's activation estimate (bytes; 0: none): the first scratch block is that size, and the blocks grow
   // by an eighth of it instead of doubling (doubling overshot the plan by up to 2x and ran out of memory on a 4k pass).
@@ -120,7 +124,8 @@ class CudaRuntime {
   std::vector<::kiln::cuda::DeviceBuffer> scratch_blocks_;
   size_t scratch_plan_ = 0;
   size_t scratch_used_ = 0;        // bytes used in the last block
-  size_t scratch_high_water_ = 0;  // bytes asked for since the last reset
+  size_t scratch_in_use_ = 0;      // bytes of live scratch (all blocks)
+  size_t scratch_high_water_ = 0;  // the most scratch_in_use_ since the last reset
   uint64_t scratch_generation_ = 0;
 
   bool capturing_ = false;

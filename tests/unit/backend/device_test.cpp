@@ -274,7 +274,7 @@ TEST(PrefillSizes, AutoByDeviceAndTheSetValues) {
 // The plan reserves activations for one forward pass (--max-pass-tokens), not for the step budget: serve's auto
 // 8192-token steps on an H200 plan the same activations as 512-token steps, and a pass of 8192 tokens would take
 // most of the GPU for the 35B shape (scratch is held over all 40 layers of a pass).
-TEST(MemoryPlan, ActivationsFollowThePassNotTheStepBudget) {
+TEST(MemoryPlan, ActivationsFollowThePassAndItsLayerRelease) {
   const format::ModelDir dir = format::ModelDir::open(kConfig35);
   LoadOptions o;
   o.state_slots = 64;
@@ -286,9 +286,18 @@ TEST(MemoryPlan, ActivationsFollowThePassNotTheStepBudget) {
   EXPECT_DOUBLE_EQ(serve_auto.activation_bytes, pass512.activation_bytes);
   o.prefill_chunk = 8192;
   const MemoryPlan pass8k = plan_device_memory(dir, o, 139.8 * GiB, 0);
-  EXPECT_GT(pass8k.activation_bytes, 80.0 * GiB);
   EXPECT_LT(pass512.activation_bytes, 8.0 * GiB);
-  EXPECT_LT(pass8k.kv_bytes, pass512.kv_bytes - 70.0 * GiB);
+  // A pass of >= model::kLayerScratchReleaseMinTokens tokens frees each layer's buffers when the layer is done: an
+  // 8192-token pass holds about two layers' (not 40), while a 256-token pass (a decode step of 256 sequences: no
+  // release) holds all 40. One layer of the 35B per token, in floats: 8 H + 3 max(C, Q) + the MoE rows
+  // = 8 x 2048 + 3 x 8192 + (8 x (512 + 2048) + 256 + 3 x 512 + 1.5 x (2048 + 8 x 512)) = 72,448, i.e. 289,792 bytes.
+  const double layer8k = 8192.0 * 289792;
+  EXPECT_GT(pass8k.activation_bytes, layer8k);
+  EXPECT_LT(pass8k.activation_bytes, 3 * layer8k);
+  EXPECT_LT(pass8k.kv_bytes, pass512.kv_bytes);
+  o.prefill_chunk = 256;
+  const MemoryPlan pass256 = plan_device_memory(dir, o, 139.8 * GiB, 0);
+  EXPECT_GT(pass256.activation_bytes, 40 * 256.0 * 289792);
 }
 
 TEST(MemoryPlan, StateSlotsAndContextComeFromThePlan) {

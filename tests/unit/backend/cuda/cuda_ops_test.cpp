@@ -342,6 +342,44 @@ TEST(CudaRunner, Bf16InputsLogitsNearCpuOnEveryModel) {
   std::printf("[ model    ] --dtype bfloat16: worst prefill logits rel-L2 %.2e\n", worst);
 }
 
+// A pass of >= model::kLayerScratchReleaseMinTokens tokens frees each layer's scratch when the layer is done
+// (Runner::pass_body): on CUDA its prefill logits equal the CPU's (same release path; float32, F32 KV) on every model,
+// and its scratch peak stays well under a 256-token pass's, which holds every layer's buffers.
+TEST(CudaRunner, LargePassesFreeLayerScratchAndMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  auto prefill = [](Engine& e, std::span<const int32_t> p, size_t* peak) {
+    model::SeqChunk c;
+    c.state_slot = 0;
+    c.tokens = p;
+    c.start_pos = 0;
+    c.page_table = e.page_tables[0];
+    std::vector<float> out(static_cast<size_t>(e.vocab));
+    e.runner->forward({&c, 1}, out);
+    *peak = e.runner->ops().scratch_peak_bytes();
+    return out;
+  };
+  for (const ModelCase& mc : cases) {
+    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 1, 512);
+    Engine gpu(std::make_unique<CudaOps>(), mc.dir, DType::F32, 1, 512);
+    std::vector<int32_t> prompt(300);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % std::min<int64_t>(gpu.vocab, 2000));
+    size_t peak256 = 0, peak300 = 0, cpu_peak = 0;
+    prefill(gpu, std::span(prompt).first(256), &peak256);
+    const std::vector<float> got = prefill(gpu, prompt, &peak300);
+    const std::vector<float> want = prefill(cpu, prompt, &cpu_peak);
+    const double err = test::rel_err(got, want);
+    std::printf("[ model    ] %-22s 300-token pass, layers freed: cuda vs cpu logits rel-L2 %.2e; cuda scratch peak "
+                "%.2f MB (256-token pass: %.2f MB)\n",
+                mc.name.c_str(), err, peak300 / 1e6, peak256 / 1e6);
+    EXPECT_LT(err, 1e-4) << mc.name;
+    EXPECT_EQ(testing::argmax(got.data(), gpu.vocab), testing::argmax(want.data(), cpu.vocab)) << mc.name;
+    EXPECT_LT(peak300, peak256) << mc.name;
+  }
+}
+
 TEST(CudaRunner, Bf16KvCacheGreedyMatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   // The serving default (BF16 KV): rounding to bf16 may differ in the last bit where the fp32 inputs differ by

@@ -52,7 +52,22 @@ int64_t resolve_pass_tokens(int64_t max_pass_tokens, int64_t step_tokens) {
   return step_tokens > 0 ? std::min(max_pass_tokens, step_tokens) : max_pass_tokens;
 }
 
-PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, int64_t max_pass_tokens,
+namespace {
+// A whole number of tokens, or kiln::Error naming the flag.
+int64_t parse_tokens(const std::string& text, const char* flag) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) fail("{} '{}' is neither auto nor a number of tokens", flag, text);
+  return v;
+}
+}  // namespace
+
+PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, const std::string& max_pass_tokens,
                                    const std::string& device, double gpu_bytes) {
   PrefillSizes p;
   const double GiB = 1024.0 * 1024.0 * 1024.0;
@@ -62,20 +77,17 @@ PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, int6
                                 : fmt::format("auto: a GPU of {:.1f} GiB, {} 80 GB", gpu_bytes / GiB,
                                               gpu_bytes >= 80e9 ? "at least" : "under");
   } else {
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(chunked_prefill_size, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != chunked_prefill_size.size())
-      fail("--chunked-prefill-size '{}' is neither auto nor a number of tokens", chunked_prefill_size);
+    const int64_t v = parse_tokens(chunked_prefill_size, "--chunked-prefill-size");
     p.step_tokens = std::max<int64_t>(v, 0);
     p.reason = v > 0 ? std::string("set by --chunked-prefill-size")
                      : fmt::format("--chunked-prefill-size {}: no per-step budget, whole prompts in one step", v);
   }
-  p.pass_tokens = resolve_pass_tokens(max_pass_tokens, p.step_tokens);
+  if (max_pass_tokens == "auto") {
+    p.pass_tokens = p.step_tokens > 0 ? p.step_tokens : kAutoPassTokensNoBudget;
+    p.reason += "; passes: auto, one per step";
+  } else {
+    p.pass_tokens = resolve_pass_tokens(parse_tokens(max_pass_tokens, "--max-pass-tokens"), p.step_tokens);
+  }
   return p;
 }
 

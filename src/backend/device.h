@@ -32,20 +32,23 @@ DeviceChoice resolve_device(const std::string& requested);
 //   step_tokens: the engine's per-step token budget, decodes + prompt chunks (engine/scheduler.h); 0: none
 //     (whole prompts in one step). It bounds how long a step's decodes wait for the prompts beside them.
 //   pass_tokens: the most tokens one forward pass runs (a larger step runs as several passes, back to back): the
-//     runner's prefill_chunk. The memory plan reserves activation scratch for a pass of this many tokens.
+//     runner's prefill_chunk. The memory plan reserves activation scratch for a pass of this many tokens. auto: the
+//     step budget (one step, one pass: passes of >= model::kLayerScratchReleaseMinTokens tokens hold about one layer's
+//     activations, and larger passes give the experts fuller tiles), kAutoPassTokensNoBudget without one.
 struct PrefillSizes {
   int64_t step_tokens = 0;
   int64_t pass_tokens = 0;
   std::string reason;  // how both were chosen, for the startup summary
 };
-constexpr int64_t kDefaultMaxPassTokens = 512;
+constexpr int64_t kDefaultMaxPassTokens = 512;  // kiln generate and bench-engine (no engine steps)
+constexpr int64_t kAutoPassTokensNoBudget = 8192;
 // The per-step budget --chunked-prefill-size auto gives: 8192 on a GPU of 80 GB (decimal) or more, 2048 on a smaller
 // GPU, 512 on the CPU (small steps keep the CPU backend's tests and streams responsive).
 int64_t default_chunked_prefill_size(const std::string& device, double gpu_bytes);
-// chunked_prefill_size: "auto" or a number of tokens (<= 0: no per-step budget). max_pass_tokens: at least 1; the
-// pass is never larger than a positive step budget. device: "cpu" or "cuda" (gpu_bytes its memory). Throws
-// kiln::Error for a value that is neither.
-PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, int64_t max_pass_tokens,
+// chunked_prefill_size: "auto" or a number of tokens (<= 0: no per-step budget). max_pass_tokens: "auto" or a number
+// of tokens, at least 1; the pass is never larger than a positive step budget. device: "cpu" or "cuda" (gpu_bytes
+// its memory). Throws kiln::Error for a value that is neither.
+PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, const std::string& max_pass_tokens,
                                    const std::string& device, double gpu_bytes);
 // The pass size alone (what resolve_prefill_sizes gives as pass_tokens): max_pass_tokens (at least 1), at most a
 // positive step_tokens. kiln generate and bench-engine, which run the runner without engine steps, pass 0.

@@ -38,7 +38,7 @@ struct InspectOptions {
   bool disable_radix_cache = false;
   int64_t context_length = 0;
   std::string chunked_prefill_size = "auto";  // resolved as kiln serve does (backend::resolve_prefill_sizes)
-  int64_t max_pass_tokens = backend::kDefaultMaxPassTokens;
+  std::string max_pass_tokens = "auto";  // resolved as kiln serve does
 };
 
 // Decimal units, scaled to the size (a tiny test model shows MB/KB, not 0.00 GB).
@@ -399,7 +399,8 @@ kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weigh
                  "forward pass, which the activations are planned for, is never larger")
       ->capture_default_str();
   app.add_option("--max-pass-tokens", o->max_pass_tokens,
-                 "For kiln serve's own plan: most tokens in one forward pass (activation memory is planned for one)")
+                 "For kiln serve's own plan: most tokens in one forward pass (activation memory is planned for one); "
+                 "auto: the step budget")
       ->capture_default_str();
   return [o]() -> int { return run_inspect(*o); };
 }};

@@ -453,7 +453,8 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
       ->capture_default_str();
   app.add_option("--max-pass-tokens", a->max_pass_tokens,
                  "Most tokens in one forward pass (a larger step runs as several passes); cuda: the memory plan "
-                 "reserves activation scratch for one such pass. Never more than --chunked-prefill-size")
+                 "reserves activation scratch for one such pass. Never more than --chunked-prefill-size. auto: the "
+                 "step budget (one pass per step; a large pass holds about one layer's activations at a time)")
       ->capture_default_str();
   app.add_option("--max-total-tokens", a->max_total_tokens,
                  "KV cache size in tokens (default: cuda: all memory the plan leaves; cpu: a context per running "

@@ -53,7 +53,7 @@ struct ServeArgs {
   int max_running_requests = 0;  // 0: the memory plan's (cuda), 32 (cpu)
   int max_queued_requests = 256;
   std::string chunked_prefill_size = "auto";  // backend::resolve_prefill_sizes
-  int64_t max_pass_tokens = backend::kDefaultMaxPassTokens;
+  std::string max_pass_tokens = "auto";        // backend::resolve_prefill_sizes
   int64_t max_total_tokens = 0;
   bool disable_radix_cache = false;
   int threads = 0;

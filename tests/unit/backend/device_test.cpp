@@ -239,36 +239,44 @@ TEST(KernelChoice, MoePrefillPathsResolveAndKilnBlasNeedsBf16OnSm90) {
 }
 
 TEST(PrefillSizes, AutoByDeviceAndTheSetValues) {
-  // auto: 8192 on a GPU of 80 GB (decimal) or more, 2048 below, 512 on the CPU; the pass stays 512.
-  PrefillSizes h200 = resolve_prefill_sizes("auto", kDefaultMaxPassTokens, "cuda", 139.8 * GiB);
+  // auto: 8192 on a GPU of 80 GB (decimal) or more, 2048 below, 512 on the CPU; a set pass size is kept.
+  PrefillSizes h200 = resolve_prefill_sizes("auto", "512", "cuda", 139.8 * GiB);
   EXPECT_EQ(h200.step_tokens, 8192);
   EXPECT_EQ(h200.pass_tokens, 512);
   EXPECT_NE(h200.reason.find("auto"), std::string::npos) << h200.reason;
-  EXPECT_EQ(resolve_prefill_sizes("auto", 512, "cuda", 80e9).step_tokens, 8192);
-  EXPECT_EQ(resolve_prefill_sizes("auto", 512, "cuda", 79.9e9).step_tokens, 2048);
-  EXPECT_EQ(resolve_prefill_sizes("auto", 512, "cuda", 48e9).step_tokens, 2048);
-  PrefillSizes cpu = resolve_prefill_sizes("auto", 512, "cpu", 0);
+  EXPECT_EQ(resolve_prefill_sizes("auto", "512", "cuda", 80e9).step_tokens, 8192);
+  EXPECT_EQ(resolve_prefill_sizes("auto", "512", "cuda", 79.9e9).step_tokens, 2048);
+  EXPECT_EQ(resolve_prefill_sizes("auto", "512", "cuda", 48e9).step_tokens, 2048);
+  PrefillSizes cpu = resolve_prefill_sizes("auto", "512", "cpu", 0);
   EXPECT_EQ(cpu.step_tokens, 512);
   EXPECT_EQ(cpu.pass_tokens, 512);
   // A set value is used as it is; the pass is never larger than a positive step budget.
-  EXPECT_EQ(resolve_prefill_sizes("4096", 512, "cuda", 139.8 * GiB).step_tokens, 4096);
-  EXPECT_EQ(resolve_prefill_sizes("4096", 2048, "cuda", 139.8 * GiB).pass_tokens, 2048);
-  PrefillSizes small = resolve_prefill_sizes("256", 512, "cuda", 139.8 * GiB);
+  EXPECT_EQ(resolve_prefill_sizes("4096", "512", "cuda", 139.8 * GiB).step_tokens, 4096);
+  EXPECT_EQ(resolve_prefill_sizes("4096", "2048", "cuda", 139.8 * GiB).pass_tokens, 2048);
+  PrefillSizes small = resolve_prefill_sizes("256", "512", "cuda", 139.8 * GiB);
   EXPECT_EQ(small.step_tokens, 256);
   EXPECT_EQ(small.pass_tokens, 256);
   // <= 0: no per-step budget (whole prompts in one step), passes of --max-pass-tokens.
   for (const char* off : {"0", "-1"}) {
-    PrefillSizes p = resolve_prefill_sizes(off, 512, "cuda", 139.8 * GiB);
+    PrefillSizes p = resolve_prefill_sizes(off, "512", "cuda", 139.8 * GiB);
     EXPECT_EQ(p.step_tokens, 0) << off;
     EXPECT_EQ(p.pass_tokens, 512) << off;
   }
   EXPECT_EQ(resolve_pass_tokens(4096, 0), 4096);
   EXPECT_EQ(resolve_pass_tokens(4096, 1024), 1024);
   for (const char* bad : {"", "big", "12x", "8k"})
-    EXPECT_NE(error_of([&] { resolve_prefill_sizes(bad, 512, "cpu", 0); }).find("--chunked-prefill-size"),
+    EXPECT_NE(error_of([&] { resolve_prefill_sizes(bad, "512", "cpu", 0); }).find("--chunked-prefill-size"),
               std::string::npos)
         << bad;
-  EXPECT_NE(error_of([] { resolve_prefill_sizes("auto", 0, "cpu", 0); }).find("--max-pass-tokens"), std::string::npos);
+  EXPECT_NE(error_of([] { resolve_prefill_sizes("auto", "0", "cpu", 0); }).find("--max-pass-tokens"), std::string::npos);
+  EXPECT_NE(error_of([] { resolve_prefill_sizes("auto", "lots", "cpu", 0); }).find("--max-pass-tokens"),
+            std::string::npos);
+  // --max-pass-tokens auto: one pass per step (the step budget), 8192 without one.
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cuda", 139.8 * GiB).pass_tokens, 8192);
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cuda", 48e9).pass_tokens, 2048);
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cpu", 0).pass_tokens, 512);
+  EXPECT_EQ(resolve_prefill_sizes("3000", "auto", "cuda", 139.8 * GiB).pass_tokens, 3000);
+  EXPECT_EQ(resolve_prefill_sizes("0", "auto", "cuda", 139.8 * GiB).pass_tokens, kAutoPassTokensNoBudget);
 }
 
 // The plan reserves activations for one forward pass (--max-pass-tokens), not for the step budget: serve's auto
@@ -279,7 +287,7 @@ TEST(MemoryPlan, ActivationsFollowThePassAndItsLayerRelease) {
   LoadOptions o;
   o.state_slots = 64;
   o.max_context = 4096;
-  o.prefill_chunk = resolve_prefill_sizes("auto", kDefaultMaxPassTokens, "cuda", 139.8 * GiB).pass_tokens;
+  o.prefill_chunk = resolve_prefill_sizes("auto", "512", "cuda", 139.8 * GiB).pass_tokens;
   const MemoryPlan serve_auto = plan_device_memory(dir, o, 139.8 * GiB, 0);
   o.prefill_chunk = 512;
   const MemoryPlan pass512 = plan_device_memory(dir, o, 139.8 * GiB, 0);

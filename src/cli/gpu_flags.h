@@ -49,7 +49,7 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
       ->capture_default_str();
   app.add_option("--moe-runner-backend", f.gpu.moe_runner_backend,
                  "cuda: auto = kiln-grouped (NVFP4 experts "
-                 "on tensor cores, routing and combine as separate kernels; with bfloat16 on sm_90+, passes of >= 1024 "
+                 "on tensor cores, routing and combine as separate kernels; with bfloat16 on sm_90+, passes of >= 4096 "
                  "tokens run the experts that received tokens dequantised to bf16 as cuBLAS grouped GEMMs), or "
                  "kiln-mma (the mma.sync expert kernels at every size), or kiln-blas (the dequantised cuBLAS path at "
                  "every step outside CUDA graphs; bfloat16, sm_90+), or kiln-grouped-fp32 (fp32 CUDA-core kernels), "

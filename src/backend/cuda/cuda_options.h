@@ -10,8 +10,9 @@ namespace kiln::backend::cuda {
 // Steps of at least this many tokens take that path under `auto` (tunable). The mma kernels read 0.56 bytes per weight
 // and stay cheap at few rows per expert; the dequantised path writes and reads 2 bytes per weight of every expert that
 // received a token (~3.7 GB per layer at the 35B-A3B and at a 397B TP-8 rank: ~0.9 ms on an H200) and then runs at
-// tensor-core speed. The estimate of docs/perf/prefill.md puts the break-even near 800-1300 tokens on both shapes.
-constexpr int64_t kMoePrefillBlasMinTokens = 1024;
+// tensor-core speed. Measured on an H100 (35B-A3B, one pass; docs/perf/prefill.md): 1024 tokens 0.64x the mma
+// kernels, 2048 0.94x, 4096 1.19x, 8192 1.34x; so from 4096.
+constexpr int64_t kMoePrefillBlasMinTokens = 4096;
 // The bf16 scratch of the dequantised experts (gate, up, down of one batch of experts; a layer with more experts than
 // fit runs in batches). A buffer reused by every layer and step (CudaRuntime::reusable), outside the scratch arena;
 // the memory plan adds it to its activation estimate (backend/device.cpp, moe_dequant_scratch_bytes).

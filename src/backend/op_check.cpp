@@ -354,7 +354,7 @@ void check_linear(Harness& h) {
   };
   const Variant variants[] = {
       {WeightFormat::dense, DType::BF16, "bf16", false, 0, true},
-      {WeightFormat::dense, DType::BF16, "bf16+bias", true, 0, false},
+      {WeightFormat::dense, DType::BF16, "bf16+bias", true, 0, true},  // the bias added after the GEMM
       {WeightFormat::dense, DType::F32, "f32", false, 0, false},
       {WeightFormat::dense, DType::F16, "f16", false, 0, false},
       {WeightFormat::dense, DType::BF16, "bf16 K%8!=0", false, 4, false},
@@ -381,16 +381,25 @@ void check_linear(Harness& h) {
     const char* name;
     int count;
   };
-  // bf16x3: widths the tensor-core path takes (multiples of 16) when out_features is one.
+  // bf16x3: widths the tensor-core path takes (multiples of 16) when out_features is one. bf16x3+bias: the same with
+  // a BF16 bias (the checkpoints' type) on the first and last weights, placed after the three weights (which stay
+  // back to back: a CUDA backend's one GEMM over them adds each bias to its own columns only).
   for (const Multi& m : {Multi{WeightFormat::dense, DType::BF16, "bf16", 4}, Multi{WeightFormat::nvfp4, DType::U8,
                                                                                   "nvfp4", 2},
-                         Multi{WeightFormat::dense, DType::BF16, "bf16x3", 3}}) {
+                         Multi{WeightFormat::dense, DType::BF16, "bf16x3", 3},
+                         Multi{WeightFormat::dense, DType::BF16, "bf16x3+bias", 3}}) {
     h.reset();
     const int64_t K = c.hidden;
-    const bool x3 = std::string_view(m.name) == "bf16x3";
+    const bool biased = std::string_view(m.name) == "bf16x3+bias";
+    const bool x3 = biased || std::string_view(m.name) == "bf16x3";
     const int64_t Ns[4] = {c.out_features, 32, x3 ? 2 * c.out_features : c.out_features + 8, 1};
     std::vector<std::pair<LinearWeight, LinearWeight>> ws;
     for (int i = 0; i < m.count; ++i) ws.push_back(h.linear_weight(m.format, m.dtype, Ns[i], K, false));
+    for (int i = 0; biased && i < m.count; i += 2) {
+      const Pair b = h.place(h.host_normal(DType::BF16, Shape{Ns[i]}, 0.5f));
+      ws[static_cast<size_t>(i)].first.bias = b.test;
+      ws[static_cast<size_t>(i)].second.bias = b.ref;
+    }
     for (int64_t T : c.linear_rows) {
       Pair x = h.upload(h.host_normal(DType::F32, Shape{T, K}, 1.0f));
       std::vector<Pair> outs;

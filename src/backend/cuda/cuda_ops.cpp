@@ -44,13 +44,25 @@ constexpr int32_t kChunkedDeltaMinTokens = 32;  // the chunked delta rule from t
 // 32 rows the gemv is the slower one.
 constexpr int64_t kGemvMaxRowsSmallW = 32;
 constexpr int64_t kBlasMinElemsFewRows = int64_t(4) << 20;
+// A biased cuBLASLt linear runs in row blocks of at most this many rows: the vision tower of a large image (up to
+// 65536 patches) would otherwise want 3 x 65536 x 4304 fp32 partial outputs (3.4 GB) at once. Text passes
+// (--max-pass-tokens, 512 by default) stay below it.
+constexpr int64_t kBlasBiasedMaxRows = 8192;
 bool blas_rows(int64_t T, int64_t N, int64_t K) {
   return T >= kBlasMinRows && (T > kGemvMaxRowsSmallW || N * K >= kBlasMinElemsFewRows);
 }
 
-// A linear that takes cuBLASLt (x in CudaOptions::mma_parts() bf16 parts) at T rows.
+// A bias the cuBLASLt path adds after the GEMM (sum3_rows / add_row_bias): none, or [N] in F32, BF16 or F16 (any
+// other bias stays on the fp32 kernels, whose desc_of checks it).
+bool blas_bias_ok(const model::LinearWeight& w) {
+  if (!w.bias.data) return true;
+  return (w.bias.dtype == DType::F32 || w.bias.dtype == DType::BF16 || w.bias.dtype == DType::F16) &&
+         w.bias.numel() == w.out_features;
+}
+
+// A linear that takes cuBLASLt (x in CudaOptions::mma_parts() bf16 parts) at T rows, with or without a bias.
 bool blas_dense(const model::LinearWeight& w, int64_t T) {
-  return w.format == model::WeightFormat::dense && w.weight.dtype == DType::BF16 && !w.bias.data &&
+  return w.format == model::WeightFormat::dense && w.weight.dtype == DType::BF16 && blas_bias_ok(w) &&
          blas_rows(T, w.out_features, w.in_features) && w.in_features % 8 == 0 && w.out_features % 4 == 0 &&
          reinterpret_cast<uintptr_t>(w.weight.data) % 16 == 0;
 }
@@ -76,6 +88,10 @@ void expect_i32(const TensorView& t, const char* what) {
 const float* f32(const TensorView& t) { return static_cast<const float*>(t.data); }
 float* f32_mut(const TensorView& t) { return static_cast<float*>(t.data); }
 const int32_t* i32(const TensorView& t) { return static_cast<const int32_t*>(t.data); }
+// The element type of a bias blas_bias_ok accepted (F32 when there is none: not read).
+kops::ElemType blas_bias_elem(const model::LinearWeight& w) {
+  return w.bias.data ? elem_of(w.bias.dtype, "linear bias") : kops::ElemType::f32;
+}
 
 kops::WeightDesc desc_of(const LinearWeight& w) {
   KILN_CHECK(w.present(), "linear weight missing");
@@ -214,8 +230,9 @@ std::string CudaOps::describe() const {
   const std::string dense =
       !o.dense_bf16_blas ? std::string("dense BF16 on the fp32 kernels")
                          : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
-                                       "(cuBLASLt, {})",
-                                       kGemvMaxRowsSmallW, kBlasMinRows, x_in);
+                                       "(cuBLASLt, {}; with or without a bias, added {})",
+                                       kGemvMaxRowsSmallW, kBlasMinRows, x_in,
+                                       bf16 ? "after the GEMM" : "where the 3 parts are summed");
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "
       "fp32 accumulation); linear: {}, else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem "
@@ -546,21 +563,42 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   //  GEMM (W read once), and the three partial outputs are summed: products are exact in fp32, so the result matches
   //  the fp32 kernels to summation order.
   //  --dtype bfloat16: x rounded once to bf16, one GEMM of the T rows writes out itself (fp32 accumulate).
+  // A bias is added after the whole sum, as the fp32 kernels add it: by the sum of the three parts (float32), by
+  // add_row_bias after the GEMM (bfloat16). A biased linear of more than kBlasBiasedMaxRows rows runs in row blocks
+  // of that many (one large image's vision tower: bounds the split / partial-output buffers); unbiased ones are one
+  // GEMM at any T. (The profiler's nested rows name the stages.)
   if (blas_dense(w, T) && impl_->options.dense_bf16_blas) {
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
     const int parts = impl_->options.mma_parts();
-    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(parts * T * K) * 2));
-    if (parts == kops::kMmaPartsBf16) {
-      kops::round_bf16(f32(x), ldx, T, K, xs, impl_->rt.stream());
-      impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, f32_mut(out), N, true,
-                        static_cast<int>(T), static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
-      return;
+    const int64_t rows = w.bias.data ? std::min(T, kBlasBiasedMaxRows) : T;
+    auto* xs = static_cast<uint16_t*>(impl_->rt.reusable(impl_->blas_x, static_cast<size_t>(parts * rows * K) * 2));
+    auto* part = parts == kops::kMmaPartsBf16
+                     ? nullptr
+                     : static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * rows * N) * 4));
+    for (int64_t r0 = 0; r0 < T; r0 += rows) {
+      const int64_t Tb = std::min(rows, T - r0);
+      const float* xb = f32(x) + r0 * ldx;
+      float* ob = f32_mut(out) + r0 * N;
+      if (parts == kops::kMmaPartsBf16) {
+        kops::round_bf16(xb, ldx, Tb, K, xs, impl_->rt.stream());
+        kops::profile_mark("cuBLASLt: x to bf16");
+        impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, ob, N, true, static_cast<int>(Tb),
+                          static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
+        kops::profile_mark("cuBLASLt: GEMM");
+        if (w.bias.data) {
+          kops::add_row_bias(ob, N, Tb, N, w.bias.data, blas_bias_elem(w), impl_->rt.stream());
+          kops::profile_mark("cuBLASLt: + bias");
+        }
+        continue;
+      }
+      kops::split_bf16x3(xb, ldx, Tb, K, xs, impl_->rt.stream());
+      kops::profile_mark("cuBLASLt: x split in 3 bf16 parts");
+      impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, part, N, true,
+                        static_cast<int>(3 * Tb), static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
+      kops::profile_mark("cuBLASLt: GEMM");
+      kops::sum3_rows(part, Tb, N, ob, N, impl_->rt.stream(), w.bias.data, blas_bias_elem(w));
+      kops::profile_mark(w.bias.data ? "cuBLASLt: sum of the 3 parts + bias" : "cuBLASLt: sum of the 3 parts");
     }
-    auto* part = static_cast<float*>(impl_->rt.reusable(impl_->blas_out, static_cast<size_t>(3 * T * N) * 4));
-    kops::split_bf16x3(f32(x), ldx, T, K, xs, impl_->rt.stream());
-    impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, part, N, true, static_cast<int>(3 * T),
-                      static_cast<int>(N), static_cast<int>(K), impl_->rt.stream());
-    kops::sum3_rows(part, T, N, f32_mut(out), N, impl_->rt.stream());
     return;
   }
   // NVFP4 weights and more rows than the gemv takes: the routed-expert tensor-core kernel with this weight as its
@@ -603,11 +641,14 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
            o.dim(1) == ws[i]->out_features && o.is_contiguous();
   };
   // Weights that take cuBLASLt share one split of x. --dtype float32: weights placed back to back (the arena keeps
-  // the binder's order) run as one GEMM whose columns are summed into their outputs by one launch. --dtype bfloat16:
-  // one GEMM per weight writes its output itself (nothing to sum).
+  // the binder's order) run as one GEMM whose columns are summed into their outputs by one launch, each weight's bias
+  // (if any) added to its own columns there. --dtype bfloat16: one GEMM per weight writes its output itself (nothing
+  // to sum; a bias is added after it by add_row_bias).
   size_t blas[4], n_blas = 0, rest[4], n_rest = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (simple && impl_->options.dense_bf16_blas && blas_dense(*ws[i], T) && plain_out(i)) blas[n_blas++] = i;
+    if (simple && impl_->options.dense_bf16_blas && blas_dense(*ws[i], T) && plain_out(i) &&
+        (!ws[i]->bias.data || T <= kBlasBiasedMaxRows))  // (longer: linear's row blocks)
+      blas[n_blas++] = i;
     else if (simple) rest[n_rest++] = i;
     else linear(x, *ws[i], outs[i]);
   }
@@ -630,6 +671,9 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
         impl_->blas->gemm(xs, K, static_cast<const uint16_t*>(w.weight.data), K, f32_mut(outs[blas[r]]),
                           w.out_features, true, static_cast<int>(T), static_cast<int>(w.out_features),
                           static_cast<int>(K), impl_->rt.stream());
+        if (w.bias.data)
+          kops::add_row_bias(f32_mut(outs[blas[r]]), w.out_features, T, w.out_features, w.bias.data,
+                             blas_bias_elem(w), impl_->rt.stream());
       }
       n_blas = 0;  // done
     } else {
@@ -652,6 +696,8 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
         segs.out[segs.count] = f32_mut(outs[blas[r]]);
         segs.ldo[segs.count] = ws[blas[r]]->out_features;
         segs.col0[segs.count] = col;
+        segs.bias[segs.count] = ws[blas[r]]->bias.data;
+        segs.bias_elem[segs.count] = blas_bias_elem(*ws[blas[r]]);
         col += ws[blas[r]]->out_features;
         ++segs.count;
       }

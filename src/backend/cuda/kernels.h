@@ -109,17 +109,26 @@ void round_bf16(const float* x, int64_t ldx, int64_t T, int64_t K, uint16_t* out
 // fp32 accuracy) or 1 (x rounded once to bf16). The tensor-core launchers below take no other value.
 constexpr int kMmaPartsFp32 = 3;
 constexpr int kMmaPartsBf16 = 1;
-void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream);
+// bias: [N] (bias_elem) or null; when set, out = ((lo + mid) + hi) + bias[n] (the fp32 kernels' sum + bias), in the
+// same launch. Without a bias the sum is the same as before (nothing added).
+void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream,
+               const void* bias = nullptr, ElemType bias_elem = ElemType::f32);
 // sum3_rows for one GEMM over several adjacent weights: columns [col0[s], col0[s + 1]) (the last to N) go to out[s]
-// (row stride ldo[s]); col0 ascending, col0[0] == 0.
+// (row stride ldo[s]), plus bias[s][column within the segment] where bias[s] is set; col0 ascending, col0[0] == 0.
 struct Sum3Segments {
   static constexpr int kMax = 4;
   float* out[kMax] = {};
   int64_t ldo[kMax] = {};
   int64_t col0[kMax] = {};
+  const void* bias[kMax] = {};
+  ElemType bias_elem[kMax] = {};
   int count = 0;
 };
 void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segments& segs, Stream stream);
+// out[t, n] += bias[n] (bias_elem) for t < T, n < N (row stride ldo): the bias of a linear whose one-part GEMM
+// (--dtype bfloat16) wrote out itself. (cuBLASLt's bias epilogue wants the bias in the output's type, F32 here,
+// and checkpoints store it in BF16.)
+void add_row_bias(float* out, int64_t ldo, int64_t T, int64_t N, const void* bias, ElemType bias_elem, Stream stream);
 // One thread spinning for `microseconds` (the profiler queues it so that the ops after it run back to back).
 void busy_wait(double microseconds, Stream stream);
 

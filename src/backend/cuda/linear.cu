@@ -14,8 +14,8 @@
 // rows were grouped or tiled.
 //
 // Also here: the routed experts' two GEMMs on these kernels (moe_experts_fp32, over moe_routing.cu's grouping) and
-// the split / sum kernels around the cuBLASLt GEMMs of dense BF16 linears (split_bf16x3, sum3_rows; round_bf16 for
-// --dtype bfloat16, whose GEMM writes the output itself).
+// the split / sum kernels around the cuBLASLt GEMMs of dense BF16 linears (split_bf16x3, sum3_rows, which adds the
+// bias too; round_bf16 and add_row_bias for --dtype bfloat16, whose GEMM writes the output itself).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -515,7 +515,8 @@ __global__ void round_bf16_kernel(const float* __restrict__ x, int64_t ldx, int6
 }
 
 // out = (lo + mid) + hi of the three partial GEMM outputs, column c of part into the segment whose column range
-// holds it (one segment: a plain linear; several: one GEMM over adjacent weights).
+// holds it (one segment: a plain linear; several: one GEMM over adjacent weights), then + the segment's bias where it
+// has one (the order of linear_output: the whole sum, then the bias).
 __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, int64_t N, Sum3Segments segs) {
   const int64_t n = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -524,8 +525,20 @@ __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, 
 #pragma unroll
     for (int j = 1; j < Sum3Segments::kMax; ++j)
       if (j < segs.count && c >= segs.col0[j]) s = j;
-    segs.out[s][t * segs.ldo[s] + (c - segs.col0[s])] = (part[2 * n + i] + part[n + i]) + part[i];
+    const int64_t col = c - segs.col0[s];
+    float v = (part[2 * n + i] + part[n + i]) + part[i];
+    if (segs.bias[s]) v += load_elem(segs.bias[s], segs.bias_elem[s], col);
+    segs.out[s][t * segs.ldo[s] + col] = v;
   }
+}
+
+// out[t, c] += bias[c]: a thread per column c (its bias read once), walking rows blockIdx.y, + gridDim.y, ...
+__global__ void add_row_bias_kernel(float* __restrict__ out, int64_t ldo, int64_t T, int64_t N,
+                                    const void* __restrict__ bias, ElemType bias_elem) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= N) return;
+  const float b = load_elem(bias, bias_elem, c);
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) out[t * ldo + c] += b;
 }
 
 unsigned fill_grid(int64_t n) {
@@ -652,12 +665,27 @@ void sum3_rows_segments(const float* part, int64_t T, int64_t N, const Sum3Segme
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream) {
+void sum3_rows(const float* part, int64_t T, int64_t N, float* out, int64_t ldo, Stream stream, const void* bias,
+               ElemType bias_elem) {
   Sum3Segments one;
   one.out[0] = out;
   one.ldo[0] = ldo;
+  one.bias[0] = bias;
+  one.bias_elem[0] = bias_elem;
   one.count = 1;
   sum3_rows_segments(part, T, N, one, stream);
+}
+
+void add_row_bias(float* out, int64_t ldo, int64_t T, int64_t N, const void* bias, ElemType bias_elem,
+                  Stream stream) {
+  if (T * N == 0 || !bias) return;
+  // ~8K blocks of 256 columns x (T / grid.y) rows each.
+  const int64_t col_blocks = (N + 255) / 256;
+  if (col_blocks > 0x7fffffff) cuda_fail("add_row_bias: {} columns is too many", {N});
+  const int64_t row_blocks = std::min<int64_t>({T, std::max<int64_t>(1, 8192 / col_blocks), 65535});
+  launch_kernel(add_row_bias_kernel, dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(row_blocks)), 256, 0,
+                stream, out, ldo, T, N, bias, bias_elem);
+  KILN_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace kiln::cuda::ops

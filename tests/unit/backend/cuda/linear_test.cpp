@@ -2,14 +2,17 @@
 // dense linears at 16..64 rows (gemv, multi-linear launches, cuBLASLt), NVFP4 linears with more rows than the gemv
 // takes, both tensor-core paths with x in 3 bf16 parts (--dtype float32, rel-L2 1e-5) and rounded once to bf16
 // (--dtype bfloat16: the CPU on the rounded x at 1e-5, the CPU on x within the bf16 budget), and the cuBLASLt
-// wrapper against a double-precision product. Skipped without a usable GPU.
+// wrapper against a double-precision product; biased dense BF16 linears at the vision tower's shapes on cuBLASLt (both
+// dtypes, linear and linear_multi). Skipped without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <random>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -176,6 +179,202 @@ TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
     EXPECT_LE(vs_rounded, 1e-5) << label;
     EXPECT_LE(vs_exact, kBf16InputLinearTol) << label;
     EXPECT_GE(vs_exact, 2e-4) << label << ": no sign of bf16 rounding";
+  }
+}
+
+// ---- Biased dense BF16 linears on cuBLASLt (the vision tower's linears all carry a bias)
+
+// The tower's linears (N x K): mlp.linear_fc1, mlp.linear_fc2, attn.qkv, attn.proj; BF16 biases as checkpoints store
+// them (proj: F32, the other type the kernels read).
+struct TowerLinear {
+  const char* name;
+  int64_t N, K;
+  DType bias_dtype;
+};
+constexpr TowerLinear kTowerLinears[] = {{"fc1", 4304, 1152, DType::BF16},
+                                         {"fc2", 1152, 4304, DType::BF16},
+                                         {"qkv", 3456, 1152, DType::BF16},
+                                         {"proj", 1152, 1152, DType::F32}};
+
+// cuda_ops.cpp's blas_rows: cuBLASLt from 16 rows for weights of >= 4M elements, from 33 rows for any; a biased
+// linear in row blocks of at most kBlasBiasedMaxRows (8192) rows, one GEMM each.
+bool takes_blas(int64_t T, int64_t N, int64_t K) { return T >= 16 && (T > 32 || N * K >= (int64_t(4) << 20)); }
+int64_t biased_blas_gemms(int64_t T) { return (T + 8191) / 8192; }
+
+// Calls of the cuBLASLt path's GEMM and of its bias stage in a profile (the nested rows cuda_ops.cpp's linear
+// marks: "cuBLASLt: GEMM", then "cuBLASLt: sum of the 3 parts + bias" or "cuBLASLt: + bias").
+struct BlasCalls {
+  int64_t gemm = 0, bias = 0;
+};
+BlasCalls blas_calls(const std::vector<model::OpTime>& rows) {
+  BlasCalls c;
+  for (const model::OpTime& r : rows) {
+    if (!r.nested || r.label.find("cuBLASLt:") == std::string::npos) continue;
+    if (r.label.find("GEMM") != std::string::npos) c.gemm += r.calls;
+    if (r.label.find("bias") != std::string::npos) c.bias += r.calls;
+  }
+  return c;
+}
+
+// ops.linear_multi(x, ws) (one weight: ops.linear) with x [T, K] from the host, into outputs that start as NaN (an
+// output left unwritten fails the comparison); with `prof`, the call is profiled.
+std::vector<std::vector<float>> run_linears(model::Ops& ops, const std::vector<model::LinearWeight>& ws,
+                                            const std::vector<float>& x, int64_t T,
+                                            std::vector<model::OpTime>* prof = nullptr) {
+  ops.reset_scratch();
+  const int64_t K = ws[0].in_features;
+  const TensorView xv = ops.upload(x.data(), DType::F32, Shape{T, K});
+  std::vector<TensorView> outs;
+  std::vector<const model::LinearWeight*> wp;
+  for (const model::LinearWeight& w : ws) {
+    const std::vector<float> nan(size_t(T * w.out_features), NAN);
+    outs.push_back(ops.upload(nan.data(), DType::F32, Shape{T, w.out_features}));
+    wp.push_back(&w);
+  }
+  if (prof) EXPECT_TRUE(ops.profile_begin());
+  if (ws.size() == 1) ops.linear(xv, ws[0], outs[0]);
+  else ops.linear_multi(xv, wp, outs);
+  if (prof) *prof = ops.profile_end();
+  std::vector<std::vector<float>> h;
+  for (const TensorView& o : outs) {
+    h.emplace_back(size_t(o.numel()));
+    ops.download(o, h.back().data());
+  }
+  return h;
+}
+
+// The tower's biased linears at 16, 33, 300 and 4096 rows (4096: the patches of one 1024x1024 image; proj also at
+// 8492: two row blocks) with the tensor-core paths on, against the CPU (the same bf16 weights and biases, sum + bias
+// in fp32):
+//  - the path: cuBLASLt where takes_blas says (its GEMM and its bias stage each ran once per row block, read from the
+//    profile), else the fp32 gemv (T = 16 on qkv and proj: no cuBLASLt stage ran);
+//  - --dtype float32 (x in 3 bf16 parts; the bias added where the 3 partial outputs are summed): rel-L2 <= 1e-5,
+//    the op checks' fp32 tolerance (summation order only);
+//  - --dtype bfloat16 (x rounded once; the bias added after the GEMM): on cuBLASLt, rel-L2 <= 1e-5 against the CPU
+//    on bf16(x) and within kBf16InputLinearTol of the CPU on x, above 2e-4 (the rounding happened); on the gemv
+//    (fp32), 1e-5 against the CPU on x.
+// A bias that is missing, added twice or to the wrong columns is off by ~0.45 (bias std 0.5, outputs std ~1).
+TEST(BiasedDenseLinear, TowerShapesTakeCublasLtAndMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  auto cpu = make_cpu_backend();
+  CudaOptions o16;
+  o16.dtype = CudaOptions::ActivationDtype::bfloat16;
+  CudaOps gpu32, gpu16(o16);
+  EXPECT_NE(gpu32.describe().find("with or without a bias, added where the 3 parts are summed"), std::string::npos)
+      << gpu32.describe();
+  EXPECT_NE(gpu16.describe().find("with or without a bias, added after the GEMM"), std::string::npos)
+      << gpu16.describe();
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr size_t kCount = std::size(kTowerLinears);
+  std::vector<std::vector<uint16_t>> w_host(kCount), b_bf16(kCount);
+  std::vector<std::vector<float>> b_f32(kCount);
+  std::vector<model::LinearWeight> host(kCount);
+  for (size_t i = 0; i < kCount; ++i) {
+    const TowerLinear& t = kTowerLinears[i];
+    const float std_w = 1.0f / std::sqrt(static_cast<float>(t.K));
+    w_host[i].resize(size_t(t.N * t.K));
+    for (auto& v : w_host[i]) v = f32_to_bf16(normal(rng) * std_w);
+    host[i].out_features = t.N;
+    host[i].in_features = t.K;
+    host[i].weight = TensorView(w_host[i].data(), DType::BF16, Shape{t.N, t.K});
+    if (t.bias_dtype == DType::BF16) {
+      b_bf16[i].resize(size_t(t.N));
+      for (auto& v : b_bf16[i]) v = f32_to_bf16(0.5f * normal(rng));
+      host[i].bias = TensorView(b_bf16[i].data(), DType::BF16, Shape{t.N});
+    } else {
+      b_f32[i].resize(size_t(t.N));
+      for (auto& v : b_f32[i]) v = 0.5f * normal(rng);
+      host[i].bias = TensorView(b_f32[i].data(), DType::F32, Shape{t.N});
+    }
+  }
+  // Weights first, then the biases (the weights stay back to back, as a checkpoint's would).
+  auto place = [&](model::Ops& ops) {
+    std::vector<model::LinearWeight> ws = host;
+    for (size_t i = 0; i < kCount; ++i) ws[i].weight = ops.place_weight(host[i].weight);
+    for (size_t i = 0; i < kCount; ++i) ws[i].bias = ops.place_weight(host[i].bias);
+    ops.finish_weights();
+    return ws;
+  };
+  const std::vector<model::LinearWeight> w_cpu = place(*cpu), w32 = place(gpu32), w16 = place(gpu16);
+  auto rounded = [](std::vector<float> v) {
+    for (float& f : v) f = bf16_to_f32(f32_to_bf16(f));
+    return v;
+  };
+
+  for (size_t i = 0; i < kCount; ++i) {
+    const TowerLinear& t = kTowerLinears[i];
+    std::vector<int64_t> rows = {16, 33, 300, 4096};
+    if (std::string_view(t.name) == "proj") rows.push_back(8192 + 300);
+    for (int64_t T : rows) {
+      const std::string label = fmt::format("{} {}x{} ({} bias) T={}", t.name, t.N, t.K, dtype_name(t.bias_dtype), T);
+      const bool blas = takes_blas(T, t.N, t.K);
+      const int64_t gemms = blas ? biased_blas_gemms(T) : 0;
+      std::vector<float> x(size_t(T * t.K));
+      for (float& v : x) v = normal(rng);
+      const std::vector<float> ref = run_linears(*cpu, {w_cpu[i]}, x, T)[0];
+
+      std::vector<model::OpTime> prof;
+      const std::vector<float> got32 = run_linears(gpu32, {w32[i]}, x, T, &prof)[0];
+      const BlasCalls c32 = blas_calls(prof);
+      EXPECT_EQ(c32.gemm, gemms) << label << " (float32)";
+      EXPECT_EQ(c32.bias, gemms) << label << " (float32)";
+      const double e32 = test::rel_err(got32, ref);
+      EXPECT_LE(e32, 1e-5) << label << " (float32)";
+
+      const std::vector<float> got16 = run_linears(gpu16, {w16[i]}, x, T, &prof)[0];
+      const BlasCalls c16 = blas_calls(prof);
+      EXPECT_EQ(c16.gemm, gemms) << label << " (bfloat16)";
+      EXPECT_EQ(c16.bias, gemms) << label << " (bfloat16)";
+      const double e16 = test::rel_err(got16, ref);
+      double e16_rounded = -1;
+      if (blas) {
+        e16_rounded = test::rel_err(got16, run_linears(*cpu, {w_cpu[i]}, rounded(x), T)[0]);
+        EXPECT_LE(e16_rounded, 1e-5) << label << " (bfloat16, against the CPU on bf16(x))";
+        EXPECT_LE(e16, kBf16InputLinearTol) << label << " (bfloat16)";
+        EXPECT_GE(e16, 2e-4) << label << " (bfloat16): no sign of bf16 rounding";
+      } else {
+        EXPECT_LE(e16, 1e-5) << label << " (bfloat16, fp32 gemv)";
+      }
+      std::printf("[ bias     ] linear %s on %s: float32 %.2e; bfloat16 %.2e vs cpu on x, %.2e vs cpu on bf16(x)\n",
+                  label.c_str(), blas ? "cuBLASLt" : "the gemv", e32, e16, e16_rounded);
+    }
+  }
+
+  // linear_multi over fc1 and qkv (biased) and proj without its bias: every weight on cuBLASLt from 33 rows, in one
+  // call (its profile row "linear_blas ..."); each bias lands on its own weight's outputs only.
+  auto multi = [](const std::vector<model::LinearWeight>& w) {
+    std::vector<model::LinearWeight> m = {w[0], w[2], w[3]};
+    m[2].bias = TensorView();
+    return m;
+  };
+  const std::vector<model::LinearWeight> m_cpu = multi(w_cpu), m32 = multi(w32), m16 = multi(w16);
+  for (int64_t T : {33, 300}) {
+    std::vector<float> x(size_t(T * 1152));
+    for (float& v : x) v = normal(rng);
+    const auto ref = run_linears(*cpu, m_cpu, x, T);
+    const auto ref_rounded = run_linears(*cpu, m_cpu, rounded(x), T);
+    for (bool bf16 : {false, true}) {
+      std::vector<model::OpTime> prof;
+      const auto got = run_linears(bf16 ? static_cast<model::Ops&>(gpu16) : gpu32, bf16 ? m16 : m32, x, T, &prof);
+      int64_t grouped = 0;
+      for (const model::OpTime& r : prof) grouped += !r.nested && r.label.rfind("linear_blas ", 0) == 0 ? r.calls : 0;
+      const std::string label = fmt::format("linear_multi fc1 + qkv + proj (no bias) T={} ({})", T,
+                                            bf16 ? "bfloat16" : "float32");
+      EXPECT_EQ(grouped, 1) << label;
+      for (size_t j = 0; j < got.size(); ++j) {
+        const double e = test::rel_err(got[j], ref[j]);
+        if (bf16) {
+          const double er = test::rel_err(got[j], ref_rounded[j]);
+          EXPECT_LE(er, 1e-5) << label << " [" << j << "] against the CPU on bf16(x)";
+          EXPECT_LE(e, kBf16InputLinearTol) << label << " [" << j << "]";
+          EXPECT_GE(e, 2e-4) << label << " [" << j << "]: no sign of bf16 rounding";
+        } else {
+          EXPECT_LE(e, 1e-5) << label << " [" << j << "]";
+        }
+        std::printf("[ bias     ] %s [%zu]: %.2e vs cpu on x\n", label.c_str(), j, e);
+      }
+    }
   }
 }
 

@@ -4,7 +4,8 @@
 //    on both backends), head_dim 72, three grids (320 patches: five query tiles, the last one partial; 60; a two-frame
 //    video of 2 x 24): --dtype float32 within rel-L2 1e-4 of the CPU (fp32 everywhere, attention on tensor cores in 3
 //    bf16 parts: ~1e-6 expected), --dtype bfloat16 within 2e-2 (attention's q, k, p, v rounded to bf16, ~3-5e-3 per
-//    attention; the tower's linears all have biases and stay on the fp32 kernels), per image too;
+//    attention; the tower's biased linears of > 32 rows on cuBLASLt with x rounded to bf16, ~1.7e-3 each), per
+//    image too;
 //  - attention_segments on each path (tensor cores with 3 and 1 bf16 parts, the CUDA-core kernel) at head sizes 4 to
 //    256, ones the tensor-core kernel declines (D % 4 != 0) included, over segments of 0, 1, 63, 64, 65 and 300 tokens:
 //    fp32 paths within 1e-5, bf16 inputs within kBf16InputTol and above 2e-4 where the tensor cores serve (the rounding

@@ -303,7 +303,9 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
       const double ckpt_verify_ms = median_ms([&] { runner.forward_argmax(vchunks, ids); });
       const double settle_ms = median_ms([&] {
         runner.forward_argmax(vchunks, ids);
-        for (int b = 0; b < B; ++b) runner.keep_verified(b, static_cast<int>(replay_tokens));
+        std::vector<kiln::model::ModelRunner::VerifiedRow> rows;
+        for (int b = 0; b < B; ++b) rows.push_back({b, static_cast<int>(replay_tokens)});
+        runner.keep_verified_rows(rows);
       }) - ckpt_verify_ms;
       const double best_c = draft_ms + ckpt_verify_ms, worst_c = best_c + std::max(settle_ms, 0.0);
       std::printf("  spec K=%d batch %d, position checkpoints: verify %.3f ms, settle (keep_verified) %.3f ms "

@@ -785,7 +785,8 @@ void Engine::choose_speculative(StepRow& row, OutputMode mode) {
 void Engine::settle_speculation() {
   if (step_k_ == 0) return;
   std::vector<model::SeqChunk> replay;
-  std::vector<StepRow*> replayed;
+  std::vector<StepRow*> replayed, kept;
+  std::vector<model::ModelRunner::VerifiedRow> verified;
   for (StepRow& row : rows_) {
     if (row.draft_k == 0 || !row.error.empty()) continue;
     spec_draft_tokens_.fetch_add(static_cast<uint64_t>(row.draft_k));
@@ -793,13 +794,9 @@ void Engine::settle_speculation() {
     spec_accept_length_.observe(row.accepted + 1);
     draft_chooser_.observe_accepts(row.draft_k, row.accepted);
     if (row.accepted == row.draft_k) continue;  // the verify ran exactly the accepted tokens
-    if (position_checkpoints_ > 0) {
-      try {
-        runner_->keep_verified(row.seq->state_slot, row.accepted + 1);
-      } catch (const std::exception& e) {
-        KILN_LOG_ERROR("speculative state settle failed: {}", e.what());
-        row.error = fmt::format("model step failed: {}", e.what());
-      }
+    if (position_checkpoints_ > 0) {  // settled below, all rows in one call
+      verified.push_back({row.seq->state_slot, row.accepted + 1});
+      kept.push_back(&row);
       continue;
     }
     model::SeqChunk ch = chunks_[row.chunk];
@@ -809,6 +806,14 @@ void Engine::settle_speculation() {
     ch.logits_tokens = 1;
     replay.push_back(ch);
     replayed.push_back(&row);
+  }
+  if (!verified.empty()) {
+    try {
+      runner_->keep_verified_rows(verified);
+    } catch (const std::exception& e) {
+      KILN_LOG_ERROR("speculative state settle failed ({} sequences): {}", verified.size(), e.what());
+      for (StepRow* row : kept) row->error = fmt::format("model step failed: {}", e.what());
+    }
   }
   if (!replay.empty()) {
     const auto t0 = Clock::now();

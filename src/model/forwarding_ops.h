@@ -38,6 +38,7 @@ class ForwardingOps : public Ops {
   void download(const TensorView& src, void* host) override { inner_->download(src, host); }
   void fill_zero(TensorView t) override { inner_->fill_zero(t); }
   void copy(const TensorView& src, TensorView dst) override { inner_->copy(src, dst); }
+  void copy_spans(std::span<const CopySpan> spans) override { inner_->copy_spans(spans); }
   float max_abs(const TensorView& x) override { return inner_->max_abs(x); }
   bool graph_capture_begin() override { return inner_->graph_capture_begin(); }
   int graph_capture_end() override { return inner_->graph_capture_end(); }

@@ -25,6 +25,9 @@ void ModelRunner::restore_state(int slot) { fail("this model runner cannot resto
 void ModelRunner::keep_verified(int slot, int tokens) {
   fail("this model runner keeps no position checkpoints (slot {}, {} tokens)", slot, tokens);
 }
+void ModelRunner::keep_verified_rows(std::span<const VerifiedRow> rows) {
+  for (const VerifiedRow& r : rows) keep_verified(r.slot, r.tokens);
+}
 
 void ModelRunner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t> tokens) {
   int64_t rows = 0;

@@ -128,6 +128,13 @@ class ModelRunner {
   virtual std::vector<float> encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
                                           int64_t grid_w);
   virtual void keep_verified(int slot, int tokens);
+  // keep_verified for several slots at once (a speculative step's rows; each slot once): a runner may move all their
+  // state in one device launch. Default: keep_verified for each.
+  struct VerifiedRow {
+    int slot = -1;
+    int tokens = 0;
+  };
+  virtual void keep_verified_rows(std::span<const VerifiedRow> rows);
 
   // Why this runner can no longer run steps ("" while it can): a multi-node group whose link failed. Safe to call
   // from any thread (the server's /health reports it).

@@ -128,6 +128,14 @@ void Ops::scatter_rows(const TensorView& src, const TensorView& rows, TensorView
   fail("the {} backend cannot place image embeddings (scatter_rows)", name());
 }
 
+void Ops::copy_spans(std::span<const CopySpan> spans) {
+  for (const CopySpan& c : spans) {
+    if (c.bytes == 0) continue;
+    const int64_t n = static_cast<int64_t>(c.bytes);
+    copy(TensorView(const_cast<void*>(c.src), DType::U8, Shape{n}), TensorView(c.dst, DType::U8, Shape{n}));
+  }
+}
+
 void Ops::all_reduce(TensorView x) {
   (void)x;
   if (comm_ && comm_->size() > 1)

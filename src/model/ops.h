@@ -209,6 +209,15 @@ class Ops {
   virtual void fill_zero(TensorView t) = 0;
   // dst = src elementwise over arbitrary strides (same shape, F32). Used to split / interleave views.
   virtual void copy(const TensorView& src, TensorView dst) = 0;
+  // Several contiguous byte ranges copied (src and dst of each are the backend's memory, ranges do not overlap),
+  // in order with the stream's other work: what one launch can do for many small state-row copies (the settling of a
+  // speculative step's rows). Default: one copy() each.
+  struct CopySpan {
+    const void* src = nullptr;
+    void* dst = nullptr;
+    size_t bytes = 0;
+  };
+  virtual void copy_spans(std::span<const CopySpan> spans);
   // max |x| over a view (F32), synchronises. Used to pick FP8 KV scales.
   virtual float max_abs(const TensorView& x) = 0;
 

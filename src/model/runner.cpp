@@ -138,14 +138,25 @@ void Runner::copy_state(int src_slot, int dst_slot) {
 }
 
 void Runner::copy_state_row(int64_t src, int64_t dst) {
+  std::vector<Ops::CopySpan> spans;
+  state_row_spans(src, dst, spans);
+  ops_->copy_spans(spans);
+}
+
+void Runner::state_row_spans(int64_t src, int64_t dst, std::vector<Ops::CopySpan>& spans) const {
   if (src == dst) return;
-  // Ops::copy runs on the backend's stream. The recurrent slots may be BF16 (Ops::recurrent_state_dtype): a backend
-  // that stores them so copies their bytes as they are (CudaOps::copy moves elements of any size).
+  // Byte copies on the backend's stream. The recurrent slots may be BF16 (Ops::recurrent_state_dtype): their bytes
+  // move as they are. Every row is contiguous (a slot's row of each state tensor, the MTP head's hidden row).
+  auto add = [&](const TensorView& t) {
+    const TensorView a = t.row(src), b = t.row(dst);
+    KILN_CHECK(a.is_contiguous() && b.is_contiguous(), "state rows must be contiguous");
+    spans.push_back({a.data, b.data, a.nbytes()});
+  };
   for (size_t i = 0; i < conv_state_.size(); ++i) {
-    ops_->copy(conv_state_[i].row(src), conv_state_[i].row(dst));
-    ops_->copy(recurrent_state_[i].row(src), recurrent_state_[i].row(dst));
+    add(conv_state_[i]);
+    add(recurrent_state_[i]);
   }
-  if (mtp_rows_.data) ops_->copy(mtp_rows_.row(src), mtp_rows_.row(dst));
+  if (mtp_rows_.data) add(mtp_rows_);
 }
 
 void Runner::save_state(int slot) { copy_checkpoint(slot, /*save=*/true); }
@@ -166,12 +177,28 @@ void Runner::copy_checkpoint(int slot, bool save) {
 }
 
 void Runner::keep_verified(int slot, int tokens) {
-  const auto it = kept_.find(slot);
-  if (it == kept_.end()) fail("keep_verified: the last forward call kept no position checkpoints for slot {}", slot);
-  const int n = static_cast<int>(it->second.size()) + 1;
-  if (tokens < 1 || tokens > n) fail("keep_verified: {} tokens of a chunk of {}", tokens, n);
-  if (tokens < n) copy_state_row(it->second[static_cast<size_t>(tokens - 1)], slot);
-  kept_.erase(it);
+  const VerifiedRow row{slot, tokens};
+  keep_verified_rows({&row, 1});
+}
+
+void Runner::keep_verified_rows(std::span<const VerifiedRow> rows) {
+  // Every row checked before anything moves; then one copy_spans for all of them.
+  for (const VerifiedRow& r : rows) {
+    const auto it = kept_.find(r.slot);
+    if (it == kept_.end())
+      fail("keep_verified: the last forward call kept no position checkpoints for slot {}", r.slot);
+    const int n = static_cast<int>(it->second.size()) + 1;
+    if (r.tokens < 1 || r.tokens > n) fail("keep_verified: {} tokens of a chunk of {}", r.tokens, n);
+  }
+  std::vector<Ops::CopySpan> spans;
+  for (const VerifiedRow& r : rows) {
+    const auto it = kept_.find(r.slot);
+    if (it == kept_.end()) fail("keep_verified: slot {} given twice", r.slot);
+    const int n = static_cast<int>(it->second.size()) + 1;
+    if (r.tokens < n) state_row_spans(it->second[static_cast<size_t>(r.tokens - 1)], r.slot, spans);
+    kept_.erase(it);
+  }
+  ops_->copy_spans(spans);
 }
 
 void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) {

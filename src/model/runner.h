@@ -92,6 +92,7 @@ class Runner : public ModelRunner {
   std::vector<float> encode_image(std::span<const float> pixel_values, int64_t grid_t, int64_t grid_h,
                                   int64_t grid_w) override;
   void keep_verified(int slot, int tokens) override;
+  void keep_verified_rows(std::span<const VerifiedRow> rows) override;
   // Its Ops' device figures with the KV pool and state slots it allocated (one entry, rank 0; none on the CPU).
   std::vector<DeviceMemory> device_memory() const override;
 
@@ -150,6 +151,8 @@ class Runner : public ModelRunner {
   void copy_checkpoint(int slot, bool save);
   // Copies row src of every state tensor (conv, recurrent, the MTP head's input rows) to row dst.
   void copy_state_row(int64_t src, int64_t dst);
+  // The byte ranges that copy_state_row(src, dst) copies, appended to spans.
+  void state_row_spans(int64_t src, int64_t dst, std::vector<Ops::CopySpan>& spans) const;
 
   std::unique_ptr<Communicator> owned_comm_;  // destroyed after ops_
   std::unique_ptr<Ops> ops_;

@@ -457,6 +457,11 @@ void TpRunner::keep_verified(int slot, int tokens) {
   run_all([&](int r) { ranks_[r]->keep_verified(slot, tokens); });
 }
 
+void TpRunner::keep_verified_rows(std::span<const VerifiedRow> rows) {
+  if (multi_node()) fail("keep_verified across machines is not supported");
+  run_all([&](int r) { ranks_[r]->keep_verified_rows(rows); });
+}
+
 void TpRunner::follow() {
   if (!multi_node() || options_.link->node_rank() == 0) fail("follow(): only the nodes other than 0 follow steps");
   NodeLink& link = *options_.link;

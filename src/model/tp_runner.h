@@ -75,6 +75,7 @@ class TpRunner : public ModelRunner {
   void restore_state(int slot) override;
   int position_checkpoints() const override;
   void keep_verified(int slot, int tokens) override;
+  void keep_verified_rows(std::span<const VerifiedRow> rows) override;
   std::string fatal_error() const override;
   // Every rank's device figures (rank r's entry has rank r).
   std::vector<DeviceMemory> device_memory() const override;

@@ -490,6 +490,27 @@ void CudaOps::fill_zero(TensorView t) {
   if (t.nbytes()) KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), impl_->rt.stream()));
 }
 
+void CudaOps::copy_spans(std::span<const CopySpan> spans) {
+  OpScope prof(impl_->rt, [&] { return fmt::format("copy_spans x{}", spans.size()); });
+  constexpr size_t kMaxPerLaunch = 65535;
+  for (size_t b = 0; b < spans.size(); b += kMaxPerLaunch) {
+    const size_t n = std::min(kMaxPerLaunch, spans.size() - b);
+    std::vector<kops::ByteSpan> table;
+    table.reserve(n);
+    uint64_t most = 0;
+    for (size_t i = b; i < b + n; ++i) {
+      if (spans[i].bytes == 0) continue;
+      table.push_back({spans[i].src, spans[i].dst, static_cast<uint64_t>(spans[i].bytes)});
+      most = std::max<uint64_t>(most, spans[i].bytes);
+    }
+    if (table.empty()) continue;
+    const TensorView dev = upload(table.data(), DType::U8,
+                                  Shape{static_cast<int64_t>(table.size() * sizeof(kops::ByteSpan))});
+    kops::copy_spans(static_cast<const kops::ByteSpan*>(dev.data), static_cast<int>(table.size()), most,
+                     impl_->rt.stream());
+  }
+}
+
 void CudaOps::copy(const TensorView& src, TensorView dst) {
   OpScope prof(impl_->rt, [&] { return std::string("copy"); });
   KILN_CHECK(src.shape == dst.shape && src.dtype == dst.dtype, "copy {} {} -> {} {}", src.shape.str(),

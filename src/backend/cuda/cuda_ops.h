@@ -50,6 +50,7 @@ class CudaOps final : public model::Ops {
   void download(const TensorView& src, void* host) override;
   void fill_zero(TensorView t) override;
   void copy(const TensorView& src, TensorView dst) override;
+  void copy_spans(std::span<const CopySpan> spans) override;
   float max_abs(const TensorView& x) override;
 
   bool graph_capture_begin() override;

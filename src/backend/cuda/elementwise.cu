@@ -235,7 +235,33 @@ __global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, i
   }
 }
 
+// Span blockIdx.y; its blocks stride over it. 16-byte words when the span allows, else single bytes.
+__global__ void copy_spans_kernel(const ByteSpan* __restrict__ spans) {
+  const ByteSpan s = spans[blockIdx.y];
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (((reinterpret_cast<uintptr_t>(s.src) | reinterpret_cast<uintptr_t>(s.dst) | s.bytes) & 15) == 0) {
+    const uint4* src = static_cast<const uint4*>(s.src);
+    uint4* dst = static_cast<uint4*>(s.dst);
+    for (uint64_t i = first; i < s.bytes / 16; i += stride) dst[i] = src[i];
+  } else {
+    const uint8_t* src = static_cast<const uint8_t*>(s.src);
+    uint8_t* dst = static_cast<uint8_t*>(s.dst);
+    for (uint64_t i = first; i < s.bytes; i += stride) dst[i] = src[i];
+  }
+}
+
 }  // namespace
+
+void copy_spans(const ByteSpan* spans, int n, uint64_t max_bytes, Stream stream) {
+  if (n <= 0 || max_bytes == 0) return;
+  if (n > 65535) cuda_fail("copy_spans: {} spans in one launch (at most 65,535)", {n});
+  // Enough blocks per span to stream its largest member (16 bytes a thread a round), at most 64 per span.
+  const uint64_t words = (max_bytes + 15) / 16;
+  const unsigned x = static_cast<unsigned>(std::min<uint64_t>(64, std::max<uint64_t>(1, (words + kBlock - 1) / kBlock)));
+  launch_kernel(copy_spans_kernel, dim3(x, static_cast<unsigned>(n)), kBlock, 0, stream, spans);
+  KILN_CUDA_CHECK_LAUNCH();
+}
 
 void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
                   const int64_t dst_strides[4], Stream stream) {

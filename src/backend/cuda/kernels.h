@@ -74,6 +74,14 @@ struct KvPoolArgs {
 // dst = src over up to 4 dims (shape / strides in elements, leading dims padded with 1 / 0); elem_bytes 1..8.
 void copy_strided(const void* src, void* dst, int elem_bytes, const int64_t shape[4], const int64_t src_strides[4],
                   const int64_t dst_strides[4], Stream stream);
+// Many contiguous byte copies in one launch: spans[i] (a device table of n entries) copies bytes from src to dst.
+// Each span is one block row (gridDim.y); 16-byte words where src, dst and bytes allow, else bytes.
+struct ByteSpan {
+  const void* src;
+  void* dst;
+  uint64_t bytes;
+};
+void copy_spans(const ByteSpan* spans, int n, uint64_t max_bytes, Stream stream);
 // ids[r] = argmax_v logits[r * ld + v] over v < V (lowest index on ties, NaN never wins, all NaN: 0).
 // work: argmax_workspace_bytes(R, V) bytes of device memory.
 size_t argmax_workspace_bytes(int64_t R, int64_t V);

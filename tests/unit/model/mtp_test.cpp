@@ -322,6 +322,50 @@ TEST_F(MtpHead, KeepVerifiedEqualsRunningTheAcceptedTokens) {
   }
 }
 
+// keep_verified_rows settles several slots in one call (one copy_spans): two slots verified together, each keeping a
+// different number of tokens (one all of its chunk: nothing moves), end exactly as keep_verified one slot at a time.
+TEST_F(MtpHead, KeepVerifiedRowsEqualsOneSlotAtATime) {
+  const std::vector<int32_t>& p0 = fx_.prompts[2].tokens;
+  const std::vector<int32_t>& p1 = fx_.prompts[1].tokens;
+  const int64_t L0 = static_cast<int64_t>(p0.size()), L1 = static_cast<int64_t>(p1.size()), V = fx_.vocab;
+  const std::vector<int32_t> g0 = {5, 6, 7}, g1 = {11, 12};  // 2 + 1 position checkpoints of the 4 a call keeps
+  const int32_t t = 9;
+  for (const auto& [m0, m1] : std::vector<std::pair<int, int>>{{1, 2}, {2, 1}, {3, 1}}) {
+    std::vector<float> next[2];
+    for (int batched = 0; batched < 2; ++batched) {
+      TestRunner r(mtp_dir_, f32_kv());
+      r.run(0, p0, 0);
+      r.run(1, p1, 0);
+      model::SeqChunk v0 = r.chunk(0, g0, L0), v1 = r.chunk(1, g1, L1);
+      v0.logits_tokens = 3;
+      v1.logits_tokens = 2;
+      v0.checkpoint_positions = v1.checkpoint_positions = true;
+      const model::SeqChunk chunks[] = {v0, v1};
+      std::vector<float> logits(static_cast<size_t>(5 * V));
+      r.runner->forward(chunks, logits);
+      if (batched) {
+        const model::ModelRunner::VerifiedRow rows[] = {{1, m1}, {0, m0}};
+        r.runner->keep_verified_rows(rows);
+      } else {
+        r.runner->keep_verified(0, m0);
+        r.runner->keep_verified(1, m1);
+      }
+      next[batched] = r.run(0, std::span(&t, 1), L0 + m0);
+      const std::vector<float> n1 = r.run(1, std::span(&t, 1), L1 + m1);
+      next[batched].insert(next[batched].end(), n1.begin(), n1.end());
+    }
+    EXPECT_EQ(max_abs_diff(next[0].data(), next[1].data(), 2 * V), 0.0) << m0 << ", " << m1;
+  }
+  TestRunner r(mtp_dir_, f32_kv());
+  r.run(0, p0, 0);
+  model::SeqChunk v0 = r.chunk(0, g0, L0);
+  v0.checkpoint_positions = true;
+  std::vector<float> logits(static_cast<size_t>(V));
+  r.runner->forward({&v0, 1}, logits);
+  const model::ModelRunner::VerifiedRow twice[] = {{0, 2}, {0, 2}};
+  EXPECT_THROW(r.runner->keep_verified_rows(twice), Error);  // a slot given twice
+}
+
 TEST_F(MtpHead, PositionCheckpointErrors) {
   TestRunner r(mtp_dir_, f32_kv());
   const std::vector<int32_t>& prompt = fx_.prompts[2].tokens;

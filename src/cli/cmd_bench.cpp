@@ -27,6 +27,9 @@ struct BenchArgs {
   size_t conversations = 8;
   size_t long_input_len = 0;
   size_t long_every = 0;
+  std::string dataset_path;
+  bool dataset_shuffle = false;
+  double temperature = 0.0;
 };
 
 kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughput) against any OpenAI-compatible server",
@@ -36,16 +39,33 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
   app.add_option("--endpoint", args->endpoint, "completions (raw prompt) or chat")
       ->check(CLI::IsMember({"completions", "chat"}))
       ->capture_default_str();
-  app.add_option("--input-len", args->input_len, "Prompt length in tokens (exact)")->capture_default_str();
-  app.add_option("--output-len", args->output_len, "Output tokens per request (sent with ignore_eos)")
+  auto* input_len = app.add_option("--input-len", args->input_len, "Prompt length in tokens (exact; random prompts)")
+                        ->capture_default_str();
+  app.add_option("--output-len", args->output_len,
+                 "Output tokens per request (sent with ignore_eos); with --dataset-path the most per request (an "
+                 "item's max_tokens wins), outputs ending at the model's end token")
       ->capture_default_str();
   app.add_option("--num-prompts", args->num_prompts,
-                 "Requests per concurrency level (default: max(16, 4 x concurrency); 64 when unlimited)");
+                 "Requests per concurrency level (default: max(16, 4 x concurrency); 64 when unlimited); with "
+                 "--dataset-path: the first N items of the file (default: all of them)");
+  auto* dataset_path = app.add_option("--dataset-path", args->dataset_path,
+                 "Real prompts from FILE instead of random ones: a JSON object with an \"items\" array (as "
+                 "tools/tiny/eval_prompts.json), a JSON array of items, or JSONL; each item's \"prompt_ids\" "
+                 "(token ids) or \"prompt\" (text) for completions, \"messages\" or \"prompt\" for chat, optional "
+                 "\"max_tokens\". Sent without ignore_eos (natural output lengths), greedy unless --temperature; "
+                 "every level sends the same items; not with --multi-turn or --long-every")
+      ->excludes(input_len);
+  app.add_flag("--dataset-shuffle", args->dataset_shuffle,
+               "With --dataset-path: shuffle the items (seeded by --seed) before taking --num-prompts of them")
+      ->needs(dataset_path);
+  app.add_option("--temperature", args->temperature, "Sampling temperature of every request; 0 = greedy")
+      ->capture_default_str();
   app.add_option("--max-concurrency", args->max_concurrency,
                  "Comma list of concurrency limits to sweep, e.g. 1,4,16 (default: unlimited)");
   app.add_option("--request-rate", args->request_rate, "Requests per second, Poisson arrivals; inf = all at once")
       ->capture_default_str();
-  app.add_option("--seed", args->seed, "Seed of the random prompts and arrival times")->capture_default_str();
+  app.add_option("--seed", args->seed, "Seed of the random prompts, the arrival times and --dataset-shuffle")
+      ->capture_default_str();
   app.add_option("--tokenizer", args->tokenizer_dir,
                  "Folder with the model's tokenizer.json: count prompt tokens locally, not with the server's /tokenize");
   app.add_option("--max-failed-fraction", args->max_failed_fraction,
@@ -81,6 +101,9 @@ kiln::cli::Registrar reg{"bench", "Serving benchmark (TTFT, TPOT, ITL, throughpu
     options.conversations = args->conversations;
     options.long_input_len = args->long_input_len;
     options.long_every = args->long_every;
+    options.dataset_path = args->dataset_path;
+    options.dataset_shuffle = args->dataset_shuffle;
+    options.temperature = args->temperature;
     kiln::cli::JsonOutputFile json_file(args->client.json_path, "results");
     // Either report (BenchReport, MultiTurnReport): its JSON, then the exit status.
     auto finish = [&](const auto& report) -> int {

@@ -3,11 +3,15 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -33,20 +37,29 @@ const char* endpoint_path(BenchEndpoint endpoint) {
 
 std::string concurrency_name(size_t c) { return c == 0 ? "unlimited" : std::to_string(c); }
 
-nlohmann::json request_body(const BenchOptions& options, const std::string& model, const std::string& prompt,
-                            size_t output_len) {
+bool dataset_mode(const BenchOptions& options) { return !options.dataset_path.empty(); }
+
+// Random prompts: ignore_eos, so every output is max_tokens long. Dataset prompts: natural lengths.
+nlohmann::json request_body(const BenchOptions& options, const std::string& model, const BenchPrompt& prompt) {
   GenerationParams params;
-  params.max_tokens = static_cast<int>(output_len);
-  params.temperature = 0.0;
-  params.ignore_eos = true;
+  params.max_tokens = static_cast<int>(prompt.max_tokens);
+  params.temperature = options.temperature;
+  params.ignore_eos = !dataset_mode(options);
   params.stream = true;
-  return options.endpoint == BenchEndpoint::chat ? chat_request(model, prompt, params)
-                                                 : completion_request(model, prompt, params);
+  if (options.endpoint == BenchEndpoint::chat) {
+    params.enable_thinking = prompt.enable_thinking;
+    nlohmann::json body = chat_request(model, prompt.text, params);
+    if (!prompt.messages.is_null()) body["messages"] = prompt.messages;
+    return body;
+  }
+  nlohmann::json body = completion_request(model, prompt.text, params);
+  if (!prompt.prompt_ids.empty()) body["prompt"] = prompt.prompt_ids;
+  return body;
 }
 
 RequestRecord measure_request(HttpClient& client, const BenchOptions& options, const std::string& model,
-                              const std::string& prompt, size_t input_len, size_t output_len) {
-  Generation g = run_generation(client, endpoint_path(options.endpoint), request_body(options, model, prompt, output_len));
+                              const BenchPrompt& prompt) {
+  Generation g = run_generation(client, endpoint_path(options.endpoint), request_body(options, model, prompt));
   RequestRecord record;
   if (!g.ok) {
     record.error = g.error;
@@ -62,7 +75,7 @@ RequestRecord measure_request(HttpClient& client, const BenchOptions& options, c
   record.token_times_s = std::move(g.token_times_s);
   record.output_tokens_from_usage = g.completion_tokens.has_value();
   record.output_tokens = g.completion_tokens ? *g.completion_tokens : static_cast<int64_t>(record.token_times_s.size());
-  record.input_tokens = g.prompt_tokens ? *g.prompt_tokens : static_cast<int64_t>(input_len);
+  record.input_tokens = g.prompt_tokens ? *g.prompt_tokens : static_cast<int64_t>(prompt.input_tokens);
   return record;
 }
 
@@ -117,7 +130,7 @@ class ProgressBar {
   bool stopping_ = false;
 };
 
-LevelResult run_level(const BenchOptions& options, const std::string& model, const std::vector<std::string>& prompts,
+LevelResult run_level(const BenchOptions& options, const std::string& model, const std::vector<BenchPrompt>& prompts,
                       size_t max_concurrency, std::mt19937_64& arrival_rng) {
   const size_t n = prompts.size();
   const size_t workers = max_concurrency == 0 ? n : std::min(max_concurrency, n);
@@ -139,8 +152,7 @@ LevelResult run_level(const BenchOptions& options, const std::string& model, con
                                                 std::chrono::duration<double>(arrivals[i])));
       try {
         if (!client) client.emplace(options.server);
-        records[i] = measure_request(*client, options, model, prompts[i], bench_prompt_len(options, i),
-                                     options.output_len);
+        records[i] = measure_request(*client, options, model, prompts[i]);
       } catch (const std::exception& e) {
         records[i].error = e.what();
       }
@@ -167,8 +179,12 @@ LevelResult run_level(const BenchOptions& options, const std::string& model, con
     level.short_prompts = compute_bench_metrics(short_records, duration_s);
     level.long_prompts = compute_bench_metrics(long_records, duration_s);
   }
-  for (const auto& r : records)
-    if (r.ok && r.output_tokens < static_cast<int64_t>(options.output_len)) ++level.short_outputs;
+  // Random prompts ask for ignore_eos: an output cut short says the server ignored it. Dataset outputs end
+  // where the model stops.
+  if (!dataset_mode(options))
+    for (size_t i = 0; i < n; ++i)
+      if (records[i].ok && records[i].output_tokens < static_cast<int64_t>(prompts[i].max_tokens))
+        ++level.short_outputs;
   return level;
 }
 
@@ -205,6 +221,9 @@ void print_level(std::FILE* out, const BenchOptions& options, const LevelResult&
   row("Benchmark duration (s):", fmt_number(m.duration_s));
   row("Total input tokens:", std::to_string(m.total_input_tokens));
   row("Total generated tokens:", fmt::format("{} ({})", m.total_output_tokens, token_source_text(m)));
+  if (dataset_mode(options) && m.completed > 0)
+    row("Mean output tokens per request:",
+        fmt_number(static_cast<double>(m.total_output_tokens) / static_cast<double>(m.completed), 1));
   row("Request throughput (req/s):", fmt_number(m.request_throughput));
   row("Output token throughput (tok/s):", fmt_number(m.output_throughput));
   row("Total token throughput (tok/s):", fmt_number(m.total_throughput));
@@ -288,9 +307,14 @@ void print_spec_counters(std::FILE* out, const std::optional<SpecCounters>& befo
 }
 
 void print_summary(std::FILE* out, const BenchReport& report) {
-  fmt::print(out, "\n{:=^120}\n",
-             fmt::format(" Summary: {} endpoint, input {} tokens, output {} tokens ", report.endpoint,
-                         report.options.input_len, report.options.output_len));
+  const BenchOptions& options = report.options;
+  const std::string what =
+      dataset_mode(options)
+          ? fmt::format(" Summary: {} endpoint, dataset {} ({} prompts), natural output lengths ", report.endpoint,
+                        options.dataset_path, report.dataset_prompts)
+          : fmt::format(" Summary: {} endpoint, input {} tokens, output {} tokens ", report.endpoint,
+                        options.input_len, options.output_len);
+  fmt::print(out, "\n{:=^120}\n", what);
   fmt::print(out, "{:>11} {:>8} {:>6} {:>8} {:>10} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n", "concurrency",
              "requests", "failed", "req/s", "out tok/s", "total tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
              "E2E p50 ms", "user tok/s");
@@ -307,18 +331,37 @@ void print_summary(std::FILE* out, const BenchReport& report) {
 }
 
 // What every run starts with: the server answers, the report names it and the model (asked of the server when
-// --model is not given), and the prompt tokens' counter (a local tokenizer, else the server's).
+// --model is not given).
 template <class Report>
-std::unique_ptr<TokenCounter> start_report(const BenchOptions& options, HttpClient& client, Report& report) {
+void start_report(const BenchOptions& options, HttpClient& client, Report& report) {
   require_reachable(client);
   report.options = options;
   report.url = options.server.display();
   report.model = options.model.empty() ? discover_model_name(client) : options.model;
-  std::unique_ptr<TokenCounter> counter = options.tokenizer_dir.empty()
-                                              ? make_server_token_counter(options.server, report.model)
-                                              : make_local_token_counter(options.tokenizer_dir);
-  report.prompt_tokens_counted_by = counter->describe();
-  return counter;
+}
+
+// The prompt tokens' counter: a local tokenizer (--tokenizer), else the server's /tokenize.
+std::unique_ptr<TokenCounter> make_token_counter(const BenchOptions& options, const std::string& model) {
+  return options.tokenizer_dir.empty() ? make_server_token_counter(options.server, model)
+                                       : make_local_token_counter(options.tokenizer_dir);
+}
+
+// The input tokens of a prompt sent as text or chat messages (the message contents; the chat template adds its own).
+size_t count_text_tokens(TokenCounter& counter, const BenchPrompt& prompt, BenchEndpoint endpoint) {
+  if (endpoint == BenchEndpoint::completions || prompt.messages.is_null()) return counter.tokenize(prompt.text).size();
+  size_t n = 0;
+  for (const auto& message : prompt.messages) {
+    auto content = message.find("content");
+    if (content == message.end()) continue;
+    if (content->is_string()) {
+      n += counter.tokenize(content->get<std::string>()).size();
+    } else if (content->is_array()) {
+      for (const auto& part : *content)
+        if (part.is_object() && part.contains("text") && part["text"].is_string())
+          n += counter.tokenize(part["text"].get<std::string>()).size();
+    }
+  }
+  return n;
 }
 
 nlohmann::json distribution_json(const Distribution& d) {
@@ -384,17 +427,177 @@ size_t prompts_for_level(const BenchOptions& options, size_t max_concurrency) {
   return std::max<size_t>(16, 4 * max_concurrency);
 }
 
+namespace {
+
+constexpr const char* kDatasetLayouts =
+    "a JSON object with an \"items\" array, a JSON array of items, or JSONL (one JSON object per line)";
+
+DatasetItem parse_dataset_item(const nlohmann::json& j, std::string where, const std::string& path) {
+  if (!j.is_object())
+    fail("{}: {} is not a JSON object (expected an item with \"prompt_ids\", \"prompt\" or \"messages\")", path,
+         where);
+  DatasetItem item;
+  item.where = std::move(where);
+  auto field = [&](const char* name) -> const nlohmann::json* {
+    auto it = j.find(name);
+    return it == j.end() || it->is_null() ? nullptr : &*it;
+  };
+  if (const auto* ids = field("prompt_ids")) {
+    if (!ids->is_array() || ids->empty())
+      fail("{}: {}: \"prompt_ids\" must be a non-empty array of token ids", path, item.where);
+    std::vector<int64_t> v;
+    for (const auto& id : *ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0)
+        fail("{}: {}: \"prompt_ids\" holds {}, not a token id (a non-negative integer)", path, item.where, id.dump());
+      v.push_back(id.get<int64_t>());
+    }
+    item.prompt_ids = std::move(v);
+  }
+  if (const auto* prompt = field("prompt")) {
+    if (!prompt->is_string())
+      fail("{}: {}: \"prompt\" must be a string (got {})", path, item.where, prompt->type_name());
+    item.prompt = prompt->get<std::string>();
+  }
+  if (const auto* messages = field("messages")) {
+    bool ok = messages->is_array() && !messages->empty();
+    for (const auto& m : ok ? *messages : nlohmann::json::array()) ok = ok && m.is_object() && m.contains("role");
+    if (!ok)
+      fail("{}: {}: \"messages\" must be a non-empty array of chat messages ({{\"role\": ..., \"content\": ...}})",
+           path, item.where);
+    item.messages = *messages;
+  }
+  if (const auto* thinking = field("enable_thinking")) {
+    if (!thinking->is_boolean())
+      fail("{}: {}: \"enable_thinking\" must be true or false (got {})", path, item.where, thinking->dump());
+    item.enable_thinking = thinking->get<bool>();
+  }
+  if (const auto* max_tokens = field("max_tokens")) {
+    if (!max_tokens->is_number_integer() || max_tokens->get<int64_t>() <= 0)
+      fail("{}: {}: \"max_tokens\" must be a positive integer (got {})", path, item.where, max_tokens->dump());
+    item.max_tokens = max_tokens->get<size_t>();
+  }
+  if (!item.prompt_ids && !item.prompt && item.messages.is_null())
+    fail("{}: {} has none of \"prompt_ids\", \"prompt\", \"messages\" (the fields kiln bench sends)", path, item.where);
+  return item;
+}
+
+}  // namespace
+
+std::vector<DatasetItem> parse_dataset(const std::string& text, const std::string& path) {
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos) fail("{} is empty: expected {}", path, kDatasetLayouts);
+  std::vector<DatasetItem> items;
+  nlohmann::json root;
+  std::string whole_error;
+  try {
+    root = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    whole_error = e.what();
+  }
+  if (whole_error.empty() && root.is_object() && root.contains("items")) {
+    if (!root["items"].is_array()) fail("{}: \"items\" is not an array (expected {})", path, kDatasetLayouts);
+    for (size_t i = 0; i < root["items"].size(); ++i)
+      items.push_back(parse_dataset_item(root["items"][i], fmt::format("items[{}]", i), path));
+  } else if (whole_error.empty() && root.is_array()) {
+    for (size_t i = 0; i < root.size(); ++i) items.push_back(parse_dataset_item(root[i], fmt::format("[{}]", i), path));
+  } else if (whole_error.empty() && !root.is_object()) {
+    fail("{} holds a JSON {}, not a dataset: expected {}", path, root.type_name(), kDatasetLayouts);
+  } else if (whole_error.empty() && !root.contains("prompt_ids") && !root.contains("prompt") &&
+             !root.contains("messages")) {
+    fail("{} is a JSON object without an \"items\" array: expected {}", path, kDatasetLayouts);
+  } else if (!whole_error.empty() && text[first] != '{') {
+    fail("{} is not valid JSON: {} (expected {})", path, whole_error, kDatasetLayouts);
+  } else {
+    // JSONL (a one-line file is also one JSON object).
+    std::istringstream lines(text);
+    size_t line_no = 0;
+    for (std::string line; std::getline(lines, line);) {
+      ++line_no;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        fail("{} line {} is not valid JSON: {} (expected {})", path, line_no, e.what(), kDatasetLayouts);
+      }
+      items.push_back(parse_dataset_item(j, fmt::format("line {}", line_no), path));
+    }
+  }
+  if (items.empty()) fail("{} holds no items: expected {}", path, kDatasetLayouts);
+  return items;
+}
+
+std::vector<DatasetItem> load_dataset(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) fail("cannot open --dataset-path {}: {}", path, std::strerror(errno));
+  std::ostringstream text;
+  text << file.rdbuf();
+  return parse_dataset(text.str(), path);
+}
+
+std::vector<DatasetItem> select_dataset_items(std::vector<DatasetItem> items, const BenchOptions& options) {
+  if (options.dataset_shuffle) {
+    std::mt19937_64 rng(options.seed);
+    std::shuffle(items.begin(), items.end(), rng);
+  }
+  if (options.num_prompts) {
+    if (*options.num_prompts == 0) fail("--num-prompts must be at least 1");
+    if (*options.num_prompts > items.size())
+      fail("--num-prompts {} is more than the {} items of {}: pass at most {}", *options.num_prompts, items.size(),
+           options.dataset_path, items.size());
+    items.resize(*options.num_prompts);
+  }
+  return items;
+}
+
+BenchPrompt dataset_prompt(const DatasetItem& item, const BenchOptions& options) {
+  BenchPrompt p;
+  p.max_tokens = item.max_tokens.value_or(options.output_len);
+  if (options.endpoint == BenchEndpoint::completions) {
+    if (item.prompt_ids) {
+      p.prompt_ids = *item.prompt_ids;
+      p.input_tokens = p.prompt_ids.size();
+    } else if (item.prompt) {
+      p.text = *item.prompt;
+    } else {
+      fail("{}: {} has neither \"prompt_ids\" nor \"prompt\", which --endpoint completions sends (it has "
+           "\"messages\": pass --endpoint chat)",
+           options.dataset_path, item.where);
+    }
+  } else {
+    if (!item.messages.is_null()) {
+      p.messages = item.messages;
+      p.enable_thinking = item.enable_thinking;
+    } else if (item.prompt) {
+      p.text = *item.prompt;
+    } else {
+      fail("{}: {} has neither \"messages\" nor \"prompt\", which --endpoint chat sends (it has only "
+           "\"prompt_ids\": pass --endpoint completions)",
+           options.dataset_path, item.where);
+    }
+  }
+  return p;
+}
+
 nlohmann::json BenchReport::to_json() const {
   nlohmann::json j = {{"tool", "kiln bench"},
                       {"url", url},
                       {"model", model},
                       {"endpoint", endpoint},
-                      {"input_len", options.input_len},
+                      {"mode", dataset_mode(options) ? "dataset" : "random"},
+                      {"dataset", dataset_mode(options) ? nlohmann::json{{"path", options.dataset_path},
+                                                                         {"num_prompts", dataset_prompts},
+                                                                         {"shuffled", options.dataset_shuffle}}
+                                                        : nlohmann::json(nullptr)},
+                      {"input_len",
+                       dataset_mode(options) ? nlohmann::json(nullptr) : nlohmann::json(options.input_len)},
                       {"long_input_len", options.long_input_len},
                       {"long_every", options.long_every},
                       {"output_len", options.output_len},
                       {"request_rate", std::isinf(options.request_rate) ? nlohmann::json("inf")
                                                                         : nlohmann::json(options.request_rate)},
+                      {"temperature", options.temperature},
+                      {"ignore_eos", !dataset_mode(options)},
                       {"seed", options.seed},
                       {"prompt_tokens_counted_by", prompt_tokens_counted_by},
                       {"passed", passed},
@@ -440,31 +643,28 @@ nlohmann::json BenchReport::to_json() const {
   return j;
 }
 
-BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
-  if (options.output_len == 0) fail("--output-len must be at least 1");
-  if (options.max_concurrency.empty()) fail("--max-concurrency names no level");
-  if (!(options.max_failed_fraction >= 0 && options.max_failed_fraction <= 1))
-    fail("--max-failed-fraction must be between 0 and 1 (got {})", options.max_failed_fraction);
-  if ((options.long_every > 0) != (options.long_input_len > 0))
-    fail("--long-input-len and --long-every go together (got {} and {})", options.long_input_len, options.long_every);
-  HttpClient client(options.server);
-  BenchReport report;
-  const std::unique_ptr<TokenCounter> counter = start_report(options, client, report);
-  report.endpoint = options.endpoint == BenchEndpoint::chat ? "chat" : "completions";
+namespace {
 
-  size_t total_prompts = 0;
-  for (size_t c : options.max_concurrency) total_prompts += prompts_for_level(options, c);
-  fmt::print(out, "kiln bench: {} (model \"{}\"), POST {} streamed\n", report.url, report.model,
-             endpoint_path(options.endpoint));
-  fmt::print(out, "random prompts of exactly {} tokens (counted by {}), {} output tokens each (ignore_eos), "
+std::string concurrency_list(const BenchOptions& options) {
+  std::string s;
+  for (size_t c : options.max_concurrency) s += (s.empty() ? "" : ",") + concurrency_name(c);
+  return s;
+}
+
+std::string sampling_text(const BenchOptions& options) {
+  return options.temperature == 0 ? "greedy" : fmt::format("temperature {:g}", options.temperature);
+}
+
+// Random mode: distinct prompts of exact lengths for every level (across levels too, so no level gains from the
+// prefix cache of another), and the warm-up's.
+std::vector<std::vector<BenchPrompt>> random_level_prompts(const BenchOptions& options, BenchReport& report,
+                                                           BenchPrompt& warmup, std::FILE* out) {
+  const std::unique_ptr<TokenCounter> counter = make_token_counter(options, report.model);
+  report.prompt_tokens_counted_by = counter->describe();
+  fmt::print(out, "random prompts of exactly {} tokens (counted by {}), {} output tokens each (ignore_eos), {}, "
              "request rate {}, max concurrency {}\n",
-             options.input_len, report.prompt_tokens_counted_by, options.output_len,
-             std::isinf(options.request_rate) ? "inf" : fmt_number(options.request_rate),
-             [&] {
-               std::string s;
-               for (size_t c : options.max_concurrency) s += (s.empty() ? "" : ",") + concurrency_name(c);
-               return s;
-             }());
+             options.input_len, report.prompt_tokens_counted_by, options.output_len, sampling_text(options),
+             std::isinf(options.request_rate) ? "inf" : fmt_number(options.request_rate), concurrency_list(options));
   if (options.long_every > 0)
     fmt::print(out, "mixed load: every {}th request of a level sends {} prompt tokens instead\n", options.long_every,
                options.long_input_len);
@@ -473,22 +673,102 @@ BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
                "input totals below are the server's usage.prompt_tokens when it reports them)\n");
   std::fflush(out);
 
-  // Every prompt distinct (across levels too), so no level gains from the prefix cache of another.
   std::mt19937_64 prompt_rng(options.seed);
-  std::string warmup_prompt = prompt_of_exact_length(*counter, options.input_len, prompt_rng);
-  std::vector<std::vector<std::string>> level_prompts;
-  auto build_start = Clock::now();
+  auto random_prompt = [&](size_t input_len, size_t max_tokens) {
+    BenchPrompt p;
+    p.text = prompt_of_exact_length(*counter, input_len, prompt_rng);
+    p.input_tokens = input_len;
+    p.max_tokens = max_tokens;
+    return p;
+  };
+  const auto build_start = Clock::now();
+  warmup = random_prompt(options.input_len, std::min(options.output_len, kWarmupOutputTokens));
+  std::vector<std::vector<BenchPrompt>> levels;
+  size_t total = 1;
   for (size_t c : options.max_concurrency) {
-    std::vector<std::string> prompts;
+    std::vector<BenchPrompt> prompts;
     for (size_t i = 0, n = prompts_for_level(options, c); i < n; ++i)
-      prompts.push_back(prompt_of_exact_length(*counter, bench_prompt_len(options, i), prompt_rng));
-    level_prompts.push_back(std::move(prompts));
+      prompts.push_back(random_prompt(bench_prompt_len(options, i), options.output_len));
+    total += prompts.size();
+    levels.push_back(std::move(prompts));
   }
-  fmt::print(out, "built {} prompts in {:.1f} s\n", total_prompts + 1,
+  fmt::print(out, "built {} prompts in {:.1f} s\n", total,
              std::chrono::duration<double>(Clock::now() - build_start).count());
+  return levels;
+}
 
-  RequestRecord warmup = measure_request(client, options, report.model, warmup_prompt, options.input_len,
-                                         std::min(options.output_len, kWarmupOutputTokens));
+// Dataset mode: what the file's selected items send (read before the server is asked anything, so a bad file
+// fails first).
+std::vector<BenchPrompt> read_dataset_prompts(const BenchOptions& options) {
+  std::vector<BenchPrompt> prompts;
+  for (const auto& item : select_dataset_items(load_dataset(options.dataset_path), options))
+    prompts.push_back(dataset_prompt(item, options));
+  return prompts;
+}
+
+// Dataset mode: the prompts counted, the same at every level; the warm-up sends the first of them.
+std::vector<std::vector<BenchPrompt>> dataset_level_prompts(const BenchOptions& options,
+                                                            std::vector<BenchPrompt> prompts, BenchReport& report,
+                                                            BenchPrompt& warmup, std::FILE* out) {
+  size_t from_ids = 0, longest_output = 0;
+  for (const auto& p : prompts) {
+    if (!p.prompt_ids.empty()) ++from_ids;
+    longest_output = std::max(longest_output, p.max_tokens);
+  }
+  // Text prompts are counted with a tokenizer; token-id prompts need none.
+  std::string counted_by = from_ids > 0 ? "the length of prompt_ids" : "";
+  if (from_ids < prompts.size()) {
+    const std::unique_ptr<TokenCounter> counter = make_token_counter(options, report.model);
+    for (auto& p : prompts)
+      if (p.prompt_ids.empty()) p.input_tokens = count_text_tokens(*counter, p, options.endpoint);
+    counted_by = (counted_by.empty() ? "" : counted_by + " and ") + counter->describe();
+  }
+  report.prompt_tokens_counted_by = counted_by;
+  report.dataset_prompts = prompts.size();
+  fmt::print(out, "dataset {}: {} prompts{}, natural output lengths (at most {} tokens), {}; input tokens counted by "
+             "{}; request rate {}, max concurrency {}\n",
+             options.dataset_path, prompts.size(),
+             options.dataset_shuffle ? fmt::format(" (shuffled, seed {})", options.seed) : "",
+             longest_output, sampling_text(options), counted_by,
+             std::isinf(options.request_rate) ? "inf" : fmt_number(options.request_rate), concurrency_list(options));
+  if (options.max_concurrency.size() > 1)
+    fmt::print(out, "(every level sends the same {} prompts: a prefix cache may serve a later level's prompts from "
+               "an earlier one's)\n", prompts.size());
+  std::fflush(out);
+  warmup = prompts.front();
+  warmup.max_tokens = std::min(warmup.max_tokens, kWarmupOutputTokens);
+  return std::vector<std::vector<BenchPrompt>>(options.max_concurrency.size(), prompts);
+}
+
+}  // namespace
+
+BenchReport run_bench(const BenchOptions& options, std::FILE* out) {
+  if (options.output_len == 0) fail("--output-len must be at least 1");
+  if (options.max_concurrency.empty()) fail("--max-concurrency names no level");
+  if (!(options.max_failed_fraction >= 0 && options.max_failed_fraction <= 1))
+    fail("--max-failed-fraction must be between 0 and 1 (got {})", options.max_failed_fraction);
+  if (!(options.temperature >= 0 && std::isfinite(options.temperature)))
+    fail("--temperature must be 0 (greedy) or more (got {})", options.temperature);
+  if ((options.long_every > 0) != (options.long_input_len > 0))
+    fail("--long-input-len and --long-every go together (got {} and {})", options.long_input_len, options.long_every);
+  if (dataset_mode(options) && options.long_every > 0)
+    fail("--long-input-len / --long-every and --dataset-path do not go together: the mixed load sends random prompts "
+         "of two lengths; drop one of them");
+  std::vector<BenchPrompt> dataset_prompts;
+  if (dataset_mode(options)) dataset_prompts = read_dataset_prompts(options);
+  HttpClient client(options.server);
+  BenchReport report;
+  start_report(options, client, report);
+  report.endpoint = options.endpoint == BenchEndpoint::chat ? "chat" : "completions";
+  fmt::print(out, "kiln bench: {} (model \"{}\"), POST {} streamed\n", report.url, report.model,
+             endpoint_path(options.endpoint));
+
+  BenchPrompt warmup_prompt;
+  const std::vector<std::vector<BenchPrompt>> level_prompts =
+      dataset_mode(options) ? dataset_level_prompts(options, std::move(dataset_prompts), report, warmup_prompt, out)
+                            : random_level_prompts(options, report, warmup_prompt, out);
+
+  RequestRecord warmup = measure_request(client, options, report.model, warmup_prompt);
   if (!warmup.ok)
     fail("the warm-up request to {}{} failed: {} (check the server with `kiln smoke --url {}`)", report.url,
          endpoint_path(options.endpoint), warmup.error, report.url);
@@ -557,11 +837,18 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
   if (options.conversations > kMaxThreads)
     fail("--conversations {} is more than kiln bench supports ({})", options.conversations, kMaxThreads);
   if (options.output_len == 0) fail("--output-len must be at least 1");
+  if (!(options.temperature >= 0 && std::isfinite(options.temperature)))
+    fail("--temperature must be 0 (greedy) or more (got {})", options.temperature);
   if (options.endpoint != BenchEndpoint::completions)
     fail("--multi-turn sends the history as the prompt of /v1/completions; leave --endpoint at completions");
+  if (dataset_mode(options))
+    fail("--multi-turn and --dataset-path do not go together: multi-turn conversations are built of random "
+         "messages; drop one of them");
   HttpClient client(options.server);
   MultiTurnReport report;
-  const std::unique_ptr<TokenCounter> counter = start_report(options, client, report);
+  start_report(options, client, report);
+  const std::unique_ptr<TokenCounter> counter = make_token_counter(options, report.model);
+  report.prompt_tokens_counted_by = counter->describe();
   const size_t T = options.multi_turn, N = options.conversations;
   fmt::print(out, "kiln bench --multi-turn: {} (model \"{}\"), POST /v1/completions streamed\n", report.url,
              report.model);
@@ -593,8 +880,10 @@ MultiTurnReport run_multi_turn_bench(const BenchOptions& options, std::FILE* out
       try {
         if (!http) http.emplace(options.server);
         r.start_s = since();
-        Generation g = run_generation(*http, "/v1/completions", request_body(options, report.model, history,
-                                                                             options.output_len));
+        BenchPrompt prompt;
+        prompt.text = history;
+        prompt.max_tokens = options.output_len;
+        Generation g = run_generation(*http, "/v1/completions", request_body(options, report.model, prompt));
         r.end_s = since();
         if (!g.ok) {
           r.error = g.error;

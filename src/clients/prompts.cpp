@@ -55,8 +55,8 @@ class ServerTokenCounter final : public TokenCounter {
       last_failure = response.describe_failure();
       if (!response.transport_error.empty()) break;
     }
-    fail("the server at {} cannot tokenize (POST /tokenize and /v1/tokenize: {}), so prompts of an exact token "
-         "length cannot be built: pass --tokenizer DIR (a folder with the model's tokenizer.json)",
+    fail("the server at {} cannot tokenize (POST /tokenize and /v1/tokenize: {}), so prompt tokens cannot be "
+         "counted: pass --tokenizer DIR (a folder with the model's tokenizer.json)",
          address.display(), last_failure);
   }
 

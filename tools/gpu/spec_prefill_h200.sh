@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine: issues "Multi-token prediction" (position checkpoints, verify graphs) and "Prefill at tensor-core
 # speed" in one call, on one binary (A/B by flags), from the repository root:
-#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: train,tests,smoke,spec35,tiny,tinyengine,prefill,lines,images]
+#   OUT=... bash tools/gpu/spec_prefill_h200.sh CARRY [what: train,tests,smoke,spec35,tiny,tinyeval,tinyengine,prefill,lines,images]
 # CARRY holds lib/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
 # Variables: TEST_FILTER, TEST_TIMEOUT, SPEC_BATCHES (35B spec sweep batches), PREFILL_VARIANTS ('|'-separated flag
 # sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs), TRAIN_SECONDS (train: tools/tiny/train_mtp.py in
@@ -45,6 +45,11 @@ serve_bench() {  # $1: label, rest: serve flags; kiln-tiny on the GPU, then smok
   for _ in $(seq 240); do curl -sf http://127.0.0.1:30000/health > /dev/null && break; sleep 0.5; done
   if [ "$MODE" = smoke ]; then
     timeout 300 "$K" smoke --url http://127.0.0.1:30000 2>&1 | tail -3
+  elif [ "$MODE" = dataset ]; then
+    timeout 300 "$K" bench --url http://127.0.0.1:30000 --dataset-path tools/tiny/eval_prompts.json --dataset-shuffle \
+      --num-prompts ${DATASET_PROMPTS:-240} --output-len 512 --max-concurrency 1,8 --no-progress 2>&1 \
+      | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept|Mean output" | head -14
+    curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln_spec" | head -8
   else
     timeout 300 "$K" bench --url http://127.0.0.1:30000 --input-len 128 --output-len 256 --max-concurrency 1,8 \
       --num-prompts 8 2>&1 | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept" | head -12
@@ -72,6 +77,13 @@ if has tiny; then
   for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN --disable-cuda-graph-verify" "--speculative-algorithm NEXTN"; do
     echo "== kiln-tiny serve $s: kiln bench 128/256 at concurrency 1, 8"
     serve_bench "tiny_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
+  done
+fi
+if has tinyeval; then
+  MODE=dataset
+  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN"; do
+    echo "== kiln-tiny serve $s: kiln bench on the evaluation prompts (tools/tiny/eval_prompts.json) at concurrency 1, 8"
+    serve_bench "tinyeval_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
   done
 fi
 if has tinyengine; then

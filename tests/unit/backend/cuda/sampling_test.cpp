@@ -167,6 +167,9 @@ TEST(CudaArgmaxRows, IntoDeviceIdsReplaysFromAGraph) {
   const TensorView ids = gpu.allocate(DType::I32, Shape{R});
   auto put = [&](const std::vector<float>& h) {
     KILN_CUDA_CHECK(cudaMemcpy(logits.data, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return before the DMA lands (CUDA's API sync notes), and the ops' stream
+    // does not wait for the legacy stream: without this a replay read the end of the old logits (seen on an H100).
+    KILN_CUDA_CHECK(cudaDeviceSynchronize());
   };
   auto check = [&](const std::vector<float>& h, int32_t offset, const char* what) {
     std::vector<int32_t> got(static_cast<size_t>(R));

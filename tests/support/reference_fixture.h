@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "core/error.h"
 #include "format/safetensors.h"
 #include "model/runner.h"
 
@@ -22,6 +23,16 @@ inline std::string fixtures_root() { return std::string(KILN_SOURCE_DIR) + "/tes
 inline std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// A named I32 / F32 tensor of an expected.safetensors, as a vector (KILN_CHECK: present).
+template <typename T>
+std::vector<T> tensor_values(const format::SafetensorsFile& f, const char* name) {
+  const format::TensorInfo* t = f.find(name);
+  KILN_CHECK(t, "{} missing", name);
+  std::vector<T> v(static_cast<size_t>(t->shape.numel()));
+  std::memcpy(v.data(), t->data, v.size() * sizeof(T));
+  return v;
 }
 
 struct Prompt {

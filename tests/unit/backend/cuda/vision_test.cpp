@@ -354,20 +354,8 @@ TEST(CudaImageInputs, PromptWithAnImageMatchesTransformers) {
   const std::string dir = ::kiln::testing::fixtures_root() + "/qwen3_5_moe_vl";
   const std::vector<uint8_t> bytes = ::kiln::testing::read_bytes(dir + "/expected.safetensors");
   format::SafetensorsFile f(bytes, "qwen3_5_moe_vl/expected.safetensors");
-  auto i32 = [&](const char* n) {
-    const format::TensorInfo* t = f.find(n);
-    KILN_CHECK(t, "{} missing", n);
-    std::vector<int32_t> v(static_cast<size_t>(t->shape.numel()));
-    std::memcpy(v.data(), t->data, v.size() * 4);
-    return v;
-  };
-  auto f32 = [&](const char* n) {
-    const format::TensorInfo* t = f.find(n);
-    KILN_CHECK(t, "{} missing", n);
-    std::vector<float> v(static_cast<size_t>(t->shape.numel()));
-    std::memcpy(v.data(), t->data, v.size() * 4);
-    return v;
-  };
+  auto i32 = [&](const char* n) { return ::kiln::testing::tensor_values<int32_t>(f, n); };
+  auto f32 = [&](const char* n) { return ::kiln::testing::tensor_values<float>(f, n); };
   const std::vector<int32_t> ids = i32("input_ids"), types = i32("mm_token_type_ids"), grid = i32("image_grid_thw");
   const std::vector<int32_t> greedy = i32("greedy_tokens");
   const std::vector<float> pixels = f32("pixel_values"), prefill = f32("prefill_logits"), want_emb = f32("image_embeds");

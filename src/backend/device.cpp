@@ -284,7 +284,13 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
       params += static_cast<double>(t.shape.numel());
     const format::VisionConfig& v = full.vision;
     const double per_patch = 4.0 * (10.0 * static_cast<double>(v.hidden_size) + static_cast<double>(v.intermediate_size));
-    p.vision_bytes = 2.0 * params + 1.25 * per_patch * static_cast<double>(std::max<int64_t>(o.vision_max_patches, 0));
+    const double patches = static_cast<double>(std::max<int64_t>(o.vision_max_patches, 0));
+    // The biased linears on cuBLASLt (blocks of at most 8192 rows): x in 3 bf16 parts and 3 fp32 partial outputs of
+    // the widest linear (float32; bfloat16 needs less).
+    const double widest = std::max<double>(v.intermediate_size, 3.0 * v.hidden_size);
+    const double linears = std::min(patches, 8192.0) * (6.0 * std::max<double>(v.intermediate_size, v.hidden_size) +
+                                                         12.0 * widest);
+    p.vision_bytes = 2.0 * params + 1.25 * per_patch * patches + linears;
   }
   auto activations = [&](int running) {
     // The largest pass, and the largest one below the release threshold (a decode step of many sequences).

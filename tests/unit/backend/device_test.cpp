@@ -308,6 +308,25 @@ TEST(MemoryPlan, ActivationsFollowThePassAndItsLayerRelease) {
   EXPECT_GT(pass256.activation_bytes, 40 * 256.0 * 289792);
 }
 
+// The vision tower (LoadOptions::vision): its BF16 weights, the forward's buffers per patch of the largest image, and
+// the biased linears' cuBLASLt buffers (blocks of at most 8192 rows: 3 fp32 partial outputs of the widest linear,
+// fc1's 4304 columns, at least 8192 x 12 x 4304 bytes); nothing without it.
+TEST(MemoryPlan, VisionTowerIsPlannedWhenLoaded) {
+  const format::ModelDir dir = format::ModelDir::open(kConfig35);
+  LoadOptions o;
+  o.state_slots = 8;
+  o.max_context = 4096;
+  EXPECT_EQ(plan_device_memory(dir, o, 141.0 * GiB, 0).vision_bytes, 0.0);
+  o.vision = true;
+  o.vision_max_patches = 0;
+  const double weights_only = plan_device_memory(dir, o, 141.0 * GiB, 0).vision_bytes;
+  EXPECT_GT(weights_only, 0.8e9);  // ~0.4 B parameters in BF16
+  EXPECT_LT(weights_only, 1.2e9);
+  o.vision_max_patches = 16384;
+  const double big = plan_device_memory(dir, o, 141.0 * GiB, 0).vision_bytes;
+  EXPECT_GE(big - weights_only, 8192.0 * 12 * 4304 + 16384.0 * 4 * (10 * 1152 + 4304));
+}
+
 TEST(MemoryPlan, StateSlotsAndContextComeFromThePlan) {
   const format::ModelDir dir = format::ModelDir::open(kConfig35);
   LoadOptions o;

@@ -1,6 +1,7 @@
 #include "backend/device.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 
@@ -569,6 +570,22 @@ std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, cons
 #else
   (void)self_check;
   fail("--device cuda: this kiln binary was built without the CUDA backend");
+#endif
+}
+
+std::vector<double> time_all_reduce_on_one_gpu(int ranks, int gpu, const std::vector<int64_t>& floats, int iters) {
+#if KILN_HAVE_CUDA
+  cuda::CudaGroupOptions o;
+  o.devices.assign(static_cast<size_t>(std::max(ranks, 1)), gpu);
+  o.transport = cuda::CudaGroupOptions::Transport::peer;
+  o.spin_on_shared_gpu = true;
+  o.timeout = std::chrono::seconds(60);
+  std::vector<double> us;
+  for (const cuda::AllReduceTiming& t : cuda::time_all_reduce(o, floats, iters)) us.push_back(t.rank0_us);
+  return us;
+#else
+  (void)ranks, (void)gpu, (void)floats, (void)iters;
+  fail("timing an all-reduce needs the CUDA backend: this kiln binary was built without it");
 #endif
 }
 

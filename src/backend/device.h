@@ -5,7 +5,8 @@
 // `self_check = false` (--skip-self-check) bypasses it.
 //
 // Also here, pure and host-only (tested without a GPU): the one check of the parallel sizes (validate_parallel), the
-// placement of this node's ranks on the GPUs it found (place_ranks), and the NCCL settings kiln defaults.
+// placement of this node's ranks on the GPUs it found (place_ranks), and the NCCL settings kiln defaults. Last, the
+// one-GPU all-reduce timing of `kiln bench-engine --single-rank`'s projection (time_all_reduce_on_one_gpu).
 #pragma once
 #include <memory>
 #include <string>
@@ -176,5 +177,12 @@ const std::vector<EnvDefault>& nccl_env_defaults();
 // options.parallel is checked by validate_parallel first). Logs the resolved choice and the backend's description.
 std::unique_ptr<model::ModelRunner> load_model(const format::ModelDir& dir, const std::string& device,
                                                const LoadOptions& options, bool self_check = true);
+
+// kiln bench-engine --single-rank: microseconds per all-reduce (rank 0's median) of each size in `floats` (F32 values)
+// over a group of `ranks` ranks all on CUDA device `gpu`, as cuda::time_all_reduce measures it (`iters` all-reduces per
+// CUDA graph). The ranks run the GPU-waiting peer kernel of distinct GPUs with every peer read in the one GPU's memory:
+// the kernel's own cost, no link between GPUs crossed. Call it before the process runs anything else on the GPU
+// (cuda/comm_cuda.h, spin_on_shared_gpu). kiln::Error without the CUDA backend or when a rank fails.
+std::vector<double> time_all_reduce_on_one_gpu(int ranks, int gpu, const std::vector<int64_t>& floats, int iters = 100);
 
 }  // namespace kiln::backend

@@ -5,6 +5,10 @@
 // of K + 1 tokens per sequence and the replay of the accepted tokens are timed at each K, and the tok/s they would give at the published acceptance lengths of Qwen3.5-397B
 // (K = 1..5: 1.93, 2.73, 3.39, 3.97, 4.41 tokens per verify) is printed, labelled as a projection. Under
 // --load-format dummy a config without an MTP head gets one (mtp_num_hidden_layers 1, as the real checkpoints have).
+// --single-rank R (cuda, with --tp-size N): only rank R runs, its all-reduces replaced by device copies; before the
+// model loads, the all-reduce of each batch's decode step (batch x hidden floats) is timed with N ranks sharing the GPU,
+// and after each decode line the group's step is printed as a PROJECTION: this step + the step's all-reduces
+// (model::all_reduces_per_pass) at that cost.
 //
 //   kiln bench-engine [--model-path DIR] [--device auto|cpu|cuda] [--batch B[,B...]] [--input-len I]
 //                     [--output-len O] [--kv-dtype bf16|fp8|f32] [--prefill-chunk N] [--load-format auto|dummy]
@@ -17,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -35,6 +40,7 @@
 #include "format/model_dir.h"
 #include "format/quant_config.h"
 #include "format/weight_map.h"
+#include "model/family.h"
 #include "model/runner.h"
 
 namespace {
@@ -197,6 +203,80 @@ void print_bandwidth(const kiln::format::ModelDir& dir, const kiln::backend::Loa
               co.tp > 1 ? " per GPU" : "", median_ms, bytes / (median_ms * 1e-3) / 1e12);
 }
 
+// --single-rank on CUDA: the group's decode step projected from measured parts, this rank's step alone plus the
+// group's all-reduces (model::all_reduces_per_pass) at their cost timed with tp ranks sharing this one GPU.
+struct GroupProjection {
+  int tp = 1, gpu = 0;
+  int64_t hidden = 0, pass_tokens = 0;
+  std::map<int, double> all_reduce_us;  // by batch B: microseconds per all-reduce of B x hidden floats
+  int64_t all_reduces = 0;              // per decode pass, set once the model is loaded (the MTP head adds some)
+  std::string unavailable;              // why there is none ("" when there is)
+  bool wanted() const { return tp > 1; }
+};
+
+// Times the all-reduces of every batch's decode pass before the model loads: ranks sharing a GPU run the peer kernel
+// reliably only in a process that has run little else on it (backend/cuda/comm_cuda.h).
+GroupProjection time_group_all_reduces(const BenchEngineOptions& o, const kiln::format::ModelConfig& config,
+                                       const std::vector<int>& batches, int64_t pass_tokens, bool on_gpu) {
+  GroupProjection p;
+  if (o.parallel.single_rank < 0 || o.parallel.tp_size < 2 || !on_gpu) return p;
+  kiln::backend::validate_parallel(o.parallel);  // a wrong --single-rank fails before the timing, not after it
+  p.tp = o.parallel.tp_size;
+  p.gpu = o.parallel.base_gpu_id;
+  p.hidden = config.hidden_size;
+  p.pass_tokens = pass_tokens;
+  std::vector<int> timed;
+  std::vector<int64_t> floats;
+  for (int B : batches)  // a batch whose decode step runs in several passes is not projected
+    if (B <= pass_tokens && std::find(timed.begin(), timed.end(), B) == timed.end()) {
+      timed.push_back(B);
+      floats.push_back(static_cast<int64_t>(B) * p.hidden);
+    }
+  try {
+    const std::vector<double> us = kiln::backend::time_all_reduce_on_one_gpu(p.tp, p.gpu, floats);
+    for (size_t i = 0; i < timed.size(); ++i) p.all_reduce_us[timed[i]] = us[i];
+  } catch (const kiln::Error& e) {
+    p.unavailable = e.what();
+  }
+  return p;
+}
+
+// What the projection adds up, once, after the model's line.
+void print_projection_basis(const GroupProjection& p, const kiln::format::ModelConfig& config, bool mtp_head,
+                            int single_rank) {
+  if (!p.unavailable.empty()) {
+    std::printf("--single-rank %d: no group projection (timing the all-reduce failed: %s)\n", single_rank,
+                p.unavailable.c_str());
+    return;
+  }
+  std::printf("--single-rank %d of --tp-size %d: each batch's PROJECTION adds to this rank's decode step %lld all-reduces "
+              "per step (1 for the embedding lookup + 2 per layer x %d layers%s) of batch x %lld floats, each at its "
+              "cost timed with %d ranks sharing GPU %d: the peer kernel's own cost, every read in one GPU's memory, no "
+              "NVLink or PCIe link crossed (the ranks' kernels also share this GPU's SMs and bandwidth, which weighs "
+              "on large messages). A projection, not a measurement of the group: it leaves out the link's "
+              "latency, ranks waiting for the slowest one and the host's token pick across ranks, and the rank's step "
+              "already holds a device copy in each all-reduce's place.\n",
+              single_rank, p.tp, static_cast<long long>(p.all_reduces), config.num_layers,
+              mtp_head ? " + 3 for the MTP head" : "", static_cast<long long>(p.hidden), p.tp, p.gpu);
+}
+
+// The projected group step at batch B after its measured single-rank step (median_ms).
+void print_projection(const GroupProjection& p, int B, double median_ms) {
+  if (!p.wanted() || !p.unavailable.empty()) return;
+  const auto it = p.all_reduce_us.find(B);
+  if (it == p.all_reduce_us.end()) {
+    std::printf("  PROJECTION tp %d: none at batch %d (its decode step runs in more than one pass of %lld tokens)\n",
+                p.tp, B, static_cast<long long>(p.pass_tokens));
+    return;
+  }
+  const double ar_ms = static_cast<double>(p.all_reduces) * it->second * 1e-3, total_ms = median_ms + ar_ms;
+  std::printf("  PROJECTION tp %d group step: %.3f ms (single-rank step) + %lld x %.2f us (all-reduce of %lld floats, "
+              "measured with %d ranks on one GPU, no link) = %.3f ms -> %.1f tok/s per sequence, %.1f tok/s for the "
+              "batch\n",
+              p.tp, median_ms, static_cast<long long>(p.all_reduces), it->second,
+              static_cast<long long>(B * p.hidden), p.tp, total_ms, 1e3 / total_ms, B * 1e3 / total_ms);
+}
+
 // One more step, op by op (eager, ops queued behind a busy-wait so that they run back to back). False when the
 // backend does not time ops.
 bool profile_step(kiln::model::Runner& mr, BenchBatch& batch, const char* what) {
@@ -320,7 +400,7 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
 // Warm-up, the measured prefill and decode of one batch size, the numbers, and --profile's op times.
 void bench_batch(const BenchEngineOptions& o, const kiln::format::ModelDir& dir, const kiln::backend::LoadOptions& lo,
                  kiln::model::ModelRunner& runner, int B, int64_t pages_per_seq, const std::vector<int>& sweep,
-                 bool graphs) {
+                 bool graphs, const GroupProjection& projection) {
   BenchBatch batch(o, runner, B, pages_per_seq);
   // Warm-up (kernel loading, scratch growth, library plans, graph capture): the prefill once, then a short prefill
   // and three decode steps; the measured prefill below starts the sequences over.
@@ -357,6 +437,7 @@ void bench_batch(const BenchEngineOptions& o, const kiln::format::ModelDir& dir,
               percentile(step_ms, 0.1), percentile(step_ms, 0.9), B / std::max(median, 1e-9) * 1e3,
               B * o.output_len / std::max(decode_ms, 1e-9) * 1e3);
   if (B == 1) print_bandwidth(dir, lo, median);
+  print_projection(projection, B, median);
   std::fflush(stdout);
   if (!sweep.empty()) spec_sweep(sweep, runner, batch, pos, median, graphs);
   auto* mr = dynamic_cast<kiln::model::Runner*>(&runner);
@@ -405,6 +486,10 @@ int run_bench_engine(const BenchEngineOptions& o) {
     }
   } remove_head_dir{head_dir};
 
+  // CUDA graphs and device-side sampling exist on the GPU only; on the CPU backend the runner picks tokens itself.
+  const bool on_gpu = backend::resolve_device(o.device).device == "cuda";
+  const format::ModelConfig config = format::load_model_config(dir);
+  GroupProjection projection = time_group_all_reduces(o, config, batches, lo.prefill_chunk, on_gpu);
   const auto load_start = Clock::now();
   auto runner = backend::load_model(dir, o.device, lo, !o.skip_self_check);
   const double load_ms = ms_since(load_start);
@@ -414,8 +499,6 @@ int run_bench_engine(const BenchEngineOptions& o) {
   if (!sweep.empty() && runner->mtp_layers() == 0)
     fail("--spec-sweep: the model loaded without its MTP head (see the log above)");
   std::printf("kiln bench-engine: %s | %s\n", dir.display_path().c_str(), runner->describe().c_str());
-  // CUDA graphs and device-side sampling exist on the GPU only; on the CPU backend the runner picks tokens itself.
-  const bool on_gpu = backend::resolve_device(o.device).device == "cuda";
   const std::string where = on_gpu ? "on the device" : "in the CPU backend";
   const std::string sampling =
       o.host_sampling        ? std::string(on_gpu ? "host argmax over downloaded logits" : "host argmax over the logits")
@@ -425,8 +508,13 @@ int run_bench_engine(const BenchEngineOptions& o) {
               static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.kv_dtype.c_str(),
               static_cast<long long>(o.prefill_chunk),
               !on_gpu ? "n/a (cpu)" : o.gpu.disable_cuda_graph ? "off" : "on", sampling.c_str(), load_ms);
+  if (projection.wanted()) {
+    const bool mtp_head = runner->mtp_layers() > 0;  // a decode pass then runs the head too
+    projection.all_reduces = model::all_reduces_per_pass(config, projection.tp, mtp_head);
+    print_projection_basis(projection, config, mtp_head, o.parallel.single_rank);
+  }
   const bool graphs = on_gpu && !o.gpu.disable_cuda_graph;
-  for (const int B : batches) bench_batch(o, dir, lo, *runner, B, pages_per_seq, sweep, graphs);
+  for (const int B : batches) bench_batch(o, dir, lo, *runner, B, pages_per_seq, sweep, graphs, projection);
   return 0;
 }
 
@@ -452,7 +540,9 @@ kiln::cli::Registrar reg{"bench-engine", "Time the model runner alone: batched p
   app.add_option("--single-rank", o->parallel.single_rank,
                  "cuda, with --tp-size N: run only rank R of the N-rank plan on one GPU, its all-reduces replaced by a "
                  "device copy of the same size (one GPU's share of a model too large for one GPU; tokens are "
-                 "meaningless)")
+                 "meaningless); after each batch's decode line, a PROJECTION of the N-rank group's step: this step "
+                 "plus the step's all-reduces at their cost timed first with N ranks on this one GPU (the kernel's "
+                 "own cost, no link)")
       ->check(CLI::Range(0, 1023));
   app.add_flag("--profile", o->profile,
                "After each batch, time one decode step op by op, at batch 1 also one prefill pass (cuda)");

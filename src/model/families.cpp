@@ -23,6 +23,12 @@ const Family& family_for(format::Arch arch) {
   fail("model family '{}' is not supported (supported: {})", format::arch_name(arch), supported_families());
 }
 
+int64_t all_reduces_per_pass(const format::ModelConfig& config, int tp, bool mtp_head) {
+  if (tp <= 1) return 0;
+  const int64_t per_layer = 2;  // the mixer's output and the feed-forward part's (Family::forward_layer)
+  return 1 + per_layer * config.num_layers + (mtp_head ? 1 + per_layer : 0);
+}
+
 void Family::bind_layer(WeightBinder& b, int layer, LayerWeights& w) const {
   if (mixer == Mixer::hybrid) {
     bind_hybrid_mixer(b, layer, w, fused_qkvz);

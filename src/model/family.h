@@ -43,6 +43,14 @@ struct Family {
   void forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const;
 };
 
+// The all-reduces (Ops::all_reduce) one forward pass makes on each rank of a tensor-parallel group of `tp` ranks,
+// each of the pass's tokens x hidden_size F32 values: the vocabulary-parallel embedding lookup (blocks.h embed), the
+// token mixer's and the feed-forward part's output of every decoder layer (blocks.cpp block_output: every family is
+// one of each), and with the MTP head loaded (mtp_head) the head's embedding lookup and its decoder layer (mtp.cpp;
+// a decode pass gives it one entry per sequence). 0 for tp 1. Picking the token after the pass is no all-reduce (each
+// rank offers its best id; model/tp_runner.h).
+int64_t all_reduces_per_pass(const format::ModelConfig& config, int tp, bool mtp_head);
+
 // The family implementing `arch`; kiln::Error naming the supported ones otherwise.
 const Family& family_for(format::Arch arch);
 // "qwen3_5_moe, qwen3_5, qwen3_next, qwen3_moe, qwen3"

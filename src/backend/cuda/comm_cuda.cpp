@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -541,6 +542,85 @@ class CopyComm final : public model::Communicator {
 
 std::unique_ptr<model::Communicator> make_copy_communicator(int rank, int size) {
   return std::make_unique<CopyComm>(rank, size);
+}
+
+std::vector<AllReduceTiming> time_all_reduce(const CudaGroupOptions& options, const std::vector<int64_t>& floats,
+                                             int iters) {
+  if (floats.empty()) return {};
+  if (iters < 1) fail("time_all_reduce: {} all-reduces per graph", iters);
+  const int ranks = static_cast<int>(options.devices.size());
+  auto comms = make_cuda_group(options);
+  // One buffer per rank for every size, freed once every rank is done (cudaFree synchronises the device: on a shared
+  // GPU it could wait for a peer's kernel that waits for this rank).
+  const int64_t largest = *std::max_element(floats.begin(), floats.end());
+  std::vector<float*> buffers(ranks, nullptr);
+  auto free_buffers = [&] {
+    for (int r = 0; r < ranks; ++r)
+      if (buffers[r]) {
+        DeviceScope on(options.devices[r]);
+        cudaFree(buffers[r]);
+        buffers[r] = nullptr;
+      }
+  };
+  std::vector<AllReduceTiming> out;
+  for (int64_t n : floats) {
+    std::vector<double> us(ranks);
+    std::vector<std::string> err(ranks);
+    std::atomic<int> first_failed{-1};
+    std::vector<std::thread> th;
+    for (int r = 0; r < ranks; ++r)
+      th.emplace_back([&, r] {
+        try {
+          KILN_CUDA_CHECK(cudaSetDevice(options.devices[r]));
+          cudaStream_t s;
+          KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+          float*& d = buffers[r];
+          if (!d) KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), static_cast<size_t>(largest) * 4));
+          // Nobody launches before every rank has allocated (an allocation waits for the GPU's running kernels).
+          comms[r]->barrier();
+          KILN_CUDA_CHECK(cudaMemsetAsync(d, 0, static_cast<size_t>(n) * 4, s));
+          cudaGraph_t g;
+          cudaGraphExec_t exec;
+          KILN_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+          for (int i = 0; i < iters; ++i) comms[r]->all_reduce_sum(d, n, s);
+          KILN_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+          KILN_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+          KILN_CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
+          KILN_CUDA_CHECK(cudaStreamSynchronize(s));
+          std::vector<double> t;
+          for (int rep = 0; rep < 5; ++rep) {
+            comms[r]->barrier();
+            const auto t0 = std::chrono::steady_clock::now();
+            KILN_CUDA_CHECK(cudaGraphLaunch(exec, s));
+            KILN_CUDA_CHECK(cudaStreamSynchronize(s));
+            t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+                        iters);
+          }
+          std::sort(t.begin(), t.end());
+          us[r] = t[2];
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(g);
+          cudaStreamDestroy(s);
+        } catch (const model::GroupAborted& e) {  // another rank's error stopped this one
+          err[r] = e.what();
+        } catch (const std::exception& e) {
+          err[r] = e.what();
+          int none = -1;
+          first_failed.compare_exchange_strong(none, r);
+          comms[r]->abort();
+        }
+      });
+    for (auto& t : th) t.join();
+    for (int r = 0; r < ranks; ++r)
+      if (!err[r].empty()) {
+        const int why = first_failed.load() >= 0 ? first_failed.load() : r;
+        free_buffers();
+        fail("all-reduce timing of {} floats, rank {} of {}: {}", n, why, ranks, err[why]);
+      }
+    out.push_back({n, us[0], *std::max_element(us.begin(), us.end())});
+  }
+  free_buffers();
+  return out;
 }
 
 }  // namespace kiln::backend::cuda

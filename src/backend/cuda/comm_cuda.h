@@ -57,4 +57,17 @@ bool nccl_available(std::string* reason = nullptr);
 // of a larger group timed alone: `kiln bench-engine --single-rank`). rank / size are the simulated group's.
 std::unique_ptr<model::Communicator> make_copy_communicator(int rank, int size);
 
+// For benchmarks (bench_allreduce, `kiln bench-engine --single-rank`): the latency of one all_reduce_sum of each size
+// in `floats` over a fresh group of `options`, one thread and stream per rank, as a decode step runs it: `iters`
+// all-reduces captured in one CUDA graph per rank, replayed once to warm up, then 5 timed replays (the ranks meet on
+// the host barrier before each); the median replay / iters. Ranks sharing a GPU need options.spin_on_shared_gpu (and a
+// process that has run little else on the GPU; see above). kiln::Error naming the rank when one fails.
+struct AllReduceTiming {
+  int64_t floats = 0;
+  double rank0_us = 0;    // rank 0's median, microseconds per all-reduce
+  double slowest_us = 0;  // the slowest rank's median
+};
+std::vector<AllReduceTiming> time_all_reduce(const CudaGroupOptions& options, const std::vector<int64_t>& floats,
+                                             int iters);
+
 }  // namespace kiln::backend::cuda

@@ -184,6 +184,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
                                   : cuda::CudaOptions::ActivationDtype::float32;
   c.scratch_plan_bytes = static_cast<size_t>(std::max(o.gpu.scratch_plan_bytes, 0.0));
   c.recurrent_state_bf16 = k.mamba_ssm_dtype == "bfloat16";
+  c.pdl = o.gpu.pdl;
   return c;
 }
 }  // namespace
@@ -543,8 +544,11 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.state_slots = plan.state_slots;
   l.ro.max_context = plan.context;
   const bool graphs = options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1;
-  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}", kernels.str(), plan.str(),
-                             graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "");
+  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}", kernels.str(), plan.str(),
+                             graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
+                             graphs && options.gpu.pdl
+                                 ? ", kernels chained by programmatic dependent launch [--enable-pdl, experimental]"
+                                 : "");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);
   if (options.parallel.is_group()) return load_cuda_group(l);
   auto runner = std::make_unique<model::Runner>(l.ops(0), dir, l.ro);

@@ -3,7 +3,8 @@
 # default: the default flags only) and run kiln smoke against each; count the failing runs. Carry gpu-carry
 # (kiln.xz, lib/) as for run_engine_h200.sh.
 export LD_LIBRARY_PATH="$PWD/gpu-carry/lib:/usr/local/cuda/lib64"
-for f in gpu-carry/*.xz; do python3 -c "import lzma,sys; open(sys.argv[1][:-3],'wb').write(lzma.open(sys.argv[1]).read())" "$f"; chmod +x "${f%.xz}"; done
+for f in gpu-carry/*.xz; do [ -e "$f" ] && env -u LD_LIBRARY_PATH python3 -c "
+import lzma, os, sys; t = sys.argv[1][:-3]; open(t + '.tmp', 'wb').write(lzma.open(sys.argv[1]).read()); os.replace(t + '.tmp', t)" "$f" && chmod +x "${f%.xz}"; done
 K=${KILN_BIN:-gpu-carry/kiln}
 if [ -n "${VARIANTS:-}" ]; then IFS='|' read -ra VLIST <<< "$VARIANTS"; else VLIST=(""); fi
 for v in "${VLIST[@]}"; do

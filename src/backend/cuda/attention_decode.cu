@@ -35,6 +35,7 @@ __device__ __forceinline__ void store_pool(void* pool, ElemType elem, int64_t i,
 
 __global__ void kv_store_kernel(const float* __restrict__ k, const float* __restrict__ v, KvPoolArgs pool,
                                 StepArgs step) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t row_elems = int64_t(pool.kv_heads) * pool.head_dim;
   const int64_t total = int64_t(step.num_tokens) * row_elems;
   const float k_inv = 1.0f / pool.k_scale, v_inv = 1.0f / pool.v_scale;
@@ -116,6 +117,7 @@ __device__ __forceinline__ void merge_warps_and_store(const float (&sm_m)[kSplit
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
   __shared__ float sm_acc[kSplitWarps][kMaxHeadDim];
   const int t = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -216,6 +218,7 @@ template <int kElem, int kDPL>
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_vec_kernel(
     const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale, int keys_per_split,
     float* __restrict__ part_ml, float* __restrict__ part_acc, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   constexpr int D = 32 * kDPL;
   constexpr int kKeys = 4;
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps];
@@ -297,6 +300,7 @@ bool launch_attention_split_vec(dim3 grid, Stream stream, const float* q, int q_
 
 __global__ void attention_merge_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                        int q_heads, int D, int splits, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t th = int64_t(blockIdx.x) * q_heads + blockIdx.y;
   const float* ml = part_ml + th * splits * 2;
   float M = -INFINITY;

@@ -383,6 +383,7 @@ template <int D, int kElem, int kParts>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_kernel(const float* __restrict__ q, int q_heads, KvPoolArgs pool, StepArgs step, float scale,
                              int chunks, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   static_assert(PrefillSmem<D, kElem, kParts>::kElemBytes == (kElem == 3 ? 1 : 2), "bf16 or e4m3 pools");
   if constexpr (PrefillSmem<D, kElem, kParts>::bytes > kArchMaxSmem)
     __trap();

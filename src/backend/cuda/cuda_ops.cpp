@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <unordered_map>
@@ -48,7 +49,23 @@ constexpr int64_t kBlasMinElemsFewRows = int64_t(4) << 20;
 // 65536 patches) would otherwise want 3 x 65536 x 4304 fp32 partial outputs (3.4 GB) at once. Text passes
 // (--max-pass-tokens, 512 by default) stay below it.
 constexpr int64_t kBlasBiasedMaxRows = 8192;
-bool blas_rows(int64_t T, int64_t N, int64_t K) {
+// --dtype bfloat16 (x rounded once to bf16, no split / sum around the GEMM): large weights go to cuBLASLt from this
+// many rows. The gemv's time grows with the rows (it re-reads x per row from L1) while cuBLASLt's stays flat: bench_gemv
+// on an H100 (docs/perf/decode-latency.md), 35B DeltaNet in-projection at 1 / 2 / 4 / 8 rows 20.9 / 23.9 / 35.7 /
+// 54.9 us on the gemv, 21.3 / 22.2 / 21.9 / 22.2 us on cuBLASLt (the rounding included). In the engine 4 rows gained
+// nothing (the weights that stay on the gemv cost one more launch) and 8 rows did: 35B batch-8 decode step 8.96 ->
+// 7.64 ms. KILN_BF16_BLAS_MIN_ROWS (read once; 1..16) moves it for A/B runs: 16 is the rule before this one.
+constexpr int64_t kBlasMinRowsBf16 = 8;
+int64_t blas_min_rows_bf16() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("KILN_BF16_BLAS_MIN_ROWS");
+    const int64_t n = e ? std::atoll(e) : 0;
+    return n >= 1 && n <= kBlasMinRows ? n : kBlasMinRowsBf16;
+  }();
+  return v;
+}
+bool blas_rows(int64_t T, int64_t N, int64_t K, bool bf16) {
+  if (bf16 && T >= blas_min_rows_bf16() && T < kBlasMinRows) return N * K >= kBlasMinElemsFewRows;
   return T >= kBlasMinRows && (T > kGemvMaxRowsSmallW || N * K >= kBlasMinElemsFewRows);
 }
 
@@ -61,9 +78,9 @@ bool blas_bias_ok(const model::LinearWeight& w) {
 }
 
 // A linear that takes cuBLASLt (x in CudaOptions::mma_parts() bf16 parts) at T rows, with or without a bias.
-bool blas_dense(const model::LinearWeight& w, int64_t T) {
+bool blas_dense(const model::LinearWeight& w, int64_t T, bool bf16) {
   return w.format == model::WeightFormat::dense && w.weight.dtype == DType::BF16 && blas_bias_ok(w) &&
-         blas_rows(T, w.out_features, w.in_features) && w.in_features % 8 == 0 && w.out_features % 4 == 0 &&
+         blas_rows(T, w.out_features, w.in_features, bf16) && w.in_features % 8 == 0 && w.out_features % 4 == 0 &&
          reinterpret_cast<uintptr_t>(w.weight.data) % 16 == 0;
 }
 
@@ -203,7 +220,11 @@ struct CudaOps::Impl {
   std::unique_ptr<kops::MoePrefillBlas> moe_blas;
   DeviceBuffer moe_blas_weights;
 
-  explicit Impl(const CudaOptions& o) : rt(o.device), options(o) { rt.set_scratch_plan(o.scratch_plan_bytes); }
+  explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {
+    rt.set_scratch_plan(o.scratch_plan_bytes);
+    rt.set_pdl(o.pdl);
+  }
+  bool bf16() const { return options.dtype == CudaOptions::ActivationDtype::bfloat16; }
 };
 
 namespace {
@@ -231,7 +252,7 @@ std::string CudaOps::describe() const {
       !o.dense_bf16_blas ? std::string("dense BF16 on the fp32 kernels")
                          : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
                                        "(cuBLASLt, {}; with or without a bias, added {})",
-                                       kGemvMaxRowsSmallW, kBlasMinRows, x_in,
+                                       kGemvMaxRowsSmallW, bf16 ? blas_min_rows_bf16() : kBlasMinRows, x_in,
                                        bf16 ? "after the GEMM" : "where the 3 parts are summed");
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "
@@ -588,7 +609,7 @@ void CudaOps::linear(const TensorView& x, const LinearWeight& w, TensorView out)
   // add_row_bias after the GEMM (bfloat16). A biased linear of more than kBlasBiasedMaxRows rows runs in row blocks
   // of that many (one large image's vision tower: bounds the split / partial-output buffers); unbiased ones are one
   // GEMM at any T. (The profiler's nested rows name the stages.)
-  if (blas_dense(w, T) && impl_->options.dense_bf16_blas) {
+  if (blas_dense(w, T, impl_->bf16()) && impl_->options.dense_bf16_blas) {
     if (!impl_->blas) impl_->blas = std::make_unique<::kiln::cuda::BlasLt>();
     const int parts = impl_->options.mma_parts();
     const int64_t rows = w.bias.data ? std::min(T, kBlasBiasedMaxRows) : T;
@@ -667,7 +688,7 @@ void CudaOps::linear_multi(const TensorView& x, std::span<const LinearWeight* co
   // to sum; a bias is added after it by add_row_bias).
   size_t blas[4], n_blas = 0, rest[4], n_rest = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (simple && impl_->options.dense_bf16_blas && blas_dense(*ws[i], T) && plain_out(i) &&
+    if (simple && impl_->options.dense_bf16_blas && blas_dense(*ws[i], T, impl_->bf16()) && plain_out(i) &&
         (!ws[i]->bias.data || T <= kBlasBiasedMaxRows))  // (longer: linear's row blocks)
       blas[n_blas++] = i;
     else if (simple) rest[n_rest++] = i;

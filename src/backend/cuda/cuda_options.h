@@ -63,6 +63,9 @@ struct CudaOptions {
   // Dense BF16 linears of many rows through cuBLASLt (x in mma_parts() bf16 parts); false keeps them on the fp32
   // kernels. No flag: the tests cover both paths.
   bool dense_bf16_blas = true;
+  // Programmatic dependent launch between the kernels of captured steps (launch.cuh), sm_90+; `--enable-pdl`
+  // (experimental: speculative verify and draft graphs then differ from eager, see launch.cuh).
+  bool pdl = false;
   // Which form of the gated delta rule runs. by_step: chunks of 64 tokens for prefill steps with a sequence of >= 32
   // tokens (where the chunked kernel serves the head sizes), the recurrence otherwise; chunked: the chunked form for
   // every step where it serves the head sizes. No flag: the tests check the chunked kernel on every step shape.

@@ -30,6 +30,7 @@ constexpr int kConvChunk = 64;
 template <int KC>
 __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const void* w, ElemType w_elem,
                                    float* __restrict__ conv_state, StepArgs step, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int s = blockIdx.y, chunk = blockIdx.z;
   if (c >= C || s >= step.num_seqs) return;
@@ -73,6 +74,7 @@ __global__ void conv1d_silu_kernel(const float* __restrict__ x, int64_t C, const
 __global__ void delta_rule_gates_kernel(const float* a, const float* b, const void* A_log, ElemType A_log_elem,
                                         const void* dt_bias, ElemType dt_bias_elem, int64_t T, int64_t Hv, float* g,
                                         float* beta) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = T * Hv;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = i % Hv;
@@ -91,6 +93,7 @@ __global__ void delta_rule_gates_kernel(const float* a, const float* b, const vo
 __global__ void l2norm_qk_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t vectors, int64_t Dk,
                                  int64_t Hk, int64_t ldq, int64_t ldk, float* __restrict__ qn,
                                  float* __restrict__ kn) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t vec = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (vec >= 2 * vectors) return;
@@ -124,6 +127,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
                       const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
                       DeltaGateArgs gates, DeltaStateRef state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
                       int64_t ldv, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ float q_s[kDeltaWarps * kRows];
   __shared__ float k_s[kDeltaWarps * kRows];
   __shared__ float red_kv[kDeltaWarps][32];

@@ -273,6 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     delta_rule_chunked_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
                               const float* __restrict__ g, const float* __restrict__ beta, DeltaStateRef state,
                               int Hk, int Hv, int Dk, int Dv, int64_t ldv, StepArgs step, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   using L = Layout<DK, DVT>;
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);

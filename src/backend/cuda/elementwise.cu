@@ -23,6 +23,7 @@ struct CopyShape {
 
 template <typename T>
 __global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, CopyShape c, int64_t total) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t rem = i, so = 0, dof = 0;
 #pragma unroll
@@ -40,6 +41,7 @@ __global__ void copy_kernel(const T* __restrict__ src, T* __restrict__ dst, Copy
 // ---- max |x|
 
 __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned* result) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   float m = 0.0f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     m = fmaxf(m, fabsf(x[i]));
@@ -52,6 +54,7 @@ __global__ void max_abs_kernel(const float* __restrict__ x, int64_t n, unsigned*
 
 __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
                                  const int32_t* __restrict__ ids, int64_t id_begin, int64_t T, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H, h = i % H;
@@ -62,6 +65,7 @@ __global__ void embedding_kernel(const void* __restrict__ table, ElemType elem, 
 
 __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, int64_t H,
                                    const int32_t* __restrict__ rows, int64_t R, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = R * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, h = i % H;
@@ -72,6 +76,7 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, 
 
 __global__ void scatter_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows, int64_t R,
                                     int64_t H, float* __restrict__ dst, int64_t dst_rows) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = R * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, h = i % H;
@@ -94,6 +99,7 @@ __device__ __forceinline__ float warp_row_inv_rms(const float* __restrict__ xr, 
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
                                 ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
@@ -164,6 +170,7 @@ template <int kWElem>
 __global__ void __launch_bounds__(256) rms_norm_row_kernel(const float* __restrict__ x, int64_t ldx, int64_t D,
                                                            const void* w, ElemType w_elem, float eps,
                                                            bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const float* xr = x + int64_t(blockIdx.x) * ldx;
   rms_norm_block_row<kWElem>([xr](int64_t i) { return xr[i]; }, [](int64_t, float) {}, xr, D, w, w_elem, eps,
                              zero_centred, out + int64_t(blockIdx.x) * D);
@@ -174,6 +181,7 @@ template <int kWElem>
 __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict__ hidden, const float* __restrict__ y,
                                                                int64_t D, const void* w, ElemType w_elem, float eps,
                                                                bool zero_centred, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   float* hr = hidden + int64_t(blockIdx.x) * D;
   const float* yr = y + int64_t(blockIdx.x) * D;
   rms_norm_block_row<kWElem>([hr, yr](int64_t i) { return hr[i] + yr[i]; }, [hr](int64_t i, float v) { hr[i] = v; },
@@ -182,6 +190,7 @@ __global__ void __launch_bounds__(256) add_rms_norm_row_kernel(float* __restrict
 
 __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ z, int64_t R, int64_t D,
                                       const void* w, ElemType w_elem, float eps, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= R) return;
@@ -196,6 +205,7 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
 __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
                             const int32_t* __restrict__ positions, int pos_stride, uint64_t axes_lo, uint64_t axes_hi,
                             int rotary_dim, double theta) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int half = rotary_dim / 2;
   const int64_t total = T * heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -218,16 +228,19 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int
 // ---- elementwise
 
 __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = a[i] + b[i];
 }
 
 __global__ void silu_mul_kernel(const float* g, const float* u, float* out, int64_t n) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = silu(g[i]) * u[i];
 }
 
 __global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, int64_t T, int64_t N, int64_t g_cols) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / N, c = i % N;
@@ -237,6 +250,7 @@ __global__ void sigmoid_mul_kernel(const float* x, const float* g, float* out, i
 
 // Span blockIdx.y; its blocks stride over it. 16-byte words when the span allows, else single bytes.
 __global__ void copy_spans_kernel(const ByteSpan* __restrict__ spans) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const ByteSpan s = spans[blockIdx.y];
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -42,6 +42,7 @@ __device__ __forceinline__ int64_t slice_source(const FillSlice& s, int64_t i) {
 template <bool kSliced>
 __global__ void fill_bytes_kernel(uint8_t* out, int64_t n, uint64_t seed, uint32_t lo, uint32_t span, bool sign,
                                   const FillSlice slice) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t src = kSliced ? slice_source(slice, i) : i;
     const uint64_t h = fill_hash(seed, static_cast<uint64_t>(src));
@@ -53,6 +54,7 @@ __global__ void fill_bytes_kernel(uint8_t* out, int64_t n, uint64_t seed, uint32
 
 template <int kElem, bool kSliced>  // kElem 0 f32, 1 bf16, 2 f16
 __global__ void fill_uniform_kernel(void* out, int64_t n, uint64_t seed, float lo, float d, const FillSlice slice) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t src = kSliced ? slice_source(slice, i) : i;
     const uint64_t h = fill_hash(seed, static_cast<uint64_t>(src));
@@ -65,6 +67,7 @@ __global__ void fill_uniform_kernel(void* out, int64_t n, uint64_t seed, float l
 }
 
 __global__ void busy_wait_kernel(uint64_t ns) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   uint64_t t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   do {

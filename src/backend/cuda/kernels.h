@@ -18,6 +18,11 @@ namespace kiln::cuda::ops {
 
 using Stream = cudaStream_t;
 
+// Programmatic dependent launch (launch.cuh): whether this thread's launch_kernel() launches now carry the attribute.
+// CudaRuntime turns it on for the span of a CUDA graph capture when its CudaOptions::pdl is on (sm_90+).
+bool pdl_launches_now();
+void set_pdl_launches(bool on);
+
 // Profiling of the kernels inside one launcher (CudaOps --profile): when a hook is set, launchers of several kernels
 // call profile_mark(label) after each stage; CudaOps times the stage from the previous mark (or the op's start).
 using ProfileMarkFn = void (*)(void* ctx, const char* label);

@@ -1,8 +1,26 @@
-// Kernel launches of the CudaOps kernels: launch_kernel() launches in plain stream order and checks the launch.
+// Kernel launches of the CudaOps kernels (launch_kernel(): checked cudaLaunchKernelEx), with programmatic dependent
+// launch (PDL, sm_90+) inside CUDA graph captures.
 //
-// Programmatic dependent launch (overlapping a kernel's launch with the previous kernel's tail) was tried here and
-// removed: with it on, `kiln serve` gave wrong tokens in some fresh-server smoke runs and the cause was never found
-// (docs/perf/cuda-ops.md, "Tuning measurements behind the launch choices").
+// Every kernel launched through launch_kernel() begins with dev::pdl_enter() as its FIRST statement, before any global
+// load or store and before any early return. With the PDL attribute, a kernel's blocks may be scheduled while the
+// previous kernel is still running; griddepcontrol.wait then blocks until that kernel has completed and its memory is
+// visible, so what overlaps is the launch and the block start-up. Because every such kernel waits before it exits,
+// "completed" is transitive down the chain. After its wait a kernel calls griddepcontrol.launch_dependents, which lets
+// the NEXT kernel's blocks be scheduled while this one runs (only once all of this grid's blocks have started).
+//
+// Where the attribute is set: only on launches recorded into a CUDA graph (the decode and verify steps) by a runtime
+// with PDL on (CudaOptions::pdl, `--enable-pdl`; OFF by default), and only for grids of at most kPdlMaxBlocks blocks
+// (griddepcontrol.wait costs every block ~1 us even when the previous kernel is long done; a grid of many waves would
+// pay it per wave): the kernel's own wait uses the same rule on gridDim. In a graph a programmatic edge exists only
+// between two kernel nodes; a copy, memset or library GEMM before the kernel keeps a full edge. An earlier version
+// set the attribute on eager launches too, after copies made outside CudaOps, and served wrong tokens in some fresh
+// servers (docs/perf/cuda-ops.md); eager launches now keep plain stream order.
+//
+// Still EXPERIMENTAL (H100, 2026-12-06): with it on, test_cuda's plain decode graphs equal eager bit for bit and
+// kiln-tiny passes smoke (6 fresh servers, BF16 / FP8 KV / TP 2), but the speculative verify graphs and the draft
+// chain graph give other tokens than eager (CudaRunner.SpeculativeVerifyWithPositionCheckpointsEqualsGreedyAnd-
+// GraphsEqualEager, CudaRunner.DraftChainAsOneGraphEqualsTheEagerChainAndTheCpu): some dependency in those graphs is
+// not covered by the rule above (not found yet). It gained 5.6% at 35B batch 1 (docs/perf/decode-latency.md).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -13,7 +31,27 @@
 
 namespace kiln::cuda::ops {
 
-// kernel<<<grid, block, smem, stream>>>(args...); errors throw at the launch site as KILN_CUDA_CHECK does.
+constexpr unsigned long long kPdlMaxBlocks = 1024;
+
+namespace dev {
+// Whether this grid may have been launched with the PDL attribute (see above): uniform over the grid.
+__device__ __forceinline__ bool pdl_grid() {
+  return static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z <= kPdlMaxBlocks;
+}
+// First statement of every launch_kernel() kernel: wait for the previous kernel (a no-op without the attribute), then
+// let the next one's blocks start.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pdl_grid()) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+#endif
+}
+}  // namespace dev
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute where pdl_launches_now() (see above); errors
+// throw at the launch site as KILN_CUDA_CHECK does.
 template <typename... Params, typename... Args>
 inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Stream stream,
                           Args&&... args) {
@@ -22,8 +60,15 @@ inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cfg.attrs = nullptr;
-  cfg.numAttrs = 0;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  const unsigned long long blocks = static_cast<unsigned long long>(grid.x) * grid.y * grid.z;
+  // The thread's flag, checked against the stream itself: never the attribute on an eager launch.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (pdl_launches_now() && blocks <= kPdlMaxBlocks) KILN_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  cfg.numAttrs = capture == cudaStreamCaptureStatusActive ? 1 : 0;
   KILN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

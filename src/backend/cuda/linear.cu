@@ -120,6 +120,7 @@ constexpr int kGemvWarps = 8;
 
 template <bool kDual, bool kVec>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_any_weight_kernel(GemmArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   int group, rb, re;
   if (!tile_rows(a, blockIdx.x, kGemvRows, group, rb, re)) return;
   const int n = blockIdx.y * kGemvWarps + (threadIdx.x >> 5);
@@ -190,6 +191,7 @@ constexpr int kStreamElems = kKind == StreamFormat::bf16 ? 8 : 32;  // weights p
 
 template <StreamFormat kKind, bool kDual, int kCols, int kRows>
 __global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   constexpr int kE = kStreamElems<kKind>;
   constexpr int kU = 2;  // steps in flight
   int group, rb, re;
@@ -355,6 +357,7 @@ constexpr int kTileM = kGemmTileRows, kTileN = 64, kTileK = 16;
 
 template <bool kDual>
 __global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ float xs[kTileK][kTileM + 1];
   __shared__ float ws0[kTileK][kTileN + 1];
   __shared__ float ws1[kDual ? kTileK : 1][kTileN + 1];
@@ -490,6 +493,7 @@ constexpr int64_t kMultiMaxRows = 64;  // linear_multi: at most this many rows
 // x = hi + mid + lo, each bf16 (round to nearest even): the three rows blocks of out [3T, K].
 __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
                                     __nv_bfloat16* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t n = T * K;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / K, k = i % K;
@@ -507,6 +511,7 @@ __global__ void split_bf16x3_kernel(const float* __restrict__ x, int64_t ldx, in
 // out [T, K] = x rounded to bf16 (round to nearest even), the input of a one-part GEMM (--dtype bfloat16).
 __global__ void round_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
                                   __nv_bfloat16* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t n = T * K;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / K, k = i % K;
@@ -518,6 +523,7 @@ __global__ void round_bf16_kernel(const float* __restrict__ x, int64_t ldx, int6
 // holds it (one segment: a plain linear; several: one GEMM over adjacent weights), then + the segment's bias where it
 // has one (the order of linear_output: the whole sum, then the bias).
 __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, int64_t N, Sum3Segments segs) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t n = T * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / N, c = i % N;
@@ -535,6 +541,7 @@ __global__ void sum3_segments_kernel(const float* __restrict__ part, int64_t T, 
 // out[t, c] += bias[c]: a thread per column c (its bias read once), walking rows blockIdx.y, + gridDim.y, ...
 __global__ void add_row_bias_kernel(float* __restrict__ out, int64_t ldo, int64_t T, int64_t N,
                                     const void* __restrict__ bias, ElemType bias_elem) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (c >= N) return;
   const float b = load_elem(bias, bias_elem, c);

@@ -241,6 +241,7 @@ __device__ __forceinline__ void load32(const float* __restrict__ src, float (&v)
 // pass (a pass covers 32 kKC chunks = 1024 kKC inputs; more passes for larger H).
 template <int kKC, bool kBf16>
 __global__ void __launch_bounds__(kUpThreads) moe_decode_up_kernel(const UpArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   constexpr int kUpRows = up_rows<kKC>();
   __shared__ int32_t s_ids[kMaxPairs];
   __shared__ float s_w[kMaxPairs];
@@ -353,6 +354,7 @@ __global__ void __launch_bounds__(kUpThreads) moe_decode_up_kernel(const UpArgs 
 // ---- kernel 2: down + combine
 // grid ceil(H / block_rows). Dynamic shared memory: [T * top_k][block_rows] floats (each pair's expert output).
 __global__ void __launch_bounds__(kDownThreads) moe_decode_down_kernel(const DownArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   extern __shared__ float s_y[];
   __shared__ int32_t s_ids[kMaxPairs];
   __shared__ float s_w[kMaxPairs];

@@ -67,6 +67,7 @@ __device__ __forceinline__ void split_value(float v, uint16_t (&o)[kParts]) {
 template <int kParts>
 __global__ void split_rows_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t K,
                                   uint16_t* __restrict__ xs) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t n = T * K;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / K, k = i % K;
@@ -156,6 +157,7 @@ __device__ __forceinline__ void store_output(const MmaArgs& a, int t, int n, con
 template <int kMats, int kParts, int kMT, int kKS, int kSub, int kMinBlocks = 0>
 __global__ void __launch_bounds__(kMT * kKS * 32, kMinBlocks > 0 ? kMinBlocks : kSub == 2 ? 2 : 1)
     moe_mma_kernel(const MmaArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   constexpr int kWarps = kMT * kKS;
   const int4 info = a.tile_info[blockIdx.x];  // one load: expert and rows of this tile
   const int e = info.x, rb = info.y, re = info.z;
@@ -312,6 +314,7 @@ struct XStage {
 
 template <int kMats, int kParts, int kSub>
 __global__ void __launch_bounds__(256, kMats == 2 && kSub == 4 ? 1 : 2) moe_mma_xsmem_kernel(const MmaArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   constexpr int kMT = 4, kKS = 2;
   using L = XStage<kParts, kSub>;
   extern __shared__ uint4 smem[];

@@ -27,6 +27,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // aligned).
 __global__ void gather_rows_bf16_kernel(const float* __restrict__ x, int64_t H, const int32_t* __restrict__ row_token,
                                         int64_t rows, uint16_t* __restrict__ xs) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t per_row = H / 8, n = rows * per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row, c = i - r * per_row;
@@ -43,6 +44,7 @@ __global__ void gather_rows_bf16_kernel(const float* __restrict__ x, int64_t H, 
 // weight_at reads them) into 32 bytes of bf16.
 __global__ void dequant_experts_kernel(const WeightDesc* __restrict__ experts, const int32_t* __restrict__ batch,
                                        int64_t H, int64_t I, uint16_t* __restrict__ wbuf) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t s = blockIdx.y;
   const int64_t e = batch[s];
   const int64_t hb = H / 16, ib = I / 16;
@@ -85,6 +87,7 @@ __global__ void dequant_experts_kernel(const WeightDesc* __restrict__ experts, c
 // thread (I % 8 == 0).
 __global__ void silu_mul_bf16_kernel(const uint16_t* __restrict__ gu, int64_t I, int64_t rows,
                                      uint16_t* __restrict__ act) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t per_row = I / 8, n = rows * per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row, c = i - r * per_row;

@@ -20,6 +20,7 @@ constexpr int kRouteThreads = 128;
 
 __global__ void moe_route_kernel(const float* __restrict__ logits, int E, int top_k, bool renormalise,
                                  int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   extern __shared__ float p[];  // [E]
   __shared__ float red[32];
   __shared__ float best_val[32];
@@ -87,6 +88,7 @@ constexpr int kRouteWarpMaxE = 1024;
 template <int kPer>
 __global__ void moe_route_warp_kernel(const float* __restrict__ logits, int64_t T, int E, int top_k,
                                       bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (t >= T) return;
@@ -159,6 +161,7 @@ struct MoeLayout {
 // shared-memory cursor per expert (the order of rows within an expert follows the atomics).
 __global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E,
                                                          int tile_rows_m, MoeLayout lay) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   extern __shared__ int32_t cursor[];  // [E] pairs of each expert, then its next free sorted row
   __shared__ int warp_rows[32], warp_tiles[32];
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
@@ -258,6 +261,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const Y* __restrict__ y, const int32_t* __restrict__ ids, const float* __restrict__ weights,
                        const int32_t* __restrict__ pair_pos, int top_k, int H, float* __restrict__ out,
                        const float* __restrict__ shared, const float* __restrict__ shared_gate) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ int skey[64];       // expert id of each slot; 0x7fffffff for skipped slots (they sort last)
   __shared__ int64_t srow[64];   // y offset pos * H of the n-th valid slot in ascending (id, slot) order
   __shared__ float sw[64];       // its weight
@@ -543,6 +547,7 @@ void moe_experts(const float* x, int64_t T, int64_t H, const int32_t* ids, const
 
 __global__ void moe_local_ids_kernel(const int32_t* __restrict__ ids, int64_t n, int32_t begin, int32_t count,
                                      int32_t* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int32_t e = ids[i] - begin;
     out[i] = e >= 0 && e < count ? e : -1;

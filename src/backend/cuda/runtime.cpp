@@ -13,8 +13,12 @@ namespace kiln::cuda::ops {
 namespace {
 // Per thread: each tensor-parallel rank launches on its own thread and stream.
 thread_local ProfileMarkFn g_mark_fn = nullptr;
+thread_local bool g_pdl_now = false;  // inside a graph capture of a runtime with PDL on
 thread_local void* g_mark_ctx = nullptr;
 }  // namespace
+
+bool pdl_launches_now() { return g_pdl_now; }
+void set_pdl_launches(bool on) { g_pdl_now = on; }
 
 void set_profile_mark(ProfileMarkFn fn, void* ctx) {
   g_mark_fn = fn;
@@ -257,12 +261,14 @@ bool CudaRuntime::graph_capture_begin() {
   // goes stale at the next consolidation instead of pointing at freed memory.
   KILN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
   capturing_ = true;
+  kops::set_pdl_launches(pdl_);
   return true;
 }
 
 int CudaRuntime::graph_capture_end() {
   if (!capturing_) return -1;
   capturing_ = false;
+  kops::set_pdl_launches(false);
   cudaGraph_t graph = nullptr;
   const cudaError_t err = cudaStreamEndCapture(stream_, &graph);
   if (err != cudaSuccess || !graph) {

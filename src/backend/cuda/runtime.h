@@ -69,6 +69,9 @@ class CudaRuntime {
   // The memory plan's activation estimate (bytes; 0: none): the first scratch block is that size, and the blocks grow
   // by an eighth of it instead of doubling (doubling overshot the plan by up to 2x and ran out of memory on a 4k pass).
   void set_scratch_plan(size_t bytes) { scratch_plan_ = bytes; }
+  // Programmatic dependent launch for the kernels of the graphs this runtime captures (launch.cuh); sm_90+ only.
+  void set_pdl(bool on) { pdl_ = on && device_.major >= 9; }
+  bool pdl() const { return pdl_; }
   // A buffer reused across steps (one stream: calls never overlap), grown to at least `bytes`; growing starts a new
   // scratch generation, since a captured graph may point at the old buffer.
   void* reusable(::kiln::cuda::DeviceBuffer& buf, size_t bytes);
@@ -129,6 +132,7 @@ class CudaRuntime {
   uint64_t scratch_generation_ = 0;
 
   bool capturing_ = false;
+  bool pdl_ = false;
   struct GraphRec {
     cudaGraphExec_t exec = nullptr;
     uint64_t generation = 0;

@@ -278,6 +278,7 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __restrict__ logits, int64_t ld, int n,
                                                                const SampleRowArgs* __restrict__ rows,
                                                                int32_t* __restrict__ ids) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const SampleRowArgs a = rows[blockIdx.x];
@@ -392,6 +393,7 @@ constexpr int kArgChunk = 4096, kArgThreads = 256, kArgPer = kArgChunk / kArgThr
 // grid (chunks, R): keys[r * chunks + c] = the best key of row r's chunk c.
 __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* __restrict__ logits, int64_t ld,
                                                                    int64_t V, uint64_t* __restrict__ keys) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.y, c = blockIdx.x;
   const float* row = logits + r * ld;
@@ -419,6 +421,7 @@ __global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_
                                                                    int32_t* __restrict__ ids,
                                                                    const float* __restrict__ logits, int64_t ld,
                                                                    float* __restrict__ values, int32_t id_offset) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.x;
   unsigned long long best = 0;

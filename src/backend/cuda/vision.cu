@@ -45,6 +45,7 @@ constexpr int kBlock = 256;
 
 __global__ void layer_norm_kernel(const float* x, int64_t D, const void* w, ElemType w_elem, const void* b,
                                   ElemType b_elem, float eps, float* out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ float red[32];
   // x and out may be the same row: every read of the two reductions is done before the first write (block_sum's
   // barriers), and the last pass reads and writes the same element in the same thread.
@@ -66,6 +67,7 @@ __global__ void layer_norm_kernel(const float* x, int64_t D, const void* w, Elem
 // ---- elementwise
 
 __global__ void gelu_kernel(const float* x, float* out, int64_t n, bool tanh_form) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float v = x[i];
     out[i] = tanh_form ? 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)))
@@ -76,6 +78,7 @@ __global__ void gelu_kernel(const float* x, float* out, int64_t n, bool tanh_for
 // A thread per (token, head, pair i < half).
 __global__ void rope_cos_sin_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t half,
                                     const float* __restrict__ cos, const float* __restrict__ sin) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = T * heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = i % half, th = i / half, t = th / heads;
@@ -91,6 +94,7 @@ __global__ void rope_cos_sin_kernel(float* __restrict__ x, int64_t T, int64_t he
 __global__ void weighted_embedding_kernel(const void* __restrict__ table, ElemType elem, int64_t V, int64_t H,
                                           const int32_t* __restrict__ ids, const float* __restrict__ weights,
                                           int64_t T, int64_t J, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = T * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / H, c = i % H;
@@ -347,6 +351,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_segments_mma_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                   const float* __restrict__ v, const int32_t* __restrict__ cu_seqlens,
                                   int num_segments, int heads, int D, float scale, float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   if constexpr (SegmentSmem<Dp, kParts>::bytes > kArchMaxSmem)
     __trap();
   else
@@ -366,6 +371,7 @@ __global__ void __launch_bounds__(kFp32Warps * 32)
                                    const float* __restrict__ v, const int32_t* __restrict__ cu_seqlens,
                                    int num_segments, int64_t T, int heads, int D, float scale,
                                    float* __restrict__ out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ float q_s[kFp32Warps][kPer * 32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t ld = int64_t(heads) * D, items = T * heads;

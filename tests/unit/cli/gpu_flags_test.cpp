@@ -84,12 +84,12 @@ TEST(MambaSsmDtypeFlag, ParsesAndResolves) {
   EXPECT_THROW(parse_gpu({"--mamba-ssm-dtype", "float16"}), CLI::ValidationError);
 }
 
-// --enable-pdl was removed; passing it fails at parse time with the reason, not silently.
-TEST(GpuFlags, RemovedEnablePdlFailsWithTheReason) {
-  EXPECT_THAT([] { parse_gpu({"--enable-pdl"}); },
-              ThrowsMessage<CLI::ValidationError>(HasSubstr("--enable-pdl: removed: programmatic dependent launch "
-                                                            "gave wrong tokens intermittently")));
-  EXPECT_NO_THROW(parse_gpu({"--disable-cuda-graph"}));
+// Programmatic dependent launch is off by default (experimental: verify / draft graphs differ from eager with it);
+// --enable-pdl turns it on.
+TEST(GpuFlags, PdlOffByDefaultAndEnablePdlTurnsItOn) {
+  EXPECT_FALSE(parse_gpu({}).gpu.pdl);
+  EXPECT_TRUE(parse_gpu({"--enable-pdl"}).gpu.pdl);
+  EXPECT_THROW(parse_gpu({"--disable-pdl"}), CLI::ParseError);
 }
 
 // Every GPU flag lands in its field of LoadOptions::gpu (the part the CUDA loader reads); the two spelled otherwise

@@ -124,6 +124,10 @@ TEST(Bf16Inputs, TensorCoreLinearsRoundXOnce) {
   for (const Bf16LinearCase& c : {Bf16LinearCase{WeightFormat::dense, 33, 384, 96},
                                   Bf16LinearCase{WeightFormat::dense, 200, 1024, 512},
                                   Bf16LinearCase{WeightFormat::dense, 48, 256, 100, 1},  // out at byte 400
+                                  // 8 and 12 rows of 4M-element weights: cuBLASLt from 8 rows with bf16 inputs
+                                  // (batch-8 decode, verify passes); the gemv would keep x in fp32.
+                                  Bf16LinearCase{WeightFormat::dense, 8, 2048, 2048},
+                                  Bf16LinearCase{WeightFormat::dense, 12, 4096, 1024},
                                   Bf16LinearCase{WeightFormat::nvfp4, 129, 384, 192},
                                   Bf16LinearCase{WeightFormat::nvfp4, 517, 1024, 256}}) {
     const float std_w = 1.0f / std::sqrt(static_cast<float>(c.K));

@@ -97,6 +97,40 @@ void launch(const std::vector<WeightDesc>& segs, const float* x, int T, int K, c
   }
 }
 
+// Microseconds per launch: one(l) for l < launches, run once outside a graph (warm-up, cuBLASLt's plan), then
+// captured into one CUDA graph; the median of 7 timed replays after one untimed replay.
+template <typename Fn>
+double graph_us(cudaStream_t st, int launches, Fn&& one) {
+  one(0);
+  CK(cudaStreamSynchronize(st));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  for (int l = 0; l < launches; ++l) one(l);
+  CK(cudaStreamEndCapture(st, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  CK(cudaGraphLaunch(ge, st));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int r = 0; r < 7; ++r) {
+    CK(cudaEventRecord(e0, st));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  return ms[ms.size() / 2] * 1e3 / launches;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,14 +161,10 @@ int main(int argc, char** argv) {
       {"nvfp4 4096 x 2048", {4096}, 2048, true},
       {"lm_head 248320 x 2048 bf16", {248320}, 2048, false},
   };
-  const int kLaunches = 32, kReplays = 7;
+  const int kLaunches = 32;
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   kiln::cuda::BlasLt blas;
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  const int variants[] = {0};
   std::printf("%-48s %4s %12s | %-26s | %s\n", "shape", "T", "MB/launch", "gemv: us  TB/s", "bf16 + cuBLASLt: us  TB/s");
   for (const Shape& s : shapes) {
     const bool big = s.n[0] > 100000;
@@ -145,52 +175,20 @@ int main(int argc, char** argv) {
       fill_random_uniform(x, ElemType::f32, int64_t(T) * s.k, 99, -1.0f, 1.0f, nullptr);
       std::vector<float*> outs;
       std::vector<int64_t> ldos;
-      size_t out_floats = 0;
       for (int n : s.n) {
         float* o = nullptr;
         CK(cudaMalloc(reinterpret_cast<void**>(&o), sizeof(float) * T * n));
         outs.push_back(o);
         ldos.push_back(n);
-        out_floats += size_t(T) * n;
       }
-      std::vector<std::vector<float>> ref;
-      std::printf("%-48s %4d %12.2f |", s.name, T, w.bytes_per_launch / 1e6);
       const int launches = big ? 4 : kLaunches;
-      for (int v : variants) {
-        (void)v;
-        // Warm-up (and the output check) outside the graph.
-        launch(w.copies[0], x, T, s.k, outs, ldos, st);
-        CK(cudaStreamSynchronize(st));
-        std::vector<std::vector<float>> got;
-        for (size_t i = 0; i < outs.size(); ++i) {
-          std::vector<float> h(size_t(T) * s.n[i]);
-          CK(cudaMemcpy(h.data(), outs[i], sizeof(float) * h.size(), cudaMemcpyDeviceToHost));
-          got.push_back(std::move(h));
-        }
-        if (ref.empty()) ref = got;
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int l = 0; l < launches; ++l) launch(w.copies[l % w.copies.size()], x, T, s.k, outs, ldos, st);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphLaunch(ge, st));
-        std::vector<float> ms;
-        for (int r = 0; r < kReplays; ++r) {
-          CK(cudaEventRecord(e0, st));
-          CK(cudaGraphLaunch(ge, st));
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float t = 0;
-          CK(cudaEventElapsedTime(&t, e0, e1));
-          ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        const double us = ms[ms.size() / 2] * 1e3 / launches;
-        std::printf(" %8.2f us %5.2f TB/s    ", us, w.bytes_per_launch / (us * 1e-6) / 1e12);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
-      }
+      auto report = [&](const char* sep, double us) {
+        std::printf("%s%8.2f us %5.2f TB/s", sep, us, w.bytes_per_launch / (us * 1e-6) / 1e12);
+      };
+      std::printf("%-48s %4d %12.2f |", s.name, T, w.bytes_per_launch / 1e6);
+      report(" ", graph_us(st, launches, [&](int l) {
+               launch(w.copies[l % w.copies.size()], x, T, s.k, outs, ldos, st);
+             }));
       if (!s.nvfp4) {
         // --dtype bfloat16's tensor-core path: x rounded to bf16, one cuBLASLt GEMM over the adjacent segments.
         int ntot = 0;
@@ -199,40 +197,15 @@ int main(int argc, char** argv) {
         float* o = nullptr;
         CK(cudaMalloc(reinterpret_cast<void**>(&xs), size_t(2) * T * s.k));
         CK(cudaMalloc(reinterpret_cast<void**>(&o), sizeof(float) * T * ntot));
-        auto one = [&](int l) {
-          round_bf16(x, s.k, T, s.k, xs, st);
-          blas.gemm(xs, s.k, w.bf16_base[l % w.bf16_base.size()], s.k, o, ntot, true, T, ntot, s.k, st);
-        };
-        one(0);
-        CK(cudaStreamSynchronize(st));
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int l = 0; l < launches; ++l) one(l);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphLaunch(ge, st));
-        std::vector<float> ms;
-        for (int r = 0; r < kReplays; ++r) {
-          CK(cudaEventRecord(e0, st));
-          CK(cudaGraphLaunch(ge, st));
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float t = 0;
-          CK(cudaEventElapsedTime(&t, e0, e1));
-          ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        const double us = ms[ms.size() / 2] * 1e3 / launches;
-        std::printf(" | %8.2f us %5.2f TB/s", us, w.bytes_per_launch / (us * 1e-6) / 1e12);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
+        report(" | ", graph_us(st, launches, [&](int l) {
+                 round_bf16(x, s.k, T, s.k, xs, st);
+                 blas.gemm(xs, s.k, w.bf16_base[l % w.bf16_base.size()], s.k, o, ntot, true, T, ntot, s.k, st);
+               }));
         CK(cudaFree(xs));
         CK(cudaFree(o));
       }
       std::printf("\n");
       std::fflush(stdout);
-      (void)out_floats;
       for (float* o : outs) CK(cudaFree(o));
       CK(cudaFree(x));
     }

@@ -6,8 +6,8 @@
 # CARRY holds lib/, base/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
 # Variables: BATCHES (35B decode batches), RANK_TPS (TP sizes whose rank 0 is benched), NEW_FLAGS (flags given
 # to the new binary only, e.g. to compare a kernel choice), BASE_FLAGS (the same for base: with base/ a copy of new/,
-# a flag's A/B on one binary), NEW_ENV / BASE_ENV (environment assignments for one side, e.g. KILN_GEMV_UNROLL=2),
-# BASE_DIR (the folder of CARRY that base runs, e.g. new: an A/B of flags or environment on one binary), TEST_FILTER.
+# a flag's A/B on one binary), BASE_DIR (the folder of CARRY that base runs, e.g. new: an A/B of flags on one
+# binary), TEST_FILTER.
 # The `gemv` step runs CARRY/new/bench_gemv (the bandwidth gemv per loads-in-flight setting).
 set -uo pipefail
 CARRY=${1:-gpu-carry}
@@ -19,7 +19,6 @@ VARIANTS=()
 for v in base new; do [ -x "$(dir_of $v)/kiln" ] && VARIANTS+=("$v"); done
 for v in "${VARIANTS[@]}"; do "$(dir_of $v)/kiln" version || { ldd "$(dir_of $v)/kiln" | grep "not found"; exit 1; }; done
 flags_of() { if [ "$1" = new ]; then echo "${NEW_FLAGS:-}"; else echo "${BASE_FLAGS:-}"; fi; }
-env_of() { if [ "$1" = new ]; then echo "${NEW_ENV:-}"; else echo "${BASE_ENV:-}"; fi; }
 C35=configs/qwen3.5-35b-a3b-nvfp4
 C397=configs/qwen3.5-397b-a17b-nvfp4
 
@@ -47,7 +46,7 @@ fi
 if has decode35; then
   for v in "${VARIANTS[@]}"; do
     echo "== [$v] bench-engine 35B-A3B dummy, decode batches ${BATCHES:-1,16,64,128}"
-    timeout 300 env $(env_of $v) "$(dir_of $v)/kiln" bench-engine --device cuda --model-path $C35 --load-format dummy $(flags_of $v) \
+    timeout 300 "$(dir_of $v)/kiln" bench-engine --device cuda --model-path $C35 --load-format dummy $(flags_of $v) \
       --batch ${BATCHES:-1,16,64,128} --input-len 512 --output-len 32 --skip-self-check --profile > "$OUT/decode35_$v.txt" 2>&1
     grep -E "^batch" "$OUT/decode35_$v.txt"
   done
@@ -56,7 +55,7 @@ if has rank397; then
   for tp in ${RANK_TPS:-8}; do
     for v in "${VARIANTS[@]}"; do
       echo "== [$v] bench-engine 397B rank 0 of TP $tp, batch 1"
-      timeout 400 env $(env_of $v) "$(dir_of $v)/kiln" bench-engine --device cuda --model-path $C397 --load-format dummy $(flags_of $v) \
+      timeout 400 "$(dir_of $v)/kiln" bench-engine --device cuda --model-path $C397 --load-format dummy $(flags_of $v) \
         --tp $tp --single-rank 0 --batch 1 --input-len 512 --output-len 32 --skip-self-check --profile \
         > "$OUT/rank397_tp${tp}_$v.txt" 2>&1
       grep -E "^batch|projected" "$OUT/rank397_tp${tp}_$v.txt"
@@ -78,7 +77,7 @@ PY
   for v in "${VARIANTS[@]}"; do
     for n in 12 24; do
       echo "== [$v] 397B $n layers, rank 0 of TP 8, batch 1"
-      timeout 200 env $(env_of $v) "$(dir_of $v)/kiln" bench-engine --device cuda --model-path /tmp/c397_$n --load-format dummy $(flags_of $v) \
+      timeout 200 "$(dir_of $v)/kiln" bench-engine --device cuda --model-path /tmp/c397_$n --load-format dummy $(flags_of $v) \
         --tp 8 --single-rank 0 --batch 1 --input-len 128 --output-len 32 --skip-self-check 2>&1 | grep -E "^batch"
     done
   done

@@ -6,7 +6,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <unordered_map>
@@ -54,18 +53,10 @@ constexpr int64_t kBlasBiasedMaxRows = 8192;
 // on an H100 (docs/perf/decode-latency.md), 35B DeltaNet in-projection at 1 / 2 / 4 / 8 rows 20.9 / 23.9 / 35.7 /
 // 54.9 us on the gemv, 21.3 / 22.2 / 21.9 / 22.2 us on cuBLASLt (the rounding included). In the engine 4 rows gained
 // nothing (the weights that stay on the gemv cost one more launch) and 8 rows did: 35B batch-8 decode step 8.96 ->
-// 7.64 ms. KILN_BF16_BLAS_MIN_ROWS (read once; 1..16) moves it for A/B runs: 16 is the rule before this one.
+// 7.64 ms.
 constexpr int64_t kBlasMinRowsBf16 = 8;
-int64_t blas_min_rows_bf16() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("KILN_BF16_BLAS_MIN_ROWS");
-    const int64_t n = e ? std::atoll(e) : 0;
-    return n >= 1 && n <= kBlasMinRows ? n : kBlasMinRowsBf16;
-  }();
-  return v;
-}
 bool blas_rows(int64_t T, int64_t N, int64_t K, bool bf16) {
-  if (bf16 && T >= blas_min_rows_bf16() && T < kBlasMinRows) return N * K >= kBlasMinElemsFewRows;
+  if (bf16 && T >= kBlasMinRowsBf16 && T < kBlasMinRows) return N * K >= kBlasMinElemsFewRows;
   return T >= kBlasMinRows && (T > kGemvMaxRowsSmallW || N * K >= kBlasMinElemsFewRows);
 }
 
@@ -252,7 +243,7 @@ std::string CudaOps::describe() const {
       !o.dense_bf16_blas ? std::string("dense BF16 on the fp32 kernels")
                          : fmt::format("dense BF16 with > {} rows (>= {} rows for >= 4M weights) on tensor cores "
                                        "(cuBLASLt, {}; with or without a bias, added {})",
-                                       kGemvMaxRowsSmallW, bf16 ? blas_min_rows_bf16() : kBlasMinRows, x_in,
+                                       kGemvMaxRowsSmallW, bf16 ? kBlasMinRowsBf16 : kBlasMinRows, x_in,
                                        bf16 ? "after the GEMM" : "where the 3 parts are summed");
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "

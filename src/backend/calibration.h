@@ -54,6 +54,10 @@ class CalibratingOps final : public model::ForwardingOps {
                           const TensorView& shared_gate, TensorView out) override {
     model::Ops::moe_experts_shared(x, expert_ids, weights, experts, shared, shared_gate, out);
   }
+  void linear_gated_input(const TensorView& x, const TensorView& x2, model::InputAct act, const model::LinearWeight& w,
+                          TensorView out) override {
+    model::Ops::linear_gated_input(x, x2, act, w, out);
+  }
 
  private:
   void record(const void* placed_data, float value);

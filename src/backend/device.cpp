@@ -185,6 +185,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.scratch_plan_bytes = static_cast<size_t>(std::max(o.gpu.scratch_plan_bytes, 0.0));
   c.recurrent_state_bf16 = k.mamba_ssm_dtype == "bfloat16";
   c.pdl = o.gpu.pdl;
+  c.fused_decode_ops = o.gpu.fused_decode_ops;
   return c;
 }
 }  // namespace

@@ -330,6 +330,35 @@ void check_norms_and_rope(Harness& h) {
     h.ref().mrope(q.ref, pos.ref, c.rotary_dim, 1e7, axes);
     h.compare(fmt::format("mrope rotary {}", c.rotary_dim), q);
   }
+  // qk_norm_rope: q heads (the gated layout [q | gate] per head, and plain) and k heads normed and rotated by text and
+  // image positions, gate halves split out; BF16 norm weights, zero-centred (Qwen3.5) and plain (Qwen3)
+  for (bool gated : {true, false}) {
+    for (bool image : {false, true}) {
+      const int64_t D = c.head_dim, Hq = c.q_heads, Hkv = c.kv_heads;
+      const NormKind kind = gated ? NormKind::zero_centred : NormKind::plain;
+      const int half = c.rotary_dim / 2;
+      const int hs = half / 3 + (half % 3 > 1 ? 1 : 0), ws = half / 3;
+      const model::MRopeAxes axes = model::MRopeAxes::from_sections({half - hs - ws, hs, ws}, true, half);
+      Pair qp = h.upload(h.host_normal(DType::F32, Shape{T, Hq * D * (gated ? 2 : 1)}, 2.0f));
+      Pair kp = h.upload(h.host_normal(DType::F32, Shape{T, Hkv * D}, 2.0f));
+      Pair qw = h.place(h.host_normal(DType::BF16, Shape{D}, 0.3f));
+      Pair kw = h.place(h.host_normal(DType::BF16, Shape{D}, 0.3f));
+      Pair pos = h.upload(h.host_ids(image ? Shape{T, 3} : Shape{T}, 6000));
+      Pair qo = h.scratch(DType::F32, Shape{T, Hq, D}), ko = h.scratch(DType::F32, Shape{T, Hkv, D});
+      Pair go = h.scratch(DType::F32, Shape{T, Hq * D});
+      for (Ops* ops : {&h.test(), &h.ref()}) {
+        const bool t = ops == &h.test();
+        ops->qk_norm_rope(t ? qp.test : qp.ref, t ? kp.test : kp.ref, gated, t ? qw.test : qw.ref,
+                          t ? kw.test : kw.ref, 1e-6f, kind, t ? pos.test : pos.ref, c.rotary_dim, 1e7,
+                          image ? &axes : nullptr, t ? qo.test : qo.ref, gated ? (t ? go.test : go.ref) : TensorView(),
+                          t ? ko.test : ko.ref);
+      }
+      const std::string name = fmt::format("qk_norm_rope {} {}", gated ? "gated" : "plain", image ? "m-rope" : "text");
+      h.compare(name + " q", qo);
+      h.compare(name + " k", ko);
+      if (gated) h.compare(name + " gate", go);
+    }
+  }
   // scatter_rows: image embeddings over token embeddings
   {
     Pair dst = h.upload(h.host_normal(DType::F32, Shape{T, H}, 1.0f));
@@ -372,6 +401,24 @@ void check_linear(Harness& h) {
       h.ref().linear(x.ref, wr, out.ref);
       h.compare(fmt::format("linear {} T={} K={} N={}", v.name, T, K, N), out,
                 v.tensor_cores ? c.tensor_core_linear_tol : c.tol);
+    }
+  }
+  // linear_gated_input: silu(x) * x2 and x * sigmoid(x2) applied as the linear reads x (bf16 and nvfp4 weights)
+  for (const Variant& v : {variants[0], variants[6]}) {
+    h.reset();
+    const int64_t K = c.hidden, N = c.out_features;
+    auto [wt, wr] = h.linear_weight(v.format, v.dtype, N, K, false);
+    for (int64_t T : c.linear_rows) {
+      Pair x = h.upload(h.host_normal(DType::F32, Shape{T, K}, 2.0f));
+      Pair x2 = h.upload(h.host_normal(DType::F32, Shape{T, K}, 2.0f));
+      for (model::InputAct act : {model::InputAct::silu_mul, model::InputAct::sigmoid_mul}) {
+        Pair out = h.scratch(DType::F32, Shape{T, N});
+        h.test().linear_gated_input(x.test, x2.test, act, wt, out.test);
+        h.ref().linear_gated_input(x.ref, x2.ref, act, wr, out.ref);
+        h.compare(fmt::format("linear_gated_input {} {} T={} K={} N={}", v.name,
+                              act == model::InputAct::silu_mul ? "silu_mul" : "sigmoid_mul", T, K, N),
+                  out, c.tensor_core_linear_tol);
+      }
     }
   }
   // linear_multi: the projections of one x in one call (bf16: four weights of different N; nvfp4: two).

@@ -1,6 +1,7 @@
 #include "model/blocks.h"
 
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -8,23 +9,6 @@
 namespace kiln::model {
 
 using format::LayerType;
-
-TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides) {
-  KILN_CHECK(static_cast<int>(strides.size()) == shape.ndim, "strides {} for shape {}", strides.size(), shape.str());
-  TensorView v;
-  v.data = static_cast<char*>(base.data) + offset * static_cast<int64_t>(dtype_size(base.dtype));
-  v.dtype = base.dtype;
-  v.shape = shape;
-  int i = 0;
-  for (int64_t s : strides) v.strides[i++] = s;
-  return v;
-}
-
-TensorView reshaped(const TensorView& base, Shape shape) {
-  KILN_CHECK(base.numel() == shape.numel(), "reshape {} -> {}", base.shape.str(), shape.str());
-  KILN_CHECK(base.is_contiguous(), "reshape of a strided view");
-  return TensorView(base.data, base.dtype, shape);
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Binding
@@ -214,30 +198,17 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
     const TensorView outs[] = {q_proj, k, v};
     f.ops.linear_multi(x, ws, outs);
   }
-  TensorView q, gate;
-  if (output_gate) {
-    // Per head [q (D) | gate (D)] (Qwen3_5Attention: view(..., -1, 2D).chunk(2)).
-    q = f.f32(Shape{T, Hq, D});
-    f.ops.copy(strided_view(q_proj, 0, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), q);
-    gate = f.f32(Shape{T, Hq * D});
-    f.ops.copy(strided_view(q_proj, D, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), reshaped(gate, Shape{T, Hq, D}));
-  } else {
-    q = reshaped(q_proj, Shape{T, Hq, D});
-  }
-
-  TensorView qn = rms_norm(f, reshaped(q, Shape{T * Hq, D}), w.q_norm, qk_norm);
-  TensorView kn = rms_norm(f, reshaped(k, Shape{T * Hkv, D}), w.k_norm, qk_norm);
-  qn = reshaped(qn, Shape{T, Hq, D});
-  kn = reshaped(kn, Shape{T, Hkv, D});
+  // q / k norms and rotary embedding (and the output gate's split from q) as one op (a backend may fuse them).
+  TensorView qn = f.f32(Shape{T, Hq, D}), kn = f.f32(Shape{T, Hkv, D});
+  TensorView gate = output_gate ? f.f32(Shape{T, Hq * D}) : TensorView();
+  std::optional<MRopeAxes> axes;
   if (f.step.token_mrope_pos.data) {  // a step with image tokens: three positions per token
     if (c.mrope_section.empty()) fail("image positions given to a model without M-RoPE ({})", format::arch_name(c.arch));
-    const MRopeAxes axes = MRopeAxes::from_sections(c.mrope_section, c.mrope_interleaved, c.rotary_dim() / 2);
-    f.ops.mrope(qn, f.step.token_mrope_pos, c.rotary_dim(), c.rope_theta, axes);
-    f.ops.mrope(kn, f.step.token_mrope_pos, c.rotary_dim(), c.rope_theta, axes);
-  } else {
-    f.ops.rope(qn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
-    f.ops.rope(kn, f.step.token_pos, c.rotary_dim(), c.rope_theta);
+    axes = MRopeAxes::from_sections(c.mrope_section, c.mrope_interleaved, c.rotary_dim() / 2);
   }
+  f.ops.qk_norm_rope(q_proj, k, output_gate, w.q_norm, w.k_norm, static_cast<float>(c.rms_norm_eps), qk_norm,
+                     axes ? f.step.token_mrope_pos : f.step.token_pos, c.rotary_dim(), c.rope_theta,
+                     axes ? &*axes : nullptr, qn, gate, kn);
   f.name("q_rope", layer, qn);
   f.name("k_rope", layer, kn);
 
@@ -256,6 +227,12 @@ TensorView full_attention(Forward& f, int layer, const AttentionWeights& w, cons
   TensorView attn = f.f32(Shape{T, Hq, D});
   f.ops.attention(qn, cache, f.step, 1.0f / std::sqrt(static_cast<float>(D)), attn);
   TensorView attn2 = reshaped(attn, Shape{T, Hq * D});
+  if (output_gate && !(f.trace && *f.trace)) {
+    // The output gate applied as o_proj reads its input (a traced run keeps the gated output as its own tensor).
+    TensorView o = f.f32(Shape{T, w.o_proj.out_features});
+    f.ops.linear_gated_input(attn2, gate, InputAct::sigmoid_mul, w.o_proj, o);
+    return block_output(f, o);
+  }
   if (output_gate) f.ops.sigmoid_mul(attn2, gate, attn2);
   f.name("attn_out", layer, attn2);
   return block_output(f, linear(f, attn2, w.o_proj));
@@ -305,8 +282,9 @@ TensorView gated_deltanet(Forward& f, int layer, const LinearAttentionWeights& w
 TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
   TensorView g = linear(f, x, w.gate_proj);
   TensorView u = linear(f, x, w.up_proj);
-  f.ops.silu_mul(g, u, g);
-  return block_output(f, linear(f, g, w.down_proj));
+  TensorView y = f.f32(Shape{x.dim(0), w.down_proj.out_features});
+  f.ops.linear_gated_input(g, u, InputAct::silu_mul, w.down_proj, y);
+  return block_output(f, y);
 }
 
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
@@ -336,8 +314,8 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   }
   // The shared expert first, then the routed experts with its gated output folded into their combine; a traced run
   // keeps the routed output on its own (Ops::moe_experts_shared's default steps, written out).
-  f.ops.silu_mul(shared_g, shared_u, shared_g);
-  TensorView shared = linear(f, shared_g, w.shared_expert.down_proj);
+  TensorView shared = f.f32(Shape{T, w.shared_expert.down_proj.out_features});
+  f.ops.linear_gated_input(shared_g, shared_u, InputAct::silu_mul, w.shared_expert.down_proj, shared);
   if (f.trace && *f.trace) {
     f.ops.moe_route(logits, top_k, renormalise, ids, weights);
     f.ops.moe_experts(x, ids, weights, w.experts, out);

@@ -2,18 +2,12 @@
 // forward maths of each sub-block, over the Ops interface. Each follows the transformers 5.17 module of the
 // same name (cited per function); activations are F32 [T, ...] with T the step's tokens.
 #pragma once
-#include <initializer_list>
 #include <string>
 
 #include "model/forward.h"
 #include "model/weights.h"
 
 namespace kiln::model {
-
-// A view of `base`'s memory (same dtype) starting `offset` elements in, with explicit strides (elements).
-TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides);
-// The same memory viewed with another contiguous shape (numel must match).
-TensorView reshaped(const TensorView& base, Shape shape);
 
 // ---- binding
 // L self_attn.{q,k,v,o}_proj, q_norm, k_norm (+ optional k_proj.k_scale / v_proj.v_scale).

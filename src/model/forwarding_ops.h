@@ -76,6 +76,17 @@ class ForwardingOps : public Ops {
              const model::MRopeAxes& axes) override {
     inner_->mrope(x, positions, rotary_dim, theta, axes);
   }
+  void linear_gated_input(const TensorView& x, const TensorView& x2, model::InputAct act, const model::LinearWeight& w,
+                          TensorView out) override {
+    inner_->linear_gated_input(x, x2, act, w, out);
+  }
+  void qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
+                    const TensorView& k_norm, float eps, model::NormKind kind, const TensorView& positions,
+                    int rotary_dim, double theta, const model::MRopeAxes* axes, TensorView q_out, TensorView gate_out,
+                    TensorView k_out) override {
+    inner_->qk_norm_rope(q_proj, k, gated, q_norm, k_norm, eps, kind, positions, rotary_dim, theta, axes, q_out,
+                         gate_out, k_out);
+  }
   void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) override {
     inner_->scatter_rows(src, rows, dst);
   }

@@ -8,6 +8,24 @@
 
 namespace kiln::model {
 
+TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides) {
+  KILN_CHECK(static_cast<int>(strides.size()) == shape.ndim, "strides {} for shape {}", strides.size(), shape.str());
+  TensorView v;
+  v.data = static_cast<char*>(base.data) + offset * static_cast<int64_t>(dtype_size(base.dtype));
+  v.dtype = base.dtype;
+  v.shape = shape;
+  int i = 0;
+  for (int64_t s : strides) v.strides[i++] = s;
+  return v;
+}
+
+TensorView reshaped(const TensorView& base, Shape shape) {
+  KILN_CHECK(base.numel() == shape.numel(), "reshape {} -> {}", base.shape.str(), shape.str());
+  KILN_CHECK(base.is_contiguous(), "reshape of a strided view");
+  return TensorView(base.data, base.dtype, shape);
+}
+
+
 int32_t host_argmax(const float* row, int64_t n) {
   int64_t b = -1;
   for (int64_t v = 0; v < n; ++v)
@@ -142,10 +160,50 @@ void Ops::all_reduce(TensorView x) {
     fail("the {} backend has no tensor-parallel all-reduce (needed for --tp-size {})", name(), comm_->size());
 }
 
+void Ops::linear_gated_input(const TensorView& x, const TensorView& x2, InputAct act, const LinearWeight& w,
+                             TensorView out) {
+  KILN_CHECK(x.shape == x2.shape && x.ndim() == 2 && x.is_contiguous() && x2.is_contiguous(),
+             "linear_gated_input: x {} x2 {}", x.shape.str(), x2.shape.str());
+  TensorView a = scratch(DType::F32, x.shape);
+  if (act == InputAct::silu_mul) silu_mul(x, x2, a);
+  else sigmoid_mul(x, x2, a);
+  linear(a, w, out);
+}
+
 void Ops::linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws,
                        std::span<const TensorView> outs) {
   KILN_CHECK(ws.size() == outs.size(), "linear_multi: {} weights, {} outputs", ws.size(), outs.size());
   for (size_t i = 0; i < ws.size(); ++i) linear(x, *ws[i], outs[i]);
+}
+
+void Ops::qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
+                       const TensorView& k_norm, float eps, NormKind kind, const TensorView& positions, int rotary_dim,
+                       double theta, const MRopeAxes* axes, TensorView q_out, TensorView gate_out, TensorView k_out) {
+  KILN_CHECK(q_out.ndim() == 3 && k_out.ndim() == 3 && q_proj.ndim() == 2 && k.ndim() == 2,
+             "qk_norm_rope: q_proj {} k {} q_out {} k_out {}", q_proj.shape.str(), k.shape.str(), q_out.shape.str(),
+             k_out.shape.str());
+  const int64_t T = q_out.dim(0), Hq = q_out.dim(1), D = q_out.dim(2), Hkv = k_out.dim(1);
+  KILN_CHECK(q_proj.dim(0) == T && q_proj.dim(1) == Hq * D * (gated ? 2 : 1) && k.dim(0) == T &&
+                 k.dim(1) == Hkv * D && k_out.dim(0) == T && k_out.dim(2) == D && q_proj.is_contiguous() &&
+                 k.is_contiguous() && (!gated || (gate_out.numel() == T * Hq * D && gate_out.is_contiguous())),
+             "qk_norm_rope: q_proj {} k {} for q_out {} k_out {} (gated {})", q_proj.shape.str(), k.shape.str(),
+             q_out.shape.str(), k_out.shape.str(), gated);
+  TensorView q = q_proj;
+  if (gated) {
+    // Per head [q (D) | gate (D)] (Qwen3_5Attention: view(..., -1, 2D).chunk(2)).
+    q = scratch(DType::F32, Shape{T, Hq, D});
+    copy(strided_view(q_proj, 0, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), q);
+    copy(strided_view(q_proj, D, Shape{T, Hq, D}, {Hq * 2 * D, 2 * D, 1}), reshaped(gate_out, Shape{T, Hq, D}));
+  }
+  rms_norm(reshaped(q, Shape{T * Hq, D}), q_norm, eps, kind, reshaped(q_out, Shape{T * Hq, D}));
+  rms_norm(reshaped(k, Shape{T * Hkv, D}), k_norm, eps, kind, reshaped(k_out, Shape{T * Hkv, D}));
+  if (axes) {
+    mrope(q_out, positions, rotary_dim, theta, *axes);
+    mrope(k_out, positions, rotary_dim, theta, *axes);
+  } else {
+    rope(q_out, positions, rotary_dim, theta);
+    rope(k_out, positions, rotary_dim, theta);
+  }
 }
 
 void Ops::add_rms_norm(TensorView hidden, const TensorView& y, const TensorView& weight, float eps, NormKind kind,

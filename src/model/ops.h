@@ -15,6 +15,7 @@
 //  - Every op may run asynchronously on its device; download() synchronises.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <span>
@@ -72,6 +73,14 @@ struct MRopeAxes {
   // the first t frequencies take t, the next h take h, the rest w.
   static MRopeAxes from_sections(const std::vector<int>& sections, bool interleaved, int half);
 };
+
+// A view of `base`'s memory (same dtype) starting `offset` elements in, with explicit strides (elements).
+TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std::initializer_list<int64_t> strides);
+// The same memory viewed with another contiguous shape (numel must match).
+TensorView reshaped(const TensorView& base, Shape shape);
+
+// The activation Ops::linear_gated_input applies to its input.
+enum class InputAct { silu_mul, sigmoid_mul };
 
 // One full-attention layer's slice of the paged KV pool.
 struct KvLayerView {
@@ -247,6 +256,11 @@ class Ops {
   virtual void embedding_shard(const TensorView& table, const TensorView& ids, int64_t vocab_begin, TensorView out);
   // out = x W^T (+ bias). x F32 [T, K], out F32 [T, N]. fp32 accumulation.
   virtual void linear(const TensorView& x, const LinearWeight& w, TensorView out) = 0;
+  // out = act(x, x2) W^T (+ bias): silu(x) * x2 (an MLP's down projection) or x * sigmoid(x2) (attention's output
+  // gate). x, x2 F32 [T, K] contiguous, out [T, N]. The default computes the activation into scratch, then linear();
+  // a GPU backend may apply it as it reads x (one launch fewer).
+  virtual void linear_gated_input(const TensorView& x, const TensorView& x2, InputAct act, const LinearWeight& w,
+                                  TensorView out);
   // Several linears of the same input at once: outs[i] = x W_i^T (+ bias_i). The default calls linear() for each;
   // a GPU backend may run them as one launch (decode steps: fewer, larger kernels).
   virtual void linear_multi(const TensorView& x, std::span<const LinearWeight* const> ws, std::span<const TensorView> outs);
@@ -268,6 +282,15 @@ class Ops {
   // The same with three positions per token: frequency i of token t turns by positions[t, axes.axis(i)] * inv_freq[i].
   // positions I32 [T, 3]. The default fails: a backend that serves images implements it.
   virtual void mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta, const MRopeAxes& axes);
+  // A full-attention block's q / k prologue: q_out = rope(rms_norm(q)) and k_out = rope(rms_norm(k)) per head (norm
+  // weights [D], `kind`), rotated by text positions (axes null: positions I32 [T], as rope()) or M-RoPE ones (positions
+  // [T, 3], as mrope()). q_proj [T, Hq * D], or with gated [T, Hq * 2D] holding per head [q (D) | gate (D)], whose
+  // gate halves go to gate_out [T, Hq * D]; k [T, Hkv * D]; q_out [T, Hq, D], k_out [T, Hkv, D]. The default runs
+  // copy, rms_norm and rope / mrope; a GPU backend may fuse them (one launch per layer instead of five or six).
+  virtual void qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
+                            const TensorView& k_norm, float eps, NormKind kind, const TensorView& positions,
+                            int rotary_dim, double theta, const MRopeAxes* axes, TensorView q_out, TensorView gate_out,
+                            TensorView k_out);
   // dst[rows[r]] = src[r]: rows of precomputed input embeddings (image tokens) written over the token embeddings.
   // src F32 [R, H], rows I32 [R] (distinct, < T), dst F32 [T, H]. The default fails (as mrope).
   virtual void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst);

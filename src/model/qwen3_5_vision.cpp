@@ -17,12 +17,6 @@ GeluKind gelu_of(const std::string& hidden_act) {
   fail("vision_config hidden_act '{}' is not supported (supported: gelu_pytorch_tanh, gelu_new, gelu)", hidden_act);
 }
 
-// A view of `t` with another shape of the same element count (contiguous data).
-TensorView reshaped(const TensorView& t, Shape shape) {
-  KILN_CHECK(t.is_contiguous() && shape.numel() == t.numel(), "reshape {} -> {}", t.shape.str(), shape.str());
-  return TensorView(t.data, t.dtype, shape);
-}
-
 // Columns [first, first + heads * D) of a contiguous [N, W] matrix, viewed [N, heads, D] (row stride W).
 TensorView column_heads(const TensorView& m, int64_t first, int64_t heads, int64_t D) {
   TensorView v;

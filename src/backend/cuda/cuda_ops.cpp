@@ -815,6 +815,67 @@ void CudaOps::rope(TensorView x, const TensorView& positions, int rotary_dim, do
   kops::rope(f32_mut(x), x.dim(0), x.dim(1), x.dim(2), i32(positions), rotary_dim, theta, impl_->rt.stream());
 }
 
+void CudaOps::linear_gated_input(const TensorView& x, const TensorView& x2, model::InputAct act,
+                                 const LinearWeight& w, TensorView out) {
+  const int64_t T = x.ndim() == 2 ? x.dim(0) : 0;
+  // Decode-sized rows of a weight the bandwidth gemv streams: the activation applied as x is read. Otherwise (more
+  // rows, a bias, other formats, the tensor-core paths) the composed ops.
+  if (impl_->options.fused_decode_ops && T >= 1 && T <= 4 && !w.bias.data && x.shape == x2.shape && x.is_contiguous() && x2.is_contiguous() &&
+      x.dim(1) == w.in_features && out.ndim() == 2 && out.is_contiguous() && out.dim(0) == T &&
+      out.dim(1) == w.out_features && x.dtype == DType::F32 && x2.dtype == DType::F32 && out.dtype == DType::F32 &&
+      !blas_dense(w, T, impl_->bf16())) {
+    OpScope prof(impl_->rt, [&] {
+      return fmt::format("linear+{} {} {}x{}", act == model::InputAct::silu_mul ? "silu_mul" : "sigmoid_mul",
+                         model::weight_format_name(w.format), w.out_features, w.in_features);
+    });
+    if (kops::linear_gated_input(desc_of(w), f32(x), w.in_features, f32(x2), w.in_features,
+                                 act == model::InputAct::silu_mul ? 1 : 2, T, f32_mut(out), w.out_features,
+                                 impl_->rt.stream()))
+      return;
+  }
+  Ops::linear_gated_input(x, x2, act, w, out);
+}
+
+void CudaOps::qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
+                           const TensorView& k_norm, float eps, NormKind kind, const TensorView& positions,
+                           int rotary_dim, double theta, const model::MRopeAxes* axes, TensorView q_out,
+                           TensorView gate_out, TensorView k_out) {
+  const int64_t D = q_out.ndim() == 3 ? q_out.dim(2) : 0;
+  // Head dims of 512 and more take the composed ops (rms_norm's block-per-row kernel sums in another order).
+  if (!impl_->options.fused_decode_ops || !kops::qk_norm_rope_fits(D) || (axes && rotary_dim > 128)) {
+    Ops::qk_norm_rope(q_proj, k, gated, q_norm, k_norm, eps, kind, positions, rotary_dim, theta, axes, q_out, gate_out,
+                      k_out);
+    return;
+  }
+  OpScope prof(impl_->rt, [&] { return std::string("qk_norm_rope"); });
+  KILN_CHECK(q_out.ndim() == 3 && k_out.ndim() == 3 && q_out.is_contiguous() && k_out.is_contiguous() &&
+                 q_proj.ndim() == 2 && k.ndim() == 2 && q_proj.is_contiguous() && k.is_contiguous(),
+             "qk_norm_rope: q_proj {} k {} q_out {} k_out {}", q_proj.shape.str(), k.shape.str(), q_out.shape.str(),
+             k_out.shape.str());
+  const int64_t T = q_out.dim(0), Hq = q_out.dim(1), Hkv = k_out.dim(1);
+  KILN_CHECK(q_proj.dim(0) == T && q_proj.dim(1) == Hq * D * (gated ? 2 : 1) && k.dim(0) == T &&
+                 k.dim(1) == Hkv * D && k_out.dim(0) == T && k_out.dim(2) == D &&
+                 (!gated || (gate_out.numel() == T * Hq * D && gate_out.is_contiguous())),
+             "qk_norm_rope: q_proj {} k {} for q_out {} k_out {} (gated {})", q_proj.shape.str(), k.shape.str(),
+             q_out.shape.str(), k_out.shape.str(), gated);
+  KILN_CHECK(q_norm.numel() == D && k_norm.numel() == D, "qk_norm_rope: norm weights {} / {} for head dim {}",
+             q_norm.numel(), k_norm.numel(), D);
+  KILN_CHECK(rotary_dim % 2 == 0 && rotary_dim <= D, "rotary dim {} for head dim {}", rotary_dim, D);
+  KILN_CHECK(positions.numel() == (axes ? 3 : 1) * T, "qk_norm_rope: {} positions for {} tokens", positions.numel(),
+             T);
+  expect_f32(q_proj, "qk_norm_rope q");
+  expect_f32(k, "qk_norm_rope k");
+  expect_f32(q_out, "qk_norm_rope q_out");
+  expect_f32(k_out, "qk_norm_rope k_out");
+  if (gated) expect_f32(gate_out, "qk_norm_rope gate");
+  expect_i32(positions, "qk_norm_rope positions");
+  kops::qk_norm_rope(f32(q_proj), q_proj.dim(1), gated ? 2 * D : D, f32(k), k.dim(1), T, Hq, Hkv, D, q_norm.data,
+                     elem_of(q_norm.dtype, "q norm weight"), k_norm.data, elem_of(k_norm.dtype, "k norm weight"), eps,
+                     kind == NormKind::zero_centred, i32(positions), axes ? 3 : 1, axes ? axes->bits[0] : 0,
+                     axes ? axes->bits[1] : 0, rotary_dim, theta, f32_mut(q_out), gated ? f32_mut(gate_out) : nullptr,
+                     f32_mut(k_out), impl_->rt.stream());
+}
+
 void CudaOps::mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta,
                     const model::MRopeAxes& axes) {
   OpScope prof(impl_->rt, [&] { return std::string("mrope"); });

@@ -82,6 +82,12 @@ class CudaOps final : public model::Ops {
   void rope(TensorView x, const TensorView& positions, int rotary_dim, double theta) override;
   void mrope(TensorView x, const TensorView& positions, int rotary_dim, double theta,
              const model::MRopeAxes& axes) override;
+  void linear_gated_input(const TensorView& x, const TensorView& x2, model::InputAct act, const model::LinearWeight& w,
+                          TensorView out) override;
+  void qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
+                    const TensorView& k_norm, float eps, model::NormKind kind, const TensorView& positions,
+                    int rotary_dim, double theta, const model::MRopeAxes* axes, TensorView q_out, TensorView gate_out,
+                    TensorView k_out) override;
   void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst) override;
   void add(const TensorView& a, const TensorView& b, TensorView out) override;
   void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) override;

@@ -225,6 +225,56 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int
   }
 }
 
+// ---- the full-attention prologue: a warp per (token, head) row, norm then rotation through shared memory
+
+constexpr int kQkWarps = 4;
+constexpr int kQkMaxD = 511;  // rms_norm() takes the block-per-row kernel from D = 512 (another summation order)
+
+// The same rotation as rope_kernel (pairs p, p + half of one row): inv_freq in double rounded to float, angle in fp32.
+__device__ __forceinline__ void rope_row(float* v, int half, int rotary_dim, double theta, const int32_t* pos,
+                                         int pos_stride, uint64_t axes_lo, uint64_t axes_hi, int lane) {
+  for (int p = lane; p < half; p += 32) {
+    const int axis = pos_stride == 1 ? 0 : static_cast<int>(((p < 32 ? axes_lo : axes_hi) >> (2 * (p % 32))) & 3u);
+    const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
+    const float angle = static_cast<float>(pos[axis]) * inv_freq;
+    float s, c;
+    sincosf(angle, &s, &c);
+    const float a = v[p], b = v[p + half];
+    v[p] = a * c - b * s;
+    v[p + half] = b * c + a * s;
+  }
+}
+
+__global__ void __launch_bounds__(kQkWarps * 32)
+    qk_norm_rope_kernel(const float* __restrict__ q, int64_t ldq, int64_t q_head_stride, const float* __restrict__ k,
+                        int64_t ldk, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void* q_w,
+                        ElemType q_w_elem, const void* k_w, ElemType k_w_elem, float eps, bool zero_centred,
+                        const int32_t* __restrict__ positions, int pos_stride, uint64_t axes_lo, uint64_t axes_hi,
+                        int rotary_dim, double theta, float* __restrict__ q_out, float* __restrict__ gate_out,
+                        float* __restrict__ k_out) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  extern __shared__ float qk_rows[];  // [kQkWarps][D]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t H = Hq + Hkv, row = int64_t(blockIdx.x) * kQkWarps + warp;
+  if (row >= T * H) return;  // the rest of the kernel synchronises within the warp only
+  const int64_t t = row / H, h = row % H;
+  const bool is_q = h < Hq;
+  const float* src = is_q ? q + t * ldq + h * q_head_stride : k + t * ldk + (h - Hq) * D;
+  const void* w = is_q ? q_w : k_w;
+  const ElemType w_elem = is_q ? q_w_elem : k_w_elem;
+  float* dst = is_q ? q_out + (t * Hq + h) * D : k_out + (t * Hkv + (h - Hq)) * D;
+  float* v = qk_rows + warp * D;
+  const float inv = warp_row_inv_rms(src, D, eps);
+  const float one = zero_centred ? 1.0f : 0.0f;
+  for (int64_t i = lane; i < D; i += 32) v[i] = (src[i] * inv) * (load_elem(w, w_elem, i) + one);
+  if (is_q && gate_out)
+    for (int64_t i = lane; i < D; i += 32) gate_out[(t * Hq + h) * D + i] = src[D + i];
+  __syncwarp();
+  rope_row(v, rotary_dim / 2, rotary_dim, theta, positions + t * pos_stride, pos_stride, axes_lo, axes_hi, lane);
+  __syncwarp();
+  for (int64_t i = lane; i < D; i += 32) dst[i] = v[i];
+}
+
 // ---- elementwise
 
 __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
@@ -350,6 +400,22 @@ void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const 
   if (R == 0) return;
   launch_kernel(gated_rms_norm_kernel, grid_for(R, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream, x, z, R, D, w, w_elem, eps,
                                                                                       out);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+bool qk_norm_rope_fits(int64_t D) { return D >= 1 && D <= kQkMaxD; }
+
+void qk_norm_rope(const float* q, int64_t ldq, int64_t q_head_stride, const float* k, int64_t ldk, int64_t T,
+                  int64_t Hq, int64_t Hkv, int64_t D, const void* q_w, ElemType q_w_elem, const void* k_w,
+                  ElemType k_w_elem, float eps, bool zero_centred, const int32_t* positions, int pos_stride,
+                  uint64_t axes_lo, uint64_t axes_hi, int rotary_dim, double theta, float* q_out, float* gate_out,
+                  float* k_out, Stream stream) {
+  const int64_t rows = T * (Hq + Hkv);
+  if (rows == 0) return;
+  if (!qk_norm_rope_fits(D)) cuda_fail("qk_norm_rope: head dim {} (at most {})", {D, int64_t(kQkMaxD)});
+  launch_kernel(qk_norm_rope_kernel, grid_for(rows, kQkWarps), kQkWarps * 32, kQkWarps * D * sizeof(float), stream, q,
+                ldq, q_head_stride, k, ldk, T, Hq, Hkv, D, q_w, q_w_elem, k_w, k_w_elem, eps, zero_centred, positions,
+                pos_stride, axes_lo, axes_hi, rotary_dim, theta, q_out, gate_out, k_out);
   KILN_CUDA_CHECK_LAUNCH();
 }
 

@@ -159,6 +159,16 @@ void add_rms_norm(float* hidden, const float* y, int64_t R, int64_t D, const voi
 // out = (w * x_hat) * silu(z); x, z, out [R, D].
 void gated_rms_norm(const float* x, const float* z, int64_t R, int64_t D, const void* w, ElemType w_elem, float eps,
                     float* out, Stream stream);
+// A full-attention prologue in one launch (CudaOps::qk_norm_rope): per (token, head) row of q (heads [0, Hq), row t
+// head h at q + t * ldq + h * q_head_stride) and k (heads [Hq, Hq + Hkv), at k + t * ldk + h * D): rms_norm as
+// rms_norm() computes it for D < 512, then rope() / mrope() (pos_stride 1 or 3); q_out [T, Hq, D], k_out [T, Hkv, D];
+// gate_out (or null) [T, Hq, D] takes each q head's next D values (the gated layout). D < 512, even rotary_dim <= D.
+bool qk_norm_rope_fits(int64_t D);
+void qk_norm_rope(const float* q, int64_t ldq, int64_t q_head_stride, const float* k, int64_t ldk, int64_t T,
+                  int64_t Hq, int64_t Hkv, int64_t D, const void* q_w, ElemType q_w_elem, const void* k_w,
+                  ElemType k_w_elem, float eps, bool zero_centred, const int32_t* positions, int pos_stride,
+                  uint64_t axes_lo, uint64_t axes_hi, int rotary_dim, double theta, float* q_out, float* gate_out,
+                  float* k_out, Stream stream);
 // In place on x [T, heads, D]: rotate_half RoPE over the first rotary_dim dims.
 void rope(float* x, int64_t T, int64_t heads, int64_t D, const int32_t* positions, int rotary_dim, double theta,
           Stream stream);
@@ -228,6 +238,11 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
 // (nothing launched) otherwise.
 bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,
                   const int64_t* ldos, Stream stream);
+// out = act(x, x2) W^T with the activation applied as the bandwidth gemv reads x (no intermediate tensor): act 1 silu(x)
+// * x2 (an MLP's down projection), 2 x * sigmoid(x2) (attention's output gate); x, x2 [T, K] (row strides ldx, ldx2).
+// Only bf16 / nvfp4 weights the gemv streams and T <= 4; returns false (nothing launched) otherwise.
+bool linear_gated_input(const WeightDesc& w, const float* x, int64_t ldx, const float* x2, int64_t ldx2, int act,
+                        int64_t T, float* out, int64_t ldo, Stream stream);
 constexpr int64_t kGemvMaxRows = 128;  // dense layers with at most this many rows take the gemv path (8-row tiles)
 // Name of the linear path linear() picks for T tokens (for describe()).
 const char* linear_path_name(int64_t T);

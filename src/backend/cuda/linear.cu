@@ -54,6 +54,8 @@ struct GemmArgs {
   const int32_t* row_index = nullptr;     // [rows]: input row of each sorted row, or null (identity)
   const float* x = nullptr;
   int64_t ldx = 0;
+  const float* x2 = nullptr;  // gemv_stream with an input activation (kAct): its second operand, rows ldx2 apart
+  int64_t ldx2 = 0;
   float* out = nullptr;  // [sorted rows, N]
   int64_t ldo = 0;
   int N = 0, K = 0;
@@ -189,7 +191,20 @@ enum class StreamFormat { bf16, nvfp4 };
 template <StreamFormat kKind>
 constexpr int kStreamElems = kKind == StreamFormat::bf16 ? 8 : 32;  // weights per 16-byte lane load
 
-template <StreamFormat kKind, bool kDual, int kCols, int kRows>
+// The input activation of a gemv_stream launch, four elements at a time: kAct 0 x as it is, 1 silu(x) * x2, 2 x *
+// sigmoid(x2) (silu_mul_kernel's and sigmoid_mul_kernel's arithmetic, so the products equal theirs).
+template <int kAct>
+__device__ __forceinline__ float4 act_input(const float* x, const float* x2, int k) {
+  float4 v = *reinterpret_cast<const float4*>(x + k);
+  if constexpr (kAct != 0) {
+    const float4 g = *reinterpret_cast<const float4*>(x2 + k);
+    if constexpr (kAct == 1) v = make_float4(silu(v.x) * g.x, silu(v.y) * g.y, silu(v.z) * g.z, silu(v.w) * g.w);
+    else v = make_float4(v.x * sigmoid(g.x), v.y * sigmoid(g.y), v.z * sigmoid(g.z), v.w * sigmoid(g.w));
+  }
+  return v;
+}
+
+template <StreamFormat kKind, bool kDual, int kCols, int kRows, int kAct = 0>
 __global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
   dev::pdl_enter();  // first statement: see launch.cuh
   constexpr int kE = kStreamElems<kKind>;
@@ -210,6 +225,9 @@ __global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
   const int nrows = re - rb;
   const float* xr[kRows];
   tile_input_rows(a, rb, nrows, xr);
+  const float* x2r[kRows];  // kAct: the second operand's rows (x rows' offsets, in x2)
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) x2r[r] = kAct ? a.x2 + (xr[r] - a.x) / a.ldx * a.ldx2 : nullptr;
   for (int pass = 0; pass < a.col_passes; ++pass) {
   const int n0 = ((by * a.col_passes + pass) * 4 + warp) * kCols;
   if (n0 >= N) break;
@@ -271,7 +289,7 @@ __global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
           }
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            const float4 xv = *reinterpret_cast<const float4*>(xr[r] + k0 + 4 * h);
+            const float4 xv = act_input<kAct>(xr[r], x2r[r], k0 + 4 * h);
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
               acc0[r][c] += xv.x * wa[c][0] + xv.y * wa[c][1] + xv.z * wa[c][2] + xv.w * wa[c][3];
@@ -304,8 +322,9 @@ __global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
             }
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
-              const float4 xa = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h);
-              const float4 xb = *reinterpret_cast<const float4*>(xr[r] + k0 + 16 * blk + 8 * h + 4);
+              const int ko = k0 + 16 * blk + 8 * h;
+              const float4 xa = act_input<kAct>(xr[r], x2r[r], ko);
+              const float4 xb = act_input<kAct>(xr[r], x2r[r], ko + 4);
 #pragma unroll
               for (int c = 0; c < kCols; ++c) {
                 part0[r][c] += xa.x * wa[c][0] + xa.y * wa[c][1] + xa.z * wa[c][2] + xa.w * wa[c][3] +
@@ -578,6 +597,52 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
   const int tm = gemv ? kGemvRows : kTileM;
   launch_rows(a, false, gemv, vec_ok(w, x, ldx), (T + tm - 1) / tm, stream, gemv2_kind_host(w),
               static_cast<int>(T < kGemvRows ? T : kGemvRows));
+}
+
+template <StreamFormat kKind, int kAct>
+void launch_gemv_act(const GemmArgs& a, int rows, bool two, dim3 grid, Stream stream) {
+  if (rows <= 1) {
+    if (two) launch_kernel(gemv_stream_kernel<kKind, false, 2, 1, kAct>, grid, 128, 0, stream, a);
+    else launch_kernel(gemv_stream_kernel<kKind, false, 1, 1, kAct>, grid, 128, 0, stream, a);
+  } else if (rows <= 2) {
+    if (two) launch_kernel(gemv_stream_kernel<kKind, false, 2, 2, kAct>, grid, 128, 0, stream, a);
+    else launch_kernel(gemv_stream_kernel<kKind, false, 1, 2, kAct>, grid, 128, 0, stream, a);
+  } else {
+    if (two) launch_kernel(gemv_stream_kernel<kKind, false, 2, 4, kAct>, grid, 128, 0, stream, a);
+    else launch_kernel(gemv_stream_kernel<kKind, false, 1, 4, kAct>, grid, 128, 0, stream, a);
+  }
+}
+
+bool linear_gated_input(const WeightDesc& w, const float* x, int64_t ldx, const float* x2, int64_t ldx2, int act,
+                        int64_t T, float* out, int64_t ldo, Stream stream) {
+  const int kind = gemv2_kind_host(w);
+  if (T < 1 || T > 4 || w.n < 1 || kind < 0 || (act != 1 && act != 2) || !vec_ok(w, x, ldx) || !vec_ok(w, x2, ldx2))
+    return false;
+  GemmArgs a;
+  a.w0 = w;
+  a.w1 = w;
+  a.rows = static_cast<int>(T);
+  a.x = x;
+  a.ldx = ldx;
+  a.x2 = x2;
+  a.ldx2 = ldx2;
+  a.out = out;
+  a.ldo = ldo;
+  a.N = w.n;
+  a.K = w.k;
+  // One row tile; the column layout launch_gemv_stream gives a dense layer of T rows.
+  const bool two = (a.N + 7) / 8 >= kTwoBlocksPerSm;
+  const dim3 grid(1u, static_cast<unsigned>((a.N + (two ? 8 : 4) - 1) / (two ? 8 : 4)));
+  const int rows = static_cast<int>(T);
+  if (kind == 0) {
+    if (act == 1) launch_gemv_act<StreamFormat::bf16, 1>(a, rows, two, grid, stream);
+    else launch_gemv_act<StreamFormat::bf16, 2>(a, rows, two, grid, stream);
+  } else {
+    if (act == 1) launch_gemv_act<StreamFormat::nvfp4, 1>(a, rows, two, grid, stream);
+    else launch_gemv_act<StreamFormat::nvfp4, 2>(a, rows, two, grid, stream);
+  }
+  KILN_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 bool linear_multi(const WeightDesc* ws, int count, const float* x, int64_t ldx, int64_t T, float* const* outs,

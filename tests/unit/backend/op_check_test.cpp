@@ -91,8 +91,8 @@ TEST(OpCompare, NoChecksIsAFailure) {
 }
 
 // use_bf16_input_budgets (--dtype bfloat16) loosens exactly the ops a CUDA backend may run on tensor cores: dense
-// BF16 (with or without a bias, K % 8 == 0) and NVFP4 linears and linear_multi to 5e-3, NVFP4 experts, attention over bf16 / fp8
-// pools and attention within segments to 1e-2; every other op keeps the fp32 tolerance.
+// BF16 (with or without a bias, K % 8 == 0) and NVFP4 linears, linear_multi and linear_gated_input to 5e-3, NVFP4 experts,
+// attention over bf16 / fp8 pools and attention within segments to 1e-2; every other op keeps the fp32 tolerance.
 TEST(OpCompare, Bf16InputBudgetsApplyToTheTensorCoreOpsOnly) {
   auto a = make_cpu_backend(), b = make_cpu_backend();
   OpCheckConfig c;
@@ -107,7 +107,7 @@ TEST(OpCompare, Bf16InputBudgetsApplyToTheTensorCoreOpsOnly) {
   for (const OpCheck& r : results) {
     double want = c.tol;
     if (starts(r.op, "linear bf16 T=") || starts(r.op, "linear bf16+bias T=") || starts(r.op, "linear nvfp4 ") ||
-        starts(r.op, "linear_multi "))
+        starts(r.op, "linear_multi ") || starts(r.op, "linear_gated_input "))
       want = kBf16InputLinearTol;
     else if (starts(r.op, "moe_experts") && has(r.op, " nvfp4 "))
       want = kBf16InputTol;

@@ -545,10 +545,13 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.state_slots = plan.state_slots;
   l.ro.max_context = plan.context;
   const bool graphs = options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1;
-  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}", kernels.str(), plan.str(),
+  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
                              graphs && options.gpu.pdl
                                  ? ", kernels chained by programmatic dependent launch [--enable-pdl, experimental]"
+                                 : "",
+                             options.gpu.fused_decode_ops
+                                 ? "; fused decode ops [--enable-fused-decode-ops, experimental]"
                                  : "");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);
   if (options.parallel.is_group()) return load_cuda_group(l);

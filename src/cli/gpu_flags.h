@@ -17,7 +17,7 @@ struct GpuFlags {
   bool disable_cuda_graph = false;   // gpu.cuda_graphs = !this
   bool disable_cuda_graph_verify = false;  // gpu.cuda_graph_verify = !this
   bool enable_pdl = false;                 // gpu.pdl
-  bool disable_fused_decode_ops = false;   // gpu.fused_decode_ops = !this
+  bool enable_fused_decode_ops = false;    // gpu.fused_decode_ops
 };
 
 // --dtype: checked against the device when the model loads (backend::resolve_dtype), the same for every command.
@@ -73,10 +73,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "cuda, experimental: programmatic dependent launch between the kernels of captured steps (each launch "
                "overlaps the previous kernel's tail: decode batch 1 about 6% faster on an H100), but speculative verify "
                "and draft graphs then differ from eager runs in test_cuda: not for serving (docs/perf/decode-latency.md)");
-  app.add_flag("--disable-fused-decode-ops", f.disable_fused_decode_ops,
-               "cuda: run the attention q/k norm + rotary prologue (one kernel at every step) and the gated down / "
-               "output projections of steps of <= 4 rows (one gemv) as separate kernels, the path before they were "
-               "fused (for A/B runs)");
+  app.add_flag("--enable-fused-decode-ops", f.enable_fused_decode_ops,
+               "cuda, experimental: the attention q/k norm + rotary prologue as one kernel at every step and the gated "
+               "down / output projections of steps of <= 4 rows as one gemv each (built and CPU-tested, not yet run "
+               "on a GPU: off by default)");
   app.add_flag("--disable-custom-all-reduce", f.gpu.disable_custom_all_reduce,
                "cuda, --tp-size > 1: all-reduce through NCCL only (default: the one-shot peer-memory all-reduce for "
                "messages up to 8 MiB, NCCL above)");
@@ -88,7 +88,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu.cuda_graphs = !f.disable_cuda_graph;
   lo.gpu.cuda_graph_verify = !f.disable_cuda_graph_verify;
   lo.gpu.pdl = f.enable_pdl;
-  lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
+  lo.gpu.fused_decode_ops = f.enable_fused_decode_ops;
 }
 
 }  // namespace kiln::cli

@@ -92,10 +92,10 @@ TEST(GpuFlags, PdlOffByDefaultAndEnablePdlTurnsItOn) {
   EXPECT_THROW(parse_gpu({"--disable-pdl"}), CLI::ParseError);
 }
 
-// The fused decode ops are on by default; --disable-fused-decode-ops turns them off (A/B runs).
-TEST(GpuFlags, FusedDecodeOpsOnByDefaultAndTheFlagTurnsThemOff) {
-  EXPECT_TRUE(parse_gpu({}).gpu.fused_decode_ops);
-  EXPECT_FALSE(parse_gpu({"--disable-fused-decode-ops"}).gpu.fused_decode_ops);
+// The fused decode ops are off by default (not yet run on a GPU); --enable-fused-decode-ops turns them on.
+TEST(GpuFlags, FusedDecodeOpsOffByDefaultAndTheFlagTurnsThemOn) {
+  EXPECT_FALSE(parse_gpu({}).gpu.fused_decode_ops);
+  EXPECT_TRUE(parse_gpu({"--enable-fused-decode-ops"}).gpu.fused_decode_ops);
 }
 
 // Every GPU flag lands in its field of LoadOptions::gpu (the part the CUDA loader reads); the two spelled otherwise

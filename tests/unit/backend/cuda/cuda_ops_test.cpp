@@ -112,6 +112,25 @@ TEST(CudaOps, EveryOpMatchesCpuAtQwen35HeadSizesWithBf16Inputs) {
   expect_all_pass(compare_ops(gpu, *cpu, use_bf16_input_budgets(qwen35_head_sizes())), "qwen3.5 head sizes, bf16 in");
 }
 
+// The fused decode ops (--enable-fused-decode-ops: qk_norm_rope's kernel, linear_gated_input's gemv) against the CPU's
+// composed ops, at the small and the Qwen3.5 head sizes.
+TEST(CudaOps, FusedDecodeOpsMatchCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOptions o;
+  o.fused_decode_ops = true;
+  CudaOps gpu(o);
+  auto cpu = make_cpu_backend();
+  OpCheckConfig c;
+  c.seed = 3;
+  for (const auto& [config, label] : {std::pair{c, "small"}, std::pair{qwen35_head_sizes(), "qwen3.5 head sizes"}}) {
+    const std::vector<OpCheck> all = compare_ops(gpu, *cpu, config);
+    std::vector<OpCheck> fused = test::checks_of(all, "qk_norm_rope");
+    for (const OpCheck& r : test::checks_of(all, "linear_gated_input")) fused.push_back(r);
+    EXPECT_GE(fused.size(), 24u) << label;
+    expect_all_pass(fused, std::string("fused decode ops, ") + label);
+  }
+}
+
 // copy_spans: many byte ranges in one launch, 16-byte aligned (words) and not (bytes), sizes from 1 byte to 2 MiB, the
 // bytes between and after them untouched; checked against the same copies done on the host.
 TEST(CudaOps, CopySpansMovesExactlyTheirBytes) {
@@ -331,6 +350,27 @@ TEST(CudaRunner, LogitsAndGreedyTokensMatchCpuOnEveryModel) {
     EXPECT_LT(prefill_err, kLogitTol) << mc.name;
     EXPECT_LT(decode_err, kLogitTol) << mc.name;
     if (mc.fixture) EXPECT_LT(vs_transformers, kLogitTol) << mc.name;
+  }
+}
+
+// The fused decode ops keep every model's logits: they use the separate kernels' arithmetic, so greedy generation with
+// them on equals generation with them off bit for bit (every fixture model, prefill and decode steps).
+TEST(CudaRunner, FusedDecodeOpsGiveTheSameLogitsOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  CudaOptions fused_on;
+  fused_on.fused_decode_ops = true;
+  for (const ModelCase& mc : cases) {
+    Engine off(std::make_unique<CudaOps>(), mc.dir, DType::F32, 4, 256);
+    Engine on(std::make_unique<CudaOps>(fused_on), mc.dir, DType::F32, 4, 256);
+    for (size_t p = 0; p < mc.prompts.size(); ++p) {
+      const Generation a = generate(on, {mc.prompts[p]}, kDecodeSteps);
+      const Generation b = generate(off, {mc.prompts[p]}, kDecodeSteps);
+      EXPECT_EQ(a.tokens[0], b.tokens[0]) << mc.name << " prompt " << p;
+      EXPECT_EQ(a.logits[0], b.logits[0]) << mc.name << " prompt " << p;
+    }
   }
 }
 

@@ -579,8 +579,8 @@ const char* linear_path_name(int64_t T) {
                            : "fp32 gemm (64x64 smem tiles)";
 }
 
-void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream) {
-  if (T == 0 || w.n == 0) return;
+// The arguments of one dense linear: a single group of T rows.
+static GemmArgs dense_args(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo) {
   GemmArgs a;
   a.w0 = w;
   a.w1 = w;
@@ -591,6 +591,12 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
   a.ldo = ldo;
   a.N = w.n;
   a.K = w.k;
+  return a;
+}
+
+void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, Stream stream) {
+  if (T == 0 || w.n == 0) return;
+  const GemmArgs a = dense_args(w, x, ldx, T, out, ldo);
   // Few output columns (gates, routers) stay on the gemv at any T: the gemm's 64-column tiles would leave most of the
   // GPU idle (a 512 x 1 product ran on 8 blocks).
   const bool gemv = T <= kGemvMaxRows || w.n <= 64;
@@ -618,18 +624,9 @@ bool linear_gated_input(const WeightDesc& w, const float* x, int64_t ldx, const 
   const int kind = gemv2_kind_host(w);
   if (T < 1 || T > 4 || w.n < 1 || kind < 0 || (act != 1 && act != 2) || !vec_ok(w, x, ldx) || !vec_ok(w, x2, ldx2))
     return false;
-  GemmArgs a;
-  a.w0 = w;
-  a.w1 = w;
-  a.rows = static_cast<int>(T);
-  a.x = x;
-  a.ldx = ldx;
+  GemmArgs a = dense_args(w, x, ldx, T, out, ldo);
   a.x2 = x2;
   a.ldx2 = ldx2;
-  a.out = out;
-  a.ldo = ldo;
-  a.N = w.n;
-  a.K = w.k;
   // One row tile; the column layout launch_gemv_stream gives a dense layer of T rows.
   const bool two = (a.N + 7) / 8 >= kTwoBlocksPerSm;
   const dim3 grid(1u, static_cast<unsigned>((a.N + (two ? 8 : 4) - 1) / (two ? 8 : 4)));

@@ -25,7 +25,6 @@ TensorView reshaped(const TensorView& base, Shape shape) {
   return TensorView(base.data, base.dtype, shape);
 }
 
-
 int32_t host_argmax(const float* row, int64_t n) {
   int64_t b = -1;
   for (int64_t v = 0; v < n; ++v)
@@ -176,9 +175,8 @@ void Ops::linear_multi(const TensorView& x, std::span<const LinearWeight* const>
   for (size_t i = 0; i < ws.size(); ++i) linear(x, *ws[i], outs[i]);
 }
 
-void Ops::qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
-                       const TensorView& k_norm, float eps, NormKind kind, const TensorView& positions, int rotary_dim,
-                       double theta, const MRopeAxes* axes, TensorView q_out, TensorView gate_out, TensorView k_out) {
+void check_qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_out,
+                        const TensorView& gate_out, const TensorView& k_out) {
   KILN_CHECK(q_out.ndim() == 3 && k_out.ndim() == 3 && q_proj.ndim() == 2 && k.ndim() == 2,
              "qk_norm_rope: q_proj {} k {} q_out {} k_out {}", q_proj.shape.str(), k.shape.str(), q_out.shape.str(),
              k_out.shape.str());
@@ -188,6 +186,13 @@ void Ops::qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated
                  k.is_contiguous() && (!gated || (gate_out.numel() == T * Hq * D && gate_out.is_contiguous())),
              "qk_norm_rope: q_proj {} k {} for q_out {} k_out {} (gated {})", q_proj.shape.str(), k.shape.str(),
              q_out.shape.str(), k_out.shape.str(), gated);
+}
+
+void Ops::qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_norm,
+                       const TensorView& k_norm, float eps, NormKind kind, const TensorView& positions, int rotary_dim,
+                       double theta, const MRopeAxes* axes, TensorView q_out, TensorView gate_out, TensorView k_out) {
+  check_qk_norm_rope(q_proj, k, gated, q_out, gate_out, k_out);
+  const int64_t T = q_out.dim(0), Hq = q_out.dim(1), D = q_out.dim(2), Hkv = k_out.dim(1);
   TensorView q = q_proj;
   if (gated) {
     // Per head [q (D) | gate (D)] (Qwen3_5Attention: view(..., -1, 2D).chunk(2)).

@@ -79,6 +79,10 @@ TensorView strided_view(const TensorView& base, int64_t offset, Shape shape, std
 // The same memory viewed with another contiguous shape (numel must match).
 TensorView reshaped(const TensorView& base, Shape shape);
 
+// Ops::qk_norm_rope's shapes (see there), checked: fails naming them.
+void check_qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool gated, const TensorView& q_out,
+                        const TensorView& gate_out, const TensorView& k_out);
+
 // The activation Ops::linear_gated_input applies to its input.
 enum class InputAct { silu_mul, sigmoid_mul };
 

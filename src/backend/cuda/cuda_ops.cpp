@@ -848,16 +848,10 @@ void CudaOps::qk_norm_rope(const TensorView& q_proj, const TensorView& k, bool g
     return;
   }
   OpScope prof(impl_->rt, [&] { return std::string("qk_norm_rope"); });
-  KILN_CHECK(q_out.ndim() == 3 && k_out.ndim() == 3 && q_out.is_contiguous() && k_out.is_contiguous() &&
-                 q_proj.ndim() == 2 && k.ndim() == 2 && q_proj.is_contiguous() && k.is_contiguous(),
-             "qk_norm_rope: q_proj {} k {} q_out {} k_out {}", q_proj.shape.str(), k.shape.str(), q_out.shape.str(),
-             k_out.shape.str());
+  model::check_qk_norm_rope(q_proj, k, gated, q_out, gate_out, k_out);
+  KILN_CHECK(q_out.is_contiguous() && k_out.is_contiguous(), "qk_norm_rope: q_out {} k_out {} must be contiguous",
+             q_out.shape.str(), k_out.shape.str());
   const int64_t T = q_out.dim(0), Hq = q_out.dim(1), Hkv = k_out.dim(1);
-  KILN_CHECK(q_proj.dim(0) == T && q_proj.dim(1) == Hq * D * (gated ? 2 : 1) && k.dim(0) == T &&
-                 k.dim(1) == Hkv * D && k_out.dim(0) == T && k_out.dim(2) == D &&
-                 (!gated || (gate_out.numel() == T * Hq * D && gate_out.is_contiguous())),
-             "qk_norm_rope: q_proj {} k {} for q_out {} k_out {} (gated {})", q_proj.shape.str(), k.shape.str(),
-             q_out.shape.str(), k_out.shape.str(), gated);
   KILN_CHECK(q_norm.numel() == D && k_norm.numel() == D, "qk_norm_rope: norm weights {} / {} for head dim {}",
              q_norm.numel(), k_norm.numel(), D);
   KILN_CHECK(rotary_dim % 2 == 0 && rotary_dim <= D, "rotary dim {} for head dim {}", rotary_dim, D);

@@ -202,6 +202,22 @@ __global__ void gated_rms_norm_kernel(const float* __restrict__ x, const float* 
 
 // ---- RoPE: a thread per (token, head, pair)
 
+// Pair (p, p + half) of one row v rotated by the token's position(s) pos. Same as the CPU: inv_freq in double rounded to
+// float, angle = float(pos) * inv_freq in fp32. M-RoPE (pos_stride 3): frequency p takes the position of axis
+// (axes >> 2p) & 3 (model::MRopeAxes).
+__device__ __forceinline__ void rotate_pair(float* v, int p, int half, int rotary_dim, double theta,
+                                            const int32_t* pos, int pos_stride, uint64_t axes_lo, uint64_t axes_hi) {
+  const int axis = pos_stride == 1 ? 0 : static_cast<int>(((p < 32 ? axes_lo : axes_hi) >> (2 * (p % 32))) & 3u);
+  const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
+  const float angle = static_cast<float>(pos[axis]) * inv_freq;
+  float s, c;
+  sincosf(angle, &s, &c);
+  const float a = v[p], b = v[p + half];
+  v[p] = a * c - b * s;
+  v[p + half] = b * c + a * s;
+}
+
+
 __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int64_t D,
                             const int32_t* __restrict__ positions, int pos_stride, uint64_t axes_lo, uint64_t axes_hi,
                             int rotary_dim, double theta) {
@@ -211,17 +227,7 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int p = static_cast<int>(i % half);
     const int64_t th = i / half, t = th / heads;
-    // Same as the CPU: inv_freq in double rounded to float, angle = float(pos) * inv_freq in fp32. M-RoPE
-    // (pos_stride 3): frequency p takes the position of axis (axes >> 2p) & 3 (model::MRopeAxes).
-    const int axis = pos_stride == 1 ? 0 : static_cast<int>(((p < 32 ? axes_lo : axes_hi) >> (2 * (p % 32))) & 3u);
-    const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
-    const float angle = static_cast<float>(positions[t * pos_stride + axis]) * inv_freq;
-    float s, c;
-    sincosf(angle, &s, &c);
-    float* v = x + th * D;
-    const float a = v[p], b = v[p + half];
-    v[p] = a * c - b * s;
-    v[p + half] = b * c + a * s;
+    rotate_pair(x + th * D, p, half, rotary_dim, theta, positions + t * pos_stride, pos_stride, axes_lo, axes_hi);
   }
 }
 
@@ -229,21 +235,6 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t T, int64_t heads, int
 
 constexpr int kQkWarps = 4;
 constexpr int kQkMaxD = 511;  // rms_norm() takes the block-per-row kernel from D = 512 (another summation order)
-
-// The same rotation as rope_kernel (pairs p, p + half of one row): inv_freq in double rounded to float, angle in fp32.
-__device__ __forceinline__ void rope_row(float* v, int half, int rotary_dim, double theta, const int32_t* pos,
-                                         int pos_stride, uint64_t axes_lo, uint64_t axes_hi, int lane) {
-  for (int p = lane; p < half; p += 32) {
-    const int axis = pos_stride == 1 ? 0 : static_cast<int>(((p < 32 ? axes_lo : axes_hi) >> (2 * (p % 32))) & 3u);
-    const float inv_freq = static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * p) / rotary_dim));
-    const float angle = static_cast<float>(pos[axis]) * inv_freq;
-    float s, c;
-    sincosf(angle, &s, &c);
-    const float a = v[p], b = v[p + half];
-    v[p] = a * c - b * s;
-    v[p + half] = b * c + a * s;
-  }
-}
 
 __global__ void __launch_bounds__(kQkWarps * 32)
     qk_norm_rope_kernel(const float* __restrict__ q, int64_t ldq, int64_t q_head_stride, const float* __restrict__ k,
@@ -270,7 +261,8 @@ __global__ void __launch_bounds__(kQkWarps * 32)
   if (is_q && gate_out)
     for (int64_t i = lane; i < D; i += 32) gate_out[(t * Hq + h) * D + i] = src[D + i];
   __syncwarp();
-  rope_row(v, rotary_dim / 2, rotary_dim, theta, positions + t * pos_stride, pos_stride, axes_lo, axes_hi, lane);
+  for (int p = lane; p < rotary_dim / 2; p += 32)
+    rotate_pair(v, p, rotary_dim / 2, rotary_dim, theta, positions + t * pos_stride, pos_stride, axes_lo, axes_hi);
   __syncwarp();
   for (int64_t i = lane; i < D; i += 32) dst[i] = v[i];
 }

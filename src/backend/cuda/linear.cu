@@ -448,22 +448,24 @@ bool vec_ok(const WeightDesc& w, const float* x, int64_t ldx) {
          reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
-template <StreamFormat kKind, bool kDual, int kRows>
+template <StreamFormat kKind, bool kDual, int kRows, int kAct = 0>
 void launch_gemv_stream_rows(const GemmArgs& b, bool two, dim3 grid, Stream stream) {
-  if (two) launch_kernel(gemv_stream_kernel<kKind, kDual, 2, kRows>, grid, 128, 0, stream, b);
-  else launch_kernel(gemv_stream_kernel<kKind, kDual, 1, kRows>, grid, 128, 0, stream, b);
+  if (two) launch_kernel(gemv_stream_kernel<kKind, kDual, 2, kRows, kAct>, grid, 128, 0, stream, b);
+  else launch_kernel(gemv_stream_kernel<kKind, kDual, 1, kRows, kAct>, grid, 128, 0, stream, b);
 }
 
-template <StreamFormat kKind, bool kDual>
+// kAct (an input activation, single weights only): tiles of at most 4 rows.
+template <StreamFormat kKind, bool kDual, int kAct = 0>
 void launch_gemv_stream_format(const GemmArgs& b, int rows, bool two, dim3 grid, Stream stream) {
-  if (rows <= 1) launch_gemv_stream_rows<kKind, kDual, 1>(b, two, grid, stream);
-  else if (rows <= 2) launch_gemv_stream_rows<kKind, kDual, 2>(b, two, grid, stream);
-  else if (rows <= 4) launch_gemv_stream_rows<kKind, kDual, 4>(b, two, grid, stream);
-  else launch_gemv_stream_rows<kKind, kDual, 8>(b, two, grid, stream);
+  static_assert(kAct == 0 || !kDual, "an input activation applies to single-weight launches");
+  if (rows <= 1) launch_gemv_stream_rows<kKind, kDual, 1, kAct>(b, two, grid, stream);
+  else if (rows <= 2) launch_gemv_stream_rows<kKind, kDual, 2, kAct>(b, two, grid, stream);
+  else if (kAct != 0 || rows <= 4) launch_gemv_stream_rows<kKind, kDual, 4, kAct>(b, two, grid, stream);
+  else if constexpr (kAct == 0) launch_gemv_stream_rows<kKind, kDual, 8>(b, two, grid, stream);
 }
 
-// kind_code: 0 bf16, 1 nvfp4. max_rows: the most rows any tile holds (<= 8; sizes the row registers).
-template <bool kDual>
+// kind_code: 0 bf16, 1 nvfp4. max_rows: the most rows any tile holds (<= 8; sizes the row registers; <= 4 with kAct).
+template <bool kDual, int kAct = 0>
 void launch_gemv_stream(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_rows, Stream stream) {
   // Two columns per warp when that still gives every SM two blocks; else one.
   const bool two = (a.N + 7) / 8 * max_tiles >= kTwoBlocksPerSm;
@@ -477,8 +479,8 @@ void launch_gemv_stream(const GemmArgs& a, int kind_code, int64_t max_tiles, int
   GemmArgs b = a;
   b.col_passes = passes;
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((col_blocks + passes - 1) / passes));
-  if (kind_code == 0) launch_gemv_stream_format<StreamFormat::bf16, kDual>(b, max_rows, two, grid, stream);
-  else launch_gemv_stream_format<StreamFormat::nvfp4, kDual>(b, max_rows, two, grid, stream);
+  if (kind_code == 0) launch_gemv_stream_format<StreamFormat::bf16, kDual, kAct>(b, max_rows, two, grid, stream);
+  else launch_gemv_stream_format<StreamFormat::nvfp4, kDual, kAct>(b, max_rows, two, grid, stream);
 }
 
 // Launches a gemv (small tiles) or the gemm over `max_tiles` row tiles (an upper bound when grouped). gemv2_kind:
@@ -605,20 +607,6 @@ void linear(const WeightDesc& w, const float* x, int64_t ldx, int64_t T, float* 
               static_cast<int>(T < kGemvRows ? T : kGemvRows));
 }
 
-template <StreamFormat kKind, int kAct>
-void launch_gemv_act(const GemmArgs& a, int rows, bool two, dim3 grid, Stream stream) {
-  if (rows <= 1) {
-    if (two) launch_kernel(gemv_stream_kernel<kKind, false, 2, 1, kAct>, grid, 128, 0, stream, a);
-    else launch_kernel(gemv_stream_kernel<kKind, false, 1, 1, kAct>, grid, 128, 0, stream, a);
-  } else if (rows <= 2) {
-    if (two) launch_kernel(gemv_stream_kernel<kKind, false, 2, 2, kAct>, grid, 128, 0, stream, a);
-    else launch_kernel(gemv_stream_kernel<kKind, false, 1, 2, kAct>, grid, 128, 0, stream, a);
-  } else {
-    if (two) launch_kernel(gemv_stream_kernel<kKind, false, 2, 4, kAct>, grid, 128, 0, stream, a);
-    else launch_kernel(gemv_stream_kernel<kKind, false, 1, 4, kAct>, grid, 128, 0, stream, a);
-  }
-}
-
 bool linear_gated_input(const WeightDesc& w, const float* x, int64_t ldx, const float* x2, int64_t ldx2, int act,
                         int64_t T, float* out, int64_t ldo, Stream stream) {
   const int kind = gemv2_kind_host(w);
@@ -627,17 +615,9 @@ bool linear_gated_input(const WeightDesc& w, const float* x, int64_t ldx, const 
   GemmArgs a = dense_args(w, x, ldx, T, out, ldo);
   a.x2 = x2;
   a.ldx2 = ldx2;
-  // One row tile; the column layout launch_gemv_stream gives a dense layer of T rows.
-  const bool two = (a.N + 7) / 8 >= kTwoBlocksPerSm;
-  const dim3 grid(1u, static_cast<unsigned>((a.N + (two ? 8 : 4) - 1) / (two ? 8 : 4)));
-  const int rows = static_cast<int>(T);
-  if (kind == 0) {
-    if (act == 1) launch_gemv_act<StreamFormat::bf16, 1>(a, rows, two, grid, stream);
-    else launch_gemv_act<StreamFormat::bf16, 2>(a, rows, two, grid, stream);
-  } else {
-    if (act == 1) launch_gemv_act<StreamFormat::nvfp4, 1>(a, rows, two, grid, stream);
-    else launch_gemv_act<StreamFormat::nvfp4, 2>(a, rows, two, grid, stream);
-  }
+  // One row tile, launched as a dense layer's gemv with the activation on its input.
+  if (act == 1) launch_gemv_stream<false, 1>(a, kind, 1, static_cast<int>(T), stream);
+  else launch_gemv_stream<false, 2>(a, kind, 1, static_cast<int>(T), stream);
   KILN_CUDA_CHECK_LAUNCH();
   return true;
 }

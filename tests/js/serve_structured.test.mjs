@@ -129,11 +129,17 @@ test("json_schema with thinking off: the answer starts constrained at once", asy
 
 test("/v1/completions with response_format json_object", async () => {
   const validate = ajv.compile({ type: "object" });
-  const r = await postRaw("/v1/completions", {
-    model: await modelName(), prompt: "Data:", max_tokens: 400, n: 12, temperature: 1, response_format: { type: "json_object" },
-  });
-  assert.equal(r.status, 200, r.text);
-  checkJson(r.json.choices.map((c) => ({ text: c.text, finish: c.finish_reason })), validate, "completions", 0.05);  // at least one of 12 (a small model often runs to max_tokens)
+  // A small model often runs an open object to max_tokens: up to three rounds of 12 samples, until one finishes (every
+  // finished output is checked; at least one of them must have finished).
+  const outs = [];
+  for (let round = 0; round < 3 && !outs.some((o) => o.finish === "stop"); round++) {
+    const r = await postRaw("/v1/completions", {
+      model: await modelName(), prompt: "Data:", max_tokens: 400, n: 12, temperature: 1, response_format: { type: "json_object" },
+    });
+    assert.equal(r.status, 200, r.text);
+    outs.push(...r.json.choices.map((c) => ({ text: c.text, finish: c.finish_reason })));
+  }
+  checkJson(outs, validate, "completions", 1 / outs.length);
 });
 
 test("unsupported or invalid schemas are a 400 naming the keyword", async () => {

@@ -574,6 +574,7 @@ void check_deltanet(Harness& h, const Steps& st) {
   Pair state = h.alloc(DType::F32, Shape{st.slots, Hv, Dk, Dv});
   Pair A_log = h.place(h.host_normal(DType::F32, Shape{Hv}, 0.5f, -1.0f));
   Pair dt_bias = h.place(h.host_normal(DType::BF16, Shape{Hv}, 0.5f));
+  Pair norm_w = h.place(h.host_normal(DType::BF16, Shape{Dv}, 0.5f, 1.0f));
   const DeltaRuleMode mode = c.chunked_reference ? DeltaRuleMode::chunked : DeltaRuleMode::recurrent;
   for_each_step(h, st, [&](int step_no, const HostStep& hs, const StepLayout& lt, const StepLayout& lr) {
     const int64_t T = hs.num_tokens();
@@ -621,6 +622,18 @@ void check_deltanet(Harness& h, const Steps& st) {
               c.delta_rule_tol);
     h.compare(std::string("gated_delta_rule_with_gates state ") + (c.chunked_reference ? "vs chunked " : "") + at,
               state, c.delta_rule_tol);
+    // Gates, rule and the gated output norm as one op (with CUDA's fused decode ops: the norm inside the recurrent
+    // kernel, one block per head).
+    Pair z = h.upload(h.host_normal(DType::F32, Shape{T * Hv, Dv}, 2.0f));
+    Pair core = h.scratch(DType::F32, Shape{T, Hv, Dv}), normed = h.scratch(DType::F32, Shape{T * Hv, Dv});
+    h.test().gated_delta_rule_norm(q.test, k.test, v.test, a.test, b.test, A_log.test, dt_bias.test, g2.test,
+                                   beta2.test, state.test, lt, mode, z.test, norm_w.test, 1e-6f, core.test, normed.test);
+    h.ref().gated_delta_rule_norm(q.ref, k.ref, v.ref, a.ref, b.ref, A_log.ref, dt_bias.ref, g2.ref, beta2.ref,
+                                  state.ref, lr, mode, z.ref, norm_w.ref, 1e-6f, core.ref, normed.ref);
+    const std::string vs = c.chunked_reference ? "vs chunked " : "";
+    h.compare("gated_delta_rule_norm " + vs + at, normed, c.delta_rule_tol);
+    h.compare("gated_delta_rule_norm core " + vs + at, core, c.delta_rule_tol);
+    h.compare("gated_delta_rule_norm state " + vs + at, state, c.delta_rule_tol);
   });
 }
 

@@ -74,9 +74,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "overlaps the previous kernel's tail: decode batch 1 about 6% faster on an H100), but speculative verify "
                "and draft graphs then differ from eager runs in test_cuda: not for serving (docs/perf/decode-latency.md)");
   app.add_flag("--enable-fused-decode-ops", f.enable_fused_decode_ops,
-               "cuda, experimental: the attention q/k norm + rotary prologue as one kernel at every step and the gated "
-               "down / output projections of steps of <= 4 rows as one gemv each (built and CPU-tested, not yet run "
-               "on a GPU: off by default)");
+               "cuda, experimental: the attention q/k norm + rotary prologue as one kernel at every step, the gated "
+               "down / output projections of steps of <= 4 rows as one gemv each, and the DeltaNet output norm inside "
+               "the delta rule's kernel for steps of <= 8 sequences (built and CPU-tested, not yet run on a GPU: off "
+               "by default)");
   app.add_flag("--disable-custom-all-reduce", f.gpu.disable_custom_all_reduce,
                "cuda, --tp-size > 1: all-reduce through NCCL only (default: the one-shot peer-memory all-reduce for "
                "messages up to 8 MiB, NCCL above)");

@@ -257,13 +257,18 @@ TensorView gated_deltanet_core(Forward& f, int layer, const LinearAttentionWeigh
 
   TensorView g = f.f32(Shape{T, Hv}), beta = f.f32(Shape{T, Hv});
   TensorView core = f.f32(Shape{T, Hv, Dv});
-  f.ops.gated_delta_rule_with_gates(q, k, v, a, b, w.A_log, w.dt_bias, g, beta, f.recurrent_state[li], f.step,
-                                    f.delta_mode, core);
-  f.name("delta_out", layer, core);
-
   TensorView normed = f.f32(Shape{T * Hv, Dv});
-  f.ops.gated_rms_norm(reshaped(core, Shape{T * Hv, Dv}), reshaped(z, Shape{T * Hv, Dv}), w.norm,
-                       static_cast<float>(c.rms_norm_eps), normed);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  if (f.trace && *f.trace) {  // a traced run keeps the two ops (the delta rule's output is a named tensor)
+    f.ops.gated_delta_rule_with_gates(q, k, v, a, b, w.A_log, w.dt_bias, g, beta, f.recurrent_state[li], f.step,
+                                      f.delta_mode, core);
+    f.name("delta_out", layer, core);
+    f.ops.gated_rms_norm(reshaped(core, Shape{T * Hv, Dv}), reshaped(z, Shape{T * Hv, Dv}), w.norm, eps, normed);
+  } else {
+    // The recurrence and the output norm as one op (a backend may run both in one kernel).
+    f.ops.gated_delta_rule_norm(q, k, v, a, b, w.A_log, w.dt_bias, g, beta, f.recurrent_state[li], f.step,
+                                f.delta_mode, reshaped(z, Shape{T * Hv, Dv}), w.norm, eps, core, normed);
+  }
   return block_output(f, linear(f, reshaped(normed, Shape{T, Hv * Dv}), w.out_proj));
 }
 

@@ -127,6 +127,14 @@ class ForwardingOps : public Ops {
                                    model::DeltaRuleMode mode, TensorView out) override {
     inner_->gated_delta_rule_with_gates(q, k, v, a, b, A_log, dt_bias, g, beta, state, step, mode, out);
   }
+  void gated_delta_rule_norm(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
+                             const TensorView& b, const TensorView& A_log, const TensorView& dt_bias, TensorView g,
+                             TensorView beta, TensorView state, const model::StepLayout& step, model::DeltaRuleMode mode,
+                             const TensorView& z, const TensorView& norm_weight, float eps, TensorView core,
+                             TensorView out) override {
+    inner_->gated_delta_rule_norm(q, k, v, a, b, A_log, dt_bias, g, beta, state, step, mode, z, norm_weight, eps, core,
+                                  out);
+  }
   void moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                  TensorView weights) override {
     inner_->moe_route(logits, top_k, renormalise, expert_ids, weights);

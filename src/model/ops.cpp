@@ -225,6 +225,19 @@ void Ops::gated_delta_rule_with_gates(const TensorView& q, const TensorView& k, 
   gated_delta_rule(q, k, v, g, beta, state, step, mode, out);
 }
 
+void Ops::gated_delta_rule_norm(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
+                                const TensorView& b, const TensorView& A_log, const TensorView& dt_bias, TensorView g,
+                                TensorView beta, TensorView state, const StepLayout& step, DeltaRuleMode mode,
+                                const TensorView& z, const TensorView& norm_weight, float eps, TensorView core,
+                                TensorView out) {
+  KILN_CHECK(core.ndim() == 3, "gated_delta_rule_norm: core {}", core.shape.str());
+  const Shape rows{core.dim(0) * core.dim(1), core.dim(2)};
+  KILN_CHECK(z.shape == rows && out.shape == rows, "gated_delta_rule_norm: z {} out {} for core {}", z.shape.str(),
+             out.shape.str(), core.shape.str());
+  gated_delta_rule_with_gates(q, k, v, a, b, A_log, dt_bias, g, beta, state, step, mode, core);
+  gated_rms_norm(reshaped(core, rows), z, norm_weight, eps, out);
+}
+
 void Ops::moe_experts_shared(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,
                              std::span<const ExpertWeights> experts, TensorView shared, const TensorView& shared_gate,
                              TensorView out) {

@@ -348,6 +348,15 @@ class Ops {
                                            const TensorView& dt_bias, TensorView g, TensorView beta,
                                            TensorView state, const StepLayout& step, DeltaRuleMode mode,
                                            TensorView out);
+  // A DeltaNet layer's recurrence and output norm: gated_delta_rule_with_gates(..., core), then
+  // gated_rms_norm(core viewed [T * Hv, Dv], z, norm_weight, eps, out), as one op so that a backend can norm each
+  // head's output row where the delta rule produces it (one launch fewer per layer and step). z, out F32 [T * Hv, Dv]
+  // contiguous; core [T, Hv, Dv] is written as by gated_delta_rule. The default runs the two ops.
+  virtual void gated_delta_rule_norm(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
+                                     const TensorView& b, const TensorView& A_log, const TensorView& dt_bias,
+                                     TensorView g, TensorView beta, TensorView state, const StepLayout& step,
+                                     DeltaRuleMode mode, const TensorView& z, const TensorView& norm_weight, float eps,
+                                     TensorView core, TensorView out);
 
   // ---- mixture of experts
   // softmax over E in fp32, top-k (ties: lower expert id first), optionally renormalised to sum 1.

@@ -1115,6 +1115,37 @@ void CudaOps::gated_delta_rule_with_gates(const TensorView& q, const TensorView&
     gated_delta_rule(q, k, v, g, beta, state, step, mode, out);
     return;
   }
+  const kops::DeltaGateArgs gates = delta_gate_args(a, b, A_log, dt_bias, g, beta);
+  run_delta_rule(q, k, v, g, beta, state, step, mode, out, &gates);
+}
+
+void CudaOps::gated_delta_rule_norm(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
+                                    const TensorView& b, const TensorView& A_log, const TensorView& dt_bias,
+                                    TensorView g, TensorView beta, TensorView state, const StepLayout& step,
+                                    DeltaRuleMode mode, const TensorView& z, const TensorView& norm_weight, float eps,
+                                    TensorView core, TensorView out) {
+  // Fused where the gates are (a few sequences, the recurrence) and one block can hold a head's row.
+  if (!impl_->options.fused_decode_ops || delta_rule_chunked(step, mode) || step.num_seqs > kDeltaGatesFusedMaxSeqs ||
+      q.ndim() != 3 || v.ndim() != 3 || !kops::delta_rule_norm_supported(q.dim(2), v.dim(2))) {
+    Ops::gated_delta_rule_norm(q, k, v, a, b, A_log, dt_bias, g, beta, state, step, mode, z, norm_weight, eps, core,
+                               out);
+    return;
+  }
+  const int64_t Dv = v.dim(2);
+  const Shape rows{core.numel() / std::max<int64_t>(Dv, 1), Dv};
+  KILN_CHECK(core.shape == v.shape && z.shape == rows && out.shape == rows && z.is_contiguous() && out.is_contiguous() &&
+                 norm_weight.numel() == Dv,
+             "gated_delta_rule_norm: core {} z {} out {} norm weight {}", core.shape.str(), z.shape.str(),
+             out.shape.str(), norm_weight.shape.str());
+  expect_f32(z, "gated_delta_rule_norm z");
+  expect_f32(out, "gated_delta_rule_norm out");
+  const kops::DeltaGateArgs gates = delta_gate_args(a, b, A_log, dt_bias, g, beta);
+  const kops::DeltaNormArgs norm{f32(z), norm_weight.data, elem_of(norm_weight.dtype, "norm weight"), eps, f32_mut(out)};
+  run_delta_rule(q, k, v, g, beta, state, step, mode, core, &gates, &norm);
+}
+
+kops::DeltaGateArgs CudaOps::delta_gate_args(const TensorView& a, const TensorView& b, const TensorView& A_log,
+                                             const TensorView& dt_bias, const TensorView& g, const TensorView& beta) {
   KILN_CHECK(a.ndim() == 2 && a.shape == b.shape && a.shape == g.shape && a.shape == beta.shape &&
                  A_log.numel() == a.dim(1) && dt_bias.numel() == a.dim(1) && a.is_contiguous() && b.is_contiguous(),
              "gated_delta_rule gates: a {} b {} A_log {}", a.shape.str(), b.shape.str(), A_log.shape.str());
@@ -1127,7 +1158,7 @@ void CudaOps::gated_delta_rule_with_gates(const TensorView& q, const TensorView&
   gates.A_log_elem = elem_of(A_log.dtype, "A_log");
   gates.dt_bias = dt_bias.data;
   gates.dt_bias_elem = elem_of(dt_bias.dtype, "dt_bias");
-  run_delta_rule(q, k, v, g, beta, state, step, mode, out, &gates);
+  return gates;
 }
 
 bool CudaOps::delta_rule_chunked(const StepLayout& step, DeltaRuleMode mode) const {
@@ -1147,8 +1178,10 @@ void CudaOps::gated_delta_rule(const TensorView& q, const TensorView& k, const T
 
 void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                              const TensorView& beta, TensorView state, const StepLayout& step, DeltaRuleMode mode,
-                             TensorView out, const void* raw_gates) {
-  OpScope prof(impl_->rt, [&] { return std::string(raw_gates ? "gated_delta_rule+gates" : "gated_delta_rule"); });
+                             TensorView out, const kops::DeltaGateArgs* raw_gates, const kops::DeltaNormArgs* norm) {
+  OpScope prof(impl_->rt, [&] {
+    return std::string(norm ? "gated_delta_rule+gates+norm" : raw_gates ? "gated_delta_rule+gates" : "gated_delta_rule");
+  });
   KILN_CHECK(q.ndim() == 3 && k.shape == q.shape && v.ndim() == 3 && state.ndim() == 4, "gated_delta_rule: q {} v {}",
              q.shape.str(), v.shape.str());
   const int64_t T = q.dim(0), Hk = q.dim(1), Dk = q.dim(2), Hv = v.dim(1), Dv = v.dim(2);
@@ -1169,10 +1202,9 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
   const kops::DeltaStateRef state_ref{state.data, state.dtype == DType::BF16};
   float* work = static_cast<float*>(impl_->rt.scratch(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
   const bool chunked = delta_rule_chunked(step, mode);
-  KILN_CHECK(!(chunked && raw_gates), "gated_delta_rule: the chunked form reads computed gates");
+  KILN_CHECK(!(chunked && (raw_gates || norm)), "gated_delta_rule: the chunked form reads computed gates");
   kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), state_ref, Hk, Hv, Dk, Dv, ldq, ldk, ldv,
-                         step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked,
-                         static_cast<const kops::DeltaGateArgs*>(raw_gates));
+                         step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked, raw_gates, norm);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@
 #include "backend/cuda/runtime.h"
 #include "model/ops.h"
 
+namespace kiln::cuda::ops {
+struct DeltaGateArgs;  // kernels.h
+struct DeltaNormArgs;
+}  // namespace kiln::cuda::ops
+
 namespace kiln::backend::cuda {
 
 class WeightUploader;
@@ -118,6 +123,13 @@ class CudaOps final : public model::Ops {
                                    const TensorView& b, const TensorView& A_log, const TensorView& dt_bias,
                                    TensorView g, TensorView beta, TensorView state, const model::StepLayout& step,
                                    model::DeltaRuleMode mode, TensorView out) override;
+  // --enable-fused-decode-ops, recurrent steps of <= 8 sequences, Dk and Dv <= 128: the norm inside the delta rule's
+  // kernel (one block per head); otherwise the two ops.
+  void gated_delta_rule_norm(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
+                             const TensorView& b, const TensorView& A_log, const TensorView& dt_bias, TensorView g,
+                             TensorView beta, TensorView state, const model::StepLayout& step, model::DeltaRuleMode mode,
+                             const TensorView& z, const TensorView& norm_weight, float eps, TensorView core,
+                             TensorView out) override;
   void gated_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                         const TensorView& beta, TensorView state, const model::StepLayout& step,
                         model::DeltaRuleMode mode, TensorView out) override;
@@ -150,10 +162,16 @@ class CudaOps final : public model::Ops {
 
  private:
   struct Impl;
-  // gated_delta_rule with g / beta computed in the recurrent kernel when raw_gates (a kops::DeltaGateArgs) is given.
+  // gated_delta_rule with g / beta computed in the recurrent kernel when raw_gates is given, and each head's gated
+  // output norm written by the same kernel when norm is.
   void run_delta_rule(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                       const TensorView& beta, TensorView state, const model::StepLayout& step, model::DeltaRuleMode mode,
-                      TensorView out, const void* raw_gates);
+                      TensorView out, const ::kiln::cuda::ops::DeltaGateArgs* raw_gates,
+                      const ::kiln::cuda::ops::DeltaNormArgs* norm = nullptr);
+  // The raw gate inputs of gated_delta_rule_with_gates, checked, for the recurrent kernel.
+  static ::kiln::cuda::ops::DeltaGateArgs delta_gate_args(const TensorView& a, const TensorView& b,
+                                                          const TensorView& A_log, const TensorView& dt_bias,
+                                                          const TensorView& g, const TensorView& beta);
   bool delta_rule_chunked(const model::StepLayout& step, model::DeltaRuleMode mode) const;
   // moe_experts with an optional gated shared-expert output folded into the combine (both pointers or neither).
   void run_moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,

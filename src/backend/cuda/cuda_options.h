@@ -50,10 +50,11 @@ struct CudaOptions {
   // --moe-runner-backend: NVFP4 routed experts on tensor cores (moe_experts.cu, x in mma_parts() bf16 parts), or on
   // the fp32 CUDA-core kernels (kiln-grouped-fp32). Other weight formats always take the CUDA-core kernels.
   bool moe_tensor_cores = true;
-  // --moe-runner-backend kiln-fused-decode (auto on sm_90): steps of at most kMoeDecodeMaxTokens tokens run the
-  // routing and NVFP4 routed experts in two kernels (moe_decode_fused.cu, Ops::moe_route_experts); larger steps and
-  // other weight formats as moe_tensor_cores says. false (kiln-grouped): the six-kernel path at every size.
-  bool moe_decode_fused = true;
+  // --moe-runner-backend kiln-fused-decode (by name only; auto is kiln-grouped): steps of at most kMoeDecodeMaxTokens
+  // tokens run the routing and NVFP4 routed experts in two kernels (moe_decode_fused.cu, Ops::moe_route_experts);
+  // larger steps and other weight formats as moe_tensor_cores says. false (kiln-grouped, the default, as the CLI's):
+  // the six-kernel path at every size.
+  bool moe_decode_fused = false;
   // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16
   // and run through cuBLAS grouped GEMMs (moe_prefill_blas above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;
@@ -66,8 +67,9 @@ struct CudaOptions {
   // Programmatic dependent launch between the kernels of captured steps (launch.cuh), sm_90+; `--enable-pdl`
   // (experimental: speculative verify and draft graphs then differ from eager, see launch.cuh).
   bool pdl = false;
-  // Small ops of decode-sized steps fused into one launch: the attention q / k prologue (CudaOps::qk_norm_rope) and
-  // the activation of a down / output projection's input applied as the gemv reads it (linear_gated_input).
+  // Small ops of decode-sized steps fused into one launch: the attention q / k prologue (CudaOps::qk_norm_rope), the
+  // activation of a down / output projection's input applied as the gemv reads it (linear_gated_input), and the
+  // DeltaNet output norm inside the delta rule's kernel (gated_delta_rule_norm).
   // `--enable-fused-decode-ops`; off by default until a GPU run has checked them (built and CPU-tested only).
   bool fused_decode_ops = false;
   // Which form of the gated delta rule runs. by_step: chunks of 64 tokens for prefill steps with a sequence of >= 32

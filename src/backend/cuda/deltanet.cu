@@ -121,21 +121,28 @@ constexpr int kDeltaRowsPerThread = 32;  // Dk <= 8 * 32 = 256
 // of read from g / beta.
 // kRows: state rows per thread (Dk <= 8 kRows): 16 for the usual Dk = 128 holds half the registers of 32, which lets
 // 4 blocks share an SM instead of 2 (the step is a stream of state: more blocks keep more of it in flight).
-template <bool kRaw, int kRows>
-__global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
+// kCG: groups of 32 value columns per block (8 kCG warps; warp w holds the rows of column group w / 8 that warp w % 8
+// holds above); grid.z = ceil(Dv / (32 kCG)). kNorm (32 kCG >= Dv: one block holds a head's whole output row): after
+// each token the block also writes norm.out = w * rmsnorm(o) * silu(z) for its head, with gated_rms_norm_kernel's
+// arithmetic (warp_row_inv_rms over the row, then the same products): one launch fewer per DeltaNet layer and step.
+template <bool kRaw, int kRows, int kCG = 1, bool kNorm = false>
+__global__ void __launch_bounds__(kDeltaWarps * 32 * kCG, kRows <= 16 ? 4 / kCG : 0)
     delta_rule_kernel(const float* __restrict__ q, const float* __restrict__ k, int64_t ldq, int64_t ldk,
                       const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
                       DeltaGateArgs gates, DeltaStateRef state, int Hk, int Hv, int Dk, int Dv, StepArgs step,
-                      int64_t ldv, float* __restrict__ out) {
+                      int64_t ldv, float* __restrict__ out, DeltaNormArgs norm) {
   dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ float q_s[kDeltaWarps * kRows];
   __shared__ float k_s[kDeltaWarps * kRows];
-  __shared__ float red_kv[kDeltaWarps][32];
-  __shared__ float red_o[kDeltaWarps][32];
+  __shared__ float red_kv[kDeltaWarps][32 * kCG];
+  __shared__ float red_o[kDeltaWarps][32 * kCG];
   __shared__ float inv_norm[2];
+  __shared__ float o_s[kNorm ? 32 * kCG : 1];  // kNorm: the head's output row for this token
+  __shared__ float inv_out;                     // kNorm: its 1 / rms
   const int s = blockIdx.x, h = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int j = blockIdx.z * 32 + lane;
+  const int warp = (threadIdx.x >> 5) % kDeltaWarps, cg = (threadIdx.x >> 5) / kDeltaWarps, lane = threadIdx.x & 31;
+  const int col = cg * 32 + lane;  // this thread's column among the block's 32 kCG
+  const int j = blockIdx.z * 32 * kCG + col;
   const bool col_ok = j < Dv;
   const int kh = h / (Hv / Hk);
   const int64_t S0 = (int64_t(step.seq_state_slot[s]) * Hv + h) * Dk * Dv;  // this head's state, in elements
@@ -153,7 +160,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
       k_s[i] = k[int64_t(t) * ldk + int64_t(kh) * Dk + i];
     }
     __syncthreads();
-    if (warp < 2) {  // warp 0: |q|, warp 1: |k|
+    if (cg == 0 && warp < 2) {  // warp 0: |q|, warp 1: |k|
       const float* src = warp == 0 ? q_s : k_s;
       float ss = 0.0f;
       for (int i = lane; i < Dk; i += 32) ss += src[i] * src[i];
@@ -192,11 +199,11 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
         part += sv[r] * k_s[i];
       }
     }
-    red_kv[warp][lane] = part;
+    red_kv[warp][col] = part;
     __syncthreads();
     float kv = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kDeltaWarps; ++w) kv += red_kv[w][lane];
+    for (int w = 0; w < kDeltaWarps; ++w) kv += red_kv[w][col];
     const float vj = col_ok ? v[int64_t(t) * ldv + int64_t(h) * Dv + j] : 0.0f;
     const float delta = (vj - kv) * bt;
     float o = 0.0f;
@@ -208,13 +215,26 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
         o += sv[r] * q_s[i];
       }
     }
-    red_o[warp][lane] = o;
+    red_o[warp][col] = o;
     __syncthreads();
+    float sum = 0.0f;
     if (warp == 0 && col_ok) {
-      float sum = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kDeltaWarps; ++w) sum += red_o[w][lane];
+      for (int w = 0; w < kDeltaWarps; ++w) sum += red_o[w][col];
       out[(int64_t(t) * Hv + h) * Dv + j] = sum;
+    }
+    if constexpr (kNorm) {
+      if (warp == 0) o_s[col] = sum;
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        const float inv = warp_row_inv_rms(o_s, Dv, norm.eps);
+        if (lane == 0) inv_out = inv;
+      }
+      __syncthreads();
+      if (warp == 0 && col_ok) {
+        const int64_t at = (int64_t(t) * Hv + h) * Dv + j;
+        norm.out[at] = (load_elem(norm.w, norm.w_elem, j) * (sum * inv_out)) * silu(norm.z[at]);
+      }
     }
     // A position checkpoint: the state as it stands after token t into another slot (same rounding as the final
     // write-back).
@@ -228,7 +248,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32, kRows <= 16 ? 4 : 0)
       }
     }
     // The next token's q_s / k_s / red_kv writes come after this token's reads: every thread has passed the
-    // red_o barrier (all q_s / k_s reads done); red_kv is next written after the next barrier.
+    // red_o barrier (all q_s / k_s reads done); red_kv is next written after the next barrier. kNorm: o_s and
+    // inv_out are next written after the next token's first barriers, past this token's reads.
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -268,12 +289,13 @@ void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemTyp
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                       DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
                       int64_t ldv, const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
-                      const DeltaGateArgs* gates) {
+                      const DeltaGateArgs* gates, const DeltaNormArgs* norm) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)
     cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
   if (chunked && gated_delta_rule_chunked_supported(Dk, Dv)) {
     if (gates) cuda_fail("gated delta rule: the chunked form reads computed gates");
+    if (norm) cuda_fail("gated delta rule: the chunked form has no fused output norm");
     // The chunked kernel reads normalised q / k rows.
     const int64_t vectors = int64_t(step.num_tokens) * Hk;
     float* qn = qk_work;
@@ -283,12 +305,25 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
     gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, nullptr, stream);
     return;
   }
-  const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
   const DeltaGateArgs raw = gates ? *gates : DeltaGateArgs{};
   const int hk = static_cast<int>(Hk), hv = static_cast<int>(Hv), dk = static_cast<int>(Dk), dv = static_cast<int>(Dv);
+  if (norm) {  // one block of 32 warps per (sequence, head): 4 column groups of 32
+    if (!delta_rule_norm_supported(Dk, Dv))
+      cuda_fail("gated delta rule with the output norm: Dk {} Dv {} (at most {} each)", {Dk, Dv, kDeltaNormMaxDim});
+    constexpr int kCG = kDeltaNormMaxDim / 32;
+    static_assert(kDeltaWarps * (kDeltaRowsPerThread / 2) >= kDeltaNormMaxDim, "Dk rows per block");
+    const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), 1);
+    auto kernel = gates ? delta_rule_kernel<true, kDeltaRowsPerThread / 2, kCG, true>
+                        : delta_rule_kernel<false, kDeltaRowsPerThread / 2, kCG, true>;
+    launch_kernel(kernel, grid, kDeltaWarps * 32 * kCG, 0, stream, q, k, ldq, ldk, v, g, beta, raw, state, hk, hv, dk,
+                  dv, step, ldv, out, *norm);
+    KILN_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), grid_for(Dv, 32));
   auto run = [&](auto kernel) {
     launch_kernel(kernel, grid, kDeltaWarps * 32, 0, stream, q, k, ldq, ldk, v, g, beta, raw, state, hk, hv, dk, dv,
-                  step, ldv, out);
+                  step, ldv, out, DeltaNormArgs{});
   };
   // 16 state rows per thread up to Dk 128, 32 above.
   const bool narrow = Dk <= kDeltaWarps * kDeltaRowsPerThread / 2;

@@ -186,6 +186,15 @@ __device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, SumOp{}); }
 template <typename T>
 __device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, MaxOp{}); }
 
+// 1 / sqrt(mean(x^2) + eps) of the row xr [D] (global or shared memory), by the calling warp (lane l sums elements l,
+// l + 32, ...): the RMSNorm kernels' and the delta rule's fused output norm's (deltanet.cu) one arithmetic.
+__device__ __forceinline__ float warp_row_inv_rms(const float* __restrict__ xr, int64_t D, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x & 31; i < D; i += 32) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss / float(D) + eps);
+}
+
 // Argmax over the warp of (value, index) pairs: the larger value wins, the lower index on ties (an xor butterfly).
 __device__ __forceinline__ void warp_argmax(float& value, int& index) {
   float v = value;

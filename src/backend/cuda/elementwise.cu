@@ -89,14 +89,6 @@ __global__ void scatter_rows_kernel(const float* __restrict__ src, const int32_t
 
 constexpr int kRowsPerBlock = 8;  // warps per block
 
-// 1 / sqrt(mean(x^2) + eps) of the row xr [D], by the calling warp (lane l sums elements l, l + 32, ...).
-__device__ __forceinline__ float warp_row_inv_rms(const float* __restrict__ xr, int64_t D, float eps) {
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x & 31; i < D; i += 32) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  return 1.0f / sqrtf(ss / float(D) + eps);
-}
-
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t ldx, int64_t R, int64_t D, const void* w,
                                 ElemType w_elem, float eps, bool zero_centred, float* __restrict__ out) {
   dev::pdl_enter();  // first statement: see launch.cuh

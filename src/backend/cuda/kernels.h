@@ -213,13 +213,25 @@ struct DeltaGateArgs {
   const void* dt_bias = nullptr;
   ElemType A_log_elem = ElemType::f32, dt_bias_elem = ElemType::f32;
 };
+// The gated RMSNorm of each head's output row, for the recurrent kernel to apply as it produces the row:
+// out = w * rmsnorm(o) * silu(z) per [Dv] row (gated_rms_norm's arithmetic); z and out [T, Hv, Dv] contiguous.
+struct DeltaNormArgs {
+  const float* z = nullptr;
+  const void* w = nullptr;
+  ElemType w_elem = ElemType::f32;
+  float eps = 0.0f;
+  float* out = nullptr;
+};
+constexpr int64_t kDeltaNormMaxDim = 128;  // the fused output norm: one block per head, Dk and Dv <= this
+inline bool delta_rule_norm_supported(int64_t Dk, int64_t Dv) { return Dk <= kDeltaNormMaxDim && Dv <= kDeltaNormMaxDim; }
 // `gates` (recurrent form only; ignored by the chunked one, which reads g / beta): g and beta are computed in the
-// kernel from the raw inputs and g / beta are not read.
+// kernel from the raw inputs and g / beta are not read. `norm` (recurrent form only; delta_rule_norm_supported(Dk, Dv)):
+// the kernel also writes the gated RMSNorm of each head's output row; out is written as without it.
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                       DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
                       int64_t ldv,
                       const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false,
-                      const DeltaGateArgs* gates = nullptr);
+                      const DeltaGateArgs* gates = nullptr, const DeltaNormArgs* norm = nullptr);
 
 // ---- paged attention, any step shape (attention_decode.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.

@@ -165,7 +165,9 @@ TEST(MoeDecodeFusedExpertParallel, SkipsExpertsOfOtherRanks) {
   const HostExperts host = make_experts(s, 12, 64, 128);
   auto cpu = make_cpu_backend();
   const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
-  CudaOps gpu{CudaOptions{}};
+  CudaOptions o;
+  o.moe_decode_fused = true;  // --moe-runner-backend kiln-fused-decode
+  CudaOps gpu(o);
   const std::vector<ExpertWeights> gpu_experts = place(gpu, host.experts);
   for (int64_t T : {1, 8}) {
     SCOPED_TRACE("T=" + std::to_string(T));

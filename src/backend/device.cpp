@@ -547,12 +547,11 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   const bool graphs = options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1;
   l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
-                             graphs && options.gpu.pdl
+                             graphs && options.gpu.pdl && first.major >= 9
                                  ? ", kernels chained by programmatic dependent launch [--enable-pdl, experimental]"
                                  : "",
-                             options.gpu.fused_decode_ops
-                                 ? "; fused decode ops [--enable-fused-decode-ops, experimental]"
-                                 : "");
+                             options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"
+                                                          : "; fused decode ops off");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);
   if (options.parallel.is_group()) return load_cuda_group(l);
   auto runner = std::make_unique<model::Runner>(l.ops(0), dir, l.ro);

@@ -17,7 +17,7 @@ struct GpuFlags {
   bool disable_cuda_graph = false;   // gpu.cuda_graphs = !this
   bool disable_cuda_graph_verify = false;  // gpu.cuda_graph_verify = !this
   bool enable_pdl = false;                 // gpu.pdl
-  bool enable_fused_decode_ops = false;    // gpu.fused_decode_ops
+  bool disable_fused_decode_ops = false;   // !gpu.fused_decode_ops
 };
 
 // --dtype: checked against the device when the model loads (backend::resolve_dtype), the same for every command.
@@ -70,14 +70,12 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   bool* verify_off = &f.disable_cuda_graph_verify;
   app.add_flag_callback("--cuda-graph-verify", [verify_off] { *verify_off = false; })->group("");
   app.add_flag("--enable-pdl", f.enable_pdl,
-               "cuda, experimental: programmatic dependent launch between the kernels of captured steps (each launch "
-               "overlaps the previous kernel's tail: decode batch 1 about 6% faster on an H100), but speculative verify "
-               "and draft graphs then differ from eager runs in test_cuda: not for serving (docs/perf/decode-latency.md)");
-  app.add_flag("--enable-fused-decode-ops", f.enable_fused_decode_ops,
-               "cuda, experimental: the attention q/k norm + rotary prologue as one kernel at every step, the gated "
-               "down / output projections of steps of <= 4 rows as one gemv each, and the DeltaNet output norm inside "
-               "the delta rule's kernel for steps of <= 8 sequences (built and CPU-tested, not yet run on a GPU: off "
-               "by default)");
+               "cuda, experimental: programmatic dependent launch between the kernels of captured steps (each kernel's "
+               "start overlaps the previous one's tail: decode batch 1 about 4% faster on an H100); the speculative "
+               "graphs' fault is fixed but not yet rerun on a GPU, so off by default (docs/perf/decode-latency.md)");
+  app.add_flag("--disable-fused-decode-ops", f.disable_fused_decode_ops,
+               "cuda: run the attention q/k norm + rotary prologue, the gated down / output projections and the "
+               "DeltaNet output norm as separate kernels (default: fused, one launch each; the same arithmetic)");
   app.add_flag("--disable-custom-all-reduce", f.gpu.disable_custom_all_reduce,
                "cuda, --tp-size > 1: all-reduce through NCCL only (default: the one-shot peer-memory all-reduce for "
                "messages up to 8 MiB, NCCL above)");
@@ -89,7 +87,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu.cuda_graphs = !f.disable_cuda_graph;
   lo.gpu.cuda_graph_verify = !f.disable_cuda_graph_verify;
   lo.gpu.pdl = f.enable_pdl;
-  lo.gpu.fused_decode_ops = f.enable_fused_decode_ops;
+  lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
 }
 
 }  // namespace kiln::cli

@@ -123,8 +123,8 @@ class CudaOps final : public model::Ops {
                                    const TensorView& b, const TensorView& A_log, const TensorView& dt_bias,
                                    TensorView g, TensorView beta, TensorView state, const model::StepLayout& step,
                                    model::DeltaRuleMode mode, TensorView out) override;
-  // --enable-fused-decode-ops, recurrent steps of <= 8 sequences, Dk and Dv <= 128: the norm inside the delta rule's
-  // kernel (one block per head); otherwise the two ops.
+  // Fused decode ops (the default), recurrent steps of <= 8 sequences, Dk and Dv <= 128: the norm inside the delta
+  // rule's kernel (one block per head); otherwise the two ops.
   void gated_delta_rule_norm(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& a,
                              const TensorView& b, const TensorView& A_log, const TensorView& dt_bias, TensorView g,
                              TensorView beta, TensorView state, const model::StepLayout& step, model::DeltaRuleMode mode,

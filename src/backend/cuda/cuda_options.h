@@ -64,14 +64,15 @@ struct CudaOptions {
   // Dense BF16 linears of many rows through cuBLASLt (x in mma_parts() bf16 parts); false keeps them on the fp32
   // kernels. No flag: the tests cover both paths.
   bool dense_bf16_blas = true;
-  // Programmatic dependent launch between the kernels of captured steps (launch.cuh), sm_90+; `--enable-pdl`
-  // (experimental: speculative verify and draft graphs then differ from eager, see launch.cuh).
+  // Programmatic dependent launch between the kernels of captured steps (launch.cuh), sm_90+ (the runtime keeps it off
+  // below); `--enable-pdl`, experimental.
   bool pdl = false;
   // Small ops of decode-sized steps fused into one launch: the attention q / k prologue (CudaOps::qk_norm_rope), the
   // activation of a down / output projection's input applied as the gemv reads it (linear_gated_input), and the
   // DeltaNet output norm inside the delta rule's kernel (gated_delta_rule_norm).
-  // `--enable-fused-decode-ops`; off by default until a GPU run has checked them (built and CPU-tested only).
-  bool fused_decode_ops = false;
+  // The same arithmetic as the separate kernels (test_cuda: bit-identical logits on every fixture model);
+  // `--disable-fused-decode-ops` runs the separate kernels.
+  bool fused_decode_ops = true;
   // Which form of the gated delta rule runs. by_step: chunks of 64 tokens for prefill steps with a sequence of >= 32
   // tokens (where the chunked kernel serves the head sizes), the recurrence otherwise; chunked: the chunked form for
   // every step where it serves the head sizes. No flag: the tests check the chunked kernel on every step shape.

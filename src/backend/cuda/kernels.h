@@ -223,10 +223,12 @@ struct DeltaNormArgs {
   float* out = nullptr;
 };
 constexpr int64_t kDeltaNormMaxDim = 128;  // the fused output norm: one block per head, Dk and Dv <= this
-inline bool delta_rule_norm_supported(int64_t Dk, int64_t Dv) { return Dk <= kDeltaNormMaxDim && Dv <= kDeltaNormMaxDim; }
+inline bool delta_rule_norm_supported(int64_t Dk, int64_t Dv) {
+  return Dk <= kDeltaNormMaxDim && Dv <= kDeltaNormMaxDim;
+}
 // `gates` (recurrent form only; ignored by the chunked one, which reads g / beta): g and beta are computed in the
-// kernel from the raw inputs and g / beta are not read. `norm` (recurrent form only; delta_rule_norm_supported(Dk, Dv)):
-// the kernel also writes the gated RMSNorm of each head's output row; out is written as without it.
+// kernel from the raw inputs and g / beta are not read. `norm` (recurrent form only, delta_rule_norm_supported(Dk,
+// Dv)): the kernel also writes the gated RMSNorm of each head's output row; out is written as without it.
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                       DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
                       int64_t ldv,

@@ -9,18 +9,22 @@
 // the NEXT kernel's blocks be scheduled while this one runs (only once all of this grid's blocks have started).
 //
 // Where the attribute is set: only on launches recorded into a CUDA graph (the decode and verify steps) by a runtime
-// with PDL on (CudaOptions::pdl, `--enable-pdl`; OFF by default), and only for grids of at most kPdlMaxBlocks blocks
+// with PDL on (CudaOptions::pdl, `--enable-pdl`; off by default until the fix below has run on a GPU), and only for grids of at most kPdlMaxBlocks blocks
 // (griddepcontrol.wait costs every block ~1 us even when the previous kernel is long done; a grid of many waves would
 // pay it per wave): the kernel's own wait uses the same rule on gridDim. In a graph a programmatic edge exists only
 // between two kernel nodes; a copy, memset or library GEMM before the kernel keeps a full edge. An earlier version
 // set the attribute on eager launches too, after copies made outside CudaOps, and served wrong tokens in some fresh
 // servers (docs/perf/cuda-ops.md); eager launches now keep plain stream order.
 //
-// Still EXPERIMENTAL (H100, 2026-12-06): with it on, test_cuda's plain decode graphs equal eager bit for bit and
-// kiln-tiny passes smoke (6 fresh servers, BF16 / FP8 KV / TP 2), but the speculative verify graphs and the draft
-// chain graph give other tokens than eager (CudaRunner.SpeculativeVerifyWithPositionCheckpointsEqualsGreedyAnd-
-// GraphsEqualEager, CudaRunner.DraftChainAsOneGraphEqualsTheEagerChainAndTheCpu): some dependency in those graphs is
-// not covered by the rule above (not found yet). It gained 5.6% at 35B batch 1 (docs/perf/decode-latency.md).
+// Non-coherent loads: nvcc reads a `const T* __restrict__` kernel argument through ld.global.nc, which assumes the
+// memory does not change while the kernel runs; under PDL the kernel starts while the previous one still writes.
+// argmax_chunk_kernel (sampling.cu), whose sixteen loads per thread depend on nothing but its arguments, read stale
+// logits that way and gave wrong argmaxes in captured draft / verify chains, deterministically (found by giving the
+// attribute to one launch of the graph at a time; H100, 2026-12-07; docs/perf/decode-latency.md). In the PTX its loads
+// follow griddepcontrol.wait, so either ptxas scheduled them ahead of it or the non-coherent cache served lines from
+// before it: which one was not determined. The sampling kernels now read the previous kernel's output with coherent
+// loads (__ldcg, pointers without __restrict__), and test_cuda runs the captured-step tests with PDL on too, against
+// eager launches bit for bit.
 #pragma once
 #include <cuda_runtime.h>
 

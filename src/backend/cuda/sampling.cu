@@ -46,15 +46,16 @@ __device__ __forceinline__ float key_value(uint32_t k) {
 }
 __device__ __forceinline__ bool finite_value(float x) { return x > -INFINITY && x < INFINITY; }
 
-// f(scaled value, index, in range) over the row, strided by the block: kUnroll loads issued before any use.
+// f(scaled value, index, in range) over the row, strided by the block: kUnroll loads issued before any use. The row
+// is the previous kernel's output: coherent loads (see argmax_chunk_kernel).
 template <class F>
-__device__ __forceinline__ void for_row(const float* __restrict__ row, int n, float inv, F&& f) {
+__device__ __forceinline__ void for_row(const float* row, int n, float inv, F&& f) {
   for (int base = 0; base < n; base += kThreads * kUnroll) {
     float v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * kThreads + int(threadIdx.x);
-      v[u] = row[i < n ? i : n - 1];
+      v[u] = __ldcg(row + (i < n ? i : n - 1));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -205,7 +206,7 @@ __device__ void radix_select(const float* __restrict__ row, int n, float inv, Sm
 // weight is 0. Each thread owns one contiguous segment of the row: segment sums, a scan in thread order, then the
 // thread whose segment the target falls in walks it. The same index is returned to every thread.
 template <class W>
-__device__ int select_ascending(const float* __restrict__ row, int n, float inv, Smem& sm, bool scale_by_total,
+__device__ int select_ascending(const float* row, int n, float inv, Smem& sm, bool scale_by_total,
                                 double t, W weight) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int seg = ((n + kThreads - 1) / kThreads + 31) & ~31;
@@ -217,7 +218,7 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
       const int i = begin + j0 + u;
-      v[u] = row[i < n ? i : n - 1];
+      v[u] = __ldcg(row + (i < n ? i : n - 1));
     }
 #pragma unroll
     for (int u = 0; u < kSegUnroll; ++u) {
@@ -275,7 +276,8 @@ __device__ int select_ascending(const float* __restrict__ row, int n, float inv,
   return r;
 }
 
-__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __restrict__ logits, int64_t ld, int n,
+// logits: the previous kernel's output, so no __restrict__ (no non-coherent loads; see argmax_chunk_kernel).
+__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* logits, int64_t ld, int n,
                                                                const SampleRowArgs* __restrict__ rows,
                                                                int32_t* __restrict__ ids) {
   dev::pdl_enter();  // first statement: see launch.cuh
@@ -391,8 +393,11 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const float* __re
 constexpr int kArgChunk = 4096, kArgThreads = 256, kArgPer = kArgChunk / kArgThreads;
 
 // grid (chunks, R): keys[r * chunks + c] = the best key of row r's chunk c.
-__global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* __restrict__ logits, int64_t ld,
-                                                                   int64_t V, uint64_t* __restrict__ keys) {
+// The logits are the previous kernel's output (the lm_head): read with coherent loads (__ldcg), never through the
+// non-coherent path that a const __restrict__ pointer allows, which may be scheduled ahead of the PDL wait
+// (launch.cuh: this kernel gave stale argmaxes in captured draft and verify chains).
+__global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* logits, int64_t ld, int64_t V,
+                                                                   uint64_t* __restrict__ keys) {
   dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.y, c = blockIdx.x;
@@ -402,7 +407,7 @@ __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* 
 #pragma unroll
   for (int u = 0; u < kArgPer; ++u) {  // every load issued before any compare (indices clamped, masked below)
     const int64_t i = base + int64_t(u) * kArgThreads;
-    v[u] = row[i < V ? i : V - 1];
+    v[u] = __ldcg(row + (i < V ? i : V - 1));
   }
   unsigned long long best = 0;
 #pragma unroll
@@ -417,23 +422,24 @@ __global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const float* 
 
 // values (optional): the best logit itself (NaN for a row without a number), for a tensor-parallel rank whose slice
 // competes with the others'. ids get id_offset added (the row's own index still reads the value).
-__global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_t* __restrict__ keys, int chunks,
-                                                                   int32_t* __restrict__ ids,
-                                                                   const float* __restrict__ logits, int64_t ld,
-                                                                   float* __restrict__ values, int32_t id_offset) {
+// keys and logits are earlier kernels' outputs: coherent loads, as in argmax_chunk_kernel.
+__global__ void __launch_bounds__(kArgThreads) argmax_final_kernel(const uint64_t* keys, int chunks,
+                                                                   int32_t* __restrict__ ids, const float* logits,
+                                                                   int64_t ld, float* __restrict__ values,
+                                                                   int32_t id_offset) {
   dev::pdl_enter();  // first statement: see launch.cuh
   __shared__ unsigned long long red[32];
   const int64_t r = blockIdx.x;
   unsigned long long best = 0;
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-    const unsigned long long k = keys[r * chunks + c];
+    const unsigned long long k = __ldcg(reinterpret_cast<const unsigned long long*>(keys) + r * chunks + c);
     best = k > best ? k : best;
   }
   best = dev::block_max(best, red);
   if (threadIdx.x == 0) {
     const int32_t id = best == 0 ? 0 : int32_t(0xffffffffu - uint32_t(best & 0xffffffffu));
     ids[r] = id + id_offset;
-    if (values) values[r] = best == 0 ? __int_as_float(0x7fc00000) : logits[r * ld + id];
+    if (values) values[r] = best == 0 ? __int_as_float(0x7fc00000) : __ldcg(logits + r * ld + id);
   }
 }
 

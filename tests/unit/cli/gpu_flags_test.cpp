@@ -84,18 +84,18 @@ TEST(MambaSsmDtypeFlag, ParsesAndResolves) {
   EXPECT_THROW(parse_gpu({"--mamba-ssm-dtype", "float16"}), CLI::ValidationError);
 }
 
-// Programmatic dependent launch is off by default (experimental: verify / draft graphs differ from eager with it);
-// --enable-pdl turns it on.
+// Programmatic dependent launch is off by default (experimental); --enable-pdl turns it on.
 TEST(GpuFlags, PdlOffByDefaultAndEnablePdlTurnsItOn) {
   EXPECT_FALSE(parse_gpu({}).gpu.pdl);
   EXPECT_TRUE(parse_gpu({"--enable-pdl"}).gpu.pdl);
   EXPECT_THROW(parse_gpu({"--disable-pdl"}), CLI::ParseError);
 }
 
-// The fused decode ops are off by default (not yet run on a GPU); --enable-fused-decode-ops turns them on.
-TEST(GpuFlags, FusedDecodeOpsOffByDefaultAndTheFlagTurnsThemOn) {
-  EXPECT_FALSE(parse_gpu({}).gpu.fused_decode_ops);
-  EXPECT_TRUE(parse_gpu({"--enable-fused-decode-ops"}).gpu.fused_decode_ops);
+// The fused decode ops are on by default; --disable-fused-decode-ops runs the separate kernels.
+TEST(GpuFlags, FusedDecodeOpsOnByDefaultAndTheFlagTurnsThemOff) {
+  EXPECT_TRUE(parse_gpu({}).gpu.fused_decode_ops);
+  EXPECT_FALSE(parse_gpu({"--disable-fused-decode-ops"}).gpu.fused_decode_ops);
+  EXPECT_THROW(parse_gpu({"--enable-fused-decode-ops"}), CLI::ParseError);
 }
 
 // Every GPU flag lands in its field of LoadOptions::gpu (the part the CUDA loader reads); the two spelled otherwise

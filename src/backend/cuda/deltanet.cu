@@ -307,19 +307,16 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   }
   const DeltaGateArgs raw = gates ? *gates : DeltaGateArgs{};
   const int hk = static_cast<int>(Hk), hv = static_cast<int>(Hv), dk = static_cast<int>(Dk), dv = static_cast<int>(Dv);
-  if (norm) {  // one block per (sequence, head): ceil(Dv / 32) column groups of 32 (8 warps each)
+  if (norm) {  // one block of 32 warps per (sequence, head): 4 column groups of 32
     if (!delta_rule_norm_supported(Dk, Dv))
       cuda_fail("gated delta rule with the output norm: Dk {} Dv {} (at most {} each)", {Dk, Dv, kDeltaNormMaxDim});
+    constexpr int kCG = kDeltaNormMaxDim / 32;
     static_assert(kDeltaWarps * (kDeltaRowsPerThread / 2) >= kDeltaNormMaxDim, "Dk rows per block");
     const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv), 1);
-    auto run_norm = [&](auto raw_kernel, auto gated_kernel, int groups) {
-      launch_kernel(gates ? gated_kernel : raw_kernel, grid, kDeltaWarps * 32 * groups, 0, stream, q, k, ldq, ldk, v, g,
-                    beta, raw, state, hk, hv, dk, dv, step, ldv, out, *norm);
-    };
-    constexpr int kR = kDeltaRowsPerThread / 2;
-    if (Dv <= 32) run_norm(delta_rule_kernel<false, kR, 1, true>, delta_rule_kernel<true, kR, 1, true>, 1);
-    else if (Dv <= 64) run_norm(delta_rule_kernel<false, kR, 2, true>, delta_rule_kernel<true, kR, 2, true>, 2);
-    else run_norm(delta_rule_kernel<false, kR, 4, true>, delta_rule_kernel<true, kR, 4, true>, 4);
+    auto kernel = gates ? delta_rule_kernel<true, kDeltaRowsPerThread / 2, kCG, true>
+                        : delta_rule_kernel<false, kDeltaRowsPerThread / 2, kCG, true>;
+    launch_kernel(kernel, grid, kDeltaWarps * 32 * kCG, 0, stream, q, k, ldq, ldk, v, g, beta, raw, state, hk, hv, dk,
+                  dv, step, ldv, out, *norm);
     KILN_CUDA_CHECK_LAUNCH();
     return;
   }

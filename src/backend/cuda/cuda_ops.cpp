@@ -1202,7 +1202,8 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
   const kops::DeltaStateRef state_ref{state.data, state.dtype == DType::BF16};
   float* work = static_cast<float*>(impl_->rt.scratch(static_cast<size_t>(2 * T * Hk * Dk) * sizeof(float)));
   const bool chunked = delta_rule_chunked(step, mode);
-  KILN_CHECK(!(chunked && (raw_gates || norm)), "gated_delta_rule: the chunked form reads computed gates");
+  KILN_CHECK(!(chunked && (raw_gates || norm)),
+             "gated_delta_rule: the chunked form reads computed gates and has no fused output norm");
   kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), state_ref, Hk, Hv, Dk, Dv, ldq, ldk, ldv,
                          step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked, raw_gates, norm);
 }

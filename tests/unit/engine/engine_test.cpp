@@ -831,16 +831,22 @@ TEST(EngineCache, PreemptionAndEvictionInTheMiddleChangeNothing) {
   off.start();
   auto ref = run_conversations(off, 8, 4, 23, nullptr);
   // A pool of 40 pages (160 tokens) for 8 conversations of up to ~120 tokens: the cache is evicted and running
-  // sequences preempted all along.
-  Engine on(std::make_unique<DummyRunner>(dummy(40, 12)), options_with_cache(8, 8, true));
-  on.start();
-  auto got = run_conversations(on, 8, 4, 23, nullptr);
-  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i].answers, ref[i].answers) << "conversation " << i;
-  auto m = on.metrics();
-  EXPECT_GT(m.preemptions_total, 0u);
-  EXPECT_GT(m.prefix_cache_evicted_pages_total, 0u);
-  EXPECT_GT(m.prefix_cache_evicted_snapshots_total, 0u);
-  expect_idle_and_clean(on);
+  // sequences preempted all along. Whether a preemption happens depends on how many of a turn's requests the engine
+  // thread sees at once (the test thread submits them one by one), so a run without one is repeated, up to 8 runs on
+  // fresh engines; every run's answers must equal the reference.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    Engine on(std::make_unique<DummyRunner>(dummy(40, 12)), options_with_cache(8, 8, true));
+    on.start();
+    auto got = run_conversations(on, 8, 4, 23, nullptr);
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(got[i].answers, ref[i].answers) << "conversation " << i;
+    expect_idle_and_clean(on);
+    auto m = on.metrics();
+    if (m.preemptions_total == 0 && attempt + 1 < 8) continue;
+    EXPECT_GT(m.preemptions_total, 0u) << "no preemption in 8 runs";
+    EXPECT_GT(m.prefix_cache_evicted_pages_total, 0u);
+    EXPECT_GT(m.prefix_cache_evicted_snapshots_total, 0u);
+    break;
+  }
 }
 
 // Many concurrent requests that share prefixes (the same few stems) and diverge at every page position: each

@@ -49,7 +49,7 @@ struct GpuLoadOptions {
   bool cuda_graphs = true;                 // capture and replay decode steps
   bool cuda_graph_verify = true;           // and speculative verify passes (model::RunnerOptions::graph_verify_passes)
   bool disable_custom_all_reduce = false;  // all-reduces through NCCL only, not the one-shot peer-memory kernel
-  bool pdl = false;  // programmatic dependent launch inside captured steps (cuda::CudaOptions::pdl; --enable-pdl)
+  bool pdl = true;  // programmatic dependent launch inside captured steps (cuda::CudaOptions::pdl; --disable-pdl)
   // The fused small ops of decode steps (cuda::CudaOptions::fused_decode_ops; --disable-fused-decode-ops).
   bool fused_decode_ops = true;
   // Set by the loader from the memory plan, not a flag: the activation estimate of one pass (bytes), the size of a

@@ -548,7 +548,7 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
                              graphs && options.gpu.pdl && first.major >= 9
-                                 ? ", kernels chained by programmatic dependent launch [--enable-pdl, experimental]"
+                                 ? ", kernels chained by programmatic dependent launch [--disable-pdl]"
                                  : "",
                              options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"
                                                           : "; fused decode ops off");

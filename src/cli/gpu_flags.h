@@ -16,7 +16,7 @@ struct GpuFlags {
   std::string load_format = "auto";  // parsed by model::parse_load_format
   bool disable_cuda_graph = false;   // gpu.cuda_graphs = !this
   bool disable_cuda_graph_verify = false;  // gpu.cuda_graph_verify = !this
-  bool enable_pdl = false;                 // gpu.pdl
+  bool disable_pdl = false;                // !gpu.pdl
   bool disable_fused_decode_ops = false;   // !gpu.fused_decode_ops
 };
 
@@ -69,10 +69,13 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   // The default since it was measured (docs/perf/speculative.md); still accepted, hidden from --help.
   bool* verify_off = &f.disable_cuda_graph_verify;
   app.add_flag_callback("--cuda-graph-verify", [verify_off] { *verify_off = false; })->group("");
-  app.add_flag("--enable-pdl", f.enable_pdl,
-               "cuda, experimental: programmatic dependent launch between the kernels of captured steps (each kernel's "
-               "start overlaps the previous one's tail: decode batch 1 about 4% faster on an H100); the speculative "
-               "graphs' fault is fixed but not yet rerun on a GPU, so off by default (docs/perf/decode-latency.md)");
+  app.add_flag("--disable-pdl", f.disable_pdl,
+               "cuda: launch the kernels of captured steps in plain stream order (default on sm_90+: programmatic "
+               "dependent launch, each kernel's start overlapping the previous one's tail; decode batch 1 about 5% "
+               "faster on an H100; docs/perf/decode-latency.md)");
+  // Was the experimental opt-in before PDL became the default; still accepted, hidden from --help.
+  bool* pdl_off = &f.disable_pdl;
+  app.add_flag_callback("--enable-pdl", [pdl_off] { *pdl_off = false; })->group("");
   app.add_flag("--disable-fused-decode-ops", f.disable_fused_decode_ops,
                "cuda: run the attention q/k norm + rotary prologue, the gated down / output projections and the "
                "DeltaNet output norm as separate kernels (default: fused, one launch each; the same arithmetic)");
@@ -86,7 +89,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu = f.gpu;
   lo.gpu.cuda_graphs = !f.disable_cuda_graph;
   lo.gpu.cuda_graph_verify = !f.disable_cuda_graph_verify;
-  lo.gpu.pdl = f.enable_pdl;
+  lo.gpu.pdl = !f.disable_pdl;
   lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
 }
 

@@ -65,8 +65,8 @@ struct CudaOptions {
   // kernels. No flag: the tests cover both paths.
   bool dense_bf16_blas = true;
   // Programmatic dependent launch between the kernels of captured steps (launch.cuh), sm_90+ (the runtime keeps it off
-  // below); `--enable-pdl`, experimental.
-  bool pdl = false;
+  // below); on by default, `--disable-pdl` turns it off.
+  bool pdl = true;
   // Small ops of decode-sized steps fused into one launch: the attention q / k prologue (CudaOps::qk_norm_rope), the
   // activation of a down / output projection's input applied as the gemv reads it (linear_gated_input), and the
   // DeltaNet output norm inside the delta rule's kernel (gated_delta_rule_norm).

@@ -9,7 +9,7 @@
 // the NEXT kernel's blocks be scheduled while this one runs (only once all of this grid's blocks have started).
 //
 // Where the attribute is set: only on launches recorded into a CUDA graph (the decode and verify steps) by a runtime
-// with PDL on (CudaOptions::pdl, `--enable-pdl`; off by default until the fix below has run on a GPU), and only for grids of at most kPdlMaxBlocks blocks
+// with PDL on (CudaOptions::pdl; on by default, `--disable-pdl`), and only for grids of at most kPdlMaxBlocks blocks
 // (griddepcontrol.wait costs every block ~1 us even when the previous kernel is long done; a grid of many waves would
 // pay it per wave): the kernel's own wait uses the same rule on gridDim. In a graph a programmatic edge exists only
 // between two kernel nodes; a copy, memset or library GEMM before the kernel keeps a full edge. An earlier version

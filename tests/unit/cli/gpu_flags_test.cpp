@@ -84,11 +84,11 @@ TEST(MambaSsmDtypeFlag, ParsesAndResolves) {
   EXPECT_THROW(parse_gpu({"--mamba-ssm-dtype", "float16"}), CLI::ValidationError);
 }
 
-// Programmatic dependent launch is off by default (experimental); --enable-pdl turns it on.
-TEST(GpuFlags, PdlOffByDefaultAndEnablePdlTurnsItOn) {
-  EXPECT_FALSE(parse_gpu({}).gpu.pdl);
+// Programmatic dependent launch is on by default; --disable-pdl turns it off; the old opt-in is still accepted.
+TEST(GpuFlags, PdlOnByDefaultAndDisablePdlTurnsItOff) {
+  EXPECT_TRUE(parse_gpu({}).gpu.pdl);
+  EXPECT_FALSE(parse_gpu({"--disable-pdl"}).gpu.pdl);
   EXPECT_TRUE(parse_gpu({"--enable-pdl"}).gpu.pdl);
-  EXPECT_THROW(parse_gpu({"--disable-pdl"}), CLI::ParseError);
 }
 
 // The fused decode ops are on by default; --disable-fused-decode-ops runs the separate kernels.

@@ -351,6 +351,7 @@ int run_server(Startup& s, SignalWaiter& signals) {
   std::unique_ptr<media::ImageProcessor> image_processor = image_side(s, *runner);
   cli::check_speculative_runner(s.speculative, *runner);
   s.engine_options.speculative_num_steps = s.speculative.num_steps;
+  s.engine_options.speculative_adaptive = s.speculative.adaptive;
   if (s.engine_options.max_running_requests <= 0)
     s.engine_options.max_running_requests = std::max(1, runner->capacity().state_slots / s.ctx.slots_per_request);
   engine::Engine engine(std::move(runner), s.engine_options);

@@ -25,6 +25,7 @@ struct SpeculativeFlags {
   int num_steps = 3;         // K, the most draft tokens per verify
   int num_draft_tokens = 0;  // 0: num_steps + 1 (the verified tokens per sequence: K drafts + the pending one)
   int eagle_topk = 1;        // 1: a chain (trees are not supported)
+  bool fixed_steps = false;  // every decode step drafts num_steps (default: adaptive, from measured step costs)
 };
 
 // What the flags resolve to for one model: the most draft steps (0: off) and a line for the startup summary.
@@ -32,6 +33,7 @@ struct SpeculativeChoice {
   int num_steps = 0;
   bool requested = false;  // NEXTN / EAGLE named explicitly (no head is then an error, not "off")
   std::string summary;
+  bool adaptive = true;  // false: every decode step drafts num_steps (--speculative-fixed-steps)
 };
 
 inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
@@ -47,6 +49,9 @@ inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
                  "Tokens verified per sequence per step; must be --speculative-num-steps + 1 (the default)");
   app.add_option("--speculative-eagle-topk", f.eagle_topk, "Draft tree width; only 1 (a chain) is supported")
       ->capture_default_str();
+  app.add_flag("--speculative-fixed-steps", f.fixed_steps,
+               "Every decode step drafts --speculative-num-steps tokens per sequence, at any batch size (SGLang's "
+               "behaviour; default: 0 .. that many, chosen from the measured step costs)");
 }
 
 // Checks the flags and resolves them against the model's config (before loading): kiln::Error naming the fix.
@@ -85,9 +90,13 @@ inline SpeculativeChoice resolve_speculative_flags(const SpeculativeFlags& f, co
     return c;
   }
   c.num_steps = f.num_steps;
-  c.summary = fmt::format("NEXTN with the checkpoint's MTP head, up to {} draft tokens per step (adaptive: fewer or "
-                          "none where verifying costs more than it returns; --speculative-algorithm none turns it off)",
-                          f.num_steps);
+  c.adaptive = !f.fixed_steps;
+  c.summary = c.adaptive ? fmt::format("NEXTN with the checkpoint's MTP head, up to {} draft tokens per step (adaptive: "
+                                       "fewer or none where verifying costs more than it returns; "
+                                       "--speculative-algorithm none turns it off)", f.num_steps)
+                         : fmt::format("NEXTN with the checkpoint's MTP head, {} draft tokens per step at every batch "
+                                       "size (--speculative-fixed-steps; --speculative-algorithm none turns it off)",
+                                       f.num_steps);
   return c;
 }
 

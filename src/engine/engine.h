@@ -48,8 +48,10 @@ struct EngineOptions {
   // Speculative decoding with the model's MTP head (engine.cpp's speculative step; SGLang's
   // --speculative-num-steps): the most draft tokens per sequence per step, 0 = off. Needs a runner with an MTP head
   // (ModelRunner::mtp_layers). Each step drafts 0 .. this many, chosen from measured step costs
-  // (DraftLengthChooser) unless draft_length_for_step says.
+  // (DraftLengthChooser) unless draft_length_for_step says, or every step drafts this many when speculative_adaptive is
+  // false (--speculative-fixed-steps, SGLang's behaviour).
   int speculative_num_steps = 0;
+  bool speculative_adaptive = true;
   // Tests and benchmarks: the draft length of every step from its number of decoding sequences (clamped to
   // 0 .. speculative_num_steps), instead of the adaptive choice.
   std::function<int(int batch)> draft_length_for_step;

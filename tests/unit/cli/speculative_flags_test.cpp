@@ -46,6 +46,18 @@ TEST(SpeculativeFlags, AutoFollowsTheCheckpointsHead) {
             5);
 }
 
+// Adaptive by default; --speculative-fixed-steps drafts K at every step, and the startup summary says which.
+TEST(SpeculativeFlags, FixedStepsTurnsTheAdaptiveChoiceOff) {
+  const SpeculativeChoice adaptive = resolve_speculative_flags(parse({}), with_head(true));
+  EXPECT_TRUE(adaptive.adaptive);
+  EXPECT_THAT(adaptive.summary, HasSubstr("adaptive"));
+  const SpeculativeChoice fixed =
+      resolve_speculative_flags(parse({"--speculative-fixed-steps", "--speculative-num-steps", "4"}), with_head(true));
+  EXPECT_FALSE(fixed.adaptive);
+  EXPECT_EQ(fixed.num_steps, 4);
+  EXPECT_THAT(fixed.summary, HasSubstr("4 draft tokens per step at every batch size"));
+}
+
 TEST(SpeculativeFlags, ErrorsNameTheFix) {
   EXPECT_THAT([] { resolve_speculative_flags(parse({"--speculative-algorithm", "NEXTN"}), with_head(false)); },
               ThrowsMessage<Error>(HasSubstr("no MTP head")));

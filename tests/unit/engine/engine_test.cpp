@@ -1536,6 +1536,20 @@ TEST(EngineSpeculative, AdaptiveChoiceKeepsTheOutputAndRefusesAModelWithoutAHead
   Engine e(spec_model().load(true), o);
   e.start();
   EXPECT_EQ(run_all(e, prompts, 24), ref);
+  // Fixed draft length (--speculative-fixed-steps): every verify drafts K = 3, except where a row's max_tokens leaves
+  // room for fewer (row_draft_length): its last two verifies at most, 3 drafts short in all; the same output. One
+  // sequence at a time, so that the step's position checkpoints (a budget shared by its rows) never run short.
+  EngineOptions fixed = spec_options(1, 3);
+  fixed.draft_length_for_step = nullptr;
+  fixed.speculative_adaptive = false;
+  Engine f(spec_model().load(true), fixed);
+  f.start();
+  EXPECT_EQ(run_all(f, prompts, 24), ref);
+  const auto m = f.metrics();
+  const uint64_t verifies = m.spec_accept_length.count;
+  ASSERT_GT(verifies, 0u);
+  EXPECT_LE(m.spec_draft_tokens_total, 3 * verifies);
+  EXPECT_GE(m.spec_draft_tokens_total + 3 * prompts.size(), 3 * verifies);
   try {
     Engine bad(spec_model().load(false), spec_options(8, 3));
     FAIL() << "an engine without an MTP head accepted speculative decoding";

@@ -186,6 +186,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.recurrent_state_bf16 = k.mamba_ssm_dtype == "bfloat16";
   c.pdl = o.gpu.pdl;
   c.fused_decode_ops = o.gpu.fused_decode_ops;
+  c.weight_prefetch = o.gpu.weight_prefetch;
   return c;
 }
 }  // namespace
@@ -548,7 +549,10 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
                              graphs && options.gpu.pdl && first.major >= 9
-                                 ? ", kernels chained by programmatic dependent launch [--disable-pdl]"
+                                 ? (options.gpu.weight_prefetch
+                                        ? ", kernels chained by programmatic dependent launch [--disable-pdl], gemv "
+                                          "weights prefetched into L2 before the wait [--disable-weight-prefetch]"
+                                        : ", kernels chained by programmatic dependent launch [--disable-pdl]")
                                  : "",
                              options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"
                                                           : "; fused decode ops off");

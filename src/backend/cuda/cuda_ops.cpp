@@ -214,6 +214,7 @@ struct CudaOps::Impl {
   explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {
     rt.set_scratch_plan(o.scratch_plan_bytes);
     rt.set_pdl(o.pdl);
+    rt.set_weight_prefetch(o.weight_prefetch);
   }
   bool bf16() const { return options.dtype == CudaOptions::ActivationDtype::bfloat16; }
 };

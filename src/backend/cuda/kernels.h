@@ -22,6 +22,10 @@ using Stream = cudaStream_t;
 // CudaRuntime turns it on for the span of a CUDA graph capture when its CudaOptions::pdl is on (sm_90+).
 bool pdl_launches_now();
 void set_pdl_launches(bool on);
+// Inside such a capture, with CudaOptions::weight_prefetch: the bandwidth gemv's blocks prefetch their weight rows
+// into L2 before their PDL wait (linear.cu).
+bool weight_prefetch_now();
+void set_weight_prefetch(bool on);
 
 // Profiling of the kernels inside one launcher (CudaOps --profile): when a hook is set, launchers of several kernels
 // call profile_mark(label) after each stage; CudaOps times the stage from the previous mark (or the op's start).

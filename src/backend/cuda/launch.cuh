@@ -2,7 +2,9 @@
 // launch (PDL, sm_90+) inside CUDA graph captures.
 //
 // Every kernel launched through launch_kernel() begins with dev::pdl_enter() as its FIRST statement, before any global
-// load or store and before any early return. With the PDL attribute, a kernel's blocks may be scheduled while the
+// load or store and before any early return (one exception: gemv_stream_kernel first asks L2 to prefetch its own
+// weight rows, static memory no kernel writes, from the launch's parameters alone; a prefetch returns no data and
+// cannot make anything stale: linear.cu, CudaOptions::weight_prefetch). With the PDL attribute, a kernel's blocks may be scheduled while the
 // previous kernel is still running; griddepcontrol.wait then blocks until that kernel has completed and its memory is
 // visible, so what overlaps is the launch and the block start-up. Because every such kernel waits before it exits,
 // "completed" is transitive down the chain. After its wait a kernel calls griddepcontrol.launch_dependents, which lets

@@ -50,6 +50,10 @@ struct GemmArgs {
   WeightDesc seg_w[kMaxSegments];
   float* seg_out[kMaxSegments] = {};
   int64_t seg_ldo[kMaxSegments] = {};
+  // gemv_stream, dense captured PDL launches: before its PDL wait each block of row tile 0 asks L2 for the first
+  // prefetch_row_bytes of each of its weight rows (and their NVFP4 block scales with prefetch_scales); 0: none.
+  uint32_t prefetch_row_bytes = 0;
+  bool prefetch_scales = false;
   int rows = 0;                           // single group: number of rows
   const int32_t* row_index = nullptr;     // [rows]: input row of each sorted row, or null (identity)
   const float* x = nullptr;
@@ -204,9 +208,36 @@ __device__ __forceinline__ float4 act_input(const float* x, const float* x2, int
   return v;
 }
 
+// A dense gemv_stream block's weight rows into L2 (GemmArgs::prefetch_row_bytes): one thread per row. Reads only the
+// launch's parameters and asks for weights no kernel writes, so it may run before the PDL wait (launch.cuh).
+template <StreamFormat kKind, bool kDual, int kCols>
+__device__ __forceinline__ void prefetch_block_weights(const GemmArgs& a) {
+  int seg = 0;
+  for (int q = 1; q < a.num_segments; ++q)
+    if (int(blockIdx.y) >= a.seg_block_begin[q]) seg = q;
+  const int by = a.num_segments ? int(blockIdx.y) - a.seg_block_begin[seg] : int(blockIdx.y);
+  const WeightDesc& w0 = a.num_segments ? a.seg_w[seg] : a.w0;
+  const WeightDesc& w1 = a.num_segments ? a.seg_w[seg] : a.w1;
+  const int N = a.num_segments ? w0.n : a.N;
+  const int per_block = a.col_passes * 4 * kCols;
+  const int n = by * per_block + int(threadIdx.x);
+  if (int(threadIdx.x) >= per_block || n >= N) return;
+  const int64_t row_bytes = kKind == StreamFormat::bf16 ? int64_t(a.K) * 2 : int64_t(a.K) / 2;
+  ptx::prefetch_l2_bulk(static_cast<const char*>(w0.data) + n * row_bytes, a.prefetch_row_bytes);
+  if constexpr (kDual) ptx::prefetch_l2_bulk(static_cast<const char*>(w1.data) + n * row_bytes, a.prefetch_row_bytes);
+  if constexpr (kKind == StreamFormat::nvfp4) {
+    if (a.prefetch_scales) {
+      ptx::prefetch_l2_bulk(w0.block_scale + n * int64_t(a.K / 16), static_cast<uint32_t>(a.K / 16));
+      if constexpr (kDual) ptx::prefetch_l2_bulk(w1.block_scale + n * int64_t(a.K / 16), static_cast<uint32_t>(a.K / 16));
+    }
+  }
+}
+
 template <StreamFormat kKind, bool kDual, int kCols, int kRows, int kAct = 0>
 __global__ void __launch_bounds__(128) gemv_stream_kernel(GemmArgs a) {
-  dev::pdl_enter();  // first statement: see launch.cuh
+  // The one thing before the PDL wait: static weights into L2 (prefetch_block_weights).
+  if (a.prefetch_row_bytes > 0 && blockIdx.x == 0) prefetch_block_weights<kKind, kDual, kCols>(a);
+  dev::pdl_enter();  // see launch.cuh
   constexpr int kE = kStreamElems<kKind>;
   constexpr int kU = 2;  // steps in flight
   int group, rb, re;
@@ -464,6 +495,8 @@ void launch_gemv_stream_format(const GemmArgs& b, int rows, bool two, dim3 grid,
   else if constexpr (kAct == 0) launch_gemv_stream_rows<kKind, kDual, 8>(b, two, grid, stream);
 }
 
+constexpr int64_t kPrefetchBudget = int64_t(24) << 20;  // bytes one launch may ask L2 to prefetch
+
 // kind_code: 0 bf16, 1 nvfp4. max_rows: the most rows any tile holds (<= 8; sizes the row registers; <= 4 with kAct).
 template <bool kDual, int kAct = 0>
 void launch_gemv_stream(const GemmArgs& a, int kind_code, int64_t max_tiles, int max_rows, Stream stream) {
@@ -479,6 +512,23 @@ void launch_gemv_stream(const GemmArgs& a, int kind_code, int64_t max_tiles, int
   GemmArgs b = a;
   b.col_passes = passes;
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((col_blocks + passes - 1) / passes));
+  // Dense launches that will carry the PDL attribute (captured, few enough blocks): each weight row's first bytes into
+  // L2 before the wait, at most kPrefetchBudget per launch in all (L2 is 50 MB on an H100 / H200).
+  b.prefetch_row_bytes = 0;
+  b.prefetch_scales = false;
+  if (weight_prefetch_now() && !a.group_offset && !a.tile_group &&
+      uint64_t(grid.x) * grid.y <= kPdlMaxBlocks) {
+    int64_t rows = a.num_segments ? 0 : a.N;
+    for (int s = 0; s < a.num_segments; ++s) rows += a.seg_w[s].n;
+    const int64_t row_bytes = kind_code == 0 ? int64_t(a.K) * 2 : int64_t(a.K) / 2;
+    const int64_t share = kPrefetchBudget / std::max<int64_t>(rows * (kDual ? 2 : 1), 1);
+    const int64_t bytes = std::min(row_bytes, share) / 16 * 16;
+    if (bytes >= 256 && row_bytes % 16 == 0) {
+      b.prefetch_row_bytes = static_cast<uint32_t>(bytes);
+      // Block scales: K / 16 bytes per row, whole rows only where they stay 16-byte aligned.
+      b.prefetch_scales = kind_code == 1 && bytes == row_bytes && a.K % 256 == 0;
+    }
+  }
   if (kind_code == 0) launch_gemv_stream_format<StreamFormat::bf16, kDual, kAct>(b, max_rows, two, grid, stream);
   else launch_gemv_stream_format<StreamFormat::nvfp4, kDual, kAct>(b, max_rows, two, grid, stream);
 }

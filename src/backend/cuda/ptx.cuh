@@ -55,6 +55,14 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// Asks L2 to fetch [p, p + bytes) from global memory (p 16-byte aligned, bytes a multiple of 16): a hint, no data
+// comes back, nothing waits for it.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // Streaming 16-byte global load that skips L1 allocation (weights are read once per launch).
 __device__ __forceinline__ uint4 ld_stream_16(const void* p) {
   uint4 v;

@@ -14,11 +14,14 @@ namespace {
 // Per thread: each tensor-parallel rank launches on its own thread and stream.
 thread_local ProfileMarkFn g_mark_fn = nullptr;
 thread_local bool g_pdl_now = false;  // inside a graph capture of a runtime with PDL on
+thread_local bool g_prefetch_now = false;  // ... and with weight prefetch on
 thread_local void* g_mark_ctx = nullptr;
 }  // namespace
 
 bool pdl_launches_now() { return g_pdl_now; }
 void set_pdl_launches(bool on) { g_pdl_now = on; }
+bool weight_prefetch_now() { return g_prefetch_now; }
+void set_weight_prefetch(bool on) { g_prefetch_now = on; }
 
 void set_profile_mark(ProfileMarkFn fn, void* ctx) {
   g_mark_fn = fn;
@@ -262,6 +265,7 @@ bool CudaRuntime::graph_capture_begin() {
   KILN_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
   capturing_ = true;
   kops::set_pdl_launches(pdl_);
+  kops::set_weight_prefetch(pdl_ && weight_prefetch_);
   return true;
 }
 
@@ -269,6 +273,7 @@ int CudaRuntime::graph_capture_end() {
   if (!capturing_) return -1;
   capturing_ = false;
   kops::set_pdl_launches(false);
+  kops::set_weight_prefetch(false);
   cudaGraph_t graph = nullptr;
   const cudaError_t err = cudaStreamEndCapture(stream_, &graph);
   if (err != cudaSuccess || !graph) {

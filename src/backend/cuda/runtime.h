@@ -72,6 +72,8 @@ class CudaRuntime {
   // Programmatic dependent launch for the kernels of the graphs this runtime captures (launch.cuh); sm_90+ only.
   void set_pdl(bool on) { pdl_ = on && device_.major >= 9; }
   bool pdl() const { return pdl_; }
+  // Captured PDL launches of the bandwidth gemv prefetch their weights into L2 before waiting (linear.cu).
+  void set_weight_prefetch(bool on) { weight_prefetch_ = on; }
   // A buffer reused across steps (one stream: calls never overlap), grown to at least `bytes`; growing starts a new
   // scratch generation, since a captured graph may point at the old buffer.
   void* reusable(::kiln::cuda::DeviceBuffer& buf, size_t bytes);
@@ -133,6 +135,7 @@ class CudaRuntime {
 
   bool capturing_ = false;
   bool pdl_ = false;
+  bool weight_prefetch_ = true;
   struct GraphRec {
     cudaGraphExec_t exec = nullptr;
     uint64_t generation = 0;

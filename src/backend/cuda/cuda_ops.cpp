@@ -1125,8 +1125,12 @@ void CudaOps::gated_delta_rule_norm(const TensorView& q, const TensorView& k, co
                                     TensorView g, TensorView beta, TensorView state, const StepLayout& step,
                                     DeltaRuleMode mode, const TensorView& z, const TensorView& norm_weight, float eps,
                                     TensorView core, TensorView out) {
-  // Fused where the gates are (a few sequences, the recurrence) and one block can hold a head's row.
+  // Fused where the gates are (a few sequences, the recurrence), one block can hold a head's row, and every sequence
+  // has one token: the fused kernel runs a head's tokens in one block of 32 warps (4 column groups), which is a launch
+  // fewer for a decode step, but a verify pass's K + 1 tokens per sequence then run 4x the work per block in series
+  // where the separate kernels spread the column groups over 4 blocks.
   if (!impl_->options.fused_decode_ops || delta_rule_chunked(step, mode) || step.num_seqs > kDeltaGatesFusedMaxSeqs ||
+      step.num_tokens != step.num_seqs ||
       q.ndim() != 3 || v.ndim() != 3 || !kops::delta_rule_norm_supported(q.dim(2), v.dim(2))) {
     Ops::gated_delta_rule_norm(q, k, v, a, b, A_log, dt_bias, g, beta, state, step, mode, z, norm_weight, eps, core,
                                out);

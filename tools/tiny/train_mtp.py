@@ -173,18 +173,30 @@ def train(head, target, run, corpus, args, pad_id):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             hidden, kw = run(ids, mask)
             # entry j = (t[j+1], h[j]) predicts t[j+2]: entries j = 0 .. T-3 have a label.
-            g = head_forward(head, target, ids[:, 1:], hidden[:, :-1], shift_kwargs(kw, ids.shape[1] - 1))
-            logits = target.lm_head(g[:, :-1]).float()
+            n = ids.shape[1] - 1
+            if args.chain_steps == 1:
+                gs = [head_forward(head, target, ids[:, 1:], hidden[:, :-1], shift_kwargs(kw, n))]
+            else:
+                gs = chain_forward(head, target, ids[:, 1:], hidden[:, :-1], shift_kwargs(kw, n), args.chain_steps)
+            logits = [target.lm_head(g[:, :-1]).float() for g in gs]
         labels = ids[:, 2:].masked_fill(mask[:, 2:] == 0, -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        losses = []
+        for s, lg in enumerate(logits):
+            # Step s + 1 at entry j reads step s's output at entry j - 1: entries j < s have no such input.
+            lab = labels.clone()
+            lab[:, :s] = -100
+            losses.append(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=-100))
+        loss = sum(losses) / len(losses)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0:
-            curve.append({"step": step, "seconds": round(time.time() - start, 1), "loss": round(loss.item(), 4),
-                          "lr": lr})
-            log(f"step {step:6d} loss {loss.item():.4f} lr {lr:.2e}")
+            point = {"step": step, "seconds": round(time.time() - start, 1), "loss": round(loss.item(), 4), "lr": lr}
+            if len(losses) > 1:
+                point["loss_per_chain_step"] = [round(x.item(), 4) for x in losses]
+            curve.append(point)
+            log(f"step {step:6d} loss {loss.item():.4f} {point.get('loss_per_chain_step', '')} lr {lr:.2e}")
         step += 1
     return curve, step
 
@@ -203,6 +215,65 @@ def shift_kwargs(kw, n):
         else:
             out[k] = v
     return out
+
+
+def chain_mask(steps, n, device, impl):
+    """The attention mask of `steps` chain steps of n entries each, concatenated along the sequence (step-major).
+
+    At inference the MTP layer's cache holds step-1 entries (the target's hidden states) for every verified position;
+    a chain that starts after pending token t[i] adds its step-2 entry at position i, its step-3 entry at i + 1, ...
+    So the step-s entry at position j sees the step-1 entries at positions <= j - s + 1, the step-r entry (2 <= r < s)
+    at position j - (s - r), and itself. Every row allows at least itself."""
+    import torch
+    j = torch.arange(n, device=device)
+    q, p = j[:, None], j[None, :]
+    allowed = torch.zeros(steps * n, steps * n, dtype=torch.bool, device=device)
+    for s in range(1, steps + 1):
+        for r in range(1, s + 1):
+            block = (p <= q - s + 1) if r == 1 else (p == q - (s - r))
+            allowed[(s - 1) * n:s * n, (r - 1) * n:r * n] = block
+    allowed = allowed[None, None]
+    if impl == "sdpa":
+        return allowed  # True: attend
+    if impl == "eager":
+        return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    raise ValueError(f"--chain-steps > 1 needs the sdpa or eager attention, not {impl}")
+
+
+def concat_forward(head, target, entry_ids, hiddens, layer_kwargs):
+    """The head over len(hiddens) chain steps at once (step s's entries: (entry_ids[:, j], hiddens[s][:, j])), with
+    chain_mask's attention; returns each step's g [B, n, H]."""
+    import torch
+    steps, n = len(hiddens), entry_ids.shape[1]
+    e = head.pre_fc_norm_embedding(target.model.embed_tokens(entry_ids))
+    x = torch.cat([head.fc(torch.cat([e, head.pre_fc_norm_hidden(h)], dim=-1)) for h in hiddens], dim=1)
+    kw = {}
+    for k, v in layer_kwargs.items():
+        if k == "attention_mask":
+            continue
+        if k == "position_embeddings" and isinstance(v, tuple):
+            kw[k] = tuple(torch.cat([t] * steps, dim=-2) for t in v)  # entry j of every step runs at position j
+        elif k in ("position_ids", "cache_position") and torch.is_tensor(v):
+            kw[k] = torch.cat([v] * steps, dim=-1)
+        else:
+            kw[k] = v
+    kw["attention_mask"] = chain_mask(steps, n, x.device, target.config._attn_implementation)
+    out = head.layers[0](x, **kw)
+    if isinstance(out, tuple):
+        out = out[0]
+    return list(head.norm(out).split(n, dim=1))
+
+
+def chain_forward(head, target, entry_ids, hidden, layer_kwargs, steps):
+    """Training-time chains: step 1 reads the target's hidden states; step s + 1 at entry j reads step s's output at
+    entry j - 1 (what the draft chain feeds back), computed without gradient, then all steps in one pass."""
+    import torch
+    hiddens = [hidden]
+    with torch.no_grad():
+        for _ in range(1, steps):
+            g = concat_forward(head, target, entry_ids, hiddens, layer_kwargs)[-1]
+            hiddens.append(torch.cat([hidden[:, :1], g[:, :-1].to(hidden.dtype)], dim=1).detach())  # entry 0: no input (no label)
+    return concat_forward(head, target, entry_ids, hiddens, layer_kwargs)
 
 
 def chain(head, target, run, prefix, pending, k):
@@ -298,6 +369,9 @@ def main():
     ap.add_argument("--batch-tokens", type=int, default=32_768)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-k", type=int, default=4)
+    ap.add_argument("--chain-steps", type=int, default=1,
+                    help="train the head on chains of this many steps: step s + 1 reads step s's output as its "
+                         "hidden state, as the draft chain does (1: the target's hidden state only)")
     ap.add_argument("--resume", action="store_true",
                     help="start from the mtp.* head --model already holds (else a fresh head from the last layer)")
     ap.add_argument("--skip-eval-before", action="store_true",

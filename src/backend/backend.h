@@ -53,8 +53,8 @@ struct GpuLoadOptions {
   // The fused small ops of decode steps (cuda::CudaOptions::fused_decode_ops; --disable-fused-decode-ops).
   bool fused_decode_ops = true;
   // Captured gemv launches prefetch their weights into L2 before the PDL wait (cuda::CudaOptions::weight_prefetch;
-  // --disable-weight-prefetch).
-  bool weight_prefetch = true;
+  // --enable-weight-prefetch, experimental).
+  bool weight_prefetch = false;
   // Set by the loader from the memory plan, not a flag: the activation estimate of one pass (bytes), the size of a
   // CUDA rank's first scratch block.
   double scratch_plan_bytes = 0;

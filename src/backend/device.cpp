@@ -551,7 +551,8 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
                              graphs && options.gpu.pdl && first.major >= 9
                                  ? (options.gpu.weight_prefetch
                                         ? ", kernels chained by programmatic dependent launch [--disable-pdl], gemv "
-                                          "weights prefetched into L2 before the wait [--disable-weight-prefetch]"
+                                          "weights prefetched into L2 before the wait [--enable-weight-prefetch, "
+                                          "experimental]"
                                         : ", kernels chained by programmatic dependent launch [--disable-pdl]")
                                  : "",
                              options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"

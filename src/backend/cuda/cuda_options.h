@@ -68,8 +68,9 @@ struct CudaOptions {
   // below); on by default, `--disable-pdl` turns it off.
   bool pdl = true;
   // With pdl: the bandwidth gemv's blocks of a captured step prefetch their (static) weight rows into L2 before their
-  // PDL wait, so the weights stream while the previous kernel finishes (linear.cu); `--disable-weight-prefetch`.
-  bool weight_prefetch = true;
+  // PDL wait, so the weights stream while the previous kernel finishes (linear.cu). Measured no faster on an H100
+  // (docs/perf/decode-latency.md), so off; `--enable-weight-prefetch`, experimental.
+  bool weight_prefetch = false;
   // Small ops of decode-sized steps fused into one launch: the attention q / k prologue (CudaOps::qk_norm_rope), the
   // activation of a down / output projection's input applied as the gemv reads it (linear_gated_input), and the
   // DeltaNet output norm inside the delta rule's kernel (gated_delta_rule_norm).

@@ -135,7 +135,7 @@ class CudaRuntime {
 
   bool capturing_ = false;
   bool pdl_ = false;
-  bool weight_prefetch_ = true;
+  bool weight_prefetch_ = false;
   struct GraphRec {
     cudaGraphExec_t exec = nullptr;
     uint64_t generation = 0;

@@ -519,7 +519,7 @@ void Engine::run_step(const StepPlan& plan) {
 int Engine::step_draft_length(const StepPlan& plan) {
   if (opts_.speculative_num_steps <= 0 || plan.num_decodes == 0) return 0;
   const int k = opts_.draft_length_for_step  ? opts_.draft_length_for_step(plan.num_decodes)
-                : opts_.speculative_adaptive ? draft_chooser_.choose(plan.num_decodes)
+                : opts_.speculative_adaptive ? draft_chooser_.choose(plan.num_decodes, plan.num_prefill_tokens)
                                              : opts_.speculative_num_steps;
   return std::clamp(k, 0, opts_.speculative_num_steps);
 }

@@ -173,7 +173,7 @@ double DraftLengthChooser::expected_accept_length(int k) const {
   return length;
 }
 
-double DraftLengthChooser::expected_step_seconds(int batch, int k) const {
+double DraftLengthChooser::expected_step_seconds(int batch, int k, int64_t prompt_tokens) const {
   const double b = std::max(batch, 1);
   double decode = decode_.estimate(b);
   auto multi = [&](double n) {
@@ -182,21 +182,36 @@ double DraftLengthChooser::expected_step_seconds(int batch, int k) const {
     const double d = decode_.estimate(n);
     return d >= 0 ? d : 1.0;  // nothing measured yet: every pass costs the same
   };
+  // With prompt tokens the decode rows ride the prompts' pass; drafts add the verify pass (see the header).
+  const double prompts = prompt_tokens > 0 ? multi(static_cast<double>(prompt_tokens) + b) : 0.0;
+  if (prompt_tokens > 0 && k == 0) return prompts;
   if (k == 0) return decode >= 0 ? decode : multi(b);
   double all = 1;
   for (int j = 1; j <= k; ++j) all *= acceptance(j);
   const double draft = std::max(draft_.estimate(b), 0.0);
   const double replay_chance = replays_ ? 1 - std::pow(all, b) : 0.0;
-  return multi(b * (k + 1)) + k * draft + replay_chance * multi(b * expected_accept_length(k));
+  return prompts + multi(b * (k + 1)) + k * draft + replay_chance * multi(b * expected_accept_length(k));
 }
 
-double DraftLengthChooser::expected_tokens_per_second(int batch, int k) const {
-  const double t = expected_step_seconds(batch, k);
+double DraftLengthChooser::expected_tokens_per_second(int batch, int k, int64_t prompt_tokens) const {
+  const double t = expected_step_seconds(batch, k, prompt_tokens);
   return t > 0 ? std::max(batch, 1) * expected_accept_length(k) / t : 0;
 }
 
-int DraftLengthChooser::choose(int batch) {
+int DraftLengthChooser::choose(int batch, int64_t prompt_tokens) {
   if (max_k_ == 0 || batch <= 0) return 0;
+  if (prompt_tokens > 0) {  // a step with prompts: the model alone (see the header)
+    int best = 0;
+    double best_rate = -1;
+    for (int k = 0; k <= max_k_; ++k) {
+      const double rate = expected_tokens_per_second(batch, k, prompt_tokens);
+      if (rate > best_rate * (1 + 1e-9)) {
+        best = k;
+        best_rate = rate;
+      }
+    }
+    return best;
+  }
   // Measure before trusting the model: in a batch bucket with no plain decode step timed yet, a plain step; then,
   // with no draft chain timed, a full-length draft. (Estimates from other buckets alone once kept a model whose
   // passes are launch-bound drafting although every plain step was faster.)

@@ -59,6 +59,11 @@ int32_t draw_index(std::span<const double> w, double u);
 //                  needs as soon as one of its sequences rejected a draft; none with a runner's position
 //                  checkpoints, set_replays(false): taking one is a state copy, inside the measured step)
 //   choice         argmax_K b L(K) / T(b, K) (ties: the smaller K).
+// A step that also runs prompt tokens (p of them): without drafts its decode rows ride the prompts' pass, with drafts
+// the verify rows take a pass of their own (the recurrence keeps the position checkpoints; model::Runner::forward).
+// So there T(b, 0) = multi(p + b) and T(b, K) = multi(p + b) + [T(b, K) above]: drafting adds a whole pass, which pays
+// only where the prompts' pass is long against it. Such steps are not timed (a prompt would swamp the table), never
+// explore, and need no measurement in the batch's bucket first.
 // A cost never measured is estimated from the measured buckets of its table: linear between the nearest two, flat
 // below the smallest, proportional to the tokens above the largest; a multi-token pass with no measurement at all
 // falls back to the decode table, and a draft with none costs 0 (so an engine starts by speculating and measures).
@@ -73,7 +78,7 @@ class DraftLengthChooser {
 
   int max_k() const { return max_k_; }
   void set_replays(bool replays) { replays_ = replays; }  // false: a rejected draft costs no replay pass
-  int choose(int batch);
+  int choose(int batch, int64_t prompt_tokens = 0);
 
   void observe_decode(int batch, double seconds);
   void observe_multi(int64_t tokens, double seconds);
@@ -82,8 +87,8 @@ class DraftLengthChooser {
 
   double acceptance(int j) const;            // alpha_j, j = 1 .. max_k
   double expected_accept_length(int k) const;  // L(k)
-  double expected_step_seconds(int batch, int k) const;
-  double expected_tokens_per_second(int batch, int k) const;
+  double expected_step_seconds(int batch, int k, int64_t prompt_tokens = 0) const;
+  double expected_tokens_per_second(int batch, int k, int64_t prompt_tokens = 0) const;
 
  private:
   struct Table {

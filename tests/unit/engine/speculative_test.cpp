@@ -241,6 +241,22 @@ TEST(DraftLengthChooser, MemoryBoundDraftsComputeBoundDoesNot) {
   for (int b : {1, 8, 64, 256}) EXPECT_EQ(linear.choose(b), 0) << b;
 }
 
+// A step that also runs prompt tokens: without drafts the decode rows ride the prompts' pass, with drafts the verify
+// takes a pass of its own. Launch-bound passes (1 ms up to 64 tokens) and middling acceptance: a plain step drafts,
+// a step with a short prompt does not (the extra pass costs more than the drafts return), one with a long prompt
+// (a ~200 ms pass) does again.
+TEST(DraftLengthChooser, StepsWithPromptsDraftOnlyWhereTheExtraPassPays) {
+  DraftLengthChooser c(3, 0.25, 0);
+  feed(c, [](double n) { return n <= 64 ? 1.0 : 1.0 + 0.05 * (n - 64); }, [](double) { return 0.1; }, 0.6, 3);
+  EXPECT_GT(c.choose(1), 0);
+  EXPECT_EQ(c.choose(1, 20), 0);
+  EXPECT_EQ(c.choose(4, 20), 0);
+  EXPECT_GT(c.choose(1, 4096), 0);
+  // The cost model behind it: the prompts' pass alone at K = 0, that pass plus the verify and the chain above it.
+  EXPECT_NEAR(c.expected_step_seconds(1, 0, 20), 1e-3, 1e-9);
+  EXPECT_GT(c.expected_step_seconds(1, 1, 20), 2e-3);
+}
+
 TEST(DraftLengthChooser, DraftsFewerAsTheBatchGrows) {
   // A fixed cost plus a per-token one (weights read once per pass, compute per token): speculation pays at small
   // batches, not at large ones, and the choice never grows with the batch.

@@ -5,7 +5,9 @@
 # CARRY holds lib/ and new/ (kiln, test_cuda; stripped, xz-compressed; see README.md).
 # Variables: TEST_FILTER, TEST_TIMEOUT, SPEC_BATCHES (35B spec sweep batches), PREFILL_VARIANTS ('|'-separated flag
 # sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs), TRAIN_SECONDS (train: tools/tiny/train_mtp.py in
-# the background while the other steps run; the new head's mtp.* tensors come back as $OUT/mtp_head.safetensors),
+# the background while the other steps run; the new head's mtp.* tensors come back as $OUT/mtp_head.safetensors;
+# tools/tiny/merge_mtp_head.py puts them into models/kiln-tiny; with tinyeval in the same call, the new model is
+# served after the training ends), TINY_MODEL (tinyeval's model folder),
 # SPEC_SWEEP (spec35: draft lengths, default 1,2,3), LINES (lines: a file of `label|kiln bench-engine arguments`, one
 # run per line, its output in $OUT/lines.txt), images (tests/integration/serve_images.sh on the CPU and CUDA).
 set -uo pipefail
@@ -40,7 +42,7 @@ if has tests && [ -x "$CARRY/new/test_cuda" ]; then
 fi
 serve_bench() {  # $1: label, rest: serve flags; kiln-tiny on the GPU, then smoke or bench per $MODE
   local label=$1; shift
-  "$K" serve --device cuda --model-path models/kiln-tiny "$@" --port 30000 > "$OUT/serve_$label.log" 2>&1 &
+  "$K" serve --device cuda --model-path "${TINY_MODEL:-models/kiln-tiny}" "$@" --port 30000 > "$OUT/serve_$label.log" 2>&1 &
   local server=$!
   for _ in $(seq 240); do curl -sf http://127.0.0.1:30000/health > /dev/null && break; sleep 0.5; done
   if [ "$MODE" = smoke ]; then
@@ -81,8 +83,10 @@ if has tiny; then
 fi
 if has tinyeval; then
   MODE=dataset
-  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN"; do
-    echo "== kiln-tiny serve $s: kiln bench on the evaluation prompts (tools/tiny/eval_prompts.json) at concurrency 1, 8"
+  # With `train` in the same call: wait for it, then serve the model it wrote (the new head) unless TINY_MODEL says.
+  if [ -n "${TRAIN_PID:-}" ]; then wait $TRAIN_PID; TINY_MODEL=${TINY_MODEL:-/tmp/mtpout/model}; fi
+  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN" "--speculative-algorithm NEXTN --speculative-fixed-steps"; do
+    echo "== kiln-tiny (${TINY_MODEL:-models/kiln-tiny}) serve $s: kiln bench on tools/tiny/eval_prompts.json at concurrency 1, 8"
     serve_bench "tinyeval_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
   done
 fi

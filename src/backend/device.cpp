@@ -549,12 +549,12 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
                              graphs && options.gpu.pdl && first.major >= 9
-                                 ? (options.gpu.weight_prefetch
-                                        ? ", kernels chained by programmatic dependent launch [--disable-pdl], gemv "
-                                          "weights prefetched into L2 before the wait [--enable-weight-prefetch, "
-                                          "experimental]"
-                                        : ", kernels chained by programmatic dependent launch [--disable-pdl]")
-                                 : "",
+                                 ? std::string(", kernels chained by programmatic dependent launch [--disable-pdl]") +
+                                       (options.gpu.weight_prefetch
+                                            ? ", gemv weights prefetched into L2 before the wait "
+                                              "[--enable-weight-prefetch, experimental]"
+                                            : "")
+                                 : std::string(),
                              options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"
                                                           : "; fused decode ops off");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);

@@ -198,34 +198,28 @@ double DraftLengthChooser::expected_tokens_per_second(int batch, int k, int64_t 
   return t > 0 ? std::max(batch, 1) * expected_accept_length(k) / t : 0;
 }
 
-int DraftLengthChooser::choose(int batch, int64_t prompt_tokens) {
-  if (max_k_ == 0 || batch <= 0) return 0;
-  if (prompt_tokens > 0) {  // a step with prompts: the model alone (see the header)
-    int best = 0;
-    double best_rate = -1;
-    for (int k = 0; k <= max_k_; ++k) {
-      const double rate = expected_tokens_per_second(batch, k, prompt_tokens);
-      if (rate > best_rate * (1 + 1e-9)) {
-        best = k;
-        best_rate = rate;
-      }
-    }
-    return best;
-  }
-  // Measure before trusting the model: in a batch bucket with no plain decode step timed yet, a plain step; then,
-  // with no draft chain timed, a full-length draft. (Estimates from other buckets alone once kept a model whose
-  // passes are launch-bound drafting although every plain step was faster.)
-  if (!decode_.seen_at(batch)) return 0;
-  if (!draft_.seen_at(batch)) return max_k_;
+int DraftLengthChooser::best_length(int batch, int64_t prompt_tokens) const {
   int best = 0;
   double best_rate = -1;
   for (int k = 0; k <= max_k_; ++k) {
-    const double rate = expected_tokens_per_second(batch, k);
+    const double rate = expected_tokens_per_second(batch, k, prompt_tokens);
     if (rate > best_rate * (1 + 1e-9)) {
       best = k;
       best_rate = rate;
     }
   }
+  return best;
+}
+
+int DraftLengthChooser::choose(int batch, int64_t prompt_tokens) {
+  if (max_k_ == 0 || batch <= 0) return 0;
+  if (prompt_tokens > 0) return best_length(batch, prompt_tokens);  // a step with prompts: the model alone (header)
+  // Measure before trusting the model: in a batch bucket with no plain decode step timed yet, a plain step; then,
+  // with no draft chain timed, a full-length draft. (Estimates from other buckets alone once kept a model whose
+  // passes are launch-bound drafting although every plain step was faster.)
+  if (!decode_.seen_at(batch)) return 0;
+  if (!draft_.seen_at(batch)) return max_k_;
+  const int best = best_length(batch, 0);
   // Exploration: the other draft lengths in turn, one every explore_period choices of this bucket (and, while the
   // bucket is young, at its 4th, 8th, 16th ... choice, so that an early estimate is soon checked).
   int& n = choices_[bucket_of(batch)];

@@ -102,6 +102,7 @@ class DraftLengthChooser {
     bool seen_at(double n) const { return seen[bucket_of(n)]; }
   };
   static int bucket_of(double n);
+  int best_length(int batch, int64_t prompt_tokens) const;  // argmax_K of the model (ties: the smaller K)
 
   int max_k_;
   double w_;

@@ -12,14 +12,15 @@ import os
 import struct
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nvfp4 import read_safetensors, tensor_bytes  # noqa: E402
+
 
 def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
+    """(metadata, {name: (dtype, shape, bytes)}, names in data order) of one .safetensors file."""
+    header, data = read_safetensors(path)
     meta = header.pop("__metadata__", None)
-    tensors = {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in header.items()}
+    tensors = {k: (v["dtype"], v["shape"], tensor_bytes(header, data, k)) for k, v in header.items()}
     order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
     return meta, tensors, order
 

@@ -42,7 +42,8 @@ if has tests && [ -x "$CARRY/new/test_cuda" ]; then
 fi
 serve_bench() {  # $1: label, rest: serve flags; kiln-tiny on the GPU, then smoke or bench per $MODE
   local label=$1; shift
-  "$K" serve --device cuda --model-path "${TINY_MODEL:-models/kiln-tiny}" "$@" --port 30000 > "$OUT/serve_$label.log" 2>&1 &
+  # The server's log stays on the machine (a call returns at most 8 files); its tail is printed if it exits non-zero.
+  "$K" serve --device cuda --model-path "${TINY_MODEL:-models/kiln-tiny}" "$@" --port 30000 > "/tmp/serve_$label.log" 2>&1 &
   local server=$!
   for _ in $(seq 240); do curl -sf http://127.0.0.1:30000/health > /dev/null && break; sleep 0.5; done
   if [ "$MODE" = smoke ]; then
@@ -57,7 +58,8 @@ serve_bench() {  # $1: label, rest: serve flags; kiln-tiny on the GPU, then smok
       --num-prompts 8 2>&1 | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept" | head -12
     curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln_spec" | head -8
   fi
-  kill -TERM $server; wait $server; echo "serve exit status: $?"
+  kill -TERM $server; wait $server; local rc=$?; echo "serve exit status: $rc"
+  [ $rc -ne 0 ] && tail -n 20 "/tmp/serve_$label.log"
 }
 if has smoke; then
   MODE=smoke

@@ -89,8 +89,8 @@ constexpr double kPriorWeight = 2.0;   // pseudo-observations behind the prior
 constexpr double kAcceptDecay = 0.995;  // per observation: about the last 200 verifies count
 }  // namespace
 
-DraftLengthChooser::DraftLengthChooser(int max_k, double ewma_weight, int explore_period)
-    : max_k_(std::clamp(max_k, 0, kMaxSteps)), w_(ewma_weight), explore_period_(explore_period) {
+DraftLengthChooser::DraftLengthChooser(int max_k, int explore_period)
+    : max_k_(std::clamp(max_k, 0, kMaxSteps)), explore_period_(explore_period) {
   for (int j = 1; j <= kMaxSteps; ++j) {
     attempts_[j] = kPriorWeight;
     accepts_[j] = kPriorWeight * kPriorAlpha;
@@ -103,27 +103,40 @@ int DraftLengthChooser::bucket_of(double n) {
   return b;
 }
 
-void DraftLengthChooser::Table::observe(double n, double s, double w) {
+namespace {
+
+// The lower quartile of v[0 .. n) (1 <= n <= kWindow): the (n / 4 + 1)-th smallest value.
+double lower_quartile(const double* v, int n) {
+  std::array<double, DraftLengthChooser::kWindow> t{};
+  std::copy(v, v + n, t.begin());
+  std::nth_element(t.begin(), t.begin() + n / 4, t.begin() + n);
+  return t[n / 4];
+}
+
+}  // namespace
+
+void DraftLengthChooser::Table::observe(double n, double s) {
   const int b = bucket_of(n);
   if (!warmed[b]) {
     warmed[b] = true;
     return;
   }
-  if (!seen[b]) {
-    seen[b] = true;
-    seconds[b] = s;
-    size[b] = n;
-    return;
-  }
-  seconds[b] += w * (s - seconds[b]);
-  size[b] += w * (n - size[b]);
+  sizes[b][next[b]] = n;
+  secs[b][next[b]] = s;
+  next[b] = (next[b] + 1) % kWindow;
+  count[b] = std::min(count[b] + 1, kWindow);
+  // Two observations before the bucket counts (with one, a single slow step would stand for it).
+  if (count[b] < 2) return;
+  seconds[b] = lower_quartile(secs[b].data(), count[b]);
+  size[b] = lower_quartile(sizes[b].data(), count[b]);
+  seen[b] = true;
 }
 
 bool DraftLengthChooser::Table::any() const {
   return std::any_of(seen.begin(), seen.end(), [](bool x) { return x; });
 }
 
-double DraftLengthChooser::Table::estimate(double n) const {
+double DraftLengthChooser::Table::estimate(double n, bool optimistic) const {
   int lo = -1, hi = -1;
   for (int b = 0; b < kBuckets; ++b) {
     if (!seen[b]) continue;
@@ -132,21 +145,21 @@ double DraftLengthChooser::Table::estimate(double n) const {
   }
   if (lo < 0 && hi < 0) return -1;
   if (lo < 0) return seconds[hi];                                  // below the smallest: flat
-  if (hi < 0) return seconds[lo] * (n / std::max(size[lo], 1.0));  // above the largest: proportional
+  if (hi < 0) return optimistic ? seconds[lo] : seconds[lo] * (n / std::max(size[lo], 1.0));  // above the largest
   const double t = (n - size[lo]) / std::max(size[hi] - size[lo], 1e-9);
   return seconds[lo] + t * (seconds[hi] - seconds[lo]);
 }
 
 void DraftLengthChooser::observe_decode(int batch, double seconds) {
-  if (batch > 0 && seconds > 0) decode_.observe(batch, seconds, w_);
+  if (batch > 0 && seconds > 0) decode_.observe(batch, seconds);
 }
 
 void DraftLengthChooser::observe_multi(int64_t tokens, double seconds) {
-  if (tokens > 0 && seconds > 0) multi_.observe(static_cast<double>(tokens), seconds, w_);
+  if (tokens > 0 && seconds > 0) multi_.observe(static_cast<double>(tokens), seconds);
 }
 
 void DraftLengthChooser::observe_draft(int batch, int steps, double seconds) {
-  if (batch > 0 && steps > 0 && seconds > 0) draft_.observe(batch, seconds / steps, w_);
+  if (batch > 0 && steps > 0 && seconds > 0) draft_.observe(batch, seconds / steps);
 }
 
 void DraftLengthChooser::observe_accepts(int drafted, int accepted) {
@@ -176,8 +189,8 @@ double DraftLengthChooser::expected_accept_length(int k) const {
 double DraftLengthChooser::expected_step_seconds(int batch, int k, int64_t prompt_tokens) const {
   const double b = std::max(batch, 1);
   double decode = decode_.estimate(b);
-  auto multi = [&](double n) {
-    const double m = multi_.estimate(n);
+  auto multi = [&](double n, bool optimistic = false) {
+    const double m = multi_.estimate(n, optimistic);
     if (m >= 0) return m;
     const double d = decode_.estimate(n);
     return d >= 0 ? d : 1.0;  // nothing measured yet: every pass costs the same
@@ -190,7 +203,12 @@ double DraftLengthChooser::expected_step_seconds(int batch, int k, int64_t promp
   for (int j = 1; j <= k; ++j) all *= acceptance(j);
   const double draft = std::max(draft_.estimate(b), 0.0);
   const double replay_chance = replays_ ? 1 - std::pow(all, b) : 0.0;
-  return prompts + multi(b * (k + 1)) + k * draft + replay_chance * multi(b * expected_accept_length(k));
+  // The verify pass of a plain step (timed) is estimated optimistically above what was measured: the choice then
+  // tries that length, and its measured cost replaces the guess (a proportional guess, far too high for a launch-bound
+  // pass, kept such a length unmeasured until exploration reached it). A step with prompts is not timed: there the
+  // guess stays on the safe side.
+  return prompts + multi(b * (k + 1), prompt_tokens == 0) + k * draft +
+         replay_chance * multi(b * expected_accept_length(k));
 }
 
 double DraftLengthChooser::expected_tokens_per_second(int batch, int k, int64_t prompt_tokens) const {

@@ -46,7 +46,8 @@ int32_t draw_index(std::span<const double> w, double u);
 
 // Chooses the draft length K (0 .. max_k) of each decode step from measured costs.
 //
-// Measurements (seconds, exponentially weighted moving averages, per power-of-two bucket):
+// Measurements (seconds per power-of-two bucket: the median of its last kWindow observations, so that a few slow
+// steps, such as one that captured a CUDA graph for a new shape, do not move it):
 //   decode(b)  a plain decode pass of b sequences (one token each);
 //   multi(n)   a pass of n tokens made of multi-token chunks (a verify pass: b x (K + 1); a replay);
 //   draft(b)   one step of the draft chain for b sequences;
@@ -65,7 +66,9 @@ int32_t draw_index(std::span<const double> w, double u);
 // only where the prompts' pass is long against it. Such steps are not timed (a prompt would swamp the table), never
 // explore, and need no measurement in the batch's bucket first.
 // A cost never measured is estimated from the measured buckets of its table: linear between the nearest two, flat
-// below the smallest, proportional to the tokens above the largest; a multi-token pass with no measurement at all
+// below the smallest, proportional to the tokens above the largest (but for the verify pass of a step without
+// prompts: the largest one's cost, a lower bound, so that the length gets tried and measured); a multi-token pass
+// with no measurement at all
 // falls back to the decode table, and a draft with none costs 0 (so an engine starts by speculating and measures).
 // Every `explore_period`-th choice for a batch bucket takes another K instead (each in turn), so that every
 // length's costs keep being measured (a cost estimated from other buckets may be far off).
@@ -74,7 +77,9 @@ class DraftLengthChooser {
   static constexpr int kBuckets = 20;  // powers of two up to 2^19 tokens / sequences
   static constexpr int kMaxSteps = 8;
 
-  explicit DraftLengthChooser(int max_k, double ewma_weight = 0.25, int explore_period = 64);
+  static constexpr int kWindow = 9;    // observations per bucket behind its estimate (the median of the last ones)
+
+  explicit DraftLengthChooser(int max_k, int explore_period = 64);
 
   int max_k() const { return max_k_; }
   void set_replays(bool replays) { replays_ = replays; }  // false: a rejected draft costs no replay pass
@@ -91,21 +96,28 @@ class DraftLengthChooser {
   double expected_tokens_per_second(int batch, int k, int64_t prompt_tokens = 0) const;
 
  private:
+  // Per bucket the last kWindow observations (size, seconds); its estimate is their medians, so a few slow steps
+  // (a CUDA graph captured for a new shape, host jitter) do not move it: with a moving average one such step made
+  // the length just measured look worse than the others until it was explored again.
   struct Table {
-    std::array<double, kBuckets> seconds{};
-    std::array<double, kBuckets> size{};  // the mean size (tokens / sequences) observed in the bucket
+    std::array<std::array<double, kWindow>, kBuckets> sizes{}, secs{};
+    std::array<int, kBuckets> count{};     // observations kept (<= kWindow) ...
+    std::array<int, kBuckets> next{};      // ... and the ring slot the next one takes
+    std::array<double, kBuckets> seconds{};  // the medians of the window
+    std::array<double, kBuckets> size{};     // (tokens / sequences)
     std::array<bool, kBuckets> seen{};
     std::array<bool, kBuckets> warmed{};  // a bucket's first observation is a warm-up (lazy setup, cold caches): dropped
-    void observe(double n, double s, double w);
+    void observe(double n, double s);
     bool any() const;
-    double estimate(double n) const;  // < 0: nothing measured
+    // < 0: nothing measured. Above the largest bucket measured: proportional to n, or with `optimistic` that
+    // bucket's own cost (a lower bound: a pass costs no less for more tokens).
+    double estimate(double n, bool optimistic = false) const;
     bool seen_at(double n) const { return seen[bucket_of(n)]; }
   };
   static int bucket_of(double n);
   int best_length(int batch, int64_t prompt_tokens) const;  // argmax_K of the model (ties: the smaller K)
 
   int max_k_;
-  double w_;
   int explore_period_;
   bool replays_ = true;
   Table decode_, multi_, draft_;

@@ -258,6 +258,7 @@ void print_level(std::FILE* out, const BenchOptions& options, const LevelResult&
 // Speculative decoding's counters on the server's /metrics (kiln's names), when it exposes them.
 struct SpecCounters {
   double drafted = 0, accepted = 0, verifies = 0, verified_tokens = 0;
+  double steps = 0, step_draft_lengths = 0;  // steps with decoding sequences, and the sum of their chosen K
 };
 
 std::optional<SpecCounters> read_spec_counters(HttpClient& client) {
@@ -280,6 +281,8 @@ std::optional<SpecCounters> read_spec_counters(HttpClient& client) {
                     : name == "kiln:spec_accepted_tokens_total" ? &c.accepted
                     : name == "kiln:spec_accept_length_count"   ? &c.verifies
                     : name == "kiln:spec_accept_length_sum"     ? &c.verified_tokens
+                    : name == "kiln:spec_step_draft_length_count" ? &c.steps
+                    : name == "kiln:spec_step_draft_length_sum"   ? &c.step_draft_lengths
                                                                 : nullptr;
     if (!field) continue;
     *field = std::strtod(line.c_str() + space + 1, nullptr);
@@ -303,6 +306,11 @@ void print_spec_counters(std::FILE* out, const std::optional<SpecCounters>& befo
                static_cast<uint64_t>(verifies), static_cast<uint64_t>(accepted), static_cast<uint64_t>(drafted),
                drafted > 0 ? 100 * accepted / drafted : 0.0);
   }
+  const double steps = after->steps - before->steps;  // servers before the per-step histogram report none
+  if (steps > 0)
+    fmt::print(out, "{:<36}{} ({} steps with decoding sequences)\n", "Mean draft length per step (spec):",
+               fmt_number((after->step_draft_lengths - before->step_draft_lengths) / steps),
+               static_cast<uint64_t>(steps));
   std::fflush(out);
 }
 

@@ -180,6 +180,7 @@ bool can_speculate(const Sequence& seq) {
 }
 
 std::vector<double> accept_length_buckets() { return {1, 2, 3, 4, 5, 6, 7, 8, 9}; }
+std::vector<double> draft_length_buckets() { return {0, 1, 2, 3, 4, 5, 6, 7, 8}; }
 
 }  // namespace
 
@@ -195,6 +196,7 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
       e2e_(latency_buckets_s()),
       queue_time_(latency_buckets_s()),
       spec_accept_length_(accept_length_buckets()),
+      spec_step_draft_length_(draft_length_buckets()),
       draft_chooser_(opts_.speculative_num_steps),
       position_checkpoints_(opts_.speculative_num_steps > 0 ? runner_->position_checkpoints() : 0) {
   draft_chooser_.set_replays(position_checkpoints_ == 0);
@@ -368,6 +370,7 @@ EngineMetricsSnapshot Engine::metrics() const {
   s.spec_draft_tokens_total = spec_draft_tokens_.load();
   s.spec_accepted_tokens_total = spec_accepted_tokens_.load();
   s.spec_accept_length = spec_accept_length_.snapshot();
+  s.spec_step_draft_length = spec_step_draft_length_.snapshot();
   return s;
 }
 
@@ -521,7 +524,9 @@ int Engine::step_draft_length(const StepPlan& plan) {
   const int k = opts_.draft_length_for_step  ? opts_.draft_length_for_step(plan.num_decodes)
                 : opts_.speculative_adaptive ? draft_chooser_.choose(plan.num_decodes, plan.num_prefill_tokens)
                                              : opts_.speculative_num_steps;
-  return std::clamp(k, 0, opts_.speculative_num_steps);
+  const int chosen = std::clamp(k, 0, opts_.speculative_num_steps);
+  spec_step_draft_length_.observe(chosen);
+  return chosen;
 }
 
 // A decode row's drafts: at most k, within its free pages, its max_tokens (k + 1 tokens can come out) and the

@@ -198,6 +198,7 @@ class Engine {
   std::atomic<uint64_t> spec_draft_tokens_{0}, spec_accepted_tokens_{0};
   Histogram ttft_, itl_, e2e_, queue_time_;
   Histogram spec_accept_length_;  // tokens per verified sequence per step (accepted drafts + 1)
+  Histogram spec_step_draft_length_;  // the draft length K chosen for each step with decode rows (0: a plain step)
 
   // Speculative decoding (engine thread).
   DraftLengthChooser draft_chooser_;

@@ -59,6 +59,7 @@ struct EngineMetricsSnapshot {
   uint64_t spec_draft_tokens_total = 0;
   uint64_t spec_accepted_tokens_total = 0;
   Histogram::Snapshot spec_accept_length;
+  Histogram::Snapshot spec_step_draft_length;  // the draft length K chosen per step with decode rows (0: none)
   Histogram::Snapshot time_to_first_token_s;
   Histogram::Snapshot inter_token_latency_s;
   Histogram::Snapshot e2e_latency_s;

@@ -106,6 +106,10 @@ std::string render_metrics(const engine::EngineMetricsSnapshot& m, const HttpCou
             static_cast<double>(m.spec_accepted_tokens_total));
     histogram(out, "kiln:spec_accept_length", "Tokens a sequence got from one verify step (accepted drafts + 1).",
               m.spec_accept_length, model);
+    histogram(out, "kiln:spec_step_draft_length",
+              "Draft length K chosen for each step with decoding sequences (0: a plain step; adaptive unless "
+              "--speculative-fixed-steps).",
+              m.spec_step_draft_length, model);
   }
   // Per GPU rank: one series per device, labelled by its CUDA ordinal and tensor-parallel rank.
   if (!devices.empty()) {

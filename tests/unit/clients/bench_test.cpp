@@ -278,6 +278,8 @@ class StubServer {
       text += "kiln:spec_accepted_tokens_total{model_name=\"stub-model\"} " + std::to_string(3 * n) + "\n";
       text += "kiln:spec_accept_length_count{model_name=\"stub-model\"} " + std::to_string(2 * n) + "\n";
       text += "kiln:spec_accept_length_sum{model_name=\"stub-model\"} " + std::to_string(6 * n) + "\n";
+      text += "kiln:spec_step_draft_length_count{model_name=\"stub-model\"} " + std::to_string(3 * n) + "\n";
+      text += "kiln:spec_step_draft_length_sum{model_name=\"stub-model\"} " + std::to_string(5 * n) + "\n";
       res.set_content(text, "text/plain");
     });
     for (const char* path : {"/v1/completions", "/v1/chat/completions"})
@@ -435,6 +437,8 @@ TEST(DatasetRun, CompletionsNaturalLengthsGreedyUsageCounts) {
   EXPECT_EQ(row_value(text, "Mean accept length (spec):"),
             "3.00 (6 verify steps; 9 of 12 draft tokens accepted, 75.0%; server /metrics)")
       << text;
+  // The draft length the server chose per step: 3 requests x (5 drafts over 3 steps).
+  EXPECT_EQ(row_value(text, "Mean draft length per step (spec):"), "1.67 (9 steps with decoding sequences)") << text;
   EXPECT_NE(text.find("Summary: completions endpoint, dataset " + o.dataset_path + " (3 prompts)"), std::string::npos)
       << text;
 

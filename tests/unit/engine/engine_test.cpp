@@ -1550,6 +1550,22 @@ TEST(EngineSpeculative, AdaptiveChoiceKeepsTheOutputAndRefusesAModelWithoutAHead
   ASSERT_GT(verifies, 0u);
   EXPECT_LE(m.spec_draft_tokens_total, 3 * verifies);
   EXPECT_GE(m.spec_draft_tokens_total + 3 * prompts.size(), 3 * verifies);
+  // Every step with a decoding sequence chose K = 3 (/metrics' kiln:spec_step_draft_length): all in the bucket le=3,
+  // none below it. One sequence at a time: a step per verify, plus at most one per sequence whose max_tokens left
+  // room for no draft.
+  const auto& k = m.spec_step_draft_length;
+  ASSERT_EQ(k.upper_bounds.size(), 9u);
+  EXPECT_GE(k.count, verifies);
+  EXPECT_LE(k.count, verifies + prompts.size());
+  EXPECT_EQ(k.cumulative_counts[2], 0u);       // le=2
+  EXPECT_EQ(k.cumulative_counts[3], k.count);  // le=3
+  EXPECT_DOUBLE_EQ(k.sum, 3.0 * static_cast<double>(k.count));
+  // The adaptive engine's steps: each chose some K in 0 .. 3, its drafted rows' verifies among them.
+  const auto ma = e.metrics();
+  EXPECT_GT(ma.spec_step_draft_length.count, 0u);
+  EXPECT_EQ(ma.spec_step_draft_length.cumulative_counts[3], ma.spec_step_draft_length.count);
+  EXPECT_GE(ma.spec_step_draft_length.count - ma.spec_step_draft_length.cumulative_counts[0],
+            ma.spec_accept_length.count / 8);  // a step verifies at most 8 sequences
   try {
     Engine bad(spec_model().load(false), spec_options(8, 3));
     FAIL() << "an engine without an MTP head accepted speculative decoding";

@@ -26,6 +26,7 @@ struct SpeculativeFlags {
   int num_draft_tokens = 0;  // 0: num_steps + 1 (the verified tokens per sequence: K drafts + the pending one)
   int eagle_topk = 1;        // 1: a chain (trees are not supported)
   bool fixed_steps = false;  // every decode step drafts num_steps (default: adaptive, from measured step costs)
+  bool no_carry = false;     // greedy steps do not carry the next step's first draft (A/B runs)
 };
 
 // What the flags resolve to for one model: the most draft steps (0: off) and a line for the startup summary.
@@ -34,6 +35,7 @@ struct SpeculativeChoice {
   bool requested = false;  // NEXTN / EAGLE named explicitly (no head is then an error, not "off")
   std::string summary;
   bool adaptive = true;  // false: every decode step drafts num_steps (--speculative-fixed-steps)
+  bool carry = true;     // greedy steps carry the next step's first draft (EngineOptions::speculative_carry)
 };
 
 inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
@@ -52,6 +54,9 @@ inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
   app.add_flag("--speculative-fixed-steps", f.fixed_steps,
                "Every decode step drafts --speculative-num-steps tokens per sequence, at any batch size (SGLang's "
                "behaviour; default: 0 .. that many, chosen from the measured step costs)");
+  app.add_flag("--disable-draft-carry", f.no_carry,
+               "Greedy steps do not run the MTP head's first draft of the next step (each step's draft chain then "
+               "runs all its steps; for A/B runs)");
 }
 
 // Checks the flags and resolves them against the model's config (before loading): kiln::Error naming the fix.
@@ -91,6 +96,7 @@ inline SpeculativeChoice resolve_speculative_flags(const SpeculativeFlags& f, co
   }
   c.num_steps = f.num_steps;
   c.adaptive = !f.fixed_steps;
+  c.carry = !f.no_carry;
   c.summary = c.adaptive ? fmt::format("NEXTN with the checkpoint's MTP head, up to {} draft tokens per step (adaptive: "
                                        "fewer or none where verifying costs more than it returns; "
                                        "--speculative-algorithm none turns it off)", f.num_steps)

@@ -200,6 +200,7 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
       draft_chooser_(opts_.speculative_num_steps),
       position_checkpoints_(opts_.speculative_num_steps > 0 ? runner_->position_checkpoints() : 0) {
   draft_chooser_.set_replays(position_checkpoints_ == 0);
+  carry_drafts_ = opts_.speculative_num_steps > 0 && opts_.speculative_carry && runner_->can_carry_drafts();
   seed_base_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   std::sort(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
   gauges_.kv_pages_total = capacity_.kv_pages;
@@ -369,6 +370,7 @@ EngineMetricsSnapshot Engine::metrics() const {
   s.queue_time_s = queue_time_.snapshot();
   s.spec_draft_tokens_total = spec_draft_tokens_.load();
   s.spec_accepted_tokens_total = spec_accepted_tokens_.load();
+  s.spec_carried_drafts_total = spec_carried_drafts_.load();
   s.spec_accept_length = spec_accept_length_.snapshot();
   s.spec_step_draft_length = spec_step_draft_length_.snapshot();
   return s;
@@ -488,6 +490,8 @@ void Engine::end_cancelled(bool abort_all) {
 
 void Engine::run_step(const StepPlan& plan) {
   step_times_ = {};
+  ++step_serial_;
+  step_carried_ = false;
   const auto t0 = Clock::now();
   build_rows(plan);
   const OutputMode mode = choose_output_mode();
@@ -495,6 +499,7 @@ void Engine::run_step(const StepPlan& plan) {
   if (!forward(plan, mode)) return;
   choose_tokens(mode);
   settle_speculation();
+  keep_carried_drafts();
   emit_rows();
   // Costs of pure decode steps teach the draft-length choice (a prefill chunk would swamp them). Whole steps, not
   // passes alone: the host's work per step (building rows, choosing and emitting tokens) is what a draft saves or
@@ -602,11 +607,13 @@ bool Engine::draft(const StepPlan& plan) {
   if (step_k_ == 0) return true;
   const auto t0 = Clock::now();
   try {
-    for (int k = 1; k <= step_k_; ++k) {
+    // One call per draft length, the sequences with a carried first draft apart (with k = 1 theirs is all there
+    // is: no call).
+    for (int k = 1; k <= step_k_; ++k) for (const bool carried : {false, true}) {
       std::vector<model::DraftSeq> seqs;
       std::vector<StepRow*> of;
       for (StepRow& row : rows_) {
-        if (row.draft_k != k) continue;
+        if (row.draft_k != k || has_carried_draft(*row.seq) != carried) continue;
         const Sequence& seq = *row.seq;
         model::DraftSeq d;
         d.state_slot = seq.state_slot;
@@ -614,12 +621,20 @@ bool Engine::draft(const StepPlan& plan) {
         d.pos = static_cast<int64_t>(seq.tokens.size()) - 1;
         d.page_table = std::span<const int32_t>(seq.pages.data(), seq.pages.size());
         d.rope_delta = seq.has_images() ? seq.rope_delta : 0;
+        if (carried) {
+          d.carried_row = seq.carried_row;
+          d.first_draft = seq.carried_draft;
+        }
         seqs.push_back(d);
         of.push_back(&row);
       }
       if (seqs.empty()) continue;
+      if (carried) spec_carried_drafts_.fetch_add(seqs.size());
       std::vector<int32_t> drafted(seqs.size() * static_cast<size_t>(k));
-      runner_->draft(seqs, k, drafted, {});
+      if (carried && k == 1)
+        for (size_t i = 0; i < seqs.size(); ++i) drafted[i] = seqs[i].first_draft;
+      else
+        runner_->draft(seqs, k, drafted, {});
       for (size_t i = 0; i < of.size(); ++i) {
         StepRow& row = *of[i];
         const Sequence& seq = *row.seq;
@@ -664,7 +679,15 @@ bool Engine::forward(const StepPlan& plan, OutputMode mode) {
       for (const StepRow& row : rows_)
         if (row.draft_k > 0) runner_->save_state(row.seq->state_slot);
     switch (mode) {
-      case OutputMode::argmax: runner_->forward_argmax(chunks_, runner_tokens_); break;
+      case OutputMode::argmax:
+        if (carry_drafts_) {
+          runner_next_drafts_.assign(rows, -1);
+          runner_->forward_argmax_carry(chunks_, runner_tokens_, runner_next_drafts_);
+          step_carried_ = true;
+        } else {
+          runner_->forward_argmax(chunks_, runner_tokens_);
+        }
+        break;
       case OutputMode::device_sample: runner_->forward_sample(chunks_, row_sampling_, runner_tokens_); break;
       case OutputMode::host_logits: runner_->forward(chunks_, logits_); break;
     }
@@ -835,6 +858,27 @@ void Engine::settle_speculation() {
   }
   for (StepRow& row : rows_)
     if (row.draft_k > 0 && row.error.empty()) scheduler_.commit_accepted(row.seq, row.accepted);
+}
+
+bool Engine::has_carried_draft(const Sequence& seq) const {
+  return carry_drafts_ && seq.carried_draft >= 0 && seq.carried_step + 1 == step_serial_ &&
+         seq.carried_slot == seq.state_slot;
+}
+
+// A greedy step that carried: each row's first draft for the next step is the one after its last token (a verify row:
+// after its accepted drafts and the target's token, whose state settle_speculation just kept).
+void Engine::keep_carried_drafts() {
+  if (!step_carried_) return;
+  for (StepRow& row : rows_) {
+    Sequence& seq = *row.seq;
+    seq.carried_draft = -1;
+    if (!row.error.empty() || row.tokens.empty()) continue;
+    const size_t last = row.tokens.size() - 1;  // its row among the chunk's logits rows
+    seq.carried_draft = runner_next_drafts_[row.output + last];
+    seq.carried_row = static_cast<int>(last);
+    seq.carried_slot = seq.state_slot;
+    seq.carried_step = step_serial_;
+  }
 }
 
 void Engine::emit_rows() {

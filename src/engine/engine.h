@@ -52,6 +52,10 @@ struct EngineOptions {
   // false (--speculative-fixed-steps, SGLang's behaviour).
   int speculative_num_steps = 0;
   bool speculative_adaptive = true;
+  // Greedy steps carry the next step's first draft (ModelRunner::forward_argmax_carry, on runners that can): the MTP
+  // head's entry after each row's token runs inside the step, so the next step's chain is one step shorter (with
+  // K = 1, no chain at all). --disable-draft-carry turns it off.
+  bool speculative_carry = true;
   // Tests and benchmarks: the draft length of every step from its number of decoding sequences (clamped to
   // 0 .. speculative_num_steps), instead of the adaptive choice.
   std::function<int(int batch)> draft_length_for_step;
@@ -195,7 +199,7 @@ class Engine {
   std::atomic<uint64_t> prompt_tokens_{0}, generation_tokens_{0}, steps_{0};
   std::atomic<uint64_t> finished_[5] = {};
   std::atomic<uint64_t> rejected_queue_full_{0}, rejected_too_long_{0};
-  std::atomic<uint64_t> spec_draft_tokens_{0}, spec_accepted_tokens_{0};
+  std::atomic<uint64_t> spec_draft_tokens_{0}, spec_accepted_tokens_{0}, spec_carried_drafts_{0};
   Histogram ttft_, itl_, e2e_, queue_time_;
   Histogram spec_accept_length_;  // tokens per verified sequence per step (accepted drafts + 1)
   Histogram spec_step_draft_length_;  // the draft length K chosen for each step with decode rows (0: a plain step)
@@ -206,6 +210,14 @@ class Engine {
   // The runner's position checkpoints (ModelRunner::position_checkpoints) when speculating: a step's drafts, summed
   // over its rows, stay within them; 0: save_state / restore_state and a replay.
   int position_checkpoints_ = 0;
+  // Greedy steps carry the next step's first drafts (EngineOptions::speculative_carry and a runner that can).
+  bool carry_drafts_ = false;
+  bool step_carried_ = false;               // this step ran forward_argmax_carry
+  uint64_t step_serial_ = 0;                // run_step calls so far (a carried draft is valid in the next one)
+  std::vector<int32_t> runner_next_drafts_;  // forward_argmax_carry: each row's next first draft
+  // Whether the sequence's carried first draft belongs to this step (carried by the step before, same slot).
+  bool has_carried_draft(const Sequence& seq) const;
+  void keep_carried_drafts();  // after the tokens are chosen and the state settled
   struct StepTimes {
     double draft_s = 0, forward_s = 0, replay_s = 0;
     int64_t replay_tokens = 0;

@@ -58,6 +58,7 @@ struct EngineMetricsSnapshot {
   int speculative_num_steps = 0;  // 0: off
   uint64_t spec_draft_tokens_total = 0;
   uint64_t spec_accepted_tokens_total = 0;
+  uint64_t spec_carried_drafts_total = 0;  // first drafts that came out of the step before (no chain step ran them)
   Histogram::Snapshot spec_accept_length;
   Histogram::Snapshot spec_step_draft_length;  // the draft length K chosen per step with decode rows (0: none)
   Histogram::Snapshot time_to_first_token_s;

@@ -126,6 +126,13 @@ struct Sequence {
   int preemptions = 0;
   bool abort_requested = false;
   uint64_t seed = 0;
+  // Speculative decoding: the first draft a greedy step carried for this sequence (ModelRunner::forward_argmax_carry:
+  // next_drafts of the row of its last token) and that row's index in its chunk's logits rows. Valid in the engine
+  // step right after carried_step, while the sequence keeps carried_slot.
+  int32_t carried_draft = -1;
+  int carried_row = -1;
+  int carried_slot = -1;
+  uint64_t carried_step = 0;
   // Made once when the engine takes the sequence (before it is queued), kept through preemptions, freed with the
   // sequence. Null in scheduler tests.
   std::unique_ptr<SequenceSampler> sampler;

@@ -66,6 +66,12 @@ struct DraftSeq {
   // M-RoPE sequences (a prompt with images): the rope position of every position q >= pos - 1 is q + rope_delta on
   // all three axes. 0 for text-only sequences.
   int32_t rope_delta = 0;
+  // A first draft carried by the last forward_argmax_carry call (the head's entry at pos - 1 already ran there):
+  // carried_row is the logits row of the sequence's chunk, counted from the chunk's first logits row, whose target
+  // token became `token` (a verify row: the accepted drafts' count); first_draft is next_drafts of that row. The chain
+  // then emits first_draft and runs steps - 1 more steps from the head state that call kept. -1: none.
+  int carried_row = -1;
+  int32_t first_draft = -1;
 };
 
 class ModelRunner {
@@ -103,6 +109,17 @@ class ModelRunner {
   // While a runner has an MTP head, every forward pass also runs the head over the pass's tokens (its KV entries),
   // so a draft can start after any step.
   virtual int mtp_layers() const { return 0; }
+  // Greedy steps that also draft (the first draft of the next step comes out of this one): forward_argmax, and for
+  // every logits row r, next_drafts[r] = the MTP head's greedy token after the target's token of row r, as if the
+  // sequence's tokens ended with that row's token (for a verify row: with the drafts before it accepted). The head's
+  // entries of a chunk with logits L rows then run on the target's argmax ids: (t[p], h[p - 1]) for the chunk's
+  // positions up to the first logits token, then (argmax of row i, h[that row's position]) for each row i. Entries
+  // past the accepted tokens are never read before they are written again, so the head's KV stays what the plain
+  // scheme leaves. Only for greedy steps (the next token must be the argmax). can_carry_drafts(): whether the runner
+  // does it (false: the default, and forward_argmax_carry fails).
+  virtual bool can_carry_drafts() const { return false; }
+  virtual void forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
+                                    std::span<int32_t> next_drafts);
   // Drafts `steps` greedy tokens per sequence (the MTP head chained on its own output): tokens [S * steps], row-major
   // per sequence; `logits` (empty, or [S * steps, vocab_size()]) gets each step's draft logits. Writes only the MTP
   // head's KV entries at positions [pos - 1, pos - 1 + steps) of each sequence.

@@ -296,7 +296,8 @@ class Ops {
                             int rotary_dim, double theta, const MRopeAxes* axes, TensorView q_out, TensorView gate_out,
                             TensorView k_out);
   // dst[rows[r]] = src[r]: rows of precomputed input embeddings (image tokens) written over the token embeddings.
-  // src F32 [R, H], rows I32 [R] (distinct, < T), dst F32 [T, H]. The default fails (as mrope).
+  // src F32 [R, H], rows I32 [R] (distinct, < T), dst F32 [T, H]; or src and dst I32 (ids, bit for bit). The default
+  // fails (as mrope).
   virtual void scatter_rows(const TensorView& src, const TensorView& rows, TensorView dst);
   // out = a + b (same shape, F32). out may alias a.
   virtual void add(const TensorView& a, const TensorView& b, TensorView out) = 0;

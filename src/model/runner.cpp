@@ -80,7 +80,12 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
       v.v_scale = model_->weights.mtp.layer.attn.v_scale;
     }
     kv_.push_back(v);
-    mtp_rows_ = ops_->allocate(DType::F32, Shape{state_rows + options_.prefill_chunk, c.hidden_size});
+    // A runner that picks whole-vocabulary ids can carry drafts (forward_argmax_carry): each slot keeps the head's
+    // output of up to kGraphMaxTokensPerSeq logits rows of its last chunk.
+    carry_rows_per_slot_ = model_->weights.vocab_parallel ? 0 : kGraphMaxTokensPerSeq;
+    carry_row0_ = state_rows + options_.prefill_chunk;
+    mtp_rows_ = ops_->allocate(DType::F32, Shape{carry_row0_ + options_.state_slots * carry_rows_per_slot_,
+                                                 c.hidden_size});
     ops_->fill_zero(mtp_rows_);
     (void)L;
   }
@@ -209,6 +214,14 @@ void Runner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t>
     fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
   if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
     fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);
+  const bool carried = !seqs.empty() && seqs.front().carried_row >= 0;
+  for (const DraftSeq& d : seqs)
+    if ((d.carried_row >= 0) != carried) fail("draft: sequences with and without carried first drafts in one call");
+  if (carried) {
+    if (!logits.empty()) fail("draft: no logits for carried first drafts (they ran in the step that carried them)");
+    draft_carried(seqs, steps, tokens);
+    return;
+  }
   if (logits.empty()) {
     draft_device(seqs, steps, tokens);
     return;
@@ -247,6 +260,36 @@ void Runner::draft_rank(std::span<const DraftSeq> seqs, int steps, const DraftPi
   });
 }
 
+void Runner::draft_carried(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens) {
+  if (!can_carry_drafts()) fail("draft: this runner carries no first drafts");
+  if (steps < 1) fail("draft: {} steps (at least 1)", steps);
+  const int64_t S = static_cast<int64_t>(seqs.size());
+  // The chain goes on from the carried entry: step 2 runs at the pending token's position with the first draft and
+  // the carried entry's head output (kept in the slot's carry row).
+  std::vector<DraftSeq> next(seqs.begin(), seqs.end());
+  std::vector<int32_t> hidden_rows(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
+    const DraftSeq& d = seqs[s];
+    if (d.carried_row >= carry_rows_per_slot_)
+      fail("draft: carried row {} (a slot keeps {})", d.carried_row, carry_rows_per_slot_);
+    if (d.first_draft < 0 || d.first_draft >= model_->config.vocab_size)
+      fail("draft: carried first draft {} outside the vocabulary", d.first_draft);
+    if (d.state_slot < 0 || d.state_slot >= options_.state_slots)
+      fail("draft: state slot {} out of range [0, {})", d.state_slot, options_.state_slots);
+    tokens[static_cast<size_t>(s * steps)] = d.first_draft;
+    next[static_cast<size_t>(s)].token = d.first_draft;
+    next[static_cast<size_t>(s)].pos = d.pos + 1;
+    hidden_rows[static_cast<size_t>(s)] =
+        static_cast<int32_t>(carry_row0_ + d.state_slot * carry_rows_per_slot_ + d.carried_row);
+  }
+  if (steps == 1) return;
+  std::vector<int32_t> rest(static_cast<size_t>(S * (steps - 1)));
+  draft_device(next, steps - 1, rest, hidden_rows);
+  for (int64_t s = 0; s < S; ++s)
+    for (int k = 1; k < steps; ++k)
+      tokens[static_cast<size_t>(s * steps + k)] = rest[static_cast<size_t>(s * (steps - 1) + k - 1)];
+}
+
 int Runner::check_draft(std::span<const DraftSeq> seqs, int steps) const {
   if (!model_->weights.has_mtp) fail("draft: the model has no MTP head");
   if (seqs.empty()) return 0;
@@ -274,7 +317,8 @@ int Runner::check_draft(std::span<const DraftSeq> seqs, int steps) const {
   return max_pages;
 }
 
-Runner::DraftInputs Runner::upload_draft(std::span<const DraftSeq> seqs, int steps, int pages_per_seq) {
+Runner::DraftInputs Runner::upload_draft(std::span<const DraftSeq> seqs, int steps, int pages_per_seq,
+                                         std::span<const int32_t> hidden_rows) {
   const int64_t S = static_cast<int64_t>(seqs.size()), P = pages_per_seq;
   // One host block, one upload. Its sections (each on a 256-byte boundary): the token ranges [S + 1] and the state
   // slots [S] (also the rows of mtp_rows_ holding each sequence's last hidden state), shared by every step; the page
@@ -285,7 +329,7 @@ Runner::DraftInputs Runner::upload_draft(std::span<const DraftSeq> seqs, int ste
   bool any_delta = false;
   for (const DraftSeq& d : seqs) any_delta = any_delta || d.rope_delta != 0;
   const int64_t o_slot = padded(S + 1), o_pages = o_slot + padded(S), o_pos = o_pages + padded(S * P),
-                o_ids = o_pos + padded(steps * S), o_mrope = o_ids + padded(S),
+                o_ids = o_pos + padded(steps * S), o_hid = o_ids + padded(S), o_mrope = o_hid + padded(S),
                 n = o_mrope + (any_delta ? padded(steps * S * 3) : 0);
   std::vector<int32_t> blob(static_cast<size_t>(n), 0);
   std::fill(blob.begin() + o_pages, blob.begin() + o_pages + S * P, -1);
@@ -297,6 +341,7 @@ Runner::DraftInputs Runner::upload_draft(std::span<const DraftSeq> seqs, int ste
     for (int64_t p = 0; p < pages; ++p) blob[static_cast<size_t>(o_pages + s * P + p)] = d.page_table[p];
     for (int k = 0; k < steps; ++k) blob[static_cast<size_t>(o_pos + k * S + s)] = static_cast<int32_t>(d.pos - 1 + k);
     blob[static_cast<size_t>(o_ids + s)] = d.token;
+    blob[static_cast<size_t>(o_hid + s)] = hidden_rows.empty() ? d.state_slot : hidden_rows[static_cast<size_t>(s)];
     if (any_delta)
       for (int k = 0; k < steps; ++k)
         for (int a = 0; a < 3; ++a)
@@ -334,6 +379,7 @@ Runner::DraftInputs Runner::upload_draft(std::span<const DraftSeq> seqs, int ste
   }
   in.first_ids = view(o_ids, Shape{S});
   in.slot_rows = view(o_slot, Shape{S});
+  in.hidden_rows = view(o_hid, Shape{S});
   return in;
 }
 
@@ -342,7 +388,7 @@ void Runner::draft_body(const DraftInputs& in, const std::function<TensorView(in
   Ops& ops = *ops_;
   const int64_t S = in.first_ids.numel(), V = logits_width();
   TensorView hidden = ops.scratch(DType::F32, Shape{S, c.hidden_size});
-  ops.gather_rows(row_range(mtp_rows_, 0, options_.state_slots), in.slot_rows, hidden);
+  ops.gather_rows(mtp_rows_, in.hidden_rows, hidden);
   TensorView ids = in.first_ids;
   for (size_t k = 0; k < in.steps.size(); ++k) {
     Forward f{ops, c, in.steps[k], kv_, kv_index_, conv_state_, recurrent_state_, linear_index_,
@@ -388,7 +434,8 @@ void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
   });
 }
 
-void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens) {
+void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens,
+                          std::span<const int32_t> hidden_rows) {
   int pages = check_draft(seqs, steps);
   if (seqs.empty()) return;
   const int64_t S = static_cast<int64_t>(seqs.size());
@@ -400,7 +447,7 @@ void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<i
   if (graphable) pages = graph_pages(pages);
   Ops& ops = *ops_;
   ops.reset_scratch();
-  const DraftInputs in = upload_draft(seqs, steps, pages);
+  const DraftInputs in = upload_draft(seqs, steps, pages, hidden_rows);
   const TensorView ids = ops.scratch(DType::I32, Shape{steps, S});  // row k: step k's picks
   const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
   GraphKey key{static_cast<int>(S), pages, 1, false, steps};
@@ -488,6 +535,35 @@ void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t>
     ops_->argmax_rows(out, ids);
     for (size_t i = 0; i < ids.size(); ++i) tokens[out_rows[i]] = id0 + ids[i];
   });
+}
+
+void Runner::forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
+                                  std::span<int32_t> next_drafts) {
+  if (!can_carry_drafts()) fail("forward_argmax_carry: this runner carries no drafts (no MTP head, or a rank)");
+  const int64_t rows = check_chunks(chunks);
+  if (static_cast<int64_t>(tokens.size()) < rows || static_cast<int64_t>(next_drafts.size()) < rows)
+    fail("forward_argmax_carry: {} ids and {} next drafts for {} rows", tokens.size(), next_drafts.size(), rows);
+  for (const SeqChunk& ch : chunks)
+    if (ch.want_logits && ch.logits_tokens > carry_rows_per_slot_)
+      fail("forward_argmax_carry: {} logits rows in a chunk (a slot carries at most {})", ch.logits_tokens,
+           carry_rows_per_slot_);
+  // Each pass's output: its rows' target ids, then their next drafts (I32 [2, R]).
+  carry_ = true;
+  try {
+    run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
+      const size_t R = out_rows.size();
+      std::vector<int32_t> ids(2 * R);
+      ops_->download(out, ids.data());
+      for (size_t i = 0; i < R; ++i) {
+        tokens[static_cast<size_t>(out_rows[i])] = ids[i];
+        next_drafts[static_cast<size_t>(out_rows[i])] = ids[R + i];
+      }
+    });
+  } catch (...) {
+    carry_ = false;
+    throw;
+  }
+  carry_ = false;
 }
 
 void Runner::forward_best(std::span<const SeqChunk> chunks, std::span<int32_t> ids, std::span<float> values) {
@@ -625,6 +701,7 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
     ops.rms_norm(hidden, model_->weights.final_norm, static_cast<float>(c.rms_norm_eps), model_->family->norm_kind(),
                  normed_all);
     const TensorView rows_all = row_range(mtp_rows_, 0, kept_rows + T);
+    if (mtp->carry && row_ids.data) return carry_body(f, *mtp, normed_all, rows_all, row_ids);
     if (mtp->step.num_seqs > 0) {
       TensorView h_in = f.f32(Shape{mtp->step.num_tokens, H});
       ops.gather_rows(rows_all, mtp->hidden_rows, h_in);
@@ -651,6 +728,43 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   f.name("final_norm", -1, normed);
   TensorView out = f.f32(Shape{R, logits_width()});
   ops.linear(normed, model_->weights.lm_head, out);
+  return out;
+}
+
+TensorView Runner::carry_body(Forward& f, const MtpPass& mtp, const TensorView& normed_all, const TensorView& rows_all,
+                              const TensorView& row_ids) {
+  const auto& c = model_->config;
+  Ops& ops = *ops_;
+  const int64_t kept_rows = options_.state_slots + spare_rows_, H = c.hidden_size, R = row_ids.numel();
+  const int64_t V = logits_width(), M = mtp.step.num_tokens;
+  // The target's logits and ids first: the head's carried entries embed them.
+  TensorView normed = f.f32(Shape{R, H});
+  ops.gather_rows(normed_all, row_ids, normed);
+  f.name("final_norm", -1, normed);
+  TensorView logits = f.f32(Shape{R, V});
+  ops.linear(normed, model_->weights.lm_head, logits);
+  const TensorView out = ops.scratch(DType::I32, Shape{2 * R});
+  const TensorView target(out.data, DType::I32, Shape{R});
+  const TensorView drafts(static_cast<int32_t*>(out.data) + R, DType::I32, Shape{R});
+  ops.argmax_rows_into(logits, target, 0);
+  ops.scatter_rows(TensorView(target.data, DType::I32, Shape{R, 1}), mtp.carry_entry,
+                   TensorView(mtp.ids.data, DType::I32, Shape{M, 1}));
+  // The head over every entry (its hidden states gathered before the slots' rows move below).
+  TensorView h_in = f.f32(Shape{M, H});
+  ops.gather_rows(rows_all, mtp.hidden_rows, h_in);
+  Forward fm{ops, c, mtp.step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_, options_.prefill_delta_rule,
+             trace_ ? &trace_ : nullptr};
+  const TensorView g = mtp_forward(fm, model_->weights, *model_->family, c.num_layers, mtp.ids, h_in);
+  TensorView keep = f.f32(Shape{kept_rows, H});
+  ops.gather_rows(rows_all, mtp.keep_rows, keep);
+  ops.copy(keep, row_range(mtp_rows_, 0, kept_rows));
+  // The carried entries' outputs: kept per slot for the next chain, and their greedy drafts.
+  TensorView gc = f.f32(Shape{R, H});
+  ops.gather_rows(g, mtp.carry_entry, gc);
+  ops.scatter_rows(gc, mtp.carry_slot_rows, mtp_rows_);
+  TensorView draft_logits = f.f32(Shape{R, V});
+  ops.linear(gc, model_->weights.lm_head, draft_logits);
+  ops.argmax_rows_into(draft_logits, drafts, 0);
   return out;
 }
 
@@ -756,7 +870,10 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   // The MTP head's entries of this pass: (t[p], h[p - 1]) at position p - 1 for every token at p >= 1; h[p - 1] is
   // the pass's row of p - 1 or, for a piece's first token, the slot's last hidden state.
   MtpPass mtp;
-  std::vector<int32_t> mtp_ids, mtp_hidden_rows, mtp_keep_rows;
+  std::vector<int32_t> mtp_ids, mtp_hidden_rows, mtp_keep_rows, carry_entry, carry_slot_rows;
+  // forward_argmax_carry: a chunk's head entries up to its first logits token are the plain ones; then one entry per
+  // logits row, at that row's position, fed the row's argmax (filled in on the device) and the row's hidden state.
+  mtp.carry = has_mtp && carry_ && !rows.empty();
   if (has_mtp) {
     const int32_t pass_row0 = static_cast<int32_t>(slots + spare_rows_);  // mtp_rows_: slots, spare rows, the pass's
     StepLayout& ms = mtp.step;
@@ -771,9 +888,17 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       const SeqChunk& ch = chunks[p.chunk];
       const int64_t start = ch.start_pos + p.offset, row0 = step.host_seq_token_begin[s];
       mtp_keep_rows[ch.state_slot] = static_cast<int32_t>(pass_row0 + row0 + p.n_tokens - 1);
-      const int64_t first = std::max<int64_t>(start, 1);
-      if (first >= start + p.n_tokens) continue;
-      for (int64_t pos = first; pos < start + p.n_tokens; ++pos) {
+      const int64_t first = std::max<int64_t>(start, 1), end = start + p.n_tokens;
+      int64_t L = 0;  // carried entries (the piece's logits rows)
+      if (mtp.carry && p.logits_row >= 0) {
+        KILN_CHECK(p.logits_count == ch.logits_tokens && p.logits_first + p.logits_count == p.n_tokens,
+                   "forward_argmax_carry: a chunk's logits rows were split over passes");
+        L = p.logits_count;
+      }
+      const int64_t plain_end = L > 0 ? end - L + 1 : end;  // plain entries for the tokens at [first, plain_end)
+      if (first >= plain_end && L == 0) continue;
+      ms.host_seq_start_pos.push_back(static_cast<int32_t>(first < plain_end ? first - 1 : end - L));
+      for (int64_t pos = first; pos < plain_end; ++pos) {
         mtp_ids.push_back(ch.tokens[p.offset + (pos - start)]);
         mtp_hidden_rows.push_back(pos - 1 >= start ? static_cast<int32_t>(pass_row0 + row0 + (pos - 1 - start))
                                                    : ch.state_slot);
@@ -786,8 +911,19 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
                                               : prev < 0          ? ch.mrope_prev[a]
                                                                   : ch.mrope_pos[3 * prev + a]);
       }
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t q = end - L + i;  // the logits row's position: its entry carries h[q] and the argmax after it
+        carry_entry.push_back(static_cast<int32_t>(mtp_ids.size()));
+        carry_slot_rows.push_back(static_cast<int32_t>(carry_row0_ + ch.state_slot * carry_rows_per_slot_ + i));
+        mtp_ids.push_back(0);  // the row's argmax, written on the device
+        mtp_hidden_rows.push_back(static_cast<int32_t>(pass_row0 + row0 + (q - start)));
+        ms.host_token_pos.push_back(static_cast<int32_t>(q));
+        if (any_mrope)
+          for (int a = 0; a < 3; ++a)
+            ms.host_token_mrope_pos.push_back(ch.mrope_pos.empty() ? static_cast<int32_t>(q)
+                                                                   : ch.mrope_pos[3 * (q - ch.start_pos) + a]);
+      }
       ms.host_seq_token_begin.push_back(static_cast<int32_t>(mtp_ids.size()));
-      ms.host_seq_start_pos.push_back(static_cast<int32_t>(first - 1));
       ms.host_seq_state_slot.push_back(ch.state_slot);
       ms.host_page_table.insert(ms.host_page_table.end(), step.host_page_table.begin() + s * step.max_pages_per_seq,
                                 step.host_page_table.begin() + (s + 1) * step.max_pages_per_seq);
@@ -808,6 +944,13 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       mtp.hidden_rows = ops.upload(mtp_hidden_rows.data(), DType::I32, Shape{mtp.step.num_tokens});
     }
     mtp.keep_rows = ops.upload(mtp_keep_rows.data(), DType::I32, Shape{static_cast<int64_t>(mtp_keep_rows.size())});
+    if (mtp.carry) {
+      KILN_CHECK(carry_entry.size() == rows.size(), "forward_argmax_carry: {} carried entries for {} logits rows",
+                 carry_entry.size(), rows.size());
+      const int64_t R = static_cast<int64_t>(rows.size());
+      mtp.carry_entry = ops.upload(carry_entry.data(), DType::I32, Shape{R});
+      mtp.carry_slot_rows = ops.upload(carry_slot_rows.data(), DType::I32, Shape{R});
+    }
   }
   const MtpPass* mtp_pass = has_mtp ? &mtp : nullptr;
   // Image embeddings of this pass's tokens (never in a captured pass): their pass rows and values.
@@ -834,6 +977,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
 
   GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints};
   key.mrope = any_mrope;
+  key.carry = mtp.carry;
   const PassEmbeds* embeds = any_embeds ? &pass_embeds : nullptr;  // never in a graphable pass
   const TensorView out =
       run_graphed(graphable, key, [&] { return pass_body(step, id_view, row_ids, mtp_pass, embeds); });

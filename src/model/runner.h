@@ -74,6 +74,10 @@ class Runner : public ModelRunner {
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return !conv_state_.empty(); }
   int mtp_layers() const override { return model_->weights.has_mtp ? 1 : 0; }
+  // With an MTP head on a runner that picks whole-vocabulary ids (not a tensor-parallel rank): see ModelRunner.
+  bool can_carry_drafts() const override { return carry_rows_per_slot_ > 0; }
+  void forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
+                            std::span<int32_t> next_drafts) override;
   void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
   // A tensor-parallel rank's share of a draft (TpRunner::draft): the same chain, but each step's next tokens come from
   // pick(step, this rank's best global id and logit per sequence (NaN: none in its slice), out: the chosen ids), which
@@ -127,6 +131,11 @@ class Runner : public ModelRunner {
     TensorView hidden_rows;   // I32 [M] rows of mtp_rows_ holding h[p - 1]
     TensorView keep_rows;     // I32 [slots + spare rows] the rows of mtp_rows_ each slot's new last hidden state and
                               // each spare row's (a position checkpoint's token; else itself) come from
+    // forward_argmax_carry: per logits row r of the pass, the head entry fed the row's argmax (an index into ids and
+    // into the head's output rows) and the row of mtp_rows_' carry region that keeps its head output.
+    bool carry = false;
+    TensorView carry_entry;      // I32 [R]
+    TensorView carry_slot_rows;  // I32 [R]
   };
   // A pass's input embeddings that replace token embeddings (SeqChunk::embeds): values F32 [R, H] for pass rows I32 [R].
   struct PassEmbeds {
@@ -141,6 +150,10 @@ class Runner : public ModelRunner {
   void run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& done, const std::vector<int64_t>& logits_row,
                  const std::function<bool(size_t)>& in_phase,
                  const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
+  // pass_body's end in a forward_argmax_carry pass: the target's logits and argmax, the head's entries (the carried
+  // ones fed that argmax), the carried outputs kept and drafted from; returns I32 [2 R] (target ids, next drafts).
+  TensorView carry_body(Forward& f, const MtpPass& mtp, const TensorView& normed_all, const TensorView& rows_all,
+                        const TensorView& row_ids);
   void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces,
                 const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // The compute of one pass after its uploads: embedding, layers, final norm and lm_head of `row_ids`.
@@ -167,12 +180,15 @@ class Runner : public ModelRunner {
   // mtp_rows_ holding each sequence's last hidden state.
   struct DraftInputs {
     std::vector<StepLayout> steps;
-    TensorView first_ids;  // I32 [S]
-    TensorView slot_rows;  // I32 [S]
+    TensorView first_ids;    // I32 [S]
+    TensorView slot_rows;    // I32 [S]
+    TensorView hidden_rows;  // I32 [S] the rows of mtp_rows_ the first step's hidden states come from
   };
   // Checks a draft's sequences; the pages per sequence its positions reach (the most of any sequence; 0: none).
   int check_draft(std::span<const DraftSeq> seqs, int steps) const;
-  DraftInputs upload_draft(std::span<const DraftSeq> seqs, int steps, int pages_per_seq);
+  // hidden_rows: the rows of mtp_rows_ holding each sequence's first hidden state (empty: its slot's last one).
+  DraftInputs upload_draft(std::span<const DraftSeq> seqs, int steps, int pages_per_seq,
+                           std::span<const int32_t> hidden_rows = {});
   // The chain's compute: step k runs the head over (ids, hidden), step 0's being the pending tokens and each slot's
   // last hidden state, then lm_head; pick(k, logits [S, V local]) returns the I32 [S] device ids step k + 1 embeds.
   void draft_body(const DraftInputs& in, const std::function<TensorView(int, const TensorView&)>& pick);
@@ -182,7 +198,11 @@ class Runner : public ModelRunner {
                    const std::function<void(int, const TensorView&, std::span<int32_t>)>& next);
   // draft() without logits: each step's argmax stays on the device (Ops::argmax_rows_into) and feeds the next step, the
   // S x steps ids come back in one download, and the whole chain is captured and replayed as one graph per shape.
-  void draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens);
+  void draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens,
+                    std::span<const int32_t> hidden_rows = {});
+  // draft() of sequences with carried first drafts (DraftSeq::carried_row): the first drafts as they are, then the
+  // device chain of steps - 1 from the head outputs the carrying step kept.
+  void draft_carried(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens);
   // Spare state rows (with an MTP head: one per slot, rows [slots, 2 slots) of every state tensor and of mtp_rows_):
   // save_state's checkpoints, or the current forward call's position checkpoints, handed out in order.
   int64_t spare_rows_ = 0;
@@ -191,8 +211,13 @@ class Runner : public ModelRunner {
   // chunk's tokens but the last.
   std::map<int, std::vector<int64_t>> kept_;
   // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
-  // position), then the spare rows, then the current pass's rows. F32 [2 slots + prefill_chunk, H].
+  // position), then the spare rows, then the current pass's rows, then (runners that can carry drafts) the carry
+  // region: per slot, carry_rows_per_slot_ rows, row i the head's output (g) of the entry fed the argmax of the
+  // slot's chunk's logits row i in the last forward_argmax_carry. F32 [2 slots + prefill_chunk + carry rows, H].
   TensorView mtp_rows_;
+  int64_t carry_rows_per_slot_ = 0;  // 0: no carrying (no head, or a tensor-parallel rank)
+  int64_t carry_row0_ = 0;           // the carry region's first row in mtp_rows_
+  bool carry_ = false;               // the passes running belong to a forward_argmax_carry call
   TraceFn trace_;
   // Captured passes, by shape: decode passes (one token and its logits per sequence) and speculative verify passes
   // (every sequence the same few tokens, all with logits, maybe keeping position checkpoints).
@@ -202,6 +227,7 @@ class Runner : public ModelRunner {
     bool checkpoints = false;
     int draft_steps = 0;
     bool mrope = false;  // three rope positions per token (sequences with images)
+    bool carry = false;  // a forward_argmax_carry pass (its output: target and next-draft ids)
     auto operator<=>(const GraphKey&) const = default;
   };
   struct Graph {

@@ -368,6 +368,8 @@ void TpRunner::draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_
   const int64_t S = static_cast<int64_t>(seqs.size()), V = vocab_size();
   if (S == 0) return;
   if (steps < 1) fail("draft: {} steps (at least 1)", steps);
+  for (const DraftSeq& d : seqs)
+    if (d.carried_row >= 0) fail("draft: a tensor-parallel group carries no first drafts (can_carry_drafts)");
   if (static_cast<int64_t>(tokens.size()) < S * steps) fail("draft: {} ids for {} x {} drafts", tokens.size(), S, steps);
   if (!logits.empty() && static_cast<int64_t>(logits.size()) < S * steps * V)
     fail("draft: logits buffer holds {} floats, {} rows of {} needed", logits.size(), S * steps, V);

@@ -104,6 +104,9 @@ std::string render_metrics(const engine::EngineMetricsSnapshot& m, const HttpCou
             static_cast<double>(m.spec_draft_tokens_total));
     counter("kiln:spec_accepted_tokens_total", "Draft tokens accepted (speculative decoding).",
             static_cast<double>(m.spec_accepted_tokens_total));
+    counter("kiln:spec_carried_drafts_total",
+            "First drafts carried from the step before (the MTP head ran them inside that greedy step).",
+            static_cast<double>(m.spec_carried_drafts_total));
     histogram(out, "kiln:spec_accept_length", "Tokens a sequence got from one verify step (accepted drafts + 1).",
               m.spec_accept_length, model);
     histogram(out, "kiln:spec_step_draft_length",

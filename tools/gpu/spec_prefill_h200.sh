@@ -7,7 +7,8 @@
 # sets for the prefill A/B), PREFILL_SHAPES (input-len:batch pairs), TRAIN_SECONDS (train: tools/tiny/train_mtp.py in
 # the background while the other steps run; the new head's mtp.* tensors come back as $OUT/mtp_head.safetensors;
 # tools/tiny/merge_mtp_head.py puts them into models/kiln-tiny; with tinyeval in the same call, the new model is
-# served after the training ends), TINY_MODEL (tinyeval's model folder),
+# served after the training ends), TINY_MODEL (tinyeval's model folder), TINY_VARIANTS (tinyeval's '|'-separated serve
+# flag sets; default none, NEXTN, NEXTN --speculative-fixed-steps),
 # SPEC_SWEEP (spec35: draft lengths, default 1,2,3), LINES (lines: a file of `label|kiln bench-engine arguments`, one
 # run per line, its output in $OUT/lines.txt), images (tests/integration/serve_images.sh on the CPU and CUDA).
 set -uo pipefail
@@ -51,12 +52,12 @@ serve_bench() {  # $1: label, rest: serve flags; kiln-tiny on the GPU, then smok
   elif [ "$MODE" = dataset ]; then
     timeout 300 "$K" bench --url http://127.0.0.1:30000 --dataset-path tools/tiny/eval_prompts.json --dataset-shuffle \
       --num-prompts ${DATASET_PROMPTS:-240} --output-len 512 --max-concurrency 1,8 --no-progress 2>&1 \
-      | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept|Mean output" | head -14
-    curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln_spec" | head -8
+      | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept|draft|Mean output" | head -16
+    curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln.spec" | grep -v "_bucket" | head -12
   else
     timeout 300 "$K" bench --url http://127.0.0.1:30000 --input-len 128 --output-len 256 --max-concurrency 1,8 \
       --num-prompts 8 2>&1 | tee "$OUT/bench_$label.txt" | grep -E "concurrency|TPOT|tok/s|accept" | head -12
-    curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln_spec" | head -8
+    curl -s http://127.0.0.1:30000/metrics | grep -E "^kiln.spec" | grep -v "_bucket" | head -12
   fi
   kill -TERM $server; wait $server; local rc=$?; echo "serve exit status: $rc"
   [ $rc -ne 0 ] && tail -n 20 "/tmp/serve_$label.log"
@@ -87,7 +88,8 @@ if has tinyeval; then
   MODE=dataset
   # With `train` in the same call: wait for it, then serve the model it wrote (the new head) unless TINY_MODEL says.
   if [ -n "${TRAIN_PID:-}" ]; then wait $TRAIN_PID; TINY_MODEL=${TINY_MODEL:-/tmp/mtpout/model}; fi
-  for s in "--speculative-algorithm none" "--speculative-algorithm NEXTN" "--speculative-algorithm NEXTN --speculative-fixed-steps"; do
+  IFS='|' read -ra TV <<< "${TINY_VARIANTS:---speculative-algorithm none|--speculative-algorithm NEXTN|--speculative-algorithm NEXTN --speculative-fixed-steps}"
+  for s in "${TV[@]}"; do
     echo "== kiln-tiny (${TINY_MODEL:-models/kiln-tiny}) serve $s: kiln bench on tools/tiny/eval_prompts.json at concurrency 1, 8"
     serve_bench "tinyeval_$(echo $s | tr -c 'a-zA-Z0-9' _)" $s
   done
@@ -96,7 +98,7 @@ if has tinyengine; then
   for g in "--disable-cuda-graph-verify" ""; do
     echo "== kiln-tiny bench-engine spec sweep $g"
     timeout 200 "$K" bench-engine --device cuda --model-path models/kiln-tiny --batch 1,8 --input-len 128 \
-      --output-len 64 --skip-self-check --spec-sweep 1,2,3 $g > "$OUT/tinyengine${g:+_eager}.txt" 2>&1
+      --output-len 64 --skip-self-check --spec-sweep ${TINY_SWEEP:-1,2,3} $g > "$OUT/tinyengine${g:+_eager}.txt" 2>&1
     echo "rc=$?"; grep -E "^batch|spec K|draft|verify" "$OUT/tinyengine${g:+_eager}.txt" | head -30
   done
 fi

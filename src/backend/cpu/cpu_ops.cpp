@@ -279,12 +279,17 @@ void CpuOps::scatter_rows(const TensorView& src, const TensorView& rows, TensorV
   const int64_t R = rows.numel(), H = dst.dim(1);
   KILN_CHECK(src.ndim() == 2 && src.dim(0) == R && src.dim(1) == H, "scatter_rows: src {} for {} rows of {}",
              src.shape.str(), R, H);
+  KILN_CHECK(src.dtype == dst.dtype && (src.dtype == DType::F32 || src.dtype == DType::I32) && src.is_contiguous() &&
+                 dst.is_contiguous(),
+             "scatter_rows: src {} and dst {} (both F32 or both I32, contiguous)", dtype_name(src.dtype),
+             dtype_name(dst.dtype));
   const int32_t* r = i32_data(rows);
-  const float* ps = f32_data(src);
-  float* o = f32_mut(dst);
+  const char* ps = static_cast<const char*>(src.data);
+  char* o = static_cast<char*>(dst.data);
+  const size_t row_bytes = static_cast<size_t>(H) * 4;  // F32 and I32 rows alike: bytes as they are
   for (int64_t i = 0; i < R; ++i) {
     KILN_CHECK(r[i] >= 0 && r[i] < dst.dim(0), "scatter row {} of {}", r[i], dst.dim(0));
-    std::memcpy(o + r[i] * H, ps + i * H, H * sizeof(float));
+    std::memcpy(o + r[i] * row_bytes, ps + i * row_bytes, row_bytes);
   }
 }
 

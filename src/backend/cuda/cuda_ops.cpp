@@ -892,10 +892,12 @@ void CudaOps::scatter_rows(const TensorView& src, const TensorView& rows, Tensor
   KILN_CHECK(src.ndim() == 2 && dst.ndim() == 2 && src.is_contiguous() && dst.is_contiguous() &&
                  src.dim(0) == rows.numel() && src.dim(1) == dst.dim(1),
              "scatter_rows src {} rows {} dst {}", src.shape.str(), rows.shape.str(), dst.shape.str());
-  expect_f32(src, "scatter_rows src");
+  KILN_CHECK(src.dtype == dst.dtype && (src.dtype == DType::F32 || src.dtype == DType::I32),
+             "scatter_rows: src {} and dst {} (both F32 or both I32)", dtype_name(src.dtype), dtype_name(dst.dtype));
   expect_i32(rows, "scatter_rows rows");
-  expect_f32(dst, "scatter_rows dst");
-  kops::scatter_rows(f32(src), i32(rows), rows.numel(), src.dim(1), f32_mut(dst), dst.dim(0), impl_->rt.stream());
+  // I32 rows (ids) move through the same kernel: it loads and stores 4-byte words without arithmetic.
+  kops::scatter_rows(static_cast<const float*>(src.data), i32(rows), rows.numel(), src.dim(1),
+                     static_cast<float*>(dst.data), dst.dim(0), impl_->rt.stream());
 }
 
 void CudaOps::add(const TensorView& a, const TensorView& b, TensorView out) {

@@ -1605,12 +1605,23 @@ TEST(TinySpeculative, GreedyOutputsEqualPlainDecoding) {
   }
   o.speculative_num_steps = 3;
   o.draft_length_for_step = [](int) { return 3; };
-  {
-    Engine own(load(true), o);  // the trained head's own drafts
+  // The trained head's own drafts, with the first draft of each step carried from the step before (the default) and
+  // without: the same drafts (so the same acceptances), only where the head's first entry ran.
+  EngineMetricsSnapshot with_carry, without;
+  for (const bool carry : {true, false}) {
+    o.speculative_carry = carry;
+    Engine own(load(true), o);
     own.start();
-    EXPECT_EQ(run_all(own, prompts, 24), ref);
-    EXPECT_GT(own.metrics().spec_draft_tokens_total, 0u);
+    EXPECT_EQ(run_all(own, prompts, 24), ref) << "carry " << carry;
+    (carry ? with_carry : without) = own.metrics();
   }
+  o.speculative_carry = true;
+  EXPECT_GT(with_carry.spec_draft_tokens_total, 0u);
+  EXPECT_GT(with_carry.spec_carried_drafts_total, 0u);
+  EXPECT_EQ(without.spec_carried_drafts_total, 0u);
+  EXPECT_EQ(with_carry.spec_draft_tokens_total, without.spec_draft_tokens_total);
+  EXPECT_EQ(with_carry.spec_accepted_tokens_total, without.spec_accepted_tokens_total);
+  EXPECT_GT(with_carry.spec_accepted_tokens_total, 0u);
   Engine spec(std::make_unique<ScriptedDrafts>(load(true), full_sequences(prompts, ref),
                                                [](int64_t pos, int s) { return static_cast<int>(pos % (s + 1)); }),
               o);

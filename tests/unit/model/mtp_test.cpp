@@ -434,6 +434,127 @@ TEST_F(MtpHead, DeviceChainGivesTheHostChainsTokens) {
   EXPECT_EQ(drafts, 3 * (1 + 3) * (1 + 2 + 3 + 4));
 }
 
+// forward_argmax_carry: runners a and b take the same greedy path. Each round both draft K tokens for every sequence,
+// then verify [pending, K tokens] whose first m are the sequence's greedy continuation (from runner c, which decodes
+// one token at a time) and the rest wrong, so about m of K are accepted; position checkpoints settle the accepted
+// count the target's ids give. a runs the plain scheme (forward's logits, the chain from the pending token); b carries:
+// its steps give next drafts, and its chains start from the carried first draft and head output. Every round: the
+// same target ids and the same K drafts (with K = 1 b runs no chain at all).
+TEST_F(MtpHead, CarriedDraftsEqualTheChain) {
+  const int64_t V = fx_.vocab;
+  int accepted_total = 0, verified = 0;
+  for (int S : {1, 2}) {
+    // The greedy continuation of each prompt.
+    std::vector<std::vector<int32_t>> greedy(static_cast<size_t>(S));
+    {
+      TestRunner c(mtp_dir_, f32_kv());
+      for (int i = 0; i < S; ++i) {
+        const std::vector<int32_t>& prompt = fx_.prompts[static_cast<size_t>(i)].tokens;
+        std::vector<float> l = c.run(i, prompt, 0);
+        int64_t p = static_cast<int64_t>(prompt.size());
+        for (int t = 0; t < 24; ++t) {
+          const int32_t g = argmax(l.data(), V);
+          greedy[static_cast<size_t>(i)].push_back(g);
+          l = c.run(i, std::span(&g, 1), p++);
+        }
+      }
+    }
+    for (int K : {1, 3}) {
+      backend::LoadOptions o = f32_kv();
+      o.state_slots = 8;  // position checkpoints for 2 x 3 verify tokens
+      TestRunner a(mtp_dir_, o), b(mtp_dir_, o);
+      ASSERT_TRUE(b.runner->can_carry_drafts());
+      std::vector<int64_t> pos(static_cast<size_t>(S)), idx(static_cast<size_t>(S), 0);
+      std::vector<int32_t> pending(static_cast<size_t>(S)), first(static_cast<size_t>(S));
+      std::vector<int> carried(static_cast<size_t>(S), 0);
+      {  // the prompts
+        std::vector<model::SeqChunk> ca, cb;
+        for (int i = 0; i < S; ++i) {
+          const std::vector<int32_t>& prompt = fx_.prompts[static_cast<size_t>(i)].tokens;
+          ca.push_back(a.chunk(i, prompt, 0));
+          cb.push_back(b.chunk(i, prompt, 0));
+          pos[static_cast<size_t>(i)] = static_cast<int64_t>(prompt.size());
+        }
+        std::vector<float> la(static_cast<size_t>(S * V));
+        a.runner->forward(ca, la);
+        std::vector<int32_t> tb(static_cast<size_t>(S)), nb(static_cast<size_t>(S));
+        b.runner->forward_argmax_carry(cb, tb, nb);
+        for (int i = 0; i < S; ++i) {
+          pending[static_cast<size_t>(i)] = argmax(la.data() + i * V, V);
+          ASSERT_EQ(tb[static_cast<size_t>(i)], pending[static_cast<size_t>(i)]);
+          first[static_cast<size_t>(i)] = nb[static_cast<size_t>(i)];
+        }
+      }
+      for (int round = 0; round < 4; ++round) {
+        std::vector<model::DraftSeq> sa(static_cast<size_t>(S)), sb;
+        for (int i = 0; i < S; ++i) {
+          model::DraftSeq& d = sa[static_cast<size_t>(i)];
+          d.state_slot = i;
+          d.token = pending[static_cast<size_t>(i)];
+          d.pos = pos[static_cast<size_t>(i)];
+          d.page_table = a.page_tables[static_cast<size_t>(i)];
+        }
+        sb = sa;
+        for (int i = 0; i < S; ++i) {
+          sb[static_cast<size_t>(i)].page_table = b.page_tables[static_cast<size_t>(i)];
+          sb[static_cast<size_t>(i)].carried_row = carried[static_cast<size_t>(i)];
+          sb[static_cast<size_t>(i)].first_draft = first[static_cast<size_t>(i)];
+        }
+        std::vector<int32_t> ta(static_cast<size_t>(S * K), -1), tb(ta.size(), -2);
+        a.runner->draft(sa, K, ta, {});
+        b.runner->draft(sb, K, tb, {});
+        ASSERT_EQ(ta, tb) << "S " << S << " K " << K << " round " << round;
+        // The verify chunks: [pending, the first m of the greedy continuation after it, then wrong tokens].
+        std::vector<std::vector<int32_t>> vt(static_cast<size_t>(S));
+        std::vector<model::SeqChunk> ca, cb;
+        for (int i = 0; i < S; ++i) {
+          const int m = (round + i) % (K + 1);
+          const std::vector<int32_t>& g = greedy[static_cast<size_t>(i)];
+          std::vector<int32_t>& v = vt[static_cast<size_t>(i)];
+          v.push_back(pending[static_cast<size_t>(i)]);
+          for (int j = 1; j <= K; ++j) {
+            const size_t at = static_cast<size_t>(idx[static_cast<size_t>(i)] + j);
+            const int32_t truth = at < g.size() ? g[at] : 7;
+            v.push_back(j <= m ? truth : static_cast<int32_t>((truth + 1) % V));
+          }
+          for (TestRunner* r : {&a, &b}) {
+            model::SeqChunk ch = r->chunk(i, v, pos[static_cast<size_t>(i)]);
+            ch.logits_tokens = K + 1;
+            ch.checkpoint_positions = true;
+            (r == &a ? ca : cb).push_back(ch);
+          }
+        }
+        std::vector<float> la(static_cast<size_t>(S * (K + 1) * V));
+        a.runner->forward(ca, la);
+        std::vector<int32_t> tgt(static_cast<size_t>(S * (K + 1))), nb(tgt.size());
+        b.runner->forward_argmax_carry(cb, tgt, nb);
+        std::vector<model::ModelRunner::VerifiedRow> rows;
+        for (int i = 0; i < S; ++i) {
+          int acc = 0;
+          for (int j = 0; j <= K; ++j) {
+            const int64_t r = i * (K + 1) + j;
+            ASSERT_EQ(tgt[static_cast<size_t>(r)], argmax(la.data() + r * V, V)) << "round " << round << " row " << r;
+          }
+          while (acc < K && vt[static_cast<size_t>(i)][static_cast<size_t>(acc + 1)] ==
+                                tgt[static_cast<size_t>(i * (K + 1) + acc)])
+            ++acc;
+          accepted_total += acc;
+          ++verified;
+          rows.push_back({i, acc + 1});
+          pending[static_cast<size_t>(i)] = tgt[static_cast<size_t>(i * (K + 1) + acc)];
+          first[static_cast<size_t>(i)] = nb[static_cast<size_t>(i * (K + 1) + acc)];
+          carried[static_cast<size_t>(i)] = acc;
+          pos[static_cast<size_t>(i)] += acc + 1;
+          idx[static_cast<size_t>(i)] += acc + 1;
+        }
+        a.runner->keep_verified_rows(rows);
+        b.runner->keep_verified_rows(rows);
+      }
+    }
+  }
+  EXPECT_GT(accepted_total, verified / 2);  // the forced acceptances happened (some rounds accept none by design)
+}
+
 TEST(MtpHeadErrors, DraftWithoutAHeadFails) {
   const Fixture fx = Fixture::load(kFixture);
   TestRunner r(fx.model_dir, f32_kv());

@@ -201,6 +201,7 @@ Engine::Engine(std::unique_ptr<model::ModelRunner> runner, EngineOptions options
       position_checkpoints_(opts_.speculative_num_steps > 0 ? runner_->position_checkpoints() : 0) {
   draft_chooser_.set_replays(position_checkpoints_ == 0);
   carry_drafts_ = opts_.speculative_num_steps > 0 && opts_.speculative_carry && runner_->can_carry_drafts();
+  draft_chooser_.set_carried_first(carry_drafts_);
   seed_base_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   std::sort(opts_.eos_token_ids.begin(), opts_.eos_token_ids.end());
   gauges_.kv_pages_total = capacity_.kv_pages;
@@ -492,6 +493,7 @@ void Engine::run_step(const StepPlan& plan) {
   step_times_ = {};
   ++step_serial_;
   step_carried_ = false;
+  step_uncarried_drafts_ = false;
   const auto t0 = Clock::now();
   build_rows(plan);
   const OutputMode mode = choose_output_mode();
@@ -517,7 +519,9 @@ void Engine::run_step(const StepPlan& plan) {
     } else {
       draft_chooser_.observe_multi(verify_tokens,
                                    std::max(step_s - step_times_.draft_s - step_times_.replay_s, step_times_.forward_s));
-      draft_chooser_.observe_draft(drafting, step_k_, step_times_.draft_s);
+      // The chain steps that ran: K - 1 when every drafting row had its first draft carried (none at K = 1).
+      const int chain_steps = step_k_ - (step_uncarried_drafts_ ? 0 : 1);
+      if (chain_steps > 0) draft_chooser_.observe_draft(drafting, chain_steps, step_times_.draft_s);
       if (step_times_.replay_tokens > 0) draft_chooser_.observe_multi(step_times_.replay_tokens, step_times_.replay_s);
     }
   }
@@ -630,6 +634,7 @@ bool Engine::draft(const StepPlan& plan) {
       }
       if (seqs.empty()) continue;
       if (carried) spec_carried_drafts_.fetch_add(seqs.size());
+      else step_uncarried_drafts_ = true;
       std::vector<int32_t> drafted(seqs.size() * static_cast<size_t>(k));
       if (carried && k == 1)
         for (size_t i = 0; i < seqs.size(); ++i) drafted[i] = seqs[i].first_draft;

@@ -213,6 +213,7 @@ class Engine {
   // Greedy steps carry the next step's first drafts (EngineOptions::speculative_carry and a runner that can).
   bool carry_drafts_ = false;
   bool step_carried_ = false;               // this step ran forward_argmax_carry
+  bool step_uncarried_drafts_ = false;      // this step drafted some rows without a carried first draft
   uint64_t step_serial_ = 0;                // run_step calls so far (a carried draft is valid in the next one)
   std::vector<int32_t> runner_next_drafts_;  // forward_argmax_carry: each row's next first draft
   // Whether the sequence's carried first draft belongs to this step (carried by the step before, same slot).

@@ -207,7 +207,8 @@ double DraftLengthChooser::expected_step_seconds(int batch, int k, int64_t promp
   // tries that length, and its measured cost replaces the guess (a proportional guess, far too high for a launch-bound
   // pass, kept such a length unmeasured until exploration reached it). A step with prompts is not timed: there the
   // guess stays on the safe side.
-  return prompts + multi(b * (k + 1), prompt_tokens == 0) + k * draft +
+  const int chain_steps = carried_first_ ? k - 1 : k;
+  return prompts + multi(b * (k + 1), prompt_tokens == 0) + chain_steps * draft +
          replay_chance * multi(b * expected_accept_length(k));
 }
 
@@ -236,7 +237,7 @@ int DraftLengthChooser::choose(int batch, int64_t prompt_tokens) {
   // with no draft chain timed, a full-length draft. (Estimates from other buckets alone once kept a model whose
   // passes are launch-bound drafting although every plain step was faster.)
   if (!decode_.seen_at(batch)) return 0;
-  if (!draft_.seen_at(batch)) return max_k_;
+  if (!draft_.seen_at(batch) && (max_k_ > 1 || !carried_first_)) return max_k_;
   const int best = best_length(batch, 0);
   // Exploration: the other draft lengths in turn, one every explore_period choices of this bucket (and, while the
   // bucket is young, at its 4th, 8th, 16th ... choice, so that an early estimate is soon checked).

@@ -55,7 +55,8 @@ int32_t draw_index(std::span<const double> w, double u);
 // Model of a step of b sequences with K drafts:
 //   accept length  L(K) = 1 + sum_{j=1..K} prod_{i<=j} alpha_i           (tokens per sequence per step)
 //   seconds        T(b, 0) = decode(b)
-//                  T(b, K) = multi(b (K + 1)) + K draft(b) + (1 - prod_{j<=K} alpha_j ^ b) multi(b L(K))
+//                  T(b, K) = multi(b (K + 1)) + (K - c) draft(b) + (1 - prod_{j<=K} alpha_j ^ b) multi(b L(K))
+//   (c = 1 when the first draft is carried from the step before: set_carried_first; else 0)
 //                  (the last term: restoring the recurrent state and replaying the accepted tokens, which a step
 //                  needs as soon as one of its sequences rejected a draft; none with a runner's position
 //                  checkpoints, set_replays(false): taking one is a state copy, inside the measured step)
@@ -83,11 +84,14 @@ class DraftLengthChooser {
 
   int max_k() const { return max_k_; }
   void set_replays(bool replays) { replays_ = replays; }  // false: a rejected draft costs no replay pass
+  // true: the first draft comes from the step before (ModelRunner::forward_argmax_carry), so K drafts cost K - 1
+  // chain steps.
+  void set_carried_first(bool carried) { carried_first_ = carried; }
   int choose(int batch, int64_t prompt_tokens = 0);
 
   void observe_decode(int batch, double seconds);
   void observe_multi(int64_t tokens, double seconds);
-  void observe_draft(int batch, int steps, double seconds);  // a whole chain of `steps` steps
+  void observe_draft(int batch, int steps, double seconds);  // a whole chain of `steps` chain steps (run, not drafts)
   void observe_accepts(int drafted, int accepted);           // one sequence's verify
 
   double acceptance(int j) const;            // alpha_j, j = 1 .. max_k
@@ -120,6 +124,7 @@ class DraftLengthChooser {
   int max_k_;
   int explore_period_;
   bool replays_ = true;
+  bool carried_first_ = false;
   Table decode_, multi_, draft_;
   std::array<double, kMaxSteps + 1> attempts_{}, accepts_{};  // per draft position j (index j), decayed
   std::array<int, kBuckets> choices_{};

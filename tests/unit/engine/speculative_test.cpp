@@ -352,6 +352,39 @@ TEST(DraftLengthChooser, TriesAVerifyPassLongerThanAnyMeasured) {
   EXPECT_NEAR(c.expected_step_seconds(8, 3, 64) - c.expected_step_seconds(8, 0, 64), 0.7e-3 * 32 / 16 + 0.3e-3, 1e-9);
 }
 
+// With the first draft carried from the step before, K drafts cost K - 1 chain steps: the same measured costs price
+// every K one chain step lower, and where a chain step is dear against the verify pass that tips the choice (here
+// K = 1, with no chain at all, against none). A K = 1 engine that carries never times a chain, and needs none timed.
+TEST(DraftLengthChooser, ACarriedFirstDraftCostsNoChainStep) {
+  for (const bool carried : {false, true}) {
+    DraftLengthChooser c(3, 0);
+    c.set_replays(false);
+    c.set_carried_first(carried);
+    for (int i = 0; i < 3; ++i) {
+      c.observe_decode(1, 1.0e-3);
+      c.observe_draft(1, 1, 1.0e-3);  // a chain step as dear as a plain step
+      for (int n = 2; n <= 4; ++n) c.observe_multi(n, 1.0e-3);
+    }
+    for (int i = 0; i < 100; ++i) c.observe_accepts(3, 1);  // alpha_1 high, later drafts rejected
+    for (int k = 1; k <= 3; ++k)
+      EXPECT_NEAR(c.expected_step_seconds(1, k), 1.0e-3 + (carried ? k - 1 : k) * 1.0e-3, 1e-9) << "K " << k;
+    EXPECT_EQ(c.choose(1), carried ? 1 : 0) << "carried " << carried;
+  }
+  // K <= 1 with carrying: no chain is ever timed, so the choice goes by the passes alone (without carrying it drafts
+  // until a chain is timed).
+  for (const double verify : {1.2e-3, 3.0e-3}) {
+    DraftLengthChooser one(1, 0);
+    one.set_replays(false);
+    one.set_carried_first(true);
+    for (int i = 0; i < 3; ++i) {
+      one.observe_decode(1, 1.0e-3);
+      one.observe_multi(2, verify);
+    }
+    for (int i = 0; i < 100; ++i) one.observe_accepts(1, 1);
+    EXPECT_EQ(one.choose(1), verify < 2e-3 ? 1 : 0) << "verify " << verify;
+  }
+}
+
 TEST(DraftLengthChooser, ExploresTheOtherLengthsInTurn) {
   DraftLengthChooser c(3, 4);
   feed(c, [](double) { return 10.0; }, [](double) { return 0.1; }, 0.9, 3);

@@ -95,6 +95,48 @@ void upload_step(Ops& ops, StepLayout& step) {
                                    : ops.upload(step.host_token_checkpoint_slot.data(), DType::I32, Shape{T});
 }
 
+int64_t I32Upload::add(std::span<const int32_t> data) {
+  const int64_t offset = static_cast<int64_t>(host_.size());
+  host_.insert(host_.end(), data.begin(), data.end());
+  host_.resize((host_.size() + 63) / 64 * 64, 0);
+  return offset;
+}
+
+void I32Upload::upload(Ops& ops) {
+  KILN_CHECK(!dev_.data, "I32Upload: uploaded twice");
+  if (host_.empty()) host_.resize(64, 0);
+  dev_ = ops.upload(host_.data(), DType::I32, Shape{static_cast<int64_t>(host_.size())});
+}
+
+TensorView I32Upload::view(int64_t offset, Shape shape) const {
+  KILN_CHECK(dev_.data && offset >= 0 && offset + shape.numel() <= dev_.numel(), "I32Upload: view [{}, +{}) of {}",
+             offset, shape.numel(), dev_.numel());
+  return TensorView(static_cast<int32_t*>(dev_.data) + offset, DType::I32, shape);
+}
+
+StagedStep stage_step(I32Upload& up, const StepLayout& step) {
+  StagedStep at;
+  at.token_pos = up.add(step.host_token_pos);
+  at.seq_token_begin = up.add(step.host_seq_token_begin);
+  at.seq_start_pos = up.add(step.host_seq_start_pos);
+  at.seq_state_slot = up.add(step.host_seq_state_slot);
+  at.page_table = up.add(step.host_page_table);
+  if (!step.host_token_mrope_pos.empty()) at.token_mrope_pos = up.add(step.host_token_mrope_pos);
+  if (!step.host_token_checkpoint_slot.empty()) at.token_checkpoint_slot = up.add(step.host_token_checkpoint_slot);
+  return at;
+}
+
+void bind_step(const I32Upload& up, const StagedStep& at, StepLayout& step) {
+  const int64_t T = step.num_tokens, S = step.num_seqs;
+  step.token_pos = up.view(at.token_pos, Shape{T});
+  step.seq_token_begin = up.view(at.seq_token_begin, Shape{S + 1});
+  step.seq_start_pos = up.view(at.seq_start_pos, Shape{S});
+  step.seq_state_slot = up.view(at.seq_state_slot, Shape{S});
+  step.page_table = up.view(at.page_table, Shape{S, step.max_pages_per_seq});
+  step.token_mrope_pos = at.token_mrope_pos < 0 ? TensorView() : up.view(at.token_mrope_pos, Shape{T, 3});
+  step.token_checkpoint_slot = at.token_checkpoint_slot < 0 ? TensorView() : up.view(at.token_checkpoint_slot, Shape{T});
+}
+
 TensorView Ops::place_random(DType dtype, Shape shape, const RandomFill& fill) {
   const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
   random_storage_.push_back(std::make_unique<uint8_t[]>(std::max<size_t>(bytes, 16)));

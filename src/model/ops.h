@@ -457,4 +457,26 @@ class Ops {
 // pass read them.
 void upload_step(Ops& ops, StepLayout& step);
 
+// Several I32 arrays uploaded as one (one host-to-device copy instead of one per array: each small pageable copy costs
+// the host a few microseconds and the stream one more copy ahead of the pass's kernels). add() each array (its offset
+// in ints comes back; every array starts on a 256-byte boundary), upload() once, then view() each. The same arrays
+// in the same order give the same sizes, so a replayed pass finds its inputs where the captured one read them.
+class I32Upload {
+ public:
+  int64_t add(std::span<const int32_t> data);
+  void upload(Ops& ops);
+  TensorView view(int64_t offset, Shape shape) const;
+
+ private:
+  std::vector<int32_t> host_;
+  TensorView dev_;
+};
+// upload_step through an I32Upload: stage_step adds the step's arrays, bind_step (after upload) sets its views.
+struct StagedStep {
+  int64_t token_pos = -1, seq_token_begin = -1, seq_start_pos = -1, seq_state_slot = -1, page_table = -1,
+          token_mrope_pos = -1, token_checkpoint_slot = -1;
+};
+StagedStep stage_step(I32Upload& up, const StepLayout& step);
+void bind_step(const I32Upload& up, const StagedStep& at, StepLayout& step);
+
 }  // namespace kiln::model

@@ -933,23 +933,41 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   }
   // Every upload comes before the compute, in a fixed order: a replayed pass finds its inputs where the captured
   // one read them.
-  upload_step(ops, step);
-  const TensorView id_view = ops.upload(ids.data(), DType::I32, Shape{T});
-  const TensorView row_ids =
-      rows.empty() ? TensorView() : ops.upload(rows.data(), DType::I32, Shape{static_cast<int64_t>(rows.size())});
+  // All of them in one host-to-device copy (I32Upload).
+  I32Upload up;
+  const StagedStep at_step = stage_step(up, step);
+  const int64_t at_ids = up.add(ids), at_rows = rows.empty() ? -1 : up.add(rows);
+  StagedStep at_mtp;
+  int64_t at_mtp_ids = -1, at_hidden = -1, at_keep = -1, at_carry = -1, at_carry_rows = -1;
   if (has_mtp) {
     if (mtp.step.num_seqs > 0) {
-      upload_step(ops, mtp.step);
-      mtp.ids = ops.upload(mtp_ids.data(), DType::I32, Shape{mtp.step.num_tokens});
-      mtp.hidden_rows = ops.upload(mtp_hidden_rows.data(), DType::I32, Shape{mtp.step.num_tokens});
+      at_mtp = stage_step(up, mtp.step);
+      at_mtp_ids = up.add(mtp_ids);
+      at_hidden = up.add(mtp_hidden_rows);
     }
-    mtp.keep_rows = ops.upload(mtp_keep_rows.data(), DType::I32, Shape{static_cast<int64_t>(mtp_keep_rows.size())});
+    at_keep = up.add(mtp_keep_rows);
     if (mtp.carry) {
       KILN_CHECK(carry_entry.size() == rows.size(), "forward_argmax_carry: {} carried entries for {} logits rows",
                  carry_entry.size(), rows.size());
+      at_carry = up.add(carry_entry);
+      at_carry_rows = up.add(carry_slot_rows);
+    }
+  }
+  up.upload(ops);
+  bind_step(up, at_step, step);
+  const TensorView id_view = up.view(at_ids, Shape{T});
+  const TensorView row_ids = at_rows < 0 ? TensorView() : up.view(at_rows, Shape{static_cast<int64_t>(rows.size())});
+  if (has_mtp) {
+    if (mtp.step.num_seqs > 0) {
+      bind_step(up, at_mtp, mtp.step);
+      mtp.ids = up.view(at_mtp_ids, Shape{mtp.step.num_tokens});
+      mtp.hidden_rows = up.view(at_hidden, Shape{mtp.step.num_tokens});
+    }
+    mtp.keep_rows = up.view(at_keep, Shape{static_cast<int64_t>(mtp_keep_rows.size())});
+    if (mtp.carry) {
       const int64_t R = static_cast<int64_t>(rows.size());
-      mtp.carry_entry = ops.upload(carry_entry.data(), DType::I32, Shape{R});
-      mtp.carry_slot_rows = ops.upload(carry_slot_rows.data(), DType::I32, Shape{R});
+      mtp.carry_entry = up.view(at_carry, Shape{R});
+      mtp.carry_slot_rows = up.view(at_carry_rows, Shape{R});
     }
   }
   const MtpPass* mtp_pass = has_mtp ? &mtp : nullptr;

@@ -95,11 +95,17 @@ if has tinyeval; then
   done
 fi
 if has tinyengine; then
-  for g in "--disable-cuda-graph-verify" ""; do
-    echo "== kiln-tiny bench-engine spec sweep $g"
-    timeout 200 "$K" bench-engine --device cuda --model-path models/kiln-tiny --batch 1,8 --input-len 128 \
-      --output-len 64 --skip-self-check --spec-sweep ${TINY_SWEEP:-1,2,3} $g > "$OUT/tinyengine${g:+_eager}.txt" 2>&1
-    echo "rc=$?"; grep -E "^batch|spec K|draft|verify" "$OUT/tinyengine${g:+_eager}.txt" | head -30
+  # TINY_ENGINE_BINS: the carried binaries to time in turn (e.g. "base new new base": an A/B interleaved); graphs on.
+  # Without it: the new binary with and without verify graphs.
+  if [ -n "${TINY_ENGINE_BINS:-}" ]; then runs=(); for b in $TINY_ENGINE_BINS; do runs+=("$b|"); done
+  else runs=("new|--disable-cuda-graph-verify" "new|"); fi
+  i=0
+  for r in "${runs[@]}"; do
+    b=${r%%|*}; g=${r#*|}; i=$((i + 1))
+    echo "== kiln-tiny bench-engine spec sweep ($b) $g"
+    timeout 200 "$CARRY/$b/kiln" bench-engine --device cuda --model-path models/kiln-tiny --batch ${TINY_BATCHES:-1,8} \
+      --input-len 128 --output-len 64 --skip-self-check --spec-sweep ${TINY_SWEEP:-1,2,3} $g >> "$OUT/tinyengine.txt" 2>&1
+    echo "rc=$?"; tail -n 40 "$OUT/tinyengine.txt" | grep -E "^batch|spec K" | cut -c1-260 | tail -${TINY_LINES:-30}
   done
 fi
 if has lines && [ -f "${LINES:-}" ]; then

@@ -74,14 +74,16 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t x_rows, 
   }
 }
 
-__global__ void scatter_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows, int64_t R,
-                                    int64_t H, float* __restrict__ dst, int64_t dst_rows) {
+// src is often the previous kernel's output (the carried ids: an argmax just before), and src[i]'s address depends on
+// nothing but the arguments: read it with coherent loads, never ld.global.nc (launch.cuh, "Non-coherent loads").
+__global__ void scatter_rows_kernel(const float* src, const int32_t* rows, int64_t R, int64_t H, float* dst,
+                                    int64_t dst_rows) {
   dev::pdl_enter();  // first statement: see launch.cuh
   const int64_t total = R * H;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, h = i % H;
-    const int32_t d = rows[r];
-    if (d >= 0 && d < dst_rows) dst[int64_t(d) * H + h] = src[i];
+    const int32_t d = __ldcg(rows + r);
+    if (d >= 0 && d < dst_rows) dst[int64_t(d) * H + h] = __ldcg(src + i);
   }
 }
 

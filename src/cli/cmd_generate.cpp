@@ -103,6 +103,7 @@ int run_generate(const GenerateOptions& o) {
   eo.speculative_num_steps = speculative.num_steps;
   eo.speculative_adaptive = speculative.adaptive;
   eo.speculative_carry = speculative.carry;
+  eo.speculative_defer_chain = speculative.defer;
   for (int64_t id : config.eos_token_ids) eo.eos_token_ids.push_back(static_cast<int32_t>(id));
   engine::Engine engine(std::move(runner), eo);
   engine.start();

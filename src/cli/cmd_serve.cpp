@@ -353,6 +353,7 @@ int run_server(Startup& s, SignalWaiter& signals) {
   s.engine_options.speculative_num_steps = s.speculative.num_steps;
   s.engine_options.speculative_adaptive = s.speculative.adaptive;
   s.engine_options.speculative_carry = s.speculative.carry;
+  s.engine_options.speculative_defer_chain = s.speculative.defer;
   if (s.engine_options.max_running_requests <= 0)
     s.engine_options.max_running_requests = std::max(1, runner->capacity().state_slots / s.ctx.slots_per_request);
   engine::Engine engine(std::move(runner), s.engine_options);

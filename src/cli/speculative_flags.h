@@ -27,6 +27,7 @@ struct SpeculativeFlags {
   int eagle_topk = 1;        // 1: a chain (trees are not supported)
   bool fixed_steps = false;  // every decode step drafts num_steps (default: adaptive, from measured step costs)
   bool no_carry = false;     // greedy steps do not carry the next step's first draft (A/B runs)
+  bool no_defer = false;     // the draft chain's ids come back to the host before the verify (A/B runs)
 };
 
 // What the flags resolve to for one model: the most draft steps (0: off) and a line for the startup summary.
@@ -36,6 +37,7 @@ struct SpeculativeChoice {
   std::string summary;
   bool adaptive = true;  // false: every decode step drafts num_steps (--speculative-fixed-steps)
   bool carry = true;     // greedy steps carry the next step's first draft (EngineOptions::speculative_carry)
+  bool defer = true;     // EngineOptions::speculative_defer_chain
 };
 
 inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
@@ -57,6 +59,9 @@ inline void add_speculative_flags(CLI::App& app, SpeculativeFlags& f) {
   app.add_flag("--disable-draft-carry", f.no_carry,
                "Greedy steps do not run the MTP head's first draft of the next step (each step's draft chain then "
                "runs all its steps; for A/B runs)");
+  app.add_flag("--disable-draft-defer", f.no_defer,
+               "With carried first drafts, bring the draft chain's ids back to the host before the verify pass "
+               "instead of leaving them on the device for it (for A/B runs)");
 }
 
 // Checks the flags and resolves them against the model's config (before loading): kiln::Error naming the fix.
@@ -97,6 +102,7 @@ inline SpeculativeChoice resolve_speculative_flags(const SpeculativeFlags& f, co
   c.num_steps = f.num_steps;
   c.adaptive = !f.fixed_steps;
   c.carry = !f.no_carry;
+  c.defer = !f.no_defer;
   c.summary = c.adaptive ? fmt::format("NEXTN with the checkpoint's MTP head, up to {} draft tokens per step (adaptive: "
                                        "fewer or none where verifying costs more than it returns; "
                                        "--speculative-algorithm none turns it off)", f.num_steps)

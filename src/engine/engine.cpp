@@ -497,7 +497,7 @@ void Engine::run_step(const StepPlan& plan) {
   const auto t0 = Clock::now();
   build_rows(plan);
   const OutputMode mode = choose_output_mode();
-  if (!draft(plan)) return;
+  if (!draft(plan, mode)) return;
   if (!forward(plan, mode)) return;
   choose_tokens(mode);
   settle_speculation();
@@ -607,8 +607,17 @@ void Engine::end_step_sequences(const StepPlan& plan, const std::string& what, c
 
 // The MTP head drafts each speculative row's tokens (rows of one draft length in one call); the row's chunk becomes
 // its verify chunk [pending, d_1 .. d_k], logits at every position.
-bool Engine::draft(const StepPlan& plan) {
+bool Engine::draft(const StepPlan& plan, OutputMode mode) {
+  deferred_seqs_ = deferred_steps_ = 0;
   if (step_k_ == 0) return true;
+  // The chain stays on the device only when it is the step's one chain: every drafting row carried, one length.
+  bool can_defer = mode == OutputMode::argmax && carry_drafts_ && opts_.speculative_defer_chain;
+  int one_k = -1;
+  for (const StepRow& row : rows_) {
+    if (row.draft_k == 0) continue;
+    can_defer = can_defer && has_carried_draft(*row.seq) && (one_k < 0 || one_k == row.draft_k);
+    one_k = row.draft_k;
+  }
   const auto t0 = Clock::now();
   try {
     // One call per draft length, the sequences with a carried first draft apart (with k = 1 theirs is all there
@@ -636,10 +645,24 @@ bool Engine::draft(const StepPlan& plan) {
       if (carried) spec_carried_drafts_.fetch_add(seqs.size());
       else step_uncarried_drafts_ = true;
       std::vector<int32_t> drafted(seqs.size() * static_cast<size_t>(k));
-      if (carried && k == 1)
+      // A greedy step's chain after carried first drafts can stay on the device (one chain per step): the verify
+      // reads it there, and forward() fills the drafts in.
+      const bool defer = can_defer && carried && k >= 2;
+      if (carried && k == 1) {
         for (size_t i = 0; i < seqs.size(); ++i) drafted[i] = seqs[i].first_draft;
-      else
+      } else if (defer) {
+        runner_->draft_deferred(seqs, k);
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          std::fill(drafted.begin() + static_cast<std::ptrdiff_t>(i * k),
+                    drafted.begin() + static_cast<std::ptrdiff_t>((i + 1) * k), seqs[i].token);  // placeholders
+          drafted[i * k] = seqs[i].first_draft;
+          of[i]->device_draft_row = static_cast<int>(i);
+        }
+        deferred_seqs_ = static_cast<int64_t>(seqs.size());
+        deferred_steps_ = k - 1;
+      } else {
         runner_->draft(seqs, k, drafted, {});
+      }
       for (size_t i = 0; i < of.size(); ++i) {
         StepRow& row = *of[i];
         const Sequence& seq = *row.seq;
@@ -655,6 +678,7 @@ bool Engine::draft(const StepPlan& plan) {
             seq.pages.data(), static_cast<size_t>((end + capacity_.page_size - 1) / capacity_.page_size));
         ch.logits_tokens = k + 1;
         ch.checkpoint_positions = position_checkpoints_ > 0;
+        ch.device_draft_row = row.device_draft_row;
         attach_image_inputs(*row.seq, ch);  // the verify tokens' rope positions
       }
     }
@@ -687,8 +711,18 @@ bool Engine::forward(const StepPlan& plan, OutputMode mode) {
       case OutputMode::argmax:
         if (carry_drafts_) {
           runner_next_drafts_.assign(rows, -1);
-          runner_->forward_argmax_carry(chunks_, runner_tokens_, runner_next_drafts_);
+          runner_device_drafts_.assign(static_cast<size_t>(deferred_seqs_ * deferred_steps_), -1);
+          runner_->forward_argmax_carry(chunks_, runner_tokens_, runner_next_drafts_, runner_device_drafts_);
           step_carried_ = true;
+          // The deferred chain's drafts into their rows' verify tokens (after the pending token and the first draft).
+          for (StepRow& row : rows_) {
+            if (row.device_draft_row < 0) continue;
+            for (int64_t j = 0; j < deferred_steps_; ++j) {
+              const int32_t t = runner_device_drafts_[static_cast<size_t>(row.device_draft_row * deferred_steps_ + j)];
+              KILN_CHECK(t >= 0 && t < vocab_size_, "draft token {} outside the vocabulary", t);
+              row.verify_tokens[static_cast<size_t>(2 + j)] = t;
+            }
+          }
         } else {
           runner_->forward_argmax(chunks_, runner_tokens_);
         }

@@ -56,6 +56,9 @@ struct EngineOptions {
   // head's entry after each row's token runs inside the step, so the next step's chain is one step shorter (with
   // K = 1, no chain at all). --disable-draft-carry turns it off.
   bool speculative_carry = true;
+  // With carrying: the step's draft chain stays on the device and the verify pass reads it there
+  // (ModelRunner::draft_deferred), so no host round trip lies between them. --disable-draft-defer turns it off.
+  bool speculative_defer_chain = true;
   // Tests and benchmarks: the draft length of every step from its number of decoding sequences (clamped to
   // 0 .. speculative_num_steps), instead of the adaptive choice.
   std::function<int(int batch)> draft_length_for_step;
@@ -124,6 +127,7 @@ class Engine {
     size_t output = 0;                 // its first row in the runner's outputs (runner_tokens_ / logits_)
     bool completes_prompt = false;     // its chunk ends at the prompt's last token
     int draft_k = 0;                   // drafts verified (0: a plain row)
+    int device_draft_row = -1;         // its drafts after the first are row this of the deferred chain (forward fills)
     std::vector<int32_t> verify_tokens;  // [pending, d_1 .. d_K] (the chunk's tokens) when draft_k > 0
     int accepted = 0;                  // drafts accepted (choose_tokens)
     std::vector<SampleResult> tokens;  // chosen this step, in order
@@ -143,7 +147,7 @@ class Engine {
   int step_draft_length(const StepPlan& plan);
   int row_draft_length(const StepPlan& plan, const PlannedChunk& c, int k) const;
   OutputMode choose_output_mode() const;
-  bool draft(const StepPlan& plan);
+  bool draft(const StepPlan& plan, OutputMode mode);
   bool forward(const StepPlan& plan, OutputMode mode);
   void choose_tokens(OutputMode mode);
   void choose_token(StepRow& row, OutputMode mode);
@@ -216,6 +220,10 @@ class Engine {
   bool step_uncarried_drafts_ = false;      // this step drafted some rows without a carried first draft
   uint64_t step_serial_ = 0;                // run_step calls so far (a carried draft is valid in the next one)
   std::vector<int32_t> runner_next_drafts_;  // forward_argmax_carry: each row's next first draft
+  // A draft chain left on the device this step (ModelRunner::draft_deferred): its sequences and steps, and its ids
+  // as forward_argmax_carry returns them.
+  int64_t deferred_seqs_ = 0, deferred_steps_ = 0;
+  std::vector<int32_t> runner_device_drafts_;
   // Whether the sequence's carried first draft belongs to this step (carried by the step before, same slot).
   bool has_carried_draft(const Sequence& seq) const;
   void keep_carried_drafts();  // after the tokens are chosen and the state settled

@@ -21,9 +21,13 @@ std::vector<float> ModelRunner::encode_image(std::span<const float> pixel_values
   fail("this model has no vision encoder: an image of {} x {} x {} patches cannot be read", grid_t, grid_h, grid_w);
 }
 void ModelRunner::forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
-                                       std::span<int32_t> next_drafts) {
-  (void)chunks, (void)tokens, (void)next_drafts;
+                                       std::span<int32_t> next_drafts, std::span<int32_t> device_drafts) {
+  (void)chunks, (void)tokens, (void)next_drafts, (void)device_drafts;
   fail("this model runner cannot carry drafts from a step (forward_argmax_carry)");
+}
+void ModelRunner::draft_deferred(std::span<const DraftSeq> seqs, int steps) {
+  (void)seqs, (void)steps;
+  fail("this model runner cannot keep a draft chain on the device (draft_deferred)");
 }
 void ModelRunner::save_state(int slot) { fail("this model runner cannot checkpoint state slot {}", slot); }
 void ModelRunner::restore_state(int slot) { fail("this model runner cannot restore state slot {}", slot); }

@@ -53,6 +53,10 @@ struct SeqChunk {
   // their rows, embeds [embed_offsets.size() * hidden_size] floats in that order.
   std::span<const int32_t> embed_offsets;
   std::span<const float> embeds;
+  // forward_argmax_carry after draft_deferred: tokens [2, 2 + C) of this chunk (its chain's drafts after the carried
+  // first one; C = the chain's steps) are row `device_draft_row` of that chain, still on the device (the chunk's own
+  // tokens there are placeholders). -1: all tokens are the chunk's.
+  int device_draft_row = -1;
 };
 
 // One sequence's draft chain (speculative decoding with the model's MTP head): `token` is the sequence's pending
@@ -118,8 +122,14 @@ class ModelRunner {
   // scheme leaves. Only for greedy steps (the next token must be the argmax). can_carry_drafts(): whether the runner
   // does it (false: the default, and forward_argmax_carry fails).
   virtual bool can_carry_drafts() const { return false; }
+  // device_drafts (empty unless a draft_deferred chain is pending): that chain's ids, [its sequences, its steps].
   virtual void forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
-                                    std::span<int32_t> next_drafts);
+                                    std::span<int32_t> next_drafts, std::span<int32_t> device_drafts = {});
+  // draft() of sequences with carried first drafts whose chain (steps - 1 > 0 steps) stays on the device: nothing comes
+  // back to the host, and the next forward_argmax_carry reads the chain's ids where its chunks say
+  // (SeqChunk::device_draft_row: sequence i of this call is row i) and returns them. One chain at a time; the default
+  // fails.
+  virtual void draft_deferred(std::span<const DraftSeq> seqs, int steps);
   // Drafts `steps` greedy tokens per sequence (the MTP head chained on its own output): tokens [S * steps], row-major
   // per sequence; `logits` (empty, or [S * steps, vocab_size()]) gets each step's draft logits. Writes only the MTP
   // head's KV entries at positions [pos - 1, pos - 1 + steps) of each sequence.

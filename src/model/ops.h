@@ -305,7 +305,7 @@ class Ops {
   virtual void silu_mul(const TensorView& gate, const TensorView& up, TensorView out) = 0;
   // out = x * sigmoid(g). x, out [T, N]; g [T, N] or [T, 1] (broadcast over N). out may alias x.
   virtual void sigmoid_mul(const TensorView& x, const TensorView& g, TensorView out) = 0;
-  // out[r] = x[rows[r]]. x [T, H], rows I32 [R], out [R, H].
+  // out[r] = x[rows[r]]. x [T, H], rows I32 [R], out [R, H]; F32, or I32 (ids, bit for bit).
   virtual void gather_rows(const TensorView& x, const TensorView& rows, TensorView out) = 0;
 
   // ---- full attention over the paged KV cache

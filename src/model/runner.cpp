@@ -86,6 +86,8 @@ Runner::Runner(std::unique_ptr<Ops> ops, const format::ModelDir& dir, const Runn
     carry_row0_ = state_rows + options_.prefill_chunk;
     mtp_rows_ = ops_->allocate(DType::F32, Shape{carry_row0_ + options_.state_slots * carry_rows_per_slot_,
                                                  c.hidden_size});
+    chain_ids_ = ops_->allocate(DType::I32, Shape{kGraphMaxTokensPerSeq * options_.state_slots});
+    ops_->fill_zero(chain_ids_);
     ops_->fill_zero(mtp_rows_);
     (void)L;
   }
@@ -261,33 +263,51 @@ void Runner::draft_rank(std::span<const DraftSeq> seqs, int steps, const DraftPi
 }
 
 void Runner::draft_carried(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens) {
-  if (!can_carry_drafts()) fail("draft: this runner carries no first drafts");
   if (steps < 1) fail("draft: {} steps (at least 1)", steps);
   const int64_t S = static_cast<int64_t>(seqs.size());
-  // The chain goes on from the carried entry: step 2 runs at the pending token's position with the first draft and
-  // the carried entry's head output (kept in the slot's carry row).
-  std::vector<DraftSeq> next(seqs.begin(), seqs.end());
-  std::vector<int32_t> hidden_rows(static_cast<size_t>(S));
-  for (int64_t s = 0; s < S; ++s) {
-    const DraftSeq& d = seqs[s];
-    if (d.carried_row >= carry_rows_per_slot_)
-      fail("draft: carried row {} (a slot keeps {})", d.carried_row, carry_rows_per_slot_);
-    if (d.first_draft < 0 || d.first_draft >= model_->config.vocab_size)
-      fail("draft: carried first draft {} outside the vocabulary", d.first_draft);
-    if (d.state_slot < 0 || d.state_slot >= options_.state_slots)
-      fail("draft: state slot {} out of range [0, {})", d.state_slot, options_.state_slots);
-    tokens[static_cast<size_t>(s * steps)] = d.first_draft;
-    next[static_cast<size_t>(s)].token = d.first_draft;
-    next[static_cast<size_t>(s)].pos = d.pos + 1;
-    hidden_rows[static_cast<size_t>(s)] =
-        static_cast<int32_t>(carry_row0_ + d.state_slot * carry_rows_per_slot_ + d.carried_row);
-  }
+  std::vector<DraftSeq> next;
+  std::vector<int32_t> hidden_rows;
+  carried_chain_inputs(seqs, next, hidden_rows);
+  for (int64_t s = 0; s < S; ++s) tokens[static_cast<size_t>(s * steps)] = seqs[s].first_draft;
   if (steps == 1) return;
   std::vector<int32_t> rest(static_cast<size_t>(S * (steps - 1)));
   draft_device(next, steps - 1, rest, hidden_rows);
   for (int64_t s = 0; s < S; ++s)
     for (int k = 1; k < steps; ++k)
       tokens[static_cast<size_t>(s * steps + k)] = rest[static_cast<size_t>(s * (steps - 1) + k - 1)];
+}
+
+void Runner::carried_chain_inputs(std::span<const DraftSeq> seqs, std::vector<DraftSeq>& next,
+                                  std::vector<int32_t>& hidden_rows) const {
+  if (!can_carry_drafts()) fail("draft: this runner carries no first drafts");
+  // The chain goes on from the carried entry: step 2 runs at the pending token's position with the first draft and
+  // the carried entry's head output (kept in the slot's carry row).
+  next.assign(seqs.begin(), seqs.end());
+  hidden_rows.resize(seqs.size());
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const DraftSeq& d = seqs[s];
+    if (d.carried_row < 0 || d.carried_row >= carry_rows_per_slot_)
+      fail("draft: carried row {} (a slot keeps {})", d.carried_row, carry_rows_per_slot_);
+    if (d.first_draft < 0 || d.first_draft >= model_->config.vocab_size)
+      fail("draft: carried first draft {} outside the vocabulary", d.first_draft);
+    if (d.state_slot < 0 || d.state_slot >= options_.state_slots)
+      fail("draft: state slot {} out of range [0, {})", d.state_slot, options_.state_slots);
+    next[s].token = d.first_draft;
+    next[s].pos = d.pos + 1;
+    hidden_rows[s] = static_cast<int32_t>(carry_row0_ + d.state_slot * carry_rows_per_slot_ + d.carried_row);
+  }
+}
+
+void Runner::draft_deferred(std::span<const DraftSeq> seqs, int steps) {
+  const int64_t S = static_cast<int64_t>(seqs.size());
+  if (S == 0) fail("draft_deferred: no sequences");
+  if (steps < 2) fail("draft_deferred: {} steps (a carried first draft and at least one chain step)", steps);
+  if ((steps - 1) * S > chain_ids_.numel())
+    fail("draft_deferred: {} sequences x {} chain steps (at most {} ids)", S, steps - 1, chain_ids_.numel());
+  std::vector<DraftSeq> next;
+  std::vector<int32_t> hidden_rows;
+  carried_chain_inputs(seqs, next, hidden_rows);
+  draft_device(next, steps - 1, {}, hidden_rows, /*defer=*/true);
 }
 
 int Runner::check_draft(std::span<const DraftSeq> seqs, int steps) const {
@@ -435,7 +455,8 @@ void Runner::draft_chain(std::span<const DraftSeq> seqs, int steps,
 }
 
 void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens,
-                          std::span<const int32_t> hidden_rows) {
+                          std::span<const int32_t> hidden_rows, bool defer) {
+  deferred_seqs_ = deferred_steps_ = 0;
   int pages = check_draft(seqs, steps);
   if (seqs.empty()) return;
   const int64_t S = static_cast<int64_t>(seqs.size());
@@ -448,7 +469,11 @@ void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<i
   Ops& ops = *ops_;
   ops.reset_scratch();
   const DraftInputs in = upload_draft(seqs, steps, pages, hidden_rows);
-  const TensorView ids = ops.scratch(DType::I32, Shape{steps, S});  // row k: step k's picks
+  // Row k: step k's picks; in chain_ids_ where they fit (a deferred chain's must).
+  const bool in_chain_ids = chain_ids_.data && steps * S <= chain_ids_.numel();
+  KILN_CHECK(in_chain_ids || !defer, "draft_device: a deferred chain of {} x {} ids", steps, S);
+  const TensorView ids =
+      in_chain_ids ? TensorView(chain_ids_.data, DType::I32, Shape{steps, S}) : ops.scratch(DType::I32, Shape{steps, S});
   const int32_t id0 = static_cast<int32_t>(model_->weights.vocab_begin);  // a lone rank's slice; else 0
   GraphKey key{static_cast<int>(S), pages, 1, false, steps};
   for (const DraftSeq& d : seqs) key.mrope = key.mrope || d.rope_delta != 0;
@@ -460,6 +485,11 @@ void Runner::draft_device(std::span<const DraftSeq> seqs, int steps, std::span<i
     });
     return ids;
   });
+  if (defer) {  // the ids stay where they are for the next forward_argmax_carry
+    deferred_seqs_ = S;
+    deferred_steps_ = steps;
+    return;
+  }
   std::vector<int32_t> host(static_cast<size_t>(S * steps));
   ops.download(out, host.data());
   for (int64_t s = 0; s < S; ++s)
@@ -538,32 +568,55 @@ void Runner::forward_argmax(std::span<const SeqChunk> chunks, std::span<int32_t>
 }
 
 void Runner::forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
-                                  std::span<int32_t> next_drafts) {
+                                  std::span<int32_t> next_drafts, std::span<int32_t> device_drafts) {
   if (!can_carry_drafts()) fail("forward_argmax_carry: this runner carries no drafts (no MTP head, or a rank)");
   const int64_t rows = check_chunks(chunks);
   if (static_cast<int64_t>(tokens.size()) < rows || static_cast<int64_t>(next_drafts.size()) < rows)
     fail("forward_argmax_carry: {} ids and {} next drafts for {} rows", tokens.size(), next_drafts.size(), rows);
+  // Chunks that read a deferred chain's ids: that chain's row each, whole, carried (checked again per pass).
+  std::vector<bool> row_taken(static_cast<size_t>(deferred_seqs_), false);
+  for (const SeqChunk& ch : chunks) {
+    if (ch.device_draft_row < 0) continue;
+    if (ch.device_draft_row >= deferred_seqs_ || row_taken[static_cast<size_t>(ch.device_draft_row)])
+      fail("forward_argmax_carry: chunk reads row {} of a deferred chain of {} sequences (each row once)",
+           ch.device_draft_row, deferred_seqs_);
+    row_taken[static_cast<size_t>(ch.device_draft_row)] = true;
+    if (static_cast<int64_t>(ch.tokens.size()) != 2 + deferred_steps_ || !ch.want_logits ||
+        ch.logits_tokens != static_cast<int>(ch.tokens.size()))
+      fail("forward_argmax_carry: a chunk reading a deferred chain of {} steps is [pending, first draft, chain] with "
+           "logits for all ({} tokens, {} logits rows)", deferred_steps_, ch.tokens.size(), ch.logits_tokens);
+  }
+  if (deferred_seqs_ > 0 && static_cast<int64_t>(device_drafts.size()) < deferred_seqs_ * deferred_steps_)
+    fail("forward_argmax_carry: {} device drafts for a deferred chain of {} x {}", device_drafts.size(), deferred_seqs_,
+         deferred_steps_);
   for (const SeqChunk& ch : chunks)
     if (ch.want_logits && ch.logits_tokens > carry_rows_per_slot_)
       fail("forward_argmax_carry: {} logits rows in a chunk (a slot carries at most {})", ch.logits_tokens,
            carry_rows_per_slot_);
-  // Each pass's output: its rows' target ids, then their next drafts (I32 [2, R]).
+  // Each pass's output: its rows' target ids, then their next drafts (I32 [2, R]), then the deferred chain's ids it
+  // read (pass_deferred_out_: where each goes in device_drafts).
   carry_ = true;
   try {
     run_passes(chunks, [&](const TensorView& out, const std::vector<int64_t>& out_rows) {
       const size_t R = out_rows.size();
-      std::vector<int32_t> ids(2 * R);
+      std::vector<int32_t> ids(static_cast<size_t>(out.numel()));
+      KILN_CHECK(ids.size() == 2 * R + pass_deferred_out_.size(), "forward_argmax_carry: {} ids back for {} rows",
+                 ids.size(), R);
       ops_->download(out, ids.data());
       for (size_t i = 0; i < R; ++i) {
         tokens[static_cast<size_t>(out_rows[i])] = ids[i];
         next_drafts[static_cast<size_t>(out_rows[i])] = ids[R + i];
       }
+      for (size_t i = 0; i < pass_deferred_out_.size(); ++i)
+        device_drafts[static_cast<size_t>(pass_deferred_out_[i])] = ids[2 * R + i];
     });
   } catch (...) {
     carry_ = false;
+    deferred_seqs_ = deferred_steps_ = 0;
     throw;
   }
   carry_ = false;
+  deferred_seqs_ = deferred_steps_ = 0;
 }
 
 void Runner::forward_best(std::span<const SeqChunk> chunks, std::span<int32_t> ids, std::span<float> values) {
@@ -673,6 +726,15 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
   Forward f{ops, c, step, kv_, kv_index_, conv_state_, recurrent_state_, linear_index_, mode,
             trace_ ? &trace_ : nullptr};
   const int64_t T = step.num_tokens;
+  // A deferred draft chain's ids into the pass's tokens (SeqChunk::device_draft_row), before the embedding.
+  TensorView deferred_got;
+  if (mtp && mtp->deferred_src.data) {
+    const int64_t D = mtp->deferred_src.numel();
+    deferred_got = ops.scratch(DType::I32, Shape{D, 1});
+    ops.gather_rows(TensorView(chain_ids_.data, DType::I32, Shape{chain_ids_.numel(), 1}), mtp->deferred_src,
+                    deferred_got);
+    ops.scatter_rows(deferred_got, mtp->deferred_dst, TensorView(id_view.data, DType::I32, Shape{T, 1}));
+  }
   TensorView hidden = f.f32(Shape{T, c.hidden_size});
   embed(f, model_->weights, id_view, hidden);
   if (embeds) ops.scatter_rows(embeds->values, embeds->rows, hidden);
@@ -701,7 +763,7 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
     ops.rms_norm(hidden, model_->weights.final_norm, static_cast<float>(c.rms_norm_eps), model_->family->norm_kind(),
                  normed_all);
     const TensorView rows_all = row_range(mtp_rows_, 0, kept_rows + T);
-    if (mtp->carry && row_ids.data) return carry_body(f, *mtp, normed_all, rows_all, row_ids);
+    if (mtp->carry && row_ids.data) return carry_body(f, *mtp, normed_all, rows_all, row_ids, deferred_got);
     if (mtp->step.num_seqs > 0) {
       TensorView h_in = f.f32(Shape{mtp->step.num_tokens, H});
       ops.gather_rows(rows_all, mtp->hidden_rows, h_in);
@@ -732,7 +794,7 @@ TensorView Runner::pass_body(const StepLayout& step, const TensorView& id_view, 
 }
 
 TensorView Runner::carry_body(Forward& f, const MtpPass& mtp, const TensorView& normed_all, const TensorView& rows_all,
-                              const TensorView& row_ids) {
+                              const TensorView& row_ids, const TensorView& deferred_got) {
   const auto& c = model_->config;
   Ops& ops = *ops_;
   const int64_t kept_rows = options_.state_slots + spare_rows_, H = c.hidden_size, R = row_ids.numel();
@@ -743,9 +805,13 @@ TensorView Runner::carry_body(Forward& f, const MtpPass& mtp, const TensorView& 
   f.name("final_norm", -1, normed);
   TensorView logits = f.f32(Shape{R, V});
   ops.linear(normed, model_->weights.lm_head, logits);
-  const TensorView out = ops.scratch(DType::I32, Shape{2 * R});
+  const int64_t D = deferred_got.data ? deferred_got.numel() : 0;
+  const TensorView out = ops.scratch(DType::I32, Shape{2 * R + D});
   const TensorView target(out.data, DType::I32, Shape{R});
   const TensorView drafts(static_cast<int32_t*>(out.data) + R, DType::I32, Shape{R});
+  if (D > 0)
+    ops.copy(TensorView(deferred_got.data, DType::I32, Shape{D}),
+             TensorView(static_cast<int32_t*>(out.data) + 2 * R, DType::I32, Shape{D}));
   ops.argmax_rows_into(logits, target, 0);
   ops.scatter_rows(TensorView(target.data, DType::I32, Shape{R, 1}), mtp.carry_entry,
                    TensorView(mtp.ids.data, DType::I32, Shape{M, 1}));
@@ -931,6 +997,21 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     }
     ms.num_tokens = static_cast<int64_t>(mtp_ids.size());
   }
+  // Tokens of a deferred draft chain (SeqChunk::device_draft_row): where each is in chain_ids_ and in this pass.
+  std::vector<int32_t> deferred_src, deferred_dst;
+  pass_deferred_out_.clear();
+  for (size_t s = 0; s < pieces.size(); ++s) {
+    const SeqChunk& ch = chunks[pieces[s].chunk];
+    if (ch.device_draft_row < 0) continue;
+    KILN_CHECK(mtp.carry && deferred_seqs_ > 0 && pieces[s].offset == 0 &&
+                   pieces[s].n_tokens == static_cast<int64_t>(ch.tokens.size()),
+               "forward: a chunk reads a deferred draft chain outside a whole carried pass");
+    for (int64_t k = 0; k < deferred_steps_; ++k) {
+      deferred_src.push_back(static_cast<int32_t>(k * deferred_seqs_ + ch.device_draft_row));
+      deferred_dst.push_back(static_cast<int32_t>(step.host_seq_token_begin[s] + 2 + k));
+      pass_deferred_out_.push_back(ch.device_draft_row * deferred_steps_ + k);
+    }
+  }
   // Every upload comes before the compute, in a fixed order: a replayed pass finds its inputs where the captured
   // one read them.
   // All of them in one host-to-device copy (I32Upload).
@@ -953,6 +1034,8 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       at_carry_rows = up.add(carry_slot_rows);
     }
   }
+  const int64_t at_dsrc = deferred_src.empty() ? -1 : up.add(deferred_src),
+                at_ddst = deferred_dst.empty() ? -1 : up.add(deferred_dst);
   up.upload(ops);
   bind_step(up, at_step, step);
   const TensorView id_view = up.view(at_ids, Shape{T});
@@ -968,6 +1051,11 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
       const int64_t R = static_cast<int64_t>(rows.size());
       mtp.carry_entry = up.view(at_carry, Shape{R});
       mtp.carry_slot_rows = up.view(at_carry_rows, Shape{R});
+    }
+    if (at_dsrc >= 0) {
+      const int64_t D = static_cast<int64_t>(deferred_src.size());
+      mtp.deferred_src = up.view(at_dsrc, Shape{D});
+      mtp.deferred_dst = up.view(at_ddst, Shape{D});
     }
   }
   const MtpPass* mtp_pass = has_mtp ? &mtp : nullptr;
@@ -996,6 +1084,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   GraphKey key{step.num_seqs, step.max_pages_per_seq, static_cast<int>(n_uniform), any_checkpoints};
   key.mrope = any_mrope;
   key.carry = mtp.carry;
+  key.deferred = static_cast<int>(deferred_src.size());
   const PassEmbeds* embeds = any_embeds ? &pass_embeds : nullptr;  // never in a graphable pass
   const TensorView out =
       run_graphed(graphable, key, [&] { return pass_body(step, id_view, row_ids, mtp_pass, embeds); });

@@ -77,7 +77,8 @@ class Runner : public ModelRunner {
   // With an MTP head on a runner that picks whole-vocabulary ids (not a tensor-parallel rank): see ModelRunner.
   bool can_carry_drafts() const override { return carry_rows_per_slot_ > 0; }
   void forward_argmax_carry(std::span<const SeqChunk> chunks, std::span<int32_t> tokens,
-                            std::span<int32_t> next_drafts) override;
+                            std::span<int32_t> next_drafts, std::span<int32_t> device_drafts = {}) override;
+  void draft_deferred(std::span<const DraftSeq> seqs, int steps) override;
   void draft(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens, std::span<float> logits) override;
   // A tensor-parallel rank's share of a draft (TpRunner::draft): the same chain, but each step's next tokens come from
   // pick(step, this rank's best global id and logit per sequence (NaN: none in its slice), out: the chosen ids), which
@@ -136,6 +137,9 @@ class Runner : public ModelRunner {
     bool carry = false;
     TensorView carry_entry;      // I32 [R]
     TensorView carry_slot_rows;  // I32 [R]
+    // Tokens from a deferred chain (SeqChunk::device_draft_row): D of them, their flat index in chain_ids_ and their
+    // pass token index; they are copied into the pass's ids before the embedding and returned after the 2 R ids.
+    TensorView deferred_src, deferred_dst;  // I32 [D] each
   };
   // A pass's input embeddings that replace token embeddings (SeqChunk::embeds): values F32 [R, H] for pass rows I32 [R].
   struct PassEmbeds {
@@ -152,8 +156,9 @@ class Runner : public ModelRunner {
                  const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // pass_body's end in a forward_argmax_carry pass: the target's logits and argmax, the head's entries (the carried
   // ones fed that argmax), the carried outputs kept and drafted from; returns I32 [2 R] (target ids, next drafts).
+  // deferred_got: the deferred chain's ids the pass read (I32 [D, 1]; empty: none), returned after the 2 R ids.
   TensorView carry_body(Forward& f, const MtpPass& mtp, const TensorView& normed_all, const TensorView& rows_all,
-                        const TensorView& row_ids);
+                        const TensorView& row_ids, const TensorView& deferred_got);
   void run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>& pieces,
                 const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // The compute of one pass after its uploads: embedding, layers, final norm and lm_head of `row_ids`.
@@ -198,8 +203,12 @@ class Runner : public ModelRunner {
                    const std::function<void(int, const TensorView&, std::span<int32_t>)>& next);
   // draft() without logits: each step's argmax stays on the device (Ops::argmax_rows_into) and feeds the next step, the
   // S x steps ids come back in one download, and the whole chain is captured and replayed as one graph per shape.
+  // defer: the ids stay in chain_ids_ for the next forward_argmax_carry (nothing is downloaded; tokens unused).
   void draft_device(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens,
-                    std::span<const int32_t> hidden_rows = {});
+                    std::span<const int32_t> hidden_rows = {}, bool defer = false);
+  // The chain after carried first drafts: the sequences one step on, and the carry rows their hidden states are in.
+  void carried_chain_inputs(std::span<const DraftSeq> seqs, std::vector<DraftSeq>& next,
+                            std::vector<int32_t>& hidden_rows) const;
   // draft() of sequences with carried first drafts (DraftSeq::carried_row): the first drafts as they are, then the
   // device chain of steps - 1 from the head outputs the carrying step kept.
   void draft_carried(std::span<const DraftSeq> seqs, int steps, std::span<int32_t> tokens);
@@ -218,6 +227,11 @@ class Runner : public ModelRunner {
   int64_t carry_rows_per_slot_ = 0;  // 0: no carrying (no head, or a tensor-parallel rank)
   int64_t carry_row0_ = 0;           // the carry region's first row in mtp_rows_
   bool carry_ = false;               // the passes running belong to a forward_argmax_carry call
+  // Where device draft chains leave their ids (I32 [kGraphMaxTokensPerSeq * slots]: step k's ids of S sequences at
+  // [k S, (k + 1) S)), and the chain draft_deferred left there for the next forward_argmax_carry (0 sequences: none).
+  TensorView chain_ids_;
+  int64_t deferred_seqs_ = 0, deferred_steps_ = 0;
+  std::vector<int64_t> pass_deferred_out_;  // the pass's deferred tokens: their index in device_drafts
   TraceFn trace_;
   // Captured passes, by shape: decode passes (one token and its logits per sequence) and speculative verify passes
   // (every sequence the same few tokens, all with logits, maybe keeping position checkpoints).
@@ -228,6 +242,7 @@ class Runner : public ModelRunner {
     int draft_steps = 0;
     bool mrope = false;  // three rope positions per token (sequences with images)
     bool carry = false;  // a forward_argmax_carry pass (its output: target and next-draft ids)
+    int deferred = 0;    // tokens read from a deferred draft chain
     auto operator<=>(const GraphKey&) const = default;
   };
   struct Graph {

@@ -329,12 +329,17 @@ void CpuOps::sigmoid_mul(const TensorView& x, const TensorView& g, TensorView ou
 
 void CpuOps::gather_rows(const TensorView& x, const TensorView& rows, TensorView out) {
   const int64_t R = rows.numel(), H = x.dim(1);
+  KILN_CHECK(x.dtype == out.dtype && (x.dtype == DType::F32 || x.dtype == DType::I32) && x.is_contiguous() &&
+                 out.is_contiguous(),
+             "gather_rows: x {} and out {} (both F32 or both I32, contiguous)", dtype_name(x.dtype),
+             dtype_name(out.dtype));
   const int32_t* r = i32_data(rows);
-  const float* px = f32_data(x);
-  float* o = f32_mut(out);
+  const char* px = static_cast<const char*>(x.data);
+  char* o = static_cast<char*>(out.data);
+  const size_t row_bytes = static_cast<size_t>(H) * 4;  // F32 and I32 rows alike: bytes as they are
   for (int64_t i = 0; i < R; ++i) {
     KILN_CHECK(r[i] >= 0 && r[i] < x.dim(0), "gather row {}", r[i]);
-    std::memcpy(o + i * H, px + r[i] * H, H * sizeof(float));
+    std::memcpy(o + i * row_bytes, px + r[i] * row_bytes, row_bytes);
   }
 }
 

@@ -940,10 +940,12 @@ void CudaOps::gather_rows(const TensorView& x, const TensorView& rows, TensorVie
   KILN_CHECK(x.ndim() == 2 && x.is_contiguous() && out.is_contiguous() && out.dim(0) == rows.numel() &&
                  out.numel() == rows.numel() * x.dim(1),
              "gather_rows x {} rows {} out {}", x.shape.str(), rows.shape.str(), out.shape.str());
-  expect_f32(x, "gather_rows x");
+  KILN_CHECK(x.dtype == out.dtype && (x.dtype == DType::F32 || x.dtype == DType::I32),
+             "gather_rows: x {} and out {} (both F32 or both I32)", dtype_name(x.dtype), dtype_name(out.dtype));
   expect_i32(rows, "gather_rows rows");
-  expect_f32(out, "gather_rows out");
-  kops::gather_rows(f32(x), x.dim(0), x.dim(1), i32(rows), rows.numel(), f32_mut(out), impl_->rt.stream());
+  // I32 rows (ids) move through the same kernel: it loads and stores 4-byte words without arithmetic.
+  kops::gather_rows(static_cast<const float*>(x.data), x.dim(0), x.dim(1), i32(rows), rows.numel(),
+                    static_cast<float*>(out.data), impl_->rt.stream());
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1607,15 +1607,19 @@ TEST(TinySpeculative, GreedyOutputsEqualPlainDecoding) {
   o.draft_length_for_step = [](int) { return 3; };
   // The trained head's own drafts, with the first draft of each step carried from the step before (the default) and
   // without: the same drafts (so the same acceptances), only where the head's first entry ran.
-  EngineMetricsSnapshot with_carry, without;
-  for (const bool carry : {true, false}) {
-    o.speculative_carry = carry;
+  // Carrying with the chain left on the device for the verify (the default), and without that, must agree too.
+  EngineMetricsSnapshot with_carry, without, not_deferred;
+  for (const int variant : {0, 1, 2}) {  // 0: carry + defer, 1: no carry, 2: carry without defer
+    o.speculative_carry = variant != 1;
+    o.speculative_defer_chain = variant != 2;
     Engine own(load(true), o);
     // Every request queued before the loop starts: the same steps in both runs (batching then depends on no timing).
-    EXPECT_EQ(run_all(own, prompts, 24, true, /*start_after_submit=*/true), ref) << "carry " << carry;
-    (carry ? with_carry : without) = own.metrics();
+    EXPECT_EQ(run_all(own, prompts, 24, true, /*start_after_submit=*/true), ref) << "variant " << variant;
+    (variant == 0 ? with_carry : variant == 1 ? without : not_deferred) = own.metrics();
   }
-  o.speculative_carry = true;
+  o.speculative_carry = o.speculative_defer_chain = true;
+  EXPECT_EQ(not_deferred.spec_draft_tokens_total, with_carry.spec_draft_tokens_total);
+  EXPECT_EQ(not_deferred.spec_accepted_tokens_total, with_carry.spec_accepted_tokens_total);
   EXPECT_GT(with_carry.spec_draft_tokens_total, 0u);
   EXPECT_GT(with_carry.spec_carried_drafts_total, 0u);
   EXPECT_EQ(without.spec_carried_drafts_total, 0u);

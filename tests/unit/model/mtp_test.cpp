@@ -555,6 +555,105 @@ TEST_F(MtpHead, CarriedDraftsEqualTheChain) {
   EXPECT_GT(accepted_total, verified / 2);  // the forced acceptances happened (some rounds accept none by design)
 }
 
+// draft_deferred: the chain after a carried first draft stays on the device and the next forward_argmax_carry reads
+// it into its verify chunks (SeqChunk::device_draft_row). Runner b drafts through the host (draft with carried first
+// drafts, the ids back, then a verify of [pending, drafts]); runner d defers (its chunks hold placeholders there).
+// Every round: the chain's ids that come back equal b's drafts, and the targets and next drafts are the same ids.
+TEST_F(MtpHead, DeferredChainEqualsTheHostChain) {
+  int rounds = 0;
+  for (int K : {2, 3}) {
+    const int S = 2;
+    backend::LoadOptions o = f32_kv();
+    o.state_slots = 8;
+    TestRunner b(mtp_dir_, o), d(mtp_dir_, o);
+    std::vector<int64_t> pos(S);
+    std::vector<int32_t> pending(S), first(S);
+    std::vector<int> carried(S, 0);
+    {
+      std::vector<model::SeqChunk> cb, cd;
+      for (int i = 0; i < S; ++i) {
+        const std::vector<int32_t>& prompt = fx_.prompts[static_cast<size_t>(i)].tokens;
+        cb.push_back(b.chunk(i, prompt, 0));
+        cd.push_back(d.chunk(i, prompt, 0));
+        pos[static_cast<size_t>(i)] = static_cast<int64_t>(prompt.size());
+      }
+      std::vector<int32_t> tb(S), nb(S), td(S), nd(S);
+      b.runner->forward_argmax_carry(cb, tb, nb);
+      d.runner->forward_argmax_carry(cd, td, nd);
+      ASSERT_EQ(tb, td);
+      ASSERT_EQ(nb, nd);
+      pending = tb;
+      first = nb;
+    }
+    for (int round = 0; round < 4; ++round, ++rounds) {
+      std::vector<model::DraftSeq> sb(S), sd;
+      for (int i = 0; i < S; ++i) {
+        model::DraftSeq& q = sb[static_cast<size_t>(i)];
+        q.state_slot = i;
+        q.token = pending[static_cast<size_t>(i)];
+        q.pos = pos[static_cast<size_t>(i)];
+        q.page_table = b.page_tables[static_cast<size_t>(i)];
+        q.carried_row = carried[static_cast<size_t>(i)];
+        q.first_draft = first[static_cast<size_t>(i)];
+      }
+      sd = sb;
+      for (int i = 0; i < S; ++i) sd[static_cast<size_t>(i)].page_table = d.page_tables[static_cast<size_t>(i)];
+      std::vector<int32_t> drafted(static_cast<size_t>(S * K));
+      b.runner->draft(sb, K, drafted, {});
+      d.runner->draft_deferred(sd, K);
+      std::vector<std::vector<int32_t>> vb(S), vd(S);
+      std::vector<model::SeqChunk> cb, cd;
+      for (int i = 0; i < S; ++i) {
+        vb[static_cast<size_t>(i)] = {pending[static_cast<size_t>(i)]};
+        vb[static_cast<size_t>(i)].insert(vb[static_cast<size_t>(i)].end(), drafted.begin() + i * K,
+                                          drafted.begin() + (i + 1) * K);
+        vd[static_cast<size_t>(i)].assign(static_cast<size_t>(K + 1), pending[static_cast<size_t>(i)]);
+        vd[static_cast<size_t>(i)][1] = first[static_cast<size_t>(i)];
+        model::SeqChunk x = b.chunk(i, vb[static_cast<size_t>(i)], pos[static_cast<size_t>(i)]);
+        model::SeqChunk y = d.chunk(i, vd[static_cast<size_t>(i)], pos[static_cast<size_t>(i)]);
+        x.logits_tokens = y.logits_tokens = K + 1;
+        x.checkpoint_positions = y.checkpoint_positions = true;
+        y.device_draft_row = i;
+        cb.push_back(x);
+        cd.push_back(y);
+      }
+      const size_t R = static_cast<size_t>(S * (K + 1));
+      std::vector<int32_t> tb(R), nb(R), td(R), nd(R), chain(static_cast<size_t>(S * (K - 1)), -1);
+      b.runner->forward_argmax_carry(cb, tb, nb);
+      d.runner->forward_argmax_carry(cd, td, nd, chain);
+      for (int i = 0; i < S; ++i)
+        for (int k = 0; k < K - 1; ++k)
+          EXPECT_EQ(chain[static_cast<size_t>(i * (K - 1) + k)], drafted[static_cast<size_t>(i * K + 1 + k)])
+              << "K " << K << " round " << round << " sequence " << i;
+      ASSERT_EQ(tb, td) << "K " << K << " round " << round;
+      ASSERT_EQ(nb, nd) << "K " << K << " round " << round;
+      std::vector<model::ModelRunner::VerifiedRow> rows;
+      for (int i = 0; i < S; ++i) {
+        int acc = 0;
+        while (acc < K && vb[static_cast<size_t>(i)][static_cast<size_t>(acc + 1)] ==
+                              tb[static_cast<size_t>(i * (K + 1) + acc)])
+          ++acc;
+        rows.push_back({i, acc + 1});
+        pending[static_cast<size_t>(i)] = tb[static_cast<size_t>(i * (K + 1) + acc)];
+        first[static_cast<size_t>(i)] = nb[static_cast<size_t>(i * (K + 1) + acc)];
+        carried[static_cast<size_t>(i)] = acc;
+        pos[static_cast<size_t>(i)] += acc + 1;
+      }
+      b.runner->keep_verified_rows(rows);
+      d.runner->keep_verified_rows(rows);
+    }
+  }
+  EXPECT_EQ(rounds, 8);
+  // Misuse: a chunk that reads a deferred chain when none is pending.
+  TestRunner r(mtp_dir_, f32_kv());
+  const std::vector<int32_t> v = {5, 6, 7};
+  model::SeqChunk ch = r.chunk(0, v, 0);
+  ch.logits_tokens = 3;
+  ch.device_draft_row = 0;
+  std::vector<int32_t> t(3), n(3);
+  EXPECT_THROW(r.runner->forward_argmax_carry({&ch, 1}, t, n), Error);
+}
+
 TEST(MtpHeadErrors, DraftWithoutAHeadFails) {
   const Fixture fx = Fixture::load(kFixture);
   TestRunner r(fx.model_dir, f32_kv());

@@ -601,8 +601,11 @@ struct SpecRun {
 
 // carry: the steps run forward_argmax_carry and each chain starts from the carried first draft (the engine's default
 // with greedy rows); no logits are kept then.
+// defer (with carry, K >= 2): the chain after the carried first draft stays on the device for the verify
+// (draft_deferred, SeqChunk::device_draft_row).
 SpecRun speculate(Engine& e, const std::vector<std::vector<int32_t>>& prompts, int K, int min_tokens,
-                  bool carry = false) {
+                  bool carry = false, bool defer = false) {
+  defer = defer && carry && K >= 2;
   const size_t n = prompts.size();
   const int64_t V = e.vocab;
   SpecRun r;
@@ -646,10 +649,19 @@ SpecRun speculate(Engine& e, const std::vector<std::vector<int32_t>>& prompts, i
       }
     }
     std::vector<int32_t> drafted(n * K);
-    e.runner->draft(seqs, K, drafted, {});
+    if (defer) {
+      e.runner->draft_deferred(seqs, K);
+      for (size_t i = 0; i < n; ++i) {
+        std::fill(drafted.begin() + i * K, drafted.begin() + (i + 1) * K, r.tokens[i].back());  // placeholders
+        drafted[i * K] = first[i];
+      }
+    } else {
+      e.runner->draft(seqs, K, drafted, {});
+    }
     for (size_t i = 0; i < n; ++i) {
       verify[i] = {r.tokens[i].back()};
       verify[i].insert(verify[i].end(), drafted.begin() + i * K, drafted.begin() + (i + 1) * K);
+      chunks[i].device_draft_row = defer ? static_cast<int>(i) : -1;
       chunks[i].tokens = verify[i];
       chunks[i].start_pos = pos[i];
       chunks[i].logits_tokens = K + 1;
@@ -657,7 +669,10 @@ SpecRun speculate(Engine& e, const std::vector<std::vector<int32_t>>& prompts, i
     }
     std::vector<float> logits(carry ? 0 : n * (K + 1) * V);
     if (carry) {
-      e.runner->forward_argmax_carry(chunks, ids, next);
+      std::vector<int32_t> chain(defer ? n * (K - 1) : 0);
+      e.runner->forward_argmax_carry(chunks, ids, next, chain);
+      for (size_t i = 0; defer && i < n; ++i)  // the chain's drafts, as the verify read them
+        for (int k = 0; k + 1 < K; ++k) verify[i][static_cast<size_t>(k) + 2] = chain[i * (K - 1) + k];
     } else {
       e.runner->forward(chunks, logits);
       r.verify_logits.push_back(logits);
@@ -736,8 +751,9 @@ void check_speculative_graphs(bool pdl) {
     // first entry, which ran in a pass of K + 2 entries instead of one).
     Engine ceager(std::make_unique<CudaOps>(), dir, DType::F32, 12, 256, model::LoadFormat::safetensors, 0, true);
     Engine cgraphed(std::make_unique<CudaOps>(go), dir, DType::F32, 12, 256, model::LoadFormat::safetensors, 256, true);
-    const SpecRun c = speculate(ceager, prompts, K, kTokens, /*carry=*/true);
-    const SpecRun d = speculate(cgraphed, prompts, K, kTokens, /*carry=*/true);
+    // K = 3: the chain after the first draft stays on the device for the verify (draft_deferred), as the engine runs it.
+    const SpecRun c = speculate(ceager, prompts, K, kTokens, /*carry=*/true, /*defer=*/true);
+    const SpecRun d = speculate(cgraphed, prompts, K, kTokens, /*carry=*/true, /*defer=*/true);
     for (size_t i = 0; i < prompts.size(); ++i) {
       const size_t n = std::min(c.tokens[i].size(), want.tokens[i].size());
       EXPECT_EQ(std::vector<int32_t>(c.tokens[i].begin(), c.tokens[i].begin() + n),

@@ -23,9 +23,13 @@
 //     a grammar, sampling with logprobs, min_tokens not reached yet, a boundary snapshot planned this step) and no
 //     more than its free KV pages, max_tokens and the context allow; prefill rows are plain;
 //   - draft (a phase before forward): the MTP head drafts k greedy tokens per row (ModelRunner::draft); the row's
-//     chunk becomes the verify chunk [pending, d_1 .. d_k] with logits for all k + 1 positions;
+//     chunk becomes the verify chunk [pending, d_1 .. d_k] with logits for all k + 1 positions. After a greedy step
+//     that carried (forward_argmax_carry, below) d_1 is already known and the chain runs k - 1 steps; when that is
+//     the step's one chain, its ids stay on the device (draft_deferred) and forward fills them into the rows;
 //   - forward: a runner with position checkpoints keeps the state after each verify token (the chunks'
-//     checkpoint_positions); otherwise each drafting row's recurrent state is checkpointed (save_state) first;
+//     checkpoint_positions); otherwise each drafting row's recurrent state is checkpointed (save_state) first. A
+//     greedy step on a runner that can also runs the head's entry after each row's argmax (forward_argmax_carry), so
+//     keep_carried_drafts can hand each sequence the first draft of its next step;
 //   - choose_speculative accepts by engine/speculative.h's rules: greedy rows while d_j is the target's argmax,
 //     then the target's token (host rows through the sampler, so logprobs are the target's); sampling rows by
 //     rejection sampling against the sampler's filtered distribution, with uniforms from the sequence's own seeded

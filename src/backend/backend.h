@@ -52,6 +52,9 @@ struct GpuLoadOptions {
   bool pdl = true;  // programmatic dependent launch inside captured steps (cuda::CudaOptions::pdl; --disable-pdl)
   // The fused small ops of decode steps (cuda::CudaOptions::fused_decode_ops; --disable-fused-decode-ops).
   bool fused_decode_ops = true;
+  // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
+  // --disable-delta-rule-tensor-cores).
+  bool delta_rule_tensor_cores = true;
   // Captured gemv launches prefetch their weights into L2 before the PDL wait (cuda::CudaOptions::weight_prefetch;
   // --enable-weight-prefetch, experimental).
   bool weight_prefetch = false;

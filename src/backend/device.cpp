@@ -186,6 +186,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.recurrent_state_bf16 = k.mamba_ssm_dtype == "bfloat16";
   c.pdl = o.gpu.pdl;
   c.fused_decode_ops = o.gpu.fused_decode_ops;
+  c.delta_rule_tensor_cores = o.gpu.delta_rule_tensor_cores;
   c.weight_prefetch = o.gpu.weight_prefetch;
   return c;
 }

@@ -18,6 +18,7 @@ struct GpuFlags {
   bool disable_cuda_graph_verify = false;  // gpu.cuda_graph_verify = !this
   bool disable_pdl = false;                // !gpu.pdl
   bool disable_fused_decode_ops = false;   // !gpu.fused_decode_ops
+  bool disable_delta_rule_tensor_cores = false;  // !gpu.delta_rule_tensor_cores
   bool enable_weight_prefetch = false;     // gpu.weight_prefetch
 };
 
@@ -80,6 +81,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   app.add_flag("--disable-fused-decode-ops", f.disable_fused_decode_ops,
                "cuda: run the attention q/k norm + rotary prologue, the gated down / output projections and the "
                "DeltaNet output norm as separate kernels (default: fused, one launch each; the same arithmetic)");
+  app.add_flag("--disable-delta-rule-tensor-cores", f.disable_delta_rule_tensor_cores,
+               "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
+               "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "
+               "bfloat16)");
   app.add_flag("--enable-weight-prefetch", f.enable_weight_prefetch,
                "cuda, experimental: with programmatic dependent launch, each block of the decode gemv kernels first "
                "asks L2 to prefetch its weight rows, so they stream while the previous kernel finishes (measured no "
@@ -96,6 +101,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu.cuda_graph_verify = !f.disable_cuda_graph_verify;
   lo.gpu.pdl = !f.disable_pdl;
   lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
+  lo.gpu.delta_rule_tensor_cores = !f.disable_delta_rule_tensor_cores;
   lo.gpu.weight_prefetch = f.enable_weight_prefetch;
 }
 

@@ -287,9 +287,13 @@ std::string CudaOps::describe() const {
           ? fmt::format("flash-style on tensor cores ({}; head_dim % 4 != 0: fp32 CUDA cores)",
                         bf16 ? "q, k, p, v rounded to bf16" : "q, k, p, v in 3 bf16 parts")
           : std::string("fp32 CUDA cores"),
-      o.delta_rule == CudaOptions::DeltaRule::chunked
-          ? "chunks of 64 tokens wherever supported [every step]"
-          : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
+      fmt::format("{}; the chunks' matrix products {}",
+                  o.delta_rule == CudaOptions::DeltaRule::chunked
+                      ? "chunks of 64 tokens wherever supported [every step]"
+                      : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
+                  !o.delta_rule_tensor_cores ? "on fp32 CUDA cores [--disable-delta-rule-tensor-cores]"
+                  : bf16                     ? "on tensor cores (tf32 mma, inputs rounded once to tf32)"
+                                             : "on tensor cores (tf32 mma, inputs in 2 tf32 parts, 3 mmas)"),
       o.recurrent_state_bf16 ? "bf16 (fp32 maths, rounded to nearest even on store)" : "fp32");
 }
 
@@ -1216,7 +1220,8 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
   KILN_CHECK(!(chunked && (raw_gates || norm)),
              "gated_delta_rule: the chunked form reads computed gates and has no fused output norm");
   kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), state_ref, Hk, Hv, Dk, Dv, ldq, ldk, ldv,
-                         step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked, raw_gates, norm);
+                         step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked, raw_gates, norm,
+                         impl_->options.delta_rule_tf32_parts());
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -82,6 +82,13 @@ struct CudaOptions {
   // every step where it serves the head sizes. No flag: the tests check the chunked kernel on every step shape.
   enum class DeltaRule { by_step, chunked };
   DeltaRule delta_rule = DeltaRule::by_step;
+  // The chunked delta rule's three matrix products (phase 1's k.k / q.k / k S / q S, P V and the state update) on
+  // tensor cores (deltanet_chunked.cu: mma.sync m16n8k8 with tf32 inputs, mma_parts() tf32 parts: 3 under float32,
+  // fp32-class accuracy; 1 under bfloat16, each input rounded once to tf32), or on the fp32 CUDA-core kernel
+  // (`--disable-delta-rule-tensor-cores`). The triangular solve, gates and decays are fp32 CUDA-core work either way.
+  bool delta_rule_tensor_cores = true;
+  // The chunked kernel's tf32_parts (kernels.h gated_delta_rule_chunked): 0 for the CUDA-core kernel.
+  int delta_rule_tf32_parts() const { return delta_rule_tensor_cores ? mma_parts() : 0; }
   // --mamba-ssm-dtype: the DeltaNet recurrent state slots in bf16 (half the bytes the delta rule streams per step and
   // the memory plan reserves) instead of fp32. The kernels still update the state in fp32 registers and round it once,
   // to nearest even, when they store it. On by default under --dtype bfloat16 (backend/device.h).

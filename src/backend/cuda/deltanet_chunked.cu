@@ -1,7 +1,18 @@
 // The gated delta rule in chunks of 64 tokens (the UT-transform form of transformers' torch_chunk_gated_delta_rule,
 // as cpu_delta_rule.cpp's chunked_head), for prefill. A block per (sequence, value head, DVT value columns) walks
-// its sequence's chunks in order, holding its [Dk, DVT] slice of the state S in shared memory. fp32 FMA on the CUDA
-// cores, accurate expf, no fast-math.
+// its sequence's chunks in order, holding its [Dk, DVT] slice of the state S in shared memory. Accurate expf, no
+// fast-math. Two forms of the same kernel (template PARTS = tf32_parts):
+//  - PARTS 0: everything in fp32 FMA on the CUDA cores.
+//  - PARTS 1 / 3: phases 1, 4 and 5 (the matrix products, ~90% of the FMA form's arithmetic at Dk 128) as
+//    mma.sync m16n8k8 with tf32 inputs and fp32 accumulation, issued by all 8 warps with fragments read from the
+//    same fp32 shared buffers and converted in registers: 3 parts split each input into tf32 hi + lo (3 mmas per
+//    product, fp32-class accuracy), 1 part rounds it once (--dtype bfloat16). The tiles are deltanet_chunked_tiles.h's
+//    (every warp the same number of mmas per phase; checked by a host emulation). The solve, gates and decays stay
+//    fp32 FMA, as the PARTS 0 form. Shared memory: kqs and vx / o rows 4 floats wider (bank-conflict-free fragment
+//    loads; Layout), 5 KB more at Dk 128, within the same per-block limits.
+//    Expected (not yet measured): the products stop being the bound: at Dk 128 the FMA form spends ~2.5 ms per
+//    layer of an 8192-token pass (~16 TFLOP/s); at 3 parts the mma work is ~3x the FMA count at tensor-core rate,
+//    so the kernel should become bound by the solve's barrier-separated steps and global memory, about 2-3x faster.
 //
 // Per chunk of m <= 64 tokens (rows m..63 are zero-padded: k = q = v = beta = g = 0, so they add nothing), with
 // cs_i = g_0 + ... + g_i summed in token order as the CPU does:
@@ -15,7 +26,7 @@
 // A, P and the solve depend on k, q and the gates only; every DVT tile of a head recomputes them (the price of
 // spreading a head over Dv / DVT blocks, which the short-sequence cases need to fill the GPU).
 //
-// 256 threads, one block per SM (97 .. 220 KB of shared memory), 8 barriers per chunk. The next chunk's k, q, v
+// 256 threads, one block per SM (97 .. 225 KB of shared memory), 8 barriers per chunk. The next chunk's k, q, v
 // travel global -> shared by cp.async while this chunk is solved (k and v double-buffered), so only the first
 // chunk waits for memory. Every shared buffer is written and read in barrier-separated steps; the host emulation
 // that checked this ran each interval's threads in forward, reverse and random order with identical results.
@@ -23,7 +34,10 @@
 // the final state is written back; the chunks in between update the fp32 copy in shared memory.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/deltanet_chunked_tiles.h"
 #include "backend/cuda/device.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
@@ -32,39 +46,7 @@
 namespace kiln::cuda::ops {
 namespace {
 
-constexpr int kChunk = 64;     // tokens per chunk, as the CPU form
-constexpr int kThreads = 256;  // 8 warps; every thread mapping below is written for exactly this
-constexpr int kSub = 16;       // rows of the diagonal blocks of the triangular solve
-
-// Shared memory of one block, in floats. Row strides are multiples of 4 (float4 rows). kqs's stride is 4 mod 32:
-// the loader's transposed copies (8 key dims x 4 tokens per warp) and phase 5's float4 reads of 8 consecutive rows
-// then hit 32 distinct banks. k and v are double-buffered (chunk ci uses set ci & 1) so that the next chunk's copies
-// run while this chunk still reads them; q is read by phase 1 alone and needs one buffer.
-template <int DK, int DVT>
-struct Layout {
-  static_assert(DK == 32 || DK == 64 || DK == 128, "key dim tile");
-  static_assert(DVT == 32 || DVT == 64, "value column tile");
-  // kqs row d: k[0..64)[d] of set 0, q[0..64)[d], k[0..64)[d] of set 1, S[d][0..DVT), pad
-  static constexpr int q_col = kChunk;
-  static constexpr int s_col = 3 * kChunk;
-  static constexpr int ldk = s_col + DVT + 4;
-  static constexpr int lda = kChunk + 4;           // rows of a, p
-  static constexpr int ldv = DVT + 4;              // rows of vx, o
-  static constexpr int kqs = 0;                    // [DK][ldk]
-  static constexpr int a = kqs + DK * ldk;         // [64][lda] A; its blocks left of the diagonal become M_b
-  static constexpr int p = a + kChunk * lda;       // [64][lda] P
-  static constexpr int vx = p + kChunk * lda;      // [2][64][ldv] v, then X, then Z, then V
-  static constexpr int o = vx + 2 * kChunk * ldv;  // [64][ldv] O
-  static constexpr int tbb = o + kChunk * ldv;     // [4][16][16] (I + A_bb)^-1, zeros above the diagonal
-  static constexpr int cs = tbb + 4 * kSub * kSub; // [2][64] cumulative log-decay: chunk ci uses half ci & 1
-  static constexpr int graw = cs + 2 * kChunk;     // [64] the next chunk's g
-  static constexpr int beta = graw + kChunk;       // [64]
-  static constexpr int dec = beta + kChunk;        // [64] e^(cs_last - cs_i)
-  static constexpr int floats = dec + kChunk;
-  static constexpr size_t bytes = size_t(floats) * sizeof(float);
-  static_assert(ldk % 32 == 4, "kqs stride must be 4 mod 32 (bank spread)");
-  static constexpr int k_col(int set) { return set ? 2 * kChunk : 0; }
-};
+using namespace delta_chunked;  // kChunk, kThreads, kSub, Layout and the tensor-core tiling (deltanet_chunked_tiles.h)
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
@@ -88,11 +70,11 @@ __device__ __forceinline__ void wait_copies() {
 // chunk's m tokens, Dk and Dv. Element n of a thread: key dim d = 8 * (tile % (DK / 8)) + lane % 8, token
 // i = 4 * (tile / (DK / 8)) + lane / 8 with tile = warp + 8 n: a warp reads 4 tokens x 32 contiguous bytes and
 // writes kqs[d][i] to 32 distinct banks.
-template <int DK, int DVT>
+template <int DK, int DVT, bool TC>
 __device__ __forceinline__ void copy_chunk(float* sm, int set, const float* __restrict__ qn,
                                            const float* __restrict__ kn, const float* __restrict__ vp, int tok, int m,
                                            int kh, int Hk, int Dk, int h, int Dv, int64_t ldv, int col0, int tid) {
-  using L = Layout<DK, DVT>;
+  using L = Layout<DK, DVT, TC>;
   const int warp = tid >> 5, lane = tid & 31, kc = L::k_col(set);
 #pragma unroll 4
   for (int n = 0; n < DK / 4; ++n) {
@@ -124,18 +106,18 @@ __device__ __forceinline__ Gates load_gates(const float* __restrict__ g, const f
   const float gv = g[off], bv = beta[off];
   return {i < m ? gv : 0.0f, i < m ? bv : 0.0f};
 }
-template <int DK, int DVT>
+template <int DK, int DVT, bool TC>
 __device__ __forceinline__ void store_gates(float* sm, Gates x, int i) {
-  using L = Layout<DK, DVT>;
+  using L = Layout<DK, DVT, TC>;
   sm[L::graw + i] = x.g;
   sm[L::beta + i] = x.beta;
 }
 
 // Cumulative log-decay of a chunk, one thread, in token order: the exact sums of the CPU's chunked_head. Padded
 // tokens have g = 0, so cs[63] = cs[m - 1].
-template <int DK, int DVT>
+template <int DK, int DVT, bool TC>
 __device__ __forceinline__ void cumulative_decay(float* sm, int half) {
-  using L = Layout<DK, DVT>;
+  using L = Layout<DK, DVT, TC>;
   float cum = 0.0f;
   for (int i = 0; i < kChunk; ++i) {
     cum += sm[L::graw + i];
@@ -229,9 +211,9 @@ __device__ __forceinline__ void chunk_products(float* sm, int set, const float* 
 // T_bb = (I + A_bb)^-1 for diagonal block b = tid / 16, column c = tid % 16 (threads 0..63): forward substitution
 // on e_c, written right-looking (x_j known, then subtracted from every later row) so that the rows' updates
 // overlap; each x_r still sums its terms in the order j = 0, 1, ..., r - 1. Rows above c come out exactly zero.
-template <int DK, int DVT>
+template <int DK, int DVT, bool TC>
 __device__ __forceinline__ void diagonal_inverse(float* sm, int tid) {
-  using L = Layout<DK, DVT>;
+  using L = Layout<DK, DVT, TC>;
   const int b = tid >> 4, c = tid & 15;
   const float* ab = sm + L::a + kSub * b * L::lda + kSub * b;
   float x[kSub];
@@ -268,13 +250,236 @@ __device__ __forceinline__ void apply_block_inverse(float* col, int ld, const fl
   }
 }
 
-template <int DK, int DVT>
+// ---- the tensor-core products (tf32_parts 1 or 3): phases 1, 4 and 5 as mma.m16n8k8 with tf32 inputs and fp32
+// accumulation, every fragment read from the fp32 shared buffers and converted in registers. The tiles of each warp
+// and the fragment layout are deltanet_chunked_tiles.h's (checked there by a host emulation).
+
+// A value at a tensor-core input: hi = tf32(x) and, with 3 parts, lo = tf32(x - hi) (hi + lo carry 22 of x's 24
+// significant bits).
+template <int PARTS>
+struct Tf32 {
+  uint32_t hi, lo;
+};
+template <int PARTS>
+__device__ __forceinline__ Tf32<PARTS> split_tf32(float x) {
+  Tf32<PARTS> r;
+  r.hi = ptx::to_tf32(x);
+  r.lo = PARTS == 3 ? ptx::to_tf32(x - __uint_as_float(r.hi)) : 0u;
+  return r;
+}
+
+// d += a b over one 16 x 8 x 8 step: hi hi with 1 part; lo hi + hi lo + hi hi with 3 (the small terms first; lo lo,
+// ~2^-22 of the product, is dropped), all into the same fp32 accumulator.
+template <int PARTS>
+__device__ __forceinline__ void mma_step(float (&d)[4], const Tf32<PARTS> (&a)[4], const Tf32<PARTS> (&b)[2]) {
+  const uint32_t ah[4] = {a[0].hi, a[1].hi, a[2].hi, a[3].hi};
+  if constexpr (PARTS == 3) {
+    const uint32_t al[4] = {a[0].lo, a[1].lo, a[2].lo, a[3].lo};
+    ptx::mma_tf32_1688(d, al, b[0].hi, b[1].hi);
+    ptx::mma_tf32_1688(d, ah, b[0].lo, b[1].lo);
+  }
+  ptx::mma_tf32_1688(d, ah, b[0].hi, b[1].hi);
+}
+
+// Phase 1 on tensor cores for one warp: its 5 key tiles and DVT / 8 state tiles of G (p1_tile), then the same gating
+// into A / P / X / O as chunk_products, element by element at the accumulator fragment's coordinates.
+template <int DK, int DVT, int PARTS>
+__device__ __forceinline__ void chunk_products_tc(float* sm, int set, const float* cs, int warp, int lane) {
+  using L = Layout<DK, DVT, true>;
+  constexpr int NJ = p1_tiles(DVT);
+  const int row_x = p1_row_x(warp), row_y = p1_row_y(warp);
+  float acc[NJ][4];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+#pragma unroll 2
+  for (int k0 = 0; k0 < DK; k0 += 8) {
+    Tf32<PARTS> ax[4], ay[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Coord f = a_frag(lane, e);
+      ax[e] = split_tf32<PARTS>(sm[p1_a_offset<L>(set, row_x + f.row, k0 + f.col)]);
+    }
+    if (row_y != row_x) {  // warp-uniform
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const Coord f = a_frag(lane, e);
+        ay[e] = split_tf32<PARTS>(sm[p1_a_offset<L>(set, row_y + f.row, k0 + f.col)]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ay[e] = ax[e];
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const Tile t = p1_tile(warp, j);
+      const bool y = p1_uses_y(warp, j);
+      Tf32<PARTS> a[4], b[2];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = y ? ay[e] : ax[e];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const Coord f = b_frag(lane, e);
+        b[e] = split_tf32<PARTS>(sm[p1_b_offset<L>(set, k0 + f.row, t.col + f.col)]);
+      }
+      mma_step<PARTS>(acc[j], a, b);
+    }
+  }
+
+  // Gating, as chunk_products: selects, never multiplications, for the masks.
+  float* vx = sm + L::vx + set * kChunk * L::ldv;
+  float* o = sm + L::o;
+  const float* beta = sm + L::beta;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const Tile t = p1_tile(warp, j);
+    const bool is_q = t.row >= kChunk;  // tile-uniform, as is key vs state column
+    float* ap = sm + (is_q ? L::p : L::a);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // accumulators 2 h, 2 h + 1: one row, two adjacent columns
+      const Coord f = c_frag(lane, 2 * h);
+      const int i = (t.row + f.row) & (kChunk - 1), col = t.col + f.col;
+      const float ci = cs[i], bi = beta[i], g0 = acc[j][2 * h], g1 = acc[j][2 * h + 1];
+      if (col < kChunk) {  // key columns j: P (q rows) or A (k rows)
+        float r[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int jj = col + u;
+          const float decayed = (u ? g1 : g0) * expf(ci - cs[jj]);
+          r[u] = is_q ? (jj <= i ? decayed : 0.0f) : (jj < i ? bi * decayed : 0.0f);
+        }
+        *reinterpret_cast<float2*>(ap + i * L::lda + col) = make_float2(r[0], r[1]);
+      } else if (is_q) {  // state columns, q rows: O
+        const float ei = expf(ci);
+        *reinterpret_cast<float2*>(o + i * L::ldv + col - kChunk) = make_float2(ei * g0, ei * g1);
+      } else {  // state columns, k rows: X, in place of v
+        const float ei = expf(ci);
+        float2* x = reinterpret_cast<float2*>(vx + i * L::ldv + col - kChunk);
+        const float2 vv = *x;
+        *x = make_float2(bi * (vv.x - ei * g0), bi * (vv.y - ei * g1));
+      }
+    }
+  }
+  // Key columns right of row tile x's last needed tile are zero (no reader looks there; A and P stay what their
+  // names say). Every row tile is one warp's x.
+  {
+    const int first = p1_first_unneeded_col(row_x), width = kChunk - first;
+    float* z = sm + (row_x >= kChunk ? L::p : L::a) + (row_x & (kChunk - 1)) * L::lda + first;
+    for (int e = lane; e < 16 * width; e += 32) z[(e / width) * L::lda + e % width] = 0.0f;
+  }
+}
+
+// Phase 4 on tensor cores: out = O + P V for the warp's 2 row tiles x DVT / 32 column tiles (p4_tile), rows < m and
+// columns < `cols` stored to out0 (the chunk's row 0 at this block's first column; rows ld elements apart).
+template <int DK, int DVT, int PARTS>
+__device__ __forceinline__ void chunk_output_tc(const float* sm, int set, int warp, int lane, float* out0, int64_t ld,
+                                                int m, int cols) {
+  using L = Layout<DK, DVT, true>;
+  constexpr int NU = p4_col_tiles(DVT);
+  float acc[2][NU][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      const Tile t = p4_tile(warp, mi, u);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const Coord f = c_frag(lane, e);
+        acc[mi][u][e] = sm[p4_o_offset<L>(t.row + f.row, t.col + f.col)];
+      }
+    }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+    const int row = p4_tile(warp, mi, 0).row, kend = p4_k_end(row);  // P is zero right of the row tile's end
+#pragma unroll 2
+    for (int k0 = 0; k0 < kend; k0 += 8) {
+      Tf32<PARTS> a[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const Coord f = a_frag(lane, e);
+        a[e] = split_tf32<PARTS>(sm[p4_a_offset<L>(row + f.row, k0 + f.col)]);
+      }
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        const Tile t = p4_tile(warp, mi, u);
+        Tf32<PARTS> b[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const Coord f = b_frag(lane, e);
+          b[e] = split_tf32<PARTS>(sm[v_offset<L>(set, k0 + f.row, t.col + f.col)]);
+        }
+        mma_step<PARTS>(acc[mi][u], a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      const Tile t = p4_tile(warp, mi, u);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const Coord f = c_frag(lane, e);
+        const int i = t.row + f.row, c = t.col + f.col;
+        if (i < m && c < cols) out0[int64_t(i) * ld + c] = acc[mi][u][e];
+      }
+    }
+}
+
+// Phase 5 on tensor cores: S = e^cs_last S + K' V for the warp's row tile x p5_col_tiles column tiles (p5_tile);
+// K' is the k set scaled by e^(cs_last - cs_i). Each S element is read and written by the one lane that owns it.
+template <int DK, int DVT, int PARTS>
+__device__ __forceinline__ void state_update_tc(float* sm, int set, float decay, int warp, int lane) {
+  using L = Layout<DK, DVT, true>;
+  constexpr int NT = p5_col_tiles(DK, DVT);
+  const int row = p5_tile(warp, 0, DK, DVT).row;
+  float acc[NT][4];
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[u][e] = 0.0f;
+#pragma unroll 2
+  for (int k0 = 0; k0 < kChunk; k0 += 8) {
+    Tf32<PARTS> a[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Coord f = a_frag(lane, e);
+      a[e] = split_tf32<PARTS>(sm[p5_a_offset<L>(set, row + f.row, k0 + f.col)]);
+    }
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+      const Tile t = p5_tile(warp, u, DK, DVT);
+      Tf32<PARTS> b[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const Coord f = b_frag(lane, e);
+        b[e] = split_tf32<PARTS>(sm[v_offset<L>(set, k0 + f.row, t.col + f.col)]);
+      }
+      mma_step<PARTS>(acc[u], a, b);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < NT; ++u) {
+    const Tile t = p5_tile(warp, u, DK, DVT);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Coord f = c_frag(lane, e);
+      float* sp = sm + p5_s_offset<L>(t.row + f.row, t.col + f.col);
+      *sp = fmaf(*sp, decay, acc[u][e]);
+    }
+  }
+}
+
+template <int DK, int DVT, int PARTS>
 __global__ void __launch_bounds__(kThreads, 1)
     delta_rule_chunked_kernel(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ v,
                               const float* __restrict__ g, const float* __restrict__ beta, DeltaStateRef state,
                               int Hk, int Hv, int Dk, int Dv, int64_t ldv, StepArgs step, float* __restrict__ out) {
   dev::pdl_enter();  // first statement: see launch.cuh
-  using L = Layout<DK, DVT>;
+  constexpr bool TC = PARTS > 0;  // the tensor-core layout (Layout's strides)
+  using L = Layout<DK, DVT, TC>;
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
   float* kqs = sm + L::kqs;
@@ -288,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Chunk 0's inputs and the state slice (zero outside Dk x Dv), then chunk 0's cumulative decay. An fp32 state
   // travels by cp.async; a bf16 one through registers, widened to fp32 (visible after the barrier below).
-  copy_chunk<DK, DVT>(sm, 0, qn, kn, v, tok0, imin(kChunk, n), kh, Hk, Dk, h, Dv, ldv, col0, tid);
+  copy_chunk<DK, DVT, TC>(sm, 0, qn, kn, v, tok0, imin(kChunk, n), kh, Hk, Dk, h, Dv, ldv, col0, tid);
 #pragma unroll 4
   for (int n2 = 0; n2 < DK * DVT / kThreads; ++n2) {
     const int e = tid + kThreads * n2, d = e / DVT, c = e % DVT, col = col0 + c;
@@ -299,10 +504,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     else
       copy_async(kqs + d * L::ldk + L::s_col + c, static_cast<const float*>(state.data) + at, ok);
   }
-  if (tid < kChunk) store_gates<DK, DVT>(sm, load_gates(g, beta, tok0, imin(kChunk, n), h, Hv, tid), tid);
+  if (tid < kChunk) store_gates<DK, DVT, TC>(sm, load_gates(g, beta, tok0, imin(kChunk, n), h, Hv, tid), tid);
   wait_copies();
   __syncthreads();
-  if (tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, 0);
+  if (tid == kThreads - 1) cumulative_decay<DK, DVT, TC>(sm, 0);
 
   int ci = 0;
   for (int c0 = 0; c0 < n; c0 += kChunk, ++ci) {
@@ -317,7 +522,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // k set `set`, q, S, vx `set`, beta and cs hold this chunk
 
     // ---- phase 1: A, P, X, O; and e^(cs_last - cs_i) for phase 5
-    if (warp < 4)
+    if constexpr (PARTS > 0)
+      chunk_products_tc<DK, DVT, PARTS>(sm, set, cs, warp, lane);
+    else if (warp < 4)
       chunk_products<DK, DVT, true>(sm, set, cs, warp, lane);
     else
       chunk_products<DK, DVT, false>(sm, set, cs, warp, lane);
@@ -327,11 +534,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- the next chunk's copies start (q is free now; k and v go to the other set), waited for at the end of
     // this chunk. Diagonal inverses; the next chunk's gates; this chunk's k scaled by e^(cs_last - cs_i), which
     // phase 5 alone reads from here on.
-    if (has_next) copy_chunk<DK, DVT>(sm, set ^ 1, qn, kn, v, next_tok, next_m, kh, Hk, Dk, h, Dv, ldv, col0, tid);
+    if (has_next) copy_chunk<DK, DVT, TC>(sm, set ^ 1, qn, kn, v, next_tok, next_m, kh, Hk, Dk, h, Dv, ldv, col0, tid);
     if (warp < 2) {
-      diagonal_inverse<DK, DVT>(sm, tid);
+      diagonal_inverse<DK, DVT, TC>(sm, tid);
     } else if (warp < 4) {
-      if (has_next) store_gates<DK, DVT>(sm, next_gates, tid - 64);
+      if (has_next) store_gates<DK, DVT, TC>(sm, next_gates, tid - 64);
     } else {
 #pragma unroll 4
       for (int n2 = 0; n2 < DK / 2; ++n2) {
@@ -354,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           apply_block_inverse(am + kSub * b * L::lda + j, L::lda, sm + L::tbb + b * kSub * kSub);
         }
       }
-      if (has_next && tid == kThreads - 1) cumulative_decay<DK, DVT>(sm, set ^ 1);
+      if (has_next && tid == kThreads - 1) cumulative_decay<DK, DVT, TC>(sm, set ^ 1);
     }
     __syncthreads();
 
@@ -380,9 +587,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
     }
 
-    // ---- phase 4: out = O + P V. Warp w owns rows 8w .. 8w + 7 (P is zero right of the diagonal, so j stops at
-    // 8w + 8); a thread 8 / (32 / (DVT / 4)) rows x 4 columns.
-    {
+    // ---- phase 4: out = O + P V. On tensor cores: chunk_output_tc. On the CUDA cores: warp w owns rows 8w .. 8w + 7
+    // (P is zero right of the diagonal, so j stops at 8w + 8); a thread 8 / (32 / (DVT / 4)) rows x 4 columns.
+    if constexpr (PARTS > 0) {
+      chunk_output_tc<DK, DVT, PARTS>(sm, set, warp, lane, out + (int64_t(tok0 + c0) * Hv + h) * Dv + col0,
+                                      int64_t(Hv) * Dv, m, Dv - col0);
+    } else {
       constexpr int NCG = DVT / 4, RGW = 32 / NCG, TR = 8 / RGW;
       const int cg = lane % NCG, rl = lane / NCG;
       const float* pm = sm + L::p;
@@ -427,9 +637,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // ---- phase 5: S = e^cs_last S + (k e^(cs_last - cs))^T V, no barrier after phase 4: it reads neither S nor k.
-    // Warps tile (8 TD key dims) x (16 value columns); a thread owns key dims 8 TD wd + 8 r + lane % 8 (r < TD),
-    // so each float4 read of k covers 8 consecutive kqs rows, and 4 columns.
-    {
+    // On tensor cores: state_update_tc. On the CUDA cores: warps tile (8 TD key dims) x (16 value columns); a thread
+    // owns key dims 8 TD wd + 8 r + lane % 8 (r < TD), so each float4 read of k covers 8 consecutive kqs rows, and 4
+    // columns.
+    if constexpr (PARTS > 0) {
+      state_update_tc<DK, DVT, PARTS>(sm, set, expf(cs[kChunk - 1]), warp, lane);
+    } else {
       constexpr int WC = DVT / 16, WD = 8 / WC, TD = DK / (8 * WD);
       static_assert(TD >= 1 && TD * 8 * WD == DK, "phase 5 tiling");
       const int dl = lane & 7, c = 16 * (warp / WD) + 4 * (lane >> 3), dbase = 8 * TD * (warp % WD) + dl;
@@ -483,17 +696,21 @@ namespace {
 
 int key_tile(int64_t Dk) { return Dk <= 32 ? 32 : (Dk <= 64 ? 64 : 128); }
 
-size_t shared_bytes(int dk, int dvt) {
+template <bool TC>
+size_t layout_bytes(int dk, int dvt) {
   switch (dk * 1000 + dvt) {
-    case 32032: return Layout<32, 32>::bytes;
-    case 32064: return Layout<32, 64>::bytes;
-    case 64032: return Layout<64, 32>::bytes;
-    case 64064: return Layout<64, 64>::bytes;
-    case 128032: return Layout<128, 32>::bytes;
-    case 128064: return Layout<128, 64>::bytes;
+    case 32032: return Layout<32, 32, TC>::bytes;
+    case 32064: return Layout<32, 64, TC>::bytes;
+    case 64032: return Layout<64, 32, TC>::bytes;
+    case 64064: return Layout<64, 64, TC>::bytes;
+    case 128032: return Layout<128, 32, TC>::bytes;
+    case 128064: return Layout<128, 64, TC>::bytes;
     default: return ~size_t{0};
   }
 }
+// The block's shared memory for either kernel (the tensor-core layout's wider pads: Layout); the support check and
+// the tile choice use the larger, so that both kernels serve the same shapes.
+size_t shared_bytes(int dk, int dvt) { return std::max(layout_bytes<false>(dk, dvt), layout_bytes<true>(dk, dvt)); }
 
 // An attribute of the current device, or `fallback` when it cannot be read (the failed call's error is cleared so
 // that a later KILN_CUDA_CHECK_LAUNCH does not report it).
@@ -519,18 +736,30 @@ int value_tile(int64_t Dv, int64_t Hv, int num_seqs, int dk) {
   return 3 * waves64 < 2 * waves32 ? 64 : 32;
 }
 
-template <int DK, int DVT>
+template <int DK, int DVT, int PARTS>
 void launch(const float* qn, const float* kn, const float* v, const float* g, const float* beta, DeltaStateRef state,
             int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv, const StepArgs& step, float* out,
             cudaStream_t stream) {
-  constexpr size_t bytes = Layout<DK, DVT>::bytes;
-  auto kernel = delta_rule_chunked_kernel<DK, DVT>;
+  constexpr size_t bytes = Layout<DK, DVT, (PARTS > 0)>::bytes;
+  auto kernel = delta_rule_chunked_kernel<DK, DVT, PARTS>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   const dim3 grid(static_cast<unsigned>(step.num_seqs), static_cast<unsigned>(Hv),
                   static_cast<unsigned>((Dv + DVT - 1) / DVT));
   launch_kernel(kernel, grid, kThreads, bytes, stream, qn, kn, v, g, beta, state, static_cast<int>(Hk), static_cast<int>(Hv),
                                             static_cast<int>(Dk), static_cast<int>(Dv), ldv, step, out);
   KILN_CUDA_CHECK_LAUNCH();
+}
+
+// The kernel of one tile shape for tf32_parts 0 (FMA), 1 or 3 (tensor cores).
+template <int DK, int DVT>
+void launch_parts(int tf32_parts, const float* qn, const float* kn, const float* v, const float* g, const float* beta,
+                  DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
+                  const StepArgs& step, float* out, cudaStream_t stream) {
+  switch (tf32_parts) {
+    case 0: launch<DK, DVT, 0>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 1: launch<DK, DVT, 1>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    default: launch<DK, DVT, 3>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+  }
 }
 
 }  // namespace
@@ -544,18 +773,23 @@ bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv) {
 
 void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
                               DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
-                              const StepArgs& step, float* out, void* /*workspace*/, cudaStream_t stream) {
+                              const StepArgs& step, float* out, void* /*workspace*/, cudaStream_t stream,
+                              int tf32_parts) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (!gated_delta_rule_chunked_supported(Dk, Dv))
     cuda_fail("chunked gated delta rule: head dims Dk {} Dv {} are not supported here", {Dk, Dv});
+  if (tf32_parts != 0 && tf32_parts != 1 && tf32_parts != 3)
+    cuda_fail("chunked gated delta rule: tf32_parts {} (0: fp32 FMA, 1 or 3: tensor cores)", {int64_t(tf32_parts)});
+  if (tf32_parts != 0 && device_attribute(cudaDevAttrComputeCapabilityMajor, 0) < 8)
+    cuda_fail("chunked gated delta rule: the tensor-core kernel needs sm_80 or newer (tf32 mma); pass tf32_parts 0");
   const int dk = key_tile(Dk), dvt = value_tile(Dv, Hv, step.num_seqs, dk);
   switch (dk * 1000 + dvt) {
-    case 32032: launch<32, 32>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
-    case 32064: launch<32, 64>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
-    case 64032: launch<64, 32>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
-    case 64064: launch<64, 64>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
-    case 128032: launch<128, 32>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
-    default: launch<128, 64>(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 32032: launch_parts<32, 32>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 32064: launch_parts<32, 64>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 64032: launch_parts<64, 32>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 64064: launch_parts<64, 64>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    case 128032: launch_parts<128, 32>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
+    default: launch_parts<128, 64>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;
   }
 }
 

@@ -233,11 +233,13 @@ inline bool delta_rule_norm_supported(int64_t Dk, int64_t Dv) {
 // `gates` (recurrent form only; ignored by the chunked one, which reads g / beta): g and beta are computed in the
 // kernel from the raw inputs and g / beta are not read. `norm` (recurrent form only, delta_rule_norm_supported(Dk,
 // Dv)): the kernel also writes the gated RMSNorm of each head's output row; out is written as without it.
+// chunked_tf32_parts: the chunked kernel's tf32_parts (gated_delta_rule_chunked below; 0: its FMA form).
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                       DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
                       int64_t ldv,
                       const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false,
-                      const DeltaGateArgs* gates = nullptr, const DeltaNormArgs* norm = nullptr);
+                      const DeltaGateArgs* gates = nullptr, const DeltaNormArgs* norm = nullptr,
+                      int chunked_tf32_parts = 0);
 
 // ---- paged attention, any step shape (attention_decode.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
@@ -386,17 +388,23 @@ bool attention_prefill(const float* q, int64_t q_heads, const KvPoolArgs& pool, 
 // them. g, beta [T, Hv] contiguous; v rows ldv elements apart (heads contiguous inside a row); out [T, Hv, Dv]
 // contiguous; state as gated_delta_rule's (fp32 or bf16: read at the first chunk, written after the last).
 // A sequence's slot must hold its running state (zeros for a fresh sequence); sequences of 0 tokens are left as
-// they are. fp32 FMA throughout (no tensor cores, no fast-math).
+// they are. No fast-math. tf32_parts picks how the chunk's three matrix products (k.k / q.k / k S / q S, P V and the
+// state update) run: 0, fp32 FMA on the CUDA cores; kMmaPartsFp32 (3), tensor cores with every input split into
+// 2 tf32 parts (3 mmas per product: fp32-class accuracy, as the FMA form up to summation order); kMmaPartsBf16 (1),
+// tensor cores with the inputs rounded once to tf32 (relative error <= 2^-11 per input). sm_80+ for 1 and 3. The
+// triangular solve, gates and decays are fp32 FMA in every form. CudaOps passes 3 or 1 by CudaOptions::mma_parts()
+// (CudaOptions::delta_rule_tensor_cores) or 0.
 // workspace: gated_delta_rule_chunked_workspace_bytes(...) bytes (0 today: the kernel needs none; pass null).
 size_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step);
 void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
                               DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
-                              const StepArgs& step, float* out, void* workspace, cudaStream_t stream);
+                              const StepArgs& step, float* out, void* workspace, cudaStream_t stream,
+                              int tf32_parts = 0);
 // True when the chunked kernel serves these head sizes on the current device: 1 <= Dk <= 128 (padded to 32, 64 or
 // 128), any Dv >= 1 (tiles of 32 or 64 value columns, the last one masked), and the block's shared memory within
-// the device's opt-in limit (Dk 128: 180 KB with 32 value columns, 220 KB with 64; Dk <= 32: 97 KB). True on sm_90 /
-// sm_100 (227 KB); on parts with 99 KB per block (sm_86 / sm_89 / sm_120) only for Dk <= 32: elsewhere the caller
-// keeps the recurrent kernel.
+// the device's opt-in limit (the larger of the two forms' layouts: Dk 128: 185 KB with 32 value columns, 225 KB with
+// 64; Dk <= 32: 98 KB). True on sm_90 / sm_100 (227 KB); on parts with 99 KB per block (sm_86 / sm_89 / sm_120) only
+// for Dk <= 32: elsewhere the caller keeps the recurrent kernel. The same for every tf32_parts.
 bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv);
 
 // ---- token sampling (sampling.cu)

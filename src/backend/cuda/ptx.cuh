@@ -1,5 +1,6 @@
 // Thin wrappers over the PTX instructions the kernels use by hand: mma.sync m16n8k16 (bf16 in, fp32 accumulate),
-// ldmatrix, cp.async and a streaming global load. All exist on sm_80 and later, so they compile for sm_90a and
+// mma.sync m16n8k8 (tf32 in, fp32 accumulate) with the fp32 -> tf32 conversion, ldmatrix, cp.async and a streaming
+// global load. All exist on sm_80 and later, so they compile for sm_90a and
 // sm_120a alike.
 #pragma once
 #include <cuda_runtime.h>
@@ -19,6 +20,25 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// fp32 -> tf32 (10 mantissa bits), rounded to nearest with ties away from zero; the low 13 bits of the result are 0,
+// so it reads back as the float it stands for (__uint_as_float).
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// D[16x8] += A[16x8] (row) * B[8x8] (col), tf32 in, fp32 accumulate. Fragment layout (lane = 4g + q):
+// a0 (g, q) a1 (g+8, q) a2 (g, q+4) a3 (g+8, q+4); b0 (k q, n g) b1 (k q+4, n g); d0 d1 (g, 2q..2q+1)
+// d2 d3 (g+8, 2q..2q+1). The kernels' copy of this layout is deltanet_chunked_tiles.h's a_frag / b_frag / c_frag.
+__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -1,33 +1,43 @@
-// The chunked gated delta rule (deltanet_chunked.cu) through CudaOps against the CPU backend. Skipped without a
-// usable GPU.
+// The chunked gated delta rule (deltanet_chunked.cu) through CudaOps against the CPU backend, its tensor-core form
+// (tf32_parts 3 and 1) against the CPU and against the FMA form called directly on the same inputs. Skipped without a
+// usable GPU. The tensor-core tiling itself is checked on the host by deltanet_chunked_tiles_test.cpp.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/kernels.h"
 #include "backend/op_check.h"
 #include "test_util.h"
 
 namespace kiln::backend::cuda {
 namespace {
 
-using test::expect_all_pass;
+namespace kops = ::kiln::cuda::ops;
+using test::rel_err;
 
-
-// The chunked delta rule on the GPU (CudaOptions::DeltaRule::chunked: every multi-token step) against the CPU's token-by-token
-// recurrence, at the Qwen3.5 head sizes (Dk = Dv = 128, partial chunks, several sequences, continuations from a
-// carried state) and at odd sizes (Dk 40, Dv 40: padded keys, a masked value tile).
-TEST(CudaOps, ChunkedDeltaRuleMatchesCpuRecurrence) {
-  KILN_REQUIRE_CUDA_DEVICE();
+// The delta-rule checks of compare_ops (every step chunked) for one CudaOptions, at the Qwen3.5 head sizes (Dk = Dv =
+// 128, partial chunks, several sequences, continuations from a carried state) and at odd sizes (Dk 40, Dv 40: padded
+// keys, a masked value tile). `kernel`: the phrase of CudaOps::describe naming the delta rule's kernel. Returns the
+// worst rel error.
+double check_chunked_against_cpu(CudaOptions o, double tol, const std::string& label, const std::string& kernel) {
   auto cpu = make_cpu_backend();
-  CudaOptions o;
   o.delta_rule = CudaOptions::DeltaRule::chunked;
   CudaOps gpu(o);
   EXPECT_NE(gpu.describe().find("wherever supported [every step]"), std::string::npos) << gpu.describe();
+  EXPECT_NE(gpu.describe().find(kernel), std::string::npos) << gpu.describe();
+  double worst = 0;
   for (int64_t d : {128, 40}) {
     OpCheckConfig c;
     c.seed = 9;
@@ -36,11 +46,187 @@ TEST(CudaOps, ChunkedDeltaRuleMatchesCpuRecurrence) {
     c.k_dim = d;
     c.v_dim = d;
     c.prefill_lens = {1, 70, 150, 600};
+    c.delta_rule_tol = tol;
     std::vector<OpCheck> dr;
     for (const OpCheck& r : compare_ops(gpu, *cpu, c))
       if (r.op.rfind("gated_delta_rule", 0) == 0) dr.push_back(r);
     EXPECT_GE(dr.size(), 4u);
-    expect_all_pass(dr, fmt::format("chunked delta rule Dk=Dv={}", d));
+    test::expect_all_pass(dr, fmt::format("{} Dk=Dv={}", label, d));
+    for (const OpCheck& r : dr) worst = std::max(worst, r.rel_err);
+  }
+  return worst;
+}
+
+// The chunked delta rule on the GPU (CudaOptions::DeltaRule::chunked: every multi-token step) against the CPU's
+// token-by-token recurrence: the FMA kernel and the tensor-core kernel with 3 tf32 parts (--dtype float32) at the
+// same fp32 budget (delta_rule_tol 1e-5: 3 tf32 parts carry 22 of 24 bits, so the products are the FMA ones up to
+// ~2^-21 per term, below the summation-order differences the budget already covers).
+TEST(CudaOps, ChunkedDeltaRuleMatchesCpuRecurrence) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOptions fma;
+  fma.delta_rule_tensor_cores = false;
+  check_chunked_against_cpu(fma, 1e-5, "chunked delta rule (FMA)", "on fp32 CUDA cores");
+  CudaOptions tc;
+  ASSERT_EQ(tc.delta_rule_tf32_parts(), 3);
+  check_chunked_against_cpu(tc, 1e-5, "chunked delta rule (tensor cores, 3 tf32 parts)",
+                            "on tensor cores (tf32 mma, inputs in 2 tf32 parts");
+}
+
+// The tf32 budget of the chunk products with inputs rounded once to tf32 (tf32_parts 1, --dtype bfloat16). tf32 keeps
+// 11 significant bits: an input moves by at most 2^-11 (4.9e-4) relative, ~2^-12.5 (1.7e-4) RMS. A product term with
+// both inputs rounded is off by ~2.4e-4 RMS, and a dot product of random-signed terms by about that relative to its
+// size, whatever its length (the host emulation of the split measures <= 3.2e-4 worst-case against the sum of
+// |terms|). The chunk feeds those products through the solve ((I + A)^-1 with |A_ij| <= beta |k_i.k_j| < 1:
+// well-conditioned for unit keys), and the state carries each chunk's error into the next, decayed (e^g <= 1) and
+// contracted (I - beta k k^T); so outputs and the final state should land at ~3e-4 .. 1.5e-3 rel-L2 after 600 tokens
+// (10 chunks). The budget is 5e-3 (as the bf16-input linears' kBf16InputLinearTol): ~3x over the estimate, while a wrong
+// fragment mapping, a skipped tile or a lost decay is off by O(1), 200x more. At least 2e-5 must show: the products
+// were rounded (the FMA and 3-part kernels stay near 1e-6).
+constexpr double kDeltaRuleTf32Tol = 5e-3;
+constexpr double kDeltaRuleTf32MinErr = 2e-5;
+
+TEST(CudaOps, ChunkedDeltaRuleBf16TensorCoresMatchCpuRecurrence) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  ASSERT_EQ(o.delta_rule_tf32_parts(), 1);
+  const double worst = check_chunked_against_cpu(o, kDeltaRuleTf32Tol, "chunked delta rule (tensor cores, tf32)",
+                                                 "on tensor cores (tf32 mma, inputs rounded once to tf32)");
+  EXPECT_GT(worst, kDeltaRuleTf32MinErr) << "no tf32 rounding showed: did the tensor-core kernel run?";
+}
+
+// ---- the kernel called directly: the tensor-core form against the FMA form on the same inputs
+
+uint16_t to_bf16(float x) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float from_bf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+struct DirectCase {
+  int64_t Dk, Dv, Hk, Hv;
+  std::vector<int> lens;  // tokens per sequence (0 and 1 included where listed)
+  bool state_bf16;
+  std::string str() const {
+    std::string s = fmt::format("Dk {} Dv {} Hk {} Hv {} {} state, seqs", Dk, Dv, Hk, Hv, state_bf16 ? "bf16" : "f32");
+    for (int n : lens) s += " " + std::to_string(n);
+    return s;
+  }
+};
+
+struct DirectResult {
+  std::vector<float> out, state;
+};
+
+// Random normalised qn / kn (k unit rows, q unit rows / sqrt(Dk), as l2norm_qk_kernel writes them), v ~ N(0, 1),
+// g in [-0.5, -0.01), beta in [0, 1), a random carried state; one gated_delta_rule_chunked call with tf32_parts.
+DirectResult run_direct(const DirectCase& c, int tf32_parts, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  const int S = static_cast<int>(c.lens.size());
+  std::vector<int32_t> begin(S + 1, 0), slot(S);
+  for (int s = 0; s < S; ++s) {
+    begin[s + 1] = begin[s] + c.lens[s];
+    slot[s] = S - 1 - s;  // slots in another order than the sequences
+  }
+  const int64_t T = begin[S];
+  std::vector<float> qn(T * c.Hk * c.Dk), kn(qn.size()), v(T * c.Hv * c.Dv), g(T * c.Hv), beta(g.size());
+  for (int64_t r = 0; r < T * c.Hk; ++r)
+    for (std::vector<float>* x : {&qn, &kn}) {
+      float ss = 0;
+      for (int64_t d = 0; d < c.Dk; ++d) ss += std::pow((*x)[r * c.Dk + d] = normal(rng), 2.0f);
+      const float scale = 1.0f / std::sqrt(ss) / (x == &qn ? std::sqrt(float(c.Dk)) : 1.0f);
+      for (int64_t d = 0; d < c.Dk; ++d) (*x)[r * c.Dk + d] *= scale;
+    }
+  for (float& x : v) x = normal(rng);
+  for (float& x : g) x = -0.01f - 0.49f * uni(rng);
+  for (float& x : beta) x = uni(rng);
+  const size_t state_elems = size_t(S) * c.Hv * c.Dk * c.Dv;
+  std::vector<float> state(state_elems);
+  for (float& x : state) x = 0.1f * normal(rng);
+
+  auto upload = [](const auto& host) {
+    ::kiln::cuda::DeviceBuffer b(std::max<size_t>(host.size() * sizeof(host[0]), 4));
+    if (!host.empty()) KILN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice));
+    return b;
+  };
+  ::kiln::cuda::DeviceBuffer d_qn = upload(qn), d_kn = upload(kn), d_v = upload(v), d_g = upload(g),
+                             d_beta = upload(beta), d_begin = upload(begin), d_slot = upload(slot);
+  std::vector<uint16_t> state16(state_elems);
+  for (size_t i = 0; i < state_elems; ++i) state16[i] = to_bf16(state[i]);
+  ::kiln::cuda::DeviceBuffer d_state = c.state_bf16 ? upload(state16) : upload(state);
+  ::kiln::cuda::DeviceBuffer d_out(std::max<size_t>(v.size() * sizeof(float), 4));
+  KILN_CUDA_CHECK(cudaMemset(d_out.data(), 0xff, d_out.size()));  // NaN: every token's row must be written
+
+  kops::StepArgs step;
+  step.seq_token_begin = static_cast<const int32_t*>(d_begin.data());
+  step.seq_state_slot = static_cast<const int32_t*>(d_slot.data());
+  step.num_tokens = static_cast<int32_t>(T);
+  step.num_seqs = S;
+  step.max_seq_tokens = *std::max_element(c.lens.begin(), c.lens.end());
+  const kops::DeltaStateRef ref{d_state.data(), c.state_bf16};
+  kops::gated_delta_rule_chunked(static_cast<const float*>(d_qn.data()), static_cast<const float*>(d_kn.data()),
+                                 static_cast<const float*>(d_v.data()), static_cast<const float*>(d_g.data()),
+                                 static_cast<const float*>(d_beta.data()), ref, c.Hk, c.Hv, c.Dk, c.Dv, c.Hv * c.Dv,
+                                 step, static_cast<float*>(d_out.data()), nullptr, nullptr, tf32_parts);
+  KILN_CUDA_CHECK(cudaDeviceSynchronize());
+  DirectResult r;
+  r.out.resize(v.size());
+  if (!v.empty()) KILN_CUDA_CHECK(cudaMemcpy(r.out.data(), d_out.data(), v.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  r.state.resize(state_elems);
+  if (c.state_bf16) {
+    KILN_CUDA_CHECK(cudaMemcpy(state16.data(), d_state.data(), state_elems * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < state_elems; ++i) r.state[i] = from_bf16(state16[i]);
+  } else {
+    KILN_CUDA_CHECK(cudaMemcpy(r.state.data(), d_state.data(), state_elems * 4, cudaMemcpyDeviceToHost));
+  }
+  return r;
+}
+
+const std::vector<DirectCase> kDirectCases = {
+    {128, 128, 2, 4, {0, 1, 64, 65, 300}, false},  // the Qwen3.5 head sizes; empty, 1-token, exact and partial chunks
+    {128, 128, 2, 4, {200, 0, 1}, true},
+    {40, 40, 1, 2, {1, 37, 130}, false},  // padded keys (tile 64), a masked value tile
+    {40, 40, 1, 2, {129, 5}, true},
+    {32, 96, 2, 2, {70, 64}, false},   // Dk 32; Dv 96: three 32-column tiles, or two 64-column ones (half masked)
+    {64, 64, 4, 8, {0, 100}, false},
+    {17, 8, 1, 1, {1, 63, 200}, false},  // tiny dims: one masked 32-column tile
+};
+
+// The tensor-core kernel (3 tf32 parts) against the FMA kernel on the same inputs: outputs within the fp32 budget
+// (1e-5: both fp32-class, only summation order and the split's ~2^-21 differ). A bf16 final state is rounded once from
+// each kernel's fp32 copy: values within ~1e-6 of a rounding boundary may round to neighbouring bf16 values (2^-8
+// apart), so the bf16 state's budget is 1e-3 (a few in 10^4 elements flipping), its fp32 state's 1e-5.
+TEST(DeltaRuleChunked, TensorCoresMatchFmaKernel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  for (const DirectCase& c : kDirectCases) {
+    const DirectResult fma = run_direct(c, 0, 5), tc = run_direct(c, kops::kMmaPartsFp32, 5);
+    const double out_err = rel_err(tc.out, fma.out), state_err = rel_err(tc.state, fma.state);
+    std::printf("[ delta tc ] %s: out rel %.2e, state rel %.2e\n", c.str().c_str(), out_err, state_err);
+    EXPECT_LE(out_err, 1e-5) << c.str();
+    EXPECT_LE(state_err, c.state_bf16 ? 1e-3 : 1e-5) << c.str();
+  }
+}
+
+// The tensor-core kernel with inputs rounded once to tf32 (tf32_parts 1, --dtype bfloat16) against the FMA kernel:
+// within kDeltaRuleTf32Tol (derived above), and the rounding shows.
+TEST(DeltaRuleChunked, Tf32TensorCoresMatchFmaKernelWithinTf32Budget) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  for (const DirectCase& c : kDirectCases) {
+    const DirectResult fma = run_direct(c, 0, 6), tc = run_direct(c, kops::kMmaPartsBf16, 6);
+    const double out_err = rel_err(tc.out, fma.out), state_err = rel_err(tc.state, fma.state);
+    std::printf("[ delta tf ] %s: out rel %.2e, state rel %.2e\n", c.str().c_str(), out_err, state_err);
+    EXPECT_LE(out_err, kDeltaRuleTf32Tol) << c.str();
+    EXPECT_LE(state_err, kDeltaRuleTf32Tol) << c.str();
+    EXPECT_GT(out_err, kDeltaRuleTf32MinErr) << c.str();
   }
 }
 

@@ -464,6 +464,10 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "request, at most 256k tokens)");
   app.add_flag("--disable-radix-cache", a->disable_radix_cache,
                "Turn the prefix cache (shared KV pages + state snapshots across requests) off");
+  app.add_flag("--disable-chunk-snapshots", a->disable_chunk_snapshots,
+               "Prefix cache of a model with recurrent state: cut each prompt at the page boundaries whose state is "
+               "snapshotted (one or two more engine steps per prompt) instead of saving the state there inside the "
+               "step; for A/B runs");
   app.add_option("--threads", a->threads, "CPU worker threads (default: all cores or $KILN_THREADS)")
       ->check(at_least_one);
   app.add_option("--device", a->device, "auto, cpu or cuda")->capture_default_str();

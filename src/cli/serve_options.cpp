@@ -109,6 +109,7 @@ nlohmann::json serve_args_json(const ServeArgs& a, const ServeContext& c, const 
           {"responses_store_ttl", a.responses_store_ttl_s},
           {"max_running_requests", a.max_running_requests},
           {"disable_radix_cache", a.disable_radix_cache},
+          {"disable_chunk_snapshots", a.disable_chunk_snapshots},
           {"max_queued_requests", a.max_queued_requests},
           {"chunked_prefill_size_flag", a.chunked_prefill_size},
           {"chunked_prefill_size", c.prefill.step_tokens},
@@ -137,6 +138,7 @@ engine::EngineOptions build_engine_options(const ServeArgs& a, const ServeContex
   eo.chunked_prefill_size = c.prefill.step_tokens;
   eo.context_length = a.context_length;
   eo.enable_prefix_cache = !a.disable_radix_cache;
+  eo.chunk_snapshots = !a.disable_chunk_snapshots;
   eo.eos_token_ids = std::move(eos_token_ids);
   return eo;
 }

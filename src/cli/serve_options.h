@@ -56,6 +56,7 @@ struct ServeArgs {
   std::string max_pass_tokens = "auto";        // backend::resolve_prefill_sizes
   int64_t max_total_tokens = 0;
   bool disable_radix_cache = false;
+  bool disable_chunk_snapshots = false;
   int threads = 0;
   std::string device = "auto";
   bool skip_self_check = false;

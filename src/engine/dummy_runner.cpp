@@ -99,10 +99,19 @@ void DummyRunner::forward(std::span<const model::SeqChunk> chunks, std::span<flo
       st = 0x1234567;
       logits_done_[c.state_slot] = 0;
     }
+    size_t snap = 0;
     for (size_t i = 0; i < c.tokens.size(); ++i) {
       kv_.at(row_of(c.page_table, c.start_pos + static_cast<int64_t>(i))) = c.tokens[i];
       st = mix(st ^ static_cast<uint64_t>(c.tokens[i] + 1));
+      if (snap < c.snapshots.size() && c.snapshots[snap].tokens == static_cast<int64_t>(i) + 1) {
+        const int dst = c.snapshots[snap++].slot;
+        if (dst < 0 || dst >= o_.capacity.state_slots || dst == c.state_slot)
+          fail("dummy runner: snapshot into slot {}", dst);
+        state_[dst] = st;
+        logits_done_[dst] = logits_done_[c.state_slot];
+      }
     }
+    if (snap != c.snapshots.size()) fail("dummy runner: {} of a chunk's snapshots not reached", c.snapshots.size() - snap);
     if (!c.want_logits) continue;
     uint64_t h = st;
     for (int64_t p = 0; p < end; ++p) h = mix(h ^ static_cast<uint64_t>(kv_.at(row_of(c.page_table, p)) + 7));

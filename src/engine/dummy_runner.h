@@ -48,6 +48,8 @@ class DummyRunner : public model::ModelRunner {
   void forward(std::span<const model::SeqChunk> chunks, std::span<float> logits) override;
   bool can_copy_state() const override { return true; }
   void copy_state(int src_slot, int dst_slot) override;
+  // SeqChunk::snapshots: the running hash after the snapshot's tokens goes into its slot, as copy_state would.
+  bool chunk_snapshots() const override { return true; }
 
   int64_t steps() const;
   int64_t max_batch() const;

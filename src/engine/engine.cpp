@@ -86,6 +86,7 @@ SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCa
   // most two (the prompt's second-to-last page boundary and the latest one after it).
   s.max_snapshots_per_sequence = std::clamp(cap.state_slots / std::max(1, o.max_running_requests) - 1, 1, 2);
   s.decode_lookahead = o.speculative_num_steps;
+  s.chunk_snapshots = o.chunk_snapshots && runner.chunk_snapshots();
   return s;
 }
 
@@ -135,6 +136,7 @@ model::SeqChunk runner_chunk(const PlannedChunk& c, int page_size) {
              c.seq->pages.size());
   ch.page_table = std::span<const int32_t>(c.seq->pages.data(), pages);
   ch.want_logits = c.want_logits;
+  for (const PlannedSnapshot& sn : c.snapshots) ch.snapshots.push_back({sn.tokens, sn.slot});
   return ch;
 }
 

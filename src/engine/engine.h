@@ -45,6 +45,10 @@ struct EngineOptions {
   // Prefix cache over KV pages + state snapshots (SGLang's radix cache; --disable-radix-cache turns it off).
   // Needs a runner that can copy state slots; otherwise it is off.
   bool enable_prefix_cache = true;
+  // With the prefix cache on a model with recurrent state: the prompt's snapshotted page boundaries are saved inside
+  // the step (SchedulerOptions::chunk_snapshots) where the runner can; false cuts the prompt there (one more step per
+  // prompt; --disable-chunk-snapshots, for A/B runs).
+  bool chunk_snapshots = true;
   // Speculative decoding with the model's MTP head (engine.cpp's speculative step; SGLang's
   // --speculative-num-steps): the most draft tokens per sequence per step, 0 = off. Needs a runner with an MTP head
   // (ModelRunner::mtp_layers). Each step drafts 0 .. this many, chosen from measured step costs

@@ -242,20 +242,26 @@ void Scheduler::plan_chunks(StepPlan& plan) {
   // A chunk that ends on a page boundary past the sequence's latest snapshot saves the state there (best
   // effort): into a new slot while it holds fewer than max_snapshots_per_sequence, else into the slot of its
   // oldest snapshot that is not the prompt tail's.
-  auto plan_save = [&](Sequence& s, int64_t end) {
-    if (!snapshots || end % P != 0 || end <= 0 || (!s.snaps.empty() && end <= s.snaps.back().pos)) return;
+  // Books the snapshot at `end` and returns its slot (-1: none, or no slot for it).
+  auto book_snapshot = [&](Sequence& s, int64_t end) -> int {
+    if (!snapshots || end % P != 0 || end <= 0 || (!s.snaps.empty() && end <= s.snaps.back().pos)) return -1;
     const bool keep = end == tail_boundary(s) && end < s.prompt_len;
     int slot = -1;
     if (static_cast<int>(s.snaps.size()) < opts_.max_snapshots_per_sequence) {
-      if (!take_slot(slot)) return;
+      if (!take_slot(slot)) return -1;
     } else {
       auto it = std::find_if(s.snaps.begin(), s.snaps.end(), [](const Sequence::Snapshot& x) { return !x.keep; });
-      if (it == s.snaps.end()) return;
+      if (it == s.snaps.end()) return -1;
       slot = it->slot;
       s.snaps.erase(it);
     }
     s.snaps.push_back({end, slot, keep});
-    plan.saves.push_back({s.state_slot, slot});
+    return slot;
+  };
+  // A snapshot at a chunk's end: the slot's state copied after the step's forward.
+  auto plan_save = [&](Sequence& s, int64_t end) {
+    const int slot = book_snapshot(s, end);
+    if (slot >= 0) plan.saves.push_back({s.state_slot, slot});
   };
   // Decodes, oldest first; a sequence that needs a page and cannot get one preempts the newest.
   for (size_t i = 0; i < running_.size();) {
@@ -276,7 +282,7 @@ void Scheduler::plan_chunks(StepPlan& plan) {
                            static_cast<int64_t>(s.pages.size());
       if (want > 0 && pages_.num_free() >= want) pages_.allocate(want, s.pages);
     }
-    plan.chunks.push_back({&s, s.num_cached, 1, true});
+    plan.chunks.push_back({&s, s.num_cached, 1, true, {}});
     ++plan.num_decodes;
     plan_save(s, s.num_cached + 1);
     ++i;
@@ -292,13 +298,18 @@ void Scheduler::plan_chunks(StepPlan& plan) {
     Sequence& s = *sp;
     if (!s.prefilling()) continue;
     int64_t n = std::min(s.prefill_target - s.num_cached, budget);
-    // With snapshots, a chunk stops at the prompt's second-to-last page boundary and at the prefill's last one
-    // (so the state there is saved); the rest follows in the next step.
+    // With snapshots, the state is saved at the prompt's second-to-last page boundary and at the prefill's last one:
+    // inside the chunk when the runner writes snapshots there (chunk_snapshots), else the chunk stops at the first of
+    // them and the rest follows in the next step.
+    std::vector<int64_t> inside;
     if (snapshots && opts_.max_snapshots_per_sequence > 0)
       for (int64_t cut : {tail_boundary(s), last_boundary(s)})
         if (cut > s.num_cached && cut < s.num_cached + n && cut < s.prefill_target) {
-          n = cut - s.num_cached;
-          break;
+          if (!opts_.chunk_snapshots) {
+            n = cut - s.num_cached;
+            break;
+          }
+          if (inside.empty() || inside.back() < cut) inside.push_back(cut);
         }
     const int64_t have = static_cast<int64_t>(s.pages.size()) + pages_.num_free() +
                          (cache_ ? cache_->evictable_pages() : 0);
@@ -306,7 +317,13 @@ void Scheduler::plan_chunks(StepPlan& plan) {
     if (n <= 0) continue;
     KILN_CHECK(grow_pages(s, s.num_cached + n), "prefill pages for sequence {}", s.uid);
     const bool last = s.num_cached + n == s.prefill_target;
-    plan.chunks.push_back({&s, s.num_cached, n, last});
+    PlannedChunk chunk{&s, s.num_cached, n, last, {}};
+    for (int64_t b : inside) {
+      if (b >= s.num_cached + n) break;
+      const int slot = book_snapshot(s, b);
+      if (slot >= 0) chunk.snapshots.push_back({b - s.num_cached, slot});
+    }
+    plan.chunks.push_back(std::move(chunk));
     plan.num_prefill_tokens += n;
     budget -= n;
     plan_save(s, s.num_cached + n);

@@ -86,6 +86,10 @@ struct SchedulerOptions {
   // gives state_slots / max_running_requests - 1, so that running sequences never hold the slots that
   // admitting more needs.
   int max_snapshots_per_sequence = kDefaultMaxSnapshotsPerSequence;
+  // The runner writes snapshots inside a chunk (model::ModelRunner::chunk_snapshots): a prompt chunk is not cut at the
+  // page boundaries the cache snapshots (its second-to-last and last); the snapshots ride in the chunk
+  // (PlannedChunk::snapshots), so a prompt takes one step, not two or three. false: the chunk stops there.
+  bool chunk_snapshots = false;
   // Speculative decoding: a decode may verify this many positions past its token (the engine's draft length at
   // most). Each decode then takes pages for them when free pages are there (never by evicting the cache or
   // preempting: a decode without them just drafts fewer), and counts 1 + this many tokens in the step's budget.
@@ -164,11 +168,19 @@ struct StateCopy {
 };
 
 // One sequence's share of a step: tokens [start_pos, start_pos + num_tokens) of seq->tokens.
+// A snapshot inside a planned chunk (SchedulerOptions::chunk_snapshots): the sequence's state after the chunk's first
+// `tokens` tokens goes into `slot` during the step.
+struct PlannedSnapshot {
+  int64_t tokens = 0;
+  int slot = -1;
+};
+
 struct PlannedChunk {
   Sequence* seq = nullptr;
   int64_t start_pos = 0;
   int64_t num_tokens = 0;
   bool want_logits = false;  // the chunk ends the prompt, or it is a decode token
+  std::vector<PlannedSnapshot> snapshots;  // ascending tokens, each inside (0, num_tokens)
 };
 
 struct StepPlan {

@@ -32,6 +32,14 @@ struct RunnerCapacity {
 // One sequence's piece of work in a forward step: `tokens` at positions
 // [start_pos, start_pos + tokens.size()). start_pos == 0 means a fresh sequence: the runner
 // resets the state slot before use. A decode step is a chunk of one token.
+// A prefix-cache snapshot inside a chunk: after the chunk's first `tokens` tokens (0 < tokens < the chunk's size), the
+// sequence's state, as copy_state copies it, goes into `slot` (a slot no chunk of the call runs in). So a prompt whose
+// page boundary the prefix cache snapshots runs in one engine step instead of being cut there.
+struct ChunkSnapshot {
+  int64_t tokens = 0;
+  int slot = -1;
+};
+
 struct SeqChunk {
   int state_slot = -1;
   std::span<const int32_t> tokens;
@@ -57,6 +65,8 @@ struct SeqChunk {
   // first one; C = the chain's steps) are row `device_draft_row` of that chain, still on the device (the chunk's own
   // tokens there are placeholders). -1: all tokens are the chunk's.
   int device_draft_row = -1;
+  // Snapshots inside the chunk (ascending `tokens`); only for runners whose chunk_snapshots() is true.
+  std::vector<ChunkSnapshot> snapshots;
 };
 
 // One sequence's draft chain (speculative decoding with the model's MTP head): `token` is the sequence's pending
@@ -108,6 +118,8 @@ class ModelRunner {
   virtual void copy_state(int src_slot, int dst_slot);
   // Whether the model keeps per-sequence recurrent state (a cache hit then needs a state snapshot).
   virtual bool has_recurrent_state() const { return true; }
+  // Whether forward* honour SeqChunk::snapshots (else a caller cuts its chunks at the snapshot positions).
+  virtual bool chunk_snapshots() const { return false; }
 
   // ---- Speculative decoding with the model's MTP head (model/mtp.h). Runners without one say 0 and throw.
   // While a runner has an MTP head, every forward pass also runs the head over the pass's tokens (its KV entries),

@@ -14,6 +14,12 @@ namespace {
 // The most tokens per sequence of a pass that is captured as a CUDA graph (a verify pass of up to 7 drafts).
 constexpr int64_t kGraphMaxTokensPerSeq = 8;
 
+// A chunk with prefix-cache snapshots (SeqChunk::snapshots) of at most this many tokens runs whole in one pass that
+// writes them as position checkpoints (its delta rule then runs as the recurrence, which the chunked form replaces
+// from kChunkedDeltaMinTokens = 32 tokens on: a short prompt tail costs little either way). A longer one runs as passes
+// that end at its snapshots, each followed by a state copy.
+constexpr int64_t kSnapshotInPassMaxTokens = 64;
+
 // Rows [begin, begin + n) of a contiguous [R, H] view.
 TensorView row_range(const TensorView& t, int64_t begin, int64_t n) {
   return TensorView(static_cast<char*>(t.data) + begin * t.shape.dims[1] * static_cast<int64_t>(dtype_size(t.dtype)),
@@ -661,6 +667,7 @@ void Runner::run_passes(std::span<const SeqChunk> chunks,
   kept_.clear();
   spare_used_ = 0;
   std::vector<int64_t> done(chunks.size(), 0), logits_row(chunks.size(), -1);
+  snapshot_in_pass_.assign(chunks.size(), 0);
   int64_t r = 0;
   bool any_checkpoints = false, any_long = false;
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -668,15 +675,31 @@ void Runner::run_passes(std::span<const SeqChunk> chunks,
       logits_row[i] = r;
       r += chunks[i].logits_tokens;
     }
-    const bool ckpt = chunks[i].checkpoint_positions;
-    if (ckpt && spare_rows_ == 0) fail("forward: position checkpoints asked of a runner that keeps none");
-    if (ckpt && static_cast<int64_t>(chunks[i].tokens.size()) > options_.prefill_chunk)
+    const int64_t size = static_cast<int64_t>(chunks[i].tokens.size());
+    int64_t prev = 0;
+    for (const ChunkSnapshot& sn : chunks[i].snapshots) {
+      if (sn.tokens <= prev || sn.tokens >= size || sn.slot < 0 || sn.slot >= options_.state_slots ||
+          sn.slot == chunks[i].state_slot)
+        fail("forward: a snapshot after {} of a chunk's {} tokens into slot {} (slot {}, {} slots)", sn.tokens, size,
+             sn.slot, chunks[i].state_slot, options_.state_slots);
+      prev = sn.tokens;
+    }
+    if (!chunks[i].snapshots.empty() && chunks[i].checkpoint_positions)
+      fail("forward: a chunk with both position checkpoints and snapshots");
+    snapshot_in_pass_[i] = !chunks[i].snapshots.empty() && size <= kSnapshotInPassMaxTokens &&
+                           size <= options_.prefill_chunk;
+    const bool ckpt = chunks[i].checkpoint_positions || snapshot_in_pass_[i];
+    if (chunks[i].checkpoint_positions && spare_rows_ == 0)
+      fail("forward: position checkpoints asked of a runner that keeps none");
+    if (ckpt && size > options_.prefill_chunk)
       fail("forward: a chunk of {} tokens with position checkpoints is longer than a pass ({})", chunks[i].tokens.size(),
            options_.prefill_chunk);
     any_checkpoints = any_checkpoints || ckpt;
     any_long = any_long || (!ckpt && chunks[i].tokens.size() > 1);
   }
-  auto first_phase = [&](size_t i) { return chunks[i].checkpoint_positions || chunks[i].tokens.size() == 1; };
+  auto first_phase = [&](size_t i) {
+    return chunks[i].checkpoint_positions || snapshot_in_pass_[i] || chunks[i].tokens.size() == 1;
+  };
   if (any_checkpoints && any_long) {
     run_phase(chunks, done, logits_row, [&](size_t i) { return first_phase(i); }, emit);
     run_phase(chunks, done, logits_row, [&](size_t i) { return !first_phase(i); }, emit);
@@ -695,8 +718,16 @@ void Runner::run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& d
       if (!in_phase(i)) continue;
       const int64_t left = static_cast<int64_t>(chunks[i].tokens.size()) - done[i];
       if (left <= 0) continue;
-      if (chunks[i].checkpoint_positions && left > budget) continue;  // whole, in the next pass
-      const int64_t n = std::min(left, budget);
+      const bool whole = chunks[i].checkpoint_positions || snapshot_in_pass_[i];
+      if (whole && left > budget) continue;  // whole, in the next pass
+      int64_t n = std::min(left, budget);
+      // A snapshot the pass cannot write ends the piece: the state is copied after the pass (below).
+      if (!whole)
+        for (const ChunkSnapshot& sn : chunks[i].snapshots)
+          if (sn.tokens > done[i]) {
+            n = std::min(n, sn.tokens - done[i]);
+            break;
+          }
       budget -= n;
       Piece p{i, done[i], n, -1};
       // The chunk's logits tokens [size - logits_tokens, size) that fall in this piece.
@@ -712,7 +743,12 @@ void Runner::run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& d
     }
     if (pieces.empty()) break;
     run_pass(chunks, pieces, emit);
-    for (const Piece& p : pieces) done[p.chunk] += p.n_tokens;
+    for (const Piece& p : pieces) {
+      done[p.chunk] += p.n_tokens;
+      if (snapshot_in_pass_[p.chunk]) continue;
+      for (const ChunkSnapshot& sn : chunks[p.chunk].snapshots)
+        if (sn.tokens == done[p.chunk]) copy_state_row(chunks[p.chunk].state_slot, sn.slot);
+    }
   }
 }
 
@@ -855,8 +891,8 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
   for (const Piece& p : pieces) {
     const SeqChunk& ch = chunks[p.chunk];
     graphable = graphable && p.n_tokens == n_uniform && p.logits_count == n_uniform && p.offset == 0 &&
-                ch.checkpoint_positions == chunks[pieces.front().chunk].checkpoint_positions;
-    any_checkpoints = any_checkpoints || ch.checkpoint_positions;
+                ch.checkpoint_positions == chunks[pieces.front().chunk].checkpoint_positions && ch.snapshots.empty();
+    any_checkpoints = any_checkpoints || ch.checkpoint_positions || snapshot_in_pass_[p.chunk];
     any_mrope = any_mrope || !ch.mrope_pos.empty();
     for (int32_t o : ch.embed_offsets) any_embeds = any_embeds || (o >= p.offset && o < p.offset + p.n_tokens);
   }
@@ -909,6 +945,17 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     step.host_token_checkpoint_slot.assign(static_cast<size_t>(T), -1);
     for (size_t s = 0; s < pieces.size(); ++s) {
       const SeqChunk& ch = chunks[pieces[s].chunk];
+      if (snapshot_in_pass_[pieces[s].chunk]) {
+        // Prefix-cache snapshots as position checkpoints into their own slots (with the MTP head: its hidden row too).
+        KILN_CHECK(pieces[s].offset == 0 && pieces[s].n_tokens == static_cast<int64_t>(ch.tokens.size()),
+                   "a chunk with snapshots in its pass was split over passes");
+        for (const ChunkSnapshot& sn : ch.snapshots) {
+          const int64_t token = step.host_seq_token_begin[s] + sn.tokens - 1;
+          step.host_token_checkpoint_slot[static_cast<size_t>(token)] = static_cast<int32_t>(sn.slot);
+          checkpoint_rows.emplace_back(token, sn.slot);
+        }
+        continue;
+      }
       if (!ch.checkpoint_positions) continue;
       KILN_CHECK(pieces[s].offset == 0 && pieces[s].n_tokens == static_cast<int64_t>(ch.tokens.size()),
                  "a chunk with position checkpoints was split over passes");

@@ -73,6 +73,7 @@ class Runner : public ModelRunner {
   bool can_copy_state() const override { return true; }
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return !conv_state_.empty(); }
+  bool chunk_snapshots() const override { return true; }
   int mtp_layers() const override { return model_->weights.has_mtp ? 1 : 0; }
   // With an MTP head on a runner that picks whole-vocabulary ids (not a tensor-parallel rank): see ModelRunner.
   bool can_carry_drafts() const override { return carry_rows_per_slot_ > 0; }
@@ -219,6 +220,9 @@ class Runner : public ModelRunner {
   // The position checkpoints of the last forward call: per slot, the spare row holding the state after each of its
   // chunk's tokens but the last.
   std::map<int, std::vector<int64_t>> kept_;
+  // This call's chunks whose snapshots the pass writes as position checkpoints (short chunks, one pass, the delta
+  // rule as the recurrence); the others' snapshots are copies after the pass that ends at them (run_passes).
+  std::vector<char> snapshot_in_pass_;
   // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
   // position), then the spare rows, then the current pass's rows, then (runners that can carry drafts) the carry
   // region: per slot, carry_rows_per_slot_ rows, row i the head's output (g) of the entry fed the argmax of the

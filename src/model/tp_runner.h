@@ -62,6 +62,9 @@ class TpRunner : public ModelRunner {
   bool can_copy_state() const override;
   void copy_state(int src_slot, int dst_slot) override;
   bool has_recurrent_state() const override { return ranks_[0]->has_recurrent_state(); }
+  // One machine only: the step wire (tp_wire.h) does not carry SeqChunk::snapshots, so a multi-node group's chunks are
+  // cut at their snapshots instead.
+  bool chunk_snapshots() const override { return !multi_node() && ranks_[0]->chunk_snapshots(); }
   // Speculative decoding: every rank chains its share of the MTP head; each draft step the ranks offer their best
   // (id, logit) over their vocabulary slices and all take the same winner (the highest logit, the lowest rank on
   // ties: forward_argmax's rule), so the drafts equal one rank's. One machine only (a multi-node group refuses).

@@ -218,6 +218,7 @@ std::vector<uint8_t> encode_step(StepKind kind, std::span<const SeqChunk> chunks
   for (const SeqChunk& c : chunks) {
     if (!c.mrope_pos.empty() || !c.embed_offsets.empty())
       fail("image inputs are not supported across machines yet (--nnodes > 1): serve images on one machine");
+    KILN_CHECK(c.snapshots.empty(), "snapshots inside chunks do not cross machines (TpRunner::chunk_snapshots)");
     w.i32(c.state_slot).i64(c.start_pos).flag(c.want_logits);
     w.array(c.tokens).array(c.page_table);
   }

@@ -107,6 +107,16 @@ TEST(GpuFlags, FusedDecodeOpsOnByDefaultAndTheFlagTurnsThemOff) {
   EXPECT_THROW(parse_gpu({"--enable-fused-decode-ops"}), CLI::ParseError);
 }
 
+// The chunked delta rule's products run on tensor cores by default; --disable-delta-rule-tensor-cores keeps the FMA
+// kernel (and nothing else changes).
+TEST(GpuFlags, DeltaRuleTensorCoresOnByDefaultAndTheFlagTurnsThemOff) {
+  EXPECT_TRUE(parse_gpu({}).gpu.delta_rule_tensor_cores);
+  const auto off = parse_gpu({"--disable-delta-rule-tensor-cores"});
+  EXPECT_FALSE(off.gpu.delta_rule_tensor_cores);
+  EXPECT_TRUE(off.gpu.fused_decode_ops);
+  EXPECT_TRUE(off.gpu.pdl);
+}
+
 // Every GPU flag lands in its field of LoadOptions::gpu (the part the CUDA loader reads); the two spelled otherwise
 // on the command line are turned around (--disable-cuda-graph) or parsed (--load-format).
 TEST(GpuFlags, FillTheGpuPartOfTheLoadOptions) {

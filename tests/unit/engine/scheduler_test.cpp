@@ -536,6 +536,65 @@ TEST(SchedulerCache, SecondTurnSharesPagesAndRestoresTheSnapshot) {
   EXPECT_EQ(s.state_slots_used(), 0);
 }
 
+// With a runner that writes snapshots inside a chunk, the same prompt runs in one step: the snapshots at its
+// second-to-last (4) and last (8) page boundaries ride in the chunk (no state copies after the step), and the cache
+// ends up as with the cut chunks above: turn 2 restores the snapshot at 12.
+TEST(SchedulerCache, ChunkSnapshotsSaveThePromptsBoundariesInOneStep) {
+  SchedulerOptions o = cache_options();
+  o.chunk_snapshots = true;
+  Scheduler s(o);
+  std::vector<int32_t> prompt(10);
+  std::iota(prompt.begin(), prompt.end(), 1);
+  s.enqueue(make_seq(1, prompt, 3));
+  StepPlan p = s.plan_step();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].start_pos, 0);
+  EXPECT_EQ(p.chunks[0].num_tokens, 10);
+  EXPECT_TRUE(p.chunks[0].want_logits);
+  EXPECT_TRUE(p.saves.empty());
+  Sequence* q = p.chunks[0].seq;
+  ASSERT_EQ(p.chunks[0].snapshots.size(), 2u);
+  EXPECT_EQ(p.chunks[0].snapshots[0].tokens, 4);
+  EXPECT_EQ(p.chunks[0].snapshots[1].tokens, 8);
+  const int a = p.chunks[0].snapshots[0].slot, b = p.chunks[0].snapshots[1].slot;
+  EXPECT_GE(a, 0);
+  EXPECT_GE(b, 0);
+  EXPECT_NE(a, b);
+  EXPECT_NE(a, q->state_slot);
+  EXPECT_NE(b, q->state_slot);
+  EXPECT_EQ(s.state_slots_used(), 3);  // its own + the two snapshots
+  s.commit_step(p);
+  q->tokens.push_back(7);
+  ++q->num_generated;
+  std::vector<StateCopy> saves;
+  run_to_end(s, nullptr, &saves);
+  ASSERT_EQ(saves.size(), 1u);  // the decode's boundary at 12 (a copy after its step), replacing the one at 8
+  EXPECT_EQ(saves[0].dst, b);
+  EXPECT_EQ(s.prefix_cache()->num_pages(), 3);
+  EXPECT_EQ(s.prefix_cache()->num_snapshots(), 2);
+
+  std::vector<int32_t> turn2 = prompt;
+  turn2.insert(turn2.end(), {7, 7, 7, 50, 51, 52, 53, 54});
+  s.enqueue(make_seq(2, turn2, 2));
+  StepPlan t = s.plan_step();
+  ASSERT_EQ(t.chunks.size(), 1u);
+  Sequence* r = t.chunks[0].seq;
+  EXPECT_EQ(r->cached_tokens, 12);
+  ASSERT_EQ(t.restores.size(), 1u);
+  EXPECT_EQ(t.restores[0].src, b);
+  // 18 tokens: the second-to-last boundary (12) is where it starts; the last (16) rides in its one chunk.
+  EXPECT_EQ(t.chunks[0].num_tokens, 6);
+  ASSERT_EQ(t.chunks[0].snapshots.size(), 1u);
+  EXPECT_EQ(t.chunks[0].snapshots[0].tokens, 4);
+  EXPECT_TRUE(t.chunks[0].want_logits);
+  s.commit_step(t);
+  fake_sample(t);
+  run_to_end(s, nullptr, nullptr);
+  EXPECT_EQ(s.counters().cache_hit_tokens, 12u);
+  EXPECT_EQ(s.kv_pages_used(), 0);
+  EXPECT_EQ(s.state_slots_used(), 0);
+}
+
 TEST(SchedulerCache, MemoryPressureEvictsTheCacheBeforePreempting) {
   SchedulerOptions o = cache_options();
   o.kv_pages = 8;  // 32 tokens

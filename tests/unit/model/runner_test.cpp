@@ -99,6 +99,60 @@ TEST(Runner, LargePassesFreeEachLayersScratch) {
   EXPECT_LT(max_diff(split.run(1, std::span(prompt).first(256), 0), want_short), kSelfTol);
 }
 
+// A prompt chunk with prefix-cache snapshots inside it (SeqChunk::snapshots): a 33-token chunk writes them as position
+// checkpoints in its one pass, a 90-token one ends passes at them and copies the state. A sequence restored from each
+// snapshot (sharing the prompt's pages, as the prefix cache shares them) continues to the logits of the whole prompt,
+// on the hybrid fixtures and on kiln-tiny with its MTP head, where the head's last hidden state belongs to the snapshot
+// too: the continuation's carried first draft must equal the whole prompt's.
+TEST(Runner, SnapshotsInsideAChunkHoldTheStateThere) {
+  struct Case {
+    std::string name, dir;
+    bool mtp;
+  };
+  std::vector<Case> cases;
+  for (const char* name : {"qwen3_5_moe_bf16", "qwen3_next_nvfp4", "qwen3_5_bf16"})
+    cases.push_back({name, Fixture::load(name).model_dir, false});
+  cases.push_back({"kiln-tiny (MTP head)", std::string(KILN_SOURCE_DIR) + "/models/kiln-tiny", true});
+  for (const Case& c : cases) {
+    auto opts = f32_kv();
+    opts.mtp = c.mtp;
+    TestRunner r(c.dir, opts);
+    std::vector<int32_t> prompt(90);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % (r.vocab() - 1));
+    for (const int64_t len : {int64_t{33}, int64_t{90}}) {
+      const std::span<const int32_t> p = std::span<const int32_t>(prompt).first(static_cast<size_t>(len));
+      const std::vector<int64_t> at = len == 33 ? std::vector<int64_t>{16, 32} : std::vector<int64_t>{32, 64};
+      model::SeqChunk whole = r.chunk(0, p, 0);
+      whole.snapshots = {{at[0], 1}, {at[1], 2}};
+      std::vector<float> want(static_cast<size_t>(r.vocab()));
+      r.runner->forward({&whole, 1}, want);
+      int32_t want_draft = -1;
+      if (c.mtp) {
+        int32_t id = -1;
+        r.runner->forward_argmax_carry({&whole, 1}, {&id, 1}, {&want_draft, 1}, {});
+        EXPECT_EQ(id, argmax(want.data(), r.vocab())) << c.name;
+      }
+      for (size_t k = 0; k < at.size(); ++k) {
+        r.runner->copy_state(static_cast<int>(k) + 1, 3);
+        model::SeqChunk rest = r.chunk(3, p.subspan(static_cast<size_t>(at[k])), at[k]);
+        rest.page_table = r.page_tables[0];
+        std::vector<float> got(static_cast<size_t>(r.vocab()));
+        r.runner->forward({&rest, 1}, got);
+        const double d = max_diff(got, want);
+        std::printf("[runner] %-20s %2lld-token chunk, snapshot after %2lld tokens: continuation vs whole %.2e\n",
+                    c.name.c_str(), static_cast<long long>(len), static_cast<long long>(at[k]), d);
+        EXPECT_LT(d, kSelfTol) << c.name << " len " << len << " snapshot " << at[k];
+        if (c.mtp) {
+          r.runner->copy_state(static_cast<int>(k) + 1, 3);
+          int32_t id = -1, draft = -1;
+          r.runner->forward_argmax_carry({&rest, 1}, {&id, 1}, {&draft, 1}, {});
+          EXPECT_EQ(draft, want_draft) << c.name << " len " << len << " snapshot " << at[k];
+        }
+      }
+    }
+  }
+}
+
 TEST(Runner, PrefillThenDecodeEqualsLongerPrefill) {
   for (const char* name : kModels) {
     const Fixture fx = Fixture::load(name);

@@ -453,6 +453,61 @@ TEST(CudaRunner, LargePassesFreeLayerScratchAndMatchCpu) {
   }
 }
 
+// Prefix-cache snapshots inside a prompt's chunk (SeqChunk::snapshots) on the GPU: a 33-token chunk writes them as
+// position checkpoints from the recurrence and conv kernels in its one pass, a 90-token one ends passes at them and
+// copies the state. On every hybrid model (kiln-tiny with its MTP head: the head's last hidden state is part of the
+// snapshot), a sequence restored from each snapshot continues to the whole prompt's logits, and those equal the CPU's.
+TEST(CudaRunner, SnapshotsInsideAChunkHoldTheStateThere) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  int hybrid = 0;
+  for (const ModelCase& mc : model_cases(fixtures)) {
+    const bool mtp = mc.name == "kiln-tiny";
+    Engine gpu(std::make_unique<CudaOps>(), mc.dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 256, mtp);
+    if (!gpu.runner->has_recurrent_state()) continue;
+    ++hybrid;
+    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 256, mtp);
+    std::vector<int32_t> prompt(90);
+    for (size_t i = 0; i < prompt.size(); ++i)
+      prompt[i] = static_cast<int32_t>((i * 7919 + 13) % std::min<int64_t>(gpu.vocab - 1, 2000));
+    for (const int64_t len : {int64_t{33}, int64_t{90}}) {
+      const std::span<const int32_t> p = std::span<const int32_t>(prompt).first(static_cast<size_t>(len));
+      const std::vector<int64_t> at = len == 33 ? std::vector<int64_t>{16, 32} : std::vector<int64_t>{32, 64};
+      auto whole = [&](Engine& e) {
+        model::SeqChunk c;
+        c.state_slot = 0;
+        c.tokens = p;
+        c.page_table = e.page_tables[0];
+        c.snapshots = {{at[0], 1}, {at[1], 2}};
+        std::vector<float> out(static_cast<size_t>(e.vocab));
+        e.runner->forward({&c, 1}, out);
+        return out;
+      };
+      const std::vector<float> want = whole(gpu), cpu_want = whole(cpu);
+      const double vs_cpu = test::rel_err(want, cpu_want);
+      EXPECT_LT(vs_cpu, 1e-4) << mc.name;
+      for (size_t k = 0; k < at.size(); ++k) {
+        gpu.runner->copy_state(static_cast<int>(k) + 1, 3);
+        model::SeqChunk rest;
+        rest.state_slot = 3;
+        rest.tokens = p.subspan(static_cast<size_t>(at[k]));
+        rest.start_pos = at[k];
+        rest.page_table = gpu.page_tables[0];
+        std::vector<float> got(static_cast<size_t>(gpu.vocab));
+        gpu.runner->forward({&rest, 1}, got);
+        const double err = test::rel_err(got, want);
+        std::printf("[ model    ] %-22s %2lld-token chunk, snapshot after %2lld: continuation vs whole rel-L2 %.2e "
+                    "(whole: cuda vs cpu %.2e)\n",
+                    mc.name.c_str(), static_cast<long long>(len), static_cast<long long>(at[k]), err, vs_cpu);
+        EXPECT_LT(err, 1e-4) << mc.name << " len " << len << " snapshot " << at[k];
+        EXPECT_EQ(testing::argmax(got.data(), gpu.vocab), testing::argmax(want.data(), gpu.vocab)) << mc.name;
+      }
+    }
+  }
+  EXPECT_GE(hybrid, 3);
+}
+
 TEST(CudaRunner, Bf16KvCacheGreedyMatchesCpu) {
   KILN_REQUIRE_CUDA_DEVICE();
   // The serving default (BF16 KV): rounding to bf16 may differ in the last bit where the fp32 inputs differ by

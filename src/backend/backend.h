@@ -55,6 +55,9 @@ struct GpuLoadOptions {
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;
+  // The chunked delta rule as a per-chunk preparation kernel plus the scan over chunks (cuda::CudaOptions::
+  // delta_rule_split; --disable-delta-rule-split: the single kernel).
+  bool delta_rule_split = true;
   // Captured gemv launches prefetch their weights into L2 before the PDL wait (cuda::CudaOptions::weight_prefetch;
   // --enable-weight-prefetch, experimental).
   bool weight_prefetch = false;

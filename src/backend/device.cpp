@@ -6,6 +6,7 @@
 #include <map>
 
 #include "backend/cuda/cuda_options.h"  // plain C++: the plan sizes the CUDA backend's expert scratch
+#include "backend/cuda/deltanet_chunked_tiles.h"  // plain C++: and the delta rule's split-form workspace
 #include "backend/op_check.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -187,6 +188,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.pdl = o.gpu.pdl;
   c.fused_decode_ops = o.gpu.fused_decode_ops;
   c.delta_rule_tensor_cores = o.gpu.delta_rule_tensor_cores;
+  c.delta_rule_split = o.gpu.delta_rule_split;
   c.weight_prefetch = o.gpu.weight_prefetch;
   return c;
 }
@@ -259,7 +261,16 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
                                config.num_experts + 3.0 * config.shared_expert_intermediate_size +
                                1.5 * (H + config.experts_per_tok * static_cast<double>(config.moe_intermediate_size))
                          : 3.0 * static_cast<double>(config.intermediate_size);
-  const double per_token_layer = 4.0 * (8.0 * H + 3.0 * std::max(C, Q) + ffn);
+  // The chunked delta rule's split form takes its workspace from the scratch arena while a linear-attention layer's
+  // delta rule runs (cuda/deltanet_chunked_tiles.h SplitWorkspace: W, U, P and the cumulative decays per token and value
+  // head; the 64 padding rows per sequence are within the fixed 0.5 GiB below): 41 KiB per token at the 35B-A3B.
+  const double delta_split =
+      o.gpu.delta_rule_split && o.gpu.delta_rule_tensor_cores && config.linear_num_value_heads > 0
+          ? 4.0 * config.linear_num_value_heads *
+                (::kiln::cuda::ops::delta_chunked::chunk_key_tile(config.linear_key_head_dim) +
+                 (config.linear_value_head_dim + 31) / 32 * 32.0 + ::kiln::cuda::ops::delta_chunked::kChunk + 1.0)
+          : 0.0;
+  const double per_token_layer = 4.0 * (8.0 * H + 3.0 * std::max(C, Q) + ffn) + delta_split;
   auto pass_bytes = [&](double tokens) {
     return tokens < static_cast<double>(model::kLayerScratchReleaseMinTokens)
                ? tokens * per_token_layer * config.num_layers

@@ -19,6 +19,7 @@ struct GpuFlags {
   bool disable_pdl = false;                // !gpu.pdl
   bool disable_fused_decode_ops = false;   // !gpu.fused_decode_ops
   bool disable_delta_rule_tensor_cores = false;  // !gpu.delta_rule_tensor_cores
+  bool disable_delta_rule_split = false;         // !gpu.delta_rule_split
   bool enable_weight_prefetch = false;     // gpu.weight_prefetch
 };
 
@@ -85,6 +86,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
                "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "
                "bfloat16)");
+  app.add_flag("--disable-delta-rule-split", f.disable_delta_rule_split,
+               "cuda: run the chunked gated delta rule (prefill) as the single kernel that walks each sequence's chunks "
+               "(default: two kernels, a per-chunk preparation parallel over chunks and heads, then the scan over "
+               "chunks, with a workspace of ~41 KiB per token at the 35B-A3B's heads; needs the tensor cores)");
   app.add_flag("--enable-weight-prefetch", f.enable_weight_prefetch,
                "cuda, experimental: with programmatic dependent launch, each block of the decode gemv kernels first "
                "asks L2 to prefetch its weight rows, so they stream while the previous kernel finishes (measured no "
@@ -102,6 +107,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu.pdl = !f.disable_pdl;
   lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
   lo.gpu.delta_rule_tensor_cores = !f.disable_delta_rule_tensor_cores;
+  lo.gpu.delta_rule_split = !f.disable_delta_rule_split;
   lo.gpu.weight_prefetch = f.enable_weight_prefetch;
 }
 

@@ -287,10 +287,16 @@ std::string CudaOps::describe() const {
           ? fmt::format("flash-style on tensor cores ({}; head_dim % 4 != 0: fp32 CUDA cores)",
                         bf16 ? "q, k, p, v rounded to bf16" : "q, k, p, v in 3 bf16 parts")
           : std::string("fp32 CUDA cores"),
-      fmt::format("{}; the chunks' matrix products {}",
+      fmt::format("{}; {}; the chunks' matrix products {}",
                   o.delta_rule == CudaOptions::DeltaRule::chunked
                       ? "chunks of 64 tokens wherever supported [every step]"
                       : "chunks of 64 tokens for prefill sequences of >= 32 tokens, recurrent for decode",
+                  o.delta_rule_split_active()
+                      ? "split form: a per-chunk preparation kernel parallel over chunks and heads, then the scan over "
+                        "chunks (where the device's shared memory fits it, else the single kernel)"
+                  : o.delta_rule_split
+                      ? "single-kernel form (the split form needs the tensor cores)"
+                      : "single-kernel form, a block walking each sequence's chunks [--disable-delta-rule-split]",
                   !o.delta_rule_tensor_cores ? "on fp32 CUDA cores [--disable-delta-rule-tensor-cores]"
                   : bf16                     ? "on tensor cores (tf32 mma, inputs rounded once to tf32)"
                                              : "on tensor cores (tf32 mma, inputs in 2 tf32 parts, 3 mmas)"),
@@ -1219,9 +1225,16 @@ void CudaOps::run_delta_rule(const TensorView& q, const TensorView& k, const Ten
   const bool chunked = delta_rule_chunked(step, mode);
   KILN_CHECK(!(chunked && (raw_gates || norm)),
              "gated_delta_rule: the chunked form reads computed gates and has no fused output norm");
-  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), state_ref, Hk, Hv, Dk, Dv, ldq, ldk, ldv,
-                         step_args(step), f32_mut(out), work, impl_->rt.stream(), chunked, raw_gates, norm,
-                         impl_->options.delta_rule_tf32_parts());
+  // The split form's workspace (W, U, P per chunk row: kernels.h gated_delta_rule_chunked_workspace_bytes, ~41 KiB
+  // per token at the 35B-A3B's heads) from the scratch arena, which the memory plan counts (backend/device.cpp).
+  const kops::StepArgs sa = step_args(step);
+  const int parts = impl_->options.delta_rule_tf32_parts();
+  void* split_ws = nullptr;
+  if (chunked && impl_->options.delta_rule_split_active() &&
+      kops::gated_delta_rule_chunked_split_supported(Hv, Dk, Dv, sa, parts))
+    split_ws = impl_->rt.scratch(kops::gated_delta_rule_chunked_workspace_bytes(T, Hv, Dk, Dv, sa));
+  kops::gated_delta_rule(f32(q), f32(k), f32(v), f32(g), f32(beta), state_ref, Hk, Hv, Dk, Dv, ldq, ldk, ldv, sa,
+                         f32_mut(out), work, impl_->rt.stream(), chunked, raw_gates, norm, parts, split_ws);
 }
 
 // ---------------------------------------------------------------------------------------------------

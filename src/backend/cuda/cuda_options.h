@@ -89,6 +89,12 @@ struct CudaOptions {
   bool delta_rule_tensor_cores = true;
   // The chunked kernel's tf32_parts (kernels.h gated_delta_rule_chunked): 0 for the CUDA-core kernel.
   int delta_rule_tf32_parts() const { return delta_rule_tensor_cores ? mma_parts() : 0; }
+  // The chunked delta rule in two kernels (deltanet_chunked_split.cu: a per-chunk preparation parallel over chunks and
+  // heads, writing W, U, P to a workspace from the scratch arena, then the scan over each sequence's chunks), or the
+  // single kernel that walks a sequence's chunks doing all of it (`--disable-delta-rule-split`). The split form runs on
+  // tensor cores only: with delta_rule_tensor_cores off the single FMA kernel runs either way.
+  bool delta_rule_split = true;
+  bool delta_rule_split_active() const { return delta_rule_split && delta_rule_tensor_cores; }
   // --mamba-ssm-dtype: the DeltaNet recurrent state slots in bf16 (half the bytes the delta rule streams per step and
   // the memory plan reserves) instead of fp32. The kernels still update the state in fp32 registers and round it once,
   // to nearest even, when they store it. On by default under --dtype bfloat16 (backend/device.h).

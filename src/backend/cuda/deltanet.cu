@@ -289,7 +289,8 @@ void delta_rule_gates(const float* a, const float* b, const void* A_log, ElemTyp
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                       DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
                       int64_t ldv, const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked,
-                      const DeltaGateArgs* gates, const DeltaNormArgs* norm, int chunked_tf32_parts) {
+                      const DeltaGateArgs* gates, const DeltaNormArgs* norm, int chunked_tf32_parts,
+                      void* chunked_workspace) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (Dk > kDeltaWarps * kDeltaRowsPerThread)
     cuda_fail("gated delta rule: key head dim {} is not supported (at most {})", {Dk, kDeltaWarps * kDeltaRowsPerThread});
@@ -302,7 +303,7 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
     float* kn = qk_work + vectors * Dk;
     launch_kernel(l2norm_qk_kernel, grid_for(2 * vectors, 8), 256, 0, stream, q, k, vectors, Dk, Hk, ldq, ldk, qn, kn);
     KILN_CUDA_CHECK_LAUNCH();
-    gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, nullptr, stream,
+    gated_delta_rule_chunked(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, chunked_workspace, stream,
                              chunked_tf32_parts);
     return;
   }

@@ -32,11 +32,38 @@
 // that checked this ran each interval's threads in forward, reverse and random order with identical results.
 // A bf16 state (DeltaStateRef) is widened to fp32 as it enters shared memory and rounded once, to nearest even, when
 // the final state is written back; the chunks in between update the fp32 copy in shared memory.
+//
+// ---- The split form (deltanet_chunked_split.cu; the default where it serves the call, CudaOptions::delta_rule_split,
+// `--disable-delta-rule-split` keeps the kernel above). Measured on an H100 at the 35B-A3B's heads (Hk 16, Hv 32,
+// Dk = Dv = 128), one 8192-token pass: the kernel above takes 2.45-2.50 ms per layer, and moving its products to
+// tensor cores changed that by 2%: it is bound by the serial per-chunk path (~19 us per chunk x 128 chunks in one wave
+// of 128 blocks: 8 barriers, the 16-row block solve, the loads), not by arithmetic. Everything that depends on k, q,
+// v and the gates alone moves out of the sequential walk:
+//   kernel 1 (preparation), a block per (chunk, value head, sequence), fully parallel (4096 blocks of 256 threads at
+//   8192 tokens, two per SM): A and P as phase 1's key tiles; T = (I + A)^-1 explicitly (the diagonal inverses and
+//   M_b as above, then T's three sub-diagonals of 16 x 16 blocks, T_bc = -sum_j M_bj T_jc, fp32 FMA); then on tensor
+//   cores W = T (beta e^cs k) [64 x Dk] and U = T (beta v) [64 x Dv] (phase 4's tiling, T zero right of the diagonal
+//   blocks). W, U, P and cs go to a global workspace (fp32 in every form: the scan's products read them through the
+//   same tf32 split as everything else, so a bf16 copy would add a second rounding that tf32_parts 3 does not have,
+//   and for 1 part would double the rounding of W and U; kernels.h gated_delta_rule_chunked_workspace_bytes: 41 KiB
+//   per token at the 35B-A3B, 323.5 MiB for an 8192-token pass, from the scratch arena, counted by the memory plan).
+//   kernel 2 (scan), a block per (sequence, value head, 32 value columns): per chunk X = U - W S (= the V above),
+//   out = e^cs q S + P X, S = e^cs_last S + (e^(cs_last - cs) k)^T X, all three products on tensor cores, with two
+//   barriers per chunk and no solve; the next chunk's W and q double-buffered, k, P, U each copied while the phase
+//   before their readers runs (cp.async groups).
+// Expected (not yet measured), per layer at the 35B-A3B, 8192 tokens, tf32_parts 3: kernel 1 moves ~540 MB through
+// HBM (reads q, k, v, writes 340 MB of workspace: ~0.17 ms at 3.3 TB/s) and its arithmetic is small, so ~0.25 ms;
+// kernel 2 runs 128 blocks x 128 chunks, each chunk 106 mma steps per warp (318 mmas at 3 parts; ~1.5 us at the
+// H100's mma.sync rate) and ~120 KB of loads per block from L2 (2 GB in all: ~0.35 ms at ~5.5 TB/s, overlapped by the
+// copies), so ~3-4 us per chunk, ~0.45 ms. Together ~0.7-0.8 ms per layer against 2.45 ms: ~3x. tf32_parts 1 does a
+// third of the mmas; then the loads bound kernel 2.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/deltanet_chunked_mma.cuh"
+#include "backend/cuda/deltanet_chunked_split.h"
 #include "backend/cuda/deltanet_chunked_tiles.h"
 #include "backend/cuda/device.cuh"
 #include "backend/cuda/kernels.h"
@@ -47,24 +74,6 @@ namespace kiln::cuda::ops {
 namespace {
 
 using namespace delta_chunked;  // kChunk, kThreads, kSub, Layout and the tensor-core tiling (deltanet_chunked_tiles.h)
-
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
-
-// dst (shared) = ok ? *src : 0 without going through registers: cp.async, zero-filled when !ok (src must be a
-// valid address either way); complete after wait_copies(). A plain copy where cp.async is missing (the host pass).
-__device__ __forceinline__ void copy_async(float* dst, const float* src, bool ok) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  ptx::cp_async_4(ptx::smem_addr(dst), src, ok ? 4 : 0);
-#else
-  *dst = ok ? *src : 0.0f;
-#endif
-}
-
-__device__ __forceinline__ void wait_copies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  ptx::cp_async_wait_all();
-#endif
-}
 
 // Starts the copies of one chunk's k (into k set `set`), q and v tile (into vx buffer `set`), zero outside the
 // chunk's m tokens, Dk and Dv. Element n of a thread: key dim d = 8 * (tile % (DK / 8)) + lane % 8, token
@@ -95,17 +104,6 @@ __device__ __forceinline__ void copy_chunk(float* sm, int set, const float* __re
   }
 }
 
-// g and beta of token i (< 64) of a chunk, zero past its m tokens. Loaded into registers a phase before they are
-// stored (graw / beta), so that the store does not wait for global memory.
-struct Gates {
-  float g, beta;
-};
-__device__ __forceinline__ Gates load_gates(const float* __restrict__ g, const float* __restrict__ beta, int tok,
-                                            int m, int h, int Hv, int i) {
-  const int64_t off = int64_t(tok + imin(i, m - 1)) * Hv + h;
-  const float gv = g[off], bv = beta[off];
-  return {i < m ? gv : 0.0f, i < m ? bv : 0.0f};
-}
 template <int DK, int DVT, bool TC>
 __device__ __forceinline__ void store_gates(float* sm, Gates x, int i) {
   using L = Layout<DK, DVT, TC>;
@@ -208,78 +206,10 @@ __device__ __forceinline__ void chunk_products(float* sm, int set, const float* 
   }
 }
 
-// T_bb = (I + A_bb)^-1 for diagonal block b = tid / 16, column c = tid % 16 (threads 0..63): forward substitution
-// on e_c, written right-looking (x_j known, then subtracted from every later row) so that the rows' updates
-// overlap; each x_r still sums its terms in the order j = 0, 1, ..., r - 1. Rows above c come out exactly zero.
-template <int DK, int DVT, bool TC>
-__device__ __forceinline__ void diagonal_inverse(float* sm, int tid) {
-  using L = Layout<DK, DVT, TC>;
-  const int b = tid >> 4, c = tid & 15;
-  const float* ab = sm + L::a + kSub * b * L::lda + kSub * b;
-  float x[kSub];
-#pragma unroll
-  for (int r = 0; r < kSub; ++r) x[r] = r == c ? 1.0f : 0.0f;
-#pragma unroll
-  for (int j = 0; j < kSub; ++j)
-#pragma unroll
-    for (int r = j + 1; r < kSub; ++r) x[r] = fmaf(-ab[r * L::lda + j], x[j], x[r]);
-  float* t = sm + L::tbb + b * kSub * kSub;
-#pragma unroll
-  for (int r = 0; r < kSub; ++r) t[r * kSub + c] = x[r];
-}
-
-// col[r * ld] = sum_{r' <= r} t[r][r'] col[r' * ld] for the 16 rows of one column, in place (the column is read into
-// registers first and no other thread touches it). t is lower triangular with zeros above the diagonal, so whole
-// float4 groups up to the diagonal can be read.
-__device__ __forceinline__ void apply_block_inverse(float* col, int ld, const float* t) {
-  float x[kSub];
-#pragma unroll
-  for (int r = 0; r < kSub; ++r) x[r] = col[r * ld];
-#pragma unroll
-  for (int r = 0; r < kSub; ++r) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int q = 0; q <= r / 4; ++q) {
-      const float4 tt = *reinterpret_cast<const float4*>(t + r * kSub + 4 * q);
-      acc = fmaf(tt.x, x[4 * q], acc);
-      acc = fmaf(tt.y, x[4 * q + 1], acc);
-      acc = fmaf(tt.z, x[4 * q + 2], acc);
-      acc = fmaf(tt.w, x[4 * q + 3], acc);
-    }
-    col[r * ld] = acc;
-  }
-}
-
 // ---- the tensor-core products (tf32_parts 1 or 3): phases 1, 4 and 5 as mma.m16n8k8 with tf32 inputs and fp32
-// accumulation, every fragment read from the fp32 shared buffers and converted in registers. The tiles of each warp
-// and the fragment layout are deltanet_chunked_tiles.h's (checked there by a host emulation).
-
-// A value at a tensor-core input: hi = tf32(x) and, with 3 parts, lo = tf32(x - hi) (hi + lo carry 22 of x's 24
-// significant bits).
-template <int PARTS>
-struct Tf32 {
-  uint32_t hi, lo;
-};
-template <int PARTS>
-__device__ __forceinline__ Tf32<PARTS> split_tf32(float x) {
-  Tf32<PARTS> r;
-  r.hi = ptx::to_tf32(x);
-  r.lo = PARTS == 3 ? ptx::to_tf32(x - __uint_as_float(r.hi)) : 0u;
-  return r;
-}
-
-// d += a b over one 16 x 8 x 8 step: hi hi with 1 part; lo hi + hi lo + hi hi with 3 (the small terms first; lo lo,
-// ~2^-22 of the product, is dropped), all into the same fp32 accumulator.
-template <int PARTS>
-__device__ __forceinline__ void mma_step(float (&d)[4], const Tf32<PARTS> (&a)[4], const Tf32<PARTS> (&b)[2]) {
-  const uint32_t ah[4] = {a[0].hi, a[1].hi, a[2].hi, a[3].hi};
-  if constexpr (PARTS == 3) {
-    const uint32_t al[4] = {a[0].lo, a[1].lo, a[2].lo, a[3].lo};
-    ptx::mma_tf32_1688(d, al, b[0].hi, b[1].hi);
-    ptx::mma_tf32_1688(d, ah, b[0].lo, b[1].lo);
-  }
-  ptx::mma_tf32_1688(d, ah, b[0].hi, b[1].hi);
-}
+// accumulation, every fragment read from the fp32 shared buffers and converted in registers (split_tf32 / mma_step:
+// deltanet_chunked_mma.cuh). The tiles of each warp and the fragment layout are deltanet_chunked_tiles.h's (checked
+// there by a host emulation).
 
 // Phase 1 on tensor cores for one warp: its 5 key tiles and DVT / 8 state tiles of G (p1_tile), then the same gating
 // into A / P / X / O as chunk_products, element by element at the accumulator fragment's coordinates.
@@ -536,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // phase 5 alone reads from here on.
     if (has_next) copy_chunk<DK, DVT, TC>(sm, set ^ 1, qn, kn, v, next_tok, next_m, kh, Hk, Dk, h, Dv, ldv, col0, tid);
     if (warp < 2) {
-      diagonal_inverse<DK, DVT, TC>(sm, tid);
+      diagonal_inverse<L>(sm, tid);
     } else if (warp < 4) {
       if (has_next) store_gates<DK, DVT, TC>(sm, next_gates, tid - 64);
     } else {
@@ -694,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 namespace {
 
-int key_tile(int64_t Dk) { return Dk <= 32 ? 32 : (Dk <= 64 ? 64 : 128); }
+int key_tile(int64_t Dk) { return chunk_key_tile(Dk); }
 
 template <bool TC>
 size_t layout_bytes(int dk, int dvt) {
@@ -764,7 +694,20 @@ void launch_parts(int tf32_parts, const float* qn, const float* kn, const float*
 
 }  // namespace
 
-size_t gated_delta_rule_chunked_workspace_bytes(int64_t, int64_t, int64_t, int64_t, const StepArgs&) { return 0; }
+// The split form's workspace (SplitWorkspace: W, U, P, cs per chunk row; rows = T + 64 S). For the 35B-A3B (Hv 32,
+// Dk = Dv = 128) and one 8192-token sequence: 339,222,528 bytes (323.5 MiB, 41 KiB per token).
+size_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step) {
+  if (T <= 0 || step.num_seqs <= 0) return 0;
+  return static_cast<size_t>(split_workspace(T, step.num_seqs, Hv, Dk, Dv).floats) * sizeof(float);
+}
+
+bool gated_delta_rule_chunked_split_supported(int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step,
+                                              int tf32_parts) {
+  if (tf32_parts != 1 && tf32_parts != 3) return false;
+  if (step.num_seqs > 65535 || Hv > 65535 || !gated_delta_rule_chunked_supported(Dk, Dv)) return false;
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor, 0) < 8) return false;
+  return delta_rule_split_shared_bytes(Dk) <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+}
 
 bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv) {
   if (Dk < 1 || Dk > 128 || Dv < 1 || Dv > 65535 * 32) return false;
@@ -773,7 +716,7 @@ bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv) {
 
 void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
                               DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
-                              const StepArgs& step, float* out, void* /*workspace*/, cudaStream_t stream,
+                              const StepArgs& step, float* out, void* workspace, cudaStream_t stream,
                               int tf32_parts) {
   if (step.num_tokens == 0 || step.num_seqs == 0) return;
   if (!gated_delta_rule_chunked_supported(Dk, Dv))
@@ -782,6 +725,11 @@ void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, 
     cuda_fail("chunked gated delta rule: tf32_parts {} (0: fp32 FMA, 1 or 3: tensor cores)", {int64_t(tf32_parts)});
   if (tf32_parts != 0 && device_attribute(cudaDevAttrComputeCapabilityMajor, 0) < 8)
     cuda_fail("chunked gated delta rule: the tensor-core kernel needs sm_80 or newer (tf32 mma); pass tf32_parts 0");
+  if (workspace && gated_delta_rule_chunked_split_supported(Hv, Dk, Dv, step, tf32_parts)) {
+    gated_delta_rule_chunked_split(qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, workspace, stream,
+                                   tf32_parts);
+    return;
+  }
   const int dk = key_tile(Dk), dvt = value_tile(Dv, Hv, step.num_seqs, dk);
   switch (dk * 1000 + dvt) {
     case 32032: launch_parts<32, 32>(tf32_parts, qn, kn, v, g, beta, state, Hk, Hv, Dk, Dv, ldv, step, out, stream); break;

@@ -234,12 +234,14 @@ inline bool delta_rule_norm_supported(int64_t Dk, int64_t Dv) {
 // kernel from the raw inputs and g / beta are not read. `norm` (recurrent form only, delta_rule_norm_supported(Dk,
 // Dv)): the kernel also writes the gated RMSNorm of each head's output row; out is written as without it.
 // chunked_tf32_parts: the chunked kernel's tf32_parts (gated_delta_rule_chunked below; 0: its FMA form).
+// chunked_workspace: gated_delta_rule_chunked's workspace (null: the single-kernel form; else the split form where it
+// serves the call).
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                       DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldq, int64_t ldk,
                       int64_t ldv,
                       const StepArgs& step, float* out, float* qk_work, Stream stream, bool chunked = false,
                       const DeltaGateArgs* gates = nullptr, const DeltaNormArgs* norm = nullptr,
-                      int chunked_tf32_parts = 0);
+                      int chunked_tf32_parts = 0, void* chunked_workspace = nullptr);
 
 // ---- paged attention, any step shape (attention_decode.cu)
 // k, v [T, kv_heads, head_dim] -> the pool rows of each token's position.
@@ -381,20 +383,23 @@ constexpr int kAttentionPrefillMinTokens = 16;
 bool attention_prefill(const float* q, int64_t q_heads, const KvPoolArgs& pool, const StepArgs& step, float scale,
                        float* out, Stream stream, int mma_parts = kMmaPartsFp32);
 
-// ---- the gated delta rule in chunks of 64 tokens, for prefill (deltanet_chunked.cu)
+// ---- the gated delta rule in chunks of 64 tokens, for prefill (deltanet_chunked.cu, deltanet_chunked_split.cu)
 // The gated delta rule in chunks of 64 tokens (the UT-transform form), for sequences with many tokens (prefill).
 // Same inputs, outputs and state as gated_delta_rule() above, except that q and k are the
 // already L2-normalised qn / kn ([T, Hk, Dk] contiguous, q also divided by sqrt(Dk)), as l2norm_qk_kernel writes
 // them. g, beta [T, Hv] contiguous; v rows ldv elements apart (heads contiguous inside a row); out [T, Hv, Dv]
 // contiguous; state as gated_delta_rule's (fp32 or bf16: read at the first chunk, written after the last).
 // A sequence's slot must hold its running state (zeros for a fresh sequence); sequences of 0 tokens are left as
-// they are. No fast-math. tf32_parts picks how the chunk's three matrix products (k.k / q.k / k S / q S, P V and the
-// state update) run: 0, fp32 FMA on the CUDA cores; kMmaPartsFp32 (3), tensor cores with every input split into
-// 2 tf32 parts (3 mmas per product: fp32-class accuracy, as the FMA form up to summation order); kMmaPartsBf16 (1),
-// tensor cores with the inputs rounded once to tf32 (relative error <= 2^-11 per input). sm_80+ for 1 and 3. The
-// triangular solve, gates and decays are fp32 FMA in every form. CudaOps passes 3 or 1 by CudaOptions::mma_parts()
-// (CudaOptions::delta_rule_tensor_cores) or 0.
-// workspace: gated_delta_rule_chunked_workspace_bytes(...) bytes (0 today: the kernel needs none; pass null).
+// they are. No fast-math. tf32_parts picks how the chunk's matrix products (k.k / q.k / k S / q S, P V and the
+// state update; the split form's T [k | v] too) run: 0, fp32 FMA on the CUDA cores; kMmaPartsFp32 (3), tensor cores
+// with every input split into 2 tf32 parts (3 mmas per product: fp32-class accuracy, as the FMA form up to
+// summation order); kMmaPartsBf16 (1), tensor cores with the inputs rounded once to tf32 (relative error <= 2^-11
+// per input). sm_80+ for 1 and 3. The triangular solve, gates and decays are fp32 FMA in every form. CudaOps passes
+// 3 or 1 by CudaOptions::mma_parts() (CudaOptions::delta_rule_tensor_cores) or 0.
+// Two forms (deltanet_chunked.cu's opening comment): `workspace` null runs the single kernel (a block per sequence,
+// value head and value tile walks its chunks); non-null, gated_delta_rule_chunked_workspace_bytes(...) bytes (256-byte
+// aligned), runs the split form (a parallel per-chunk preparation, then the scan over chunks) wherever
+// gated_delta_rule_chunked_split_supported, the single kernel elsewhere.
 size_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step);
 void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, const float* g, const float* beta,
                               DeltaStateRef state, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t ldv,
@@ -406,6 +411,12 @@ void gated_delta_rule_chunked(const float* qn, const float* kn, const float* v, 
 // 64; Dk <= 32: 98 KB). True on sm_90 / sm_100 (227 KB); on parts with 99 KB per block (sm_86 / sm_89 / sm_120) only
 // for Dk <= 32: elsewhere the caller keeps the recurrent kernel. The same for every tf32_parts.
 bool gated_delta_rule_chunked_supported(int64_t Dk, int64_t Dv);
+// True when the split form serves this call: gated_delta_rule_chunked_supported, tf32_parts 1 or 3 (the split form
+// runs on tensor cores only; 0 keeps the single FMA kernel), sm_80+, both split kernels' shared memory within the
+// device's opt-in limit (Dk 128: 224 KB; Dk 64: 134 KB; Dk <= 32: 89 KB), and at most 65535 sequences and heads (grid
+// dimensions).
+bool gated_delta_rule_chunked_split_supported(int64_t Hv, int64_t Dk, int64_t Dv, const StepArgs& step,
+                                              int tf32_parts);
 
 // ---- token sampling (sampling.cu)
 // Token sampling on the device (CudaOps::sample_rows): model::sample_row_host's definition (model/sampling.h:

@@ -115,6 +115,16 @@ TEST(GpuFlags, DeltaRuleTensorCoresOnByDefaultAndTheFlagTurnsThemOff) {
   EXPECT_FALSE(off.gpu.delta_rule_tensor_cores);
   EXPECT_TRUE(off.gpu.fused_decode_ops);
   EXPECT_TRUE(off.gpu.pdl);
+  EXPECT_TRUE(off.gpu.delta_rule_split);
+}
+
+// The chunked delta rule runs as two kernels (preparation, then the scan) by default; --disable-delta-rule-split runs
+// the single kernel and leaves the tensor cores on.
+TEST(GpuFlags, DeltaRuleSplitOnByDefaultAndTheFlagTurnsItOff) {
+  EXPECT_TRUE(parse_gpu({}).gpu.delta_rule_split);
+  const auto off = parse_gpu({"--disable-delta-rule-split"});
+  EXPECT_FALSE(off.gpu.delta_rule_split);
+  EXPECT_TRUE(off.gpu.delta_rule_tensor_cores);
 }
 
 // Every GPU flag lands in its field of LoadOptions::gpu (the part the CUDA loader reads); the two spelled otherwise

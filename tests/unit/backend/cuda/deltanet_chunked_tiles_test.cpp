@@ -139,6 +139,8 @@ void mma_step(FragC& d, const FragA& a, const FragB& b, int parts) {
 
 int random_int(std::mt19937& rng) { return static_cast<int>(rng() % 9) - 4; }
 
+bool HasFatalFailureNow() { return ::testing::Test::HasFatalFailure(); }
+
 // A shared-memory image of Layout<DK, DVT>, all NaN.
 template <class L>
 std::vector<float> poisoned() {
@@ -497,6 +499,456 @@ TEST(DeltaChunkedTiles, ThreeTf32PartsKeepFp32Accuracy) {
   EXPECT_LT(worst[3], 2e-6);
   EXPECT_GT(worst[1], 1e-5);  // the rounding happened
   EXPECT_LT(worst[1], 2e-3);  // 2 x 2^-11 per product at most
+}
+
+// ==== the split form (deltanet_chunked_split.cu): kernel 1's products and T's sub-diagonal steps, kernel 2's three
+// products, each on its own shared layout, as the kernels run them.
+
+// One warp's tile product over k steps [0, kend): acc += A[row + ..][k] B[k][col + ..] with the fragments read
+// through a(R, k) / b(k, C) (shared offsets), each element converted by fa / fb (the kernels' scaling) before the
+// emulated mma. Integer data: exact.
+template <class AOff, class BOff, class AScale, class BScale>
+void warp_tile_product(FragC& acc, const std::vector<float>& sm, int row, int col, int kend, AOff a, BOff b,
+                       AScale fa, BScale fb) {
+  for (int k0 = 0; k0 < kend; k0 += 8) {
+    FragA fragA;
+    FragB fragB;
+    for (int lane = 0; lane < 32; ++lane) {
+      for (int e = 0; e < 4; ++e) {
+        const Coord f = a_frag(lane, e);
+        fragA[lane][e] = fa(sm[a(row + f.row, k0 + f.col)], row + f.row, k0 + f.col);
+      }
+      for (int e = 0; e < 2; ++e) {
+        const Coord f = b_frag(lane, e);
+        fragB[lane][e] = fb(sm[b(k0 + f.row, col + f.col)], k0 + f.row, col + f.col);
+      }
+    }
+    mma_step(acc, fragA, fragB, 0);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+const auto kPlain = [](float x, int, int) { return x; };
+
+// ---- kernel 1, stage 1: phase 1's key tiles on PrepLayout (k at column 0, q at q_col; no state columns): A and P
+// need key columns below each row tile's end, every one computed once.
+template <int DK>
+void check_prep_products(int m, int Dk, uint32_t seed) {
+  using L = PrepLayout<DK>;
+  const std::string where = "prep products DK " + std::to_string(DK) + " m " + std::to_string(m);
+  std::mt19937 rng(seed);
+  std::vector<float> sm(L::floats, kNaN);
+  std::vector<float> K(kChunk * DK), Q(kChunk * DK);
+  for (int d = 0; d < DK; ++d)
+    for (int i = 0; i < kChunk; ++i) {
+      const bool ok = i < m && d < Dk;
+      K[i * DK + d] = ok ? static_cast<float>(random_int(rng)) : 0.0f;
+      Q[i * DK + d] = ok ? static_cast<float>(random_int(rng)) : 0.0f;
+      sm[p1_a_offset<L>(0, i, d)] = K[i * DK + d];
+      sm[p1_a_offset<L>(0, kChunk + i, d)] = Q[i * DK + d];
+      ASSERT_EQ(p1_b_offset<L>(0, d, i), p1_a_offset<L>(0, i, d)) << where;
+    }
+  std::vector<int> written(2 * kChunk * kChunk, 0);
+  for (int warp = 0; warp < kWarps; ++warp)
+    for (int j = 0; j < p1_key_tiles(); ++j) {
+      const Tile t = p1_tile(warp, j);
+      ASSERT_LT(t.col, kChunk) << where;
+      FragC acc = {};
+      warp_tile_product(
+          acc, sm, t.row, t.col, DK, [](int R, int d) { return p1_a_offset<L>(0, R, d); },
+          [](int d, int C) { return p1_b_offset<L>(0, d, C); }, kPlain, kPlain);
+      if (HasFatalFailureNow()) return;
+      for (int lane = 0; lane < 32; ++lane)
+        for (int e = 0; e < 4; ++e) {
+          const Coord f = c_frag(lane, e);
+          const int R = t.row + f.row, C = t.col + f.col;
+          const float* x = R < kChunk ? &K[R * DK] : &Q[(R - kChunk) * DK];
+          float ref = 0.0f;
+          for (int d = 0; d < DK; ++d) ref += x[d] * K[C * DK + d];
+          ASSERT_EQ(acc[lane][e], ref) << where << " R " << R << " C " << C;
+          ++written[R * kChunk + C];
+        }
+    }
+  for (int R = 0; R < 2 * kChunk; ++R)
+    for (int C = 0; C < kChunk; ++C)
+      ASSERT_EQ(written[R * kChunk + C], C < p1_first_unneeded_col(R - R % 16) ? 1 : 0) << where << " R " << R << " C " << C;
+}
+
+TEST(DeltaChunkedTiles, SplitPrepProductsMatchTripleLoop) {
+  check_prep_products<32>(64, 32, 31);
+  check_prep_products<64>(37, 40, 32);
+  check_prep_products<128>(1, 128, 33);
+  check_prep_products<128>(64, 100, 34);
+}
+
+// ---- kernel 1, stages 4-7: T's diagonal blocks copied from tbb, then the three sub-diagonal steps. (a) the index
+// maps on integers: every element below the diagonal blocks written exactly once, each step reading only what
+// earlier steps wrote (everything else NaN), equal to the block recursion written plainly; (b) the algorithm on
+// random A in double: with T_bb = (I + A_bb)^-1 and M_b = T_bb A_b,<b, the result is (I + A)^-1.
+template <class Real>
+void run_t_steps(std::vector<Real>& T, const std::vector<Real>& M, int ld) {
+  for (int d = 1; d < 4; ++d) {
+    std::vector<std::pair<int, Real>> out;
+    for (int tid = 0; tid < kThreads; ++tid)
+      for (int e = tid; e < prep_t_step_elems(d); e += kThreads) {
+        const Elem x = prep_t_step_elem(d, e);
+        Real sum = 0;
+        for (int j = x.j_begin; j < x.j_end; ++j) sum += M[x.row * ld + j] * T[j * ld + x.col];
+        out.push_back({x.row * ld + x.col, -sum});
+      }
+    for (const auto& [at, val] : out) T[at] = val;  // a step's writes land after its reads (as its barrier)
+  }
+}
+
+TEST(DeltaChunkedTiles, SplitPrepSubDiagonalStepsBuildTheInverse) {
+  using L = PrepLayout<128>;
+  constexpr int ld = L::lda;
+  std::mt19937 rng(41);
+  // (a) integers
+  std::vector<float> T(kChunk * ld, kNaN), M(kChunk * ld, kNaN);
+  for (int b = 0; b < 4; ++b)
+    for (int r = 0; r < kSub; ++r)
+      for (int c = 0; c < kSub; ++c) T[(kSub * b + r) * ld + kSub * b + c] = c > r ? 0.0f : (c == r ? 1.0f : random_int(rng) % 2);
+  for (int i = kSub; i < kChunk; ++i)
+    for (int j = 0; j < i - i % kSub; ++j) M[i * ld + j] = static_cast<float>(random_int(rng) % 2);
+  std::vector<int> seen(kChunk * kChunk, 0);
+  for (int d = 1; d < 4; ++d)
+    for (int e = 0; e < prep_t_step_elems(d); ++e) {
+      const Elem x = prep_t_step_elem(d, e);
+      ASSERT_EQ(x.row / kSub - x.col / kSub, d) << "step " << d << " e " << e;
+      ++seen[x.row * kChunk + x.col];
+    }
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < kChunk; ++j) ASSERT_EQ(seen[i * kChunk + j], j < i - i % kSub ? 1 : 0) << i << " " << j;
+  std::vector<float> ref = T;
+  for (int b = 1; b < 4; ++b)  // plain recursion, block row by block row
+    for (int c = 0; c < b; ++c)
+      for (int r = 0; r < kSub; ++r)
+        for (int cc = 0; cc < kSub; ++cc) {
+          float sum = 0;
+          for (int j = kSub * c; j < kSub * b; ++j) sum += M[(kSub * b + r) * ld + j] * ref[j * ld + kSub * c + cc];
+          ref[(kSub * b + r) * ld + kSub * c + cc] = -sum;
+        }
+  run_t_steps(T, M, ld);
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < i - i % kSub + kSub; ++j) ASSERT_EQ(T[i * ld + j], ref[i * ld + j]) << i << " " << j;
+
+  // (b) the maths, in double: A strictly lower, |A_ij| < 0.3 / 8
+  std::uniform_real_distribution<double> uni(-0.3 / 8, 0.3 / 8);
+  std::vector<double> A(kChunk * ld, 0.0), Td(kChunk * ld, std::nan("")), Md(kChunk * ld, std::nan(""));
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < i; ++j) A[i * ld + j] = uni(rng);
+  for (int b = 0; b < 4; ++b) {
+    double tb[kSub][kSub];
+    for (int c = 0; c < kSub; ++c) {  // (I + A_bb)^-1 column c by forward substitution
+      double x[kSub];
+      for (int r = 0; r < kSub; ++r) {
+        x[r] = r == c ? 1.0 : 0.0;
+        for (int j = 0; j < r; ++j) x[r] -= A[(kSub * b + r) * ld + kSub * b + j] * x[j];
+      }
+      for (int r = 0; r < kSub; ++r) tb[r][c] = x[r];
+    }
+    for (int r = 0; r < kSub; ++r) {
+      for (int c = 0; c < kSub; ++c) Td[(kSub * b + r) * ld + kSub * b + c] = tb[r][c];
+      for (int j = 0; j < kSub * b; ++j) {  // M_b = T_bb A_b,<b
+        double sum = 0;
+        for (int r2 = 0; r2 < kSub; ++r2) sum += tb[r][r2] * A[(kSub * b + r2) * ld + j];
+        Md[(kSub * b + r) * ld + j] = sum;
+      }
+    }
+  }
+  run_t_steps(Td, Md, ld);
+  double worst = 0;
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < kChunk; ++j) {  // ((I + A) T)_ij, T zero above the diagonal blocks
+      double sum = 0;
+      for (int l = j; l <= i; ++l) sum += ((l == i ? 1.0 : 0.0) + A[i * ld + l]) * Td[l * ld + j];
+      worst = std::max(worst, std::fabs(sum - (i == j ? 1.0 : 0.0)));
+    }
+  EXPECT_LT(worst, 1e-12);
+}
+
+// ---- kernel 1, stage 8: [W | U] = T [bs k | beta v] on phase 4's tiling over PrepLayout: T NaN right of each row
+// tile's diagonal block; the right-hand side read from kqs column block 0 (k) or q_col (the value tile, transposed),
+// scaled per token; columns < cols stored, each once.
+template <int DK>
+void check_prep_rhs(int col_base, int cols, uint32_t seed) {
+  using L = PrepLayout<DK>;
+  const std::string where = "prep rhs DK " + std::to_string(DK) + " base " + std::to_string(col_base) + " cols " +
+                            std::to_string(cols);
+  std::mt19937 rng(seed);
+  std::vector<float> sm(L::floats, kNaN), scale(kChunk);
+  for (int i = 0; i < kChunk; ++i) {
+    scale[i] = static_cast<float>(random_int(rng));
+    for (int j = 0; j < p4_k_end(i - i % 16); ++j) sm[prep_t_offset<L>(i, j)] = static_cast<float>(random_int(rng));
+    for (int c = 0; c < DK; ++c) sm[prep_rhs_offset<L>(col_base, i, c)] = static_cast<float>(random_int(rng));
+  }
+  constexpr int NU = p4_col_tiles(DK);
+  std::vector<float> dst(kChunk * DK, kNaN);
+  std::vector<int> written(kChunk * DK, 0);
+  int steps[kWarps] = {};
+  for (int warp = 0; warp < kWarps; ++warp)
+    for (int mi = 0; mi < 2; ++mi)
+      for (int u = 0; u < NU; ++u) {
+        const Tile t = p4_tile(warp, mi, u);
+        FragC acc = {};
+        warp_tile_product(
+            acc, sm, t.row, t.col, p4_k_end(t.row), [](int i, int j) { return prep_t_offset<L>(i, j); },
+            [col_base](int j, int c) { return prep_rhs_offset<L>(col_base, j, c); }, kPlain,
+            [&scale](float x, int j, int) { return x * scale[j]; });
+        if (HasFatalFailureNow()) return;
+        steps[warp] += p4_k_end(t.row) / 8;
+        for (int lane = 0; lane < 32; ++lane)
+          for (int e = 0; e < 4; ++e) {
+            const Coord f = c_frag(lane, e);
+            const int i = t.row + f.row, c = t.col + f.col;
+            if (c >= cols) continue;
+            dst[i * DK + c] = acc[lane][e];
+            ++written[i * DK + c];
+          }
+      }
+  for (int warp = 1; warp < kWarps; ++warp) EXPECT_EQ(steps[warp], steps[0]) << where << " balance";
+  for (int i = 0; i < kChunk; ++i)
+    for (int c = 0; c < DK; ++c) {
+      ASSERT_EQ(written[i * DK + c], c < cols ? 1 : 0) << where << " i " << i << " c " << c;
+      if (c >= cols) continue;
+      float ref = 0.0f;
+      for (int j = 0; j < p4_k_end(i - i % 16); ++j)
+        ref += sm[prep_t_offset<L>(i, j)] * (sm[prep_rhs_offset<L>(col_base, j, c)] * scale[j]);
+      ASSERT_EQ(dst[i * DK + c], ref) << where << " i " << i << " c " << c;
+    }
+}
+
+TEST(DeltaChunkedTiles, SplitPrepRightHandSidesMatchTripleLoop) {
+  check_prep_rhs<32>(0, 32, 51);
+  check_prep_rhs<32>(PrepLayout<32>::q_col, 32, 52);
+  check_prep_rhs<64>(0, 64, 53);
+  check_prep_rhs<64>(PrepLayout<64>::q_col, 32, 54);  // the last value tile of Dv 96: 32 columns stored
+  check_prep_rhs<128>(0, 128, 55);
+  check_prep_rhs<128>(PrepLayout<128>::q_col, 128, 56);
+}
+
+// ---- kernel 2: (a) G = [W; q] S, (b) out = O + P X with the O of (a)'s q tiles, (c) S = decay S + K'^T X, on
+// ScanLayout for both W / q sets. Everything a product must not read is NaN; every output once; triple loops.
+template <int DK>
+void check_scan(int set, int m, int cols, uint32_t seed) {
+  using L = ScanLayout<DK>;
+  constexpr int DVT = L::dvt, NU = p4_col_tiles(DVT), NT = p5_col_tiles(DK, DVT);
+  const std::string where = "scan DK " + std::to_string(DK) + " set " + std::to_string(set) + " m " +
+                            std::to_string(m) + " cols " + std::to_string(cols);
+  std::mt19937 rng(seed);
+  std::vector<float> sm(L::floats, kNaN), dec(kChunk);
+  for (int i = 0; i < kChunk; ++i) {
+    dec[i] = static_cast<float>(random_int(rng));
+    for (int d = 0; d < DK; ++d) {
+      sm[scan_g_a_offset<L>(set, i, d)] = static_cast<float>(random_int(rng));
+      sm[scan_g_a_offset<L>(set, kChunk + i, d)] = static_cast<float>(random_int(rng));
+      sm[scan_k_offset<L>(d, i)] = static_cast<float>(random_int(rng));
+    }
+    for (int j = 0; j < p4_k_end(i - i % 16); ++j) sm[scan_p_offset<L>(i, j)] = static_cast<float>(random_int(rng));
+    for (int c = 0; c < DVT; ++c) sm[scan_u_offset<L>(i, c)] = static_cast<float>(random_int(rng));
+  }
+  for (int d = 0; d < DK; ++d)
+    for (int c = 0; c < DVT; ++c) sm[scan_s_offset<L>(d, c)] = static_cast<float>(random_int(rng));
+  const std::vector<float> before = sm;
+
+  // (a), then X = U - G_W into shared (as the kernel's epilogue); the O tiles kept per warp.
+  std::vector<int> g_written(2 * kChunk * DVT, 0);
+  std::vector<float> O(kWarps * 2 * NU * 128);  // per (warp, row tile, column tile): a FragC
+  for (int warp = 0; warp < kWarps; ++warp)
+    for (int mi = 0; mi < 4; ++mi)
+      for (int u = 0; u < NU; ++u) {
+        const Tile t = scan_g_tile(warp, mi, u);
+        if (mi >= 2) {
+          const Tile o = p4_tile(warp, mi - 2, u);
+          ASSERT_EQ(t.row, kChunk + o.row) << where;  // the O a warp keeps is the one its (b) tile needs
+          ASSERT_EQ(t.col, o.col) << where;
+        }
+        FragC acc = {};
+        warp_tile_product(
+            acc, sm, t.row, t.col, DK, [set](int R, int d) { return scan_g_a_offset<L>(set, R, d); },
+            [](int d, int c) { return scan_s_offset<L>(d, c); }, kPlain, kPlain);
+        if (HasFatalFailureNow()) return;
+        for (int lane = 0; lane < 32; ++lane)
+          for (int e = 0; e < 4; ++e) {
+            const Coord f = c_frag(lane, e);
+            const int R = t.row + f.row, c = t.col + f.col;
+            float ref = 0.0f;
+            for (int d = 0; d < DK; ++d) ref += before[scan_g_a_offset<L>(set, R, d)] * before[scan_s_offset<L>(d, c)];
+            ASSERT_EQ(acc[lane][e], ref) << where << " (a) R " << R << " c " << c;
+            ++g_written[R * DVT + c];
+            if (mi < 2) sm[scan_x_offset<L>(R, c)] = before[scan_u_offset<L>(R, c)] - acc[lane][e];
+          }
+        if (mi >= 2) std::memcpy(&O[((warp * 2 + mi - 2) * NU + u) * 128], &acc, sizeof(acc));
+      }
+  for (int x = 0; x < 2 * kChunk * DVT; ++x) ASSERT_EQ(g_written[x], 1) << where << " (a) element " << x;
+
+  // (b)
+  const int64_t ld = DVT + 3;
+  std::vector<float> out(kChunk * ld, kNaN);
+  std::vector<int> written(kChunk * ld, 0);
+  for (int warp = 0; warp < kWarps; ++warp)
+    for (int mi = 0; mi < 2; ++mi)
+      for (int u = 0; u < NU; ++u) {
+        const Tile t = p4_tile(warp, mi, u);
+        FragC acc;
+        std::memcpy(&acc, &O[((warp * 2 + mi) * NU + u) * 128], sizeof(acc));
+        warp_tile_product(
+            acc, sm, t.row, t.col, p4_k_end(t.row), [](int i, int j) { return scan_p_offset<L>(i, j); },
+            [](int j, int c) { return scan_x_offset<L>(j, c); }, kPlain, kPlain);
+        if (HasFatalFailureNow()) return;
+        for (int lane = 0; lane < 32; ++lane)
+          for (int e = 0; e < 4; ++e) {
+            const Coord f = c_frag(lane, e);
+            const int i = t.row + f.row, c = t.col + f.col;
+            if (i < m && c < cols) {
+              out[i * ld + c] = acc[lane][e];
+              ++written[i * ld + c];
+            }
+          }
+      }
+  for (int i = 0; i < kChunk; ++i)
+    for (int c = 0; c < ld; ++c) {
+      const bool inside = i < m && c < cols && c < DVT;
+      ASSERT_EQ(written[i * ld + c], inside ? 1 : 0) << where << " (b) i " << i << " c " << c;
+      if (!inside) continue;
+      float ref = 0.0f;
+      for (int d = 0; d < DK; ++d)
+        ref += before[scan_g_a_offset<L>(set, kChunk + i, d)] * before[scan_s_offset<L>(d, c)];
+      for (int j = 0; j < p4_k_end(i - i % 16); ++j) ref += before[scan_p_offset<L>(i, j)] * sm[scan_x_offset<L>(j, c)];
+      ASSERT_EQ(out[i * ld + c], ref) << where << " (b) i " << i << " c " << c;
+    }
+
+  // (c)
+  const std::vector<float> mid = sm;
+  constexpr float decay = 0.5f;
+  std::vector<int> s_written(DK * DVT, 0);
+  for (int warp = 0; warp < kWarps; ++warp) {
+    const int row = p5_tile(warp, 0, DK, DVT).row;
+    for (int u = 0; u < NT; ++u) {
+      const Tile t = p5_tile(warp, u, DK, DVT);
+      ASSERT_EQ(t.row, row) << where;
+      FragC acc = {};
+      warp_tile_product(
+          acc, sm, t.row, t.col, kChunk, [](int d, int i) { return scan_k_offset<L>(d, i); },
+          [](int i, int c) { return scan_x_offset<L>(i, c); }, [&dec](float x, int, int i) { return x * dec[i]; },
+          kPlain);
+      if (HasFatalFailureNow()) return;
+      for (int lane = 0; lane < 32; ++lane)
+        for (int e = 0; e < 4; ++e) {
+          const Coord f = c_frag(lane, e);
+          const int d = t.row + f.row, c = t.col + f.col;
+          float& sv = sm[scan_s_offset<L>(d, c)];
+          sv = std::fma(sv, decay, acc[lane][e]);
+          ++s_written[d * DVT + c];
+        }
+    }
+  }
+  for (int d = 0; d < DK; ++d)
+    for (int c = 0; c < DVT; ++c) {
+      ASSERT_EQ(s_written[d * DVT + c], 1) << where << " (c) d " << d << " c " << c;
+      float sum = 0.0f;
+      for (int i = 0; i < kChunk; ++i) sum += (mid[scan_k_offset<L>(d, i)] * dec[i]) * mid[scan_x_offset<L>(i, c)];
+      ASSERT_EQ(sm[scan_s_offset<L>(d, c)], mid[scan_s_offset<L>(d, c)] * decay + sum) << where << " (c) d " << d;
+    }
+}
+
+TEST(DeltaChunkedTiles, SplitScanProductsMatchTripleLoop) {
+  for (int set = 0; set < 2; ++set) {
+    check_scan<32>(set, 64, 32, 61);
+    check_scan<32>(set, 1, 8, 62);     // Dv 8: one masked tile
+    check_scan<64>(set, 37, 32, 63);
+    check_scan<128>(set, 64, 32, 64);
+    check_scan<128>(set, 63, 17, 65);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The split form's fragment loads: all 32 banks distinct for every register of every warp (kernel 1: T's A; kernel
+// 2: W / q's A, S's B, P's A, X's B, k's transposed A), except kernel 1's right-hand-side B, which reads kqs the other
+// way from phase 1 (row g, column t: bank 8 g + t, as phase 5's A): at most 2 lanes per bank there.
+template <int DK>
+void check_split_banks() {
+  using P = PrepLayout<DK>;
+  using S = ScanLayout<DK>;
+  for (int e = 0; e < 4; ++e)
+    for (int warp = 0; warp < kWarps; ++warp) {
+      int bank[9][32] = {};
+      for (int lane = 0; lane < 32; ++lane) {
+        const Coord fa = a_frag(lane, e), fb = b_frag(lane, e & 1);
+        const Tile t4 = p4_tile(warp, 1, 0), t5 = p5_tile(warp, 0, DK, S::dvt);
+        ++bank[0][prep_t_offset<P>(t4.row + fa.row, 8 + fa.col) % 32];
+        ++bank[1][prep_rhs_offset<P>(0, 8 + fb.row, t4.col + fb.col) % 32];
+        ++bank[2][prep_rhs_offset<P>(P::q_col, 8 + fb.row, t4.col + fb.col) % 32];
+        for (int set = 0; set < 2; ++set) ++bank[3 + set][scan_g_a_offset<S>(set, scan_g_tile(warp, 2 + set, 0).row + fa.row, 8 + fa.col) % 32];
+        ++bank[5][scan_s_offset<S>(16 + fb.row, scan_g_tile(warp, 0, 0).col + fb.col) % 32];
+        ++bank[6][scan_p_offset<S>(t4.row + fa.row, 8 + fa.col) % 32];
+        ++bank[7][scan_x_offset<S>(8 + fb.row, t5.col + fb.col) % 32];
+        ++bank[8][scan_k_offset<S>(t5.row + fa.row, 8 + fa.col) % 32];
+      }
+      for (int x = 0; x < 9; ++x) {
+        int worst = 0;
+        for (int n : bank[x]) worst = std::max(worst, n);
+        EXPECT_EQ(worst, x == 1 || x == 2 ? 2 : 1) << "DK " << DK << " load " << x << " register " << e << " warp "
+                                                    << warp;
+      }
+    }
+}
+
+TEST(DeltaChunkedTiles, SplitFragmentLoadsAreBankConflictFree) {
+  check_split_banks<32>();
+  check_split_banks<64>();
+  check_split_banks<128>();
+}
+
+// Shared memory: the preparation kernel runs two blocks per SM at Dk 128 (2 x (bytes + 1 KB reserved) within the
+// H100's 228 KB); the scan fits the 227 KB opt-in limit at Dk 128 and the 99 KB parts at Dk 32.
+TEST(DeltaChunkedTiles, SplitLayoutsKeepTheSharedMemoryBudget) {
+  EXPECT_LE(2 * (PrepLayout<128>::bytes + 1024), 228u * 1024);
+  EXPECT_LE(ScanLayout<128>::bytes, 227u * 1024);
+  EXPECT_LE(ScanLayout<32>::bytes, 99u * 1024);
+  EXPECT_LE(PrepLayout<32>::bytes, 99u * 1024);
+  // cp.async 16-byte destinations: every buffer and row starts at a multiple of 4 floats.
+  using S = ScanLayout<128>;
+  for (int x : {S::w, S::q, S::k, S::u, S::p, S::s, S::x, S::cs, S::dec, S::ldw, S::ldk, S::ldv, S::ldp, S::ldw * kChunk})
+    EXPECT_EQ(x % 4, 0) << x;
+}
+
+// The workspace: every sequence's chunks take rows of their own, inside `rows`; arrays 256-byte aligned; the size
+// quoted for the 35B-A3B.
+TEST(DeltaChunkedTiles, SplitWorkspaceRowsDoNotOverlap) {
+  std::mt19937 rng(71);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int S = 1 + static_cast<int>(rng() % 9);
+    std::vector<int> lens(S), begin(S + 1, 0);
+    for (int s = 0; s < S; ++s) {
+      const int pick = static_cast<int>(rng() % 6);
+      lens[s] = pick == 0 ? 0 : (pick == 1 ? 64 * static_cast<int>(rng() % 4) : static_cast<int>(rng() % 300));
+      begin[s + 1] = begin[s] + lens[s];
+    }
+    const int Hv = 3;
+    const SplitWorkspace wl = split_workspace(begin[S], S, Hv, 40, 40);
+    std::vector<int> owner(wl.rows * Hv, -1);
+    for (int h = 0; h < Hv; ++h)
+      for (int s = 0; s < S; ++s)
+        for (int c = 0; 64 * c < lens[s]; ++c)
+          for (int i = 0; i < kChunk; ++i) {
+            const long long r = split_row(wl, h, begin[s], s, c) + i;
+            ASSERT_GE(r, wl.rows * h);
+            ASSERT_LT(r, wl.rows * (h + 1));
+            ASSERT_EQ(owner[r], -1) << "row " << r << " trial " << trial;
+            owner[r] = s;
+          }
+    for (long long a : {wl.w, wl.u, wl.p, wl.cs, wl.floats}) EXPECT_EQ(a % 64, 0);
+    EXPECT_GE(wl.u, wl.w + Hv * wl.rows * wl.dk);
+    EXPECT_GE(wl.p, wl.u + Hv * wl.rows * wl.ldu);
+    EXPECT_GE(wl.cs, wl.p + Hv * wl.rows * kChunk);
+    EXPECT_GE(wl.floats, wl.cs + Hv * wl.rows);
+  }
+  const SplitWorkspace big = split_workspace(8192, 1, 32, 128, 128);
+  EXPECT_EQ(big.floats * 4, 339222528LL);
+  EXPECT_EQ(split_workspace(10, 1, 1, 17, 8).dk, 32);
+  EXPECT_EQ(split_workspace(10, 1, 1, 17, 8).ldu, 32);
+  EXPECT_EQ(split_workspace(10, 1, 1, 32, 96).ldu, 96);
 }
 
 }  // namespace

@@ -16,8 +16,10 @@ constexpr int64_t kGraphMaxTokensPerSeq = 8;
 
 // A chunk with prefix-cache snapshots (SeqChunk::snapshots) of at most this many tokens runs whole in one pass that
 // writes them as position checkpoints (its delta rule then runs as the recurrence, which the chunked form replaces
-// from kChunkedDeltaMinTokens = 32 tokens on: a short prompt tail costs little either way). A longer one runs as passes
-// that end at its snapshots, each followed by a state copy.
+// from kChunkedDeltaMinTokens = 32 tokens on: a short prompt tail costs little either way). A longer one runs up to
+// its first snapshot as ordinary passes and a state copy; when the rest is this short and holds its other snapshots
+// (a prompt's second-to-last and last page boundaries are a page apart), the rest is one such pass, else passes that
+// end at each snapshot, each followed by a copy.
 constexpr int64_t kSnapshotInPassMaxTokens = 64;
 
 // Rows [begin, begin + n) of a contiguous [R, H] view.
@@ -667,61 +669,77 @@ void Runner::run_passes(std::span<const SeqChunk> chunks,
   kept_.clear();
   spare_used_ = 0;
   std::vector<int64_t> done(chunks.size(), 0), logits_row(chunks.size(), -1);
-  snapshot_in_pass_.assign(chunks.size(), 0);
+  in_pass_from_.assign(chunks.size(), 0);
   int64_t r = 0;
-  bool any_checkpoints = false, any_long = false;
+  bool any_checkpoints = false, any_long = false, any_tail = false;
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (chunks[i].want_logits) {
       logits_row[i] = r;
       r += chunks[i].logits_tokens;
     }
     const int64_t size = static_cast<int64_t>(chunks[i].tokens.size());
+    const std::vector<ChunkSnapshot>& snaps = chunks[i].snapshots;
     int64_t prev = 0;
-    for (const ChunkSnapshot& sn : chunks[i].snapshots) {
+    for (const ChunkSnapshot& sn : snaps) {
       if (sn.tokens <= prev || sn.tokens >= size || sn.slot < 0 || sn.slot >= options_.state_slots ||
           sn.slot == chunks[i].state_slot)
         fail("forward: a snapshot after {} of a chunk's {} tokens into slot {} (slot {}, {} slots)", sn.tokens, size,
              sn.slot, chunks[i].state_slot, options_.state_slots);
       prev = sn.tokens;
     }
-    if (!chunks[i].snapshots.empty() && chunks[i].checkpoint_positions)
+    if (!snaps.empty() && chunks[i].checkpoint_positions)
       fail("forward: a chunk with both position checkpoints and snapshots");
-    snapshot_in_pass_[i] = !chunks[i].snapshots.empty() && size <= kSnapshotInPassMaxTokens &&
-                           size <= options_.prefill_chunk;
-    const bool ckpt = chunks[i].checkpoint_positions || snapshot_in_pass_[i];
+    // Where the chunk's in-pass part starts (see in_pass_from_): a short chunk whole; a long one's short tail after its
+    // first snapshot, when more snapshots lie there (the prompt's second-to-last and last page boundaries: one pass
+    // fewer); else none.
+    const int64_t fits = std::min<int64_t>(kSnapshotInPassMaxTokens, options_.prefill_chunk);
+    in_pass_from_[i] = size;
+    if (!snaps.empty() && size <= fits) in_pass_from_[i] = 0;
+    else if (snaps.size() >= 2 && size - snaps.front().tokens <= fits) in_pass_from_[i] = snaps.front().tokens;
+    const bool whole_recurrent = chunks[i].checkpoint_positions || in_pass_from_[i] == 0;
     if (chunks[i].checkpoint_positions && spare_rows_ == 0)
       fail("forward: position checkpoints asked of a runner that keeps none");
-    if (ckpt && size > options_.prefill_chunk)
+    if (chunks[i].checkpoint_positions && size > options_.prefill_chunk)
       fail("forward: a chunk of {} tokens with position checkpoints is longer than a pass ({})", chunks[i].tokens.size(),
            options_.prefill_chunk);
-    any_checkpoints = any_checkpoints || ckpt;
-    any_long = any_long || (!ckpt && chunks[i].tokens.size() > 1);
+    const bool tail = in_pass_from_[i] > 0 && in_pass_from_[i] < size;
+    any_checkpoints = any_checkpoints || whole_recurrent || tail;
+    any_tail = any_tail || tail;
+    any_long = any_long || (!whole_recurrent && size > 1);
   }
+  auto size_of = [&](size_t i) { return static_cast<int64_t>(chunks[i].tokens.size()); };
   auto first_phase = [&](size_t i) {
-    return chunks[i].checkpoint_positions || snapshot_in_pass_[i] || chunks[i].tokens.size() == 1;
+    return chunks[i].checkpoint_positions || in_pass_from_[i] == 0 || chunks[i].tokens.size() == 1;
   };
   if (any_checkpoints && any_long) {
-    run_phase(chunks, done, logits_row, [&](size_t i) { return first_phase(i); }, emit);
-    run_phase(chunks, done, logits_row, [&](size_t i) { return !first_phase(i); }, emit);
+    // Passes that keep checkpoints run the recurrence: apart from the long chunks. First the chunks that run whole that
+    // way, then the long ones up to their tails, then the tails.
+    run_phase(chunks, done, logits_row, [&](size_t i) { return first_phase(i); }, size_of, emit);
+    run_phase(chunks, done, logits_row, [&](size_t i) { return !first_phase(i); },
+              [&](size_t i) { return in_pass_from_[i]; }, emit);
+    if (any_tail)
+      run_phase(chunks, done, logits_row, [&](size_t i) { return !first_phase(i); }, size_of, emit);
   } else {
-    run_phase(chunks, done, logits_row, [](size_t) { return true; }, emit);
+    run_phase(chunks, done, logits_row, [](size_t) { return true; }, size_of, emit);
   }
 }
 
 void Runner::run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& done,
                        const std::vector<int64_t>& logits_row, const std::function<bool(size_t)>& in_phase,
+                       const std::function<int64_t(size_t)>& limit,
                        const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit) {
   for (;;) {
     std::vector<Piece> pieces;
     int64_t budget = options_.prefill_chunk;
     for (size_t i = 0; i < chunks.size() && budget > 0; ++i) {
       if (!in_phase(i)) continue;
-      const int64_t left = static_cast<int64_t>(chunks[i].tokens.size()) - done[i];
+      const int64_t left = limit(i) - done[i];
       if (left <= 0) continue;
-      const bool whole = chunks[i].checkpoint_positions || snapshot_in_pass_[i];
+      // A chunk with position checkpoints, or the in-pass part of one with snapshots: the rest whole in one pass.
+      const bool whole = chunks[i].checkpoint_positions || done[i] >= in_pass_from_[i];
       if (whole && left > budget) continue;  // whole, in the next pass
       int64_t n = std::min(left, budget);
-      // A snapshot the pass cannot write ends the piece: the state is copied after the pass (below).
+      // A snapshot the pass does not write ends the piece: the state is copied after the pass (below).
       if (!whole)
         for (const ChunkSnapshot& sn : chunks[i].snapshots)
           if (sn.tokens > done[i]) {
@@ -745,9 +763,9 @@ void Runner::run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& d
     run_pass(chunks, pieces, emit);
     for (const Piece& p : pieces) {
       done[p.chunk] += p.n_tokens;
-      if (snapshot_in_pass_[p.chunk]) continue;
       for (const ChunkSnapshot& sn : chunks[p.chunk].snapshots)
-        if (sn.tokens == done[p.chunk]) copy_state_row(chunks[p.chunk].state_slot, sn.slot);
+        if (sn.tokens == done[p.chunk] && sn.tokens <= in_pass_from_[p.chunk])
+          copy_state_row(chunks[p.chunk].state_slot, sn.slot);
     }
   }
 }
@@ -892,7 +910,7 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     const SeqChunk& ch = chunks[p.chunk];
     graphable = graphable && p.n_tokens == n_uniform && p.logits_count == n_uniform && p.offset == 0 &&
                 ch.checkpoint_positions == chunks[pieces.front().chunk].checkpoint_positions && ch.snapshots.empty();
-    any_checkpoints = any_checkpoints || ch.checkpoint_positions || snapshot_in_pass_[p.chunk];
+    any_checkpoints = any_checkpoints || ch.checkpoint_positions || in_pass_piece(chunks, p);
     any_mrope = any_mrope || !ch.mrope_pos.empty();
     for (int32_t o : ch.embed_offsets) any_embeds = any_embeds || (o >= p.offset && o < p.offset + p.n_tokens);
   }
@@ -945,12 +963,13 @@ void Runner::run_pass(std::span<const SeqChunk> chunks, const std::vector<Piece>
     step.host_token_checkpoint_slot.assign(static_cast<size_t>(T), -1);
     for (size_t s = 0; s < pieces.size(); ++s) {
       const SeqChunk& ch = chunks[pieces[s].chunk];
-      if (snapshot_in_pass_[pieces[s].chunk]) {
+      if (in_pass_piece(chunks, pieces[s])) {
         // Prefix-cache snapshots as position checkpoints into their own slots (with the MTP head: its hidden row too).
-        KILN_CHECK(pieces[s].offset == 0 && pieces[s].n_tokens == static_cast<int64_t>(ch.tokens.size()),
-                   "a chunk with snapshots in its pass was split over passes");
+        KILN_CHECK(pieces[s].offset + pieces[s].n_tokens == static_cast<int64_t>(ch.tokens.size()),
+                   "the in-pass part of a chunk with snapshots was split over passes");
         for (const ChunkSnapshot& sn : ch.snapshots) {
-          const int64_t token = step.host_seq_token_begin[s] + sn.tokens - 1;
+          if (sn.tokens <= pieces[s].offset) continue;  // copied after an earlier pass
+          const int64_t token = step.host_seq_token_begin[s] + (sn.tokens - pieces[s].offset) - 1;
           step.host_token_checkpoint_slot[static_cast<size_t>(token)] = static_cast<int32_t>(sn.slot);
           checkpoint_rows.emplace_back(token, sn.slot);
         }

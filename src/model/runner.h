@@ -153,7 +153,7 @@ class Runner : public ModelRunner {
                   const std::vector<int64_t>&)>& emit);
   // The passes over the chunks for which in_phase(index) holds (done: tokens of each chunk run so far).
   void run_phase(std::span<const SeqChunk> chunks, std::vector<int64_t>& done, const std::vector<int64_t>& logits_row,
-                 const std::function<bool(size_t)>& in_phase,
+                 const std::function<bool(size_t)>& in_phase, const std::function<int64_t(size_t)>& limit,
                  const std::function<void(const TensorView&, const std::vector<int64_t>&)>& emit);
   // pass_body's end in a forward_argmax_carry pass: the target's logits and argmax, the head's entries (the carried
   // ones fed that argmax), the carried outputs kept and drafted from; returns I32 [2 R] (target ids, next drafts).
@@ -220,9 +220,15 @@ class Runner : public ModelRunner {
   // The position checkpoints of the last forward call: per slot, the spare row holding the state after each of its
   // chunk's tokens but the last.
   std::map<int, std::vector<int64_t>> kept_;
-  // This call's chunks whose snapshots the pass writes as position checkpoints (short chunks, one pass, the delta
-  // rule as the recurrence); the others' snapshots are copies after the pass that ends at them (run_passes).
-  std::vector<char> snapshot_in_pass_;
+  // Per chunk of this call: the chunk offset from which its snapshots are written in the pass as position checkpoints
+  // (the rest of the chunk then runs whole in one pass, the delta rule as the recurrence): 0 for a short chunk, its
+  // first snapshot for a long one whose later snapshots lie in a short tail, its size for none. Snapshots at or before
+  // it are state copies after the pass that ends there (run_passes).
+  std::vector<int64_t> in_pass_from_;
+  bool in_pass_piece(std::span<const SeqChunk> chunks, const Piece& p) const {
+    return in_pass_from_[p.chunk] < static_cast<int64_t>(chunks[p.chunk].tokens.size()) &&
+           p.offset >= in_pass_from_[p.chunk];
+  }
   // With an MTP head: rows [0, slots) hold each slot's last hidden state (final norm's output at its last run
   // position), then the spare rows, then the current pass's rows, then (runners that can carry drafts) the carry
   // region: per slot, carry_rows_per_slot_ rows, row i the head's output (g) of the entry fed the argmax of the

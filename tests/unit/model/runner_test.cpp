@@ -100,7 +100,8 @@ TEST(Runner, LargePassesFreeEachLayersScratch) {
 }
 
 // A prompt chunk with prefix-cache snapshots inside it (SeqChunk::snapshots): a 33-token chunk writes them as position
-// checkpoints in its one pass, a 90-token one ends passes at them and copies the state. A sequence restored from each
+// checkpoints in its one pass; a 90-token one runs to its first snapshot (a copy) and writes the second in its short
+// tail's pass; a 200-token one ends passes at both and copies the state each time. A sequence restored from each
 // snapshot (sharing the prompt's pages, as the prefix cache shares them) continues to the logits of the whole prompt,
 // on the hybrid fixtures and on kiln-tiny with its MTP head, where the head's last hidden state belongs to the snapshot
 // too: the continuation's carried first draft must equal the whole prompt's.
@@ -117,11 +118,13 @@ TEST(Runner, SnapshotsInsideAChunkHoldTheStateThere) {
     auto opts = f32_kv();
     opts.mtp = c.mtp;
     TestRunner r(c.dir, opts);
-    std::vector<int32_t> prompt(90);
+    std::vector<int32_t> prompt(200);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % (r.vocab() - 1));
-    for (const int64_t len : {int64_t{33}, int64_t{90}}) {
+    for (const int64_t len : {int64_t{33}, int64_t{90}, int64_t{200}}) {
       const std::span<const int32_t> p = std::span<const int32_t>(prompt).first(static_cast<size_t>(len));
-      const std::vector<int64_t> at = len == 33 ? std::vector<int64_t>{16, 32} : std::vector<int64_t>{32, 64};
+      const std::vector<int64_t> at = len == 33   ? std::vector<int64_t>{16, 32}
+                                      : len == 90 ? std::vector<int64_t>{32, 80}
+                                                  : std::vector<int64_t>{64, 128};
       model::SeqChunk whole = r.chunk(0, p, 0);
       whole.snapshots = {{at[0], 1}, {at[1], 2}};
       std::vector<float> want(static_cast<size_t>(r.vocab()));

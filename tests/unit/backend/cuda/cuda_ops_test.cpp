@@ -454,8 +454,8 @@ TEST(CudaRunner, LargePassesFreeLayerScratchAndMatchCpu) {
 }
 
 // Prefix-cache snapshots inside a prompt's chunk (SeqChunk::snapshots) on the GPU: a 33-token chunk writes them as
-// position checkpoints from the recurrence and conv kernels in its one pass, a 90-token one ends passes at them and
-// copies the state. On every hybrid model (kiln-tiny with its MTP head: the head's last hidden state is part of the
+// position checkpoints from the recurrence and conv kernels in its one pass, a 90-token one copies the state at its
+// first and writes the second in its short tail's pass, a 200-token one ends passes at both and copies the state. On every hybrid model (kiln-tiny with its MTP head: the head's last hidden state is part of the
 // snapshot), a sequence restored from each snapshot continues to the whole prompt's logits, and those equal the CPU's.
 TEST(CudaRunner, SnapshotsInsideAChunkHoldTheStateThere) {
   KILN_REQUIRE_CUDA_DEVICE();
@@ -468,12 +468,14 @@ TEST(CudaRunner, SnapshotsInsideAChunkHoldTheStateThere) {
     if (!gpu.runner->has_recurrent_state()) continue;
     ++hybrid;
     Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256, model::LoadFormat::safetensors, 256, mtp);
-    std::vector<int32_t> prompt(90);
+    std::vector<int32_t> prompt(200);
     for (size_t i = 0; i < prompt.size(); ++i)
       prompt[i] = static_cast<int32_t>((i * 7919 + 13) % std::min<int64_t>(gpu.vocab - 1, 2000));
-    for (const int64_t len : {int64_t{33}, int64_t{90}}) {
+    for (const int64_t len : {int64_t{33}, int64_t{90}, int64_t{200}}) {
       const std::span<const int32_t> p = std::span<const int32_t>(prompt).first(static_cast<size_t>(len));
-      const std::vector<int64_t> at = len == 33 ? std::vector<int64_t>{16, 32} : std::vector<int64_t>{32, 64};
+      const std::vector<int64_t> at = len == 33   ? std::vector<int64_t>{16, 32}
+                                      : len == 90 ? std::vector<int64_t>{32, 80}
+                                                  : std::vector<int64_t>{64, 128};
       auto whole = [&](Engine& e) {
         model::SeqChunk c;
         c.state_slot = 0;

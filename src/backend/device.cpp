@@ -166,8 +166,13 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
 
 #if KILN_HAVE_CUDA
 namespace {
+// Whether this process runs several ranks of its group on one GPU (--gpu-id-step 0: correctness checks), whose kernels
+// may then run side by side on its multiprocessors.
+bool ranks_share_a_gpu(const ParallelOptions& p) {
+  return p.single_rank < 0 && p.gpu_id_step == 0 && p.tp_size / std::max(p.nnodes, 1) > 1;
+}
 // The CudaOptions of a resolved cuda kernel choice.
-cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int device = -1) {
+cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int device = -1, int compute_major = 0) {
   cuda::CudaOptions c;
   c.device = device;
   c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
@@ -187,6 +192,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.recurrent_state_bf16 = k.mamba_ssm_dtype == "bfloat16";
   c.pdl = o.gpu.pdl;
   c.fused_decode_ops = o.gpu.fused_decode_ops;
+  c.moe_block_persistent = o.gpu.persistent_moe && compute_major == 9 && !ranks_share_a_gpu(o.parallel);
   c.delta_rule_tensor_cores = o.gpu.delta_rule_tensor_cores;
   c.delta_rule_split = o.gpu.delta_rule_split;
   c.weight_prefetch = o.gpu.weight_prefetch;
@@ -372,7 +378,8 @@ std::unique_ptr<model::Ops> make_ops_on(const std::string& device, bool self_che
 #if KILN_HAVE_CUDA
   if (device == "cuda") {
     const KernelChoice kernels = resolve_kernels("cuda", cuda::probe_cuda_device(gpu).major, options);
-    auto ops = std::make_unique<cuda::CudaOps>(cuda_options(kernels, options, gpu));
+    auto ops = std::make_unique<cuda::CudaOps>(
+        cuda_options(kernels, options, gpu, cuda::probe_cuda_device(gpu).major));
     if (self_check) {
       auto reference = make_cpu_backend();
       // bfloat16: the tensor-core ops are held to the budgets of bf16-rounded inputs (op_check.h), the rest to 1e-5.
@@ -558,7 +565,7 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.state_slots = plan.state_slots;
   l.ro.max_context = plan.context;
   const bool graphs = options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1;
-  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}", kernels.str(), plan.str(),
+  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
                              graphs && options.gpu.pdl && first.major >= 9
                                  ? std::string(", kernels chained by programmatic dependent launch [--disable-pdl]") +
@@ -568,7 +575,11 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
                                             : "")
                                  : std::string(),
                              options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"
-                                                          : "; fused decode ops off");
+                                                          : "; fused decode ops off",
+                             !options.gpu.persistent_moe ? "; MoE block of one-token steps unfused [--disable-persistent-moe]"
+                             : first.major == 9 && placed.ranks_on_first_gpu == 1
+                                 ? "; MoE block of one-token steps in one persistent kernel [--disable-persistent-moe]"
+                                 : "");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);
   if (options.parallel.is_group()) return load_cuda_group(l);
   auto runner = std::make_unique<model::Runner>(l.ops(0), dir, l.ro);

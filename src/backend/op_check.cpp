@@ -705,6 +705,28 @@ void check_moe(Harness& h) {
         h.compare(fmt::format("moe_experts routed+shared {} T={} E={} k={}", model::weight_format_name(f), T, E, k),
                   out3, tol);
       }
+      if (f == WeightFormat::nvfp4 && T == 1) {  // the whole MoE block as one op (CUDA: one persistent kernel)
+        auto [router_t, router_r] = h.linear_weight(WeightFormat::dense, DType::BF16, E, H, false);
+        auto [sg_t, sg_r] = h.linear_weight(WeightFormat::dense, DType::BF16, I, H, false);
+        auto [su_t, su_r] = h.linear_weight(WeightFormat::dense, DType::BF16, I, H, false);
+        auto [sd_t, sd_r] = h.linear_weight(WeightFormat::dense, DType::BF16, H, I, false);
+        auto [gate_t, gate_r] = h.linear_weight(WeightFormat::dense, DType::BF16, 1, H, false);
+        Pair out4 = h.scratch(DType::F32, Shape{T, H});
+        // A backend that does not fuse this step returns false: nothing to compare.
+        if (h.test().moe_block(x.test, router_t, sg_t, su_t, sd_t, gate_t, et, k, true, out4.test)) {
+          // The reference: model::moe's unfused ops.
+          Pair logits = h.scratch(DType::F32, Shape{T, E}), g = h.scratch(DType::F32, Shape{T, I});
+          Pair u = h.scratch(DType::F32, Shape{T, I}), sgate = h.scratch(DType::F32, Shape{T, 1});
+          Pair shared = h.scratch(DType::F32, Shape{T, H});
+          Pair rids = h.scratch(DType::I32, Shape{T, k}), rw = h.scratch(DType::F32, Shape{T, k});
+          const LinearWeight* ws[] = {&router_r, &sg_r, &su_r, &gate_r};
+          const TensorView outs[] = {logits.ref, g.ref, u.ref, sgate.ref};
+          h.ref().linear_multi(x.ref, ws, outs);
+          h.ref().linear_gated_input(g.ref, u.ref, model::InputAct::silu_mul, sd_r, shared.ref);
+          h.ref().moe_route_experts(x.ref, logits.ref, k, true, er, shared.ref, sgate.ref, rids.ref, rw.ref, out4.ref);
+          h.compare(fmt::format("moe_block (router + shared + nvfp4 experts) T=1 E={} k={}", E, k), out4, tol);
+        }
+      }
     }
   }
 }

@@ -294,6 +294,13 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
 
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
   const int64_t T = x.dim(0);
+  TensorView out = f.f32(x.shape);
+  const bool traced = f.trace && *f.trace;
+  // The whole block as one op where the backend fuses it (a traced run keeps the named intermediate tensors).
+  if (w.has_shared_expert && !traced &&
+      f.ops.moe_block(x, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj, w.shared_expert.down_proj,
+                      w.shared_expert_gate, w.experts, top_k, renormalise, out))
+    return block_output(f, out);
   TensorView logits = f.f32(Shape{T, w.router.out_features});  // [T, E]
   TensorView shared_g, shared_u, shared_gate;
   if (w.has_shared_expert) {
@@ -310,7 +317,6 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   }
   TensorView ids = f.ops.scratch(DType::I32, Shape{T, top_k});
   TensorView weights = f.f32(Shape{T, top_k});
-  TensorView out = f.f32(x.shape);
   // Routing and routed experts as one op (a backend may fuse them: Ops::moe_route_experts).
   if (!w.has_shared_expert) {
     f.ops.moe_route_experts(x, logits, top_k, renormalise, w.experts, TensorView(), TensorView(), ids, weights, out);
@@ -321,7 +327,7 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   // keeps the routed output on its own (Ops::moe_experts_shared's default steps, written out).
   TensorView shared = f.f32(Shape{T, w.shared_expert.down_proj.out_features});
   f.ops.linear_gated_input(shared_g, shared_u, InputAct::silu_mul, w.shared_expert.down_proj, shared);
-  if (f.trace && *f.trace) {
+  if (traced) {
     f.ops.moe_route(logits, top_k, renormalise, ids, weights);
     f.ops.moe_experts(x, ids, weights, w.experts, out);
     f.name("moe_routed", layer, out);

@@ -384,6 +384,21 @@ class Ops {
                                  const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
                                  TensorView out);
 
+  // The whole MoE block of a layer with a gated shared expert, as one op where a backend can fuse it: out = the routed
+  // experts of softmax-top-k(x router^T) (renormalised or not) + sigmoid(x shared_expert_gate^T) *
+  // shared_down(silu(x shared_gate^T) * (x shared_up^T)): what model::moe computes with linear_multi,
+  // linear_gated_input and moe_route_experts. x, out F32 [T, H]. Returns false, having done nothing, where the backend
+  // does not fuse this step (the default): the caller then runs the ops one by one. (CUDA: one-token steps in one
+  // persistent kernel, moe_block_decode.cu.)
+  virtual bool moe_block(const TensorView& x, const LinearWeight& router, const LinearWeight& shared_gate_proj,
+                         const LinearWeight& shared_up_proj, const LinearWeight& shared_down_proj,
+                         const LinearWeight& shared_expert_gate, std::span<const ExpertWeights> experts, int top_k,
+                         bool renormalise, TensorView out) {
+    (void)x, (void)router, (void)shared_gate_proj, (void)shared_up_proj, (void)shared_down_proj,
+        (void)shared_expert_gate, (void)experts, (void)top_k, (void)renormalise, (void)out;
+    return false;
+  }
+
   // ---- vision encoder (the Qwen3.5 vision tower, model/qwen3_5_vision.h). Every op below has a default that throws
   // "<op> is not implemented on the <name> backend": a backend that encodes images implements them.
   // out = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias per row over the last dim, fp32 (var: the biased

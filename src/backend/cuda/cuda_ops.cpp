@@ -15,6 +15,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/moe_block_decode.h"
 #include "backend/cuda/moe_decode_fused.h"
 #include "backend/cuda/moe_prefill_blas.h"
 #include "backend/cuda/step_args.h"
@@ -210,6 +211,9 @@ struct CudaOps::Impl {
   // scratch, reused by every layer (counted by the memory plan: backend/device.cpp).
   std::unique_ptr<kops::MoePrefillBlas> moe_blas;
   DeviceBuffer moe_blas_weights;
+  // The persistent MoE block kernel (moe_block_decode.h): its grid (0: not taken) and barrier words (zeroed once).
+  int moe_block_grid = 0;
+  unsigned* moe_block_barrier = nullptr;
 
   explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {
     rt.set_scratch_plan(o.scratch_plan_bytes);
@@ -225,6 +229,11 @@ using OpScope = CudaRuntime::OpScope;
 
 CudaOps::CudaOps(const CudaOptions& options) : impl_(std::make_unique<Impl>(options)) {
   impl_->max_abs_result = DeviceBuffer(CudaRuntime::kAlign);
+  if (options.moe_block_persistent) {
+    impl_->moe_block_grid = kops::moe_block_decode_grid(impl_->rt.device().index);
+    if (impl_->moe_block_grid > 0)
+      impl_->moe_block_barrier = static_cast<unsigned*>(impl_->rt.persistent(2 * sizeof(unsigned)));
+  }
 }
 
 CudaOps::~CudaOps() {
@@ -1382,6 +1391,54 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
                          held.second - held.first, tab->inter, ws, f32_mut(out),
                          shared.data ? f32(shared) : nullptr, shared.data ? f32(shared_gate) : nullptr,
                          impl_->options.mma_parts(), impl_->rt.stream());
+}
+
+bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
+                        const model::LinearWeight& shared_gate_proj, const model::LinearWeight& shared_up_proj,
+                        const model::LinearWeight& shared_down_proj, const model::LinearWeight& shared_expert_gate,
+                        std::span<const model::ExpertWeights> experts, int top_k, bool renormalise, TensorView out) {
+  if (impl_->moe_block_grid <= 0 || x.ndim() != 2 || x.dim(0) != 1 || experts.empty()) return false;
+  const int64_t H = x.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  auto bf16_dense = [&](const model::LinearWeight& w, int64_t n, int64_t k) {
+    return w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && w.out_features == n &&
+           w.in_features == k && !w.bias.data && w.weight.is_contiguous() && aligned(w.weight.data);
+  };
+  if (x.dtype != DType::F32 || !x.is_contiguous() || out.dtype != DType::F32 || out.shape != x.shape ||
+      !out.is_contiguous() || !aligned(x.data) || !aligned(out.data) || !bf16_dense(router, E, H) ||
+      !bf16_dense(shared_gate_proj, Is, H) || !bf16_dense(shared_up_proj, Is, H) ||
+      !bf16_dense(shared_expert_gate, 1, H) || !bf16_dense(shared_down_proj, H, Is))
+    return false;
+  const auto held = held_experts(experts);
+  if (held.second <= held.first || experts[static_cast<size_t>(held.first)].gate.format != WeightFormat::nvfp4)
+    return false;
+  const Impl::ExpertTable& tab = impl_->expert_table(
+      experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
+  if (!tab.vec_ok || tab.gemv2_kind != 1 || !kops::moe_block_decode_supported(H, E, Is, tab.inter, top_k))
+    return false;
+  OpScope prof(impl_->rt, [&] { return fmt::format("moe_block router+shared+experts nvfp4 x{} (one kernel)", E); });
+  kops::MoeBlockArgs a;
+  a.x = f32(x);
+  a.H = static_cast<int>(H);
+  a.router = router.weight.data;
+  a.shared_gate_proj = shared_gate_proj.weight.data;
+  a.shared_up_proj = shared_up_proj.weight.data;
+  a.shared_expert_gate = shared_expert_gate.weight.data;
+  a.shared_down_proj = shared_down_proj.weight.data;
+  a.E = static_cast<int>(E);
+  a.Is = static_cast<int>(Is);
+  a.top_k = top_k;
+  a.renormalise = renormalise;
+  a.experts = tab.table.as<kops::WeightDesc>();
+  a.held_begin = static_cast<int>(held.first);
+  a.E_held = static_cast<int>(held.second - held.first);
+  a.I = static_cast<int>(tab.inter);
+  a.bf16_expert_inputs = impl_->bf16();
+  a.workspace = impl_->rt.scratch(kops::moe_block_decode_workspace_bytes(E, Is, top_k, tab.inter));
+  a.barrier = impl_->moe_block_barrier;
+  a.out = f32_mut(out);
+  kops::moe_block_decode(a, impl_->moe_block_grid, impl_->rt.stream());
+  return true;
 }
 
 void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids, const TensorView& weights,

@@ -36,6 +36,7 @@
 #include "backend/cuda/device.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/moe_decode_common.cuh"
 #include "backend/cuda/moe_decode_fused.h"
 #include "backend/cuda/ptx.cuh"
 
@@ -43,6 +44,7 @@ namespace kiln::cuda::ops {
 namespace {
 
 using namespace dev;
+using namespace moe_decode;
 
 constexpr int kMaxTokens = static_cast<int>(kMoeDecodeMaxTokens);
 constexpr int kMaxTopK = kMoeDecodeMaxTopK;
@@ -90,72 +92,6 @@ struct DownArgs {
   int block_rows = 0;              // rows of H per block: a multiple of rows_per_item
 };
 
-// ---- routing: one warp, one token (moe_route_warp_kernel's maths, see the file comment)
-
-// The lane's best unpicked probability: key = bits + 1 (0: none; p >= 0 orders like its bits), lowest expert on ties.
-__device__ __forceinline__ void lane_best(const float (&p)[32], uint32_t picked, int lane, int E, uint32_t& key,
-                                          int& expert) {
-  key = 0;
-  expert = 0x7fffffff;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int e = lane + 32 * i;
-    // p >= 0 is false for NaN: it never wins (as in the shuffle kernel).
-    const uint32_t k = e < E && !((picked >> i) & 1u) && p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
-    if (k > key) {
-      key = k;
-      expert = e;
-    }
-  }
-}
-
-// Lanes j < top_k return pick j's expert and weight.
-__device__ __forceinline__ void route_token(const float* __restrict__ l, int E, int top_k, bool renormalise, int lane,
-                                            int& my_idx, float& my_val) {
-  float p[32];
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? l[e] : -INFINITY;
-    m = fmaxf(m, p[i]);
-  }
-  m = warp_max(m);
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? expf(p[i] - m) : 0.0f;  // lanes past E add zeros at the end of the lane's sum: no change
-    sum += p[i];
-  }
-  sum = warp_sum(sum);
-#pragma unroll
-  for (int i = 0; i < 32; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -INFINITY;
-  uint32_t picked = 0, key;
-  int best;
-  lane_best(p, picked, lane, E, key, best);
-  float chosen_sum = 0.0f;
-  my_idx = 0;
-  my_val = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    const uint32_t top = __reduce_max_sync(0xffffffffu, key);
-    int idx = static_cast<int>(__reduce_min_sync(0xffffffffu, key == top ? static_cast<uint32_t>(best) : 0xffffffffu));
-    // Nothing left with a number (NaN logits): the shuffle kernel's pick, expert 0 at -inf.
-    const float v = top ? __uint_as_float(top - 1u) : -INFINITY;
-    if (!top) idx = 0;
-    if (top && (idx & 31) == lane) {
-      picked |= 1u << (idx >> 5);
-      lane_best(p, picked, lane, E, key, best);
-    }
-    chosen_sum += v;
-    if (lane == j) {
-      my_val = v;
-      my_idx = idx;
-    }
-  }
-  if (renormalise) my_val = my_val / chosen_sum;
-}
-
 // ---- the step's grouping, in shared memory: the distinct held experts of the step in ascending id and the rank
 // of each (token, slot) pair among them (-1: an expert another expert-parallel rank holds).
 struct Grouping {
@@ -189,33 +125,6 @@ __device__ __forceinline__ void group_pairs(const int32_t* ids, int P, int held_
     g.n_unique = n;
   }
   __syncthreads();
-}
-
-// ---- NVFP4 dot products of one 16-byte chunk (32 codes, two 16-code scale blocks) against 32 fp32 values
-
-// The chunk's two block scales as bf16x2 (nvfp4_scale_bf16x2: scale * 2^118).
-__device__ __forceinline__ uint2 chunk_scales(uint32_t sc16) {
-  return make_uint2(nvfp4_scale_bf16x2(sc16 & 0xffu), nvfp4_scale_bf16x2((sc16 >> 8) & 0xffu));
-}
-
-// Word j (codes 8j .. 8j + 7): pair q holds codes q (low half) and q + 4 (high half) as e2m1 * scale * 2^-8 in bf16.
-template <int kQ>
-__device__ __forceinline__ float fma_pair(uint32_t word, uint32_t scale, const float* xv, float acc) {
-  const uint32_t pr = bf16x2_mul(e2m1_pair_bits<kQ>(word), scale);
-  acc = fmaf(__uint_as_float(pr << 16), xv[kQ], acc);
-  return fmaf(__uint_as_float(pr & 0xffff0000u), xv[kQ + 4], acc);
-}
-__device__ __forceinline__ float dot_chunk(const uint4& w, const uint2& sc, const float (&xv)[32], float acc) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t s = j < 2 ? sc.x : sc.y;
-    acc = fma_pair<0>(words[j], s, xv + 8 * j, acc);
-    acc = fma_pair<1>(words[j], s, xv + 8 * j, acc);
-    acc = fma_pair<2>(words[j], s, xv + 8 * j, acc);
-    acc = fma_pair<3>(words[j], s, xv + 8 * j, acc);
-  }
-  return acc;
 }
 
 // 32 consecutive fp32 values (16-byte aligned), optionally rounded to bf16 (nearest even).

@@ -378,6 +378,43 @@ TEST(CudaRunner, FusedDecodeOpsGiveTheSameLogitsOnEveryModel) {
   }
 }
 
+// The persistent MoE block kernel of one-token steps (CudaOptions::moe_block_persistent, the CLI's default on sm_90)
+// on every model: decode steps at batch 1 take it wherever the layer has a BF16 router and shared expert and NVFP4
+// experts (kiln-tiny, the Qwen3.5 MoE NVFP4 fixtures); logits against the CPU's within kLogitTol, greedy tokens the
+// CPU's. Models it does not serve run the unfused ops (the same check then holds trivially).
+TEST(CudaRunner, PersistentMoeBlockMatchesCpuOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  CudaOptions o;
+  o.moe_block_persistent = true;
+  for (const ModelCase& mc : cases) {
+    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
+    auto ops = std::make_unique<CudaOps>(o);
+    CudaOps* raw = ops.get();
+    Engine gpu(std::move(ops), mc.dir, DType::F32, 4, 256);
+    double decode_err = 0;
+    int identical = 0;
+    bool taken = false;
+    for (size_t p = 0; p < mc.prompts.size(); ++p) {
+      if (p == 0) EXPECT_TRUE(raw->profile_begin());
+      const Generation a = generate(gpu, {mc.prompts[p]}, kDecodeSteps);
+      if (p == 0)
+        for (const model::OpTime& r : raw->profile_end()) taken |= r.label.rfind("moe_block ", 0) == 0;
+      const Generation b = generate(cpu, {mc.prompts[p]}, kDecodeSteps);
+      EXPECT_EQ(a.tokens[0], b.tokens[0]) << mc.name << " prompt " << p << ": greedy tokens differ";
+      identical += a.tokens[0] == b.tokens[0];
+      for (int s = 1; s <= kDecodeSteps && a.tokens[0][s - 1] == b.tokens[0][s - 1]; ++s)
+        decode_err = std::max(decode_err, max_abs_diff(a.logits[0][s], b.logits[0][s]));
+    }
+    std::printf("[ model    ] %-22s persistent MoE block %s: decode max|dlogit| vs cpu %.2e, greedy identical %d/%zu\n",
+                mc.name.c_str(), taken ? "taken" : "not taken", decode_err, identical, mc.prompts.size());
+    EXPECT_LT(decode_err, kLogitTol) << mc.name;
+    if (mc.name == "kiln-tiny") EXPECT_TRUE(taken) << "kiln-tiny's decode steps did not take the persistent kernel";
+  }
+}
+
 // --dtype bfloat16 on whole models (F32 KV cache, so that only the tensor-core inputs differ): the prefill logits
 // against the CPU's. Each tensor-core op is off by ~1.7e-3 (linears) to ~3e-3 (experts, attention) relative to its
 // output (op_check.h); summed over the fixtures' sublayers that predicts ~1e-2. Measured on the H200

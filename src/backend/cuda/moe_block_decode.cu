@@ -1,0 +1,394 @@
+// The MoE block of a one-token step (decode at batch 1, a draft step) as ONE persistent kernel: the router and the
+// shared expert's input projections, the routing, the routed NVFP4 experts' gate/up and SiLU * up, their down
+// projections, the shared expert's down projection and the weighted combine with the gated shared expert.
+//
+// Why: at batch 1 the unfused block is ~9 dependent kernels per layer (linear_multi of router + shared gate/up,
+// shared down, moe_route, group, split, gate/up, down, combine), each a few microseconds of its own latency for
+// 1-10 MB of weights (docs/perf/decode-latency.md). Here the phases are separated by grid-wide barriers (~1 us each)
+// instead of kernel boundaries, and every phase spreads its rows over all of the GPU's warps.
+//
+// Phases (grid: one block of 512 threads per multiprocessor, all resident: moe_block_decode_grid):
+//  0. every block copies x into shared memory;
+//  A. rows of [router; shared gate; shared up; shared expert gate] (dense BF16, fp32 x) spread over all warps, a
+//     warp per row: logits, gate, up and the gate's logit into the workspace;        -- grid barrier
+//  B. every block routes the token itself (one warp: moe_route_warp_kernel's maths, bitwise its ids and weights),
+//     computes the shared expert's silu(gate) * up and sigmoid(gate logit) into shared memory;
+//  C. items (slot j of the top-k, row i of I) over all warps: the NVFP4 gate and up rows of expert ids[j] against x
+//     (rounded to bf16 under --dtype bfloat16, as the tensor-core path rounds it), silu(g) * u into the workspace
+//     (rounded likewise);                                                              -- grid barrier
+//  D. every block copies the experts' activations into shared memory; rows h of H over all warps, a warp per row:
+//     sum_j (w_j * scale_2_j) * down_j[h] . act_j + sigmoid(gate) * shared_down[h] . act_shared.
+//
+// Maths: the unfused ops' (fp32 accumulation, the same decode of NVFP4 codes as the other kernels); only the order of
+// the fp32 sums differs. The routing's ids and weights are bitwise moe_route's given the same logits; the logits
+// come from a different summation order than linear_multi's, so a near-tie between two experts may route
+// differently (as any other GEMV would).
+//
+// The grid barrier: a count and a generation word that persist across launches (moe_block_decode's caller owns them,
+// zeroed once). Each block's thread 0 reads the generation, arrives on the count; the last to arrive resets the count
+// and bumps the generation, the others spin until it changes (cooperative groups' grid sync, written out: every
+// block must be resident at once, which the grid size guarantees when no other kernel holds the multiprocessors:
+// CudaOps takes this kernel only where a rank has its GPU to itself). A barrier waiting more than 10 s traps
+// (a launch error) instead of hanging.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/moe_block_decode.h"
+#include "backend/cuda/moe_decode_common.cuh"
+#include "backend/cuda/ptx.cuh"
+
+namespace kiln::cuda::ops {
+namespace {
+
+using namespace dev;
+using namespace moe_decode;
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTopK = 16;
+constexpr int kMaxH = 4096;
+constexpr int kMaxI = 1024;
+constexpr int kMaxIs = 1024;
+constexpr int kMaxE = 1024;  // 32 logits per lane in the routing warp
+constexpr int kDownLoads = 4;  // 16-byte down chunks per lane in flight (a pass covers 128 chunks of a row)
+
+// Float4 k4 of a vector stored in shared memory as chunks of 32 floats (8 float4), the 8 float4 of chunk c rotated by
+// c: lanes reading float4 q of consecutive chunks hit different banks.
+__device__ __forceinline__ int swz(int k4) { return (k4 & ~7) | ((k4 + (k4 >> 3)) & 7); }
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Every block of the grid reaches it before any leaves it; the block's global writes before it are visible to every
+// block after it.
+__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count = bar;
+    unsigned* gen = bar + 1;
+    const unsigned g = ld_acquire(gen);  // before arriving: it cannot change until this block has arrived
+    __threadfence();
+    const unsigned arrived = atomicAdd(count, 1u);
+    if (arrived == gridDim.x - 1) {
+      atomicExch(count, 0u);
+      __threadfence();
+      atomicAdd(gen, 1u);
+    } else {
+      const unsigned long long t0 = global_ns();
+      while (ld_acquire(gen) == g) {
+        __nanosleep(32);
+        if (global_ns() - t0 > 10000000000ull) __trap();  // a block that never came: fail the launch, don't hang
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+struct SlotDesc {
+  const uint8_t* data[3];
+  const uint8_t* scales[3];
+  float gscale[3];  // scale_2 * kNvfp4AccumScale
+};
+
+// kKC: ceil(H / 1024) (16-byte chunks of 32 codes per lane per row of H; lanes past the row idle).
+template <int kKC, bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const MoeBlockArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  extern __shared__ float4 smem4[];
+  __shared__ int32_t s_ids[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  __shared__ float s_coef[kMaxTopK];  // w_j * scale_2 * 256 of the down projection; 0: not held here
+  __shared__ SlotDesc s_desc[kMaxTopK];
+  __shared__ float s_sig;
+
+  const int H = a.H;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  const int E = a.E, Is = a.Is, I = a.I, K = a.top_k;
+  float4* xs4 = smem4;                                  // [H / 4] swizzled
+  float4* act4 = smem4 + H / 4;                         // [K * I / 4] swizzled (phase D)
+  float* acts = reinterpret_cast<float*>(act4 + K * I / 4);  // [Is] plain
+  float* ws = static_cast<float*>(a.workspace);         // [E + 2 Is + 1] then [K * I]
+  float* ws_act = ws + ((E + 2 * Is + 1 + 3) & ~3);
+
+  // ---- 0: x into shared memory
+  {
+    const float4* x4 = reinterpret_cast<const float4*>(a.x);
+    for (int k4 = tid; k4 < H / 4; k4 += kThreads) xs4[swz(k4)] = __ldcg(x4 + k4);
+  }
+  __syncthreads();
+
+  // ---- A: dense BF16 rows [router E; shared gate Is; shared up Is; shared expert gate 1], a warp per row
+  {
+    constexpr int kLoads = 4 * kKC;  // 16-byte loads (8 weights) per lane, those past H idle
+    const int R = E + 2 * Is + 1;
+    for (int r = gwarp; r < R; r += nwarps) {
+      const uint16_t* w;
+      if (r < E) w = static_cast<const uint16_t*>(a.router) + int64_t(r) * H;
+      else if (r < E + Is) w = static_cast<const uint16_t*>(a.shared_gate_proj) + int64_t(r - E) * H;
+      else if (r < E + 2 * Is) w = static_cast<const uint16_t*>(a.shared_up_proj) + int64_t(r - E - Is) * H;
+      else w = static_cast<const uint16_t*>(a.shared_expert_gate);
+      uint4 raw[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u)
+        raw[u] = 8 * (lane + 32 * u) < H ? ptx::ld_stream_16(w + 8 * (lane + 32 * u)) : make_uint4(0, 0, 0, 0);
+      float acc = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (8 * (lane + 32 * u) >= H) break;
+        const int k4 = 2 * (lane + 32 * u);
+        const float4 x0 = xs4[swz(k4)], x1 = xs4[swz(k4 + 1)];
+        const uint32_t p[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+        acc += x0.x * __uint_as_float(p[0] << 16) + x0.y * __uint_as_float(p[0] & 0xffff0000u) +
+               x0.z * __uint_as_float(p[1] << 16) + x0.w * __uint_as_float(p[1] & 0xffff0000u);
+        acc += x1.x * __uint_as_float(p[2] << 16) + x1.y * __uint_as_float(p[2] & 0xffff0000u) +
+               x1.z * __uint_as_float(p[3] << 16) + x1.w * __uint_as_float(p[3] & 0xffff0000u);
+      }
+      acc = warp_sum(acc);
+      if (lane == 0) ws[r] = acc;
+    }
+  }
+  grid_barrier(a.barrier);
+
+  // ---- B: routing (warp 0 of every block), the shared expert's activation and gate (the other warps)
+  if (warp == 0) {
+    float p[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int e = lane + 32 * i;
+      p[i] = e < E ? __ldcg(ws + e) : -INFINITY;
+    }
+    int idx;
+    float val;
+    route_logits(p, E, K, a.renormalise, lane, idx, val);
+    if (lane < K) {
+      s_ids[lane] = idx;
+      s_w[lane] = val;
+      if (blockIdx.x == 0 && a.ids) {
+        a.ids[lane] = idx;
+        a.weights[lane] = val;
+      }
+    }
+  } else {
+    for (int i = tid - 32; i < Is; i += kThreads - 32) {
+      const float g = __ldcg(ws + E + i), u = __ldcg(ws + E + Is + i);
+      acts[i] = silu(g) * u;
+    }
+    if (tid == 32) s_sig = sigmoid(__ldcg(ws + E + 2 * Is));
+  }
+  if constexpr (kBf16) {  // x as the experts' tensor-core path takes it (phase A used it in fp32)
+    float* xs = reinterpret_cast<float*>(xs4);
+    for (int k = tid; k < H; k += kThreads) xs[k] = __bfloat162float(__float2bfloat16_rn(xs[k]));
+  }
+  __syncthreads();
+  if (tid < K) {
+    const int e = s_ids[tid] - a.held_begin;
+    const bool held = e >= 0 && e < a.E_held;
+    SlotDesc d;
+#pragma unroll
+    for (int m = 0; m < 3; ++m) {
+      const WeightDesc* w = a.experts + (held ? int64_t(e) * 3 + m : 0);
+      d.data[m] = held ? static_cast<const uint8_t*>(w->data) : nullptr;
+      d.scales[m] = held ? w->block_scale : nullptr;
+      d.gscale[m] = held ? w->scale * kNvfp4AccumScale : 0.0f;
+    }
+    s_desc[tid] = d;
+    s_coef[tid] = held ? s_w[tid] * d.gscale[2] : 0.0f;
+  }
+  __syncthreads();
+
+  // ---- C: (slot j, row i) items: silu(gate_j[i] . x) * (up_j[i] . x) into the workspace
+  {
+    constexpr int kItems = kKC == 2 ? 2 : kKC == 1 ? 2 : 1;  // items whose loads a warp has in flight together
+    const int n_items = K * I;
+    const int64_t row_bytes = H / 2, row_scales = H / 16;
+    const int C = H / 32;  // chunks per row
+    for (int base = gwarp * kItems; base < n_items; base += nwarps * kItems) {
+      uint4 w[kItems][2][kKC];
+      uint32_t sc[kItems][2][kKC];
+#pragma unroll
+      for (int t = 0; t < kItems; ++t) {
+        const int it = base + t;
+        const int j = it < n_items ? it / I : 0, i = it < n_items ? it % I : 0;
+        const SlotDesc& d = s_desc[j];
+        const bool live = it < n_items && d.data[0] != nullptr;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int q = 0; q < kKC; ++q) {
+            const int c = lane + 32 * q;
+            if (live && c < C) {
+              w[t][m][q] = ptx::ld_stream_16(d.data[m] + i * row_bytes + 16 * c);
+              sc[t][m][q] = __ldg(reinterpret_cast<const uint16_t*>(d.scales[m] + i * row_scales + 2 * c));
+            } else {
+              w[t][m][q] = make_uint4(0, 0, 0, 0);
+              sc[t][m][q] = 0;
+            }
+          }
+      }
+      float acc[kItems][2];
+#pragma unroll
+      for (int t = 0; t < kItems; ++t) acc[t][0] = acc[t][1] = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kKC; ++q) {
+        const int c = lane + 32 * q;
+        if (c >= C) break;
+        float xv[32];
+#pragma unroll
+        for (int f = 0; f < 8; ++f) {
+          const float4 v = xs4[swz(8 * c + f)];
+          xv[4 * f] = v.x;
+          xv[4 * f + 1] = v.y;
+          xv[4 * f + 2] = v.z;
+          xv[4 * f + 3] = v.w;
+        }
+#pragma unroll
+        for (int t = 0; t < kItems; ++t)
+#pragma unroll
+          for (int m = 0; m < 2; ++m) acc[t][m] = dot_chunk(w[t][m][q], chunk_scales(sc[t][m][q]), xv, acc[t][m]);
+      }
+#pragma unroll
+      for (int t = 0; t < kItems; ++t) {
+        const int it = base + t;
+        const float g = warp_sum(acc[t][0]), u = warp_sum(acc[t][1]);
+        if (lane == 0 && it < n_items) {
+          const SlotDesc& d = s_desc[it / I];
+          float v = d.data[0] ? silu(g * d.gscale[0]) * (u * d.gscale[1]) : 0.0f;
+          if constexpr (kBf16) v = __bfloat162float(__float2bfloat16_rn(v));
+          ws_act[it] = v;
+        }
+      }
+    }
+  }
+  grid_barrier(a.barrier);
+
+  // ---- D: rows h of the output
+  {
+    const float4* src = reinterpret_cast<const float4*>(ws_act);
+    for (int k4 = tid; k4 < K * I / 4; k4 += kThreads) act4[swz(k4)] = __ldcg(src + k4);
+  }
+  __syncthreads();
+  {
+    const int CI = I / 32;                 // down chunks per expert row
+    const int nC = K * CI;                 // a row's chunks over the top-k experts
+    const int SV = Is / 8;                 // shared down: 16-byte loads of 8 bf16 per row
+    const int64_t row_bytes = I / 2, row_scales = I / 16;
+    const uint16_t* sdown = static_cast<const uint16_t*>(a.shared_down_proj);
+    for (int h = gwarp; h < H; h += nwarps) {
+      // The shared expert's row first (its loads in flight with the first pass's).
+      uint4 sraw[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int v = lane + 32 * q;
+        sraw[q] = v < SV ? ptx::ld_stream_16(sdown + int64_t(h) * Is + 8 * v) : make_uint4(0, 0, 0, 0);
+      }
+      float acc = 0.0f;
+      for (int g0 = 0; g0 < nC; g0 += 32 * kDownLoads) {
+        uint4 w[kDownLoads];
+        uint32_t sc[kDownLoads];
+#pragma unroll
+        for (int q = 0; q < kDownLoads; ++q) {
+          const int g = g0 + lane + 32 * q;
+          const int j = g < nC ? g / CI : 0, c = g < nC ? g % CI : 0;
+          const SlotDesc& d = s_desc[j];
+          if (g < nC && d.data[2]) {
+            w[q] = ptx::ld_stream_16(d.data[2] + h * row_bytes + 16 * c);
+            sc[q] = __ldg(reinterpret_cast<const uint16_t*>(d.scales[2] + h * row_scales + 2 * c));
+          } else {
+            w[q] = make_uint4(0, 0, 0, 0);
+            sc[q] = 0;
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kDownLoads; ++q) {
+          const int g = g0 + lane + 32 * q;
+          if (g >= nC) break;
+          float xv[32];
+#pragma unroll
+          for (int f = 0; f < 8; ++f) {
+            const float4 v = act4[swz(8 * g + f)];
+            xv[4 * f] = v.x;
+            xv[4 * f + 1] = v.y;
+            xv[4 * f + 2] = v.z;
+            xv[4 * f + 3] = v.w;
+          }
+          acc = fmaf(dot_chunk(w[q], chunk_scales(sc[q]), xv, 0.0f), s_coef[g / CI], acc);
+        }
+      }
+      float sacc = 0.0f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int v = lane + 32 * q;
+        if (v >= SV) break;
+        const float* av = acts + 8 * v;
+        const uint32_t p[4] = {sraw[q].x, sraw[q].y, sraw[q].z, sraw[q].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sacc += av[2 * e] * __uint_as_float(p[e] << 16) + av[2 * e + 1] * __uint_as_float(p[e] & 0xffff0000u);
+      }
+      acc = warp_sum(acc);
+      sacc = warp_sum(sacc);
+      if (lane == 0) a.out[h] = acc + sacc * s_sig;
+    }
+  }
+}
+
+template <int kKC, bool kBf16>
+void launch_one(const MoeBlockArgs& a, int grid, Stream stream) {
+  auto* kernel = moe_block_decode_kernel<kKC, kBf16>;
+  const size_t smem = sizeof(float) * (static_cast<size_t>(a.H) + static_cast<size_t>(a.top_k) * a.I + a.Is);
+  // Per device and cheap: set on every launch (eager launches only reach here once per captured graph).
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem, stream, a);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool moe_block_decode_supported(int64_t H, int64_t E, int64_t Is, int64_t I, int top_k) {
+  return H >= 32 && H % 32 == 0 && H <= kMaxH && E >= 1 && E <= kMaxE && top_k >= 1 && top_k <= kMaxTopK &&
+         top_k <= E && I >= 32 && I <= kMaxI && I % 32 == 0 && Is >= 8 && Is <= kMaxIs && Is % 8 == 0;
+}
+
+size_t moe_block_decode_workspace_bytes(int64_t E, int64_t Is, int top_k, int64_t I) {
+  return sizeof(float) * static_cast<size_t>(((E + 2 * Is + 1 + 3) & ~int64_t(3)) + top_k * I);
+}
+
+int moe_block_decode_grid(int device) {
+  int sms = 0, per_sm = 0;
+  KILN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // The largest instance at the largest shared memory: one block per multiprocessor must fit.
+  auto* kernel = moe_block_decode_kernel<4, false>;
+  const int smem = static_cast<int>(sizeof(float) * (kMaxH + kMaxTopK * kMaxI + kMaxIs));
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  return per_sm >= 1 ? sms : 0;
+}
+
+void moe_block_decode(const MoeBlockArgs& a, int grid, Stream stream) {
+  if (!moe_block_decode_supported(a.H, a.E, a.Is, a.I, a.top_k) || grid < 1)
+    cuda_fail("moe_block_decode: H {} E {} Is {} I {} top_k {} grid {} outside the kernel's shapes",
+              {a.H, a.E, a.Is, a.I, a.top_k, grid});
+  const bool bf16 = a.bf16_expert_inputs;
+  switch ((a.H + 1023) / 1024) {
+    case 1: bf16 ? launch_one<1, true>(a, grid, stream) : launch_one<1, false>(a, grid, stream); break;
+    case 2: bf16 ? launch_one<2, true>(a, grid, stream) : launch_one<2, false>(a, grid, stream); break;
+    case 3: bf16 ? launch_one<3, true>(a, grid, stream) : launch_one<3, false>(a, grid, stream); break;
+    default: bf16 ? launch_one<4, true>(a, grid, stream) : launch_one<4, false>(a, grid, stream); break;
+  }
+}
+
+}  // namespace kiln::cuda::ops

@@ -1,0 +1,48 @@
+// The host API of the one-kernel MoE block of a one-token step (moe_block_decode.cu): router, shared expert, routing,
+// routed NVFP4 experts and the weighted combine as the phases of one persistent grid. Plain C++ like kernels.h (both
+// nvcc and g++ include it).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cuda/kernels.h"
+
+namespace kiln::cuda::ops {
+
+struct MoeBlockArgs {
+  const float* x = nullptr;  // [H] the block's (normed) input
+  int H = 0;
+  // Dense BF16 weights, [rows, H] unless said: the router [E, H], the shared expert's gate and up [Is, H], its gate
+  // [1, H] and its down projection [H, Is].
+  const void* router = nullptr;
+  const void* shared_gate_proj = nullptr;
+  const void* shared_up_proj = nullptr;
+  const void* shared_expert_gate = nullptr;
+  const void* shared_down_proj = nullptr;
+  int E = 0, Is = 0, top_k = 0;
+  bool renormalise = false;
+  // The held routed experts' device table [E_held][3] {gate [I, H], up [I, H], down [H, I]}, NVFP4.
+  const WeightDesc* experts = nullptr;
+  int held_begin = 0, E_held = 0, I = 0;
+  // --dtype bfloat16: x and silu(gate) * up rounded to bf16 where they enter the NVFP4 experts (as the tensor-core
+  // path rounds them); false: fp32.
+  bool bf16_expert_inputs = false;
+  void* workspace = nullptr;   // moe_block_decode_workspace_bytes()
+  unsigned* barrier = nullptr; // 2 words, zero before the first launch; the kernel leaves them ready for the next
+  float* out = nullptr;        // [H]
+  int32_t* ids = nullptr;      // [top_k] (may be null): the routing's ids and weights, as moe_route writes them
+  float* weights = nullptr;
+};
+
+// Whether the kernel serves the shapes: H % 32 == 0 and H <= 4096, top_k <= E <= 1024, 1 <= top_k <= 16,
+// I % 32 == 0 and 32 <= I <= 1024, Is % 8 == 0 and 8 <= Is <= 1024. The caller also checks 16-byte alignment of x, out
+// and every weight, and that the weights are dense BF16 (router, shared expert) and NVFP4 (routed experts).
+bool moe_block_decode_supported(int64_t H, int64_t E, int64_t Is, int64_t I, int top_k);
+size_t moe_block_decode_workspace_bytes(int64_t E, int64_t Is, int top_k, int64_t I);
+// The blocks of the persistent grid on this device (all resident at once: one per multiprocessor); 0 when a block
+// does not fit a multiprocessor (the caller then takes the unfused ops).
+int moe_block_decode_grid(int device);
+// One launch of `grid` blocks (moe_block_decode_grid's).
+void moe_block_decode(const MoeBlockArgs& a, int grid, Stream stream);
+
+}  // namespace kiln::cuda::ops

@@ -18,7 +18,8 @@ struct GpuFlags {
   bool disable_cuda_graph_verify = false;  // gpu.cuda_graph_verify = !this
   bool disable_pdl = false;                // !gpu.pdl
   bool disable_fused_decode_ops = false;   // !gpu.fused_decode_ops
-  bool disable_persistent_moe = false;     // !gpu.persistent_moe
+  bool disable_persistent_moe = false;     // gpu.persistent_moe = false
+  bool enable_persistent_moe = false;      // gpu.persistent_moe = true
   bool disable_delta_rule_tensor_cores = false;  // !gpu.delta_rule_tensor_cores
   bool disable_delta_rule_split = false;         // !gpu.delta_rule_split
   bool enable_weight_prefetch = false;     // gpu.weight_prefetch
@@ -83,10 +84,12 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   app.add_flag("--disable-fused-decode-ops", f.disable_fused_decode_ops,
                "cuda: run the attention q/k norm + rotary prologue, the gated down / output projections and the "
                "DeltaNet output norm as separate kernels (default: fused, one launch each; the same arithmetic)");
+  app.add_flag("--enable-persistent-moe", f.enable_persistent_moe,
+               "cuda, experimental: run the MoE block of one-token steps (decode at batch 1, draft steps) as one "
+               "persistent kernel on sm_90 where each rank has its own GPU: router, shared expert, routing, NVFP4 "
+               "experts and combine as phases of one grid separated by grid-wide barriers (docs/perf/decode-latency.md)");
   app.add_flag("--disable-persistent-moe", f.disable_persistent_moe,
-               "cuda: run the MoE block of one-token steps (decode at batch 1, draft steps) as its separate kernels "
-               "(default on sm_90 where each rank has its own GPU: router, shared expert, routing, NVFP4 experts and "
-               "combine in one persistent kernel, phases separated by grid-wide barriers; docs/perf/decode-latency.md)");
+               "cuda: run the MoE block of one-token steps as its separate kernels (the default for now)");
   app.add_flag("--disable-delta-rule-tensor-cores", f.disable_delta_rule_tensor_cores,
                "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
                "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "
@@ -111,7 +114,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu.cuda_graph_verify = !f.disable_cuda_graph_verify;
   lo.gpu.pdl = !f.disable_pdl;
   lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
-  lo.gpu.persistent_moe = !f.disable_persistent_moe;
+  lo.gpu.persistent_moe = f.enable_persistent_moe && !f.disable_persistent_moe;
   lo.gpu.delta_rule_tensor_cores = !f.disable_delta_rule_tensor_cores;
   lo.gpu.delta_rule_split = !f.disable_delta_rule_split;
   lo.gpu.weight_prefetch = f.enable_weight_prefetch;

@@ -350,8 +350,6 @@ template <int kKC, bool kBf16>
 void launch_one(const MoeBlockArgs& a, int grid, Stream stream) {
   auto* kernel = moe_block_decode_kernel<kKC, kBf16>;
   const size_t smem = sizeof(float) * (static_cast<size_t>(a.H) + static_cast<size_t>(a.top_k) * a.I + a.Is);
-  // Per device and cheap: set on every launch (eager launches only reach here once per captured graph).
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem, stream, a);
   KILN_CUDA_CHECK_LAUNCH();
 }
@@ -370,11 +368,17 @@ size_t moe_block_decode_workspace_bytes(int64_t E, int64_t Is, int top_k, int64_
 int moe_block_decode_grid(int device) {
   int sms = 0, per_sm = 0;
   KILN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // The largest instance at the largest shared memory: one block per multiprocessor must fit.
-  auto* kernel = moe_block_decode_kernel<4, false>;
+  // Every instance may take the largest shared memory (set here, on the caller's current device, once per CudaOps:
+  // never while a stream is being captured); one block per multiprocessor must fit.
   const int smem = static_cast<int>(sizeof(float) * (kMaxH + kMaxTopK * kMaxI + kMaxIs));
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  for (auto* kernel : {moe_block_decode_kernel<1, false>, moe_block_decode_kernel<1, true>, moe_block_decode_kernel<2, false>,
+                       moe_block_decode_kernel<2, true>, moe_block_decode_kernel<3, false>, moe_block_decode_kernel<3, true>,
+                       moe_block_decode_kernel<4, false>, moe_block_decode_kernel<4, true>}) {
+    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int n = 0;
+    KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
+    per_sm = per_sm == 0 ? n : std::min(per_sm, n);
+  }
   return per_sm >= 1 ? sms : 0;
 }
 

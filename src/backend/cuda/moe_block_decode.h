@@ -39,8 +39,9 @@ struct MoeBlockArgs {
 // and every weight, and that the weights are dense BF16 (router, shared expert) and NVFP4 (routed experts).
 bool moe_block_decode_supported(int64_t H, int64_t E, int64_t Is, int64_t I, int top_k);
 size_t moe_block_decode_workspace_bytes(int64_t E, int64_t Is, int top_k, int64_t I);
-// The blocks of the persistent grid on this device (all resident at once: one per multiprocessor); 0 when a block
-// does not fit a multiprocessor (the caller then takes the unfused ops).
+// The blocks of the persistent grid on CUDA device `device` (all resident at once: one per multiprocessor); 0 when a
+// block does not fit a multiprocessor (the caller then takes the unfused ops). Also sets the kernels' shared memory
+// limit: call it once with `device` current, before any launch and outside stream capture.
 int moe_block_decode_grid(int device);
 // One launch of `grid` blocks (moe_block_decode_grid's).
 void moe_block_decode(const MoeBlockArgs& a, int grid, Stream stream);

@@ -52,9 +52,9 @@ struct GpuLoadOptions {
   bool pdl = true;  // programmatic dependent launch inside captured steps (cuda::CudaOptions::pdl; --disable-pdl)
   // The fused small ops of decode steps (cuda::CudaOptions::fused_decode_ops; --disable-fused-decode-ops).
   bool fused_decode_ops = true;
-  // The MoE block of one-token steps as one persistent kernel (cuda::CudaOptions::moe_block_persistent, taken on sm_90
-  // where each rank has its GPU to itself; --enable-persistent-moe / --disable-persistent-moe). Off until it has been
-  // checked and timed on a GPU (docs/perf/decode-latency.md).
+  // The MoE block of steps of 1-4 tokens as one persistent kernel (cuda::CudaOptions::moe_block_persistent, taken on
+  // sm_90 where each rank has its GPU to itself; --enable-persistent-moe / --disable-persistent-moe). Off until it has
+  // been checked and timed on a GPU (docs/perf/decode-latency.md).
   bool persistent_moe = false;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).

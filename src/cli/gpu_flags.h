@@ -85,11 +85,12 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "cuda: run the attention q/k norm + rotary prologue, the gated down / output projections and the "
                "DeltaNet output norm as separate kernels (default: fused, one launch each; the same arithmetic)");
   app.add_flag("--enable-persistent-moe", f.enable_persistent_moe,
-               "cuda, experimental: run the MoE block of one-token steps (decode at batch 1, draft steps) as one "
-               "persistent kernel on sm_90 where each rank has its own GPU: router, shared expert, routing, NVFP4 "
-               "experts and combine as phases of one grid separated by grid-wide barriers (docs/perf/decode-latency.md)");
+               "cuda, experimental: run the MoE block of steps of 1-4 tokens (decode at batch <= 4, draft steps, "
+               "verify passes of K <= 3) as one persistent kernel on sm_90 where each rank has its own GPU: router, "
+               "shared expert, routing, NVFP4 experts and combine as phases of one grid separated by grid-wide "
+               "barriers (docs/perf/decode-latency.md)");
   app.add_flag("--disable-persistent-moe", f.disable_persistent_moe,
-               "cuda: run the MoE block of one-token steps as its separate kernels (the default for now)");
+               "cuda: run the MoE block of steps of 1-4 tokens as its separate kernels (the default for now)");
   app.add_flag("--disable-delta-rule-tensor-cores", f.disable_delta_rule_tensor_cores,
                "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
                "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "

@@ -388,7 +388,7 @@ class Ops {
   // experts of softmax-top-k(x router^T) (renormalised or not) + sigmoid(x shared_expert_gate^T) *
   // shared_down(silu(x shared_gate^T) * (x shared_up^T)): what model::moe computes with linear_multi,
   // linear_gated_input and moe_route_experts. x, out F32 [T, H]. Returns false, having done nothing, where the backend
-  // does not fuse this step (the default): the caller then runs the ops one by one. (CUDA: one-token steps in one
+  // does not fuse this step (the default): the caller then runs the ops one by one. (CUDA: steps of 1-4 tokens in one
   // persistent kernel, moe_block_decode.cu.)
   virtual bool moe_block(const TensorView& x, const LinearWeight& router, const LinearWeight& shared_gate_proj,
                          const LinearWeight& shared_up_proj, const LinearWeight& shared_down_proj,

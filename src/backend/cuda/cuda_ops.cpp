@@ -213,6 +213,7 @@ struct CudaOps::Impl {
   DeviceBuffer moe_blas_weights;
   // The persistent MoE block kernel (moe_block_decode.h): its grid (0: not taken) and barrier words (zeroed once).
   int moe_block_grid = 0;
+  int moe_block_max_tokens = 0;  // CudaOptions::moe_block_max_tokens
   unsigned* moe_block_barrier = nullptr;
 
   explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {
@@ -231,6 +232,7 @@ CudaOps::CudaOps(const CudaOptions& options) : impl_(std::make_unique<Impl>(opti
   impl_->max_abs_result = DeviceBuffer(CudaRuntime::kAlign);
   if (options.moe_block_persistent) {
     impl_->moe_block_grid = kops::moe_block_decode_grid(impl_->rt.device().index);
+    impl_->moe_block_max_tokens = options.moe_block_max_tokens;
     if (impl_->moe_block_grid > 0)
       impl_->moe_block_barrier = static_cast<unsigned*>(impl_->rt.persistent(2 * sizeof(unsigned)));
   }
@@ -1397,8 +1399,10 @@ bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
                         const model::LinearWeight& shared_gate_proj, const model::LinearWeight& shared_up_proj,
                         const model::LinearWeight& shared_down_proj, const model::LinearWeight& shared_expert_gate,
                         std::span<const model::ExpertWeights> experts, int top_k, bool renormalise, TensorView out) {
-  if (impl_->moe_block_grid <= 0 || x.ndim() != 2 || x.dim(0) != 1 || experts.empty()) return false;
-  const int64_t H = x.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
+  if (impl_->moe_block_grid <= 0 || x.ndim() != 2 || x.dim(0) < 1 || x.dim(0) > impl_->moe_block_max_tokens ||
+      experts.empty())
+    return false;
+  const int64_t T = x.dim(0), H = x.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   auto bf16_dense = [&](const model::LinearWeight& w, int64_t n, int64_t k) {
     return w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && w.out_features == n &&
@@ -1414,11 +1418,13 @@ bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
     return false;
   const Impl::ExpertTable& tab = impl_->expert_table(
       experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
-  if (!tab.vec_ok || tab.gemv2_kind != 1 || !kops::moe_block_decode_supported(H, E, Is, tab.inter, top_k))
+  if (!tab.vec_ok || tab.gemv2_kind != 1 || !kops::moe_block_decode_supported(T, H, E, Is, tab.inter, top_k))
     return false;
-  OpScope prof(impl_->rt, [&] { return fmt::format("moe_block router+shared+experts nvfp4 x{} (one kernel)", E); });
+  OpScope prof(impl_->rt,
+               [&] { return fmt::format("moe_block router+shared+experts nvfp4 x{} T={} (one kernel)", E, T); });
   kops::MoeBlockArgs a;
   a.x = f32(x);
+  a.T = static_cast<int>(T);
   a.H = static_cast<int>(H);
   a.router = router.weight.data;
   a.shared_gate_proj = shared_gate_proj.weight.data;
@@ -1434,7 +1440,7 @@ bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
   a.E_held = static_cast<int>(held.second - held.first);
   a.I = static_cast<int>(tab.inter);
   a.bf16_expert_inputs = impl_->bf16();
-  a.workspace = impl_->rt.scratch(kops::moe_block_decode_workspace_bytes(E, Is, top_k, tab.inter));
+  a.workspace = impl_->rt.scratch(kops::moe_block_decode_workspace_bytes(T, E, Is, top_k, tab.inter));
   a.barrier = impl_->moe_block_barrier;
   a.out = f32_mut(out);
   kops::moe_block_decode(a, impl_->moe_block_grid, impl_->rt.stream());

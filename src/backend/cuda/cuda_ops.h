@@ -149,7 +149,7 @@ class CudaOps final : public model::Ops {
                          std::span<const model::ExpertWeights> experts, TensorView shared,
                          const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
                          TensorView out) override;
-  // One-token steps (CudaOptions::moe_block_persistent, BF16 router and shared expert, NVFP4 experts): the whole
+  // Steps of 1-4 tokens (CudaOptions::moe_block_persistent, BF16 router and shared expert, NVFP4 experts): the whole
   // block in one persistent kernel (moe_block_decode.cu); else false.
   bool moe_block(const TensorView& x, const model::LinearWeight& router, const model::LinearWeight& shared_gate_proj,
                  const model::LinearWeight& shared_up_proj, const model::LinearWeight& shared_down_proj,

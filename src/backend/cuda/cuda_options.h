@@ -55,12 +55,15 @@ struct CudaOptions {
   // larger steps and other weight formats as moe_tensor_cores says. false (kiln-grouped, the default, as the CLI's):
   // the six-kernel path at every size.
   bool moe_decode_fused = false;
-  // The MoE block of one-token steps (decode at batch 1, draft steps) as one persistent kernel (moe_block_decode.cu:
+  // The MoE block of steps of <= moe_block_max_tokens tokens (decode at batch 1-4, draft steps, verify passes of K <= 3
+  // at batch 1) as one persistent kernel (moe_block_decode.cu:
   // router, shared expert, routing, NVFP4 experts and combine as phases of one grid with grid-wide barriers), where
   // the router and shared expert are dense BF16 and the experts NVFP4. Its grid holds one block per multiprocessor
   // and waits on all of them, so it is taken only where no other rank's kernels share the GPU: the CLI turns it on
   // (sm_90, one rank per GPU) unless --disable-persistent-moe; false here (tests ask for it).
   bool moe_block_persistent = false;
+  // Its largest step (1-4 tokens: decode at batch <= 4, verify passes of K <= 3 at batch 1).
+  int moe_block_max_tokens = 4;
   // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16
   // and run through cuBLAS grouped GEMMs (moe_prefill_blas above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

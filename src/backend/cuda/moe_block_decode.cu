@@ -1,4 +1,5 @@
-// The MoE block of a one-token step (decode at batch 1, a draft step) as ONE persistent kernel: the router and the
+// The MoE block of a step of 1-4 tokens (decode at batch <= 4, a draft step, a verify pass of K <= 3) as ONE
+// persistent kernel: the router and the
 // shared expert's input projections, the routing, the routed NVFP4 experts' gate/up and SiLU * up, their down
 // projections, the shared expert's down projection and the weighted combine with the gated shared expert.
 //
@@ -55,6 +56,8 @@ constexpr int kMaxI = 1024;
 constexpr int kMaxIs = 1024;
 constexpr int kMaxE = 1024;  // 32 logits per lane in the routing warp
 constexpr int kDownLoads = 4;  // 16-byte down chunks per lane in flight (a pass covers 128 chunks of a row)
+constexpr int kMaxT = 4;       // tokens per step (decode at batch <= 4, a verify pass of K <= 3 at batch 1)
+constexpr int kMaxSmem = 200 * 1024;  // dynamic shared memory: x, the experts' activations, the shared expert's
 
 // Float4 k4 of a vector stored in shared memory as chunks of 32 floats (8 float4), the 8 float4 of chunk c rotated by
 // c: lanes reading float4 q of consecutive chunks hit different banks.
@@ -97,44 +100,66 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar) {
   __syncthreads();
 }
 
-struct SlotDesc {
+struct ExpertDesc {
   const uint8_t* data[3];
   const uint8_t* scales[3];
   float gscale[3];  // scale_2 * kNvfp4AccumScale
 };
 
-// kKC: ceil(H / 1024) (16-byte chunks of 32 codes per lane per row of H; lanes past the row idle).
-template <int kKC, bool kBf16>
+// 32 floats of chunk c (swizzled float4 array base) into registers.
+__device__ __forceinline__ void load_chunk(const float4* base, int c, float (&v)[32]) {
+#pragma unroll
+  for (int f = 0; f < 8; ++f) {
+    const float4 q = base[swz(8 * c + f)];
+    v[4 * f] = q.x;
+    v[4 * f + 1] = q.y;
+    v[4 * f + 2] = q.z;
+    v[4 * f + 3] = q.w;
+  }
+}
+
+// kKC: ceil(H / 1024) (16-byte chunks of 32 codes per lane per row of H; lanes past the row idle). kT: the most tokens
+// (1 or 4); a.T <= kT of them are live.
+template <int kKC, bool kBf16, int kT>
 __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const MoeBlockArgs a) {
   dev::pdl_enter();  // first statement: see launch.cuh
   extern __shared__ float4 smem4[];
-  __shared__ int32_t s_ids[kMaxTopK];
-  __shared__ float s_w[kMaxTopK];
-  __shared__ float s_coef[kMaxTopK];  // w_j * scale_2 * 256 of the down projection; 0: not held here
-  __shared__ SlotDesc s_desc[kMaxTopK];
-  __shared__ float s_sig;
+  constexpr int kMaxPairs = kT * kMaxTopK;
+  __shared__ int32_t s_ids[kMaxPairs];     // pair p = t * K + j: global expert id
+  __shared__ float s_w[kMaxPairs];         // its routing weight
+  __shared__ int32_t s_first[kMaxPairs];   // 1: no earlier pair picked the same held expert
+  __shared__ int32_t s_rank[kMaxPairs];    // the pair's expert among the step's distinct held experts (-1: not held)
+  __shared__ float s_coef[kMaxPairs];      // w_p * scale_2 * 256 of its expert's down projection
+  __shared__ int32_t s_upair[kMaxPairs][kT];  // [distinct expert u][token t]: the pair, or -1
+  __shared__ ExpertDesc s_desc[kMaxPairs];    // [u]
+  __shared__ int32_t s_nu;
+  __shared__ float s_sig[kT];
 
-  const int H = a.H;
+  const int H = a.H, T = a.T;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
-  const int E = a.E, Is = a.Is, I = a.I, K = a.top_k;
-  float4* xs4 = smem4;                                  // [H / 4] swizzled
-  float4* act4 = smem4 + H / 4;                         // [K * I / 4] swizzled (phase D)
-  float* acts = reinterpret_cast<float*>(act4 + K * I / 4);  // [Is] plain
-  float* ws = static_cast<float*>(a.workspace);         // [E + 2 Is + 1] then [K * I]
-  float* ws_act = ws + ((E + 2 * Is + 1 + 3) & ~3);
+  const int E = a.E, Is = a.Is, I = a.I, K = a.top_k, P = T * K;
+  const int R = E + 2 * Is + 1, R4 = (R + 3) & ~3;  // phase A rows; a token's stride in the workspace
+  float4* xs4 = smem4;                                      // [T][H / 4] swizzled per token
+  float4* act4 = smem4 + T * H / 4;                         // [P][I / 4] swizzled (phase D)
+  float* acts = reinterpret_cast<float*>(act4 + P * I / 4);  // [T][Is] plain
+  float* ws = static_cast<float*>(a.workspace);             // [T][R4] then [P][I]
+  float* ws_act = ws + T * R4;
 
   // ---- 0: x into shared memory
   {
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
-    for (int k4 = tid; k4 < H / 4; k4 += kThreads) xs4[swz(k4)] = __ldcg(x4 + k4);
+    for (int k4 = tid; k4 < T * H / 4; k4 += kThreads) {
+      const int t = k4 / (H / 4), r4 = k4 % (H / 4);
+      xs4[t * (H / 4) + swz(r4)] = __ldcg(x4 + k4);
+    }
   }
   __syncthreads();
 
-  // ---- A: dense BF16 rows [router E; shared gate Is; shared up Is; shared expert gate 1], a warp per row
+  // ---- A: dense BF16 rows [router E; shared gate Is; shared up Is; shared expert gate 1], a warp per row, every
+  // token against the row's one read
   {
     constexpr int kLoads = 4 * kKC;  // 16-byte loads (8 weights) per lane, those past H idle
-    const int R = E + 2 * Is + 1;
     for (int r = gwarp; r < R; r += nwarps) {
       const uint16_t* w;
       if (r < E) w = static_cast<const uint16_t*>(a.router) + int64_t(r) * H;
@@ -145,166 +170,223 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
 #pragma unroll
       for (int u = 0; u < kLoads; ++u)
         raw[u] = 8 * (lane + 32 * u) < H ? ptx::ld_stream_16(w + 8 * (lane + 32 * u)) : make_uint4(0, 0, 0, 0);
-      float acc = 0.0f;
+      float acc[kT];
+#pragma unroll
+      for (int t = 0; t < kT; ++t) acc[t] = 0.0f;
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         if (8 * (lane + 32 * u) >= H) break;
         const int k4 = 2 * (lane + 32 * u);
-        const float4 x0 = xs4[swz(k4)], x1 = xs4[swz(k4 + 1)];
         const uint32_t p[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-        acc += x0.x * __uint_as_float(p[0] << 16) + x0.y * __uint_as_float(p[0] & 0xffff0000u) +
-               x0.z * __uint_as_float(p[1] << 16) + x0.w * __uint_as_float(p[1] & 0xffff0000u);
-        acc += x1.x * __uint_as_float(p[2] << 16) + x1.y * __uint_as_float(p[2] & 0xffff0000u) +
-               x1.z * __uint_as_float(p[3] << 16) + x1.w * __uint_as_float(p[3] & 0xffff0000u);
+#pragma unroll
+        for (int t = 0; t < kT; ++t) {
+          if (t >= T) break;
+          const float4 x0 = xs4[t * (H / 4) + swz(k4)], x1 = xs4[t * (H / 4) + swz(k4 + 1)];
+          acc[t] += x0.x * __uint_as_float(p[0] << 16) + x0.y * __uint_as_float(p[0] & 0xffff0000u) +
+                    x0.z * __uint_as_float(p[1] << 16) + x0.w * __uint_as_float(p[1] & 0xffff0000u);
+          acc[t] += x1.x * __uint_as_float(p[2] << 16) + x1.y * __uint_as_float(p[2] & 0xffff0000u) +
+                    x1.z * __uint_as_float(p[3] << 16) + x1.w * __uint_as_float(p[3] & 0xffff0000u);
+        }
       }
-      acc = warp_sum(acc);
-      if (lane == 0) ws[r] = acc;
+#pragma unroll
+      for (int t = 0; t < kT; ++t) {
+        if (t >= T) break;
+        const float v = warp_sum(acc[t]);
+        if (lane == 0) ws[t * R4 + r] = v;
+      }
     }
   }
   grid_barrier(a.barrier);
 
-  // ---- B: routing (warp 0 of every block), the shared expert's activation and gate (the other warps)
-  if (warp == 0) {
+  // ---- B: routing (warp t routes token t, in every block), the shared expert's activation and gate (warps >= kT)
+  if (warp < T) {
+    const float* l = ws + warp * R4;
     float p[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int e = lane + 32 * i;
-      p[i] = e < E ? __ldcg(ws + e) : -INFINITY;
+      p[i] = e < E ? __ldcg(l + e) : -INFINITY;
     }
     int idx;
     float val;
     route_logits(p, E, K, a.renormalise, lane, idx, val);
     if (lane < K) {
-      s_ids[lane] = idx;
-      s_w[lane] = val;
+      s_ids[warp * K + lane] = idx;
+      s_w[warp * K + lane] = val;
       if (blockIdx.x == 0 && a.ids) {
-        a.ids[lane] = idx;
-        a.weights[lane] = val;
+        a.ids[warp * K + lane] = idx;
+        a.weights[warp * K + lane] = val;
       }
     }
-  } else {
-    for (int i = tid - 32; i < Is; i += kThreads - 32) {
-      const float g = __ldcg(ws + E + i), u = __ldcg(ws + E + Is + i);
-      acts[i] = silu(g) * u;
+  } else if (warp >= kT) {
+    for (int q = tid - 32 * kT; q < T * Is; q += kThreads - 32 * kT) {
+      const int t = q / Is, i = q % Is;
+      const float g = __ldcg(ws + t * R4 + E + i), u = __ldcg(ws + t * R4 + E + Is + i);
+      acts[q] = silu(g) * u;
     }
-    if (tid == 32) s_sig = sigmoid(__ldcg(ws + E + 2 * Is));
+    if (tid - 32 * kT < T) {
+      const int t = tid - 32 * kT;
+      s_sig[t] = sigmoid(__ldcg(ws + t * R4 + E + 2 * Is));
+    }
   }
   if constexpr (kBf16) {  // x as the experts' tensor-core path takes it (phase A used it in fp32)
     float* xs = reinterpret_cast<float*>(xs4);
-    for (int k = tid; k < H; k += kThreads) xs[k] = __bfloat162float(__float2bfloat16_rn(xs[k]));
+    for (int k = tid; k < T * H; k += kThreads) xs[k] = __bfloat162float(__float2bfloat16_rn(xs[k]));
   }
   __syncthreads();
-  if (tid < K) {
-    const int e = s_ids[tid] - a.held_begin;
-    const bool held = e >= 0 && e < a.E_held;
-    SlotDesc d;
-#pragma unroll
-    for (int m = 0; m < 3; ++m) {
-      const WeightDesc* w = a.experts + (held ? int64_t(e) * 3 + m : 0);
-      d.data[m] = held ? static_cast<const uint8_t*>(w->data) : nullptr;
-      d.scales[m] = held ? w->block_scale : nullptr;
-      d.gscale[m] = held ? w->scale * kNvfp4AccumScale : 0.0f;
+  // The step's distinct held experts in ascending id: u = the number of distinct held experts below the pair's.
+  if (tid < P) {
+    const int e = s_ids[tid];
+    const bool held = e - a.held_begin >= 0 && e - a.held_begin < a.E_held;
+    int first = held;
+    for (int q = 0; q < tid && first; ++q) first = s_ids[q] != e;
+    s_first[tid] = first;
+  }
+  __syncthreads();
+  if (tid < P) {
+    const int e = s_ids[tid];
+    const bool held = e - a.held_begin >= 0 && e - a.held_begin < a.E_held;
+    int rank = -1;
+    if (held) {
+      rank = 0;
+      for (int q = 0; q < P; ++q) rank += s_first[q] && s_ids[q] < e;
     }
-    s_desc[tid] = d;
-    s_coef[tid] = held ? s_w[tid] * d.gscale[2] : 0.0f;
+    s_rank[tid] = rank;
+    if (tid == 0) {
+      int n = 0;
+      for (int q = 0; q < P; ++q) n += s_first[q];
+      s_nu = n;
+    }
+  }
+  for (int q = tid; q < kMaxPairs * kT; q += kThreads) (&s_upair[0][0])[q] = -1;
+  __syncthreads();
+  if (tid < P) {
+    const int u = s_rank[tid];
+    float coef = 0.0f;
+    if (u >= 0) {
+      const int64_t e = s_ids[tid] - a.held_begin;
+      s_upair[u][tid / K] = tid;  // a token picks an expert at most once
+      const WeightDesc* w = a.experts + e * 3;
+      coef = s_w[tid] * (w[2].scale * kNvfp4AccumScale);
+      if (s_first[tid]) {
+        ExpertDesc d;
+#pragma unroll
+        for (int m = 0; m < 3; ++m) {
+          d.data[m] = static_cast<const uint8_t*>(w[m].data);
+          d.scales[m] = w[m].block_scale;
+          d.gscale[m] = w[m].scale * kNvfp4AccumScale;
+        }
+        s_desc[u] = d;
+      }
+    }
+    s_coef[tid] = coef;
   }
   __syncthreads();
+  const int NU = s_nu;
 
-  // ---- C: (slot j, row i) items: silu(gate_j[i] . x) * (up_j[i] . x) into the workspace
+  // ---- C: (distinct expert u, row i) items: for each token t that picked u, silu(gate_u[i] . x_t) * (up_u[i] . x_t)
+  // into the workspace row of its pair
   {
-    constexpr int kItems = kKC == 2 ? 2 : kKC == 1 ? 2 : 1;  // items whose loads a warp has in flight together
-    const int n_items = K * I;
+    constexpr int kItems = kKC <= 2 ? 2 : 1;  // items whose loads a warp has in flight together
+    const int n_items = NU * I;
     const int64_t row_bytes = H / 2, row_scales = H / 16;
     const int C = H / 32;  // chunks per row
     for (int base = gwarp * kItems; base < n_items; base += nwarps * kItems) {
       uint4 w[kItems][2][kKC];
       uint32_t sc[kItems][2][kKC];
 #pragma unroll
-      for (int t = 0; t < kItems; ++t) {
-        const int it = base + t;
-        const int j = it < n_items ? it / I : 0, i = it < n_items ? it % I : 0;
-        const SlotDesc& d = s_desc[j];
-        const bool live = it < n_items && d.data[0] != nullptr;
+      for (int it = 0; it < kItems; ++it) {
+        const int item = base + it;
+        const int u = item < n_items ? item / I : 0, i = item < n_items ? item % I : 0;
+        const ExpertDesc& d = s_desc[u];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
           for (int q = 0; q < kKC; ++q) {
             const int c = lane + 32 * q;
-            if (live && c < C) {
-              w[t][m][q] = ptx::ld_stream_16(d.data[m] + i * row_bytes + 16 * c);
-              sc[t][m][q] = __ldg(reinterpret_cast<const uint16_t*>(d.scales[m] + i * row_scales + 2 * c));
+            if (item < n_items && c < C) {
+              w[it][m][q] = ptx::ld_stream_16(d.data[m] + i * row_bytes + 16 * c);
+              sc[it][m][q] = __ldg(reinterpret_cast<const uint16_t*>(d.scales[m] + i * row_scales + 2 * c));
             } else {
-              w[t][m][q] = make_uint4(0, 0, 0, 0);
-              sc[t][m][q] = 0;
+              w[it][m][q] = make_uint4(0, 0, 0, 0);
+              sc[it][m][q] = 0;
             }
           }
       }
-      float acc[kItems][2];
 #pragma unroll
-      for (int t = 0; t < kItems; ++t) acc[t][0] = acc[t][1] = 0.0f;
+      for (int t = 0; t < kT; ++t) {
+        if (t >= T) break;
+        bool needed = false;  // some item's expert was picked by token t (uniform over the warp)
 #pragma unroll
-      for (int q = 0; q < kKC; ++q) {
-        const int c = lane + 32 * q;
-        if (c >= C) break;
-        float xv[32];
+        for (int it = 0; it < kItems; ++it)
+          needed |= base + it < n_items && s_upair[(base + it) / I][t] >= 0;
+        if (!needed) continue;
+        float acc[kItems][2];
 #pragma unroll
-        for (int f = 0; f < 8; ++f) {
-          const float4 v = xs4[swz(8 * c + f)];
-          xv[4 * f] = v.x;
-          xv[4 * f + 1] = v.y;
-          xv[4 * f + 2] = v.z;
-          xv[4 * f + 3] = v.w;
+        for (int it = 0; it < kItems; ++it) acc[it][0] = acc[it][1] = 0.0f;
+#pragma unroll
+        for (int q = 0; q < kKC; ++q) {
+          const int c = lane + 32 * q;
+          if (c >= C) break;
+          float xv[32];
+          load_chunk(xs4 + t * (H / 4), c, xv);
+#pragma unroll
+          for (int it = 0; it < kItems; ++it)
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+              acc[it][m] = dot_chunk(w[it][m][q], chunk_scales(sc[it][m][q]), xv, acc[it][m]);
         }
 #pragma unroll
-        for (int t = 0; t < kItems; ++t)
-#pragma unroll
-          for (int m = 0; m < 2; ++m) acc[t][m] = dot_chunk(w[t][m][q], chunk_scales(sc[t][m][q]), xv, acc[t][m]);
-      }
-#pragma unroll
-      for (int t = 0; t < kItems; ++t) {
-        const int it = base + t;
-        const float g = warp_sum(acc[t][0]), u = warp_sum(acc[t][1]);
-        if (lane == 0 && it < n_items) {
-          const SlotDesc& d = s_desc[it / I];
-          float v = d.data[0] ? silu(g * d.gscale[0]) * (u * d.gscale[1]) : 0.0f;
-          if constexpr (kBf16) v = __bfloat162float(__float2bfloat16_rn(v));
-          ws_act[it] = v;
+        for (int it = 0; it < kItems; ++it) {
+          const int item = base + it;
+          const float g = warp_sum(acc[it][0]), up = warp_sum(acc[it][1]);
+          if (lane == 0 && item < n_items) {
+            const int u = item / I, i = item % I;
+            const int p = s_upair[u][t];
+            if (p >= 0) {
+              const ExpertDesc& d = s_desc[u];
+              float v = silu(g * d.gscale[0]) * (up * d.gscale[1]);
+              if constexpr (kBf16) v = __bfloat162float(__float2bfloat16_rn(v));
+              ws_act[p * I + i] = v;
+            }
+          }
         }
       }
     }
   }
   grid_barrier(a.barrier);
 
-  // ---- D: rows h of the output
+  // ---- D: rows h of the output, every token against the row's one read
   {
     const float4* src = reinterpret_cast<const float4*>(ws_act);
-    for (int k4 = tid; k4 < K * I / 4; k4 += kThreads) act4[swz(k4)] = __ldcg(src + k4);
+    for (int k4 = tid; k4 < P * I / 4; k4 += kThreads) act4[swz(k4)] = __ldcg(src + k4);
   }
   __syncthreads();
   {
-    const int CI = I / 32;                 // down chunks per expert row
-    const int nC = K * CI;                 // a row's chunks over the top-k experts
-    const int SV = Is / 8;                 // shared down: 16-byte loads of 8 bf16 per row
+    const int CI = I / 32;    // down chunks per expert row
+    const int nC = NU * CI;   // a row's chunks over the step's distinct experts
+    const int SV = Is / 8;    // shared down: 16-byte loads of 8 bf16 per row
     const int64_t row_bytes = I / 2, row_scales = I / 16;
     const uint16_t* sdown = static_cast<const uint16_t*>(a.shared_down_proj);
     for (int h = gwarp; h < H; h += nwarps) {
-      // The shared expert's row first (its loads in flight with the first pass's).
       uint4 sraw[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int v = lane + 32 * q;
         sraw[q] = v < SV ? ptx::ld_stream_16(sdown + int64_t(h) * Is + 8 * v) : make_uint4(0, 0, 0, 0);
       }
-      float acc = 0.0f;
+      float acc[kT];
+#pragma unroll
+      for (int t = 0; t < kT; ++t) acc[t] = 0.0f;
       for (int g0 = 0; g0 < nC; g0 += 32 * kDownLoads) {
         uint4 w[kDownLoads];
         uint32_t sc[kDownLoads];
 #pragma unroll
         for (int q = 0; q < kDownLoads; ++q) {
           const int g = g0 + lane + 32 * q;
-          const int j = g < nC ? g / CI : 0, c = g < nC ? g % CI : 0;
-          const SlotDesc& d = s_desc[j];
-          if (g < nC && d.data[2]) {
+          const int u = g < nC ? g / CI : 0, c = g < nC ? g % CI : 0;
+          const ExpertDesc& d = s_desc[u];
+          if (g < nC) {
             w[q] = ptx::ld_stream_16(d.data[2] + h * row_bytes + 16 * c);
             sc[q] = __ldg(reinterpret_cast<const uint16_t*>(d.scales[2] + h * row_scales + 2 * c));
           } else {
@@ -316,76 +398,99 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
         for (int q = 0; q < kDownLoads; ++q) {
           const int g = g0 + lane + 32 * q;
           if (g >= nC) break;
-          float xv[32];
+          const int u = g / CI, c = g % CI;
+          const uint2 scb = chunk_scales(sc[q]);
 #pragma unroll
-          for (int f = 0; f < 8; ++f) {
-            const float4 v = act4[swz(8 * g + f)];
-            xv[4 * f] = v.x;
-            xv[4 * f + 1] = v.y;
-            xv[4 * f + 2] = v.z;
-            xv[4 * f + 3] = v.w;
+          for (int t = 0; t < kT; ++t) {
+            if (t >= T) break;
+            const int p = s_upair[u][t];
+            if (p < 0) continue;
+            float xv[32];
+            load_chunk(act4, p * CI + c, xv);
+            acc[t] = fmaf(dot_chunk(w[q], scb, xv, 0.0f), s_coef[p], acc[t]);
           }
-          acc = fmaf(dot_chunk(w[q], chunk_scales(sc[q]), xv, 0.0f), s_coef[g / CI], acc);
         }
       }
-      float sacc = 0.0f;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int v = lane + 32 * q;
-        if (v >= SV) break;
-        const float* av = acts + 8 * v;
-        const uint32_t p[4] = {sraw[q].x, sraw[q].y, sraw[q].z, sraw[q].w};
+      for (int t = 0; t < kT; ++t) {
+        if (t >= T) break;
+        float sacc = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sacc += av[2 * e] * __uint_as_float(p[e] << 16) + av[2 * e + 1] * __uint_as_float(p[e] & 0xffff0000u);
+        for (int q = 0; q < 4; ++q) {
+          const int v = lane + 32 * q;
+          if (v >= SV) break;
+          const float* av = acts + t * Is + 8 * v;
+          const uint32_t p[4] = {sraw[q].x, sraw[q].y, sraw[q].z, sraw[q].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sacc += av[2 * e] * __uint_as_float(p[e] << 16) + av[2 * e + 1] * __uint_as_float(p[e] & 0xffff0000u);
+        }
+        const float routed = warp_sum(acc[t]);
+        sacc = warp_sum(sacc);
+        if (lane == 0) a.out[int64_t(t) * H + h] = routed + sacc * s_sig[t];
       }
-      acc = warp_sum(acc);
-      sacc = warp_sum(sacc);
-      if (lane == 0) a.out[h] = acc + sacc * s_sig;
     }
   }
 }
 
+size_t smem_bytes(int64_t T, int64_t H, int top_k, int64_t I, int64_t Is) {
+  return sizeof(float) * static_cast<size_t>(T * H + T * top_k * I + T * Is);
+}
+
 template <int kKC, bool kBf16>
 void launch_one(const MoeBlockArgs& a, int grid, Stream stream) {
-  auto* kernel = moe_block_decode_kernel<kKC, kBf16>;
-  const size_t smem = sizeof(float) * (static_cast<size_t>(a.H) + static_cast<size_t>(a.top_k) * a.I + a.Is);
-  launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem, stream, a);
+  const size_t smem = smem_bytes(a.T, a.H, a.top_k, a.I, a.Is);
+  if (a.T == 1) launch_kernel(moe_block_decode_kernel<kKC, kBf16, 1>, dim3(static_cast<unsigned>(grid)), dim3(kThreads),
+                              smem, stream, a);
+  else launch_kernel(moe_block_decode_kernel<kKC, kBf16, kMaxT>, dim3(static_cast<unsigned>(grid)), dim3(kThreads),
+                     smem, stream, a);
   KILN_CUDA_CHECK_LAUNCH();
+}
+
+template <int kKC, bool kBf16, int kT>
+void set_smem_limit(int& per_sm) {
+  auto* kernel = moe_block_decode_kernel<kKC, kBf16, kT>;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+  int n = 0;
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kMaxSmem));
+  per_sm = per_sm < 0 ? n : std::min(per_sm, n);
+}
+template <int kKC>
+void set_smem_limits(int& per_sm) {
+  set_smem_limit<kKC, false, 1>(per_sm);
+  set_smem_limit<kKC, true, 1>(per_sm);
+  set_smem_limit<kKC, false, kMaxT>(per_sm);
+  set_smem_limit<kKC, true, kMaxT>(per_sm);
 }
 
 }  // namespace
 
-bool moe_block_decode_supported(int64_t H, int64_t E, int64_t Is, int64_t I, int top_k) {
-  return H >= 32 && H % 32 == 0 && H <= kMaxH && E >= 1 && E <= kMaxE && top_k >= 1 && top_k <= kMaxTopK &&
-         top_k <= E && I >= 32 && I <= kMaxI && I % 32 == 0 && Is >= 8 && Is <= kMaxIs && Is % 8 == 0;
+bool moe_block_decode_supported(int64_t T, int64_t H, int64_t E, int64_t Is, int64_t I, int top_k) {
+  return T >= 1 && T <= kMaxT && H >= 32 && H % 32 == 0 && H <= kMaxH && E >= 1 && E <= kMaxE && top_k >= 1 &&
+         top_k <= kMaxTopK && top_k <= E && I >= 32 && I <= kMaxI && I % 32 == 0 && Is >= 8 && Is <= kMaxIs &&
+         Is % 8 == 0 && smem_bytes(T, H, top_k, I, Is) <= static_cast<size_t>(kMaxSmem);
 }
 
-size_t moe_block_decode_workspace_bytes(int64_t E, int64_t Is, int top_k, int64_t I) {
-  return sizeof(float) * static_cast<size_t>(((E + 2 * Is + 1 + 3) & ~int64_t(3)) + top_k * I);
+size_t moe_block_decode_workspace_bytes(int64_t T, int64_t E, int64_t Is, int top_k, int64_t I) {
+  return sizeof(float) * static_cast<size_t>(T * ((E + 2 * Is + 1 + 3) & ~int64_t(3)) + T * top_k * I);
 }
 
 int moe_block_decode_grid(int device) {
-  int sms = 0, per_sm = 0;
+  int sms = 0, per_sm = -1;
   KILN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Every instance may take the largest shared memory (set here, on the caller's current device, once per CudaOps:
+  // Every instance may take kMaxSmem of shared memory (set here, on the caller's current device, once per CudaOps:
   // never while a stream is being captured); one block per multiprocessor must fit.
-  const int smem = static_cast<int>(sizeof(float) * (kMaxH + kMaxTopK * kMaxI + kMaxIs));
-  for (auto* kernel : {moe_block_decode_kernel<1, false>, moe_block_decode_kernel<1, true>, moe_block_decode_kernel<2, false>,
-                       moe_block_decode_kernel<2, true>, moe_block_decode_kernel<3, false>, moe_block_decode_kernel<3, true>,
-                       moe_block_decode_kernel<4, false>, moe_block_decode_kernel<4, true>}) {
-    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int n = 0;
-    KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
-    per_sm = per_sm == 0 ? n : std::min(per_sm, n);
-  }
+  set_smem_limits<1>(per_sm);
+  set_smem_limits<2>(per_sm);
+  set_smem_limits<3>(per_sm);
+  set_smem_limits<4>(per_sm);
   return per_sm >= 1 ? sms : 0;
 }
 
 void moe_block_decode(const MoeBlockArgs& a, int grid, Stream stream) {
-  if (!moe_block_decode_supported(a.H, a.E, a.Is, a.I, a.top_k) || grid < 1)
-    cuda_fail("moe_block_decode: H {} E {} Is {} I {} top_k {} grid {} outside the kernel's shapes",
-              {a.H, a.E, a.Is, a.I, a.top_k, grid});
+  if (!moe_block_decode_supported(a.T, a.H, a.E, a.Is, a.I, a.top_k) || grid < 1)
+    cuda_fail("moe_block_decode: T {} H {} E {} Is {} I {} top_k {} grid {} outside the kernel's shapes",
+              {a.T, a.H, a.E, a.Is, a.I, a.top_k, grid});
   const bool bf16 = a.bf16_expert_inputs;
   switch ((a.H + 1023) / 1024) {
     case 1: bf16 ? launch_one<1, true>(a, grid, stream) : launch_one<1, false>(a, grid, stream); break;

@@ -1,4 +1,4 @@
-// The host API of the one-kernel MoE block of a one-token step (moe_block_decode.cu): router, shared expert, routing,
+// The host API of the one-kernel MoE block of a step of 1-4 tokens (moe_block_decode.cu): router, shared expert, routing,
 // routed NVFP4 experts and the weighted combine as the phases of one persistent grid. Plain C++ like kernels.h (both
 // nvcc and g++ include it).
 #pragma once
@@ -10,8 +10,8 @@
 namespace kiln::cuda::ops {
 
 struct MoeBlockArgs {
-  const float* x = nullptr;  // [H] the block's (normed) input
-  int H = 0;
+  const float* x = nullptr;  // [T, H] the block's (normed) input
+  int T = 1, H = 0;
   // Dense BF16 weights, [rows, H] unless said: the router [E, H], the shared expert's gate and up [Is, H], its gate
   // [1, H] and its down projection [H, Is].
   const void* router = nullptr;
@@ -29,16 +29,17 @@ struct MoeBlockArgs {
   bool bf16_expert_inputs = false;
   void* workspace = nullptr;   // moe_block_decode_workspace_bytes()
   unsigned* barrier = nullptr; // 2 words, zero before the first launch; the kernel leaves them ready for the next
-  float* out = nullptr;        // [H]
-  int32_t* ids = nullptr;      // [top_k] (may be null): the routing's ids and weights, as moe_route writes them
+  float* out = nullptr;        // [T, H]
+  int32_t* ids = nullptr;      // [T, top_k] (may be null): the routing's ids and weights, as moe_route writes them
   float* weights = nullptr;
 };
 
-// Whether the kernel serves the shapes: H % 32 == 0 and H <= 4096, top_k <= E <= 1024, 1 <= top_k <= 16,
+// Whether the kernel serves the shapes: 1 <= T <= 4, H % 32 == 0 and H <= 4096, top_k <= E <= 1024, 1 <= top_k <= 16,
 // I % 32 == 0 and 32 <= I <= 1024, Is % 8 == 0 and 8 <= Is <= 1024. The caller also checks 16-byte alignment of x, out
-// and every weight, and that the weights are dense BF16 (router, shared expert) and NVFP4 (routed experts).
-bool moe_block_decode_supported(int64_t H, int64_t E, int64_t Is, int64_t I, int top_k);
-size_t moe_block_decode_workspace_bytes(int64_t E, int64_t Is, int top_k, int64_t I);
+// and every weight, and that the weights are dense BF16 (router, shared expert) and NVFP4 (routed experts). Also: x,
+// the experts' activations and the shared expert's in <= 200 KiB of shared memory (T (H + top_k I + Is) floats).
+bool moe_block_decode_supported(int64_t T, int64_t H, int64_t E, int64_t Is, int64_t I, int top_k);
+size_t moe_block_decode_workspace_bytes(int64_t T, int64_t E, int64_t Is, int top_k, int64_t I);
 // The blocks of the persistent grid on CUDA device `device` (all resident at once: one per multiprocessor); 0 when a
 // block does not fit a multiprocessor (the caller then takes the unfused ops). Also sets the kernels' shared memory
 // limit: call it once with `device` current, before any launch and outside stream capture.

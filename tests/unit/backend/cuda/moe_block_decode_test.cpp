@@ -1,4 +1,4 @@
-// The one-kernel MoE block of one-token steps (moe_block_decode.cu through CudaOps::moe_block) against the CPU backend
+// The one-kernel MoE block of steps of 1-4 tokens (moe_block_decode.cu through CudaOps::moe_block) against the CPU backend
 // and against the unfused CUDA ops, where both run what model::moe runs: linear_multi (router, shared gate / up, shared
 // expert gate), linear_gated_input (silu(g) * u into the shared down projection), moe_route_experts. Shapes: the
 // Qwen3.5-35B-A3B layer (H 2048, 256 experts, top-8, I 512, shared 512), one rank of the 397B-A17B at TP 8 (H 4096,
@@ -93,22 +93,24 @@ struct Outputs {
 };
 
 // The unfused ops (model::moe's sequence); ids from moe_route_experts.
+// x: T rows of H.
 Outputs unfused(model::Ops& ops, const HostDense& w, const std::vector<ExpertWeights>& experts, const BlockShape& s,
                 const std::vector<float>& xh, bool renormalise) {
   ops.reset_scratch();
   const int64_t H = s.layer.hidden, Is = s.shared_inter, E = s.layer.experts;
-  const TensorView x = ops.upload(xh.data(), DType::F32, Shape{1, H});
-  const TensorView logits = ops.scratch(DType::F32, Shape{1, E});
-  const TensorView g = ops.scratch(DType::F32, Shape{1, Is}), u = ops.scratch(DType::F32, Shape{1, Is});
-  const TensorView sg = ops.scratch(DType::F32, Shape{1, 1});
+  const int64_t T = static_cast<int64_t>(xh.size()) / H;
+  const TensorView x = ops.upload(xh.data(), DType::F32, Shape{T, H});
+  const TensorView logits = ops.scratch(DType::F32, Shape{T, E});
+  const TensorView g = ops.scratch(DType::F32, Shape{T, Is}), u = ops.scratch(DType::F32, Shape{T, Is});
+  const TensorView sg = ops.scratch(DType::F32, Shape{T, 1});
   const LinearWeight* ws[] = {&w.router, &w.gate, &w.up, &w.shared_gate};
   const TensorView outs[] = {logits, g, u, sg};
   ops.linear_multi(x, ws, outs);
-  const TensorView shared = ops.scratch(DType::F32, Shape{1, H});
+  const TensorView shared = ops.scratch(DType::F32, Shape{T, H});
   ops.linear_gated_input(g, u, model::InputAct::silu_mul, w.down, shared);
-  const TensorView ids = ops.scratch(DType::I32, Shape{1, s.layer.top_k});
-  const TensorView weights = ops.scratch(DType::F32, Shape{1, s.layer.top_k});
-  const TensorView out = ops.scratch(DType::F32, Shape{1, H});
+  const TensorView ids = ops.scratch(DType::I32, Shape{T, s.layer.top_k});
+  const TensorView weights = ops.scratch(DType::F32, Shape{T, s.layer.top_k});
+  const TensorView out = ops.scratch(DType::F32, Shape{T, H});
   ops.moe_route_experts(x, logits, s.layer.top_k, renormalise, experts, shared, sg, ids, weights, out);
   return {read<int32_t>(ops, ids), read<float>(ops, out)};
 }
@@ -117,9 +119,9 @@ Outputs unfused(model::Ops& ops, const HostDense& w, const std::vector<ExpertWei
 std::vector<float> fused(CudaOps& gpu, const HostDense& w, const std::vector<ExpertWeights>& experts,
                          const BlockShape& s, const std::vector<float>& xh, bool renormalise) {
   gpu.reset_scratch();
-  const int64_t H = s.layer.hidden;
-  const TensorView x = gpu.upload(xh.data(), DType::F32, Shape{1, H});
-  const TensorView out = gpu.scratch(DType::F32, Shape{1, H});
+  const int64_t H = s.layer.hidden, T = static_cast<int64_t>(xh.size()) / H;
+  const TensorView x = gpu.upload(xh.data(), DType::F32, Shape{T, H});
+  const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
   EXPECT_TRUE(gpu.moe_block(x, w.router, w.gate, w.up, w.down, w.shared_gate, experts, s.layer.top_k, renormalise,
                             out))
       << "the persistent kernel was not taken";
@@ -150,12 +152,14 @@ TEST_P(MoeBlockDecode, MatchesCpuAndUnfusedOps) {
     CudaOps gpu(persistent_options(bf16));
     const std::vector<ExpertWeights> gpu_experts = place(gpu, host.experts);
     const HostDense gpu_dense = place_dense(gpu, dense);
-    for (int trial = 0; trial < 3; ++trial) {
-      const bool renormalise = trial != 1;
+    int trial = 0;
+    for (int T : {1, 1, 2, 3, 4}) {
+      ++trial;
+      const bool renormalise = T != 2;
       std::mt19937_64 rng(500 + trial);
-      const std::vector<float> x = normal(rng, static_cast<size_t>(s.layer.hidden), 1.0f);
-      const std::string label = std::string(s.layer.name) + (bf16 ? " bf16" : " fp32") + " trial " +
-                                std::to_string(trial) + (renormalise ? "" : " no-renorm");
+      const std::vector<float> x = normal(rng, static_cast<size_t>(T * s.layer.hidden), 1.0f);
+      const std::string label = std::string(s.layer.name) + (bf16 ? " bf16" : " fp32") + " T=" + std::to_string(T) +
+                                " trial " + std::to_string(trial) + (renormalise ? "" : " no-renorm");
       SCOPED_TRACE(label);
       const std::vector<float> got = fused(gpu, gpu_dense, gpu_experts, s, x, renormalise);
       const Outputs ref = unfused(*cpu, dense, cpu_experts, s, x, renormalise);
@@ -236,7 +240,7 @@ TEST(MoeBlockDecodeGraph, ReplaysEqualTheEagerLaunch) {
   }
 }
 
-// Steps of more than one token, a CudaOps without the option, and weights the kernel does not read (an FP32 router)
+// Steps of more than 4 tokens, a CudaOps without the option, and weights the kernel does not read (an FP32 router)
 // are declined: moe_block returns false and the caller runs the unfused ops.
 TEST(MoeBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
   KILN_REQUIRE_CUDA_DEVICE();
@@ -249,14 +253,14 @@ TEST(MoeBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
     CudaOps gpu(o);
     const std::vector<ExpertWeights> experts = place(gpu, host.experts);
     const HostDense w = place_dense(gpu, dense);
-    for (int64_t T : {1, 2}) {
+    for (int64_t T : {1, 4, 5}) {
       gpu.reset_scratch();
       std::mt19937_64 rng(800);
       const std::vector<float> xh = normal(rng, static_cast<size_t>(T * 256), 1.0f);
       const TensorView x = gpu.upload(xh.data(), DType::F32, Shape{T, 256});
       const TensorView out = gpu.scratch(DType::F32, Shape{T, 256});
       EXPECT_EQ(gpu.moe_block(x, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 4, true, out),
-                option && T == 1)
+                option && T <= 4)
           << "option " << option << " T=" << T;
     }
     if (!option) continue;

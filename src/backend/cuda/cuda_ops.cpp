@@ -201,6 +201,11 @@ struct CudaOps::Impl {
   std::unordered_map<const void*, ExpertTable> expert_tables;
   // The device table of a layer's held experts (built on first use; `held` non-empty, every expert present).
   ExpertTable& expert_table(std::span<const model::ExpertWeights> held, int64_t H);
+  // The held experts' table for the decode kernels that read NVFP4 codes in 16-byte vectors (moe_decode_fused,
+  // moe_block_decode): null unless some expert is held, the held ones are NVFP4 (an expert-parallel rank's first held
+  // expert tells the format) and their codes are 16-byte aligned. held: the held range.
+  const ExpertTable* held_nvfp4_table(std::span<const model::ExpertWeights> experts, int64_t H,
+                                      std::pair<int64_t, int64_t>& held);
   DeviceBuffer argmax_ids;
   DeviceBuffer argmax_work;  // per-chunk keys of argmax_rows
   DeviceBuffer sample_args;  // sample_rows' per-row parameters
@@ -1269,6 +1274,16 @@ std::pair<int64_t, int64_t> held_experts(std::span<const model::ExpertWeights> e
 }
 }  // namespace
 
+const CudaOps::Impl::ExpertTable* CudaOps::Impl::held_nvfp4_table(std::span<const model::ExpertWeights> experts,
+                                                                  int64_t H, std::pair<int64_t, int64_t>& held) {
+  held = held_experts(experts);
+  if (held.second <= held.first || experts[static_cast<size_t>(held.first)].gate.format != WeightFormat::nvfp4)
+    return nullptr;
+  const ExpertTable& tab = expert_table(
+      experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
+  return tab.vec_ok ? &tab : nullptr;
+}
+
 void CudaOps::moe_route(const TensorView& logits, int top_k, bool renormalise, TensorView expert_ids,
                         TensorView weights) {
   OpScope prof(impl_->rt, [&] { return std::string("moe_route"); });
@@ -1351,19 +1366,9 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
   bool fused = impl_->options.moe_decode_fused && T >= 1 && T <= kops::kMoeDecodeMaxTokens && !experts.empty() &&
                aligned(x.data) && aligned(out.data) && aligned(shared.data);
   std::pair<int64_t, int64_t> held{0, 0};
-  const Impl::ExpertTable* tab = nullptr;
-  if (fused) {
-    // An expert-parallel rank holds a range of the experts (the others are empty): its first held one tells the format.
-    held = held_experts(experts);
-    fused = held.second > held.first &&
-            experts[static_cast<size_t>(held.first)].gate.format == WeightFormat::nvfp4;
-  }
-  if (fused) {
-    tab = &impl_->expert_table(
-        experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
-    fused = tab->vec_ok && kops::moe_decode_fused_supported(T, H, tab->inter, static_cast<int64_t>(experts.size()),
-                                                            top_k, tab->gemv2_kind);
-  }
+  const Impl::ExpertTable* tab = fused ? impl_->held_nvfp4_table(experts, H, held) : nullptr;
+  fused = tab && kops::moe_decode_fused_supported(T, H, tab->inter, static_cast<int64_t>(experts.size()), top_k,
+                                                  tab->gemv2_kind);
   if (!fused) return model::Ops::moe_route_experts(x, logits, top_k, renormalise, experts, shared, shared_gate,
                                                    expert_ids, weights, out);
   OpScope prof(impl_->rt, [&] {
@@ -1413,13 +1418,11 @@ bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
       !bf16_dense(shared_gate_proj, Is, H) || !bf16_dense(shared_up_proj, Is, H) ||
       !bf16_dense(shared_expert_gate, 1, H) || !bf16_dense(shared_down_proj, H, Is))
     return false;
-  const auto held = held_experts(experts);
-  if (held.second <= held.first || experts[static_cast<size_t>(held.first)].gate.format != WeightFormat::nvfp4)
+  std::pair<int64_t, int64_t> held;
+  const Impl::ExpertTable* table = impl_->held_nvfp4_table(experts, H, held);
+  if (!table || table->gemv2_kind != 1 || !kops::moe_block_decode_supported(T, H, E, Is, table->inter, top_k))
     return false;
-  const Impl::ExpertTable& tab = impl_->expert_table(
-      experts.subspan(static_cast<size_t>(held.first), static_cast<size_t>(held.second - held.first)), H);
-  if (!tab.vec_ok || tab.gemv2_kind != 1 || !kops::moe_block_decode_supported(T, H, E, Is, tab.inter, top_k))
-    return false;
+  const Impl::ExpertTable& tab = *table;
   OpScope prof(impl_->rt,
                [&] { return fmt::format("moe_block router+shared+experts nvfp4 x{} T={} (one kernel)", E, T); });
   kops::MoeBlockArgs a;

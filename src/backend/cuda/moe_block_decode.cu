@@ -1,7 +1,7 @@
 // The MoE block of a step of 1-4 tokens (decode at batch <= 4, a draft step, a verify pass of K <= 3) as ONE
-// persistent kernel: the router and the
-// shared expert's input projections, the routing, the routed NVFP4 experts' gate/up and SiLU * up, their down
-// projections, the shared expert's down projection and the weighted combine with the gated shared expert.
+// persistent kernel: the router and the shared expert's input projections, the routing, the routed NVFP4 experts'
+// gate/up and SiLU * up, their down projections, the shared expert's down projection and the weighted combine with the
+// gated shared expert.
 //
 // Why: at batch 1 the unfused block is ~9 dependent kernels per layer (linear_multi of router + shared gate/up,
 // shared down, moe_route, group, split, gate/up, down, combine), each a few microseconds of its own latency for
@@ -9,16 +9,19 @@
 // instead of kernel boundaries, and every phase spreads its rows over all of the GPU's warps.
 //
 // Phases (grid: one block of 512 threads per multiprocessor, all resident: moe_block_decode_grid):
-//  0. every block copies x into shared memory;
+//  0. every block copies the step's x rows into shared memory;
 //  A. rows of [router; shared gate; shared up; shared expert gate] (dense BF16, fp32 x) spread over all warps, a
-//     warp per row: logits, gate, up and the gate's logit into the workspace;        -- grid barrier
-//  B. every block routes the token itself (one warp: moe_route_warp_kernel's maths, bitwise its ids and weights),
-//     computes the shared expert's silu(gate) * up and sigmoid(gate logit) into shared memory;
-//  C. items (slot j of the top-k, row i of I) over all warps: the NVFP4 gate and up rows of expert ids[j] against x
-//     (rounded to bf16 under --dtype bfloat16, as the tensor-core path rounds it), silu(g) * u into the workspace
-//     (rounded likewise);                                                              -- grid barrier
-//  D. every block copies the experts' activations into shared memory; rows h of H over all warps, a warp per row:
-//     sum_j (w_j * scale_2_j) * down_j[h] . act_j + sigmoid(gate) * shared_down[h] . act_shared.
+//     warp per row read once for every token: logits, gate, up and the gate's logit into the workspace;
+//                                                                                      -- grid barrier
+//  B. every block routes the tokens itself (a warp per token: moe_route_warp_kernel's maths, bitwise its ids and
+//     weights), computes the shared expert's silu(gate) * up and sigmoid(gate logit) into shared memory, and lists
+//     the step's distinct held experts in ascending id;
+//  C. items (distinct expert u, row i of I) over all warps: the NVFP4 gate and up rows of u, read once, against x of
+//     every token that picked u (rounded to bf16 under --dtype bfloat16, as the tensor-core path rounds it),
+//     silu(g) * u into the workspace row of that (token, slot) pair (rounded likewise);  -- grid barrier
+//  D. every block copies the experts' activations into shared memory; rows h of H over all warps, a warp per row,
+//     each distinct expert's down row read once: per token sum over its slots (w_j * scale_2_j) * down_j[h] . act_j,
+//     plus sigmoid(gate) * shared_down[h] . act_shared.
 //
 // Maths: the unfused ops' (fp32 accumulation, the same decode of NVFP4 codes as the other kernels); only the order of
 // the fp32 sums differs. The routing's ids and weights are bitwise moe_route's given the same logits; the logits

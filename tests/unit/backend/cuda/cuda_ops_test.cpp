@@ -378,8 +378,8 @@ TEST(CudaRunner, FusedDecodeOpsGiveTheSameLogitsOnEveryModel) {
   }
 }
 
-// The persistent MoE block kernel of one-token steps (CudaOptions::moe_block_persistent, the CLI's default on sm_90)
-// on every model: decode steps at batch 1 take it wherever the layer has a BF16 router and shared expert and NVFP4
+// The persistent MoE block kernel of steps of 1-4 tokens (CudaOptions::moe_block_persistent; the CLI's
+// --enable-persistent-moe) on every model: decode steps at batch 1 take it wherever the layer has a BF16 router and shared expert and NVFP4
 // experts (kiln-tiny, the Qwen3.5 MoE NVFP4 fixtures); logits against the CPU's within kLogitTol, greedy tokens the
 // CPU's. Models it does not serve run the unfused ops (the same check then holds trivially).
 TEST(CudaRunner, PersistentMoeBlockMatchesCpuOnEveryModel) {

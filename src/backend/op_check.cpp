@@ -713,7 +713,7 @@ void check_moe(Harness& h) {
         auto [gate_t, gate_r] = h.linear_weight(WeightFormat::dense, DType::BF16, 1, H, false);
         Pair out4 = h.scratch(DType::F32, Shape{T, H});
         // A backend that does not fuse this step returns false: nothing to compare.
-        if (h.test().moe_block(x.test, router_t, sg_t, su_t, sd_t, gate_t, et, k, true, out4.test)) {
+        if (h.test().moe_block(x.test, nullptr, router_t, sg_t, su_t, sd_t, gate_t, et, k, true, out4.test)) {
           // The reference: model::moe's unfused ops.
           Pair logits = h.scratch(DType::F32, Shape{T, E}), g = h.scratch(DType::F32, Shape{T, I});
           Pair u = h.scratch(DType::F32, Shape{T, I}), sgate = h.scratch(DType::F32, Shape{T, 1});
@@ -725,6 +725,23 @@ void check_moe(Harness& h) {
           h.ref().linear_gated_input(g.ref, u.ref, model::InputAct::silu_mul, sd_r, shared.ref);
           h.ref().moe_route_experts(x.ref, logits.ref, k, true, er, shared.ref, sgate.ref, rids.ref, rw.ref, out4.ref);
           h.compare(fmt::format("moe_block (router + shared + nvfp4 experts) T=1 E={} k={}", E, k), out4, tol);
+          // With the residual step before the block folded in: hidden += y, the input rms_norm(hidden) (1 + w).
+          Pair hidden = h.upload(h.host_normal(DType::F32, Shape{T, H}, 1.0f));
+          Pair y = h.upload(h.host_normal(DType::F32, Shape{T, H}, 1.0f));
+          Pair norm_w = h.upload(h.host_normal(DType::BF16, Shape{H}, 0.5f));
+          Pair out5 = h.scratch(DType::F32, Shape{T, H});
+          const float eps = 1e-6f;
+          const model::ResidualNorm pre_t{hidden.test, y.test, norm_w.test, eps, model::NormKind::zero_centred};
+          if (h.test().moe_block(TensorView(), &pre_t, router_t, sg_t, su_t, sd_t, gate_t, et, k, true, out5.test)) {
+            Pair xn = h.scratch(DType::F32, Shape{T, H});
+            h.ref().add_rms_norm(hidden.ref, y.ref, norm_w.ref, eps, model::NormKind::zero_centred, xn.ref);
+            h.ref().linear_multi(xn.ref, ws, outs);
+            h.ref().linear_gated_input(g.ref, u.ref, model::InputAct::silu_mul, sd_r, shared.ref);
+            h.ref().moe_route_experts(xn.ref, logits.ref, k, true, er, shared.ref, sgate.ref, rids.ref, rw.ref,
+                                      out5.ref);
+            h.compare(fmt::format("moe_block add_rms_norm residual T=1 H={}", H), hidden, c.tol);
+            h.compare(fmt::format("moe_block after add_rms_norm T=1 E={} k={}", E, k), out5, tol);
+          }
         }
       }
     }

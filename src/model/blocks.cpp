@@ -162,13 +162,14 @@ void bind_hybrid_mixer(WeightBinder& b, int layer, LayerWeights& w, bool fused_q
     bind_full_attention(b, layer, w.attn);
 }
 
-TensorView hybrid_mixer(Forward& f, int layer, const LayerWeights& w, TensorView hidden, GatedDeltaNetFn deltanet) {
+TensorView hybrid_mixer_output(Forward& f, int layer, const LayerWeights& w, TensorView hidden,
+                               GatedDeltaNetFn deltanet) {
   const TensorView x = input_norm(f, hidden, w.input_norm, NormKind::zero_centred);
-  const TensorView y = w.type == format::LayerType::linear_attention
-                           ? deltanet(f, layer, w.linear, x)
-                           : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
-  return residual_norm(f, hidden, y, w.post_attention_norm, NormKind::zero_centred);
+  return w.type == format::LayerType::linear_attention
+             ? deltanet(f, layer, w.linear, x)
+             : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
 }
+
 
 static TensorView linear(Forward& f, const TensorView& x, const LinearWeight& w) {
   TensorView out = f.f32(Shape{x.dim(0), w.out_features});
@@ -292,13 +293,25 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
   return block_output(f, y);
 }
 
+TensorView moe_after_residual(Forward& f, int layer, const MoeWeights& w, const ResidualNorm& pre, int top_k,
+                              bool renormalise) {
+  // The residual step folded into the fused block where the backend takes it (never in a traced run, which names x).
+  if (w.has_shared_expert && !(f.trace && *f.trace)) {
+    TensorView out = f.f32(pre.hidden.shape);
+    if (f.ops.moe_block(TensorView(), &pre, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj,
+                        w.shared_expert.down_proj, w.shared_expert_gate, w.experts, top_k, renormalise, out))
+      return block_output(f, out);
+  }
+  return moe(f, layer, w, residual_norm(f, pre.hidden, pre.y, pre.weight, pre.kind), top_k, renormalise);
+}
+
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
   const int64_t T = x.dim(0);
   TensorView out = f.f32(x.shape);
   const bool traced = f.trace && *f.trace;
   // The whole block as one op where the backend fuses it (a traced run keeps the named intermediate tensors).
   if (w.has_shared_expert && !traced &&
-      f.ops.moe_block(x, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj, w.shared_expert.down_proj,
+      f.ops.moe_block(x, nullptr, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj, w.shared_expert.down_proj,
                       w.shared_expert_gate, w.experts, top_k, renormalise, out))
     return block_output(f, out);
   TensorView logits = f.f32(Shape{T, w.router.out_features});  // [T, E]

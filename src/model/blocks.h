@@ -43,6 +43,10 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x);
 // Sparse MoE block: fp32 softmax router, top-k, optional renormalisation, experts, plus (when present) the
 // shared expert scaled by sigmoid(shared_expert_gate x). x [T, H] -> [T, H].
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise);
+// The same block after the residual step before it: pre.hidden += pre.y, then moe(rms_norm(pre.hidden)); a backend
+// may fold the residual step into its fused block (Ops::moe_block).
+TensorView moe_after_residual(Forward& f, int layer, const MoeWeights& w, const ResidualNorm& pre, int top_k,
+                              bool renormalise);
 // hidden += y (both [T, H]).
 void residual_add(Forward& f, TensorView hidden, const TensorView& y);
 // The residual stream between blocks (hidden [T, H]), fused where a backend can:
@@ -64,10 +68,12 @@ TensorView moe_or_mlp(Forward& f, int layer, const LayerWeights& w, const Tensor
 // The hybrid token mixer of Qwen3.5, Qwen3.5 MoE and Qwen3-Next: the layer norms, then Gated DeltaNet on
 // linear-attention layers (fused_qkvz: Qwen3-Next's interleaved projections) and gated full attention on the others.
 void bind_hybrid_mixer(WeightBinder& b, int layer, LayerWeights& w, bool fused_qkvz);
-// Its forward, zero-centred norms throughout: hidden += mixer(input_norm(hidden)), where the mixer is `deltanet` (the
-// family's Gated DeltaNet form) on linear-attention layers and gated full attention on the others; returns the MLP
-// input rms_norm(hidden). hidden [T, H] -> [T, H].
+// Its forward, zero-centred norms throughout: the mixer's output y = mixer(input_norm(hidden)) (the input norm adds a
+// pending residual first), where the mixer is `deltanet` (the family's Gated DeltaNet form) on linear-attention layers
+// and gated full attention on the others. The caller adds y to hidden (residual_norm, or moe_after_residual).
+// hidden [T, H] -> [T, H].
 using GatedDeltaNetFn = TensorView (*)(Forward& f, int layer, const LinearAttentionWeights& w, const TensorView& x);
-TensorView hybrid_mixer(Forward& f, int layer, const LayerWeights& w, TensorView hidden, GatedDeltaNetFn deltanet);
+TensorView hybrid_mixer_output(Forward& f, int layer, const LayerWeights& w, TensorView hidden,
+                               GatedDeltaNetFn deltanet);
 
 }  // namespace kiln::model

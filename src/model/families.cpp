@@ -49,7 +49,16 @@ void Family::bind_layer(WeightBinder& b, int layer, LayerWeights& w) const {
 void Family::forward_layer(Forward& f, int layer, const LayerWeights& w, TensorView hidden) const {
   TensorView x;
   if (mixer == Mixer::hybrid) {
-    x = hybrid_mixer(f, layer, w, hidden, deltanet);
+    const TensorView y = hybrid_mixer_output(f, layer, w, hidden, deltanet);
+    const bool moe_layer = ffn == Ffn::moe_renormalised || (ffn == Ffn::moe_or_mlp && w.is_moe);
+    if (moe_layer) {  // the post-attention residual step goes with the MoE block (fused there where the backend can)
+      const ResidualNorm pre{hidden, y, w.post_attention_norm, static_cast<float>(f.config.rms_norm_eps),
+                             NormKind::zero_centred};
+      const bool renormalise = ffn == Ffn::moe_renormalised || f.config.norm_topk_prob;
+      residual_defer(f, moe_after_residual(f, layer, w.moe, pre, f.config.experts_per_tok, renormalise));
+      return;
+    }
+    x = residual_norm(f, hidden, y, w.post_attention_norm, NormKind::zero_centred);
   } else {
     x = input_norm(f, hidden, w.input_norm, NormKind::plain);
     const TensorView y = full_attention(f, layer, w.attn, x, /*output_gate=*/false, NormKind::plain);

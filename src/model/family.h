@@ -15,7 +15,7 @@ enum class Mixer : uint8_t {
   // Qwen3 / Qwen3-MoE: classic attention (no output gate) with q_norm / k_norm, plain RMSNorm throughout.
   full_attention,
   // Qwen3.5 / Qwen3-Next: Gated DeltaNet on linear-attention layers, gated full attention on the others,
-  // zero-centred RMSNorm throughout (blocks.h hybrid_mixer).
+  // zero-centred RMSNorm throughout (blocks.h hybrid_mixer_output).
   hybrid,
 };
 

@@ -62,6 +62,16 @@ enum class NormKind : uint8_t {
   zero_centred,  // x_hat * (1 + w)      (qwen3_5, qwen3_5_moe, qwen3_next)
 };
 
+// The residual step between blocks as an op's input (Ops::moe_block): hidden += y, the input is
+// rms_norm(hidden) * weight (kind). hidden, y F32 [T, D] contiguous; weight [D].
+struct ResidualNorm {
+  TensorView hidden;
+  TensorView y;
+  TensorView weight;
+  float eps = 0.0f;
+  NormKind kind = NormKind::plain;
+};
+
 // Multimodal RoPE (Qwen2-VL / Qwen3-VL / Qwen3.5): each token has three positions (time, height, width) and each
 // rotary frequency i in [0, rotary_dim / 2) takes its angle from one of them. Text tokens carry three equal positions,
 // which makes M-RoPE the plain rope. axis(i) is 0, 1 or 2, packed 2 bits per frequency (at most 64 frequencies).
@@ -387,14 +397,15 @@ class Ops {
   // The whole MoE block of a layer with a gated shared expert, as one op where a backend can fuse it: out = the routed
   // experts of softmax-top-k(x router^T) (renormalised or not) + sigmoid(x shared_expert_gate^T) *
   // shared_down(silu(x shared_gate^T) * (x shared_up^T)): what model::moe computes with linear_multi,
-  // linear_gated_input and moe_route_experts. x, out F32 [T, H]. Returns false, having done nothing, where the backend
-  // does not fuse this step (the default): the caller then runs the ops one by one. (CUDA: steps of 1-4 tokens in one
-  // persistent kernel, moe_block_decode.cu.)
-  virtual bool moe_block(const TensorView& x, const LinearWeight& router, const LinearWeight& shared_gate_proj,
-                         const LinearWeight& shared_up_proj, const LinearWeight& shared_down_proj,
-                         const LinearWeight& shared_expert_gate, std::span<const ExpertWeights> experts, int top_k,
-                         bool renormalise, TensorView out) {
-    (void)x, (void)router, (void)shared_gate_proj, (void)shared_up_proj, (void)shared_down_proj,
+  // linear_gated_input and moe_route_experts. x, out F32 [T, H]. With `pre` (x then empty), the residual step before
+  // the block is folded in: pre->hidden += pre->y and x = rms_norm(pre->hidden) (add_rms_norm's maths). Returns false,
+  // having done nothing (pre->hidden untouched), where the backend does not fuse this step (the default): the caller
+  // then runs the ops one by one. (CUDA: steps of 1-4 tokens in one persistent kernel, moe_block_decode.cu.)
+  virtual bool moe_block(const TensorView& x, const ResidualNorm* pre, const LinearWeight& router,
+                         const LinearWeight& shared_gate_proj, const LinearWeight& shared_up_proj,
+                         const LinearWeight& shared_down_proj, const LinearWeight& shared_expert_gate,
+                         std::span<const ExpertWeights> experts, int top_k, bool renormalise, TensorView out) {
+    (void)x, (void)pre, (void)router, (void)shared_gate_proj, (void)shared_up_proj, (void)shared_down_proj,
         (void)shared_expert_gate, (void)experts, (void)top_k, (void)renormalise, (void)out;
     return false;
   }

@@ -7,7 +7,7 @@ CARRY=${1:-gpu-carry}; WHAT=all; OUT=${OUT:-/tmp/kiln-gpu}
 source tools/gpu/carry.sh
 T=$CARRY/new/test_cuda; K=$CARRY/new/kiln
 S0=$SECONDS; left() { [ $((SECONDS - S0)) -lt $1 ]; }
-timeout 90 $T --gtest_filter='*MoeBlock*:CudaRunner.PersistentMoeBlock*:CudaRunner.SnapshotsInsideAChunk*' > $OUT/t1.log 2>&1; echo "test_cuda rc=$? ($((SECONDS-S0)) s)"
+timeout 150 $T --gtest_filter='*MoeBlock*:CudaRunner.PersistentMoeBlock*:CudaRunner.SnapshotsInsideAChunk*:CudaOps.SelfCheckPasses*' > $OUT/t1.log 2>&1; echo "test_cuda rc=$? ($((SECONDS-S0)) s)"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|moe block\]|persistent MoE|tests ran" $OUT/t1.log | head -60
 grep -B3 -A14 "Failure" $OUT/t1.log | head -40
 C35=configs/qwen3.5-35b-a3b-nvfp4

@@ -1400,21 +1400,29 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
                          impl_->options.mma_parts(), impl_->rt.stream());
 }
 
-bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
+bool CudaOps::moe_block(const TensorView& x, const model::ResidualNorm* pre, const model::LinearWeight& router,
                         const model::LinearWeight& shared_gate_proj, const model::LinearWeight& shared_up_proj,
                         const model::LinearWeight& shared_down_proj, const model::LinearWeight& shared_expert_gate,
                         std::span<const model::ExpertWeights> experts, int top_k, bool renormalise, TensorView out) {
-  if (impl_->moe_block_grid <= 0 || x.ndim() != 2 || x.dim(0) < 1 || x.dim(0) > impl_->moe_block_max_tokens ||
+  // The block's input: x, or (pre) the residual stream the kernel adds y to and normalises itself.
+  const TensorView& in = pre ? pre->hidden : x;
+  if (impl_->moe_block_grid <= 0 || in.ndim() != 2 || in.dim(0) < 1 || in.dim(0) > impl_->moe_block_max_tokens ||
       experts.empty())
     return false;
-  const int64_t T = x.dim(0), H = x.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
+  const int64_t T = in.dim(0), H = in.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  auto f32_rows = [&](const TensorView& t) {
+    return t.dtype == DType::F32 && t.shape == in.shape && t.is_contiguous() && aligned(t.data);
+  };
   auto bf16_dense = [&](const model::LinearWeight& w, int64_t n, int64_t k) {
     return w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && w.out_features == n &&
            w.in_features == k && !w.bias.data && w.weight.is_contiguous() && aligned(w.weight.data);
   };
-  if (x.dtype != DType::F32 || !x.is_contiguous() || out.dtype != DType::F32 || out.shape != x.shape ||
-      !out.is_contiguous() || !aligned(x.data) || !aligned(out.data) || !bf16_dense(router, E, H) ||
+  if (pre && (!f32_rows(pre->y) || pre->y.data == pre->hidden.data || pre->weight.numel() != H ||
+              (pre->weight.dtype != DType::F32 && pre->weight.dtype != DType::BF16) || !pre->weight.is_contiguous() ||
+              out.data == pre->hidden.data || out.data == pre->y.data))
+    return false;
+  if (!f32_rows(in) || !f32_rows(out) || !bf16_dense(router, E, H) ||
       !bf16_dense(shared_gate_proj, Is, H) || !bf16_dense(shared_up_proj, Is, H) ||
       !bf16_dense(shared_expert_gate, 1, H) || !bf16_dense(shared_down_proj, H, Is))
     return false;
@@ -1424,9 +1432,21 @@ bool CudaOps::moe_block(const TensorView& x, const model::LinearWeight& router,
     return false;
   const Impl::ExpertTable& tab = *table;
   OpScope prof(impl_->rt,
-               [&] { return fmt::format("moe_block router+shared+experts nvfp4 x{} T={} (one kernel)", E, T); });
+               [&] {
+                 return fmt::format("moe_block {}router+shared+experts nvfp4 x{} T={} (one kernel)",
+                                    pre ? "add_rms_norm+" : "", E, T);
+               });
   kops::MoeBlockArgs a;
-  a.x = f32(x);
+  if (pre) {
+    a.residual = f32_mut(pre->hidden);
+    a.residual_y = f32(pre->y);
+    a.norm_w = pre->weight.data;
+    a.norm_w_elem = elem_of(pre->weight.dtype, "norm weight");
+    a.norm_eps = pre->eps;
+    a.norm_zero_centred = pre->kind == NormKind::zero_centred;
+  } else {
+    a.x = f32(x);
+  }
   a.T = static_cast<int>(T);
   a.H = static_cast<int>(H);
   a.router = router.weight.data;

@@ -150,11 +150,12 @@ class CudaOps final : public model::Ops {
                          const TensorView& shared_gate, TensorView expert_ids, TensorView weights,
                          TensorView out) override;
   // Steps of 1-4 tokens (CudaOptions::moe_block_persistent, BF16 router and shared expert, NVFP4 experts): the whole
-  // block in one persistent kernel (moe_block_decode.cu); else false.
-  bool moe_block(const TensorView& x, const model::LinearWeight& router, const model::LinearWeight& shared_gate_proj,
-                 const model::LinearWeight& shared_up_proj, const model::LinearWeight& shared_down_proj,
-                 const model::LinearWeight& shared_expert_gate, std::span<const model::ExpertWeights> experts,
-                 int top_k, bool renormalise, TensorView out) override;
+  // block in one persistent kernel (moe_block_decode.cu), with the residual step `pre` folded in when given; else
+  // false.
+  bool moe_block(const TensorView& x, const model::ResidualNorm* pre, const model::LinearWeight& router,
+                 const model::LinearWeight& shared_gate_proj, const model::LinearWeight& shared_up_proj,
+                 const model::LinearWeight& shared_down_proj, const model::LinearWeight& shared_expert_gate,
+                 std::span<const model::ExpertWeights> experts, int top_k, bool renormalise, TensorView out) override;
 
   // Waits for all queued work (and reports any CUDA error it raised).
   void synchronize();

@@ -9,7 +9,9 @@
 // instead of kernel boundaries, and every phase spreads its rows over all of the GPU's warps.
 //
 // Phases (grid: one block of 512 threads per multiprocessor, all resident: moe_block_decode_grid):
-//  0. every block copies the step's x rows into shared memory;
+//  0. every block copies the step's x rows into shared memory, or (the post-attention residual add + RMSNorm folded in)
+//     computes them itself: residual + y, its RMS norm times the norm weight (block 0 writes residual + y back to the
+//     residual stream after the first grid barrier, when no block reads it any more);
 //  A. rows of [router; shared gate; shared up; shared expert gate] (dense BF16, fp32 x) spread over all warps, a
 //     warp per row read once for every token: logits, gate, up and the gate's logit into the workspace;
 //                                                                                      -- grid barrier
@@ -150,11 +152,42 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
   float* ws_act = ws + T * R4;
 
   // ---- 0: x into shared memory
-  {
+  if (!a.residual) {
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
     for (int k4 = tid; k4 < T * H / 4; k4 += kThreads) {
       const int t = k4 / (H / 4), r4 = k4 % (H / 4);
       xs4[t * (H / 4) + swz(r4)] = __ldcg(x4 + k4);
+    }
+  } else {
+    // add_rms_norm's maths: v = residual + y in fp32, inv = 1 / sqrt(sum(v^2) / H + eps), x = (v * inv) * (w + one).
+    // Only the order of the sum of squares differs.
+    __shared__ float s_red[kWarps];
+    const float4* r4p = reinterpret_cast<const float4*>(a.residual);
+    const float4* y4p = reinterpret_cast<const float4*>(a.residual_y);
+    const float one = a.norm_zero_centred ? 1.0f : 0.0f;
+    for (int t = 0; t < T; ++t) {
+      float ss = 0.0f;
+      for (int k4 = tid; k4 < H / 4; k4 += kThreads) {
+        const float4 r = __ldcg(r4p + t * (H / 4) + k4), y = __ldcg(y4p + t * (H / 4) + k4);
+        const float4 v = make_float4(r.x + y.x, r.y + y.y, r.z + y.z, r.w + y.w);
+        xs4[t * (H / 4) + swz(k4)] = v;
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) s_red[warp] = ss;
+      __syncthreads();
+      float tot = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kWarps; ++q) tot += s_red[q];
+      const float inv = 1.0f / sqrtf(tot / float(H) + a.norm_eps);
+      for (int k4 = tid; k4 < H / 4; k4 += kThreads) {
+        float4& v = xs4[t * (H / 4) + swz(k4)];
+        v.x = (v.x * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4) + one);
+        v.y = (v.y * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4 + 1) + one);
+        v.z = (v.z * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4 + 2) + one);
+        v.w = (v.w * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4 + 3) + one);
+      }
+      __syncthreads();  // s_red is reused by the next token
     }
   }
   __syncthreads();
@@ -200,6 +233,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
     }
   }
   grid_barrier(a.barrier);
+  // Every block has read the residual stream: block 0 writes residual + y back (bitwise phase 0's sum).
+  if (a.residual && blockIdx.x == 0) {
+    float4* r4p = reinterpret_cast<float4*>(a.residual);
+    const float4* y4p = reinterpret_cast<const float4*>(a.residual_y);
+    for (int k4 = tid; k4 < T * H / 4; k4 += kThreads) {
+      const float4 r = __ldcg(r4p + k4), y = __ldcg(y4p + k4);
+      r4p[k4] = make_float4(r.x + y.x, r.y + y.y, r.z + y.z, r.w + y.w);
+    }
+  }
 
   // ---- B: routing (warp t routes token t, in every block), the shared expert's activation and gate (warps >= kT)
   if (warp < T) {

@@ -10,8 +10,17 @@
 namespace kiln::cuda::ops {
 
 struct MoeBlockArgs {
-  const float* x = nullptr;  // [T, H] the block's (normed) input
+  const float* x = nullptr;  // [T, H] the block's (normed) input; null when `residual` is set
   int T = 1, H = 0;
+  // The post-attention residual add + RMSNorm folded in (residual non-null; x null): residual += residual_y and the
+  // block's input is rmsnorm(residual) * (norm_w (+ 1 when zero_centred)), add_rms_norm's maths. [T, H] each; norm_w
+  // [H] of norm_w_elem (f32 or bf16).
+  float* residual = nullptr;
+  const float* residual_y = nullptr;
+  const void* norm_w = nullptr;
+  ElemType norm_w_elem = ElemType::f32;
+  float norm_eps = 0.0f;
+  bool norm_zero_centred = false;
   // Dense BF16 weights, [rows, H] unless said: the router [E, H], the shared expert's gate and up [Is, H], its gate
   // [1, H] and its down projection [H, Is].
   const void* router = nullptr;

@@ -184,6 +184,20 @@ TEST(CudaOps, SelfCheckPasses) {
   EXPECT_NO_THROW(startup_op_check(gpu_bf16, *cpu, true));
 }
 
+// The self-check with the persistent MoE block on: it compares the fused op (also with the residual step folded in)
+// with the CPU's unfused ops.
+TEST(CudaOps, SelfCheckPassesWithThePersistentMoeBlock) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  auto cpu = make_cpu_backend();
+  for (bool bf16 : {false, true}) {
+    CudaOptions o;
+    o.moe_block_persistent = true;
+    if (bf16) o.dtype = CudaOptions::ActivationDtype::bfloat16;
+    CudaOps gpu(o);
+    EXPECT_NO_THROW(startup_op_check(gpu, *cpu, bf16)) << (bf16 ? "bf16" : "fp32");
+  }
+}
+
 TEST(CudaOps, DescribesTheDevice) {
   KILN_REQUIRE_CUDA_DEVICE();
   CudaOps gpu;

@@ -122,7 +122,7 @@ std::vector<float> fused(CudaOps& gpu, const HostDense& w, const std::vector<Exp
   const int64_t H = s.layer.hidden, T = static_cast<int64_t>(xh.size()) / H;
   const TensorView x = gpu.upload(xh.data(), DType::F32, Shape{T, H});
   const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
-  EXPECT_TRUE(gpu.moe_block(x, w.router, w.gate, w.up, w.down, w.shared_gate, experts, s.layer.top_k, renormalise,
+  EXPECT_TRUE(gpu.moe_block(x, nullptr, w.router, w.gate, w.up, w.down, w.shared_gate, experts, s.layer.top_k, renormalise,
                             out))
       << "the persistent kernel was not taken";
   return read<float>(gpu, out);
@@ -188,6 +188,59 @@ INSTANTIATE_TEST_SUITE_P(Layers, MoeBlockDecode,
                            return std::string(info.param.layer.name);
                          });
 
+// The residual step before the block folded into the kernel (model::moe_after_residual): hidden += y, the block's
+// input rms_norm(hidden) * (1 + w). Against the CPU's add_rms_norm then the unfused ops: the residual stream bitwise
+// (one fp32 add per element on both), the output within the tolerances above.
+TEST(MoeBlockDecodeResidualNorm, FoldsTheResidualStepBeforeTheBlock) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  for (const BlockShape& s : {BlockShape{{"Qwen35B_A3B", 2048, 256, 512, 8}, 512},
+                              BlockShape{{"Qwen397B_A17B_Tp8Rank", 4096, 512, 128, 10}, 128}}) {
+    const int64_t H = s.layer.hidden;
+    const HostExperts host = make_experts(s.layer, 31, 0, s.layer.experts);
+    const HostDense dense = make_dense(s, 32);
+    std::mt19937_64 wrng(33);
+    std::vector<uint16_t> norm_w;
+    for (float v : normal(wrng, static_cast<size_t>(H), 0.3f)) norm_w.push_back(f32_to_bf16(v));
+    auto cpu = make_cpu_backend();
+    const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
+    for (bool bf16 : {false, true}) {
+      CudaOps gpu(persistent_options(bf16));
+      const std::vector<ExpertWeights> gpu_experts = place(gpu, host.experts);
+      const HostDense gpu_dense = place_dense(gpu, dense);
+      for (int T : {1, 4}) {
+        const std::string label = std::string(s.layer.name) + (bf16 ? " bf16" : " fp32") + " T=" + std::to_string(T);
+        SCOPED_TRACE(label);
+        std::mt19937_64 rng(900 + T);
+        const std::vector<float> hidden = normal(rng, static_cast<size_t>(T * H), 2.0f);
+        const std::vector<float> y = normal(rng, static_cast<size_t>(T * H), 1.0f);
+        // The reference: the CPU's add_rms_norm, then the unfused ops on its output.
+        cpu->reset_scratch();
+        const TensorView ch = cpu->upload(hidden.data(), DType::F32, Shape{T, H});
+        const TensorView cy = cpu->upload(y.data(), DType::F32, Shape{T, H});
+        const TensorView cw = cpu->upload(norm_w.data(), DType::BF16, Shape{H});
+        const TensorView cx = cpu->scratch(DType::F32, Shape{T, H});
+        cpu->add_rms_norm(ch, cy, cw, 1e-6f, model::NormKind::zero_centred, cx);
+        const std::vector<float> want_hidden = read<float>(*cpu, ch), xn = read<float>(*cpu, cx);
+        const Outputs ref = unfused(*cpu, dense, cpu_experts, s, xn, true);
+        // The fused op.
+        gpu.reset_scratch();
+        const TensorView gh = gpu.upload(hidden.data(), DType::F32, Shape{T, H});
+        const TensorView gy = gpu.upload(y.data(), DType::F32, Shape{T, H});
+        const TensorView gw = gpu.upload(norm_w.data(), DType::BF16, Shape{H});
+        const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
+        const model::ResidualNorm pre{gh, gy, gw, 1e-6f, model::NormKind::zero_centred};
+        ASSERT_TRUE(gpu.moe_block(TensorView(), &pre, gpu_dense.router, gpu_dense.gate, gpu_dense.up, gpu_dense.down,
+                                  gpu_dense.shared_gate, gpu_experts, s.layer.top_k, true, out))
+            << "the persistent kernel was not taken";
+        EXPECT_EQ(read<float>(gpu, gh), want_hidden) << "the residual stream after the fold";
+        const double err = rel_err(read<float>(gpu, out), ref.out);
+        std::printf("[ moe block] %s with the residual step: rel-L2 vs cpu %.2e\n", label.c_str(), err);
+        EXPECT_LE(err, bf16 ? kBf16VsCpuTol : kFp32Tol);
+      }
+    }
+  }
+}
+
 // An expert-parallel rank (experts [64, 128) of 256 held): slots routed to other ranks' experts contribute nothing,
 // as on the CPU.
 TEST(MoeBlockDecodeExpertParallel, SkipsExpertsOfOtherRanks) {
@@ -229,8 +282,8 @@ TEST(MoeBlockDecodeGraph, ReplaysEqualTheEagerLaunch) {
   gpu.synchronize();
   ASSERT_TRUE(gpu.graph_capture_begin());
   // Two launches back to back in one graph, the second reading the first's output: x -> mid -> out.
-  ASSERT_TRUE(gpu.moe_block(x, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 8, true, mid));
-  ASSERT_TRUE(gpu.moe_block(mid, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 8, true, out));
+  ASSERT_TRUE(gpu.moe_block(x, nullptr, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 8, true, mid));
+  ASSERT_TRUE(gpu.moe_block(mid, nullptr, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 8, true, out));
   const int graph = gpu.graph_capture_end();
   ASSERT_GE(graph, 0) << "the capture failed";
   for (int replay = 0; replay < 20; ++replay) {
@@ -259,7 +312,7 @@ TEST(MoeBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
       const std::vector<float> xh = normal(rng, static_cast<size_t>(T * 256), 1.0f);
       const TensorView x = gpu.upload(xh.data(), DType::F32, Shape{T, 256});
       const TensorView out = gpu.scratch(DType::F32, Shape{T, 256});
-      EXPECT_EQ(gpu.moe_block(x, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 4, true, out),
+      EXPECT_EQ(gpu.moe_block(x, nullptr, w.router, w.gate, w.up, w.down, w.shared_gate, experts, 4, true, out),
                 option && T <= 4)
           << "option " << option << " T=" << T;
     }
@@ -272,7 +325,7 @@ TEST(MoeBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
     std::vector<float> xh(256, 1.0f);
     const TensorView x = gpu.upload(xh.data(), DType::F32, Shape{1, 256});
     const TensorView out = gpu.scratch(DType::F32, Shape{1, 256});
-    EXPECT_FALSE(gpu.moe_block(x, router, w.gate, w.up, w.down, w.shared_gate, experts, 4, true, out));
+    EXPECT_FALSE(gpu.moe_block(x, nullptr, router, w.gate, w.up, w.down, w.shared_gate, experts, 4, true, out));
   }
 }
 

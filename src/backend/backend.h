@@ -56,6 +56,10 @@ struct GpuLoadOptions {
   // sm_90 where each rank has its GPU to itself; --enable-persistent-moe / --disable-persistent-moe). Off until it has
   // been checked and timed on a GPU (docs/perf/decode-latency.md).
   bool persistent_moe = false;
+  // The DeltaNet mixer of decode steps of 1-4 sequences as one persistent kernel (cuda::CudaOptions::
+  // deltanet_block_persistent, taken as persistent_moe is; --enable-persistent-deltanet / --disable-persistent-deltanet).
+  // Off until it has been checked and timed on a GPU.
+  bool persistent_deltanet = false;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

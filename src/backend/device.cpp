@@ -193,6 +193,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.pdl = o.gpu.pdl;
   c.fused_decode_ops = o.gpu.fused_decode_ops;
   c.moe_block_persistent = o.gpu.persistent_moe && compute_major == 9 && !ranks_share_a_gpu(o.parallel);
+  c.deltanet_block_persistent = o.gpu.persistent_deltanet && compute_major == 9 && !ranks_share_a_gpu(o.parallel);
   c.delta_rule_tensor_cores = o.gpu.delta_rule_tensor_cores;
   c.delta_rule_split = o.gpu.delta_rule_split;
   c.weight_prefetch = o.gpu.weight_prefetch;
@@ -565,7 +566,7 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   l.ro.state_slots = plan.state_slots;
   l.ro.max_context = plan.context;
   const bool graphs = options.gpu.cuda_graphs && placed.ranks_on_first_gpu == 1;
-  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}{}", kernels.str(), plan.str(),
+  l.ro.summary = fmt::format("kernels: {}; {}; CUDA graphs for decode {}{}{}{}{}{}", kernels.str(), plan.str(),
                              graphs ? "on" : "off", graphs && options.gpu.cuda_graph_verify ? " (and verify passes)" : "",
                              graphs && options.gpu.pdl && first.major >= 9
                                  ? std::string(", kernels chained by programmatic dependent launch [--disable-pdl]") +
@@ -578,6 +579,10 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
                                                           : "; fused decode ops off",
                              options.gpu.persistent_moe && first.major == 9 && placed.ranks_on_first_gpu == 1
                                  ? "; MoE block of steps of 1-4 tokens in one persistent kernel [--enable-persistent-moe]"
+                                 : "",
+                             options.gpu.persistent_deltanet && first.major == 9 && placed.ranks_on_first_gpu == 1
+                                 ? "; DeltaNet mixer of decode steps of 1-4 sequences in one persistent kernel "
+                                   "[--enable-persistent-deltanet]"
                                  : "");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);
   if (options.parallel.is_group()) return load_cuda_group(l);

@@ -162,8 +162,39 @@ void bind_hybrid_mixer(WeightBinder& b, int layer, LayerWeights& w, bool fused_q
     bind_full_attention(b, layer, w.attn);
 }
 
+static TensorView block_output(Forward& f, TensorView y);
+
 TensorView hybrid_mixer_output(Forward& f, int layer, const LayerWeights& w, TensorView hidden,
                                GatedDeltaNetFn deltanet) {
+  // A Qwen3.5 DeltaNet layer as one op where the backend fuses it, the input norm included (never in a traced run,
+  // which names the intermediate tensors).
+  if (w.type == format::LayerType::linear_attention && deltanet == &gated_deltanet && !(f.trace && *f.trace)) {
+    const int li = f.linear_index[layer];
+    KILN_CHECK(li >= 0, "layer {} has no recurrent state", layer);
+    const auto& c = f.config;
+    const LinearAttentionWeights& lw = w.linear;
+    Ops::DeltaNetBlockWeights dw;
+    dw.in_proj_qkv = &lw.in_proj_qkv;
+    dw.in_proj_z = &lw.in_proj_z;
+    dw.in_proj_b = &lw.in_proj_b;
+    dw.in_proj_a = &lw.in_proj_a;
+    dw.conv1d = lw.conv1d;
+    dw.A_log = lw.A_log;
+    dw.dt_bias = lw.dt_bias;
+    dw.norm = lw.norm;
+    dw.out_proj = &lw.out_proj;
+    dw.Hk = c.linear_num_key_heads;
+    dw.Hv = c.linear_num_value_heads;
+    dw.Dk = c.linear_key_head_dim;
+    dw.Dv = c.linear_value_head_dim;
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    const ResidualNorm in{hidden, f.pending_residual, w.input_norm, eps, NormKind::zero_centred};
+    TensorView out = f.f32(hidden.shape);
+    if (f.ops.deltanet_block(in, dw, f.conv_state[li], f.recurrent_state[li], f.step, eps, out)) {
+      f.pending_residual = TensorView();  // added to hidden by the op
+      return block_output(f, out);
+    }
+  }
   const TensorView x = input_norm(f, hidden, w.input_norm, NormKind::zero_centred);
   return w.type == format::LayerType::linear_attention
              ? deltanet(f, layer, w.linear, x)

@@ -62,8 +62,9 @@ enum class NormKind : uint8_t {
   zero_centred,  // x_hat * (1 + w)      (qwen3_5, qwen3_5_moe, qwen3_next)
 };
 
-// The residual step between blocks as an op's input (Ops::moe_block): hidden += y, the input is
-// rms_norm(hidden) * weight (kind). hidden, y F32 [T, D] contiguous; weight [D].
+// The residual step between blocks as an op's input (Ops::moe_block, Ops::deltanet_block): hidden += y, the input is
+// rms_norm(hidden) * weight (kind). hidden, y F32 [T, D] contiguous (y empty, data null: nothing to add, where the op
+// allows it); weight [D].
 struct ResidualNorm {
   TensorView hidden;
   TensorView y;
@@ -368,6 +369,32 @@ class Ops {
                                      TensorView g, TensorView beta, TensorView state, const StepLayout& step,
                                      DeltaRuleMode mode, const TensorView& z, const TensorView& norm_weight, float eps,
                                      TensorView core, TensorView out);
+
+  // A Gated DeltaNet layer's tensors as Ops::deltanet_block reads them (Qwen3.5 layout: separate input projections;
+  // the rank's heads).
+  struct DeltaNetBlockWeights {
+    const LinearWeight* in_proj_qkv = nullptr;  // [2 Hk Dk + Hv Dv, H]
+    const LinearWeight* in_proj_z = nullptr;    // [Hv Dv, H]
+    const LinearWeight* in_proj_b = nullptr;    // [Hv, H]
+    const LinearWeight* in_proj_a = nullptr;    // [Hv, H]
+    TensorView conv1d;                          // [C, Kc]
+    TensorView A_log, dt_bias;                  // [Hv]
+    TensorView norm;                            // [Dv] the gated output norm (plain w)
+    const LinearWeight* out_proj = nullptr;     // [H, Hv Dv]
+    int64_t Hk = 0, Hv = 0, Dk = 0, Dv = 0;
+  };
+  // A Gated DeltaNet mixer of a step as one op where a backend fuses it: x = rms_norm of the residual step `in`
+  // (in.hidden += in.y first when in.y is set, as input_norm adds a pending block output), then what
+  // model::gated_deltanet computes from x through the output projection (linear_multi of the input projections,
+  // causal_conv1d_silu, gated_delta_rule_norm with the recurrence, linear of out_proj), eps the model's
+  // rms_norm_eps. conv_state, state: the layer's (as causal_conv1d_silu / gated_delta_rule take them). out F32 [T, H].
+  // Returns false, having done nothing, where the backend does not fuse this step (the default). (CUDA: decode steps
+  // of 1-4 sequences in one persistent kernel, deltanet_block_decode.cu.)
+  virtual bool deltanet_block(const ResidualNorm& in, const DeltaNetBlockWeights& w, TensorView conv_state,
+                              TensorView state, const StepLayout& step, float eps, TensorView out) {
+    (void)in, (void)w, (void)conv_state, (void)state, (void)step, (void)eps, (void)out;
+    return false;
+  }
 
   // ---- mixture of experts
   // softmax over E in fp32, top-k (ties: lower expert id first), optionally renormalised to sum 1.

@@ -15,6 +15,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/blas_lt.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/deltanet_block_decode.h"
 #include "backend/cuda/moe_block_decode.h"
 #include "backend/cuda/moe_decode_fused.h"
 #include "backend/cuda/moe_prefill_blas.h"
@@ -216,10 +217,12 @@ struct CudaOps::Impl {
   // scratch, reused by every layer (counted by the memory plan: backend/device.cpp).
   std::unique_ptr<kops::MoePrefillBlas> moe_blas;
   DeviceBuffer moe_blas_weights;
-  // The persistent MoE block kernel (moe_block_decode.h): its grid (0: not taken) and barrier words (zeroed once).
-  int moe_block_grid = 0;
+  // The persistent decode kernels (moe_block_decode.h, deltanet_block_decode.h): their grid (0: neither is taken),
+  // which of them are, and the grid barrier's words (zeroed once; each launch leaves them ready for the next).
+  int persistent_grid = 0;
+  bool moe_block = false, deltanet_block = false;
   int moe_block_max_tokens = 0;  // CudaOptions::moe_block_max_tokens
-  unsigned* moe_block_barrier = nullptr;
+  unsigned* persistent_barrier = nullptr;
 
   explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {
     rt.set_scratch_plan(o.scratch_plan_bytes);
@@ -235,11 +238,17 @@ using OpScope = CudaRuntime::OpScope;
 
 CudaOps::CudaOps(const CudaOptions& options) : impl_(std::make_unique<Impl>(options)) {
   impl_->max_abs_result = DeviceBuffer(CudaRuntime::kAlign);
-  if (options.moe_block_persistent) {
-    impl_->moe_block_grid = kops::moe_block_decode_grid(impl_->rt.device().index);
+  if (options.moe_block_persistent || options.deltanet_block_persistent) {
+    // One block per multiprocessor; the kernels' shared memory limits are set here, outside any capture.
+    const int grid = kops::moe_block_decode_grid(impl_->rt.device().index);
+    const bool delta_fits = kops::deltanet_block_decode_prepare(impl_->rt.device().index);
+    impl_->moe_block = options.moe_block_persistent && grid > 0;
+    impl_->deltanet_block = options.deltanet_block_persistent && grid > 0 && delta_fits;
     impl_->moe_block_max_tokens = options.moe_block_max_tokens;
-    if (impl_->moe_block_grid > 0)
-      impl_->moe_block_barrier = static_cast<unsigned*>(impl_->rt.persistent(2 * sizeof(unsigned)));
+    if (impl_->moe_block || impl_->deltanet_block) {
+      impl_->persistent_grid = grid;
+      impl_->persistent_barrier = static_cast<unsigned*>(impl_->rt.persistent(2 * sizeof(unsigned)));
+    }
   }
 }
 
@@ -1406,7 +1415,7 @@ bool CudaOps::moe_block(const TensorView& x, const model::ResidualNorm* pre, con
                         std::span<const model::ExpertWeights> experts, int top_k, bool renormalise, TensorView out) {
   // The block's input: x, or (pre) the residual stream the kernel adds y to and normalises itself.
   const TensorView& in = pre ? pre->hidden : x;
-  if (impl_->moe_block_grid <= 0 || in.ndim() != 2 || in.dim(0) < 1 || in.dim(0) > impl_->moe_block_max_tokens ||
+  if (!impl_->moe_block || in.ndim() != 2 || in.dim(0) < 1 || in.dim(0) > impl_->moe_block_max_tokens ||
       experts.empty())
     return false;
   const int64_t T = in.dim(0), H = in.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
@@ -1464,9 +1473,82 @@ bool CudaOps::moe_block(const TensorView& x, const model::ResidualNorm* pre, con
   a.I = static_cast<int>(tab.inter);
   a.bf16_expert_inputs = impl_->bf16();
   a.workspace = impl_->rt.scratch(kops::moe_block_decode_workspace_bytes(T, E, Is, top_k, tab.inter));
-  a.barrier = impl_->moe_block_barrier;
+  a.barrier = impl_->persistent_barrier;
   a.out = f32_mut(out);
-  kops::moe_block_decode(a, impl_->moe_block_grid, impl_->rt.stream());
+  kops::moe_block_decode(a, impl_->persistent_grid, impl_->rt.stream());
+  return true;
+}
+
+bool CudaOps::deltanet_block(const model::ResidualNorm& in, const DeltaNetBlockWeights& w, TensorView conv_state,
+                             TensorView state, const StepLayout& step, float eps, TensorView out) {
+  // Decode steps only: one token per sequence, no position checkpoints (those take the unfused ops).
+  const int64_t T = step.num_tokens;
+  if (!impl_->deltanet_block || T < 1 || T != step.num_seqs || !step.host_token_checkpoint_slot.empty() ||
+      in.hidden.ndim() != 2 || in.hidden.dim(0) != T)
+    return false;
+  const int64_t H = in.hidden.dim(1), Hk = w.Hk, Hv = w.Hv, Dk = w.Dk, Dv = w.Dv;
+  if (!kops::deltanet_block_decode_supported(T, H, Hk, Hv, Dk, Dv)) return false;
+  const int64_t C = 2 * Hk * Dk + Hv * Dv, Kc = 4;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  auto f32_rows = [&](const TensorView& t) {
+    return t.dtype == DType::F32 && t.shape == in.hidden.shape && t.is_contiguous() && aligned(t.data);
+  };
+  auto bf16_dense = [&](const LinearWeight* lw, int64_t n, int64_t k) {
+    return lw && lw->format == WeightFormat::dense && lw->weight.dtype == DType::BF16 && lw->out_features == n &&
+           lw->in_features == k && !lw->bias.data && lw->weight.is_contiguous() && aligned(lw->weight.data);
+  };
+  auto small = [](const TensorView& t, int64_t n) {
+    return t.data && t.numel() == n && t.is_contiguous() && (t.dtype == DType::F32 || t.dtype == DType::BF16);
+  };
+  if (!f32_rows(in.hidden) || (in.y.data && (!f32_rows(in.y) || in.y.data == in.hidden.data)) ||
+      !small(in.weight, H) || !f32_rows(out) || out.data == in.hidden.data || (in.y.data && out.data == in.y.data) ||
+      !bf16_dense(w.in_proj_qkv, C, H) || !bf16_dense(w.in_proj_z, Hv * Dv, H) || !bf16_dense(w.in_proj_b, Hv, H) ||
+      !bf16_dense(w.in_proj_a, Hv, H) || !bf16_dense(w.out_proj, H, Hv * Dv) || !small(w.conv1d, C * Kc) ||
+      !small(w.A_log, Hv) || !small(w.dt_bias, Hv) || !small(w.norm, Dv))
+    return false;
+  if (conv_state.dtype != DType::F32 || conv_state.ndim() != 3 || conv_state.dim(1) != C ||
+      conv_state.dim(2) != Kc - 1 || !conv_state.is_contiguous() ||
+      (state.dtype != DType::F32 && state.dtype != DType::BF16) || state.ndim() != 4 || state.dim(1) != Hv ||
+      state.dim(2) != Dk || state.dim(3) != Dv || !state.is_contiguous())
+    return false;
+  OpScope prof(impl_->rt, [&] {
+    return fmt::format("deltanet_block {}rms_norm+in_proj+conv+delta_rule+norm+out_proj T={} (one kernel)",
+                       in.y.data ? "add_" : "", T);
+  });
+  kops::DeltaNetBlockArgs a;
+  a.T = static_cast<int>(T);
+  a.H = static_cast<int>(H);
+  a.residual = f32_mut(in.hidden);
+  a.residual_y = in.y.data ? f32(in.y) : nullptr;
+  a.in_norm_w = in.weight.data;
+  a.in_norm_elem = elem_of(in.weight.dtype, "norm weight");
+  a.in_norm_eps = in.eps;
+  a.in_norm_zero_centred = in.kind == NormKind::zero_centred;
+  a.w_qkv = w.in_proj_qkv->weight.data;
+  a.w_z = w.in_proj_z->weight.data;
+  a.w_b = w.in_proj_b->weight.data;
+  a.w_a = w.in_proj_a->weight.data;
+  a.Hk = static_cast<int>(Hk);
+  a.Hv = static_cast<int>(Hv);
+  a.Dk = static_cast<int>(Dk);
+  a.Dv = static_cast<int>(Dv);
+  a.conv_w = w.conv1d.data;
+  a.conv_elem = elem_of(w.conv1d.dtype, "conv1d weight");
+  a.conv_state = static_cast<float*>(conv_state.data);
+  a.A_log = w.A_log.data;
+  a.A_log_elem = elem_of(w.A_log.dtype, "A_log");
+  a.dt_bias = w.dt_bias.data;
+  a.dt_bias_elem = elem_of(w.dt_bias.dtype, "dt_bias");
+  a.state = kops::DeltaStateRef{state.data, state.dtype == DType::BF16};
+  a.state_slot = static_cast<const int32_t*>(step.seq_state_slot.data);
+  a.out_norm_w = w.norm.data;
+  a.out_norm_elem = elem_of(w.norm.dtype, "norm weight");
+  a.out_norm_eps = eps;
+  a.w_out = w.out_proj->weight.data;
+  a.workspace = impl_->rt.scratch(kops::deltanet_block_decode_workspace_bytes(T, Hk, Hv, Dk, Dv));
+  a.barrier = impl_->persistent_barrier;
+  a.out = f32_mut(out);
+  kops::deltanet_block_decode(a, impl_->persistent_grid, impl_->rt.stream());
   return true;
 }
 

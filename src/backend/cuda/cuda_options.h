@@ -60,8 +60,13 @@ struct CudaOptions {
   // router, shared expert, routing, NVFP4 experts and combine as phases of one grid with grid-wide barriers), where
   // the router and shared expert are dense BF16 and the experts NVFP4. Its grid holds one block per multiprocessor
   // and waits on all of them, so it is taken only where no other rank's kernels share the GPU: the CLI turns it on
-  // (sm_90, one rank per GPU) unless --disable-persistent-moe; false here (tests ask for it).
+  // (sm_90, one rank per GPU) with --enable-persistent-moe; false here (tests ask for it).
   bool moe_block_persistent = false;
+  // The Gated DeltaNet mixer of decode steps of 1-4 sequences (one token each, no position checkpoints) as one
+  // persistent kernel (deltanet_block_decode.cu: the input norm, the input projections, conv, gates, delta rule, output
+  // norm and output projection as phases of one grid), where the projections are dense BF16. Taken as
+  // moe_block_persistent is (sm_90, one rank per GPU) with --enable-persistent-deltanet; false here.
+  bool deltanet_block_persistent = false;
   // Its largest step (1-4 tokens: decode at batch <= 4, verify passes of K <= 3 at batch 1).
   int moe_block_max_tokens = 4;
   // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16

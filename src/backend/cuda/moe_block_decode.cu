@@ -30,12 +30,8 @@
 // come from a different summation order than linear_multi's, so a near-tie between two experts may route
 // differently (as any other GEMV would).
 //
-// The grid barrier: a count and a generation word that persist across launches (moe_block_decode's caller owns them,
-// zeroed once). Each block's thread 0 reads the generation, arrives on the count; the last to arrive resets the count
-// and bumps the generation, the others spin until it changes (cooperative groups' grid sync, written out: every
-// block must be resident at once, which the grid size guarantees when no other kernel holds the multiprocessors:
-// CudaOps takes this kernel only where a rank has its GPU to itself). A barrier waiting more than 10 s traps
-// (a launch error) instead of hanging.
+// The grid barrier (two words that persist across launches, zeroed once by the caller; a 10 s wait traps) and the
+// swizzled shared-memory rows: persistent_grid.cuh, shared with deltanet_block_decode.cu.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -45,6 +41,7 @@
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_block_decode.h"
 #include "backend/cuda/moe_decode_common.cuh"
+#include "backend/cuda/persistent_grid.cuh"
 #include "backend/cuda/ptx.cuh"
 
 namespace kiln::cuda::ops {
@@ -52,9 +49,8 @@ namespace {
 
 using namespace dev;
 using namespace moe_decode;
+using namespace persistent;
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTopK = 16;
 constexpr int kMaxH = 4096;
 constexpr int kMaxI = 1024;
@@ -64,64 +60,11 @@ constexpr int kDownLoads = 4;  // 16-byte down chunks per lane in flight (a pass
 constexpr int kMaxT = 4;       // tokens per step (decode at batch <= 4, a verify pass of K <= 3 at batch 1)
 constexpr int kMaxSmem = 200 * 1024;  // dynamic shared memory: x, the experts' activations, the shared expert's
 
-// Float4 k4 of a vector stored in shared memory as chunks of 32 floats (8 float4), the 8 float4 of chunk c rotated by
-// c: lanes reading float4 q of consecutive chunks hit different banks.
-__device__ __forceinline__ int swz(int k4) { return (k4 & ~7) | ((k4 + (k4 >> 3)) & 7); }
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Every block of the grid reaches it before any leaves it; the block's global writes before it are visible to every
-// block after it.
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* count = bar;
-    unsigned* gen = bar + 1;
-    const unsigned g = ld_acquire(gen);  // before arriving: it cannot change until this block has arrived
-    __threadfence();
-    const unsigned arrived = atomicAdd(count, 1u);
-    if (arrived == gridDim.x - 1) {
-      atomicExch(count, 0u);
-      __threadfence();
-      atomicAdd(gen, 1u);
-    } else {
-      const unsigned long long t0 = global_ns();
-      while (ld_acquire(gen) == g) {
-        __nanosleep(32);
-        if (global_ns() - t0 > 10000000000ull) __trap();  // a block that never came: fail the launch, don't hang
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
 struct ExpertDesc {
   const uint8_t* data[3];
   const uint8_t* scales[3];
   float gscale[3];  // scale_2 * kNvfp4AccumScale
 };
-
-// 32 floats of chunk c (swizzled float4 array base) into registers.
-__device__ __forceinline__ void load_chunk(const float4* base, int c, float (&v)[32]) {
-#pragma unroll
-  for (int f = 0; f < 8; ++f) {
-    const float4 q = base[swz(8 * c + f)];
-    v[4 * f] = q.x;
-    v[4 * f + 1] = q.y;
-    v[4 * f + 2] = q.z;
-    v[4 * f + 3] = q.w;
-  }
-}
 
 // kKC: ceil(H / 1024) (16-byte chunks of 32 codes per lane per row of H; lanes past the row idle). kT: the most tokens
 // (1 or 4); a.T <= kT of them are live.
@@ -151,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
   float* ws = static_cast<float*>(a.workspace);             // [T][R4] then [P][I]
   float* ws_act = ws + T * R4;
 
-  // ---- 0: x into shared memory
+  // ---- 0: x into shared memory (or the residual step computed here)
   if (!a.residual) {
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
     for (int k4 = tid; k4 < T * H / 4; k4 += kThreads) {
@@ -159,89 +102,23 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
       xs4[t * (H / 4) + swz(r4)] = __ldcg(x4 + k4);
     }
   } else {
-    // add_rms_norm's maths: v = residual + y in fp32, inv = 1 / sqrt(sum(v^2) / H + eps), x = (v * inv) * (w + one).
-    // Only the order of the sum of squares differs.
-    __shared__ float s_red[kWarps];
-    const float4* r4p = reinterpret_cast<const float4*>(a.residual);
-    const float4* y4p = reinterpret_cast<const float4*>(a.residual_y);
-    const float one = a.norm_zero_centred ? 1.0f : 0.0f;
-    for (int t = 0; t < T; ++t) {
-      float ss = 0.0f;
-      for (int k4 = tid; k4 < H / 4; k4 += kThreads) {
-        const float4 r = __ldcg(r4p + t * (H / 4) + k4), y = __ldcg(y4p + t * (H / 4) + k4);
-        const float4 v = make_float4(r.x + y.x, r.y + y.y, r.z + y.z, r.w + y.w);
-        xs4[t * (H / 4) + swz(k4)] = v;
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-      }
-      ss = warp_sum(ss);
-      if (lane == 0) s_red[warp] = ss;
-      __syncthreads();
-      float tot = 0.0f;
-#pragma unroll
-      for (int q = 0; q < kWarps; ++q) tot += s_red[q];
-      const float inv = 1.0f / sqrtf(tot / float(H) + a.norm_eps);
-      for (int k4 = tid; k4 < H / 4; k4 += kThreads) {
-        float4& v = xs4[t * (H / 4) + swz(k4)];
-        v.x = (v.x * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4) + one);
-        v.y = (v.y * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4 + 1) + one);
-        v.z = (v.z * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4 + 2) + one);
-        v.w = (v.w * inv) * (load_elem(a.norm_w, a.norm_w_elem, 4 * k4 + 3) + one);
-      }
-      __syncthreads();  // s_red is reused by the next token
-    }
+    residual_norm_rows(a.residual, a.residual_y, T, H, a.norm_w, a.norm_w_elem, a.norm_eps, a.norm_zero_centred, xs4);
   }
   __syncthreads();
 
   // ---- A: dense BF16 rows [router E; shared gate Is; shared up Is; shared expert gate 1], a warp per row, every
   // token against the row's one read
-  {
-    constexpr int kLoads = 4 * kKC;  // 16-byte loads (8 weights) per lane, those past H idle
-    for (int r = gwarp; r < R; r += nwarps) {
-      const uint16_t* w;
-      if (r < E) w = static_cast<const uint16_t*>(a.router) + int64_t(r) * H;
-      else if (r < E + Is) w = static_cast<const uint16_t*>(a.shared_gate_proj) + int64_t(r - E) * H;
-      else if (r < E + 2 * Is) w = static_cast<const uint16_t*>(a.shared_up_proj) + int64_t(r - E - Is) * H;
-      else w = static_cast<const uint16_t*>(a.shared_expert_gate);
-      uint4 raw[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u)
-        raw[u] = 8 * (lane + 32 * u) < H ? ptx::ld_stream_16(w + 8 * (lane + 32 * u)) : make_uint4(0, 0, 0, 0);
-      float acc[kT];
-#pragma unroll
-      for (int t = 0; t < kT; ++t) acc[t] = 0.0f;
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (8 * (lane + 32 * u) >= H) break;
-        const int k4 = 2 * (lane + 32 * u);
-        const uint32_t p[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-#pragma unroll
-        for (int t = 0; t < kT; ++t) {
-          if (t >= T) break;
-          const float4 x0 = xs4[t * (H / 4) + swz(k4)], x1 = xs4[t * (H / 4) + swz(k4 + 1)];
-          acc[t] += x0.x * __uint_as_float(p[0] << 16) + x0.y * __uint_as_float(p[0] & 0xffff0000u) +
-                    x0.z * __uint_as_float(p[1] << 16) + x0.w * __uint_as_float(p[1] & 0xffff0000u);
-          acc[t] += x1.x * __uint_as_float(p[2] << 16) + x1.y * __uint_as_float(p[2] & 0xffff0000u) +
-                    x1.z * __uint_as_float(p[3] << 16) + x1.w * __uint_as_float(p[3] & 0xffff0000u);
-        }
-      }
-#pragma unroll
-      for (int t = 0; t < kT; ++t) {
-        if (t >= T) break;
-        const float v = warp_sum(acc[t]);
-        if (lane == 0) ws[t * R4 + r] = v;
-      }
-    }
-  }
+  dense_rows<kKC, kT>(
+      [&](int r) {
+        if (r < E) return static_cast<const uint16_t*>(a.router) + int64_t(r) * H;
+        if (r < E + Is) return static_cast<const uint16_t*>(a.shared_gate_proj) + int64_t(r - E) * H;
+        if (r < E + 2 * Is) return static_cast<const uint16_t*>(a.shared_up_proj) + int64_t(r - E - Is) * H;
+        return static_cast<const uint16_t*>(a.shared_expert_gate);
+      },
+      R, H, T, xs4, ws, R4);
   grid_barrier(a.barrier);
   // Every block has read the residual stream: block 0 writes residual + y back (bitwise phase 0's sum).
-  if (a.residual && blockIdx.x == 0) {
-    float4* r4p = reinterpret_cast<float4*>(a.residual);
-    const float4* y4p = reinterpret_cast<const float4*>(a.residual_y);
-    for (int k4 = tid; k4 < T * H / 4; k4 += kThreads) {
-      const float4 r = __ldcg(r4p + k4), y = __ldcg(y4p + k4);
-      r4p[k4] = make_float4(r.x + y.x, r.y + y.y, r.z + y.z, r.w + y.w);
-    }
-  }
+  if (a.residual && blockIdx.x == 0) residual_write_back(a.residual, a.residual_y, T, H);
 
   // ---- B: routing (warp t routes token t, in every block), the shared expert's activation and gate (warps >= kT)
   if (warp < T) {

@@ -429,6 +429,53 @@ TEST(CudaRunner, PersistentMoeBlockMatchesCpuOnEveryModel) {
   }
 }
 
+// Both persistent decode kernels (CudaOptions::moe_block_persistent and deltanet_block_persistent; the CLI's
+// --enable-persistent-moe --enable-persistent-deltanet) on every model, batch 1 and 3 (sequences in different state
+// slots): logits against the CPU's within kLogitTol, greedy tokens the CPU's; kiln-tiny's decode steps must take the
+// DeltaNet kernel (its projections are dense BF16). Models it does not serve run the unfused ops.
+TEST(CudaRunner, PersistentDeltaNetBlockMatchesCpuOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  std::vector<testing::Fixture> fixtures;
+  fixtures.reserve(32);
+  const std::vector<ModelCase> cases = model_cases(fixtures);
+  CudaOptions o;
+  o.moe_block_persistent = true;
+  o.deltanet_block_persistent = true;
+  for (const ModelCase& mc : cases) {
+    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
+    auto ops = std::make_unique<CudaOps>(o);
+    CudaOps* raw = ops.get();
+    Engine gpu(std::move(ops), mc.dir, DType::F32, 4, 256);
+    double decode_err = 0;
+    int identical = 0, compared = 0;
+    bool taken = false;
+    for (size_t p = 0; p < mc.prompts.size(); ++p) {
+      // Batch 1, then the prompt beside two others (three sequences in one decode step).
+      std::vector<std::vector<int32_t>> batch = {mc.prompts[p]};
+      if (p == 1)
+        for (size_t q = 0; q < mc.prompts.size() && batch.size() < 3; ++q)
+          if (q != p) batch.push_back(mc.prompts[q]);
+      if (p == 0) EXPECT_TRUE(raw->profile_begin());
+      const Generation a = generate(gpu, batch, kDecodeSteps);
+      if (p == 0)
+        for (const model::OpTime& r : raw->profile_end()) taken |= r.label.rfind("deltanet_block ", 0) == 0;
+      const Generation b = generate(cpu, batch, kDecodeSteps);
+      for (size_t s = 0; s < batch.size(); ++s) {
+        EXPECT_EQ(a.tokens[s], b.tokens[s]) << mc.name << " prompt " << p << " seq " << s << ": greedy tokens differ";
+        identical += a.tokens[s] == b.tokens[s];
+        ++compared;
+        for (int t = 1; t <= kDecodeSteps && a.tokens[s][t - 1] == b.tokens[s][t - 1]; ++t)
+          decode_err = std::max(decode_err, max_abs_diff(a.logits[s][t], b.logits[s][t]));
+      }
+    }
+    std::printf("[ model    ] %-22s persistent DeltaNet mixer %s: decode max|dlogit| vs cpu %.2e, greedy identical "
+                "%d/%d\n",
+                mc.name.c_str(), taken ? "taken" : "not taken", decode_err, identical, compared);
+    EXPECT_LT(decode_err, kLogitTol) << mc.name;
+    if (mc.name == "kiln-tiny") EXPECT_TRUE(taken) << "kiln-tiny's decode steps did not take the persistent kernel";
+  }
+}
+
 // --dtype bfloat16 on whole models (F32 KV cache, so that only the tensor-core inputs differ): the prefill logits
 // against the CPU's. Each tensor-core op is off by ~1.7e-3 (linears) to ~3e-3 (experts, attention) relative to its
 // output (op_check.h); summed over the fixtures' sublayers that predicts ~1e-2. Measured on the H200

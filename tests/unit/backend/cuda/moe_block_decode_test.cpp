@@ -8,11 +8,13 @@
 //
 // Tolerances:
 //  - ids: the CPU's (the logits differ from linear_multi's only in fp32 summation order; the seeds give no near-ties).
-//  - --dtype float32: fp32 products everywhere, only summation orders differ: rel-L2 1e-5 against the CPU and the
-//    unfused CUDA ops.
+//  - --dtype float32: fp32 products everywhere, only summation orders differ: rel-L2 1e-5 against the CPU, and against
+//    the unfused CUDA ops 1e-5 plus their own error against the CPU (the 397B TP-2 shape's unfused ops are 1.1e-5 off
+//    the CPU at T = 4, measured on an H100; the fused kernel 4.5e-7).
 //  - --dtype bfloat16: x and silu(gate) * up rounded to bf16 where they enter the NVFP4 experts, as the tensor-core
 //    path rounds them: against the CPU op_check's kBf16InputTol (1e-2); against the unfused CUDA ops (the same
-//    roundings) 1e-3, as moe_decode_fused_test holds its kernels.
+//    roundings) 1e-3, as moe_decode_fused_test holds its kernels, where they rounded too (where they took the fp32
+//    kernels, as at the small shape, 1e-2), plus their own error against the CPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -168,12 +170,15 @@ TEST_P(MoeBlockDecode, MatchesCpuAndUnfusedOps) {
       const double vs_cpu = rel_err(got, ref.out), vs_unfused = rel_err(got, base.out);
       std::printf("[ moe block] %s: rel-L2 vs cpu %.2e (unfused cuda vs cpu %.2e), vs unfused cuda %.2e\n",
                   label.c_str(), vs_cpu, rel_err(base.out, ref.out), vs_unfused);
+      // Against the unfused CUDA ops: where they took fp32 kernels (small shapes: nothing rounded to bf16, they equal
+      // the CPU to ~1e-7) the bf16 budget is the CPU's; and their own error against the CPU counts on top of ours.
+      const double unfused_err = rel_err(base.out, ref.out);
       if (bf16) {
         EXPECT_LE(vs_cpu, kBf16VsCpuTol);
-        EXPECT_LE(vs_unfused, kBf16VsUnfusedTol);
+        EXPECT_LE(vs_unfused, (unfused_err < kFp32Tol ? kBf16VsCpuTol : kBf16VsUnfusedTol) + unfused_err);
       } else {
         EXPECT_LE(vs_cpu, kFp32Tol);
-        EXPECT_LE(vs_unfused, kFp32Tol);
+        EXPECT_LE(vs_unfused, kFp32Tol + unfused_err);
       }
     }
   }

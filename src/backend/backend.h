@@ -60,6 +60,9 @@ struct GpuLoadOptions {
   // deltanet_block_persistent, taken as persistent_moe is; --enable-persistent-deltanet / --disable-persistent-deltanet).
   // Off until it has been checked and timed on a GPU.
   bool persistent_deltanet = false;
+  // The persistent kernels' L2 prefetch of the weights each warp reads next (cuda::CudaOptions::persistent_prefetch;
+  // --enable-persistent-prefetch, experimental).
+  bool persistent_prefetch = false;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

@@ -22,6 +22,7 @@ struct GpuFlags {
   bool enable_persistent_moe = false;      // gpu.persistent_moe = true
   bool disable_persistent_deltanet = false;  // gpu.persistent_deltanet = false
   bool enable_persistent_deltanet = false;   // gpu.persistent_deltanet = true
+  bool enable_persistent_prefetch = false;   // gpu.persistent_prefetch = true
   bool disable_delta_rule_tensor_cores = false;  // !gpu.delta_rule_tensor_cores
   bool disable_delta_rule_split = false;         // !gpu.delta_rule_split
   bool enable_weight_prefetch = false;     // gpu.weight_prefetch
@@ -99,6 +100,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "output norm and output projection as phases of one grid (docs/perf/decode-latency.md)");
   app.add_flag("--disable-persistent-deltanet", f.disable_persistent_deltanet,
                "cuda: run the DeltaNet mixer of decode steps as its separate kernels (the default for now)");
+  app.add_flag("--enable-persistent-prefetch", f.enable_persistent_prefetch,
+               "cuda, experimental: the persistent kernels ask L2 for the weights each warp reads next (the next "
+               "projection row, the next phase's rows while the current one runs)");
   app.add_flag("--disable-delta-rule-tensor-cores", f.disable_delta_rule_tensor_cores,
                "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
                "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "
@@ -125,6 +129,7 @@ inline void apply_gpu_flags(const GpuFlags& f, backend::LoadOptions& lo) {
   lo.gpu.fused_decode_ops = !f.disable_fused_decode_ops;
   lo.gpu.persistent_moe = f.enable_persistent_moe && !f.disable_persistent_moe;
   lo.gpu.persistent_deltanet = f.enable_persistent_deltanet && !f.disable_persistent_deltanet;
+  lo.gpu.persistent_prefetch = f.enable_persistent_prefetch;
   lo.gpu.delta_rule_tensor_cores = !f.disable_delta_rule_tensor_cores;
   lo.gpu.delta_rule_split = !f.disable_delta_rule_split;
   lo.gpu.weight_prefetch = f.enable_weight_prefetch;

@@ -1475,6 +1475,7 @@ bool CudaOps::moe_block(const TensorView& x, const model::ResidualNorm* pre, con
   a.workspace = impl_->rt.scratch(kops::moe_block_decode_workspace_bytes(T, E, Is, top_k, tab.inter));
   a.barrier = impl_->persistent_barrier;
   a.out = f32_mut(out);
+  a.prefetch = impl_->options.persistent_prefetch;
   kops::moe_block_decode(a, impl_->persistent_grid, impl_->rt.stream());
   return true;
 }
@@ -1548,6 +1549,7 @@ bool CudaOps::deltanet_block(const model::ResidualNorm& in, const DeltaNetBlockW
   a.workspace = impl_->rt.scratch(kops::deltanet_block_decode_workspace_bytes(T, Hk, Hv, Dk, Dv));
   a.barrier = impl_->persistent_barrier;
   a.out = f32_mut(out);
+  a.prefetch = impl_->options.persistent_prefetch;
   kops::deltanet_block_decode(a, impl_->persistent_grid, impl_->rt.stream());
   return true;
 }

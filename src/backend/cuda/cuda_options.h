@@ -67,6 +67,9 @@ struct CudaOptions {
   // norm and output projection as phases of one grid), where the projections are dense BF16. Taken as
   // moe_block_persistent is (sm_90, one rank per GPU) with --enable-persistent-deltanet; false here.
   bool deltanet_block_persistent = false;
+  // The persistent kernels ask L2 for the weights a warp reads next (cp.async.bulk.prefetch: the next dense row, the
+  // rows of the following phase while the current one runs); --enable-persistent-prefetch, experimental.
+  bool persistent_prefetch = false;
   // Its largest step (1-4 tokens: decode at batch <= 4, verify passes of K <= 3 at batch 1).
   int moe_block_max_tokens = 4;
   // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16

@@ -86,8 +86,11 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
         if (r < C + Z + Hv) return static_cast<const uint16_t*>(a.w_b) + int64_t(r - C - Z) * H;
         return static_cast<const uint16_t*>(a.w_a) + int64_t(r - C - Z - Hv) * H;
       },
-      R, H, T, smem4, ws, R4);
+      R, H, T, smem4, ws, R4, a.prefetch);
   grid_barrier(a.barrier);
+  if (a.prefetch && lane == 0)  // the output projection's rows this warp reads in phase C, while phase B runs
+    for (int r = blockIdx.x * kWarps + warp; r < H; r += gridDim.x * kWarps)
+      ptx::prefetch_l2_bulk(static_cast<const uint16_t*>(a.w_out) + int64_t(r) * K, 2u * K);
   if (a.residual_y && blockIdx.x == 0) residual_write_back(a.residual, a.residual_y, T, H);
 
   // ---- B: (sequence, value head, 32 value columns) items: conv, gates, norms, the delta rule
@@ -211,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
   }
   __syncthreads();
   dense_rows<4, kT>([&](int r) { return static_cast<const uint16_t*>(a.w_out) + int64_t(r) * K; }, H, K, T, smem4,
-                    a.out, H);
+                    a.out, H, a.prefetch);
 }
 
 template <int kKC, int kT>

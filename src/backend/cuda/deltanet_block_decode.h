@@ -46,6 +46,9 @@ struct DeltaNetBlockArgs {
   void* workspace = nullptr;    // deltanet_block_decode_workspace_bytes()
   unsigned* barrier = nullptr;  // 2 words, zero before the first launch; the kernel leaves them ready for the next
   float* out = nullptr;         // [T, H]
+  // L2 prefetch (cp.async.bulk.prefetch) of the weights a warp reads next: the next input-projection row, and during
+  // phase B the output projection's rows (CudaOptions::persistent_prefetch).
+  bool prefetch = false;
 };
 
 // Whether the kernel serves the shapes: 1 <= T <= 4, H % 32 == 0 and H <= 4096, Dk == Dv == 128, Hk >= 1,

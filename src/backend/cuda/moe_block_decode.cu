@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
         if (r < E + 2 * Is) return static_cast<const uint16_t*>(a.shared_up_proj) + int64_t(r - E - Is) * H;
         return static_cast<const uint16_t*>(a.shared_expert_gate);
       },
-      R, H, T, xs4, ws, R4);
+      R, H, T, xs4, ws, R4, a.prefetch);
   grid_barrier(a.barrier);
   // Every block has read the residual stream: block 0 writes residual + y back (bitwise phase 0's sum).
   if (a.residual && blockIdx.x == 0) residual_write_back(a.residual, a.residual_y, T, H);
@@ -205,6 +205,17 @@ __global__ void __launch_bounds__(kThreads, 1) moe_block_decode_kernel(const Moe
   }
   __syncthreads();
   const int NU = s_nu;
+  if (a.prefetch && lane == 0) {  // this warp's phase-D rows (shared down, each distinct expert's down row) into L2
+    for (int h = gwarp; h < H; h += nwarps) {
+      ptx::prefetch_l2_bulk(static_cast<const uint16_t*>(a.shared_down_proj) + int64_t(h) * Is, 2u * Is);
+      for (int u = 0; u < NU; ++u) {
+        ptx::prefetch_l2_bulk(s_desc[u].data[2] + int64_t(h) * (I / 2), static_cast<uint32_t>(I / 2));
+        const uint8_t* sc = s_desc[u].scales[2] + int64_t(h) * (I / 16);  // bulk: 16-byte aligned, a multiple of 16
+        if ((reinterpret_cast<uintptr_t>(sc) & 15u) == 0 && (I / 16) % 16 == 0)
+          ptx::prefetch_l2_bulk(sc, static_cast<uint32_t>(I / 16));
+      }
+    }
+  }
 
   // ---- C: (distinct expert u, row i) items: for each token t that picked u, silu(gate_u[i] . x_t) * (up_u[i] . x_t)
   // into the workspace row of its pair

@@ -41,6 +41,9 @@ struct MoeBlockArgs {
   float* out = nullptr;        // [T, H]
   int32_t* ids = nullptr;      // [T, top_k] (may be null): the routing's ids and weights, as moe_route writes them
   float* weights = nullptr;
+  // L2 prefetch (cp.async.bulk.prefetch) of the weights a warp reads next: the next dense row of phase A, and during
+  // phase C the shared and routed down rows of its phase-D rows (CudaOptions::persistent_prefetch).
+  bool prefetch = false;
 };
 
 // Whether the kernel serves the shapes: 1 <= T <= 4, H % 32 == 0 and H <= 4096, top_k <= E <= 1024, 1 <= top_k <= 16,

@@ -132,14 +132,17 @@ __device__ __forceinline__ void residual_write_back(float* residual, const float
 // per row over all the grid's warps: out[t * ld_out + r] = row . x_t for the T <= kT tokens of xs4 (swizzled rows of K
 // floats). 16-byte streaming loads, a pass of 1024 kKC weights of the row in flight at once (one pass where
 // K <= 1024 kKC); fp32 products and sums.
+// prefetch: lane 0 first asks L2 for the warp's next row (cp.async.bulk.prefetch), so that its bytes stream while
+// this row's loads are waited on.
 template <int kKC, int kT, typename RowPtr>
 __device__ __forceinline__ void dense_rows(RowPtr row_ptr, int R, int K, int T, const float4* xs4, float* out,
-                                           int ld_out) {
+                                           int ld_out, bool prefetch = false) {
   constexpr int kLoads = 4 * kKC;  // 16-byte loads (8 weights) per lane and pass, those past K idle
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
   for (int r = gwarp; r < R; r += nwarps) {
     const uint16_t* w = row_ptr(r);
+    if (prefetch && lane == 0 && r + nwarps < R) ptx::prefetch_l2_bulk(row_ptr(r + nwarps), 2u * K);
     float acc[kT];
 #pragma unroll
     for (int t = 0; t < kT; ++t) acc[t] = 0.0f;

@@ -101,10 +101,7 @@ __global__ void l2norm_qk_kernel(const float* __restrict__ q, const float* __res
   const int64_t v_index = is_q ? vec : vec - vectors, t = v_index / Hk, head = v_index % Hk;
   const float* src = (is_q ? q + t * ldq : k + t * ldk) + head * Dk;
   float* dst = (is_q ? qn : kn) + (is_q ? vec : vec - vectors) * Dk;
-  float ss = 0.0f;
-  for (int64_t i = lane; i < Dk; i += 32) ss += src[i] * src[i];
-  ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss + 1e-6f);
+  const float inv = warp_inv_l2(src, Dk);
   const float q_scale = sqrtf(static_cast<float>(Dk));
   for (int64_t i = lane; i < Dk; i += 32) dst[i] = is_q ? (src[i] * inv) / q_scale : src[i] * inv;
 }
@@ -161,11 +158,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32 * kCG, kRows <= 16 ? 4 / kCG 
     }
     __syncthreads();
     if (cg == 0 && warp < 2) {  // warp 0: |q|, warp 1: |k|
-      const float* src = warp == 0 ? q_s : k_s;
-      float ss = 0.0f;
-      for (int i = lane; i < Dk; i += 32) ss += src[i] * src[i];
-      ss = warp_sum(ss);
-      if (lane == 0) inv_norm[warp] = 1.0f / sqrtf(ss + 1e-6f);
+      const float inv = warp_inv_l2(warp == 0 ? q_s : k_s, Dk);
+      if (lane == 0) inv_norm[warp] = inv;
     }
     __syncthreads();
     {
@@ -180,12 +174,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32 * kCG, kRows <= 16 ? 4 / kCG 
     if constexpr (kRaw) {  // delta_rule_gates_kernel's arithmetic
       const int64_t th = int64_t(t) * Hv + h;
       const float a_in = gates.a[th], b_in = gates.b[th];
-      const float A_log = load_elem(gates.A_log, gates.A_log_elem, h);
-      const float dt_b = load_elem(gates.dt_bias, gates.dt_bias_elem, h);
-      const float xv = a_in + dt_b;
-      const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));
-      decay = expf(-expf(A_log) * softplus);
-      bt = 1.0f / (1.0f + expf(-b_in));
+      delta_gates(a_in, b_in, load_elem(gates.A_log, gates.A_log_elem, h),
+                  load_elem(gates.dt_bias, gates.dt_bias_elem, h), decay, bt);
     } else {
       decay = expf(g[int64_t(t) * Hv + h]);
       bt = beta[int64_t(t) * Hv + h];

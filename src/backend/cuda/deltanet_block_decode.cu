@@ -125,19 +125,16 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
         st[2] = win[3];
       }
     } else if (tid == 2 * kD + kCols) {  // the gates: delta_rule_gates_kernel's arithmetic
-      const float a_in = __ldcg(xt + C + Z + Hv + h), b_in = __ldcg(xt + C + Z + h);
-      const float xv = a_in + load_elem(a.dt_bias, a.dt_bias_elem, h);
-      const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));
-      s_decay = expf(-expf(load_elem(a.A_log, a.A_log_elem, h)) * softplus);
-      s_beta = 1.0f / (1.0f + expf(-b_in));
+      float decay, beta;
+      delta_gates(__ldcg(xt + C + Z + Hv + h), __ldcg(xt + C + Z + h), load_elem(a.A_log, a.A_log_elem, h),
+                  load_elem(a.dt_bias, a.dt_bias_elem, h), decay, beta);
+      s_decay = decay;
+      s_beta = beta;
     }
     __syncthreads();
     if (warp < 2) {  // warp 0: |q|, warp 1: |k| (l2norm_qk_kernel's sums)
-      const float* src = warp == 0 ? q_s : k_s;
-      float ss = 0.0f;
-      for (int i = lane; i < kD; i += 32) ss += src[i] * src[i];
-      ss = warp_sum(ss);
-      if (lane == 0) s_inv[warp] = 1.0f / sqrtf(ss + 1e-6f);
+      const float inv = warp_inv_l2(warp == 0 ? q_s : k_s, kD);
+      if (lane == 0) s_inv[warp] = inv;
     }
     __syncthreads();
     if (tid < kD) q_s[tid] = (q_s[tid] * s_inv[0]) / sqrtf(static_cast<float>(kD));

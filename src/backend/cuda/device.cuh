@@ -146,6 +146,16 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// The gated delta rule's gates of one (token, value head) from their raw inputs, delta_rule_gates_kernel's arithmetic:
+// decay = exp(g) = exp(-exp(A_log) softplus(a + dt_bias)) (torch softplus, threshold 20), beta = sigmoid(b).
+__device__ __forceinline__ void delta_gates(float a_in, float b_in, float A_log, float dt_bias, float& decay,
+                                            float& beta) {
+  const float xv = a_in + dt_bias;
+  const float softplus = xv > 20.0f ? xv : log1pf(expf(xv));
+  decay = expf(-expf(A_log) * softplus);
+  beta = 1.0f / (1.0f + expf(-b_in));
+}
+
 // ---- reductions over a warp and over a block: the one set every kernel of this folder uses. Every lane (thread)
 // gets the same result, in a fixed order: an xor butterfly pairs the same lanes in every lane, and a block combines
 // its warps' results in warp order, the same loop in every thread; so a result never depends on scheduling. Max is
@@ -188,6 +198,15 @@ __device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, MaxOp{}); }
 
 // 1 / sqrt(mean(x^2) + eps) of the row xr [D] (global or shared memory), by the calling warp (lane l sums elements l,
 // l + 32, ...): the RMSNorm kernels' and the delta rule's fused output norm's (deltanet.cu) one arithmetic.
+// 1 / sqrt(sum v^2 + 1e-6) of n floats, over a warp (lane-strided sums, then a warp sum): the delta rule's L2 norm of
+// q and k (every lane gets it).
+__device__ __forceinline__ float warp_inv_l2(const float* __restrict__ v, int64_t n) {
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x & 31; i < n; i += 32) ss += v[i] * v[i];
+  ss = warp_sum(ss);
+  return 1.0f / sqrtf(ss + 1e-6f);
+}
+
 __device__ __forceinline__ float warp_row_inv_rms(const float* __restrict__ xr, int64_t D, float eps) {
   float ss = 0.0f;
   for (int64_t i = threadIdx.x & 31; i < D; i += 32) ss += xr[i] * xr[i];

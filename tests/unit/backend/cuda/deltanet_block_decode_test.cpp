@@ -54,15 +54,7 @@ struct HostLayer {
   TensorView conv, A_log, dt_bias, norm, in_norm;
 };
 LinearWeight host_bf16(HostLayer& h, std::mt19937_64& rng, int64_t N, int64_t K) {
-  std::vector<uint16_t>& v = h.bf16.emplace_back(static_cast<size_t>(N * K));
-  std::normal_distribution<float> d(0.0f, 1.0f / std::sqrt(static_cast<float>(K)));
-  for (uint16_t& e : v) e = f32_to_bf16(d(rng));
-  LinearWeight w;
-  w.format = WeightFormat::dense;
-  w.out_features = N;
-  w.in_features = K;
-  w.weight = TensorView(v.data(), DType::BF16, Shape{N, K});
-  return w;
+  return test::random_bf16_weight(h.bf16, rng, N, K);
 }
 TensorView host_f32(HostLayer& h, std::vector<float> v, Shape shape) {
   std::vector<float>& s = h.f32.emplace_back(std::move(v));

@@ -55,15 +55,7 @@ struct HostDense {
   LinearWeight router, gate, up, down, shared_gate;
 };
 LinearWeight host_bf16(HostDense& h, std::mt19937_64& rng, int64_t N, int64_t K) {
-  std::vector<uint16_t>& v = h.bytes.emplace_back(static_cast<size_t>(N * K));
-  std::normal_distribution<float> d(0.0f, 1.0f / std::sqrt(static_cast<float>(K)));
-  for (uint16_t& e : v) e = f32_to_bf16(d(rng));
-  LinearWeight w;
-  w.format = WeightFormat::dense;
-  w.out_features = N;
-  w.in_features = K;
-  w.weight = TensorView(v.data(), DType::BF16, Shape{N, K});
-  return w;
+  return test::random_bf16_weight(h.bytes, rng, N, K);
 }
 HostDense make_dense(const BlockShape& s, uint64_t seed) {
   HostDense h;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,20 @@ double rel_err(const std::vector<A>& out, const std::vector<B>& ref) {
     den += r * r;
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// A dense BF16 weight [N, K] of N(0, 1 / K) values on the host, its bytes kept in `store` (which must outlive it).
+inline model::LinearWeight random_bf16_weight(std::vector<std::vector<uint16_t>>& store, std::mt19937_64& rng,
+                                              int64_t N, int64_t K) {
+  std::vector<uint16_t>& v = store.emplace_back(static_cast<size_t>(N * K));
+  std::normal_distribution<float> d(0.0f, 1.0f / std::sqrt(static_cast<float>(K)));
+  for (uint16_t& e : v) e = f32_to_bf16(d(rng));
+  model::LinearWeight w;
+  w.format = model::WeightFormat::dense;
+  w.out_features = N;
+  w.in_features = K;
+  w.weight = TensorView(v.data(), DType::BF16, Shape{N, K});
+  return w;
 }
 
 // The checks of compare_ops whose op name starts with `prefix`.

@@ -3,7 +3,8 @@
 # deltanet_block_decode.cu). Their tests, the 35B-A3B decode step with each on and off (one binary, one call), the eager
 # per-op profile with both on and both off, and Nsight Compute on a few launches of each kernel.
 # Usage: OUT=... bash tools/gpu/persistent_decode.sh CARRY [tests,bench,profile,ncu] (CARRY/new: kiln and test_cuda,
-# xz-compressed; CARRY/lib: tools/gpu/README.md). $BATCHES (default 1,2,4), $NCU_BATCHES (default 1 4).
+# xz-compressed; CARRY/lib: tools/gpu/README.md). $BATCHES (default 1,2,4), $NCU_BATCHES (default 1 4). Writes at most
+# 7 files to $OUT (the device tool returns 8): gpu.txt, tests.log, bench.log, profile.log, ncu.err, ncu1.csv, ncu4.csv.
 set -uo pipefail
 CARRY=${1:-gpu-carry}; WHAT=${2:-tests,bench,profile,ncu}; OUT=${OUT:-/tmp/kiln-gpu}
 source tools/gpu/carry.sh
@@ -18,18 +19,19 @@ if has tests; then
   grep -E "delta blk\]|persistent DeltaNet|persistent MoE" $OUT/tests.log | head -40
   grep -B2 -A8 "Failure" $OUT/tests.log | head -60
 fi
-be() { local label=$1; shift; timeout 60 $K bench-engine --device cuda --model-path $C35 --load-format dummy \
-  --skip-self-check --input-len 256 "$@" > $OUT/$label.txt 2>&1; echo "-- $label rc=$? ($((SECONDS-S0)) s): $*"; }
+be() { local log=$1 label=$2; shift 2; echo "== $label: $*" >> $OUT/$log; timeout 60 $K bench-engine --device cuda \
+  --model-path $C35 --load-format dummy --skip-self-check --input-len 256 "$@" > $OUT/last.txt 2>&1
+  echo "-- $label rc=$? ($((SECONDS-S0)) s): $*"; }
 if has bench; then
   for v in "off|" "moe|$MOE" "delta|$DELTA" "both|$MOE $DELTA"; do
-    be "b_${v%%|*}" --batch ${BATCHES:-1,2,4} --output-len 32 ${v#*|}
-    grep -E "^batch" $OUT/b_${v%%|*}.txt | sed -E 's/prefill [^|]*\| //' | cut -c1-120
+    be bench.log "${v%%|*}" --batch ${BATCHES:-1,2,4} --output-len 32 ${v#*|}
+    grep -E "^batch" $OUT/last.txt | sed -E 's/prefill [^|]*\| //' | cut -c1-120 | tee -a $OUT/bench.log
   done
 fi
 if has profile; then
   for b in 1 4; do for v in "off|" "both|$MOE $DELTA"; do
-    be "p${b}_${v%%|*}" --batch $b --output-len 8 --profile ${v#*|}
-    grep -A16 "per-op time of one decode" $OUT/p${b}_${v%%|*}.txt | cut -c1-100
+    be profile.log "batch $b ${v%%|*}" --batch $b --output-len 8 --profile ${v#*|}
+    grep -A24 "per-op time of one decode" $OUT/last.txt | tee -a $OUT/profile.log | head -16 | cut -c1-100
   done; done
 fi
 if has ncu; then
@@ -39,12 +41,14 @@ if has ncu; then
       --launch-count 2 --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
       --section SchedulerStats --csv --page details $K bench-engine --device cuda --model-path $C35 \
       --load-format dummy --skip-self-check --batch $b --input-len 4 --output-len 4 --disable-cuda-graph $MOE $DELTA \
-      > $OUT/ncu$b.csv 2> $OUT/ncu$b.err
-    echo "ncu batch $b rc=$? ($((SECONDS-S0)) s)"; tail -2 $OUT/ncu$b.err
+      > $OUT/ncu$b.csv 2>> $OUT/ncu.err
+    echo "ncu batch $b rc=$? ($((SECONDS-S0)) s)"; tail -2 $OUT/ncu.err
     python3 - $OUT/ncu$b.csv <<'PY'
 import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows: print("no ncu rows"); sys.exit()
+rows = list(csv.reader(open(sys.argv[1])))
+start = [i for i, r in enumerate(rows) if r and r[0] == "ID"]  # the program's own output comes first
+if not start: print("no ncu rows"); sys.exit()
+rows = [r for r in rows[start[0]:] if len(r) > 15]
 h = {n: i for i, n in enumerate(rows[0])}
 keep = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Achieved Occupancy",
         "Registers Per Thread", "Warp Cycles Per Issued Instruction", "Issued Warp Per Scheduler", "No Eligible",
@@ -55,4 +59,5 @@ for r in rows[1:]:
 PY
   done
 fi
+rm -f $OUT/last.txt
 echo "total $((SECONDS-S0)) s"

@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
   residual_norm_rows(a.residual, a.residual_y, T, H, a.in_norm_w, a.in_norm_elem, a.in_norm_eps,
                      a.in_norm_zero_centred, smem4);
 
-  // ---- A: the input projections
-  dense_rows<kKC, kT>(
+  // ---- A: the input projections (two rows in flight per warp where the registers allow: ~6 rows per warp)
+  dense_rows<kKC, kT, kKC <= 2 ? 2 : 1>(
       [&](int r) {
         if (r < C) return static_cast<const uint16_t*>(a.w_qkv) + int64_t(r) * H;
         if (r < C + Z) return static_cast<const uint16_t*>(a.w_z) + int64_t(r - C) * H;

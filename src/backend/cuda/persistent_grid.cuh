@@ -131,50 +131,67 @@ __device__ __forceinline__ void residual_write_back(float* residual, const float
 // Rows [0, R) of dense BF16 weights [*, K] (row_ptr(r): the row's first element, 16-byte aligned; K % 8 == 0), a warp
 // per row over all the grid's warps: out[t * ld_out + r] = row . x_t for the T <= kT tokens of xs4 (swizzled rows of K
 // floats). 16-byte streaming loads, a pass of 1024 kKC weights of the row in flight at once (one pass where
-// K <= 1024 kKC); fp32 products and sums.
-// prefetch: lane 0 first asks L2 for the warp's next row (cp.async.bulk.prefetch), so that its bytes stream while
-// this row's loads are waited on.
-template <int kKC, int kT, typename RowPtr>
+// K <= 1024 kKC); fp32 products and sums. kRI: rows a warp has in flight together (r, r + warps, ...: more bytes in
+// flight per warp where a warp has several rows; 4 kKC kRI 16-byte registers per lane). prefetch: lane 0 first asks L2
+// for the warp's next rows (cp.async.bulk.prefetch), so that their bytes stream while these rows' loads are waited on.
+template <int kKC, int kT, int kRI = 1, typename RowPtr>
 __device__ __forceinline__ void dense_rows(RowPtr row_ptr, int R, int K, int T, const float4* xs4, float* out,
                                            int ld_out, bool prefetch = false) {
-  constexpr int kLoads = 4 * kKC;  // 16-byte loads (8 weights) per lane and pass, those past K idle
+  constexpr int kLoads = 4 * kKC;  // 16-byte loads (8 weights) per lane, row and pass, those past K idle
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
-  for (int r = gwarp; r < R; r += nwarps) {
-    const uint16_t* w = row_ptr(r);
-    if (prefetch && lane == 0 && r + nwarps < R) ptx::prefetch_l2_bulk(row_ptr(r + nwarps), 2u * K);
-    float acc[kT];
+  for (int r0 = gwarp; r0 < R; r0 += kRI * nwarps) {
+    const uint16_t* w[kRI];
 #pragma unroll
-    for (int t = 0; t < kT; ++t) acc[t] = 0.0f;
+    for (int j = 0; j < kRI; ++j) w[j] = r0 + j * nwarps < R ? row_ptr(r0 + j * nwarps) : nullptr;
+    if (prefetch && lane == 0)
+#pragma unroll
+      for (int j = 0; j < kRI; ++j)
+        if (r0 + (kRI + j) * nwarps < R) ptx::prefetch_l2_bulk(row_ptr(r0 + (kRI + j) * nwarps), 2u * K);
+    float acc[kRI][kT];
+#pragma unroll
+    for (int j = 0; j < kRI; ++j)
+#pragma unroll
+      for (int t = 0; t < kT; ++t) acc[j][t] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += 1024 * kKC) {
-      uint4 raw[kLoads];
+      uint4 raw[kRI][kLoads];
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int k = k0 + 8 * (lane + 32 * u);
-        raw[u] = k < K ? ptx::ld_stream_16(w + k) : make_uint4(0, 0, 0, 0);
-      }
+      for (int j = 0; j < kRI; ++j)
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int k = k0 + 8 * (lane + 32 * u);
-        if (k >= K) break;
-        const int k4 = k / 4;
-        const uint32_t p[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+        for (int u = 0; u < kLoads; ++u) {
+          const int k = k0 + 8 * (lane + 32 * u);
+          raw[j][u] = w[j] && k < K ? ptx::ld_stream_16(w[j] + k) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-        for (int t = 0; t < kT; ++t) {
-          if (t >= T) break;
-          const float4 x0 = xs4[t * (K / 4) + swz(k4)], x1 = xs4[t * (K / 4) + swz(k4 + 1)];
-          acc[t] += x0.x * __uint_as_float(p[0] << 16) + x0.y * __uint_as_float(p[0] & 0xffff0000u) +
-                    x0.z * __uint_as_float(p[1] << 16) + x0.w * __uint_as_float(p[1] & 0xffff0000u);
-          acc[t] += x1.x * __uint_as_float(p[2] << 16) + x1.y * __uint_as_float(p[2] & 0xffff0000u) +
-                    x1.z * __uint_as_float(p[3] << 16) + x1.w * __uint_as_float(p[3] & 0xffff0000u);
+      for (int j = 0; j < kRI; ++j) {
+        if (!w[j]) break;
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int k = k0 + 8 * (lane + 32 * u);
+          if (k >= K) break;
+          const int k4 = k / 4;
+          const uint32_t p[4] = {raw[j][u].x, raw[j][u].y, raw[j][u].z, raw[j][u].w};
+#pragma unroll
+          for (int t = 0; t < kT; ++t) {
+            if (t >= T) break;
+            const float4 x0 = xs4[t * (K / 4) + swz(k4)], x1 = xs4[t * (K / 4) + swz(k4 + 1)];
+            acc[j][t] += x0.x * __uint_as_float(p[0] << 16) + x0.y * __uint_as_float(p[0] & 0xffff0000u) +
+                         x0.z * __uint_as_float(p[1] << 16) + x0.w * __uint_as_float(p[1] & 0xffff0000u);
+            acc[j][t] += x1.x * __uint_as_float(p[2] << 16) + x1.y * __uint_as_float(p[2] & 0xffff0000u) +
+                         x1.z * __uint_as_float(p[3] << 16) + x1.w * __uint_as_float(p[3] & 0xffff0000u);
+          }
         }
       }
     }
 #pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      if (t >= T) break;
-      const float v = warp_sum(acc[t]);
-      if (lane == 0) out[t * ld_out + r] = v;
+    for (int j = 0; j < kRI; ++j) {
+      if (!w[j]) break;
+#pragma unroll
+      for (int t = 0; t < kT; ++t) {
+        if (t >= T) break;
+        const float v = warp_sum(acc[j][t]);
+        if (lane == 0) out[t * ld_out + r0 + j * nwarps] = v;
+      }
     }
   }
 }

@@ -40,18 +40,16 @@ namespace {
 using namespace dev;
 using namespace persistent;
 
-constexpr int kD = 128;       // Dk == Dv
 constexpr int kCols = 32;     // value columns per item of phase B (a lane each)
-constexpr int kGroups = kD / kCols;
-constexpr int kRowsPerWarp = kD / kWarps;  // state rows per thread in phase B: row i = warp + kWarps r
 constexpr int kKc = 4;        // conv kernel
 constexpr int kMaxT = 4;
 constexpr int kMaxH = 4096;
 constexpr int kMaxHv = 64;
 constexpr int kMaxSmem = 200 * 1024;
 
-size_t smem_bytes(int64_t T, int64_t H, int64_t Hv) {
-  return sizeof(float) * static_cast<size_t>(T * std::max<int64_t>(H, Hv * kD));
+// Dk == Dv == D (64 or 128: the kernel's instances).
+size_t smem_bytes(int64_t T, int64_t H, int64_t Hv, int64_t D) {
+  return sizeof(float) * static_cast<size_t>(T * std::max<int64_t>(H, Hv * D));
 }
 
 // Element f of row t of a swizzled shared-memory matrix with rows of K floats.
@@ -59,8 +57,11 @@ __device__ __forceinline__ float& srow(float4* base, int K, int t, int f) {
   return reinterpret_cast<float*>(base + t * (K / 4) + swz(f >> 2))[f & 3];
 }
 
-template <int kKC, int kT>
+// kD: Dk == Dv (64 or 128).
+template <int kKC, int kT, int kD>
 __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(const DeltaNetBlockArgs a) {
+  constexpr int kGroups = kD / kCols;
+  constexpr int kRowsPerWarp = kD / kWarps;  // state rows per thread in phase B: row i = warp + kWarps r
   dev::pdl_enter();  // first statement: see launch.cuh
   extern __shared__ float4 smem4[];
   __shared__ float q_s[kD], k_s[kD], v_s[kCols];
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) sv[r] = load_state(a.state, S0 + int64_t(warp + kWarps * r) * kD + j);
     const float* xt = ws + t * R4;
-    if (tid < 2 * kD + kCols) {  // the conv + SiLU of q (tid < 128), k (< 256) and this item's v channels
+    if (tid < 2 * kD + kCols) {  // the conv + SiLU of q (tid < kD), k (< 2 kD) and this item's v channels
       const int c = tid < kD ? kh * kD + tid : tid < 2 * kD ? Hk * kD + kh * kD + (tid - kD)
                                                             : QK + h * kD + cg * kCols + (tid - 2 * kD);
       float* st = a.conv_state + (int64_t(slot) * C + c) * (kKc - 1);
@@ -214,9 +215,9 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
                     a.out, H, a.prefetch);
 }
 
-template <int kKC, int kT>
+template <int kKC, int kT, int kD>
 void prepare_one(bool& ok) {
-  auto* kernel = deltanet_block_decode_kernel<kKC, kT>;
+  auto* kernel = deltanet_block_decode_kernel<kKC, kT, kD>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
   int n = 0;
   KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kMaxSmem));
@@ -224,27 +225,35 @@ void prepare_one(bool& ok) {
 }
 template <int kKC>
 void prepare_kc(bool& ok) {
-  prepare_one<kKC, 1>(ok);
-  prepare_one<kKC, kMaxT>(ok);
+  prepare_one<kKC, 1, 64>(ok);
+  prepare_one<kKC, kMaxT, 64>(ok);
+  prepare_one<kKC, 1, 128>(ok);
+  prepare_one<kKC, kMaxT, 128>(ok);
 }
 
-template <int kKC>
-void launch_kc(const DeltaNetBlockArgs& a, int grid, Stream stream) {
-  const size_t smem = smem_bytes(a.T, a.H, a.Hv);
+template <int kKC, int kD>
+void launch_kd(const DeltaNetBlockArgs& a, int grid, Stream stream) {
+  const size_t smem = smem_bytes(a.T, a.H, a.Hv, kD);
   if (a.T == 1)
-    launch_kernel(deltanet_block_decode_kernel<kKC, 1>, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem,
+    launch_kernel(deltanet_block_decode_kernel<kKC, 1, kD>, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem,
                   stream, a);
   else
-    launch_kernel(deltanet_block_decode_kernel<kKC, kMaxT>, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem,
-                  stream, a);
+    launch_kernel(deltanet_block_decode_kernel<kKC, kMaxT, kD>, dim3(static_cast<unsigned>(grid)), dim3(kThreads),
+                  smem, stream, a);
   KILN_CUDA_CHECK_LAUNCH();
+}
+template <int kKC>
+void launch_kc(const DeltaNetBlockArgs& a, int grid, Stream stream) {
+  if (a.Dk == 64) launch_kd<kKC, 64>(a, grid, stream);
+  else launch_kd<kKC, 128>(a, grid, stream);
 }
 
 }  // namespace
 
 bool deltanet_block_decode_supported(int64_t T, int64_t H, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
-  return T >= 1 && T <= kMaxT && H >= 32 && H % 32 == 0 && H <= kMaxH && Dk == kD && Dv == kD && Hk >= 1 &&
-         Hv >= Hk && Hv % Hk == 0 && Hv <= kMaxHv && smem_bytes(T, H, Hv) <= static_cast<size_t>(kMaxSmem);
+  return T >= 1 && T <= kMaxT && H >= 32 && H % 32 == 0 && H <= kMaxH && (Dk == 64 || Dk == 128) && Dv == Dk &&
+         Hk >= 1 && Hv >= Hk && Hv % Hk == 0 && Hv <= kMaxHv &&
+         smem_bytes(T, H, Hv, Dk) <= static_cast<size_t>(kMaxSmem);
 }
 
 size_t deltanet_block_decode_workspace_bytes(int64_t T, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {

@@ -51,7 +51,7 @@ struct DeltaNetBlockArgs {
   bool prefetch = false;
 };
 
-// Whether the kernel serves the shapes: 1 <= T <= 4, H % 32 == 0 and H <= 4096, Dk == Dv == 128, Hk >= 1,
+// Whether the kernel serves the shapes: 1 <= T <= 4, H % 32 == 0 and H <= 4096, Dk == Dv == 64 or 128, Hk >= 1,
 // Hv % Hk == 0, Hv <= 64 (the rank's heads), and x / the normed output rows within the shared memory limit. The caller
 // also checks the dtypes (dense BF16 projections, F32 conv state) and 16-byte alignment.
 bool deltanet_block_decode_supported(int64_t T, int64_t H, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);

@@ -3,7 +3,7 @@
 // linear_multi of in_proj q/k/v, z, b, a, causal_conv1d_silu, gated_delta_rule_norm (the recurrence) and the out
 // projection; and against the same unfused ops on the GPU. Three decode steps in a row (the conv state's window and the
 // recurrent state carry over), 1, 2 and 4 sequences in scattered slots, at the rank shapes of the 35B-A3B (TP 1) and
-// the 397B-A17B (TP 2 and 8), and a small one. Compared after every step: the output, the residual stream, the conv
+// the 397B-A17B (TP 2 and 8), kiln-tiny's (64-wide heads) and a small one. Compared after every step: the output, the residual stream, the conv
 // state and the recurrent state. Skipped without a usable GPU.
 //
 // Tolerances: fp32 products and sums everywhere, only summation orders differ (the projections' dot products, the
@@ -35,9 +35,9 @@ using test::rel_err;
 struct Shape4 {
   const char* name;
   int64_t H, Hk, Hv;
+  int64_t D = 128;  // Dk == Dv
 };
 void PrintTo(const Shape4& s, std::ostream* os) { *os << s.name; }
-constexpr int64_t kD = 128;
 
 std::vector<float> normal(std::mt19937_64& rng, size_t n, float sd, float mean = 0.0f) {
   std::normal_distribution<float> d(mean, sd);
@@ -65,12 +65,12 @@ HostLayer make_layer(const Shape4& s, uint64_t seed) {
   h.bf16.reserve(8);
   h.f32.reserve(8);
   std::mt19937_64 rng(seed);
-  const int64_t H = s.H, C = 2 * s.Hk * kD + s.Hv * kD;
+  const int64_t H = s.H, C = 2 * s.Hk * s.D + s.Hv * s.D;
   h.qkv = host_bf16(h, rng, C, H);
-  h.z = host_bf16(h, rng, s.Hv * kD, H);
+  h.z = host_bf16(h, rng, s.Hv * s.D, H);
   h.b = host_bf16(h, rng, s.Hv, H);
   h.a = host_bf16(h, rng, s.Hv, H);
-  h.out = host_bf16(h, rng, H, s.Hv * kD);
+  h.out = host_bf16(h, rng, H, s.Hv * s.D);
   h.conv = host_f32(h, normal(rng, static_cast<size_t>(C * 4), 0.5f), Shape{C, 4});
   std::uniform_real_distribution<float> u(0.0f, 1.0f);
   std::vector<float> A_log, dt_bias;
@@ -81,7 +81,7 @@ HostLayer make_layer(const Shape4& s, uint64_t seed) {
   }
   h.A_log = host_f32(h, A_log, Shape{s.Hv});
   h.dt_bias = host_f32(h, dt_bias, Shape{s.Hv});
-  h.norm = host_f32(h, normal(rng, kD, 0.2f, 1.0f), Shape{kD});
+  h.norm = host_f32(h, normal(rng, static_cast<size_t>(s.D), 0.2f, 1.0f), Shape{s.D});
   h.in_norm = host_f32(h, normal(rng, static_cast<size_t>(H), 0.3f), Shape{H});
   return h;
 }
@@ -103,8 +103,8 @@ struct PlacedLayer {
     d.out_proj = &out;
     d.Hk = s.Hk;
     d.Hv = s.Hv;
-    d.Dk = kD;
-    d.Dv = kD;
+    d.Dk = s.D;
+    d.Dv = s.D;
     return d;
   }
 };
@@ -164,11 +164,11 @@ struct States {
 // model::hybrid_mixer_output's unfused ops for a Qwen3.5 DeltaNet layer (the input norm adds y when given).
 std::vector<float> unfused(model::Ops& ops, const PlacedLayer& p, const Shape4& s, States st,
                            const model::StepLayout& step, TensorView hidden, const TensorView& y, float eps) {
-  const int64_t T = step.num_tokens, H = s.H, Hk = s.Hk, Hv = s.Hv, C = 2 * Hk * kD + Hv * kD;
+  const int64_t T = step.num_tokens, H = s.H, Hk = s.Hk, Hv = s.Hv, C = 2 * Hk * s.D + Hv * s.D;
   const TensorView x = ops.scratch(DType::F32, Shape{T, H});
   if (y.data) ops.add_rms_norm(hidden, y, p.in_norm, eps, model::NormKind::zero_centred, x);
   else ops.rms_norm(hidden, p.in_norm, eps, model::NormKind::zero_centred, x);
-  const TensorView mixed = ops.scratch(DType::F32, Shape{T, C}), z = ops.scratch(DType::F32, Shape{T, Hv * kD});
+  const TensorView mixed = ops.scratch(DType::F32, Shape{T, C}), z = ops.scratch(DType::F32, Shape{T, Hv * s.D});
   const TensorView b = ops.scratch(DType::F32, Shape{T, Hv}), a = ops.scratch(DType::F32, Shape{T, Hv});
   const LinearWeight* ws[] = {&p.qkv, &p.z, &p.b, &p.a};
   const TensorView outs[] = {mixed, z, b, a};
@@ -178,22 +178,22 @@ std::vector<float> unfused(model::Ops& ops, const PlacedLayer& p, const Shape4& 
   auto view = [&](int64_t off, int64_t heads) {
     TensorView v = conv;
     v.data = static_cast<float*>(conv.data) + off;
-    v.shape = Shape{T, heads, kD};
-    v.strides = {C, kD, 1};
+    v.shape = Shape{T, heads, s.D};
+    v.strides = {C, s.D, 1};
     return v;
   };
-  const TensorView q = view(0, Hk), k = view(Hk * kD, Hk), v = view(2 * Hk * kD, Hv);
+  const TensorView q = view(0, Hk), k = view(Hk * s.D, Hk), v = view(2 * Hk * s.D, Hv);
   const TensorView g = ops.scratch(DType::F32, Shape{T, Hv}), beta = ops.scratch(DType::F32, Shape{T, Hv});
-  const TensorView core = ops.scratch(DType::F32, Shape{T, Hv, kD});
-  const TensorView normed = ops.scratch(DType::F32, Shape{T * Hv, kD});
+  const TensorView core = ops.scratch(DType::F32, Shape{T, Hv, s.D});
+  const TensorView normed = ops.scratch(DType::F32, Shape{T * Hv, s.D});
   TensorView z2 = z;
-  z2.shape = Shape{T * Hv, kD};
-  z2.strides = {kD, 1};
+  z2.shape = Shape{T * Hv, s.D};
+  z2.strides = {s.D, 1};
   ops.gated_delta_rule_norm(q, k, v, a, b, p.A_log, p.dt_bias, g, beta, st.rec, step, model::DeltaRuleMode::recurrent,
                             z2, p.norm, eps, core, normed);
   TensorView nv = normed;
-  nv.shape = Shape{T, Hv * kD};
-  nv.strides = {Hv * kD, 1};
+  nv.shape = Shape{T, Hv * s.D};
+  nv.strides = {Hv * s.D, 1};
   const TensorView out = ops.scratch(DType::F32, Shape{T, H});
   ops.linear(nv, p.out, out);
   return to_host(ops, out);
@@ -202,7 +202,7 @@ std::vector<float> unfused(model::Ops& ops, const PlacedLayer& p, const Shape4& 
 class DeltaNetBlockDecode : public ::testing::TestWithParam<Shape4> {};
 
 void run_case(const Shape4& s, bool bf16_state) {
-  const int64_t H = s.H, C = 2 * s.Hk * kD + s.Hv * kD;
+  const int64_t H = s.H, C = 2 * s.Hk * s.D + s.Hv * s.D;
   const HostLayer host = make_layer(s, 41);
   const float eps = 1e-6f;
   const int slots = 6;
@@ -216,13 +216,13 @@ void run_case(const Shape4& s, bool bf16_state) {
   auto cpu = make_cpu_backend();
   const PlacedLayer pf = place(fused_gpu, host), pp = place(plain_gpu, host), pc = place(*cpu, host);
   const DType rec_dtype = bf16_state ? DType::BF16 : DType::F32;
-  const Shape conv_shape{slots, C, 3}, rec_shape{slots, s.Hv, kD, kD};
+  const Shape conv_shape{slots, C, 3}, rec_shape{slots, s.Hv, s.D, s.D};
   for (const std::vector<int>& seq_slots : std::vector<std::vector<int>>{{2}, {5, 1}, {3, 0, 5, 1}}) {
     const int64_t T = static_cast<int64_t>(seq_slots.size());
     std::mt19937_64 rng(700 + static_cast<uint64_t>(T) + (bf16_state ? 50 : 0));
     // Random starting states (as after earlier tokens), the same on all three.
     const std::vector<float> conv0 = normal(rng, static_cast<size_t>(slots * C * 3), 1.0f);
-    const std::vector<float> rec0 = normal(rng, static_cast<size_t>(slots * s.Hv * kD * kD), 0.05f);
+    const std::vector<float> rec0 = normal(rng, static_cast<size_t>(slots * s.Hv * s.D * s.D), 0.05f);
     States sf{fused_gpu.allocate(DType::F32, conv_shape), fused_gpu.allocate(rec_dtype, rec_shape)};
     States sp{plain_gpu.allocate(DType::F32, conv_shape), plain_gpu.allocate(rec_dtype, rec_shape)};
     States sc{cpu->allocate(DType::F32, conv_shape), cpu->allocate(DType::F32, rec_shape)};
@@ -290,7 +290,8 @@ TEST_P(DeltaNetBlockDecode, MatchesCpuAndUnfusedOpsOverThreeSteps) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DeltaNetBlockDecode,
                          ::testing::Values(Shape4{"Qwen35B_A3B", 2048, 16, 32}, Shape4{"Qwen397B_Tp2Rank", 4096, 8, 32},
-                                           Shape4{"Qwen397B_Tp8Rank", 4096, 2, 8}, Shape4{"Small", 256, 1, 2}),
+                                           Shape4{"Qwen397B_Tp8Rank", 4096, 2, 8}, Shape4{"Small", 256, 1, 2},
+                                           Shape4{"KilnTiny", 256, 2, 4, 64}),
                          [](const ::testing::TestParamInfo<Shape4>& info) { return std::string(info.param.name); });
 
 TEST(DeltaNetBlockDecodeBf16State, MatchesTheUnfusedOpsWithTheSameState) {
@@ -309,8 +310,8 @@ TEST(DeltaNetBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
     o.deltanet_block_persistent = option;
     CudaOps gpu(o);
     const PlacedLayer p = place(gpu, host);
-    const int64_t C = 2 * s.Hk * kD + s.Hv * kD;
-    const States st{gpu.allocate(DType::F32, Shape{8, C, 3}), gpu.allocate(DType::F32, Shape{8, s.Hv, kD, kD})};
+    const int64_t C = 2 * s.Hk * s.D + s.Hv * s.D;
+    const States st{gpu.allocate(DType::F32, Shape{8, C, 3}), gpu.allocate(DType::F32, Shape{8, s.Hv, s.D, s.D})};
     for (int n : {1, 4, 5}) {
       gpu.reset_scratch();
       std::vector<int> slots(static_cast<size_t>(n));

@@ -158,7 +158,7 @@ class CudaOps final : public model::Ops {
                  std::span<const model::ExpertWeights> experts, int top_k, bool renormalise, TensorView out) override;
 
   // Decode steps of 1-4 sequences of one token (CudaOptions::deltanet_block_persistent, dense BF16 projections, Dk =
-  // Dv = 128, conv kernel 4): the whole mixer in one persistent kernel (deltanet_block_decode.cu); else false.
+  // Dv = 64 or 128, conv kernel 4): the whole mixer in one persistent kernel (deltanet_block_decode.cu); else false.
   bool deltanet_block(const model::ResidualNorm& in, const DeltaNetBlockWeights& w, TensorView conv_state,
                       TensorView state, const model::StepLayout& step, float eps, TensorView out) override;
 

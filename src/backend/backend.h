@@ -52,13 +52,13 @@ struct GpuLoadOptions {
   bool pdl = true;  // programmatic dependent launch inside captured steps (cuda::CudaOptions::pdl; --disable-pdl)
   // The fused small ops of decode steps (cuda::CudaOptions::fused_decode_ops; --disable-fused-decode-ops).
   bool fused_decode_ops = true;
-  // The MoE block of steps of 1-4 tokens as one persistent kernel (cuda::CudaOptions::moe_block_persistent, taken on
-  // sm_90 where each rank has its GPU to itself; --enable-persistent-moe / --disable-persistent-moe). Off until it has
-  // been checked and timed on a GPU (docs/perf/decode-latency.md).
+  // The MoE block of one-token steps as one persistent kernel (cuda::CudaOptions::moe_block_persistent, taken on sm_90
+  // where each rank has its GPU to itself; --enable-persistent-moe / --disable-persistent-moe). Off: correct on an H100
+  // but not yet faster (docs/perf/decode-latency.md).
   bool persistent_moe = false;
-  // The DeltaNet mixer of decode steps of 1-4 sequences as one persistent kernel (cuda::CudaOptions::
+  // The DeltaNet mixer of decode steps at batch 1 as one persistent kernel (cuda::CudaOptions::
   // deltanet_block_persistent, taken as persistent_moe is; --enable-persistent-deltanet / --disable-persistent-deltanet).
-  // Off until it has been checked and timed on a GPU.
+  // Off until its tests have been seen to pass on a GPU and it is clearly faster.
   bool persistent_deltanet = false;
   // The persistent kernels' L2 prefetch of the weights each warp reads next (cuda::CudaOptions::persistent_prefetch;
   // --enable-persistent-prefetch, experimental).

@@ -579,10 +579,10 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
                              options.gpu.fused_decode_ops ? "; fused decode ops [--disable-fused-decode-ops]"
                                                           : "; fused decode ops off",
                              options.gpu.persistent_moe && first.major == 9 && placed.ranks_on_first_gpu == 1
-                                 ? "; MoE block of steps of 1-4 tokens in one persistent kernel [--enable-persistent-moe]"
+                                 ? "; MoE block of one-token steps in one persistent kernel [--enable-persistent-moe]"
                                  : "",
                              options.gpu.persistent_deltanet && first.major == 9 && placed.ranks_on_first_gpu == 1
-                                 ? "; DeltaNet mixer of decode steps of 1-4 sequences in one persistent kernel "
+                                 ? "; DeltaNet mixer of batch-1 decode steps in one persistent kernel "
                                    "[--enable-persistent-deltanet]"
                                  : "");
   if (options.parallel.single_rank >= 0) return load_single_rank(l);

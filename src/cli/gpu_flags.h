@@ -88,16 +88,16 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "cuda: run the attention q/k norm + rotary prologue, the gated down / output projections and the "
                "DeltaNet output norm as separate kernels (default: fused, one launch each; the same arithmetic)");
   app.add_flag("--enable-persistent-moe", f.enable_persistent_moe,
-               "cuda, experimental: run the MoE block of steps of 1-4 tokens (decode at batch <= 4, draft steps, "
-               "verify passes of K <= 3) as one persistent kernel on sm_90 where each rank has its own GPU: router, "
-               "shared expert, routing, NVFP4 experts and combine as phases of one grid separated by grid-wide "
-               "barriers (docs/perf/decode-latency.md)");
+               "cuda, experimental: run the MoE block of one-token steps (decode at batch 1, draft steps) as one "
+               "persistent kernel on sm_90 where each rank has its own GPU: the residual norm, router, shared expert, "
+               "routing, NVFP4 experts and combine as phases of one grid separated by grid-wide barriers. Correct on "
+               "an H100 but not yet faster (docs/perf/decode-latency.md)");
   app.add_flag("--disable-persistent-moe", f.disable_persistent_moe,
-               "cuda: run the MoE block of steps of 1-4 tokens as its separate kernels (the default for now)");
+               "cuda: run the MoE block as its separate kernels (the default for now)");
   app.add_flag("--enable-persistent-deltanet", f.enable_persistent_deltanet,
-               "cuda, experimental: run the Gated DeltaNet mixer of decode steps of 1-4 sequences as one persistent "
-               "kernel on sm_90 where each rank has its own GPU: input norm, projections, conv, gates, delta rule, "
-               "output norm and output projection as phases of one grid (docs/perf/decode-latency.md)");
+               "cuda, experimental: run the Gated DeltaNet mixer of decode steps at batch 1 as one persistent kernel on "
+               "sm_90 where each rank has its own GPU: input norm, projections, conv, gates, delta rule, output norm "
+               "and output projection as phases of one grid (2% faster on an H100; docs/perf/decode-latency.md)");
   app.add_flag("--disable-persistent-deltanet", f.disable_persistent_deltanet,
                "cuda: run the DeltaNet mixer of decode steps as its separate kernels (the default for now)");
   app.add_flag("--enable-persistent-prefetch", f.enable_persistent_prefetch,

@@ -221,7 +221,8 @@ struct CudaOps::Impl {
   // which of them are, and the grid barrier's words (zeroed once; each launch leaves them ready for the next).
   int persistent_grid = 0;
   bool moe_block = false, deltanet_block = false;
-  int moe_block_max_tokens = 0;  // CudaOptions::moe_block_max_tokens
+  int moe_block_max_tokens = 0;       // CudaOptions::moe_block_max_tokens
+  int deltanet_block_max_tokens = 0;  // CudaOptions::deltanet_block_max_tokens
   unsigned* persistent_barrier = nullptr;
 
   explicit Impl(const CudaOptions& o) : rt(o.device), options(o) {
@@ -245,6 +246,7 @@ CudaOps::CudaOps(const CudaOptions& options) : impl_(std::make_unique<Impl>(opti
     impl_->moe_block = options.moe_block_persistent && grid > 0;
     impl_->deltanet_block = options.deltanet_block_persistent && grid > 0 && delta_fits;
     impl_->moe_block_max_tokens = options.moe_block_max_tokens;
+    impl_->deltanet_block_max_tokens = options.deltanet_block_max_tokens;
     if (impl_->moe_block || impl_->deltanet_block) {
       impl_->persistent_grid = grid;
       impl_->persistent_barrier = static_cast<unsigned*>(impl_->rt.persistent(2 * sizeof(unsigned)));
@@ -1484,7 +1486,7 @@ bool CudaOps::deltanet_block(const model::ResidualNorm& in, const DeltaNetBlockW
                              TensorView state, const StepLayout& step, float eps, TensorView out) {
   // Decode steps only: one token per sequence, no position checkpoints (those take the unfused ops).
   const int64_t T = step.num_tokens;
-  if (!impl_->deltanet_block || T < 1 || T != step.num_seqs || !step.host_token_checkpoint_slot.empty() ||
+  if (!impl_->deltanet_block || T < 1 || T > impl_->deltanet_block_max_tokens || T != step.num_seqs || !step.host_token_checkpoint_slot.empty() ||
       in.hidden.ndim() != 2 || in.hidden.dim(0) != T)
     return false;
   const int64_t H = in.hidden.dim(1), Hk = w.Hk, Hv = w.Hv, Dk = w.Dk, Dv = w.Dv;

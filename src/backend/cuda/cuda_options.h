@@ -62,16 +62,21 @@ struct CudaOptions {
   // and waits on all of them, so it is taken only where no other rank's kernels share the GPU: the CLI turns it on
   // (sm_90, one rank per GPU) with --enable-persistent-moe; false here (tests ask for it).
   bool moe_block_persistent = false;
+  // Its largest step (the kernel serves 1-4 tokens: decode at batch <= 4, verify passes of K <= 3 at batch 1). 1: on an
+  // H100 the kernel matched the unfused ops' decode step at batch 1 and was slower at 2-4 tokens (+14% at batch 2,
+  // +25% at batch 4, verify of 4 tokens 6.8 ms against 5.5; docs/perf/decode-latency.md); the tests ask for 4.
+  int moe_block_max_tokens = 1;
   // The Gated DeltaNet mixer of decode steps of 1-4 sequences (one token each, no position checkpoints) as one
   // persistent kernel (deltanet_block_decode.cu: the input norm, the input projections, conv, gates, delta rule, output
   // norm and output projection as phases of one grid), where the projections are dense BF16. Taken as
   // moe_block_persistent is (sm_90, one rank per GPU) with --enable-persistent-deltanet; false here.
   bool deltanet_block_persistent = false;
+  // Its largest step (the kernel serves 1-4 sequences). 1: on an H100 it was 2.1% faster than the unfused ops at batch
+  // 1, 0.9% slower at 2 and 2.9% at 4 (docs/perf/decode-latency.md); the tests ask for 4.
+  int deltanet_block_max_tokens = 1;
   // The persistent kernels ask L2 for the weights a warp reads next (cp.async.bulk.prefetch: the next dense row, the
   // rows of the following phase while the current one runs); --enable-persistent-prefetch, experimental.
   bool persistent_prefetch = false;
-  // Its largest step (1-4 tokens: decode at batch <= 4, verify passes of K <= 3 at batch 1).
-  int moe_block_max_tokens = 4;
   // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16
   // and run through cuBLAS grouped GEMMs (moe_prefill_blas above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

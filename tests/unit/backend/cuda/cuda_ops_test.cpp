@@ -441,6 +441,8 @@ TEST(CudaRunner, PersistentDeltaNetBlockMatchesCpuOnEveryModel) {
   CudaOptions o;
   o.moe_block_persistent = true;
   o.deltanet_block_persistent = true;
+  o.moe_block_max_tokens = 4;  // batch 3 takes them too
+  o.deltanet_block_max_tokens = 4;
   for (const ModelCase& mc : cases) {
     Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
     auto ops = std::make_unique<CudaOps>(o);

@@ -208,6 +208,7 @@ void run_case(const Shape4& s, bool bf16_state) {
   const int slots = 6;
   CudaOptions o;
   o.deltanet_block_persistent = true;
+  o.deltanet_block_max_tokens = 4;  // every step size the kernel serves
   o.recurrent_state_bf16 = bf16_state;
   CudaOps fused_gpu(o);
   CudaOptions ou;
@@ -308,6 +309,7 @@ TEST(DeltaNetBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
   for (bool option : {true, false}) {
     CudaOptions o;
     o.deltanet_block_persistent = option;
+    o.deltanet_block_max_tokens = 4;
     CudaOps gpu(o);
     const PlacedLayer p = place(gpu, host);
     const int64_t C = 2 * s.Hk * s.D + s.Hv * s.D;

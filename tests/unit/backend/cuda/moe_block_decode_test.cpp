@@ -125,6 +125,7 @@ std::vector<float> fused(CudaOps& gpu, const HostDense& w, const std::vector<Exp
 CudaOptions persistent_options(bool bf16) {
   CudaOptions o;
   o.moe_block_persistent = true;
+  o.moe_block_max_tokens = 4;  // every step size the kernel serves
   if (bf16) o.dtype = CudaOptions::ActivationDtype::bfloat16;
   return o;
 }
@@ -300,6 +301,7 @@ TEST(MoeBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
   for (bool option : {true, false}) {
     CudaOptions o;
     o.moe_block_persistent = option;
+    o.moe_block_max_tokens = 4;
     CudaOps gpu(o);
     const std::vector<ExpertWeights> experts = place(gpu, host.experts);
     const HostDense w = place_dense(gpu, dense);

@@ -164,6 +164,26 @@ void bind_hybrid_mixer(WeightBinder& b, int layer, LayerWeights& w, bool fused_q
 
 static TensorView block_output(Forward& f, TensorView y);
 
+// A Qwen3.5 DeltaNet layer's tensors as Ops::deltanet_block reads them (the rank's heads, from its config).
+static Ops::DeltaNetBlockWeights deltanet_block_weights(const LinearAttentionWeights& lw,
+                                                        const format::ModelConfig& c) {
+  Ops::DeltaNetBlockWeights dw;
+  dw.in_proj_qkv = &lw.in_proj_qkv;
+  dw.in_proj_z = &lw.in_proj_z;
+  dw.in_proj_b = &lw.in_proj_b;
+  dw.in_proj_a = &lw.in_proj_a;
+  dw.conv1d = lw.conv1d;
+  dw.A_log = lw.A_log;
+  dw.dt_bias = lw.dt_bias;
+  dw.norm = lw.norm;
+  dw.out_proj = &lw.out_proj;
+  dw.Hk = c.linear_num_key_heads;
+  dw.Hv = c.linear_num_value_heads;
+  dw.Dk = c.linear_key_head_dim;
+  dw.Dv = c.linear_value_head_dim;
+  return dw;
+}
+
 TensorView hybrid_mixer_output(Forward& f, int layer, const LayerWeights& w, TensorView hidden,
                                GatedDeltaNetFn deltanet) {
   // A Qwen3.5 DeltaNet layer as one op where the backend fuses it, the input norm included (never in a traced run,
@@ -171,26 +191,11 @@ TensorView hybrid_mixer_output(Forward& f, int layer, const LayerWeights& w, Ten
   if (w.type == format::LayerType::linear_attention && deltanet == &gated_deltanet && !(f.trace && *f.trace)) {
     const int li = f.linear_index[layer];
     KILN_CHECK(li >= 0, "layer {} has no recurrent state", layer);
-    const auto& c = f.config;
-    const LinearAttentionWeights& lw = w.linear;
-    Ops::DeltaNetBlockWeights dw;
-    dw.in_proj_qkv = &lw.in_proj_qkv;
-    dw.in_proj_z = &lw.in_proj_z;
-    dw.in_proj_b = &lw.in_proj_b;
-    dw.in_proj_a = &lw.in_proj_a;
-    dw.conv1d = lw.conv1d;
-    dw.A_log = lw.A_log;
-    dw.dt_bias = lw.dt_bias;
-    dw.norm = lw.norm;
-    dw.out_proj = &lw.out_proj;
-    dw.Hk = c.linear_num_key_heads;
-    dw.Hv = c.linear_num_value_heads;
-    dw.Dk = c.linear_key_head_dim;
-    dw.Dv = c.linear_value_head_dim;
-    const float eps = static_cast<float>(c.rms_norm_eps);
+    const float eps = static_cast<float>(f.config.rms_norm_eps);
     const ResidualNorm in{hidden, f.pending_residual, w.input_norm, eps, NormKind::zero_centred};
     TensorView out = f.f32(hidden.shape);
-    if (f.ops.deltanet_block(in, dw, f.conv_state[li], f.recurrent_state[li], f.step, eps, out)) {
+    if (f.ops.deltanet_block(in, deltanet_block_weights(w.linear, f.config), f.conv_state[li], f.recurrent_state[li],
+                             f.step, eps, out)) {
       f.pending_residual = TensorView();  // added to hidden by the op
       return block_output(f, out);
     }
@@ -200,7 +205,6 @@ TensorView hybrid_mixer_output(Forward& f, int layer, const LayerWeights& w, Ten
              ? deltanet(f, layer, w.linear, x)
              : full_attention(f, layer, w.attn, x, /*output_gate=*/true, NormKind::zero_centred);
 }
-
 
 static TensorView linear(Forward& f, const TensorView& x, const LinearWeight& w) {
   TensorView out = f.f32(Shape{x.dim(0), w.out_features});
@@ -342,8 +346,8 @@ TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, 
   const bool traced = f.trace && *f.trace;
   // The whole block as one op where the backend fuses it (a traced run keeps the named intermediate tensors).
   if (w.has_shared_expert && !traced &&
-      f.ops.moe_block(x, nullptr, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj, w.shared_expert.down_proj,
-                      w.shared_expert_gate, w.experts, top_k, renormalise, out))
+      f.ops.moe_block(x, nullptr, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj,
+                      w.shared_expert.down_proj, w.shared_expert_gate, w.experts, top_k, renormalise, out))
     return block_output(f, out);
   TensorView logits = f.f32(Shape{T, w.router.out_features});  // [T, E]
   TensorView shared_g, shared_u, shared_gate;

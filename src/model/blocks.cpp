@@ -328,27 +328,39 @@ TensorView mlp(Forward& f, const MlpWeights& w, const TensorView& x) {
   return block_output(f, y);
 }
 
+// The whole block as one op where the backend fuses it (Ops::moe_block: input x, or the residual step `pre`); never in a
+// traced run, which keeps the named intermediate tensors. Empty when not taken.
+static TensorView moe_fused(Forward& f, const MoeWeights& w, const TensorView& x, const ResidualNorm* pre, int top_k,
+                            bool renormalise) {
+  if (!w.has_shared_expert || (f.trace && *f.trace)) return TensorView();
+  TensorView out = f.f32(pre ? pre->hidden.shape : x.shape);
+  if (!f.ops.moe_block(x, pre, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj, w.shared_expert.down_proj,
+                       w.shared_expert_gate, w.experts, top_k, renormalise, out))
+    return TensorView();
+  return block_output(f, out);
+}
+
+static TensorView moe_unfused(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k,
+                              bool renormalise);
+
 TensorView moe_after_residual(Forward& f, int layer, const MoeWeights& w, const ResidualNorm& pre, int top_k,
                               bool renormalise) {
-  // The residual step folded into the fused block where the backend takes it (never in a traced run, which names x).
-  if (w.has_shared_expert && !(f.trace && *f.trace)) {
-    TensorView out = f.f32(pre.hidden.shape);
-    if (f.ops.moe_block(TensorView(), &pre, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj,
-                        w.shared_expert.down_proj, w.shared_expert_gate, w.experts, top_k, renormalise, out))
-      return block_output(f, out);
-  }
-  return moe(f, layer, w, residual_norm(f, pre.hidden, pre.y, pre.weight, pre.kind), top_k, renormalise);
+  const TensorView fused = moe_fused(f, w, TensorView(), &pre, top_k, renormalise);
+  if (fused.data) return fused;
+  return moe_unfused(f, layer, w, residual_norm(f, pre.hidden, pre.y, pre.weight, pre.kind), top_k, renormalise);
 }
 
 TensorView moe(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k, bool renormalise) {
+  const TensorView fused = moe_fused(f, w, x, nullptr, top_k, renormalise);
+  return fused.data ? fused : moe_unfused(f, layer, w, x, top_k, renormalise);
+}
+
+// model::moe's ops one by one (backends may still fuse the routing with the experts: Ops::moe_route_experts).
+static TensorView moe_unfused(Forward& f, int layer, const MoeWeights& w, const TensorView& x, int top_k,
+                              bool renormalise) {
   const int64_t T = x.dim(0);
   TensorView out = f.f32(x.shape);
   const bool traced = f.trace && *f.trace;
-  // The whole block as one op where the backend fuses it (a traced run keeps the named intermediate tensors).
-  if (w.has_shared_expert && !traced &&
-      f.ops.moe_block(x, nullptr, w.router, w.shared_expert.gate_proj, w.shared_expert.up_proj,
-                      w.shared_expert.down_proj, w.shared_expert_gate, w.experts, top_k, renormalise, out))
-    return block_output(f, out);
   TensorView logits = f.f32(Shape{T, w.router.out_features});  // [T, E]
   TensorView shared_g, shared_u, shared_gate;
   if (w.has_shared_expert) {

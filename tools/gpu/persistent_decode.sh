@@ -3,7 +3,8 @@
 # deltanet_block_decode.cu). Their tests, the 35B-A3B decode step with each on and off and with the L2 prefetch (one
 # binary, one call), the eager per-op profile with both on and both off, and Nsight Compute on a few launches of each.
 # Usage: OUT=... bash tools/gpu/persistent_decode.sh CARRY [tests,bench,profile,ncu] (CARRY/new: kiln and test_cuda,
-# xz-compressed; CARRY/lib: tools/gpu/README.md). $BATCHES (default 1,2,4), $NCU_BATCHES (default 1 4). Writes at most
+# xz-compressed; CARRY/lib: tools/gpu/README.md). $TEST_FILTER; $VARIANTS ("label|flags" entries separated by ';'; default
+# off, each kernel, both, and with the L2 prefetch); $BATCHES (default 1,2,4); $NCU_BATCHES (default 1 4). Writes at most
 # 7 files to $OUT (the device tool returns 8): gpu.txt, tests.log, bench.log, profile.log, ncu.err, ncu1.csv, ncu4.csv.
 set -uo pipefail
 CARRY=${1:-gpu-carry}; WHAT=${2:-tests,bench,profile,ncu}; OUT=${OUT:-/tmp/kiln-gpu}
@@ -23,7 +24,9 @@ be() { local log=$1 label=$2; shift 2; echo "== $label: $*" >> $OUT/$log; timeou
   --model-path $C35 --load-format dummy --skip-self-check --input-len 256 "$@" > $OUT/last.txt 2>&1
   echo "-- $label rc=$? ($((SECONDS-S0)) s): $*"; }
 if has bench; then
-  for v in "off|" "moe|$MOE" "delta|$DELTA" "both|$MOE $DELTA" "delta+pf|$DELTA --enable-persistent-prefetch" "both+pf|$MOE $DELTA --enable-persistent-prefetch"; do
+  PF=--enable-persistent-prefetch
+  IFS=';' read -ra VS <<< "${VARIANTS:-off|;moe|$MOE;delta|$DELTA;both|$MOE $DELTA;delta+pf|$DELTA $PF;both+pf|$MOE $DELTA $PF}"
+  for v in "${VS[@]}"; do
     be bench.log "${v%%|*}" --batch ${BATCHES:-1,2,4} --output-len 32 ${v#*|}
     grep -E "^batch" $OUT/last.txt | sed -E 's/prefill [^|]*\| //' | cut -c1-120 | tee -a $OUT/bench.log
   done

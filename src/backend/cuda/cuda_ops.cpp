@@ -1411,6 +1411,22 @@ void CudaOps::moe_route_experts(const TensorView& x, const TensorView& logits, i
                          impl_->options.mma_parts(), impl_->rt.stream());
 }
 
+namespace {
+// What the persistent decode kernels read: 16-byte aligned pointers, F32 rows of a shape, dense BF16 [n, k] weights
+// without a bias, and small F32 / BF16 parameter vectors of n.
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool f32_rows_of(const TensorView& t, const Shape& shape) {
+  return t.dtype == DType::F32 && t.shape == shape && t.is_contiguous() && aligned16(t.data);
+}
+bool bf16_dense_of(const model::LinearWeight& w, int64_t n, int64_t k) {
+  return w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && w.out_features == n &&
+         w.in_features == k && !w.bias.data && w.weight.is_contiguous() && aligned16(w.weight.data);
+}
+bool small_param_of(const TensorView& t, int64_t n) {
+  return t.data && t.numel() == n && t.is_contiguous() && (t.dtype == DType::F32 || t.dtype == DType::BF16);
+}
+}  // namespace
+
 bool CudaOps::moe_block(const TensorView& x, const model::ResidualNorm* pre, const model::LinearWeight& router,
                         const model::LinearWeight& shared_gate_proj, const model::LinearWeight& shared_up_proj,
                         const model::LinearWeight& shared_down_proj, const model::LinearWeight& shared_expert_gate,
@@ -1421,16 +1437,9 @@ bool CudaOps::moe_block(const TensorView& x, const model::ResidualNorm* pre, con
       experts.empty())
     return false;
   const int64_t T = in.dim(0), H = in.dim(1), E = static_cast<int64_t>(experts.size()), Is = shared_gate_proj.out_features;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  auto f32_rows = [&](const TensorView& t) {
-    return t.dtype == DType::F32 && t.shape == in.shape && t.is_contiguous() && aligned(t.data);
-  };
-  auto bf16_dense = [&](const model::LinearWeight& w, int64_t n, int64_t k) {
-    return w.format == WeightFormat::dense && w.weight.dtype == DType::BF16 && w.out_features == n &&
-           w.in_features == k && !w.bias.data && w.weight.is_contiguous() && aligned(w.weight.data);
-  };
-  if (pre && (!f32_rows(pre->y) || pre->y.data == pre->hidden.data || pre->weight.numel() != H ||
-              (pre->weight.dtype != DType::F32 && pre->weight.dtype != DType::BF16) || !pre->weight.is_contiguous() ||
+  auto f32_rows = [&](const TensorView& t) { return f32_rows_of(t, in.shape); };
+  auto bf16_dense = bf16_dense_of;
+  if (pre && (!f32_rows(pre->y) || pre->y.data == pre->hidden.data || !small_param_of(pre->weight, H) ||
               out.data == pre->hidden.data || out.data == pre->y.data))
     return false;
   if (!f32_rows(in) || !f32_rows(out) || !bf16_dense(router, E, H) ||
@@ -1486,23 +1495,15 @@ bool CudaOps::deltanet_block(const model::ResidualNorm& in, const DeltaNetBlockW
                              TensorView state, const StepLayout& step, float eps, TensorView out) {
   // Decode steps only: one token per sequence, no position checkpoints (those take the unfused ops).
   const int64_t T = step.num_tokens;
-  if (!impl_->deltanet_block || T < 1 || T > impl_->deltanet_block_max_tokens || T != step.num_seqs || !step.host_token_checkpoint_slot.empty() ||
-      in.hidden.ndim() != 2 || in.hidden.dim(0) != T)
+  if (!impl_->deltanet_block || T < 1 || T > impl_->deltanet_block_max_tokens || T != step.num_seqs ||
+      !step.host_token_checkpoint_slot.empty() || in.hidden.ndim() != 2 || in.hidden.dim(0) != T)
     return false;
   const int64_t H = in.hidden.dim(1), Hk = w.Hk, Hv = w.Hv, Dk = w.Dk, Dv = w.Dv;
   if (!kops::deltanet_block_decode_supported(T, H, Hk, Hv, Dk, Dv)) return false;
   const int64_t C = 2 * Hk * Dk + Hv * Dv, Kc = 4;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  auto f32_rows = [&](const TensorView& t) {
-    return t.dtype == DType::F32 && t.shape == in.hidden.shape && t.is_contiguous() && aligned(t.data);
-  };
-  auto bf16_dense = [&](const LinearWeight* lw, int64_t n, int64_t k) {
-    return lw && lw->format == WeightFormat::dense && lw->weight.dtype == DType::BF16 && lw->out_features == n &&
-           lw->in_features == k && !lw->bias.data && lw->weight.is_contiguous() && aligned(lw->weight.data);
-  };
-  auto small = [](const TensorView& t, int64_t n) {
-    return t.data && t.numel() == n && t.is_contiguous() && (t.dtype == DType::F32 || t.dtype == DType::BF16);
-  };
+  auto f32_rows = [&](const TensorView& t) { return f32_rows_of(t, in.hidden.shape); };
+  auto bf16_dense = [](const LinearWeight* lw, int64_t n, int64_t k) { return lw && bf16_dense_of(*lw, n, k); };
+  auto small = small_param_of;
   if (!f32_rows(in.hidden) || (in.y.data && (!f32_rows(in.y) || in.y.data == in.hidden.data)) ||
       !small(in.weight, H) || !f32_rows(out) || out.data == in.hidden.data || (in.y.data && out.data == in.y.data) ||
       !bf16_dense(w.in_proj_qkv, C, H) || !bf16_dense(w.in_proj_z, Hv * Dv, H) || !bf16_dense(w.in_proj_b, Hv, H) ||

@@ -217,11 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) deltanet_block_decode_kernel(cons
 
 template <int kKC, int kT, int kD>
 void prepare_one(bool& ok) {
-  auto* kernel = deltanet_block_decode_kernel<kKC, kT, kD>;
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-  int n = 0;
-  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kMaxSmem));
-  ok = ok && n >= 1;
+  ok = ok && allow_smem(deltanet_block_decode_kernel<kKC, kT, kD>, kMaxSmem) >= 1;
 }
 template <int kKC>
 void prepare_kc(bool& ok) {

@@ -385,10 +385,7 @@ void launch_one(const MoeBlockArgs& a, int grid, Stream stream) {
 
 template <int kKC, bool kBf16, int kT>
 void set_smem_limit(int& per_sm) {
-  auto* kernel = moe_block_decode_kernel<kKC, kBf16, kT>;
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-  int n = 0;
-  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kMaxSmem));
+  const int n = allow_smem(moe_block_decode_kernel<kKC, kBf16, kT>, kMaxSmem);
   per_sm = per_sm < 0 ? n : std::min(per_sm, n);
 }
 template <int kKC>

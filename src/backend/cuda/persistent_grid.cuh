@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.cuh"
 #include "backend/cuda/ptx.cuh"
 
@@ -194,6 +195,16 @@ __device__ __forceinline__ void dense_rows(RowPtr row_ptr, int R, int K, int T, 
       }
     }
   }
+}
+
+// Host side: lets `kernel` take up to `smem` bytes of dynamic shared memory (on the current device; never during stream
+// capture) and returns how many of its blocks of kThreads then fit one multiprocessor (the grid needs >= 1).
+template <typename Kernel>
+int allow_smem(Kernel* kernel, int smem) {
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int n = 0;
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
+  return n;
 }
 
 }  // namespace kiln::cuda::ops::persistent

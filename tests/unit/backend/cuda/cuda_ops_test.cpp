@@ -392,57 +392,15 @@ TEST(CudaRunner, FusedDecodeOpsGiveTheSameLogitsOnEveryModel) {
   }
 }
 
-// The persistent MoE block kernel of steps of 1-4 tokens (CudaOptions::moe_block_persistent; the CLI's
-// --enable-persistent-moe) on every model: decode steps at batch 1 take it wherever the layer has a BF16 router and shared expert and NVFP4
-// experts (kiln-tiny, the Qwen3.5 MoE NVFP4 fixtures); logits against the CPU's within kLogitTol, greedy tokens the
-// CPU's. Models it does not serve run the unfused ops (the same check then holds trivially).
-TEST(CudaRunner, PersistentMoeBlockMatchesCpuOnEveryModel) {
-  KILN_REQUIRE_CUDA_DEVICE();
+// Every model with persistent decode kernels on (`o`), against the CPU: logits within kLogitTol, greedy tokens the
+// CPU's. Each prompt decodes alone; with `batch3`, prompt 1 also beside two others (three sequences in different state
+// slots in one step). kiln-tiny's first decode must have taken an op whose profile label starts with `label` (`what`
+// names it in the report). Models a kernel does not serve run the unfused ops (the same check then holds trivially).
+void expect_persistent_kernel_matches_cpu(const CudaOptions& o, const std::string& label, const char* what,
+                                          bool batch3) {
   std::vector<testing::Fixture> fixtures;
   fixtures.reserve(32);
   const std::vector<ModelCase> cases = model_cases(fixtures);
-  CudaOptions o;
-  o.moe_block_persistent = true;
-  for (const ModelCase& mc : cases) {
-    Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
-    auto ops = std::make_unique<CudaOps>(o);
-    CudaOps* raw = ops.get();
-    Engine gpu(std::move(ops), mc.dir, DType::F32, 4, 256);
-    double decode_err = 0;
-    int identical = 0;
-    bool taken = false;
-    for (size_t p = 0; p < mc.prompts.size(); ++p) {
-      if (p == 0) EXPECT_TRUE(raw->profile_begin());
-      const Generation a = generate(gpu, {mc.prompts[p]}, kDecodeSteps);
-      if (p == 0)
-        for (const model::OpTime& r : raw->profile_end()) taken |= r.label.rfind("moe_block ", 0) == 0;
-      const Generation b = generate(cpu, {mc.prompts[p]}, kDecodeSteps);
-      EXPECT_EQ(a.tokens[0], b.tokens[0]) << mc.name << " prompt " << p << ": greedy tokens differ";
-      identical += a.tokens[0] == b.tokens[0];
-      for (int s = 1; s <= kDecodeSteps && a.tokens[0][s - 1] == b.tokens[0][s - 1]; ++s)
-        decode_err = std::max(decode_err, max_abs_diff(a.logits[0][s], b.logits[0][s]));
-    }
-    std::printf("[ model    ] %-22s persistent MoE block %s: decode max|dlogit| vs cpu %.2e, greedy identical %d/%zu\n",
-                mc.name.c_str(), taken ? "taken" : "not taken", decode_err, identical, mc.prompts.size());
-    EXPECT_LT(decode_err, kLogitTol) << mc.name;
-    if (mc.name == "kiln-tiny") EXPECT_TRUE(taken) << "kiln-tiny's decode steps did not take the persistent kernel";
-  }
-}
-
-// Both persistent decode kernels (CudaOptions::moe_block_persistent and deltanet_block_persistent; the CLI's
-// --enable-persistent-moe --enable-persistent-deltanet) on every model, batch 1 and 3 (sequences in different state
-// slots): logits against the CPU's within kLogitTol, greedy tokens the CPU's; kiln-tiny's decode steps must take the
-// DeltaNet kernel (its projections are dense BF16). Models it does not serve run the unfused ops.
-TEST(CudaRunner, PersistentDeltaNetBlockMatchesCpuOnEveryModel) {
-  KILN_REQUIRE_CUDA_DEVICE();
-  std::vector<testing::Fixture> fixtures;
-  fixtures.reserve(32);
-  const std::vector<ModelCase> cases = model_cases(fixtures);
-  CudaOptions o;
-  o.moe_block_persistent = true;
-  o.deltanet_block_persistent = true;
-  o.moe_block_max_tokens = 4;  // batch 3 takes them too
-  o.deltanet_block_max_tokens = 4;
   for (const ModelCase& mc : cases) {
     Engine cpu(make_cpu_backend(), mc.dir, DType::F32, 4, 256);
     auto ops = std::make_unique<CudaOps>(o);
@@ -452,15 +410,14 @@ TEST(CudaRunner, PersistentDeltaNetBlockMatchesCpuOnEveryModel) {
     int identical = 0, compared = 0;
     bool taken = false;
     for (size_t p = 0; p < mc.prompts.size(); ++p) {
-      // Batch 1, then the prompt beside two others (three sequences in one decode step).
       std::vector<std::vector<int32_t>> batch = {mc.prompts[p]};
-      if (p == 1)
+      if (batch3 && p == 1)
         for (size_t q = 0; q < mc.prompts.size() && batch.size() < 3; ++q)
           if (q != p) batch.push_back(mc.prompts[q]);
       if (p == 0) EXPECT_TRUE(raw->profile_begin());
       const Generation a = generate(gpu, batch, kDecodeSteps);
       if (p == 0)
-        for (const model::OpTime& r : raw->profile_end()) taken |= r.label.rfind("deltanet_block ", 0) == 0;
+        for (const model::OpTime& r : raw->profile_end()) taken |= r.label.rfind(label, 0) == 0;
       const Generation b = generate(cpu, batch, kDecodeSteps);
       for (size_t s = 0; s < batch.size(); ++s) {
         EXPECT_EQ(a.tokens[s], b.tokens[s]) << mc.name << " prompt " << p << " seq " << s << ": greedy tokens differ";
@@ -470,12 +427,33 @@ TEST(CudaRunner, PersistentDeltaNetBlockMatchesCpuOnEveryModel) {
           decode_err = std::max(decode_err, max_abs_diff(a.logits[s][t], b.logits[s][t]));
       }
     }
-    std::printf("[ model    ] %-22s persistent DeltaNet mixer %s: decode max|dlogit| vs cpu %.2e, greedy identical "
-                "%d/%d\n",
-                mc.name.c_str(), taken ? "taken" : "not taken", decode_err, identical, compared);
+    std::printf("[ model    ] %-22s persistent %s %s: decode max|dlogit| vs cpu %.2e, greedy identical %d/%d\n",
+                mc.name.c_str(), what, taken ? "taken" : "not taken", decode_err, identical, compared);
     EXPECT_LT(decode_err, kLogitTol) << mc.name;
     if (mc.name == "kiln-tiny") EXPECT_TRUE(taken) << "kiln-tiny's decode steps did not take the persistent kernel";
   }
+}
+
+// The persistent MoE block kernel (CudaOptions::moe_block_persistent; the CLI's --enable-persistent-moe): decode steps
+// at batch 1 take it wherever the layer has a BF16 router and shared expert and NVFP4 experts (kiln-tiny, the Qwen3.5
+// MoE NVFP4 fixtures).
+TEST(CudaRunner, PersistentMoeBlockMatchesCpuOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOptions o;
+  o.moe_block_persistent = true;
+  expect_persistent_kernel_matches_cpu(o, "moe_block ", "MoE block", false);
+}
+
+// Both persistent decode kernels (also --enable-persistent-deltanet), at batch 1 and 3: kiln-tiny's decode steps must
+// take the DeltaNet kernel (its projections are dense BF16).
+TEST(CudaRunner, PersistentDeltaNetBlockMatchesCpuOnEveryModel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  CudaOptions o;
+  o.moe_block_persistent = true;
+  o.deltanet_block_persistent = true;
+  o.moe_block_max_tokens = 4;  // batch 3 takes them too
+  o.deltanet_block_max_tokens = 4;
+  expect_persistent_kernel_matches_cpu(o, "deltanet_block ", "DeltaNet mixer", true);
 }
 
 // --dtype bfloat16 on whole models (F32 KV cache, so that only the tensor-core inputs differ): the prefill logits

@@ -31,6 +31,8 @@ namespace {
 using model::LinearWeight;
 using model::WeightFormat;
 using test::rel_err;
+using test::set_state;
+using test::state_on_host;
 
 struct Shape4 {
   const char* name;
@@ -116,44 +118,9 @@ PlacedLayer place(model::Ops& ops, const HostLayer& h) {
   return p;
 }
 
+// A decode step: one token per sequence, sequence s in slots[s], every token at position `pos`.
 model::StepLayout decode_step(model::Ops& ops, const std::vector<int>& slots, int pos) {
-  model::StepLayout st;
-  st.num_seqs = static_cast<int>(slots.size());
-  st.page_size = 16;
-  st.max_pages_per_seq = 1;
-  st.host_seq_token_begin.push_back(0);
-  for (int slot : slots) {
-    st.host_token_pos.push_back(pos);
-    st.host_seq_token_begin.push_back(st.host_seq_token_begin.back() + 1);
-    st.host_seq_start_pos.push_back(pos);
-    st.host_seq_state_slot.push_back(slot);
-  }
-  st.host_page_table.assign(slots.size(), -1);
-  st.num_tokens = static_cast<int64_t>(slots.size());
-  model::upload_step(ops, st);
-  return st;
-}
-
-std::vector<float> to_host(model::Ops& ops, const TensorView& t) {
-  const size_t n = static_cast<size_t>(t.numel());
-  std::vector<float> out(n);
-  if (t.dtype == DType::F32) {
-    ops.download(t, out.data());
-  } else {
-    std::vector<uint16_t> raw(n);
-    ops.download(t, raw.data());
-    for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(raw[i]);
-  }
-  return out;
-}
-void fill(model::Ops& ops, TensorView t, const std::vector<float>& v) {
-  if (t.dtype == DType::F32) {
-    ops.copy(ops.upload(v.data(), DType::F32, t.shape), t);
-  } else {
-    std::vector<uint16_t> raw(v.size());
-    for (size_t i = 0; i < v.size(); ++i) raw[i] = f32_to_bf16(v[i]);
-    ops.copy(ops.upload(raw.data(), DType::BF16, t.shape), t);
-  }
+  return test::step_on(ops, std::vector<int>(slots.size(), 1), slots, std::vector<int>(slots.size(), pos));
 }
 
 // One layer's recurrent state on one Ops: conv state F32 [slots, C, 3], recurrent state [slots, Hv, 128, 128].
@@ -196,7 +163,7 @@ std::vector<float> unfused(model::Ops& ops, const PlacedLayer& p, const Shape4& 
   nv.strides = {Hv * s.D, 1};
   const TensorView out = ops.scratch(DType::F32, Shape{T, H});
   ops.linear(nv, p.out, out);
-  return to_host(ops, out);
+  return state_on_host(ops, out);
 }
 
 class DeltaNetBlockDecode : public ::testing::TestWithParam<Shape4> {};
@@ -228,9 +195,8 @@ void run_case(const Shape4& s, bool bf16_state) {
     States sp{plain_gpu.allocate(DType::F32, conv_shape), plain_gpu.allocate(rec_dtype, rec_shape)};
     States sc{cpu->allocate(DType::F32, conv_shape), cpu->allocate(DType::F32, rec_shape)};
     for (auto [ops, st] : {std::pair<model::Ops*, States>{&fused_gpu, sf}, {&plain_gpu, sp}, {cpu.get(), sc}}) {
-      ops->reset_scratch();
-      fill(*ops, st.conv, conv0);
-      fill(*ops, st.rec, rec0);
+      set_state(*ops, st.conv, conv0);
+      set_state(*ops, st.rec, rec0);
     }
     for (int step = 0; step < 3; ++step) {
       const std::string label = std::string(s.name) + " T=" + std::to_string(T) + " step " + std::to_string(step) +
@@ -248,7 +214,8 @@ void run_case(const Shape4& s, bool bf16_state) {
       const model::ResidualNorm in{fh, fy, pf.in_norm, eps, model::NormKind::zero_centred};
       ASSERT_TRUE(fused_gpu.deltanet_block(in, pf.w(s), sf.conv, sf.rec, stf, eps, fout))
           << "the persistent kernel was not taken";
-      const std::vector<float> got = to_host(fused_gpu, fout), got_hidden = to_host(fused_gpu, fh);
+      const std::vector<float> got = state_on_host(fused_gpu, fout);
+      const std::vector<float> got_hidden = state_on_host(fused_gpu, fh);
       // The unfused ops on the GPU and the CPU.
       std::vector<float> want[2], want_hidden[2];
       model::Ops* refs[2] = {&plain_gpu, cpu.get()};
@@ -261,13 +228,13 @@ void run_case(const Shape4& s, bool bf16_state) {
         const TensorView h = ops.upload(hidden.data(), DType::F32, Shape{T, H});
         const TensorView yy = with_y ? ops.upload(y.data(), DType::F32, Shape{T, H}) : TensorView();
         want[i] = unfused(ops, *pls[i], s, sts[i], st, h, yy, eps);
-        want_hidden[i] = to_host(ops, h);
+        want_hidden[i] = state_on_host(ops, h);
       }
       EXPECT_EQ(got_hidden, want_hidden[1]) << "the residual stream";
       const double out_cpu = rel_err(got, want[1]), out_gpu = rel_err(got, want[0]);
-      const double conv_cpu = rel_err(to_host(fused_gpu, sf.conv), to_host(*cpu, sc.conv));
-      const double rec_cpu = rel_err(to_host(fused_gpu, sf.rec), to_host(*cpu, sc.rec));
-      const double rec_gpu = rel_err(to_host(fused_gpu, sf.rec), to_host(plain_gpu, sp.rec));
+      const double conv_cpu = rel_err(state_on_host(fused_gpu, sf.conv), state_on_host(*cpu, sc.conv));
+      const double rec_cpu = rel_err(state_on_host(fused_gpu, sf.rec), state_on_host(*cpu, sc.rec));
+      const double rec_gpu = rel_err(state_on_host(fused_gpu, sf.rec), state_on_host(plain_gpu, sp.rec));
       std::printf("[ delta blk] %s: out vs cpu %.2e vs unfused cuda %.2e (unfused cuda vs cpu %.2e) | conv state %.2e "
                   "| state vs cpu %.2e vs unfused cuda %.2e\n",
                   label.c_str(), out_cpu, out_gpu, rel_err(want[0], want[1]), conv_cpu, rec_cpu, rec_gpu);
@@ -329,17 +296,7 @@ TEST(DeltaNetBlockDecodeFallback, DeclinesWhatItDoesNotServe) {
     if (!option) continue;
     // Three tokens of one sequence (a prefill or a verify pass): declined.
     gpu.reset_scratch();
-    model::StepLayout pre;
-    pre.num_seqs = 1;
-    pre.page_size = 16;
-    pre.max_pages_per_seq = 1;
-    pre.host_token_pos = {0, 1, 2};
-    pre.host_seq_token_begin = {0, 3};
-    pre.host_seq_start_pos = {0};
-    pre.host_seq_state_slot = {0};
-    pre.host_page_table = {-1};
-    pre.num_tokens = 3;
-    model::upload_step(gpu, pre);
+    const model::StepLayout pre = test::step_on(gpu, {3}, {0}, {0});
     std::vector<float> hv(3 * 256, 0.5f);
     const TensorView h = gpu.upload(hv.data(), DType::F32, Shape{3, 256});
     const TensorView out = gpu.scratch(DType::F32, Shape{3, 256});

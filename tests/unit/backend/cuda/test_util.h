@@ -62,6 +62,52 @@ inline model::LinearWeight random_bf16_weight(std::vector<std::vector<uint16_t>>
   return w;
 }
 
+// A step of lens[s] tokens for sequence s in slots[s], its first token at position start[s].
+inline model::StepLayout step_on(model::Ops& ops, const std::vector<int>& lens, const std::vector<int>& slots,
+                                 const std::vector<int>& start) {
+  model::StepLayout st;
+  st.num_seqs = static_cast<int>(lens.size());
+  st.page_size = 16;
+  st.max_pages_per_seq = 1;
+  st.host_seq_token_begin.push_back(0);
+  for (size_t s = 0; s < lens.size(); ++s) {
+    for (int t = 0; t < lens[s]; ++t) st.host_token_pos.push_back(start[s] + t);
+    st.host_seq_token_begin.push_back(st.host_seq_token_begin.back() + lens[s]);
+    st.host_seq_start_pos.push_back(start[s]);
+    st.host_seq_state_slot.push_back(slots[s]);
+  }
+  st.host_page_table.assign(lens.size(), -1);
+  st.num_tokens = st.host_seq_token_begin.back();
+  model::upload_step(ops, st);
+  return st;
+}
+
+// A state (or any F32 / BF16 tensor) on any Ops as fp32 on the host.
+inline std::vector<float> state_on_host(model::Ops& ops, const TensorView& state) {
+  const size_t n = static_cast<size_t>(state.numel());
+  std::vector<float> out(n);
+  if (state.dtype == DType::F32) {
+    ops.download(state, out.data());
+  } else {
+    std::vector<uint16_t> raw(n);
+    ops.download(state, raw.data());
+    for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(raw[i]);
+  }
+  return out;
+}
+
+// Sets a state (F32 or BF16 slots) to `values` (fp32 on the host; a BF16 state takes them rounded).
+inline void set_state(model::Ops& ops, TensorView state, const std::vector<float>& values) {
+  ops.reset_scratch();
+  if (state.dtype == DType::F32) {
+    ops.copy(ops.upload(values.data(), DType::F32, state.shape), state);
+  } else {
+    std::vector<uint16_t> raw(values.size());
+    for (size_t i = 0; i < values.size(); ++i) raw[i] = f32_to_bf16(values[i]);
+    ops.copy(ops.upload(raw.data(), DType::BF16, state.shape), state);
+  }
+}
+
 // The checks of compare_ops whose op name starts with `prefix`.
 inline std::vector<OpCheck> checks_of(const std::vector<OpCheck>& all, const std::string& prefix) {
   std::vector<OpCheck> out;

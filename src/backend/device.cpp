@@ -150,11 +150,15 @@ KernelChoice resolve_kernels(const std::string& device, int compute_major, const
   // kiln-grouped (auto) and kiln-mma: the mma kernels; kiln-blas: the NVFP4 experts of every non-captured step
   // dequantised to bf16 + cuBLAS grouped GEMMs (opt-in until measured on a GPU; A/B runs).
   k.moe_runner = pick("--moe-runner-backend", o.gpu.moe_runner_backend,
-                      {"kiln-fused-decode", "kiln-grouped", "kiln-mma", "kiln-blas", "kiln-grouped-fp32"},
+                      {"kiln-fused-decode", "kiln-grouped", "kiln-mma", "kiln-blas", "kiln-wgmma", "kiln-grouped-fp32"},
                       "kiln-grouped");
   if (k.moe_runner == "kiln-blas" && (k.dtype != "bfloat16" || compute_major < 9))
     fail("--moe-runner-backend kiln-blas runs the NVFP4 experts as bf16 GEMMs: it needs --dtype bfloat16 (or auto) and "
          "an sm_90 or newer GPU (here: --dtype {}, sm_{}x); use kiln-grouped or kiln-mma",
+         k.dtype, compute_major);
+  if (k.moe_runner == "kiln-wgmma" && (k.dtype != "bfloat16" || compute_major != 9))
+    fail("--moe-runner-backend kiln-wgmma runs the NVFP4 experts on Hopper's warpgroup MMA with bf16 inputs: it needs "
+         "--dtype bfloat16 (or auto) and an sm_90 GPU (here: --dtype {}, sm_{}x); use kiln-grouped or kiln-mma",
          k.dtype, compute_major);
   if (o.gpu.fp4_gemm_backend == "native-fp4")
     fail("--fp4-gemm-backend native-fp4 needs FP4 tensor cores (sm_100 / sm_120) and is not implemented in kiln yet; "
@@ -177,14 +181,15 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.device = device;
   c.prefill_attention_tensor_cores = k.attention == "kiln-paged";
   c.moe_tensor_cores = k.moe_runner == "kiln-grouped" || k.moe_runner == "kiln-fused-decode" ||
-                       k.moe_runner == "kiln-mma" || k.moe_runner == "kiln-blas";
+                       k.moe_runner == "kiln-mma" || k.moe_runner == "kiln-blas" || k.moe_runner == "kiln-wgmma";
   c.moe_decode_fused = k.moe_runner == "kiln-fused-decode";
-  // The NVFP4 experts of large steps: dequantised + cuBLAS from kMoePrefillBlasMinTokens tokens under auto
-  // (kiln-grouped, kiln-fused-decode; measured and checked on an H100: docs/perf/prefill.md); kiln-mma / kiln-blas
-  // pin one path at every size (A/B timing).
-  c.moe_prefill = k.moe_runner == "kiln-blas"  ? cuda::MoePrefill::blas
-                  : k.moe_runner == "kiln-mma" ? cuda::MoePrefill::mma
-                                               : cuda::MoePrefill::by_step;
+  // The NVFP4 experts of large steps under auto (kiln-grouped, kiln-fused-decode): on sm_90 the wgmma grouped GEMMs
+  // from kMoePrefillWgmmaMinTokens tokens, elsewhere dequantised + cuBLAS from kMoePrefillBlasMinTokens
+  // (docs/perf/prefill.md); kiln-mma / kiln-blas / kiln-wgmma pin one path at every size (A/B timing).
+  c.moe_prefill = k.moe_runner == "kiln-blas"    ? cuda::MoePrefill::blas
+                  : k.moe_runner == "kiln-mma"   ? cuda::MoePrefill::mma
+                  : k.moe_runner == "kiln-wgmma" ? cuda::MoePrefill::wgmma
+                                                 : cuda::MoePrefill::by_step;
   c.fp4_linear_tensor_cores = k.fp4_gemm == "kiln-w4a16";
   c.dtype = k.dtype == "bfloat16" ? cuda::CudaOptions::ActivationDtype::bfloat16
                                   : cuda::CudaOptions::ActivationDtype::float32;

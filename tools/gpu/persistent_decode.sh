@@ -6,6 +6,7 @@
 # xz-compressed; CARRY/lib: tools/gpu/README.md). $TEST_FILTER; $VARIANTS ("label|flags" entries separated by ';'; default
 # off, each kernel, both, and with the L2 prefetch); $BATCHES (default 1,2,4); $NCU_BATCHES (default 1 4). Writes at most
 # 7 files to $OUT (the device tool returns 8): gpu.txt, tests.log, bench.log, profile.log, ncu.err, ncu1.csv, ncu4.csv.
+# $TEST_TIMEOUT (default 240 s) bounds the tests.
 set -uo pipefail
 CARRY=${1:-gpu-carry}; WHAT=${2:-tests,bench,profile,ncu}; OUT=${OUT:-/tmp/kiln-gpu}
 source tools/gpu/carry.sh
@@ -13,7 +14,7 @@ T=$CARRY/new/test_cuda; K=$CARRY/new/kiln; C35=configs/qwen3.5-35b-a3b-nvfp4
 S0=$SECONDS
 MOE=--enable-persistent-moe; DELTA=--enable-persistent-deltanet
 if has tests; then
-  timeout 240 $T --gtest_filter="${TEST_FILTER:-*MoeBlock*:*DeltaNetBlock*:CudaRunner.Persistent*:CudaOps.SelfCheckPasses*}" \
+  timeout ${TEST_TIMEOUT:-240} $T --gtest_filter="${TEST_FILTER:-*MoeBlock*:*DeltaNetBlock*:CudaRunner.Persistent*:CudaOps.SelfCheckPasses*}" \
     > $OUT/tests.log 2>&1
   echo "test_cuda rc=$? ($((SECONDS-S0)) s)"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" $OUT/tests.log | head -20

@@ -19,6 +19,7 @@
 #include "backend/cuda/moe_block_decode.h"
 #include "backend/cuda/moe_decode_fused.h"
 #include "backend/cuda/moe_prefill_blas.h"
+#include "backend/cuda/moe_prefill_wgmma.h"
 #include "backend/cuda/step_args.h"
 #include "backend/cuda/vision.h"
 #include "backend/cuda/weight_upload.h"
@@ -297,12 +298,19 @@ std::string CudaOps::describe() const {
                                     x_in,
                                     !bf16 || o.moe_prefill == MoePrefill::mma
                                         ? std::string()
-                                        : o.moe_prefill == MoePrefill::blas
-                                              ? std::string("; every step outside graphs: experts dequantised to bf16, "
-                                                            "cuBLAS grouped GEMMs [--moe-runner-backend kiln-blas]")
-                                              : fmt::format("; steps of >= {} tokens: experts dequantised to bf16, "
-                                                            "cuBLAS grouped GEMMs",
-                                                            kMoePrefillBlasMinTokens),
+                                    : o.moe_prefill == MoePrefill::blas
+                                        ? std::string("; every step outside graphs: experts dequantised to bf16, "
+                                                      "cuBLAS grouped GEMMs [--moe-runner-backend kiln-blas]")
+                                    : o.moe_prefill == MoePrefill::wgmma
+                                        ? std::string("; every step: wgmma grouped GEMMs, FP4 decoded in registers "
+                                                      "(sm_90) [--moe-runner-backend kiln-wgmma]")
+                                    : d.major == 9 && d.minor == 0
+                                        ? fmt::format("; steps of >= {} tokens outside graphs: wgmma grouped GEMMs, "
+                                                      "FP4 decoded in registers",
+                                                      kMoePrefillWgmmaMinTokens)
+                                        : fmt::format("; steps of >= {} tokens: experts dequantised to bf16, "
+                                                      "cuBLAS grouped GEMMs",
+                                                      kMoePrefillBlasMinTokens),
                                     o.moe_decode_fused ? "" : " [--moe-runner-backend kiln-grouped]")
                       : std::string("fp32 kernels, tile height from the rows per expert [--moe-runner-backend "
                                     "kiln-grouped-fp32]")),
@@ -1584,16 +1592,32 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   const int64_t E = static_cast<int64_t>(experts.size());
 
   const Impl::ExpertTable& tab = impl_->expert_table(experts, H);
-  // Large steps (cuda_options.h, moe_prefill_blas: bf16 inputs, sm_90+, not under graph capture): the experts that
-  // received tokens dequantised to bf16, cuBLAS grouped GEMMs. Its per-pass buffers come from the scratch arena
-  // (no more than moe_workspace_bytes, which the plan sizes); the weight scratch is one reusable buffer the plan adds.
+  // Prefill-sized steps (cuda_options.h, moe_prefill_path: bf16 inputs): on sm_90 the wgmma grouped GEMMs (FP4
+  // decoded in registers), else from kMoePrefillBlasMinTokens the experts that received tokens dequantised to bf16 +
+  // cuBLAS grouped GEMMs (not under graph capture). Their per-pass buffers come from the scratch arena (no more than
+  // moe_workspace_bytes, which the plan sizes); the dequantised path's weight scratch is one reusable buffer the plan
+  // adds.
   const CudaOptions& o = impl_->options;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   KILN_CUDA_CHECK(cudaStreamIsCapturing(impl_->rt.stream(), &capture));
-  if (o.moe_tensor_cores &&
-      moe_prefill_blas(o.moe_prefill, T, o.dtype == CudaOptions::ActivationDtype::bfloat16, impl_->rt.device().major,
-                       capture != cudaStreamCaptureStatusNone) &&
-      reinterpret_cast<uintptr_t>(x.data) % 16 == 0 &&
+  const CudaDeviceProbe& dev = impl_->rt.device();
+  const bool bf16 = o.dtype == CudaOptions::ActivationDtype::bfloat16;
+  // The wgmma path's shape check walks the expert table: only when the step would take it.
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  MoePrefillPath path = o.moe_tensor_cores && reinterpret_cast<uintptr_t>(x.data) % 16 == 0
+                            ? moe_prefill_path(o.moe_prefill, T, bf16, dev.major, true, capturing)
+                            : MoePrefillPath::mma;
+  if (path == MoePrefillPath::wgmma &&
+      !kops::moe_prefill_wgmma_supported(dev.major, dev.minor, H, tab.inter, tab.gemv2_kind, tab.vec_ok,
+                                         tab.host.data(), E))
+    path = moe_prefill_path(o.moe_prefill, T, bf16, dev.major, false, capturing);
+  if (path == MoePrefillPath::wgmma) {
+    void* ws = impl_->rt.scratch(kops::moe_prefill_wgmma_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter));
+    kops::moe_prefill_wgmma(f32(x), T, H, ids, f32(weights), static_cast<int>(k), tab.table.as<kops::WeightDesc>(), E,
+                            tab.inter, ws, f32_mut(out), shared, shared_gate, impl_->rt.stream());
+    return;
+  }
+  if (path == MoePrefillPath::blas &&
       kops::moe_prefill_blas_supported(H, tab.inter, tab.gemv2_kind, tab.vec_ok, tab.host.data(), E)) {
     if (!impl_->moe_blas) impl_->moe_blas = std::make_unique<kops::MoePrefillBlas>();
     const size_t expert_bytes = kops::moe_prefill_blas_expert_bytes(H, tab.inter);

@@ -17,19 +17,35 @@ constexpr int64_t kMoePrefillBlasMinTokens = 4096;
 // fit runs in batches). A buffer reused by every layer and step (CudaRuntime::reusable), outside the scratch arena;
 // the memory plan adds it to its activation estimate (backend/device.cpp, moe_dequant_scratch_bytes).
 constexpr size_t kMoePrefillWeightScratchBytes = size_t(256) << 20;
+// ---- The NVFP4 routed experts of prefill-sized steps on Hopper's warpgroup MMA (moe_prefill_wgmma.cu, sm_90 only):
+// FP4 decoded in registers, each weight read and decoded once per row tile of 64 or 128 rows; no host
+// synchronisation. Steps of at least this many tokens take it under `auto` on sm_90 (tunable). Measured on an H100
+// (35B-A3B, one pass; docs/perf/prefill.md): 512 tokens 0.90x the mma kernels, 1024 1.20x, 4096 1.27x the cuBLAS
+// path, 8192 1.12x; so from 1024.
+constexpr int64_t kMoePrefillWgmmaMinTokens = 1024;
 // --moe-runner-backend's choice for the NVFP4 routed experts of non-decode steps: by_step (auto, kiln-grouped,
-// kiln-fused-decode): the dequantised path for steps of >= kMoePrefillBlasMinTokens tokens, the mma kernels below;
-// mma (kiln-mma): the mma kernels at every size; blas (kiln-blas): the dequantised path at every size it serves.
-enum class MoePrefill { by_step, mma, blas };
-// Whether a step of `tokens` tokens runs the routed experts dequantised + cuBLAS (the caller checks that the experts
-// are NVFP4 of the shapes it serves). Only with bf16 activation inputs (--dtype bfloat16: the GEMMs take x rounded
-// once to bf16, as the mma kernels do; float32 keeps its 3-part fp32 accuracy on the mma kernels), on sm_90 or newer,
-// and never while the stream is being captured into a CUDA graph: the path reads each expert's row count back to
-// the host (one stream synchronisation per layer) to size the GEMMs, which a captured graph cannot do. The capture
-// check is cudaStreamIsCapturing on the op's stream (not the step size), so it holds whatever steps get captured.
-constexpr bool moe_prefill_blas(MoePrefill mode, int64_t tokens, bool bf16_inputs, int compute_major, bool capturing) {
-  if (mode == MoePrefill::mma || !bf16_inputs || compute_major < 9 || capturing || tokens < 1) return false;
-  return mode == MoePrefill::blas || tokens >= kMoePrefillBlasMinTokens;
+// kiln-fused-decode): on sm_90 the wgmma path from kMoePrefillWgmmaMinTokens tokens, elsewhere the dequantised path
+// from kMoePrefillBlasMinTokens, the mma kernels below; mma (kiln-mma): the mma kernels at every size; blas
+// (kiln-blas): the dequantised path at every size it serves; wgmma (kiln-wgmma): the wgmma path at every size.
+enum class MoePrefill { by_step, mma, blas, wgmma };
+enum class MoePrefillPath { mma, blas, wgmma };
+// Which path a step of `tokens` tokens runs its NVFP4 routed experts on. Only with bf16 activation inputs
+// (--dtype bfloat16: the GEMMs take x rounded once to bf16, as the mma kernels do; float32 keeps its 3-part fp32
+// accuracy on the mma kernels). wgmma: where wgmma_ok (the caller's moe_prefill_wgmma_supported: compute capability
+// 9.0, the sm_90a code, and experts of the shapes it serves). blas: sm_90 or newer (the caller checks the experts'
+// shapes and falls back to the mma kernels), and never while
+// the stream is being captured into a CUDA graph: it reads each expert's row count back to the host (one stream
+// synchronisation per layer), which a captured graph cannot do (the check is cudaStreamIsCapturing on the op's
+// stream, so it holds whatever steps get captured). The wgmma path keeps everything on the device and may be captured,
+// but `auto` leaves captured steps (decode, verify) on the mma kernels.
+constexpr MoePrefillPath moe_prefill_path(MoePrefill mode, int64_t tokens, bool bf16_inputs, int compute_major,
+                                          bool wgmma_ok, bool capturing) {
+  if (mode == MoePrefill::mma || !bf16_inputs || compute_major < 9 || tokens < 1) return MoePrefillPath::mma;
+  if (mode == MoePrefill::wgmma) return wgmma_ok ? MoePrefillPath::wgmma : MoePrefillPath::mma;
+  if (capturing) return MoePrefillPath::mma;
+  if (mode == MoePrefill::blas) return MoePrefillPath::blas;
+  if (wgmma_ok && tokens >= kMoePrefillWgmmaMinTokens) return MoePrefillPath::wgmma;
+  return tokens >= kMoePrefillBlasMinTokens ? MoePrefillPath::blas : MoePrefillPath::mma;
 }
 
 struct CudaOptions {
@@ -77,8 +93,8 @@ struct CudaOptions {
   // The persistent kernels ask L2 for the weights a warp reads next (cp.async.bulk.prefetch: the next dense row, the
   // rows of the following phase while the current one runs); --enable-persistent-prefetch, experimental.
   bool persistent_prefetch = false;
-  // --moe-runner-backend kiln-mma / kiln-blas (else by_step): NVFP4 routed experts of large steps dequantised to bf16
-  // and run through cuBLAS grouped GEMMs (moe_prefill_blas above), only with moe_tensor_cores.
+  // --moe-runner-backend kiln-mma / kiln-blas / kiln-wgmma (else by_step): the path of the NVFP4 routed experts of
+  // large steps (moe_prefill_path above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;
   // --fp4-gemm-backend: dense NVFP4 linears of more rows than the gemv takes on tensor cores (the expert kernel with
   // the weight as its only expert), or on the fp32 gemm (kiln-fp32).

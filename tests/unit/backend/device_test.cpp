@@ -236,6 +236,17 @@ TEST(KernelChoice, MoePrefillPathsResolveAndKilnBlasNeedsBf16OnSm90) {
   o.gpu.moe_runner_backend = "kiln-mma";
   o.gpu.dtype = "float32";
   EXPECT_EQ(error_of([&] { resolve_kernels("cuda", 8, o); }), "");
+  // kiln-wgmma: Hopper's warpgroup MMA with bf16 inputs, sm_90 only.
+  o.gpu.moe_runner_backend = "kiln-wgmma";
+  o.gpu.dtype = "auto";
+  EXPECT_EQ(resolve_kernels("cuda", 9, o).moe_runner, "kiln-wgmma");
+  for (int major : {8, 10, 12}) {
+    e = error_of([&] { resolve_kernels("cuda", major, o); });
+    EXPECT_NE(e.find("an sm_90 GPU"), std::string::npos) << major << ": " << e;
+  }
+  o.gpu.dtype = "float32";
+  e = error_of([&] { resolve_kernels("cuda", 9, o); });
+  EXPECT_NE(e.find("--dtype bfloat16"), std::string::npos) << e;
 }
 
 TEST(PrefillSizes, AutoByDeviceAndTheSetValues) {

@@ -37,25 +37,40 @@ using test::rel_err;
 // ---- which path (host-only)
 
 TEST(MoePrefillChoice, PathPerStepDtypeArchFlagAndCapture) {
-  constexpr int64_t kMin = kMoePrefillBlasMinTokens;
-  // auto (by_step): bf16, sm_90+, not capturing, from kMin tokens.
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::by_step, kMin - 1, true, 9, false));
-  EXPECT_TRUE(moe_prefill_blas(MoePrefill::by_step, kMin, true, 9, false));
-  EXPECT_TRUE(moe_prefill_blas(MoePrefill::by_step, 4096, true, 10, false));
-  EXPECT_TRUE(moe_prefill_blas(MoePrefill::by_step, 4096, true, 12, false));
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::by_step, 4096, false, 9, false));  // --dtype float32: 3-part mma
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::by_step, 4096, true, 8, false));   // before Hopper
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::by_step, 4096, true, 9, true));    // inside a graph capture
-  // kiln-mma: never.
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::mma, 4096, true, 9, false));
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::mma, kMin, true, 9, false));
-  // kiln-blas: every step size, still bf16 / sm_90+ / not capturing only.
-  EXPECT_TRUE(moe_prefill_blas(MoePrefill::blas, 1, true, 9, false));
-  EXPECT_TRUE(moe_prefill_blas(MoePrefill::blas, 256, true, 9, false));
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::blas, 0, true, 9, false));
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::blas, 256, false, 9, false));
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::blas, 256, true, 8, false));
-  EXPECT_FALSE(moe_prefill_blas(MoePrefill::blas, 4096, true, 9, true));
+  constexpr int64_t kMin = kMoePrefillBlasMinTokens, kWg = kMoePrefillWgmmaMinTokens;
+  constexpr auto mma = MoePrefillPath::mma, blas = MoePrefillPath::blas, wgmma = MoePrefillPath::wgmma;
+  static_assert(kWg < kMin);
+  // moe_prefill_path(mode, tokens, bf16 inputs, compute major, wgmma serves (sm_90 + shapes), capturing).
+  // auto (by_step) on sm_90 where the wgmma path serves: wgmma from kWg tokens, not while capturing.
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, kWg - 1, true, 9, true, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, kWg, true, 9, true, false), wgmma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 8192, true, 9, true, false), wgmma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 8192, true, 9, true, true), mma);    // inside a graph capture
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 8192, false, 9, true, false), mma);  // --dtype float32: 3-part mma
+  // auto where the wgmma path does not serve (other GPUs, other shapes): the dequantised path from kMin tokens.
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, kMin - 1, true, 9, false, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, kMin, true, 9, false, false), blas);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 4096, true, 10, false, false), blas);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 4096, true, 12, false, false), blas);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 4096, false, 12, false, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 4096, true, 8, false, false), mma);   // before Hopper
+  EXPECT_EQ(moe_prefill_path(MoePrefill::by_step, 4096, true, 12, false, true), mma);   // capturing
+  // kiln-mma: never another path.
+  EXPECT_EQ(moe_prefill_path(MoePrefill::mma, 4096, true, 9, true, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::mma, kMin, true, 12, false, false), mma);
+  // kiln-blas: every step size, still bf16 / sm_90+ / not capturing only, even where wgmma would serve.
+  EXPECT_EQ(moe_prefill_path(MoePrefill::blas, 1, true, 9, true, false), blas);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::blas, 256, true, 9, false, false), blas);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::blas, 0, true, 9, false, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::blas, 256, false, 9, false, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::blas, 256, true, 8, false, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::blas, 4096, true, 9, false, true), mma);
+  // kiln-wgmma: every step size where it serves, captured steps included (nothing goes back to the host); elsewhere
+  // the mma kernels.
+  EXPECT_EQ(moe_prefill_path(MoePrefill::wgmma, 1, true, 9, true, false), wgmma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::wgmma, 8, true, 9, true, true), wgmma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::wgmma, 8192, true, 9, false, false), mma);
+  EXPECT_EQ(moe_prefill_path(MoePrefill::wgmma, 8192, false, 9, true, false), mma);
   // The default options: by step.
   EXPECT_EQ(CudaOptions{}.moe_prefill, MoePrefill::by_step);
 }
@@ -178,12 +193,15 @@ TEST_P(MoePrefillBlas, MatchesCpu) {
       EXPECT_LE(vs_cpu, kBf16InputTol);
       EXPECT_GE(vs_cpu, 2e-4) << "no sign of the bf16 rounding";
       if (with_shared) {
-        // auto: the same path (bitwise) from kMoePrefillBlasMinTokens, the mma kernels (bitwise kiln-mma) below.
+        // auto: on sm_90 the wgmma path from kMoePrefillWgmmaMinTokens (moe_prefill_wgmma_test.cpp), never this one;
+        // elsewhere this path (bitwise) from kMoePrefillBlasMinTokens; the mma kernels (bitwise kiln-mma) below both.
+        const bool hopper = by_step.device().major == 9 && by_step.device().minor == 0;
         ASSERT_TRUE(by_step.profile_begin());
         const Outputs a = run(by_step, step_experts, s, in, with_shared);
         const bool taken = dequant_rows(by_step.profile_end()) > 0;
-        EXPECT_EQ(taken, T >= kMoePrefillBlasMinTokens);
-        EXPECT_EQ(a.out, taken ? b.out : m.out);
+        EXPECT_EQ(taken, !hopper && T >= kMoePrefillBlasMinTokens);
+        if (taken) EXPECT_EQ(a.out, b.out);
+        if (T < (hopper ? kMoePrefillWgmmaMinTokens : kMoePrefillBlasMinTokens)) EXPECT_EQ(a.out, m.out);
       }
     }
   }

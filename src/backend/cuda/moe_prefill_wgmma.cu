@@ -1,0 +1,458 @@
+// The NVFP4 routed experts of prefill-sized steps on Hopper's warpgroup MMA (moe_prefill_wgmma.h).
+//
+// Block: 256 threads, two warpgroups. out^T[features, rows] = W[features, k] . x^T[k, rows]: the MMA's M is 64 weight
+// rows per warpgroup, its N the row tile (kNT = 64 or 128 tokens), K walked 128 at a time.
+// - Pipeline: per 128-k block a shared-memory stage holds the tile's activation rows (bf16, stored in the permuted k
+//   order of moe_wgmma_layout.h, 128-byte swizzled: read by the MMAs through shared-memory descriptors) and the
+//   block's 128 weight rows' NVFP4 codes and block scales, copied by cp.async; 6 stages for 64-row tiles, 5 for 128,
+//   the copies running stages - 1 blocks ahead, so tens of KiB of weights are in flight per multiprocessor.
+// - A (weights): each lane reads 16 bytes of codes of its two rows (g, g + 8) from the stage and decodes them to the
+//   bf16 A fragments of the block's 8 k-steps (e2m1 * e4m3 block scale * 2^-8, exact; moe_experts.cu's decoding).
+//   The fragments of two blocks alternate: block s + 1 is decoded while block s's MMAs run, then the warpgroup waits
+//   for them (a wait with nothing else in flight: ptxas keeps the MMAs asynchronous only so).
+// - Epilogue: gate/up (warpgroup 0 the gate rows, 1 the up rows of the same 64 features) meets in shared memory,
+//   silu(gate) * up is rounded to bf16 and written as 128-byte rows at the features' logical positions; down writes
+//   128 features of each row as bf16.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/moe_prefill_wgmma.h"
+#include "backend/cuda/moe_wgmma_layout.h"
+#include "backend/cuda/ptx.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KILN_HAVE_WGMMA 1
+#endif
+
+namespace kiln::cuda::ops {
+namespace {
+
+namespace wl = wgmma_layout;
+
+constexpr int kThreads = 256;  // two warpgroups
+
+struct WgArgs {
+  const WeightDesc* table = nullptr;  // [E][3] {gate, up, down}
+  const int4* tiles = nullptr;        // [max tiles] {expert (-1: none), first sorted row, end row, 0}
+  const uint16_t* xs = nullptr;       // [rows][K] bf16, each 128-k block in logical order
+  const int32_t* row_index = nullptr; // row of xs of each sorted row (null: the sorted row itself)
+  uint16_t* out = nullptr;            // gate/up: [rows][N] silu(gate) * up in logical order; down: [rows][N]
+  int K = 0, N = 0;                   // in features; out features (I for gate/up, H for down)
+};
+
+// A pipeline stage: the tile's activations (nt rows x 128 k, bf16), the block's 128 weight rows' codes (64 bytes
+// each) and block scales (8 bytes each) of one 128-k block; 1024-byte multiples (the swizzle atom).
+constexpr size_t stage_bytes(int nt) { return size_t(nt) * 256 + 128 * 64 + 128 * 8; }
+// Stages in shared memory (copies run stages - 1 ahead of the MMAs, stages - 2 ahead of the decoding): 6 x 25 KiB for
+// 64-row tiles, 5 x 41 KiB for 128.
+constexpr int stages(int nt) { return nt == 64 ? 6 : 5; }
+constexpr size_t smem_bytes(int nt) { return stages(nt) * stage_bytes(nt) + 1024; }  // + alignment slack
+static_assert(stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0);
+static_assert(smem_bytes(128) <= 227 * 1024);
+
+#ifdef KILN_HAVE_WGMMA
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// cp.async writes are generic-proxy writes; the MMAs read shared memory through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor: start address, leading offset (unused by K-major swizzled layouts), 8-row groups
+// 1024 bytes apart, 128-byte swizzle (layout type 1).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3ffff) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// D[64 x N] += A[64 x 16] (registers: the mma.m16n8k16 A fragment per warp, warp w rows 16w..16w+15)
+// . B[16 x N] (shared memory, K-major). D per warp: d[4j + c] = row g + 8 (c >= 2), column 8j + 2q + (c & 1).
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <int kNT>
+__device__ __forceinline__ void wgmma_tile(float (&d)[kNT / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (kNT == 64) wgmma_m64n64k16(d, a, desc);
+  else wgmma_m64n128k16(d, a, desc);
+}
+
+// Keeps registers live (and in place) up to this point: a wgmma in flight still reads them, which the compiler does
+// not see.
+template <int kN>
+__device__ __forceinline__ void hold(uint32_t (&r)[8][kN]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < kN; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+template <int kN>
+__device__ __forceinline__ void hold(float (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The A fragments of the 8 k-steps of one 128-k block from a lane's codes (rows g, g + 8) and block-scale bytes:
+// k-step 2j + h takes word j's code pairs (2h, 2h + 4) (registers 0, 1) and (2h + 1, 2h + 5) (registers 2, 3).
+__device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_t (&sc)[2], uint32_t (&A)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t s0 = dev::nvfp4_scale_bf16x2((sc[0] >> (8 * (j >> 1))) & 0xffu);
+    const uint32_t s1 = dev::nvfp4_scale_bf16x2((sc[1] >> (8 * (j >> 1))) & 0xffu);
+    const uint32_t w0 = word_of(wv[0], j), w1 = word_of(wv[1], j);
+    A[2 * j][0] = dev::bf16x2_mul(dev::e2m1_pair_bits<0>(w0), s0);
+    A[2 * j][1] = dev::bf16x2_mul(dev::e2m1_pair_bits<0>(w1), s1);
+    A[2 * j][2] = dev::bf16x2_mul(dev::e2m1_pair_bits<1>(w0), s0);
+    A[2 * j][3] = dev::bf16x2_mul(dev::e2m1_pair_bits<1>(w1), s1);
+    A[2 * j + 1][0] = dev::bf16x2_mul(dev::e2m1_pair_bits<2>(w0), s0);
+    A[2 * j + 1][1] = dev::bf16x2_mul(dev::e2m1_pair_bits<2>(w1), s1);
+    A[2 * j + 1][2] = dev::bf16x2_mul(dev::e2m1_pair_bits<3>(w0), s0);
+    A[2 * j + 1][3] = dev::bf16x2_mul(dev::e2m1_pair_bits<3>(w1), s1);
+  }
+}
+#endif  // KILN_HAVE_WGMMA
+
+// One row tile x one feature block (moe_prefill_wgmma.h). kGateUp: features are 64 logical positions of I, warpgroup
+// 0 the gate rows, 1 the up rows; else 128 output features, 64 per warpgroup.
+template <int kNT, bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+#ifdef KILN_HAVE_WGMMA
+  constexpr int kAcc = kNT / 2, kStages = stages(kNT);
+  constexpr uint32_t kStageBytes = static_cast<uint32_t>(stage_bytes(kNT));
+  constexpr uint32_t kXBytes = kNT * 256, kCodeBytes = 128 * 64;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_addr(smem_raw);
+  const uint32_t smem0 = (raw + 1023u) & ~1023u;  // the swizzle pattern is taken from address bits 7-9
+  uint8_t* smem = smem_raw + (smem0 - raw);
+
+  __shared__ int src_row[kNT];  // the xs row of each of the tile's rows (rows past its end: -1)
+  const int4 tile = a.tiles[blockIdx.y];
+  const int e = tile.x, r0 = tile.y, r1 = tile.z;
+  if (e < 0 || r0 >= r1) return;
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  if (tid < kNT) src_row[tid] = r0 + tid < r1 ? (a.row_index ? a.row_index[r0 + tid] : r0 + tid) : -1;
+  __syncthreads();
+  const int g = lane >> 2, q = lane & 3;
+  const int fb = blockIdx.x;
+
+  const WeightDesc* table = a.table + 3 * e;
+  const int m0 = 16 * warp + g;  // this lane's weight rows: m0 and m0 + 8 of its warpgroup's 64
+  const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
+  const float gscale = table[kGateUp ? wg : 2].scale * dev::kNvfp4AccumScale;
+  const int steps = a.K / wl::kKBlock;
+
+  // Stage s: the tile's activation rows x 128 k (rows past its end zero-filled: their columns are never stored),
+  // then the block's 128 weight rows' codes (64 bytes each) and block scales (8 bytes each) of that k block.
+  const int last_row = src_row[r1 - r0 - 1];
+  auto copy_stage = [&](int s) {
+    const uint32_t base = smem0 + (s % kStages) * kStageBytes;
+#pragma unroll
+    for (int i = tid; i < kNT * 16; i += kThreads) {
+      const int n = i >> 4, c16 = i & 15;
+      const int rr = src_row[n];
+      ptx::cp_async_16(base + wl::stage_offset(n, c16 * 8, kNT),
+                       a.xs + int64_t(rr >= 0 ? rr : last_row) * a.K + int64_t(s) * wl::kKBlock + c16 * 8,
+                       rr >= 0 ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = tid; i < 128 * 4 + 128; i += kThreads) {
+      const int row = i < 512 ? i >> 2 : i - 512;  // the block's weight row: warpgroup row / 64, row % 64
+      const int rwg = row >> 6, m = row & 63;
+      const WeightDesc& w = table[kGateUp ? rwg : 2];
+      const int64_t grow = kGateUp ? wl::gate_up_feature(fb, m) : 128 * fb + row;
+      if (i < 512)
+        ptx::cp_async_16(base + kXBytes + row * 64 + (i & 3) * 16,
+                         static_cast<const uint8_t*>(w.data) + grow * row_bytes + int64_t(s) * 64 + (i & 3) * 16);
+      else
+        ptx::cp_async_8(base + kXBytes + kCodeBytes + row * 8, w.block_scale + grow * row_scales + int64_t(s) * 8);
+    }
+  };
+  // The A fragments of stage s from shared memory: this lane's 16 bytes of rows m0, m0 + 8 and their 2 scale bytes.
+  auto decode_stage = [&](int s, uint32_t(&A)[8][4]) {
+    const uint8_t* st = smem + (s % kStages) * kStageBytes + kXBytes;
+    const int row = 64 * wg + m0;
+    uint4 wv[2];
+    uint32_t sc[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      wv[r] = *reinterpret_cast<const uint4*>(st + (row + 8 * r) * 64 + 16 * q);
+      sc[r] = *reinterpret_cast<const uint16_t*>(st + kCodeBytes + (row + 8 * r) * 8 + 2 * q);
+    }
+    decode_block(wv, sc, A);
+  };
+
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+  // Stages 0 .. kStages - 2 in flight; step s copies stage s + kStages - 1 into the buffer step s - 1 used.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) copy_stage(s);
+    ptx::cp_async_commit();
+  }
+  uint32_t A0[8][4], A1[8][4];
+  ptx::cp_async_wait<kStages - 2>();  // stage 0
+  fence_proxy_async();
+  __syncthreads();
+  decode_stage(0, A0);
+
+  // A holds step s's fragments; A_next gets step s + 1's (from shared memory) while step s's MMAs run.
+  auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+    const uint32_t base = smem0 + (s % kStages) * kStageBytes;
+    hold(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_tile<kNT>(acc, A[kk], smem_desc(base + wl::kstep_offset(kk, kNT)));
+    wgmma_commit();
+    hold(acc);
+    ptx::cp_async_wait<kStages - 3>();  // this thread's copies of stage s + 1 have landed
+    fence_proxy_async();
+    __syncthreads();  // everyone's copies of stage s + 1; every warpgroup is done with step s - 1
+    if (s + kStages - 1 < steps) copy_stage(s + kStages - 1);
+    ptx::cp_async_commit();
+    if (s + 1 < steps) decode_stage(s + 1, A_next);
+    wgmma_wait<0>();
+    hold(A);
+  };
+  for (int s = 0; s < steps; s += 2) {
+    step(s, A0, A1);
+    if (s + 1 < steps) step(s + 1, A1, A0);
+  }
+  hold(acc);
+  ptx::cp_async_wait_all();
+  __syncthreads();  // every warpgroup's MMAs are done: the stages become the epilogue's buffers
+
+  const int rows = r1 - r0;
+  if constexpr (kGateUp) {
+    float* up = reinterpret_cast<float*>(smem);  // [kAcc][128]: warpgroup 1's values, by register and lane
+    constexpr int kLd = 64 + 8;                    // act rows (bf16), padded
+    uint16_t* act = reinterpret_cast<uint16_t*>(smem + kAcc * 128 * 4);  // [kNT][kLd]
+    if (wg == 1) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) up[i * 128 + wtid] = acc[i] * gscale;
+    }
+    __syncthreads();
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        const int m = m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
+        const float v = dev::silu(acc[i] * gscale) * up[i * 128 + wtid];
+        act[n * kLd + m] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < rows * 8; i += kThreads) {
+      const int n = i >> 3, c = i & 7;
+      *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 64 * fb + 8 * c) =
+          *reinterpret_cast<const uint4*>(act + n * kLd + 8 * c);
+    }
+  } else {
+    constexpr int kLd = 128 + 8;
+    uint16_t* y = reinterpret_cast<uint16_t*>(smem);  // [kNT][kLd]
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      const int m = 64 * wg + m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
+      y[n * kLd + m] = __bfloat16_as_ushort(__float2bfloat16_rn(acc[i] * gscale));
+    }
+    __syncthreads();
+    for (int i = tid; i < rows * 16; i += kThreads) {
+      const int n = i >> 4, c = i & 15;
+      *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 128 * fb + 8 * c) =
+          *reinterpret_cast<const uint4*>(y + n * kLd + 8 * c);
+    }
+  }
+#endif  // KILN_HAVE_WGMMA
+}
+
+// The row tiles of every expert, in expert order: {expert, first sorted row, end row, 0}, at most nt rows each; the
+// rest of the list {-1, 0, 0, 0}. One warp (a scan over the experts 32 at a time).
+__global__ void build_tiles_kernel(const int32_t* __restrict__ group_offset, int E, int nt, int4* __restrict__ tiles,
+                                   int max_tiles) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  const int lane = threadIdx.x;
+  int base = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    const int b = e < E ? group_offset[e] : 0, end = e < E ? group_offset[e + 1] : 0;
+    const int n = (end - b + nt - 1) / nt;
+    int incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int first = base + incl - n;
+    for (int i = 0; i < n && first + i < max_tiles; ++i)
+      tiles[first + i] = make_int4(e, b + i * nt, min(b + (i + 1) * nt, end), 0);
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  for (int i = base + lane; i < max_tiles; i += 32) tiles[i] = make_int4(-1, 0, 0, 0);
+}
+
+// xs[t, 128 b + L] = bf16(x[t, 128 b + phys_k(L)]) for every token t (the GEMM reads each sorted row's token through
+// row_token); a thread writes 8 logical positions (16 bytes).
+__global__ void permute_rows_bf16_kernel(const float* __restrict__ x, int64_t H, int64_t T,
+                                         uint16_t* __restrict__ xs) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  const int64_t per_row = H / 8, n = T * per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = i - r * per_row;
+    const float* src = x + r * H + (c / 16) * wl::kKBlock;
+    const int L0 = static_cast<int>(c % 16) * 8;
+    uint32_t o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const float lo = src[wl::phys_k(L0 + 2 * p)], hi = src[wl::phys_k(L0 + 2 * p + 1)];
+      o[p] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+             (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+    }
+    *reinterpret_cast<uint4*>(xs + r * H + c * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+int64_t max_tiles_of(int64_t T, int top_k, int64_t E, int nt) {
+  const int64_t P = T * top_k;
+  return (P + nt - 1) / nt + std::min<int64_t>(E, P);
+}
+
+struct Carve {
+  void* groups;
+  int4* tiles;
+  uint16_t *xs, *act, *y;
+  size_t bytes;
+};
+Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
+  const size_t P = static_cast<size_t>(T * top_k);
+  const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E);
+  Carve c{};
+  WorkspaceCarve w(base);
+  c.groups = w.take(moe_row_groups_bytes(T, top_k, E));
+  c.tiles = static_cast<int4*>(w.take(static_cast<size_t>(max_tiles_of(T, top_k, E, nt)) * sizeof(int4)));
+  c.xs = static_cast<uint16_t*>(w.take(static_cast<size_t>(T * H) * 2));
+  c.act = static_cast<uint16_t*>(w.take(P * I * 2));
+  c.y = static_cast<uint16_t*>(w.take(P * H * 2));
+  c.bytes = w.bytes;
+  return c;
+}
+
+// Sets the kernel's dynamic shared memory limit once per device (a per-device attribute), then launches it.
+template <int kNT, bool kGateUp>
+void launch_wgmma(const WgArgs& a, unsigned feature_blocks, int64_t max_tiles, Stream stream) {
+  auto kernel = moe_wgmma_kernel<kNT, kGateUp>;
+  constexpr size_t bytes = smem_bytes(kNT);
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (!bit || !(configured.load(std::memory_order_acquire) & bit)) {
+    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    configured.fetch_or(bit, std::memory_order_release);
+  }
+  launch_kernel(kernel, dim3(feature_blocks, static_cast<unsigned>(max_tiles)), kThreads, bytes, stream, a);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
+template <int kNT>
+void run_gemms(const WeightDesc* experts, const int4* tiles, int64_t max_tiles, int64_t H, int64_t I,
+               const uint16_t* xs, const int32_t* row_token, uint16_t* act, uint16_t* y, Stream stream) {
+  WgArgs gu{experts, tiles, xs, row_token, act, static_cast<int>(H), static_cast<int>(I)};
+  launch_wgmma<kNT, true>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
+  profile_mark("gate_up wgmma");
+  WgArgs down{experts, tiles, act, nullptr, y, static_cast<int>(I), static_cast<int>(H)};
+  launch_wgmma<kNT, false>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
+  profile_mark("down wgmma");
+}
+
+}  // namespace
+
+bool moe_prefill_wgmma_supported(int compute_major, int compute_minor, int64_t H, int64_t I, int experts_gemv2_kind,
+                                 bool experts_vec_ok, const WeightDesc* host_experts, int64_t E) {
+  if (compute_major != 9 || compute_minor != 0) return false;
+  if (experts_gemv2_kind != 1 || !experts_vec_ok || H % 128 != 0 || I % 128 != 0 || H <= 0 || I <= 0 || E <= 0)
+    return false;
+  if (H > (int64_t(1) << 20) || I > (int64_t(1) << 20)) return false;
+  for (int64_t i = 0; i < 3 * E; ++i) {
+    const WeightDesc& w = host_experts[i];
+    if (w.kind != WeightKind::nvfp4 || w.bias || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(w.block_scale) % 8 != 0)
+      return false;
+  }
+  return true;
+}
+
+int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E) {
+  return E > 0 && T * top_k >= 128 * E ? 128 : 64;
+}
+
+size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
+  return carve(nullptr, T, top_k, E, H, I).bytes;
+}
+
+void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
+                       const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
+                       const float* shared, const float* shared_gate, Stream stream) {
+  if (T == 0) return;
+  if (H % 128 != 0 || I % 128 != 0) cuda_fail("moe_prefill_wgmma: H {} and I {} must be multiples of 128", {H, I});
+  const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E);
+  const int64_t P = T * top_k, max_tiles = max_tiles_of(T, top_k, E, nt);
+  if (max_tiles > 65535) cuda_fail("moe_prefill_wgmma: {} row tiles exceed the grid's 65535", {max_tiles});
+  const Carve c = carve(workspace, T, top_k, E, H, I);
+  const MoeRowGroups g = moe_group_rows(ids, T, top_k, E, c.groups, stream);
+  launch_kernel(build_tiles_kernel, 1, 32, 0, stream, g.group_offset, static_cast<int>(E), nt, c.tiles,
+                static_cast<int>(max_tiles));
+  KILN_CUDA_CHECK_LAUNCH();
+  profile_mark("group");
+  const int64_t chunks = T * (H / 8);
+  launch_kernel(permute_rows_bf16_kernel,
+                static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((chunks + 255) / 256, 1 << 20))), 256, 0,
+                stream, x, H, T, c.xs);
+  KILN_CUDA_CHECK_LAUNCH();
+  profile_mark("x to bf16");
+  if (nt == 128) run_gemms<128>(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, stream);
+  else run_gemms<64>(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, stream);
+  moe_combine_bf16(c.y, ids, weights, g.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
+  profile_mark("combine");
+}
+
+}  // namespace kiln::cuda::ops

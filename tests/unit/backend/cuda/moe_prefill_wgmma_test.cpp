@@ -1,0 +1,302 @@
+// The NVFP4 routed experts of prefill-sized steps on Hopper's warpgroup MMA (moe_prefill_wgmma.cu through
+// CudaOps::moe_experts(_shared), --moe-runner-backend kiln-wgmma) against the CPU backend, at the real layer shapes:
+// Qwen3.5-35B-A3B (H 2048, 256 experts, top-8, I 512), one rank of Qwen3.5-397B-A17B at TP 8 (H 4096, 512 experts,
+// top-10, I 128) and a small shape whose K walks an odd number of 128-k blocks (H 384) and whose steps take both row
+// tiles (64 and 128); an expert-parallel rank; a captured step. And, host-only, the index maps of
+// moe_wgmma_layout.h that the kernel uses: emulated here the way the hardware reads them.
+// The GPU tests skip without an sm_90 GPU.
+//
+// Tolerance: --dtype bfloat16's expert budget (op_check.h, kBf16InputTol = 1e-2), and above 2e-4 (the bf16 rounding
+// of x, silu(gate) * up and the expert outputs happened): ~3e-3 expected, as the cuBLAS path.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/moe_prefill_wgmma.h"
+#include "backend/cuda/moe_wgmma_layout.h"
+#include "moe_test_util.h"
+#include "test_util.h"
+
+namespace kiln::backend::cuda {
+namespace {
+
+namespace kops = ::kiln::cuda::ops;
+namespace wl = ::kiln::cuda::ops::wgmma_layout;
+using model::ExpertWeights;
+using test::HostExperts;
+using test::LayerShape;
+using test::make_experts;
+using test::place;
+using test::read;
+using test::rel_err;
+
+// ---- the index maps (host-only)
+
+// Logical k <-> physical k is a permutation of each 128-k block.
+TEST(MoeWgmmaLayout, PermutationOfEachBlock) {
+  std::set<int> seen;
+  for (int L = 0; L < wl::kKBlock; ++L) {
+    const int p = wl::phys_k(L);
+    ASSERT_GE(p, 0);
+    ASSERT_LT(p, wl::kKBlock);
+    EXPECT_EQ(wl::logical_k(p), L);
+    seen.insert(p);
+  }
+  EXPECT_EQ(seen.size(), static_cast<size_t>(wl::kKBlock));
+}
+
+// The kernel's A fragments, emulated: lane (g, t) of a warp holds, for k-step s, register 0 = (row g, logical k 2t,
+// 2t + 1), register 2 = (row g, logical k 2t + 8, 2t + 9) (the mma.m16n8k16 / wgmma A layout; registers 1 and 3 the
+// same for row g + 8). decode_block fills them from word j = s / 2 of the lane's 16 bytes with e2m1_pair_bits<kI>,
+// kI = 2 (s % 2) + half, which puts code kI in the low and code kI + 4 in the high bf16. So the code of (s, half, e)
+// is 8 j + kI + 4 e of the lane's 32, physical k 32 t + that; the activations at logical k must be x at that k.
+TEST(MoeWgmmaLayout, DecodedFragmentsMeetTheirActivations) {
+  for (int t = 0; t < 4; ++t)
+    for (int s = 0; s < 8; ++s)
+      for (int half = 0; half < 2; ++half)
+        for (int e = 0; e < 2; ++e) {
+          const int kI = 2 * (s % 2) + half;
+          const int code = 8 * (s / 2) + kI + 4 * e;  // what decode_block's pair_bits<kI> of word s / 2 holds
+          EXPECT_EQ(wl::lane_code(s, half, e), code);
+          const int logical = 16 * s + 8 * half + 2 * t + e;
+          EXPECT_EQ(wl::phys_k(logical), 32 * t + code) << "t " << t << " s " << s << " half " << half << " e " << e;
+          // The lane's scale byte: code / 16 of its two (16-code blocks), i.e. block (32 t + code) / 16 of the row.
+          EXPECT_EQ((32 * t + code) / 16, 2 * t + (s / 2) / 2);
+        }
+}
+
+// The stage layout against the hardware's reading of a 128-byte-swizzled K-major descriptor: k-step s of row n is
+// read at start (kstep_offset) + 1024 (n / 8) + 128 (n % 8) + byte b of the 32, with address bits 4-6 XORed by bits
+// 7-9 (the stage is 1024-byte aligned). Every (row, logical k) element lives in its own 2 bytes, and 8 consecutive
+// logical k of a row share a 16-byte chunk (the cp.async unit).
+TEST(MoeWgmmaLayout, StageMatchesTheSwizzledDescriptor) {
+  for (int rows : {64, 128}) {
+    std::set<uint32_t> used;
+    for (int n = 0; n < rows; ++n)
+      for (int s = 0; s < 8; ++s)
+        for (int b = 0; b < 32; b += 2) {
+          const uint32_t addr = wl::kstep_offset(s, rows) + 1024 * (n / 8) + 128 * (n % 8) + b;
+          const uint32_t hw = addr ^ (((addr >> 7) & 7) << 4);
+          const int L = 16 * s + b / 2;
+          EXPECT_EQ(hw, wl::stage_offset(n, L, rows)) << "rows " << rows << " n " << n << " L " << L;
+          used.insert(wl::stage_offset(n, L, rows));
+          EXPECT_EQ(wl::stage_offset(n, L, rows) - wl::stage_offset(n, L & ~7, rows), static_cast<uint32_t>(2 * (L & 7)));
+        }
+    EXPECT_EQ(used.size(), static_cast<size_t>(rows * 128));
+    EXPECT_LT(*used.rbegin(), static_cast<uint32_t>(rows * 256));
+  }
+}
+
+// Gate/up blocks: every intermediate feature is some block's row exactly once, and its output position is logical.
+TEST(MoeWgmmaLayout, GateUpBlocksCoverEveryFeatureOnce) {
+  for (int I : {128, 512}) {
+    std::vector<int> hits(static_cast<size_t>(I), 0);
+    for (int fb = 0; fb < I / 64; ++fb)
+      for (int m = 0; m < 64; ++m) {
+        const int f = wl::gate_up_feature(fb, m);
+        ASSERT_GE(f, 0);
+        ASSERT_LT(f, I);
+        ++hits[static_cast<size_t>(f)];
+        const int L = 64 * fb + m;  // where the block writes it
+        EXPECT_EQ(f, (L / 128) * 128 + wl::phys_k(L % 128));
+      }
+    for (int h : hits) EXPECT_EQ(h, 1);
+  }
+}
+
+TEST(MoeWgmmaLayout, TileRowsAndWorkspace) {
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 8, 256), 128);  // 35B-A3B: 128 rows per expert on average
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(2048, 8, 256), 64);
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 10, 512), 64);  // 397B TP-8 rank: 80
+  // Within what the memory plan reserves for the experts (moe_workspace_bytes), at the shapes it runs.
+  for (const LayerShape& s : {LayerShape{"35B", 2048, 256, 512, 8}, LayerShape{"397B tp8", 4096, 512, 128, 10},
+                              LayerShape{"small", 384, 16, 256, 4}})
+    for (int64_t T : {1, 8, 256, 1024, 4096, 8192}) {
+      const size_t wg = kops::moe_prefill_wgmma_workspace_bytes(T, s.top_k, s.experts, s.hidden, s.inter);
+      EXPECT_LE(wg, kops::moe_workspace_bytes(T, s.top_k, s.experts, s.hidden, s.inter)) << s.name << " T=" << T;
+      // x once per token, silu(gate) * up and the expert outputs per (token, slot) pair, in bf16.
+      EXPECT_GT(wg, static_cast<size_t>((T * s.hidden + T * s.top_k * (s.hidden + s.inter)) * 2)) << s.name << " T=" << T;
+    }
+}
+
+TEST(MoeWgmmaLayout, ServesNvfp4ExpertsOnSm90Only) {
+  alignas(16) static uint8_t codes[64];
+  std::vector<kops::WeightDesc> d(6);
+  for (kops::WeightDesc& w : d) {
+    w.kind = kops::WeightKind::nvfp4;
+    w.data = codes;
+    w.block_scale = codes;
+  }
+  EXPECT_TRUE(kops::moe_prefill_wgmma_supported(9, 0, 256, 128, 1, true, d.data(), 2));
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(12, 0, 256, 128, 1, true, d.data(), 2));  // sm_120: no wgmma
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(10, 0, 256, 128, 1, true, d.data(), 2));
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(9, 0, 256, 64, 1, true, d.data(), 2));   // I % 128
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(9, 0, 320, 128, 1, true, d.data(), 2));  // H % 128
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(9, 0, 256, 128, 0, true, d.data(), 2));  // bf16 experts
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(9, 0, 256, 128, 1, false, d.data(), 2));
+  d[1].block_scale = codes + 2;  // the scales travel by 8-byte cp.async
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(9, 0, 256, 128, 1, true, d.data(), 2));
+  d[1].block_scale = codes + 8;
+  EXPECT_TRUE(kops::moe_prefill_wgmma_supported(9, 0, 256, 128, 1, true, d.data(), 2));
+  d[4].bias = codes;
+  EXPECT_FALSE(kops::moe_prefill_wgmma_supported(9, 0, 256, 128, 1, true, d.data(), 2));
+}
+
+// ---- the path on the GPU
+
+using Inputs = test::StepInputs;
+using test::make_inputs;
+
+struct Outputs {
+  std::vector<int32_t> ids;
+  std::vector<float> out;
+};
+Outputs run(model::Ops& ops, const std::vector<ExpertWeights>& experts, const LayerShape& s, const Inputs& in,
+            bool with_shared) {
+  ops.reset_scratch();
+  const int64_t T = in.T, H = s.hidden;
+  const TensorView x = ops.upload(in.x.data(), DType::F32, Shape{T, H});
+  const TensorView logits = ops.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
+  const TensorView ids = ops.scratch(DType::I32, Shape{T, s.top_k});
+  const TensorView weights = ops.scratch(DType::F32, Shape{T, s.top_k});
+  const TensorView out = ops.scratch(DType::F32, Shape{T, H});
+  ops.moe_route(logits, s.top_k, true, ids, weights);
+  if (with_shared) {
+    const TensorView shared = ops.upload(in.shared.data(), DType::F32, Shape{T, H});
+    const TensorView gate = ops.upload(in.shared_gate.data(), DType::F32, Shape{T, 1});
+    ops.moe_experts_shared(x, ids, weights, experts, shared, gate, out);
+  } else {
+    ops.moe_experts(x, ids, weights, experts, out);
+  }
+  return {read<int32_t>(ops, ids), read<float>(ops, out)};
+}
+
+// Calls of the wgmma GEMMs in a profile (kiln bench-engine --profile shows them under moe_experts).
+int wgmma_rows(const std::vector<model::OpTime>& rows) {
+  int n = 0;
+  for (const model::OpTime& r : rows)
+    if (r.nested && r.label.find("wgmma") != std::string::npos) n += static_cast<int>(r.calls);
+  return n;
+}
+
+CudaOptions bf16_options(MoePrefill mode) {
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  o.moe_prefill = mode;
+  return o;
+}
+
+#define KILN_REQUIRE_SM90(ops)                                                                   \
+  do {                                                                                           \
+    if ((ops).device().major != 9 || (ops).device().minor != 0) GTEST_SKIP() << "needs an sm_90 GPU"; \
+  } while (0)
+
+class MoePrefillWgmma : public ::testing::TestWithParam<LayerShape> {};
+
+TEST_P(MoePrefillWgmma, MatchesCpu) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const LayerShape s = GetParam();
+  HostExperts host = make_experts(s, 31, 0, s.experts);
+  // Gate and up of every third expert with different scale_2 (each warpgroup applies its own).
+  for (int64_t e = 0; e < s.experts; e += 3) host.experts[static_cast<size_t>(e)].up.scale *= 1.5f;
+  CudaOps wg(bf16_options(MoePrefill::wgmma)), by_step(bf16_options(MoePrefill::by_step)),
+      mma(bf16_options(MoePrefill::mma));
+  KILN_REQUIRE_SM90(wg);
+  auto cpu = make_cpu_backend();
+  const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
+  const std::vector<ExpertWeights> wg_experts = place(wg, host.experts), step_experts = place(by_step, host.experts),
+                                   mma_experts = place(mma, host.experts);
+  const bool small = s.hidden < 1024;
+  for (int64_t T : small ? std::vector<int64_t>{3, 256, 1024} : std::vector<int64_t>{256, 1024, 4096}) {
+    for (bool with_shared : {true, false}) {
+      if (!with_shared && T != 256) continue;
+      const int nt = kops::moe_prefill_wgmma_tile_rows(T, s.top_k, s.experts);
+      const std::string label = std::string(s.name) + " T=" + std::to_string(T) + " tile " + std::to_string(nt) +
+                                (with_shared ? " +shared" : "");
+      SCOPED_TRACE(label);
+      const Inputs in = make_inputs(s, T, 800 + T);
+      ASSERT_TRUE(wg.profile_begin());
+      const Outputs w = run(wg, wg_experts, s, in, with_shared);
+      EXPECT_EQ(wgmma_rows(wg.profile_end()), 2);  // gate/up and down
+      const Outputs ref = run(*cpu, cpu_experts, s, in, with_shared);
+      const Outputs m = run(mma, mma_experts, s, in, with_shared);
+      EXPECT_EQ(w.ids, ref.ids);
+      const double vs_cpu = rel_err(w.out, ref.out), mma_vs_cpu = rel_err(m.out, ref.out);
+      std::printf("[ wgmma    ] %s: rel-L2 vs cpu %.2e (mma kernels vs cpu %.2e), vs mma %.2e\n", label.c_str(),
+                  vs_cpu, mma_vs_cpu, rel_err(w.out, m.out));
+      EXPECT_LE(vs_cpu, kBf16InputTol);
+      if (T > 8) EXPECT_GE(vs_cpu, 2e-4) << "no sign of the bf16 rounding";
+      // Run again: the same bits (no races, no order dependence).
+      const Outputs again = run(wg, wg_experts, s, in, with_shared);
+      EXPECT_EQ(again.out, w.out);
+      if (with_shared) {
+        // auto: this path (bitwise) from kMoePrefillWgmmaMinTokens, the mma kernels (bitwise kiln-mma) below.
+        const Outputs a = run(by_step, step_experts, s, in, with_shared);
+        EXPECT_EQ(a.out, T >= kMoePrefillWgmmaMinTokens ? w.out : m.out);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, MoePrefillWgmma,
+                         ::testing::Values(LayerShape{"Qwen35B_A3B", 2048, 256, 512, 8},
+                                           LayerShape{"Qwen397B_A17B_Tp8Rank", 4096, 512, 128, 10},
+                                           LayerShape{"Small_OddK", 384, 16, 256, 4}),
+                         [](const ::testing::TestParamInfo<LayerShape>& info) { return std::string(info.param.name); });
+
+// An expert-parallel rank (experts [64, 128) of 256): pairs of the other experts contribute nothing, as on the CPU.
+TEST(MoePrefillWgmmaExpertParallel, SkipsExpertsOfOtherRanks) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const LayerShape s{"ep", 2048, 256, 512, 8};
+  const HostExperts host = make_experts(s, 32, 64, 128);
+  CudaOps gpu(bf16_options(MoePrefill::wgmma));
+  KILN_REQUIRE_SM90(gpu);
+  auto cpu = make_cpu_backend();
+  const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
+  const std::vector<ExpertWeights> gpu_experts = place(gpu, host.experts);
+  const Inputs in = make_inputs(s, 1024, 900);
+  const Outputs w = run(gpu, gpu_experts, s, in, true);
+  const Outputs ref = run(*cpu, cpu_experts, s, in, true);
+  EXPECT_EQ(w.ids, ref.ids);
+  const double vs_cpu = rel_err(w.out, ref.out);
+  std::printf("[ wgmma ep ] rel-L2 vs cpu %.2e\n", vs_cpu);
+  EXPECT_LE(vs_cpu, kBf16InputTol);
+}
+
+// Nothing goes back to the host, so under kiln-wgmma a captured step runs the path too: the replayed graph gives the
+// eager output bit for bit.
+TEST(MoePrefillWgmmaCapture, CapturedStepMatchesEager) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  const LayerShape s{"capture", 2048, 256, 512, 8};
+  const HostExperts host = make_experts(s, 33, 0, s.experts);
+  CudaOps gpu(bf16_options(MoePrefill::wgmma)), mma(bf16_options(MoePrefill::mma));
+  KILN_REQUIRE_SM90(gpu);
+  const std::vector<ExpertWeights> gpu_experts = place(gpu, host.experts), mma_experts = place(mma, host.experts);
+  const Inputs in = make_inputs(s, 512, 901);
+  const Outputs eager = run(gpu, gpu_experts, s, in, false);
+  EXPECT_NE(eager.out, run(mma, mma_experts, s, in, false).out) << "kiln-wgmma took the mma kernels eagerly";
+  gpu.reset_scratch();
+  const int64_t T = in.T, H = s.hidden;
+  const TensorView x = gpu.upload(in.x.data(), DType::F32, Shape{T, H});
+  const TensorView logits = gpu.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
+  const TensorView ids = gpu.scratch(DType::I32, Shape{T, s.top_k});
+  const TensorView weights = gpu.scratch(DType::F32, Shape{T, s.top_k});
+  const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
+  gpu.synchronize();
+  ASSERT_TRUE(gpu.graph_capture_begin());
+  gpu.moe_route(logits, s.top_k, true, ids, weights);
+  gpu.moe_experts(x, ids, weights, gpu_experts, out);
+  const int graph = gpu.graph_capture_end();
+  ASSERT_GE(graph, 0) << "the capture failed";
+  ASSERT_TRUE(gpu.graph_launch(graph));
+  EXPECT_EQ(read<float>(gpu, out), eager.out);
+}
+
+}  // namespace
+}  // namespace kiln::backend::cuda

@@ -92,9 +92,11 @@ struct KernelChoice {
   std::string attention;
   // cpu: "cpu"; cuda: "kiln-fused-decode" (kiln-grouped plus decode steps in two fused kernels; by name only),
   // "kiln-grouped" (NVFP4 experts on tensor cores: the mma kernels, and under bfloat16 for steps of
+  // >= cuda::kMoePrefillWgmmaMinTokens tokens on sm_90 the wgmma grouped GEMMs, on other GPUs for steps of
   // >= cuda::kMoePrefillBlasMinTokens tokens dequantised to bf16 + cuBLAS grouped GEMMs), "kiln-mma" (the mma kernels
-  // at every step), "kiln-blas" (the dequantised path at every step outside graph capture; bfloat16, sm_90+) or
-  // "kiln-grouped-fp32" (fp32 CUDA-core kernels)
+  // at every step), "kiln-wgmma" (the wgmma grouped GEMMs at every step; bfloat16, sm_90), "kiln-blas" (the
+  // dequantised path at every step outside graph capture; bfloat16, sm_90+) or "kiln-grouped-fp32" (fp32 CUDA-core
+  // kernels)
   std::string moe_runner;
   // cpu: "cpu"; cuda: "kiln-w4a16" (NVFP4 linears of many rows on tensor cores, FP4 decoded to bf16 in registers; no
   // FP4 tensor cores on sm_90) or "kiln-fp32" (the fp32 gemm)

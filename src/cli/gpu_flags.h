@@ -58,10 +58,11 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "kiln-paged-fp32 (every step on the split-over-keys kernel, CUDA cores)")
       ->capture_default_str();
   app.add_option("--moe-runner-backend", f.gpu.moe_runner_backend,
-                 "cuda: auto = kiln-grouped (NVFP4 experts "
-                 "on tensor cores, routing and combine as separate kernels; with bfloat16 on sm_90+, passes of >= 4096 "
-                 "tokens run the experts that received tokens dequantised to bf16 as cuBLAS grouped GEMMs), or "
-                 "kiln-mma (the mma.sync expert kernels at every size), or kiln-blas (the dequantised cuBLAS path at "
+                 "cuda: auto = kiln-grouped (NVFP4 experts on tensor cores, routing and combine as separate kernels; "
+                 "with bfloat16, passes of >= 1024 tokens on sm_90 run the experts as wgmma grouped GEMMs with FP4 "
+                 "decoded in registers, and on other GPUs passes of >= 4096 tokens run them dequantised to bf16 as "
+                 "cuBLAS grouped GEMMs), or kiln-mma (the mma.sync expert kernels at every size), or kiln-wgmma (the "
+                 "wgmma grouped GEMMs at every size; bfloat16, sm_90), or kiln-blas (the dequantised cuBLAS path at "
                  "every step outside CUDA graphs; bfloat16, sm_90+), or kiln-grouped-fp32 (fp32 CUDA-core kernels), "
                  "or kiln-fused-decode (steps of <= 8 tokens: routing + NVFP4 experts in two fused CUDA-core kernels, "
                  "larger steps as kiln-grouped; experimental: slower than kiln-grouped at batch 1 on an H100)")

@@ -4,7 +4,8 @@
 // rows per warpgroup, its N the row tile (kNT = 64 or 128 tokens), K walked 128 at a time.
 // - Pipeline: per 128-k block a shared-memory stage holds the tile's activation rows (bf16, stored in the permuted k
 //   order of moe_wgmma_layout.h, 128-byte swizzled: read by the MMAs through shared-memory descriptors) and the
-//   block's 128 weight rows' NVFP4 codes and block scales, copied by cp.async; 6 stages for 64-row tiles, 5 for 128,
+//   block's 128 weight rows' NVFP4 codes and block scales, copied by cp.async; 4 stages for 64-row tiles (two blocks per
+//   multiprocessor), 5 for 128 (one),
 //   the copies running stages - 1 blocks ahead, so tens of KiB of weights are in flight per multiprocessor.
 // - A (weights): each lane reads 16 bytes of codes of its two rows (g, g + 8) from the stage and decodes them to the
 //   bf16 A fragments of the block's 8 k-steps (e2m1 * e4m3 block scale * 2^-8, exact; moe_experts.cu's decoding).
@@ -48,9 +49,11 @@ struct WgArgs {
 // A pipeline stage: the tile's activations (nt rows x 128 k, bf16), the block's 128 weight rows' codes (64 bytes
 // each) and block scales (8 bytes each) of one 128-k block; 1024-byte multiples (the swizzle atom).
 constexpr size_t stage_bytes(int nt) { return size_t(nt) * 256 + 128 * 64 + 128 * 8; }
-// Stages in shared memory (copies run stages - 1 ahead of the MMAs, stages - 2 ahead of the decoding): 6 x 25 KiB for
-// 64-row tiles, 5 x 41 KiB for 128.
-constexpr int stages(int nt) { return nt == 64 ? 6 : 5; }
+// Stages in shared memory (copies run stages - 1 ahead of the MMAs, stages - 2 ahead of the decoding): 4 x 25 KiB for
+// 64-row tiles (two blocks per multiprocessor: one block's MMAs run while the other waits at its barrier or decodes),
+// 5 x 41 KiB for 128 (one block).
+constexpr int stages(int nt) { return nt == 64 ? 4 : 5; }
+constexpr int blocks_per_sm(int nt) { return nt == 64 ? 2 : 1; }
 constexpr size_t smem_bytes(int nt) { return stages(nt) * stage_bytes(nt) + 1024; }  // + alignment slack
 static_assert(stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0);
 static_assert(smem_bytes(128) <= 227 * 1024);
@@ -155,7 +158,7 @@ __device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_
 // One row tile x one feature block (moe_prefill_wgmma.h). kGateUp: features are 64 logical positions of I, warpgroup
 // 0 the gate rows, 1 the up rows; else 128 output features, 64 per warpgroup.
 template <int kNT, bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) {
+__global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel(const WgArgs a) {
   dev::pdl_enter();  // first statement: see launch.cuh
 #ifdef KILN_HAVE_WGMMA
   constexpr int kAcc = kNT / 2, kStages = stages(kNT);
@@ -166,12 +169,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) 
   const uint32_t smem0 = (raw + 1023u) & ~1023u;  // the swizzle pattern is taken from address bits 7-9
   uint8_t* smem = smem_raw + (smem0 - raw);
 
-  __shared__ int src_row[kNT];  // the xs row of each of the tile's rows (rows past its end: -1)
+  __shared__ const uint16_t* src_row[kNT];  // each of the tile's rows in xs (rows past its end: null)
   const int4 tile = a.tiles[blockIdx.y];
   const int e = tile.x, r0 = tile.y, r1 = tile.z;
   if (e < 0 || r0 >= r1) return;
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
-  if (tid < kNT) src_row[tid] = r0 + tid < r1 ? (a.row_index ? a.row_index[r0 + tid] : r0 + tid) : -1;
+  if (tid < kNT)
+    src_row[tid] = r0 + tid < r1 ? a.xs + int64_t(a.row_index ? a.row_index[r0 + tid] : r0 + tid) * a.K : nullptr;
   __syncthreads();
   const int g = lane >> 2, q = lane & 3;
   const int fb = blockIdx.x;
@@ -184,28 +188,39 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgmma_kernel(const WgArgs a) 
 
   // Stage s: the tile's activation rows x 128 k (rows past its end zero-filled: their columns are never stored),
   // then the block's 128 weight rows' codes (64 bytes each) and block scales (8 bytes each) of that k block.
-  const int last_row = src_row[r1 - r0 - 1];
+  // A thread's copies are the same every stage: activation chunk c16 = tid % 16 of rows tid / 16 + 16 k (the swizzled
+  // chunk, c16 ^ (row % 8), is the same for all of them), and weight units tid + 256 k of the 512 code chunks (16
+  // bytes) and 128 scale rows (8 bytes). Their addresses are worked out once.
+  constexpr int kXCopies = kNT / 16, kWCopies = (128 * 4 + 128 + kThreads - 1) / kThreads;
+  const int c16 = tid & 15, n0 = tid >> 4;
+  const uint32_t x_dst = static_cast<uint32_t>((c16 >> 3) * kNT * 128 + n0 * 128 + (((c16 & 7) ^ (n0 & 7)) << 4));
+  const uint16_t* last_row = src_row[r1 - r0 - 1];
+  const uint8_t* w_src[kWCopies];
+  uint32_t w_dst[kWCopies];
+#pragma unroll
+  for (int k = 0; k < kWCopies; ++k) {
+    const int i = tid + kThreads * k;
+    const int row = i < 512 ? i >> 2 : i - 512;  // the block's weight row: warpgroup row / 64, row % 64
+    const int rwg = row >> 6, m = row & 63;
+    const WeightDesc& w = table[kGateUp ? rwg : 2];
+    const int64_t grow = kGateUp ? wl::gate_up_feature(fb, m) : 128 * fb + row;
+    w_src[k] = i < 512 ? static_cast<const uint8_t*>(w.data) + grow * row_bytes + (i & 3) * 16
+                       : w.block_scale + grow * row_scales;
+    w_dst[k] = i < 512 ? kXBytes + row * 64 + (i & 3) * 16 : kXBytes + kCodeBytes + row * 8;
+  }
   auto copy_stage = [&](int s) {
     const uint32_t base = smem0 + (s % kStages) * kStageBytes;
 #pragma unroll
-    for (int i = tid; i < kNT * 16; i += kThreads) {
-      const int n = i >> 4, c16 = i & 15;
-      const int rr = src_row[n];
-      ptx::cp_async_16(base + wl::stage_offset(n, c16 * 8, kNT),
-                       a.xs + int64_t(rr >= 0 ? rr : last_row) * a.K + int64_t(s) * wl::kKBlock + c16 * 8,
-                       rr >= 0 ? 16 : 0);
+    for (int k = 0; k < kXCopies; ++k) {
+      const uint16_t* row = src_row[n0 + 16 * k];
+      ptx::cp_async_16(base + x_dst + k * 16 * 128, (row ? row : last_row) + int64_t(s) * wl::kKBlock + c16 * 8,
+                       row ? 16 : 0);
     }
 #pragma unroll
-    for (int i = tid; i < 128 * 4 + 128; i += kThreads) {
-      const int row = i < 512 ? i >> 2 : i - 512;  // the block's weight row: warpgroup row / 64, row % 64
-      const int rwg = row >> 6, m = row & 63;
-      const WeightDesc& w = table[kGateUp ? rwg : 2];
-      const int64_t grow = kGateUp ? wl::gate_up_feature(fb, m) : 128 * fb + row;
-      if (i < 512)
-        ptx::cp_async_16(base + kXBytes + row * 64 + (i & 3) * 16,
-                         static_cast<const uint8_t*>(w.data) + grow * row_bytes + int64_t(s) * 64 + (i & 3) * 16);
-      else
-        ptx::cp_async_8(base + kXBytes + kCodeBytes + row * 8, w.block_scale + grow * row_scales + int64_t(s) * 8);
+    for (int k = 0; k < kWCopies; ++k) {
+      const int i = tid + kThreads * k;
+      if (i < 512) ptx::cp_async_16(base + w_dst[k], w_src[k] + int64_t(s) * 64);
+      else if (i < 640) ptx::cp_async_8(base + w_dst[k], w_src[k] + int64_t(s) * 8);
     }
   };
   // The A fragments of stage s from shared memory: this lane's 16 bytes of rows m0, m0 + 8 and their 2 scale bytes.

@@ -4,7 +4,7 @@
 // captured), x is rounded to bf16 once per token with each 128-k block permuted (moe_wgmma_layout.h), then:
 //   gate/up: a block = 64 intermediate features x one row tile; warpgroup 0 multiplies the gate rows, warpgroup 1 the
 //            up rows (wgmma m64nNk16, A = the weights decoded from NVFP4 in registers, B = the tile's x rows in
-//            shared memory; both staged by cp.async, 5-6 stages of 128 k); the epilogue writes silu(gate) * up as
+//            shared memory; both staged by cp.async, 4-5 stages of 128 k); the epilogue writes silu(gate) * up as
 //            bf16 in the permuted order the down GEMM reads;
 //   down:    a block = 128 output features x one row tile, both warpgroups on 64 rows each, bf16 outputs;
 // and the combine (moe_combine_bf16) sums each token's rows in ascending expert id, as the other paths do.

@@ -63,6 +63,9 @@ struct GpuLoadOptions {
   // The persistent kernels' L2 prefetch of the weights each warp reads next (cuda::CudaOptions::persistent_prefetch;
   // --enable-persistent-prefetch, experimental).
   bool persistent_prefetch = false;
+  // Row-tile height of the wgmma expert GEMMs (cuda::CudaOptions::moe_wgmma_tile_rows): 0 by the rows per expert, or
+  // 64 / 128 (--moe-wgmma-tile-rows, A/B timing).
+  int moe_wgmma_tile_rows = 0;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

@@ -104,6 +104,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
   app.add_flag("--enable-persistent-prefetch", f.enable_persistent_prefetch,
                "cuda, experimental: the persistent kernels ask L2 for the weights each warp reads next (the next "
                "projection row, the next phase's rows while the current one runs)");
+  app.add_option("--moe-wgmma-tile-rows", f.gpu.moe_wgmma_tile_rows,
+                 "cuda, sm_90: row-tile height of the wgmma expert GEMMs of large passes: 0 (default) picks by the rows "
+                 "per expert (128 from 128 on average, else 64), 64 or 128 pins one (A/B timing)")
+      ->check(CLI::IsMember({0, 64, 128}));
   app.add_flag("--disable-delta-rule-tensor-cores", f.disable_delta_rule_tensor_cores,
                "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
                "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "

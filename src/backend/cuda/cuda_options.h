@@ -93,6 +93,9 @@ struct CudaOptions {
   // The persistent kernels ask L2 for the weights a warp reads next (cp.async.bulk.prefetch: the next dense row, the
   // rows of the following phase while the current one runs); --enable-persistent-prefetch, experimental.
   bool persistent_prefetch = false;
+  // Row-tile height of the wgmma expert GEMMs (moe_prefill_wgmma.h): 0 picks by the rows per expert (128 from 128 on
+  // average, else 64), 64 or 128 pins one (--moe-wgmma-tile-rows, A/B timing).
+  int moe_wgmma_tile_rows = 0;
   // --moe-runner-backend kiln-mma / kiln-blas / kiln-wgmma (else by_step): the path of the NVFP4 routed experts of
   // large steps (moe_prefill_path above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

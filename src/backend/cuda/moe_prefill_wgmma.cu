@@ -377,9 +377,9 @@ struct Carve {
   uint16_t *xs, *act, *y;
   size_t bytes;
 };
-Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
+Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I, int tile_rows) {
   const size_t P = static_cast<size_t>(T * top_k);
-  const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E);
+  const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E, tile_rows);
   Carve c{};
   WorkspaceCarve w(base);
   c.groups = w.take(moe_row_groups_bytes(T, top_k, E));
@@ -436,23 +436,24 @@ bool moe_prefill_wgmma_supported(int compute_major, int compute_minor, int64_t H
   return true;
 }
 
-int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E) {
+int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows) {
+  if (tile_rows == 64 || tile_rows == 128) return tile_rows;
   return E > 0 && T * top_k >= 128 * E ? 128 : 64;
 }
 
-size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I) {
-  return carve(nullptr, T, top_k, E, H, I).bytes;
+size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I, int tile_rows) {
+  return carve(nullptr, T, top_k, E, H, I, tile_rows).bytes;
 }
 
 void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                        const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
-                       const float* shared, const float* shared_gate, Stream stream) {
+                       const float* shared, const float* shared_gate, Stream stream, int tile_rows) {
   if (T == 0) return;
   if (H % 128 != 0 || I % 128 != 0) cuda_fail("moe_prefill_wgmma: H {} and I {} must be multiples of 128", {H, I});
-  const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E);
+  const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E, tile_rows);
   const int64_t P = T * top_k, max_tiles = max_tiles_of(T, top_k, E, nt);
   if (max_tiles > 65535) cuda_fail("moe_prefill_wgmma: {} row tiles exceed the grid's 65535", {max_tiles});
-  const Carve c = carve(workspace, T, top_k, E, H, I);
+  const Carve c = carve(workspace, T, top_k, E, H, I, tile_rows);
   const MoeRowGroups g = moe_group_rows(ids, T, top_k, E, c.groups, stream);
   launch_kernel(build_tiles_kernel, 1, 32, 0, stream, g.group_offset, static_cast<int>(E), nt, c.tiles,
                 static_cast<int>(max_tiles));

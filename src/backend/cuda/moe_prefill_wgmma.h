@@ -27,14 +27,15 @@ bool moe_prefill_wgmma_supported(int compute_major, int compute_minor, int64_t H
                                  bool experts_vec_ok, const WeightDesc* host_experts, int64_t E);
 // The per-pass workspace (the grouping, the tile list, x, silu(gate) * up and the expert outputs in bf16):
 // no more than moe_workspace_bytes() of the same shape (checked by a test).
-size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I);
+size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I, int tile_rows = 0);
 // Rows per row tile the path takes for a step: 128 when the experts receive >= 128 rows on average, else 64.
-int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E);
+// tile_rows 64 or 128 pins one (CudaOptions::moe_wgmma_tile_rows).
+int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows = 0);
 
 // out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared[t] * sigmoid(shared_gate[t])), ids outside
 // [0, E) skipped. experts: the [E][3] {gate, up, down} descriptors in device memory.
 void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                        const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
-                       const float* shared, const float* shared_gate, Stream stream);
+                       const float* shared, const float* shared_gate, Stream stream, int tile_rows = 0);
 
 }  // namespace kiln::cuda::ops

@@ -114,6 +114,12 @@ TEST(MoeWgmmaLayout, TileRowsAndWorkspace) {
   EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 8, 256), 128);  // 35B-A3B: 128 rows per expert on average
   EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(2048, 8, 256), 64);
   EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 10, 512), 64);  // 397B TP-8 rank: 80
+  // --moe-wgmma-tile-rows pins one; 0 (or anything else) picks.
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 8, 256, 64), 64);
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(16, 8, 256, 128), 128);
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 8, 256, 0), 128);
+  EXPECT_GT(kops::moe_prefill_wgmma_workspace_bytes(8192, 8, 256, 2048, 512, 64),
+            kops::moe_prefill_wgmma_workspace_bytes(8192, 8, 256, 2048, 512, 128));  // a longer tile list
   // Within what the memory plan reserves for the experts (moe_workspace_bytes), at the shapes it runs.
   for (const LayerShape& s : {LayerShape{"35B", 2048, 256, 512, 8}, LayerShape{"397B tp8", 4096, 512, 128, 10},
                               LayerShape{"small", 384, 16, 256, 4}})

@@ -20,8 +20,9 @@ constexpr size_t kMoePrefillWeightScratchBytes = size_t(256) << 20;
 // ---- The NVFP4 routed experts of prefill-sized steps on Hopper's warpgroup MMA (moe_prefill_wgmma.cu, sm_90 only):
 // FP4 decoded in registers, each weight read and decoded once per row tile of 64 or 128 rows; no host
 // synchronisation. Steps of at least this many tokens take it under `auto` on sm_90 (tunable). Measured on an H100
-// (35B-A3B, one pass; docs/perf/prefill.md): 512 tokens 0.90x the mma kernels, 1024 1.20x, 4096 1.27x the cuBLAS
-// path, 8192 1.12x; so from 1024.
+// (35B-A3B, one pass; docs/perf/prefill.md), first form in one call: 512 tokens 0.90x the mma kernels, 1024 1.20x,
+// 4096 1.27x the cuBLAS path, 8192 1.12x; so from 1024. The current form: 8192 1.20x cuBLAS (same call), 1024 1.47x
+// the mma kernels of the earlier call; 512 not re-measured.
 constexpr int64_t kMoePrefillWgmmaMinTokens = 1024;
 // --moe-runner-backend's choice for the NVFP4 routed experts of non-decode steps: by_step (auto, kiln-grouped,
 // kiln-fused-decode): on sm_90 the wgmma path from kMoePrefillWgmmaMinTokens tokens, elsewhere the dequantised path

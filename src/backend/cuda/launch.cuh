@@ -30,6 +30,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <utility>
 
 #include "backend/cuda/cuda_check.h"
@@ -76,6 +78,19 @@ inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   if (pdl_launches_now() && blocks <= kPdlMaxBlocks) KILN_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   cfg.numAttrs = capture == cudaStreamCaptureStatusActive ? 1 : 0;
   KILN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// Raises `kernel`'s dynamic shared memory limit to `bytes`. The limit is a per-device attribute: set once per device
+// (per kernel instantiation: `configured`, the caller's static set of devices done), so every GPU of a
+// tensor-parallel group gets it.
+template <typename... Params>
+inline void set_dynamic_smem_once(void (*kernel)(Params...), size_t bytes, std::atomic<uint64_t>& configured) {
+  int device = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit && (configured.load(std::memory_order_acquire) & bit)) return;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  configured.fetch_or(bit, std::memory_order_release);
 }
 
 // Blocks for a grid-stride loop over n items, `block` threads each: at least 1, at most 65,536.

@@ -448,16 +448,8 @@ template <int kMats, int kParts, int kSub>
 void launch_mma_xsmem(const MmaArgs& a, int64_t max_tiles, Stream stream) {
   constexpr size_t bytes = XStage<kParts, kSub>::template bytes<kMats>();
   auto kernel = moe_mma_xsmem_kernel<kMats, kParts, kSub>;
-  // The dynamic shared memory limit is a per-device attribute: set once per device (per instantiation), so every
-  // GPU of a tensor-parallel group gets it.
   static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  KILN_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
-  if (!bit || !(configured.load(std::memory_order_acquire) & bit)) {
-    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    configured.fetch_or(bit, std::memory_order_release);
-  }
+  set_dynamic_smem_once(kernel, bytes, configured);
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(a.N / 64));
   launch_kernel(kernel, grid, 256, bytes, stream, a);
   KILN_CUDA_CHECK_LAUNCH();

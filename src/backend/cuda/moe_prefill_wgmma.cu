@@ -391,19 +391,13 @@ Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I, i
   return c;
 }
 
-// Sets the kernel's dynamic shared memory limit once per device (a per-device attribute), then launches it.
+// Sets the kernel's dynamic shared memory limit (once per device), then launches it.
 template <int kNT, bool kGateUp>
 void launch_wgmma(const WgArgs& a, unsigned feature_blocks, int64_t max_tiles, Stream stream) {
   auto kernel = moe_wgmma_kernel<kNT, kGateUp>;
   constexpr size_t bytes = smem_bytes(kNT);
   static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  KILN_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
-  if (!bit || !(configured.load(std::memory_order_acquire) & bit)) {
-    KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    configured.fetch_or(bit, std::memory_order_release);
-  }
+  set_dynamic_smem_once(kernel, bytes, configured);
   launch_kernel(kernel, dim3(feature_blocks, static_cast<unsigned>(max_tiles)), kThreads, bytes, stream, a);
   KILN_CUDA_CHECK_LAUNCH();
 }

@@ -110,33 +110,11 @@ TEST(MoePrefillChoice, ServesNvfp4ExpertsOnly) {
 
 // ---- the path on the GPU
 
-using Inputs = test::StepInputs;
+using test::Inputs;
 using test::make_inputs;
-
-struct Outputs {
-  std::vector<int32_t> ids;
-  std::vector<float> out;
-};
-// moe_route, then moe_experts_shared (with_shared) or moe_experts, eagerly.
-Outputs run(model::Ops& ops, const std::vector<ExpertWeights>& experts, const LayerShape& s, const Inputs& in,
-            bool with_shared) {
-  ops.reset_scratch();
-  const int64_t T = in.T, H = s.hidden;
-  const TensorView x = ops.upload(in.x.data(), DType::F32, Shape{T, H});
-  const TensorView logits = ops.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
-  const TensorView ids = ops.scratch(DType::I32, Shape{T, s.top_k});
-  const TensorView weights = ops.scratch(DType::F32, Shape{T, s.top_k});
-  const TensorView out = ops.scratch(DType::F32, Shape{T, H});
-  ops.moe_route(logits, s.top_k, true, ids, weights);
-  if (with_shared) {
-    const TensorView shared = ops.upload(in.shared.data(), DType::F32, Shape{T, H});
-    const TensorView gate = ops.upload(in.shared_gate.data(), DType::F32, Shape{T, 1});
-    ops.moe_experts_shared(x, ids, weights, experts, shared, gate, out);
-  } else {
-    ops.moe_experts(x, ids, weights, experts, out);
-  }
-  return {read<int32_t>(ops, ids), read<float>(ops, out)};
-}
+using test::Outputs;
+using test::run;
+using test::bf16_options;
 
 // Nested profile rows of the dequantised path's stages (kiln bench-engine --profile shows them under moe_experts).
 int dequant_rows(const std::vector<model::OpTime>& rows) {
@@ -144,13 +122,6 @@ int dequant_rows(const std::vector<model::OpTime>& rows) {
   for (const model::OpTime& r : rows)
     if (r.nested && r.label.find("dequant") != std::string::npos) n += static_cast<int>(r.calls);
   return n;
-}
-
-CudaOptions bf16_options(MoePrefill mode) {
-  CudaOptions o;
-  o.dtype = CudaOptions::ActivationDtype::bfloat16;
-  o.moe_prefill = mode;
-  return o;
 }
 
 class MoePrefillBlas : public ::testing::TestWithParam<LayerShape> {};

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "backend/cuda/cuda_options.h"
 #include "core/dtype.h"
 #include "model/ops.h"
 
@@ -105,6 +106,42 @@ inline StepInputs make_inputs(const LayerShape& s, int64_t T, uint64_t seed) {
   in.shared = normal(rng, static_cast<size_t>(T * s.hidden), 1.0f);
   in.shared_gate = normal(rng, static_cast<size_t>(T), 2.0f);
   return in;
+}
+
+using Inputs = StepInputs;
+
+// One step's outputs: the routing's expert ids and the MoE block's output.
+struct Outputs {
+  std::vector<int32_t> ids;
+  std::vector<float> out;
+};
+// moe_route, then moe_experts_shared (with_shared) or moe_experts, eagerly.
+inline Outputs run(model::Ops& ops, const std::vector<model::ExpertWeights>& experts, const LayerShape& s,
+                   const Inputs& in, bool with_shared) {
+  ops.reset_scratch();
+  const int64_t T = in.T, H = s.hidden;
+  const TensorView x = ops.upload(in.x.data(), DType::F32, Shape{T, H});
+  const TensorView logits = ops.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
+  const TensorView ids = ops.scratch(DType::I32, Shape{T, s.top_k});
+  const TensorView weights = ops.scratch(DType::F32, Shape{T, s.top_k});
+  const TensorView out = ops.scratch(DType::F32, Shape{T, H});
+  ops.moe_route(logits, s.top_k, true, ids, weights);
+  if (with_shared) {
+    const TensorView shared = ops.upload(in.shared.data(), DType::F32, Shape{T, H});
+    const TensorView gate = ops.upload(in.shared_gate.data(), DType::F32, Shape{T, 1});
+    ops.moe_experts_shared(x, ids, weights, experts, shared, gate, out);
+  } else {
+    ops.moe_experts(x, ids, weights, experts, out);
+  }
+  return {read<int32_t>(ops, ids), read<float>(ops, out)};
+}
+
+// --dtype bfloat16 with the large-step expert path `mode`.
+inline CudaOptions bf16_options(MoePrefill mode) {
+  CudaOptions o;
+  o.dtype = CudaOptions::ActivationDtype::bfloat16;
+  o.moe_prefill = mode;
+  return o;
 }
 
 }  // namespace kiln::backend::cuda::test

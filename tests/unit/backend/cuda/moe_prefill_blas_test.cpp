@@ -215,21 +215,7 @@ TEST(MoePrefillBlasCapture, CapturedStepsKeepTheMmaKernels) {
   const Outputs want = run(mma, mma_experts, s, in, false);
   const Outputs eager = run(gpu, gpu_experts, s, in, false);  // builds the expert table outside the capture
   EXPECT_NE(eager.out, want.out) << "kiln-blas took the mma kernels eagerly";
-  gpu.reset_scratch();
-  const int64_t T = in.T, H = s.hidden;
-  const TensorView x = gpu.upload(in.x.data(), DType::F32, Shape{T, H});
-  const TensorView logits = gpu.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
-  const TensorView ids = gpu.scratch(DType::I32, Shape{T, s.top_k});
-  const TensorView weights = gpu.scratch(DType::F32, Shape{T, s.top_k});
-  const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
-  gpu.synchronize();
-  ASSERT_TRUE(gpu.graph_capture_begin());
-  gpu.moe_route(logits, s.top_k, true, ids, weights);
-  gpu.moe_experts(x, ids, weights, gpu_experts, out);
-  const int graph = gpu.graph_capture_end();
-  ASSERT_GE(graph, 0) << "the capture failed";
-  ASSERT_TRUE(gpu.graph_launch(graph));
-  EXPECT_EQ(read<float>(gpu, out), want.out);
+  EXPECT_EQ(test::run_captured(gpu, gpu_experts, s, in), want.out);
 }
 
 }  // namespace

@@ -9,6 +9,9 @@
 #include <random>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/cuda_options.h"
 #include "core/dtype.h"
 #include "model/ops.h"
@@ -142,6 +145,32 @@ inline CudaOptions bf16_options(MoePrefill mode) {
   o.dtype = CudaOptions::ActivationDtype::bfloat16;
   o.moe_prefill = mode;
   return o;
+}
+
+// run() without the shared expert, captured into a CUDA graph and replayed once: the output (empty, with a test
+// failure, when the capture or the replay fails).
+inline std::vector<float> run_captured(CudaOps& gpu, const std::vector<model::ExpertWeights>& experts,
+                                       const LayerShape& s, const Inputs& in) {
+  gpu.reset_scratch();
+  const int64_t T = in.T, H = s.hidden;
+  const TensorView x = gpu.upload(in.x.data(), DType::F32, Shape{T, H});
+  const TensorView logits = gpu.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
+  const TensorView ids = gpu.scratch(DType::I32, Shape{T, s.top_k});
+  const TensorView weights = gpu.scratch(DType::F32, Shape{T, s.top_k});
+  const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
+  gpu.synchronize();
+  if (!gpu.graph_capture_begin()) {
+    ADD_FAILURE() << "the capture did not begin";
+    return {};
+  }
+  gpu.moe_route(logits, s.top_k, true, ids, weights);
+  gpu.moe_experts(x, ids, weights, experts, out);
+  const int graph = gpu.graph_capture_end();
+  if (graph < 0 || !gpu.graph_launch(graph)) {
+    ADD_FAILURE() << "the capture or its replay failed";
+    return {};
+  }
+  return read<float>(gpu, out);
 }
 
 }  // namespace kiln::backend::cuda::test

@@ -66,6 +66,8 @@ struct GpuLoadOptions {
   // Row-tile height of the wgmma expert GEMMs (cuda::CudaOptions::moe_wgmma_tile_rows): 0 by the rows per expert, or
   // 64 / 128 (--moe-wgmma-tile-rows, A/B timing).
   int moe_wgmma_tile_rows = 0;
+  // The wgmma expert GEMMs' producer form (cuda::CudaOptions::moe_wgmma_producer; --enable-wgmma-producer).
+  bool moe_wgmma_producer = false;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

@@ -108,6 +108,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "cuda, sm_90: row-tile height of the wgmma expert GEMMs of large passes: 0 (default) picks by the rows "
                  "per expert (128 from 128 on average, else 64), 64 or 128 pins one (A/B timing)")
       ->check(CLI::IsMember({0, 64, 128}));
+  app.add_flag("--enable-wgmma-producer", f.gpu.moe_wgmma_producer,
+               "cuda, sm_90, experimental (not yet run on a GPU): the wgmma expert GEMMs with a producer warp streaming "
+               "their shared-memory stages and mbarriers instead of a block barrier per k block");
   app.add_flag("--disable-delta-rule-tensor-cores", f.disable_delta_rule_tensor_cores,
                "cuda: run the chunked gated delta rule's matrix products (prefill) on the fp32 CUDA cores (default: "
                "tensor cores, tf32 mma; inputs in 2 tf32 parts under --dtype float32, rounded once to tf32 under "

@@ -1615,7 +1615,8 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
     void* ws = impl_->rt.scratch(kops::moe_prefill_wgmma_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter,
                                                                          o.moe_wgmma_tile_rows));
     kops::moe_prefill_wgmma(f32(x), T, H, ids, f32(weights), static_cast<int>(k), tab.table.as<kops::WeightDesc>(), E,
-                            tab.inter, ws, f32_mut(out), shared, shared_gate, impl_->rt.stream(), o.moe_wgmma_tile_rows);
+                            tab.inter, ws, f32_mut(out), shared, shared_gate, impl_->rt.stream(), o.moe_wgmma_tile_rows,
+                            o.moe_wgmma_producer);
     return;
   }
   if (path == MoePrefillPath::blas &&

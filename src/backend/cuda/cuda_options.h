@@ -97,6 +97,10 @@ struct CudaOptions {
   // Row-tile height of the wgmma expert GEMMs (moe_prefill_wgmma.h): 0 picks by the rows per expert (128 from 128 on
   // average, else 64), 64 or 128 pins one (--moe-wgmma-tile-rows, A/B timing).
   int moe_wgmma_tile_rows = 0;
+  // The wgmma expert GEMMs' producer form (moe_prefill_wgmma.h): one more warp per block streams the shared-memory
+  // stages and the two warpgroups wait on mbarriers instead of meeting at a block barrier every k block.
+  // --enable-wgmma-producer, experimental (built without a GPU at hand: not yet run).
+  bool moe_wgmma_producer = false;
   // --moe-runner-backend kiln-mma / kiln-blas / kiln-wgmma (else by_step): the path of the NVFP4 routed experts of
   // large steps (moe_prefill_path above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

@@ -52,11 +52,17 @@ constexpr size_t stage_bytes(int nt) { return size_t(nt) * 256 + 128 * 64 + 128 
 // Stages in shared memory (copies run stages - 1 ahead of the MMAs, stages - 2 ahead of the decoding): 4 x 25 KiB for
 // 64-row tiles (two blocks per multiprocessor: one block's MMAs run while the other waits at its barrier or decodes),
 // 5 x 41 KiB for 128 (one block).
-constexpr int stages(int nt) { return nt == 64 ? 4 : 5; }
-constexpr int blocks_per_sm(int nt) { return nt == 64 ? 2 : 1; }
-constexpr size_t smem_bytes(int nt) { return stages(nt) * stage_bytes(nt) + 1024; }  // + alignment slack
+// The producer form (one more warp streams the stages; mbarriers instead of block barriers) runs one block per
+// multiprocessor: 6 stages for 64-row tiles.
+constexpr int stages(int nt, bool producer) { return nt == 64 ? (producer ? 6 : 4) : 5; }
+constexpr int blocks_per_sm(int nt, bool producer) { return nt == 64 && !producer ? 2 : 1; }
+constexpr int block_threads(bool producer) { return producer ? kThreads + 32 : kThreads; }
+constexpr size_t smem_bytes(int nt, bool producer) {
+  return stages(nt, producer) * stage_bytes(nt) + 1024;  // + alignment slack
+}
 static_assert(stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0);
-static_assert(smem_bytes(128) <= 227 * 1024);
+static_assert(smem_bytes(128, true) <= 227 * 1024 && smem_bytes(64, true) <= 227 * 1024);
+static_assert(2 * (smem_bytes(64, false) + 1024) <= 228 * 1024);
 
 #ifdef KILN_HAVE_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -67,6 +73,29 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // cp.async writes are generic-proxy writes; the MMAs read shared memory through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// mbarriers (the producer form): init with an arrival count; arrive; wait until the phase of the given parity has
+// completed; and the arrival a thread's earlier cp.async copies make when they land (not counted in advance: the
+// barrier's count includes it).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// The consumers' barrier (named barrier 1, the two warpgroups) where a producer warp does not take part.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
 // Shared-memory matrix descriptor: start address, leading offset (unused by K-major swizzled layouts), 8-row groups
 // 1024 bytes apart, 128-byte swizzle (layout type 1).
@@ -157,11 +186,12 @@ __device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_
 
 // One row tile x one feature block (moe_prefill_wgmma.h). kGateUp: features are 64 logical positions of I, warpgroup
 // 0 the gate rows, 1 the up rows; else 128 output features, 64 per warpgroup.
-template <int kNT, bool kGateUp>
-__global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel(const WgArgs a) {
+template <int kNT, bool kGateUp, bool kProducer>
+__global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, kProducer))
+    moe_wgmma_kernel(const WgArgs a) {
   dev::pdl_enter();  // first statement: see launch.cuh
 #ifdef KILN_HAVE_WGMMA
-  constexpr int kAcc = kNT / 2, kStages = stages(kNT);
+  constexpr int kAcc = kNT / 2, kStages = stages(kNT, kProducer);
   constexpr uint32_t kStageBytes = static_cast<uint32_t>(stage_bytes(kNT));
   constexpr uint32_t kXBytes = kNT * 256, kCodeBytes = 128 * 64;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -170,12 +200,19 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
   uint8_t* smem = smem_raw + (smem0 - raw);
 
   __shared__ const uint16_t* src_row[kNT];  // each of the tile's rows in xs (rows past its end: null)
+  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];  // the producer form's stage barriers
   const int4 tile = a.tiles[blockIdx.y];
   const int e = tile.x, r0 = tile.y, r1 = tile.z;
   if (e < 0 || r0 >= r1) return;
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
   if (tid < kNT)
     src_row[tid] = r0 + tid < r1 ? a.xs + int64_t(a.row_index ? a.row_index[r0 + tid] : r0 + tid) * a.K : nullptr;
+  if (kProducer && tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(ptx::smem_addr(&full_bar[i]), 32);  // the producer warp's lanes, as their copies land
+      mbar_init(ptx::smem_addr(&empty_bar[i]), 8);  // one lane of each consumer warp, its MMAs on the stage done
+    }
+  }
   __syncthreads();
   const int g = lane >> 2, q = lane & 3;
   const int fb = blockIdx.x;
@@ -223,6 +260,46 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
       else if (i < 640) ptx::cp_async_8(base + w_dst[k], w_src[k] + int64_t(s) * 8);
     }
   };
+  if constexpr (kProducer) {
+    if (tid >= kThreads) {
+      // The producer warp: stage s into buffer s % kStages once the consumers have released its previous use. Lane p
+      // copies activation chunks p + 32 k and weight units p + 32 k (their addresses worked out once).
+      const int p = tid - kThreads;
+      constexpr int kPW = (128 * 4 + 128) / 32;  // weight units per lane: 16 code chunks then 4 scale rows
+      const uint8_t* pw_src[kPW];
+      uint32_t pw_dst[kPW];
+#pragma unroll
+      for (int k = 0; k < kPW; ++k) {
+        const int i = p + 32 * k;
+        const int row = i < 512 ? i >> 2 : i - 512;
+        const WeightDesc& w = table[kGateUp ? row >> 6 : 2];
+        const int64_t grow = kGateUp ? wl::gate_up_feature(fb, row & 63) : 128 * fb + row;
+        pw_src[k] = i < 512 ? static_cast<const uint8_t*>(w.data) + grow * row_bytes + (i & 3) * 16
+                            : w.block_scale + grow * row_scales;
+        pw_dst[k] = i < 512 ? kXBytes + row * 64 + (i & 3) * 16 : kXBytes + kCodeBytes + row * 8;
+      }
+      for (int s = 0; s < steps; ++s) {
+        const int slot = s % kStages;
+        if (s >= kStages) mbar_wait(ptx::smem_addr(&empty_bar[slot]), ((s / kStages) - 1) & 1);
+        const uint32_t base = smem0 + slot * kStageBytes;
+#pragma unroll 4
+        for (int k = 0; k < kNT / 2; ++k) {
+          const int i = p + 32 * k, n = i >> 4, c = i & 15;
+          const uint16_t* row = src_row[n];
+          ptx::cp_async_16(base + wl::stage_offset(n, c * 8, kNT),
+                           (row ? row : last_row) + int64_t(s) * wl::kKBlock + c * 8, row ? 16 : 0);
+        }
+#pragma unroll
+        for (int k = 0; k < kPW; ++k) {
+          if (p + 32 * k < 512) ptx::cp_async_16(base + pw_dst[k], pw_src[k] + int64_t(s) * 64);
+          else ptx::cp_async_8(base + pw_dst[k], pw_src[k] + int64_t(s) * 8);
+        }
+        cp_async_mbar_arrive(ptx::smem_addr(&full_bar[slot]));
+      }
+      ptx::cp_async_wait_all();
+      return;
+    }
+  }
   // The A fragments of stage s from shared memory: this lane's 16 bytes of rows m0, m0 + 8 and their 2 scale bytes.
   auto decode_stage = [&](int s, uint32_t(&A)[8][4]) {
     const uint8_t* st = smem + (s % kStages) * kStageBytes + kXBytes;
@@ -240,20 +317,8 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-  // Stages 0 .. kStages - 2 in flight; step s copies stage s + kStages - 1 into the buffer step s - 1 used.
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) copy_stage(s);
-    ptx::cp_async_commit();
-  }
   uint32_t A0[8][4], A1[8][4];
-  ptx::cp_async_wait<kStages - 2>();  // stage 0
-  fence_proxy_async();
-  __syncthreads();
-  decode_stage(0, A0);
-
-  // A holds step s's fragments; A_next gets step s + 1's (from shared memory) while step s's MMAs run.
-  auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+  auto mma_step = [&](int s, uint32_t(&A)[8][4]) {
     const uint32_t base = smem0 + (s % kStages) * kStageBytes;
     hold(acc);
     wgmma_fence();
@@ -261,23 +326,69 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
     for (int kk = 0; kk < 8; ++kk) wgmma_tile<kNT>(acc, A[kk], smem_desc(base + wl::kstep_offset(kk, kNT)));
     wgmma_commit();
     hold(acc);
-    ptx::cp_async_wait<kStages - 3>();  // this thread's copies of stage s + 1 have landed
-    fence_proxy_async();
-    __syncthreads();  // everyone's copies of stage s + 1; every warpgroup is done with step s - 1
-    if (s + kStages - 1 < steps) copy_stage(s + kStages - 1);
-    ptx::cp_async_commit();
-    if (s + 1 < steps) decode_stage(s + 1, A_next);
-    wgmma_wait<0>();
-    hold(A);
   };
-  for (int s = 0; s < steps; s += 2) {
-    step(s, A0, A1);
-    if (s + 1 < steps) step(s + 1, A1, A0);
+  if constexpr (kProducer) {
+    // Consumers: wait for stage s + 1's copies (its full barrier) while step s's MMAs run, decode it, wait for the
+    // MMAs, release stage s (its empty barrier). No block barrier: the two warpgroups run apart.
+    auto wait_full = [&](int s) {
+      mbar_wait(ptx::smem_addr(&full_bar[s % kStages]), (s / kStages) & 1);
+      fence_proxy_async();
+    };
+    auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+      mma_step(s, A);
+      if (s + 1 < steps) {
+        wait_full(s + 1);
+        decode_stage(s + 1, A_next);
+      }
+      wgmma_wait<0>();
+      hold(A);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(ptx::smem_addr(&empty_bar[s % kStages]));
+    };
+    wait_full(0);
+    decode_stage(0, A0);
+    for (int s = 0; s < steps; s += 2) {
+      step(s, A0, A1);
+      if (s + 1 < steps) step(s + 1, A1, A0);
+    }
+    hold(acc);
+    consumers_sync();  // both warpgroups' MMAs are done: the stages become the epilogue's buffers
+  } else {
+    // Stages 0 .. kStages - 2 in flight; step s copies stage s + kStages - 1 into the buffer step s - 1 used.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < steps) copy_stage(s);
+      ptx::cp_async_commit();
+    }
+    ptx::cp_async_wait<kStages - 2>();  // stage 0
+    fence_proxy_async();
+    __syncthreads();
+    decode_stage(0, A0);
+    // A holds step s's fragments; A_next gets step s + 1's (from shared memory) while step s's MMAs run.
+    auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+      mma_step(s, A);
+      ptx::cp_async_wait<kStages - 3>();  // this thread's copies of stage s + 1 have landed
+      fence_proxy_async();
+      __syncthreads();  // everyone's copies of stage s + 1; every warpgroup is done with step s - 1
+      if (s + kStages - 1 < steps) copy_stage(s + kStages - 1);
+      ptx::cp_async_commit();
+      if (s + 1 < steps) decode_stage(s + 1, A_next);
+      wgmma_wait<0>();
+      hold(A);
+    };
+    for (int s = 0; s < steps; s += 2) {
+      step(s, A0, A1);
+      if (s + 1 < steps) step(s + 1, A1, A0);
+    }
+    hold(acc);
+    ptx::cp_async_wait_all();
+    __syncthreads();  // every warpgroup's MMAs are done: the stages become the epilogue's buffers
   }
-  hold(acc);
-  ptx::cp_async_wait_all();
-  __syncthreads();  // every warpgroup's MMAs are done: the stages become the epilogue's buffers
 
+  auto sync = [] {
+    if constexpr (kProducer) consumers_sync();
+    else __syncthreads();
+  };
   const int rows = r1 - r0;
   if constexpr (kGateUp) {
     float* up = reinterpret_cast<float*>(smem);  // [kAcc][128]: warpgroup 1's values, by register and lane
@@ -287,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) up[i * 128 + wtid] = acc[i] * gscale;
     }
-    __syncthreads();
+    sync();
     if (wg == 0) {
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
@@ -296,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
         act[n * kLd + m] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
       }
     }
-    __syncthreads();
+    sync();
     for (int i = tid; i < rows * 8; i += kThreads) {
       const int n = i >> 3, c = i & 7;
       *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 64 * fb + 8 * c) =
@@ -310,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT)) moe_wgmma_kernel
       const int m = 64 * wg + m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
       y[n * kLd + m] = __bfloat16_as_ushort(__float2bfloat16_rn(acc[i] * gscale));
     }
-    __syncthreads();
+    sync();
     for (int i = tid; i < rows * 16; i += kThreads) {
       const int n = i >> 4, c = i & 15;
       *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 128 * fb + 8 * c) =
@@ -392,24 +503,25 @@ Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I, i
 }
 
 // Sets the kernel's dynamic shared memory limit (once per device), then launches it.
-template <int kNT, bool kGateUp>
+template <int kNT, bool kGateUp, bool kProducer>
 void launch_wgmma(const WgArgs& a, unsigned feature_blocks, int64_t max_tiles, Stream stream) {
-  auto kernel = moe_wgmma_kernel<kNT, kGateUp>;
-  constexpr size_t bytes = smem_bytes(kNT);
+  auto kernel = moe_wgmma_kernel<kNT, kGateUp, kProducer>;
+  constexpr size_t bytes = smem_bytes(kNT, kProducer);
   static std::atomic<uint64_t> configured{0};
   set_dynamic_smem_once(kernel, bytes, configured);
-  launch_kernel(kernel, dim3(feature_blocks, static_cast<unsigned>(max_tiles)), kThreads, bytes, stream, a);
+  launch_kernel(kernel, dim3(feature_blocks, static_cast<unsigned>(max_tiles)), block_threads(kProducer), bytes,
+                stream, a);
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-template <int kNT>
+template <int kNT, bool kProducer>
 void run_gemms(const WeightDesc* experts, const int4* tiles, int64_t max_tiles, int64_t H, int64_t I,
                const uint16_t* xs, const int32_t* row_token, uint16_t* act, uint16_t* y, Stream stream) {
   WgArgs gu{experts, tiles, xs, row_token, act, static_cast<int>(H), static_cast<int>(I)};
-  launch_wgmma<kNT, true>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
+  launch_wgmma<kNT, true, kProducer>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
   profile_mark("gate_up wgmma");
   WgArgs down{experts, tiles, act, nullptr, y, static_cast<int>(I), static_cast<int>(H)};
-  launch_wgmma<kNT, false>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
+  launch_wgmma<kNT, false, kProducer>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
   profile_mark("down wgmma");
 }
 
@@ -441,7 +553,7 @@ size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_
 
 void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                        const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
-                       const float* shared, const float* shared_gate, Stream stream, int tile_rows) {
+                       const float* shared, const float* shared_gate, Stream stream, int tile_rows, bool producer) {
   if (T == 0) return;
   if (H % 128 != 0 || I % 128 != 0) cuda_fail("moe_prefill_wgmma: H {} and I {} must be multiples of 128", {H, I});
   const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E, tile_rows);
@@ -459,8 +571,9 @@ void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids,
                 stream, x, H, T, c.xs);
   KILN_CUDA_CHECK_LAUNCH();
   profile_mark("x to bf16");
-  if (nt == 128) run_gemms<128>(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, stream);
-  else run_gemms<64>(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, stream);
+  auto gemms = nt == 128 ? (producer ? run_gemms<128, true> : run_gemms<128, false>)
+                         : (producer ? run_gemms<64, true> : run_gemms<64, false>);
+  gemms(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, stream);
   moe_combine_bf16(c.y, ids, weights, g.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
   profile_mark("combine");
 }

@@ -33,9 +33,12 @@ size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_
 int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows = 0);
 
 // out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared[t] * sigmoid(shared_gate[t])), ids outside
-// [0, E) skipped. experts: the [E][3] {gate, up, down} descriptors in device memory.
+// [0, E) skipped. experts: the [E][3] {gate, up, down} descriptors in device memory. producer: the producer form of
+// the GEMMs (one more warp streams the stages, the warpgroups wait on mbarriers instead of a block barrier per k
+// block; CudaOptions::moe_wgmma_producer, experimental).
 void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                        const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
-                       const float* shared, const float* shared_gate, Stream stream, int tile_rows = 0);
+                       const float* shared, const float* shared_gate, Stream stream, int tile_rows = 0,
+                       bool producer = false);
 
 }  // namespace kiln::cuda::ops

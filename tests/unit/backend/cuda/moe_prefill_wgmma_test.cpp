@@ -183,13 +183,16 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
   HostExperts host = make_experts(s, 31, 0, s.experts);
   // Gate and up of every third expert with different scale_2 (each warpgroup applies its own).
   for (int64_t e = 0; e < s.experts; e += 3) host.experts[static_cast<size_t>(e)].up.scale *= 1.5f;
+  CudaOptions producer_options = bf16_options(MoePrefill::wgmma);
+  producer_options.moe_wgmma_producer = true;
   CudaOps wg(bf16_options(MoePrefill::wgmma)), by_step(bf16_options(MoePrefill::by_step)),
-      mma(bf16_options(MoePrefill::mma));
+      mma(bf16_options(MoePrefill::mma)), producer(producer_options);
   KILN_REQUIRE_SM90(wg);
   auto cpu = make_cpu_backend();
   const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
   const std::vector<ExpertWeights> wg_experts = place(wg, host.experts), step_experts = place(by_step, host.experts),
-                                   mma_experts = place(mma, host.experts);
+                                   mma_experts = place(mma, host.experts),
+                                   producer_experts = place(producer, host.experts);
   const bool small = s.hidden < 1024;
   for (int64_t T : small ? std::vector<int64_t>{3, 256, 1024} : std::vector<int64_t>{256, 1024, 4096}) {
     for (bool with_shared : {true, false}) {
@@ -213,6 +216,8 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
       // Run again: the same bits (no races, no order dependence).
       const Outputs again = run(wg, wg_experts, s, in, with_shared);
       EXPECT_EQ(again.out, w.out);
+      // The producer form: the same MMAs in the same order, so the same bits.
+      EXPECT_EQ(run(producer, producer_experts, s, in, with_shared).out, w.out) << "--enable-wgmma-producer";
       if (with_shared) {
         // auto: this path (bitwise) from kMoePrefillWgmmaMinTokens, the mma kernels (bitwise kiln-mma) below.
         const Outputs a = run(by_step, step_experts, s, in, with_shared);

@@ -4,9 +4,13 @@
 // rows per warpgroup, its N the row tile (kNT = 64 or 128 tokens), K walked 128 at a time.
 // - Pipeline: per 128-k block a shared-memory stage holds the tile's activation rows (bf16, stored in the permuted k
 //   order of moe_wgmma_layout.h, 128-byte swizzled: read by the MMAs through shared-memory descriptors) and the
-//   block's 128 weight rows' NVFP4 codes and block scales, copied by cp.async; 4 stages for 64-row tiles (two blocks per
-//   multiprocessor), 5 for 128 (one),
-//   the copies running stages - 1 blocks ahead, so tens of KiB of weights are in flight per multiprocessor.
+//   block's 128 weight rows' NVFP4 codes and block scales, copied by cp.async; 4 stages for 64-row tiles (two blocks
+//   per multiprocessor), 5 for 128 (one); the copies run stages - 1 blocks ahead, so tens of KiB of weights are in
+//   flight per multiprocessor. Every thread copies, and a block barrier per k block makes each stage visible.
+// - Producer form (kProducer, --enable-wgmma-producer, experimental): one more warp does all the copying and signals
+//   each stage's mbarrier as its copies land; each warpgroup waits on it and releases the stage through a second
+//   mbarrier when its MMAs are done, so the warpgroups never meet at a barrier in the loop (6 stages for 64-row tiles,
+//   5 for 128; one block per multiprocessor).
 // - A (weights): each lane reads 16 bytes of codes of its two rows (g, g + 8) from the stage and decodes them to the
 //   bf16 A fragments of the block's 8 k-steps (e2m1 * e4m3 block scale * 2^-8, exact; moe_experts.cu's decoding).
 //   The fragments of two blocks alternate: block s + 1 is decoded while block s's MMAs run, then the warpgroup waits

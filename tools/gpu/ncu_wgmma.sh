@@ -2,6 +2,7 @@
 # GPU machine, issue 30: Nsight Compute on the wgmma expert kernels (moe_prefill_wgmma.cu) of one prefill pass: the
 # 35B-A3B at 8192 tokens and the 397B TP-8 rank at 4096, one gate/up and one down launch each (a middle layer).
 # Usage: OUT=... bash tools/gpu/ncu_wgmma.sh CARRY (CARRY/new: kiln, xz-compressed; CARRY/lib: tools/gpu/README.md).
+# $NCU_FLAGS: more bench-engine flags (e.g. --enable-wgmma-producer, --moe-wgmma-tile-rows 64).
 # Writes ncu_35b.csv, ncu_397b.csv, ncu.err to $OUT and prints each launch's main metrics.
 set -uo pipefail
 CARRY=${1:-gpu-carry}; WHAT=ncu; OUT=${OUT:-/tmp/kiln-gpu}
@@ -15,7 +16,7 @@ for shape in "35b|--model-path configs/qwen3.5-35b-a3b-nvfp4 --input-len 8192 --
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
     --section Occupancy --section LaunchStats --section SchedulerStats --csv --page details \
     "$K" bench-engine --device cuda --load-format dummy --skip-self-check --batch 1 --output-len 2 \
-    --moe-runner-backend kiln-wgmma ${shape#*|} > "$OUT/ncu_$label.csv" 2>> "$OUT/ncu.err"
+    --moe-runner-backend kiln-wgmma ${NCU_FLAGS:-} ${shape#*|} > "$OUT/ncu_$label.csv" 2>> "$OUT/ncu.err"
   echo "== ncu $label rc=$?"; tail -2 "$OUT/ncu.err"
   python3 - "$OUT/ncu_$label.csv" <<'PY'
 import csv, sys

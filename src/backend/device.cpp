@@ -229,7 +229,7 @@ std::string MemoryPlan::str() const {
 }
 
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o, double gpu_bytes,
-                              double free_bytes) {
+                              double free_bytes, int compute_major) {
   const double G = 1024.0 * 1024.0 * 1024.0;
   format::ModelConfig config = format::load_model_config(dir);
   const format::QuantConfig quant = format::load_quant_config(dir);
@@ -295,12 +295,15 @@ MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& o,
   // kMoePrefillWeightScratchBytes, reused by every layer and step, outside the scratch arena (its per-pass buffers
   // come from the ffn term above). Counted whenever an NVFP4 MoE model runs with bf16 inputs and a runner that takes
   // that path: kiln-blas at any pass size, auto / kiln-grouped / kiln-fused-decode when passes reach
-  // kMoePrefillBlasMinTokens tokens.
+  // kMoePrefillBlasMinTokens tokens, except on sm_90 where the wgmma GEMMs serve the rank's experts (H and the rank's
+  // slice of the expert intermediate multiples of 128: moe_prefill_wgmma_supported) and take those passes instead.
   const std::string& runner = o.gpu.moe_runner_backend;
   const bool nvfp4 = quant.quant_algo == "NVFP4" || quant.quant_algo == "MIXED_PRECISION";
+  const bool wgmma_serves = compute_major == 9 && static_cast<int64_t>(H) % 128 == 0 &&
+                            rank0.expert_inter.count > 0 && rank0.expert_inter.count % 128 == 0;
   const bool dequant_path =
       runner == "kiln-blas" || ((runner == "auto" || runner == "kiln-grouped" || runner == "kiln-fused-decode") &&
-                                o.prefill_chunk >= cuda::kMoePrefillBlasMinTokens);
+                                o.prefill_chunk >= cuda::kMoePrefillBlasMinTokens && !wgmma_serves);
   if (config.is_moe() && nvfp4 && resolve_dtype("cuda", o.gpu.dtype) == "bfloat16" && dequant_path) {
     const double expert = 3.0 * 2.0 * static_cast<double>(config.moe_intermediate_size) * H;
     p.moe_dequant_bytes = std::min(static_cast<double>(cuda::kMoePrefillWeightScratchBytes),
@@ -562,7 +565,7 @@ std::unique_ptr<model::ModelRunner> load_cuda_model(const format::ModelDir& dir,
   const KernelChoice kernels = resolve_kernels("cuda", first.major, options);
   KILN_LOG_INFO("kernels: {}", kernels.str());
   // Ranks sharing a GPU (--gpu-id-step 0) split it: the plan gives each its part.
-  const MemoryPlan plan = plan_device_memory(dir, options, first.memory_bytes, placed.free_bytes);
+  const MemoryPlan plan = plan_device_memory(dir, options, first.memory_bytes, placed.free_bytes, first.major);
   KILN_LOG_INFO("{}", plan.str());
   CudaLoad l{dir, self_check, options, runner_options(options), placed};
   // Every rank's scratch arena starts at the plan's activation estimate (less the fixed 0.5 GiB it adds for the

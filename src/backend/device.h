@@ -132,8 +132,10 @@ struct MemoryPlan {
 // State slots: options.state_slots when set, else enough for min(256, the running requests whose slots fit in a
 // quarter of what weights and activations leave) x slots_per_request. KV pages: options.kv_pages when set
 // (checked), else all the rest. A context longer than the KV cache holds is capped to it with a warning.
+// compute_major: the GPU's (0: unknown). On sm_90 (9) the NVFP4 experts of large passes run as wgmma GEMMs where
+// their shapes allow, so the dequantised path's weight buffer is left out of auto's plan there.
 MemoryPlan plan_device_memory(const format::ModelDir& dir, const LoadOptions& options, double gpu_bytes,
-                              double free_bytes);
+                              double free_bytes, int compute_major = 0);
 
 // The Ops of a resolved device ("cpu" or "cuda"); a cuda Ops runs the kernels `options` choose (resolve_kernels)
 // and is checked against the CPU backend (op_check.h) unless self_check is false.

@@ -87,7 +87,9 @@ struct Inspection {
   CapacityPlan p;
   std::vector<std::string> notes;
   // The plan `kiln serve --device cuda --tp-size N` makes at startup on each GPU of --gpu-mem-gib
-  // (backend::plan_device_memory, the same function): one rank's GPU; the step and pass sizes serve would pick.
+  // (backend::plan_device_memory, the same function): one rank's GPU; the step and pass sizes serve would pick. The
+  // GPU's kind is not known here, so the plan keeps the dequantised experts' buffer that serve leaves out on sm_90
+  // (at most 0.25 GiB more activations).
   std::optional<backend::MemoryPlan> serve_plan;
   std::string serve_error;
   backend::PrefillSizes prefill;

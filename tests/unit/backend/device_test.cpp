@@ -196,7 +196,8 @@ TEST(MemoryPlan, The35BShapeFitsAnH200AndTheKvCacheIsWhatIsLeft) {
 }
 
 // The NVFP4 experts dequantised for large steps (cuda/moe_prefill_blas.h): one bf16 buffer of at most 256 MiB, in
-// the activation estimate when the runner takes that path (bf16 inputs, kiln-blas: opt-in until measured on a GPU).
+// the activation estimate when the runner takes that path (bf16 inputs; kiln-blas, or auto with large passes where
+// the wgmma GEMMs do not serve the experts).
 // The 35B-A3B's experts hold 256 x 3 x 512 x 2048 x 2 bytes = 1.5 GiB in bf16 per layer, so the cap applies.
 TEST(MemoryPlan, DequantisedExpertsBufferIsPlannedWhenThePathCanRun) {
   const format::ModelDir dir = format::ModelDir::open(kConfig35);
@@ -215,6 +216,17 @@ TEST(MemoryPlan, DequantisedExpertsBufferIsPlannedWhenThePathCanRun) {
     EXPECT_DOUBLE_EQ(q.activation_bytes, p.activation_bytes - p.moe_dequant_bytes) << runner;
     EXPECT_EQ(q.str().find("dequantised"), std::string::npos) << q.str();
   }
+  // auto with passes of >= kMoePrefillBlasMinTokens: the buffer, except on sm_90, where the wgmma GEMMs serve the
+  // 35B-A3B's experts (H 2048, I 512) and take those passes instead (unknown GPU: planned, to be safe).
+  LoadOptions a = o;
+  a.gpu.moe_runner_backend = "auto";
+  a.prefill_chunk = 8192;
+  EXPECT_DOUBLE_EQ(plan_device_memory(dir, a, 141.0 * GiB, 0).moe_dequant_bytes, 256.0 * 1024 * 1024);
+  EXPECT_DOUBLE_EQ(plan_device_memory(dir, a, 141.0 * GiB, 0, 10).moe_dequant_bytes, 256.0 * 1024 * 1024);
+  EXPECT_DOUBLE_EQ(plan_device_memory(dir, a, 141.0 * GiB, 0, 12).moe_dequant_bytes, 256.0 * 1024 * 1024);
+  EXPECT_EQ(plan_device_memory(dir, a, 141.0 * GiB, 0, 9).moe_dequant_bytes, 0.0);
+  // kiln-blas pins the path: planned on sm_90 too.
+  EXPECT_DOUBLE_EQ(plan_device_memory(dir, o, 141.0 * GiB, 0, 9).moe_dequant_bytes, 256.0 * 1024 * 1024);
 }
 
 // kiln-mma / kiln-blas pin the routed experts' path (A/B timing); kiln-blas needs bf16 inputs and sm_90+.

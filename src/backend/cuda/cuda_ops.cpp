@@ -199,6 +199,9 @@ struct CudaOps::Impl {
     bool vec_ok = false;
     int gemv2_kind = -1;
     int64_t inter = 0;
+    // Whether the large-step paths serve these experts (moe_prefill_wgmma_supported / moe_prefill_blas_supported walk
+    // the whole table): -1 until a step first asks.
+    int wgmma_ok = -1, blas_ok = -1;
   };
   std::unordered_map<const void*, ExpertTable> expert_tables;
   // The device table of a layer's held experts (built on first use; `held` non-empty, every expert present).
@@ -1368,6 +1371,7 @@ CudaOps::Impl::ExpertTable& CudaOps::Impl::expert_table(std::span<const model::E
     tab.first_gate = held.front().gate.weight.data;
     tab.last_down = held.back().down.weight.data;
     tab.vec_ok = vec;
+    tab.wgmma_ok = tab.blas_ok = -1;
     tab.gemv2_kind = g2 < 0 ? -1 : g2;
     tab.inter = I;
   }
@@ -1591,7 +1595,7 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   }
   const int64_t E = static_cast<int64_t>(experts.size());
 
-  const Impl::ExpertTable& tab = impl_->expert_table(experts, H);
+  Impl::ExpertTable& tab = impl_->expert_table(experts, H);
   // Prefill-sized steps (cuda_options.h, moe_prefill_path: bf16 inputs): on sm_90 the wgmma grouped GEMMs (FP4
   // decoded in registers), else from kMoePrefillBlasMinTokens the experts that received tokens dequantised to bf16 +
   // cuBLAS grouped GEMMs (not under graph capture). Their per-pass buffers come from the scratch arena (no more than
@@ -1602,15 +1606,18 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
   KILN_CUDA_CHECK(cudaStreamIsCapturing(impl_->rt.stream(), &capture));
   const CudaDeviceProbe& dev = impl_->rt.device();
   const bool bf16 = o.dtype == CudaOptions::ActivationDtype::bfloat16;
-  // The wgmma path's shape check walks the expert table: only when the step would take it.
+  // The paths' shape checks walk the expert table: once per table, and only when a step would take the path.
   const bool capturing = capture != cudaStreamCaptureStatusNone;
   MoePrefillPath path = o.moe_tensor_cores && reinterpret_cast<uintptr_t>(x.data) % 16 == 0
                             ? moe_prefill_path(o.moe_prefill, T, bf16, dev.major, true, capturing)
                             : MoePrefillPath::mma;
-  if (path == MoePrefillPath::wgmma &&
-      !kops::moe_prefill_wgmma_supported(dev.major, dev.minor, H, tab.inter, tab.gemv2_kind, tab.vec_ok,
-                                         tab.host.data(), E))
+  if (path == MoePrefillPath::wgmma && tab.wgmma_ok < 0)
+    tab.wgmma_ok = kops::moe_prefill_wgmma_supported(dev.major, dev.minor, H, tab.inter, tab.gemv2_kind, tab.vec_ok,
+                                                     tab.host.data(), E);
+  if (path == MoePrefillPath::wgmma && !tab.wgmma_ok)
     path = moe_prefill_path(o.moe_prefill, T, bf16, dev.major, false, capturing);
+  if (path == MoePrefillPath::blas && tab.blas_ok < 0)
+    tab.blas_ok = kops::moe_prefill_blas_supported(H, tab.inter, tab.gemv2_kind, tab.vec_ok, tab.host.data(), E);
   if (path == MoePrefillPath::wgmma) {
     void* ws = impl_->rt.scratch(kops::moe_prefill_wgmma_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter,
                                                                          o.moe_wgmma_tile_rows));
@@ -1619,8 +1626,7 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
                             o.moe_wgmma_producer);
     return;
   }
-  if (path == MoePrefillPath::blas &&
-      kops::moe_prefill_blas_supported(H, tab.inter, tab.gemv2_kind, tab.vec_ok, tab.host.data(), E)) {
+  if (path == MoePrefillPath::blas && tab.blas_ok) {
     if (!impl_->moe_blas) impl_->moe_blas = std::make_unique<kops::MoePrefillBlas>();
     const size_t expert_bytes = kops::moe_prefill_blas_expert_bytes(H, tab.inter);
     const size_t wbytes =

@@ -15,6 +15,13 @@
 namespace kiln::cuda::ops::dev {
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+// fp32 -> bf16 bits, round to nearest even.
+__device__ __forceinline__ uint16_t f32_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+// bf16x2 of (lo, hi), round to nearest even; lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 __device__ __forceinline__ float f16_to_f32(uint16_t v) { return __half2float(__ushort_as_half(v)); }
 
 // OCP E4M3 (e4m3fn): bias 7, S.1111.111 is NaN, subnormals m * 2^-9. Exact.
@@ -141,6 +148,22 @@ constexpr float kNvfp4AccumScale = 256.0f;
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// Word j (codes 8j .. 8j + 7) of a lane's 16 bytes of NVFP4 codes.
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+// The tensor-core A fragment (mma.m16n8k16 / wgmma: registers 0 and 2 row g, 1 and 3 row g + 8) of one k-step half
+// of a word pair (w0: row g, w1: row g + 8) with their block scales (nvfp4_scale_bf16x2): half 0 takes code pairs
+// (0,4), (1,5), half 1 (2,6), (3,7). The expert kernels of moe_experts.cu and moe_prefill_wgmma.cu.
+template <int kHalf>
+__device__ __forceinline__ void decode_fragment(uint32_t w0, uint32_t w1, uint32_t s0, uint32_t s1,
+                                                uint32_t (&f)[4]) {
+  f[0] = bf16x2_mul(e2m1_pair_bits<2 * kHalf>(w0), s0);
+  f[1] = bf16x2_mul(e2m1_pair_bits<2 * kHalf>(w1), s1);
+  f[2] = bf16x2_mul(e2m1_pair_bits<2 * kHalf + 1>(w0), s0);
+  f[3] = bf16x2_mul(e2m1_pair_bits<2 * kHalf + 1>(w1), s1);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }

@@ -118,21 +118,8 @@ struct WeightRows {
   }
 };
 
-// Word j (codes 8j .. 8j + 7) of a lane's 16 bytes.
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
-  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-
-// The MMA's A fragment of one k-step half of word pair (w0: row g, w1: row g + 8) with their block scales: half 0
-// takes code pairs (0,4), (1,5), half 1 (2,6), (3,7).
-template <int kHalf>
-__device__ __forceinline__ void decode_fragment(uint32_t w0, uint32_t w1, uint32_t s0, uint32_t s1,
-                                                uint32_t (&f)[4]) {
-  f[0] = dev::bf16x2_mul(dev::e2m1_pair_bits<2 * kHalf>(w0), s0);
-  f[1] = dev::bf16x2_mul(dev::e2m1_pair_bits<2 * kHalf>(w1), s1);
-  f[2] = dev::bf16x2_mul(dev::e2m1_pair_bits<2 * kHalf + 1>(w0), s0);
-  f[3] = dev::bf16x2_mul(dev::e2m1_pair_bits<2 * kHalf + 1>(w1), s1);
-}
+using dev::decode_fragment;
+using dev::word_of;
 
 // One output value of token t (sorted row), output feature n: gate/up (kMats 2) stores silu(gate) * up split into
 // parts for the down launch, down (kMats 1) the fp32 value.

@@ -18,10 +18,6 @@ using namespace dev;
 
 static_assert(sizeof(cublasOperation_t) == sizeof(int), "the host arrays hold cublasOperation_t as int");
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-         (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-}
 
 // xs[r, :] = bf16(x[row_token[r], :]) for the first `rows` sorted rows; 8 columns a thread (H % 8 == 0, x 16-byte
 // aligned).

@@ -171,26 +171,16 @@ __device__ __forceinline__ void hold(float (&r)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
-  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-
 // The A fragments of the 8 k-steps of one 128-k block from a lane's codes (rows g, g + 8) and block-scale bytes:
-// k-step 2j + h takes word j's code pairs (2h, 2h + 4) (registers 0, 1) and (2h + 1, 2h + 5) (registers 2, 3).
+// k-step 2j + h is half h of word j (dev::decode_fragment).
 __device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_t (&sc)[2], uint32_t (&A)[8][4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t s0 = dev::nvfp4_scale_bf16x2((sc[0] >> (8 * (j >> 1))) & 0xffu);
     const uint32_t s1 = dev::nvfp4_scale_bf16x2((sc[1] >> (8 * (j >> 1))) & 0xffu);
-    const uint32_t w0 = word_of(wv[0], j), w1 = word_of(wv[1], j);
-    A[2 * j][0] = dev::bf16x2_mul(dev::e2m1_pair_bits<0>(w0), s0);
-    A[2 * j][1] = dev::bf16x2_mul(dev::e2m1_pair_bits<0>(w1), s1);
-    A[2 * j][2] = dev::bf16x2_mul(dev::e2m1_pair_bits<1>(w0), s0);
-    A[2 * j][3] = dev::bf16x2_mul(dev::e2m1_pair_bits<1>(w1), s1);
-    A[2 * j + 1][0] = dev::bf16x2_mul(dev::e2m1_pair_bits<2>(w0), s0);
-    A[2 * j + 1][1] = dev::bf16x2_mul(dev::e2m1_pair_bits<2>(w1), s1);
-    A[2 * j + 1][2] = dev::bf16x2_mul(dev::e2m1_pair_bits<3>(w0), s0);
-    A[2 * j + 1][3] = dev::bf16x2_mul(dev::e2m1_pair_bits<3>(w1), s1);
+    const uint32_t w0 = dev::word_of(wv[0], j), w1 = dev::word_of(wv[1], j);
+    dev::decode_fragment<0>(w0, w1, s0, s1, A[2 * j]);
+    dev::decode_fragment<1>(w0, w1, s0, s1, A[2 * j + 1]);
   }
 }
 #endif  // KILN_HAVE_WGMMA
@@ -415,7 +405,7 @@ __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, k
       for (int i = 0; i < kAcc; ++i) {
         const int m = m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
         const float v = dev::silu(acc[i] * gscale) * up[i * 128 + wtid];
-        act[n * kLd + m] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        act[n * kLd + m] = dev::f32_to_bf16(v);
       }
     }
     sync();
@@ -430,7 +420,7 @@ __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, k
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) {
       const int m = 64 * wg + m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
-      y[n * kLd + m] = __bfloat16_as_ushort(__float2bfloat16_rn(acc[i] * gscale));
+      y[n * kLd + m] = dev::f32_to_bf16(acc[i] * gscale);
     }
     sync();
     for (int i = tid; i < rows * 16; i += kThreads) {
@@ -480,9 +470,7 @@ __global__ void permute_rows_bf16_kernel(const float* __restrict__ x, int64_t H,
     uint32_t o[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const float lo = src[wl::phys_k(L0 + 2 * p)], hi = src[wl::phys_k(L0 + 2 * p + 1)];
-      o[p] = uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-             (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+      o[p] = dev::pack_bf16x2(src[wl::phys_k(L0 + 2 * p)], src[wl::phys_k(L0 + 2 * p + 1)]);
     }
     *reinterpret_cast<uint4*>(xs + r * H + c * 8) = make_uint4(o[0], o[1], o[2], o[3]);
   }

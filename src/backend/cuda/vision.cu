@@ -126,11 +126,6 @@ struct SegmentSmem {
   static_assert(Dp % 16 == 0 && Dp >= 16 && Dp <= 256, "padded head_dim: a multiple of 16 up to 256");
 };
 
-// bf16x2 of (lo, hi), round to nearest even; lo in the low half.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 __device__ __forceinline__ float bf16x2_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16x2_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 

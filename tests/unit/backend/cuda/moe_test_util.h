@@ -118,25 +118,32 @@ struct Outputs {
   std::vector<int32_t> ids;
   std::vector<float> out;
 };
+// One step's tensors on `ops` (its scratch reset first): x and the router logits uploaded, the routing's ids and
+// weights and the block's output as scratch.
+struct StepViews {
+  TensorView x, logits, ids, weights, out;
+};
+inline StepViews upload_step(model::Ops& ops, const LayerShape& s, const Inputs& in) {
+  ops.reset_scratch();
+  const int64_t T = in.T, H = s.hidden;
+  return {ops.upload(in.x.data(), DType::F32, Shape{T, H}), ops.upload(in.logits.data(), DType::F32, Shape{T, s.experts}),
+          ops.scratch(DType::I32, Shape{T, s.top_k}), ops.scratch(DType::F32, Shape{T, s.top_k}),
+          ops.scratch(DType::F32, Shape{T, H})};
+}
+
 // moe_route, then moe_experts_shared (with_shared) or moe_experts, eagerly.
 inline Outputs run(model::Ops& ops, const std::vector<model::ExpertWeights>& experts, const LayerShape& s,
                    const Inputs& in, bool with_shared) {
-  ops.reset_scratch();
-  const int64_t T = in.T, H = s.hidden;
-  const TensorView x = ops.upload(in.x.data(), DType::F32, Shape{T, H});
-  const TensorView logits = ops.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
-  const TensorView ids = ops.scratch(DType::I32, Shape{T, s.top_k});
-  const TensorView weights = ops.scratch(DType::F32, Shape{T, s.top_k});
-  const TensorView out = ops.scratch(DType::F32, Shape{T, H});
-  ops.moe_route(logits, s.top_k, true, ids, weights);
+  const StepViews v = upload_step(ops, s, in);
+  ops.moe_route(v.logits, s.top_k, true, v.ids, v.weights);
   if (with_shared) {
-    const TensorView shared = ops.upload(in.shared.data(), DType::F32, Shape{T, H});
-    const TensorView gate = ops.upload(in.shared_gate.data(), DType::F32, Shape{T, 1});
-    ops.moe_experts_shared(x, ids, weights, experts, shared, gate, out);
+    const TensorView shared = ops.upload(in.shared.data(), DType::F32, Shape{in.T, s.hidden});
+    const TensorView gate = ops.upload(in.shared_gate.data(), DType::F32, Shape{in.T, 1});
+    ops.moe_experts_shared(v.x, v.ids, v.weights, experts, shared, gate, v.out);
   } else {
-    ops.moe_experts(x, ids, weights, experts, out);
+    ops.moe_experts(v.x, v.ids, v.weights, experts, v.out);
   }
-  return {read<int32_t>(ops, ids), read<float>(ops, out)};
+  return {read<int32_t>(ops, v.ids), read<float>(ops, v.out)};
 }
 
 // --dtype bfloat16 with the large-step expert path `mode`.
@@ -151,26 +158,20 @@ inline CudaOptions bf16_options(MoePrefill mode) {
 // failure, when the capture or the replay fails).
 inline std::vector<float> run_captured(CudaOps& gpu, const std::vector<model::ExpertWeights>& experts,
                                        const LayerShape& s, const Inputs& in) {
-  gpu.reset_scratch();
-  const int64_t T = in.T, H = s.hidden;
-  const TensorView x = gpu.upload(in.x.data(), DType::F32, Shape{T, H});
-  const TensorView logits = gpu.upload(in.logits.data(), DType::F32, Shape{T, s.experts});
-  const TensorView ids = gpu.scratch(DType::I32, Shape{T, s.top_k});
-  const TensorView weights = gpu.scratch(DType::F32, Shape{T, s.top_k});
-  const TensorView out = gpu.scratch(DType::F32, Shape{T, H});
+  const StepViews v = upload_step(gpu, s, in);
   gpu.synchronize();
   if (!gpu.graph_capture_begin()) {
     ADD_FAILURE() << "the capture did not begin";
     return {};
   }
-  gpu.moe_route(logits, s.top_k, true, ids, weights);
-  gpu.moe_experts(x, ids, weights, experts, out);
+  gpu.moe_route(v.logits, s.top_k, true, v.ids, v.weights);
+  gpu.moe_experts(v.x, v.ids, v.weights, experts, v.out);
   const int graph = gpu.graph_capture_end();
   if (graph < 0 || !gpu.graph_launch(graph)) {
     ADD_FAILURE() << "the capture or its replay failed";
     return {};
   }
-  return read<float>(gpu, out);
+  return read<float>(gpu, v.out);
 }
 
 }  // namespace kiln::backend::cuda::test

@@ -565,9 +565,7 @@ void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids,
   KILN_CUDA_CHECK_LAUNCH();
   profile_mark("group");
   const int64_t chunks = T * (H / 8);
-  launch_kernel(permute_rows_bf16_kernel,
-                static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((chunks + 255) / 256, 1 << 20))), 256, 0,
-                stream, x, H, T, c.xs);
+  launch_kernel(permute_rows_bf16_kernel, capped_grid(chunks), 256, 0, stream, x, H, T, c.xs);
   KILN_CUDA_CHECK_LAUNCH();
   profile_mark("x to bf16");
   auto gemms = nt == 128 ? (producer ? run_gemms<128, true> : run_gemms<128, false>)

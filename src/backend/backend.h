@@ -68,6 +68,8 @@ struct GpuLoadOptions {
   int moe_wgmma_tile_rows = 0;
   // The wgmma expert GEMMs' producer form (cuda::CudaOptions::moe_wgmma_producer; --enable-wgmma-producer).
   bool moe_wgmma_producer = false;
+  // Feature blocks per block of the wgmma down GEMM (cuda::CudaOptions::moe_wgmma_down_walk; --moe-wgmma-down-walk).
+  int moe_wgmma_down_walk = 0;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

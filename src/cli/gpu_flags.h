@@ -108,6 +108,11 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "cuda, sm_90: row-tile height of the wgmma expert GEMMs of large passes: 0 (default) picks by the rows "
                  "per expert (128 from 128 on average, else 64), 64 or 128 pins one (A/B timing)")
       ->check(CLI::IsMember({0, 64, 128}));
+  app.add_option("--moe-wgmma-down-walk", f.gpu.moe_wgmma_down_walk,
+                 "cuda, sm_90, experimental (not yet run on a GPU): each block of the wgmma down GEMM of large passes "
+                 "walks this many 128-feature blocks, keeping its row tile's activations in shared memory (where they "
+                 "fit: expert intermediate <= 512 at 64-row tiles, <= 640 at 128); 0 (default): one feature block each")
+      ->check(CLI::IsMember({0, 2, 4, 8}));
   app.add_flag("--enable-wgmma-producer", f.gpu.moe_wgmma_producer,
                "cuda, sm_90, experimental (not yet run on a GPU): the wgmma expert GEMMs with a producer warp streaming "
                "their shared-memory stages and mbarriers instead of a block barrier per k block");

@@ -277,6 +277,13 @@ std::string CudaOps::describe() const {
                                        "(cuBLASLt, {}; with or without a bias, added {})",
                                        kGemvMaxRowsSmallW, bf16 ? kBlasMinRowsBf16 : kBlasMinRows, x_in,
                                        bf16 ? "after the GEMM" : "where the 3 parts are summed");
+  // The wgmma GEMMs' experimental forms, where a flag asked for one.
+  std::string wg_form;
+  if (o.moe_wgmma_tile_rows) wg_form += fmt::format(", {}-row tiles [--moe-wgmma-tile-rows]", o.moe_wgmma_tile_rows);
+  if (o.moe_wgmma_producer) wg_form += ", a producer warp per block [--enable-wgmma-producer]";
+  if (o.moe_wgmma_down_walk >= 2)
+    wg_form += fmt::format(", down blocks walking {} feature blocks where they fit [--moe-wgmma-down-walk]",
+                           o.moe_wgmma_down_walk);
   return fmt::format(
       "cuda backend: {} (device {}, compute capability {}.{}, {} SMs, {:.1f} GiB); dtype {} (fp32 activations{}, "
       "fp32 accumulation); linear: {}, else {} (<= 128 rows); more rows: {}, others on an fp32 gemm (64x64 smem "
@@ -305,12 +312,13 @@ std::string CudaOps::describe() const {
                                         ? std::string("; every step outside graphs: experts dequantised to bf16, "
                                                       "cuBLAS grouped GEMMs [--moe-runner-backend kiln-blas]")
                                     : o.moe_prefill == MoePrefill::wgmma
-                                        ? std::string("; every step: wgmma grouped GEMMs, FP4 decoded in registers "
-                                                      "(sm_90) [--moe-runner-backend kiln-wgmma]")
+                                        ? fmt::format("; every step: wgmma grouped GEMMs, FP4 decoded in registers "
+                                                      "(sm_90){} [--moe-runner-backend kiln-wgmma]",
+                                                      wg_form)
                                     : d.major == 9 && d.minor == 0
                                         ? fmt::format("; steps of >= {} tokens outside graphs: wgmma grouped GEMMs, "
-                                                      "FP4 decoded in registers",
-                                                      kMoePrefillWgmmaMinTokens)
+                                                      "FP4 decoded in registers{}",
+                                                      kMoePrefillWgmmaMinTokens, wg_form)
                                         : fmt::format("; steps of >= {} tokens: experts dequantised to bf16, "
                                                       "cuBLAS grouped GEMMs",
                                                       kMoePrefillBlasMinTokens),
@@ -1622,8 +1630,8 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
     void* ws = impl_->rt.scratch(kops::moe_prefill_wgmma_workspace_bytes(T, static_cast<int>(k), E, H, tab.inter,
                                                                          o.moe_wgmma_tile_rows));
     kops::moe_prefill_wgmma(f32(x), T, H, ids, f32(weights), static_cast<int>(k), tab.table.as<kops::WeightDesc>(), E,
-                            tab.inter, ws, f32_mut(out), shared, shared_gate, impl_->rt.stream(), o.moe_wgmma_tile_rows,
-                            o.moe_wgmma_producer);
+                            tab.inter, ws, f32_mut(out), shared, shared_gate, impl_->rt.stream(),
+                            kops::MoeWgmmaForm{o.moe_wgmma_tile_rows, o.moe_wgmma_producer, o.moe_wgmma_down_walk});
     return;
   }
   if (path == MoePrefillPath::blas && tab.blas_ok) {

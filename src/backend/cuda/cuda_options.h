@@ -101,6 +101,10 @@ struct CudaOptions {
   // stages and the two warpgroups wait on mbarriers instead of meeting at a block barrier every k block.
   // --enable-wgmma-producer, experimental (built without a GPU at hand: not yet run).
   bool moe_wgmma_producer = false;
+  // >= 2: the wgmma down GEMM walks this many 128-feature blocks per block with the row tile's activations kept in
+  // shared memory (moe_prefill_wgmma.h, moe_wgmma_down_walk_taken); --moe-wgmma-down-walk, experimental (built
+  // without a GPU at hand: not yet run). 0: one feature block per block.
+  int moe_wgmma_down_walk = 0;
   // --moe-runner-backend kiln-mma / kiln-blas / kiln-wgmma (else by_step): the path of the NVFP4 routed experts of
   // large steps (moe_prefill_path above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

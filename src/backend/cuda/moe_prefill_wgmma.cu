@@ -432,6 +432,166 @@ __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, k
 #endif  // KILN_HAVE_WGMMA
 }
 
+// ---- The down GEMM walking several feature blocks per block (--moe-wgmma-down-walk N; experimental, built without a
+// GPU at hand: not yet run). A block = up to N consecutive 128-feature blocks x one row tile. The tile's activation
+// rows (all K / 128 k blocks) are copied to shared memory once and stay there; only the weights stream through the
+// stages, as (feature block, k block) items in order. Each feature block's outputs go from the accumulators straight
+// to global memory (two features per 4-byte store, paired through a lane exchange), so the pipeline never drains
+// between feature blocks. Against moe_wgmma_kernel's down form: the activations are read once per N feature blocks
+// instead of once per feature block (the 35B-A3B's 8192-token pass: 128 KiB per 128-row tile and feature block, from
+// L2), a block's fixed costs (start, first copies) are shared by N feature blocks (the 397B TP-8 rank's K = 128 is a
+// single k block per feature block), and the MMAs are the same, in the same order: the same bits.
+constexpr uint32_t kWalkStageBytes = 128 * 64 + 128 * 8;  // one k block of 128 weight rows: codes, block scales
+constexpr int kWalkStages = 5;                             // copies run 4 items ahead
+static_assert(kWalkStageBytes % 1024 == 0);
+constexpr size_t walk_smem_bytes(int nt, int64_t K) {
+  return static_cast<size_t>(K / wl::kKBlock) * nt * 256 + kWalkStages * kWalkStageBytes + 1024;
+}
+// 64-row tiles keep two blocks per multiprocessor (228 KiB, 1 KiB of it reserved per block).
+constexpr size_t walk_smem_limit(int nt) { return nt == 64 ? 113 * 1024 : 227 * 1024; }
+
+#ifdef KILN_HAVE_WGMMA
+// Feature block `fb`'s outputs: out[row n][128 fb + feature m] = bf16(acc * gscale), rows < `rows`. Register pair
+// (i, i + 1) holds columns n, n + 1 of weight row m; lanes g and g ^ 1 (lane ^ 4) hold rows m and m ^ 1. The even-g
+// lane stores (n; m, m + 1), the odd one (n + 1; m - 1, m): each hands the other one value.
+// (wgmma_layout::down_pair_store: the same maps, checked on the host.)
+template <int kNT>
+__device__ __forceinline__ void store_down_block(const float (&acc)[kNT / 2], float gscale, int wg, int warp, int g,
+                                                 int q, int rows, uint16_t* out, int64_t ld) {
+#pragma unroll
+  for (int i = 0; i < kNT / 2; i += 2) {
+    const wl::PairStore p = wl::down_pair_store(warp, g, q, i);
+    const float v0 = acc[i] * gscale, v1 = acc[i + 1] * gscale;  // selected below: no dynamic register index
+    const float own = p.own_reg == i ? v0 : v1;
+    const float other = __shfl_xor_sync(0xffffffffu, p.sent_reg == i ? v0 : v1, 4);
+    const uint32_t packed = p.own_low ? dev::pack_bf16x2(own, other) : dev::pack_bf16x2(other, own);
+    if (p.col < rows) *reinterpret_cast<uint32_t*>(out + int64_t(p.col) * ld + 64 * wg + p.row) = packed;
+  }
+}
+#endif  // KILN_HAVE_WGMMA
+
+template <int kNT>
+__global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT, false))
+    moe_wgmma_down_walk_kernel(const WgArgs a, int walk) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+#ifdef KILN_HAVE_WGMMA
+  constexpr int kAcc = kNT / 2, kS = kWalkStages;
+  constexpr uint32_t kXBytes = kNT * 256, kCodeBytes = 128 * 64;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw = ptx::smem_addr(smem_raw);
+  const uint32_t smem0 = (raw + 1023u) & ~1023u;  // the swizzle pattern is taken from address bits 7-9
+  uint8_t* smem = smem_raw + (smem0 - raw);
+
+  __shared__ const uint16_t* src_row[kNT];  // each of the tile's rows in xs (rows past its end: null)
+  const int4 tile = a.tiles[blockIdx.y];
+  const int e = tile.x, r0 = tile.y, r1 = tile.z;
+  const int fb0 = static_cast<int>(blockIdx.x) * walk, F = min(walk, a.N / 128 - fb0);
+  if (e < 0 || r0 >= r1 || F <= 0) return;
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+  if (tid < kNT)
+    src_row[tid] = r0 + tid < r1 ? a.xs + int64_t(a.row_index ? a.row_index[r0 + tid] : r0 + tid) * a.K : nullptr;
+  __syncthreads();
+  const int g = lane >> 2, q = lane & 3;
+  const WeightDesc& wd = a.table[3 * e + 2];
+  const int m0 = 16 * warp + g;  // this lane's weight rows: m0 and m0 + 8 of its warpgroup's 64
+  const int64_t row_bytes = a.K / 2, row_scales = a.K / 16;
+  const float gscale = wd.scale * dev::kNvfp4AccumScale;
+  const int steps = a.K / wl::kKBlock, items = F * steps;
+  const uint32_t w_base = smem0 + static_cast<uint32_t>(steps) * kXBytes;  // the weight stages follow the activations
+  const uint8_t* w_smem = smem + static_cast<size_t>(steps) * kXBytes;
+
+  // The activations: thread chunk c16 = tid % 16 of rows tid / 16 + 16 k, every k block (moe_wgmma_kernel's copies).
+  const int c16 = tid & 15, n0 = tid >> 4;
+  const uint32_t x_dst = static_cast<uint32_t>((c16 >> 3) * kNT * 128 + n0 * 128 + (((c16 & 7) ^ (n0 & 7)) << 4));
+  const uint16_t* last_row = src_row[r1 - r0 - 1];
+  // A weight stage: units tid + 256 k of the 512 code chunks (16 bytes) and 128 scale rows (8 bytes) of one k block;
+  // item (f, s) is k block s of feature block fb0 + f. The addresses are worked out per copy (few live registers:
+  // 64-row tiles run two blocks per multiprocessor, 128 registers a thread).
+  constexpr int kWCopies = (128 * 4 + 128 + kThreads - 1) / kThreads;
+  const uint8_t* codes = static_cast<const uint8_t*>(wd.data) + 128 * int64_t(fb0) * row_bytes;
+  const uint8_t* scales = wd.block_scale + 128 * int64_t(fb0) * row_scales;
+  auto copy_weights = [&](int j) {
+    const int f = j / steps, s = j - f * steps;
+    const uint32_t base = w_base + (j % kS) * kWalkStageBytes;
+    const uint8_t* c = codes + f * 128 * row_bytes + s * 64;
+    const uint8_t* sc = scales + f * 128 * row_scales + s * 8;
+#pragma unroll
+    for (int k = 0; k < kWCopies; ++k) {
+      const int i = tid + kThreads * k;
+      if (i < 512) ptx::cp_async_16(base + (i >> 2) * 64 + (i & 3) * 16, c + (i >> 2) * row_bytes + (i & 3) * 16);
+      else if (i < 640) ptx::cp_async_8(base + kCodeBytes + (i - 512) * 8, sc + (i - 512) * row_scales);
+    }
+  };
+  // The A fragments of item j from its stage: this lane's 16 bytes of rows m0, m0 + 8 and their 2 scale bytes.
+  auto decode_item = [&](int j, uint32_t(&A)[8][4]) {
+    const uint8_t* st = w_smem + (j % kS) * kWalkStageBytes;
+    const int row = 64 * wg + m0;
+    uint4 wv[2];
+    uint32_t sc[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      wv[r] = *reinterpret_cast<const uint4*>(st + (row + 8 * r) * 64 + 16 * q);
+      sc[r] = *reinterpret_cast<const uint16_t*>(st + kCodeBytes + (row + 8 * r) * 8 + 2 * q);
+    }
+    decode_block(wv, sc, A);
+  };
+
+  // Commit group 0: every k block of the activations and the first weight stage; groups 1 .. kS - 2: the next stages.
+  for (int s = 0; s < steps; ++s) {
+#pragma unroll
+    for (int k = 0; k < kNT / 16; ++k) {
+      const uint16_t* row = src_row[n0 + 16 * k];
+      ptx::cp_async_16(smem0 + s * kXBytes + x_dst + k * 16 * 128,
+                       (row ? row : last_row) + int64_t(s) * wl::kKBlock + c16 * 8, row ? 16 : 0);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kS - 1; ++j) {
+    if (j < items) copy_weights(j);
+    ptx::cp_async_commit();
+  }
+  ptx::cp_async_wait<kS - 2>();  // group 0
+  fence_proxy_async();           // the activations are read by the MMAs (async proxy) from here on
+  __syncthreads();
+
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+  uint32_t A0[8][4], A1[8][4];
+  decode_item(0, A0);
+  // Item j: its MMAs on k block j % steps; meanwhile item j + 1's stage is awaited and decoded and item j + kS - 1's
+  // copies start (into the buffer item j - 1 used, decoded before item j's MMAs); at the last k block of a feature
+  // block, its outputs are stored.
+  auto step = [&](int j, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+    const uint32_t xb = smem0 + static_cast<uint32_t>(j % steps) * kXBytes;
+    hold(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_tile<kNT>(acc, A[kk], smem_desc(xb + wl::kstep_offset(kk, kNT)));
+    wgmma_commit();
+    hold(acc);
+    ptx::cp_async_wait<kS - 3>();  // this thread's copies of item j + 1 have landed
+    __syncthreads();               // everyone's; item j - 1's buffer was decoded by every warp a step ago
+    if (j + kS - 1 < items) copy_weights(j + kS - 1);
+    ptx::cp_async_commit();
+    if (j + 1 < items) decode_item(j + 1, A_next);
+    wgmma_wait<0>();
+    hold(A);
+    if ((j + 1) % steps == 0) {
+      store_down_block<kNT>(acc, gscale, wg, warp, g, q, r1 - r0,
+                            a.out + int64_t(r0) * a.N + 128 * (fb0 + j / steps), a.N);
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    }
+  };
+  for (int j = 0; j < items; j += 2) {
+    step(j, A0, A1);
+    if (j + 1 < items) step(j + 1, A1, A0);
+  }
+  ptx::cp_async_wait_all();
+#endif  // KILN_HAVE_WGMMA
+}
+
 // The row tiles of every expert, in expert order: {expert, first sorted row, end row, 0}, at most nt rows each; the
 // rest of the list {-1, 0, 0, 0}. One warp (a scan over the experts 32 at a time).
 __global__ void build_tiles_kernel(const int32_t* __restrict__ group_offset, int E, int nt, int4* __restrict__ tiles,
@@ -513,15 +673,32 @@ void launch_wgmma(const WgArgs& a, unsigned feature_blocks, int64_t max_tiles, S
   KILN_CUDA_CHECK_LAUNCH();
 }
 
+template <int kNT>
+void launch_down_walk(const WgArgs& a, int walk, int64_t max_tiles, Stream stream) {
+  auto kernel = moe_wgmma_down_walk_kernel<kNT>;
+  static std::atomic<uint64_t> configured{0};
+  set_dynamic_smem_once(kernel, walk_smem_limit(kNT), configured);
+  const unsigned groups = static_cast<unsigned>((a.N / 128 + walk - 1) / walk);
+  launch_kernel(kernel, dim3(groups, static_cast<unsigned>(max_tiles)), kThreads, walk_smem_bytes(kNT, a.K), stream,
+                a, walk);
+  KILN_CUDA_CHECK_LAUNCH();
+}
+
 template <int kNT, bool kProducer>
 void run_gemms(const WeightDesc* experts, const int4* tiles, int64_t max_tiles, int64_t H, int64_t I,
-               const uint16_t* xs, const int32_t* row_token, uint16_t* act, uint16_t* y, Stream stream) {
+               const uint16_t* xs, const int32_t* row_token, uint16_t* act, uint16_t* y, int down_walk,
+               Stream stream) {
   WgArgs gu{experts, tiles, xs, row_token, act, static_cast<int>(H), static_cast<int>(I)};
   launch_wgmma<kNT, true, kProducer>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
   profile_mark("gate_up wgmma");
   WgArgs down{experts, tiles, act, nullptr, y, static_cast<int>(I), static_cast<int>(H)};
-  launch_wgmma<kNT, false, kProducer>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
-  profile_mark("down wgmma");
+  if (moe_wgmma_down_walk_taken(down_walk, kNT, I)) {
+    launch_down_walk<kNT>(down, down_walk, max_tiles, stream);
+    profile_mark("down wgmma walk");
+  } else {
+    launch_wgmma<kNT, false, kProducer>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
+    profile_mark("down wgmma");
+  }
 }
 
 }  // namespace
@@ -541,6 +718,11 @@ bool moe_prefill_wgmma_supported(int compute_major, int compute_minor, int64_t H
   return true;
 }
 
+bool moe_wgmma_down_walk_taken(int down_walk, int tile_rows, int64_t I) {
+  if (down_walk < 2 || (tile_rows != 64 && tile_rows != 128) || I <= 0 || I % wl::kKBlock != 0) return false;
+  return walk_smem_bytes(tile_rows, I) <= walk_smem_limit(tile_rows);
+}
+
 int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows) {
   if (tile_rows == 64 || tile_rows == 128) return tile_rows;
   return E > 0 && T * top_k >= 128 * E ? 128 : 64;
@@ -552,11 +734,13 @@ size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_
 
 void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                        const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
-                       const float* shared, const float* shared_gate, Stream stream, int tile_rows, bool producer) {
+                       const float* shared, const float* shared_gate, Stream stream, const MoeWgmmaForm& form) {
   if (T == 0) return;
+  const int tile_rows = form.tile_rows;
+  const bool producer = form.producer;
   if (H % 128 != 0 || I % 128 != 0) cuda_fail("moe_prefill_wgmma: H {} and I {} must be multiples of 128", {H, I});
   const int nt = moe_prefill_wgmma_tile_rows(T, top_k, E, tile_rows);
-  const int64_t P = T * top_k, max_tiles = max_tiles_of(T, top_k, E, nt);
+  const int64_t max_tiles = max_tiles_of(T, top_k, E, nt);
   if (max_tiles > 65535) cuda_fail("moe_prefill_wgmma: {} row tiles exceed the grid's 65535", {max_tiles});
   const Carve c = carve(workspace, T, top_k, E, H, I, tile_rows);
   const MoeRowGroups g = moe_group_rows(ids, T, top_k, E, c.groups, stream);
@@ -570,7 +754,7 @@ void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids,
   profile_mark("x to bf16");
   auto gemms = nt == 128 ? (producer ? run_gemms<128, true> : run_gemms<128, false>)
                          : (producer ? run_gemms<64, true> : run_gemms<64, false>);
-  gemms(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, stream);
+  gemms(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, form.down_walk, stream);
   moe_combine_bf16(c.y, ids, weights, g.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
   profile_mark("combine");
 }

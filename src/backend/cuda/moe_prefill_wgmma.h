@@ -32,13 +32,23 @@ size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_
 // tile_rows 64 or 128 pins one (CudaOptions::moe_wgmma_tile_rows).
 int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows = 0);
 
+// The kernels' forms (CudaOptions' moe_wgmma_*: flags for A/B timing). All give the same bits.
+struct MoeWgmmaForm {
+  int tile_rows = 0;      // moe_prefill_wgmma_tile_rows' tile_rows
+  bool producer = false;  // one more warp streams the stages, the warpgroups wait on mbarriers instead of a block
+                          // barrier per k block (experimental)
+  int down_walk = 0;      // >= 2: a down block walks this many 128-feature blocks with the tile's activations kept
+                          // in shared memory (where moe_wgmma_down_walk_taken; experimental)
+};
+// Whether the down GEMM walks: down_walk >= 2 and the tile's activations (tile_rows x I, bf16) plus the weight stages
+// fit the shared memory of a block (64-row tiles: still two blocks per multiprocessor): I <= 512 at 64 rows, <= 640 at
+// 128. Else the down GEMM is moe_wgmma_kernel's form.
+bool moe_wgmma_down_walk_taken(int down_walk, int tile_rows, int64_t I);
+
 // out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared[t] * sigmoid(shared_gate[t])), ids outside
-// [0, E) skipped. experts: the [E][3] {gate, up, down} descriptors in device memory. producer: the producer form of
-// the GEMMs (one more warp streams the stages, the warpgroups wait on mbarriers instead of a block barrier per k
-// block; CudaOptions::moe_wgmma_producer, experimental).
+// [0, E) skipped. experts: the [E][3] {gate, up, down} descriptors in device memory.
 void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids, const float* weights, int top_k,
                        const WeightDesc* experts, int64_t E, int64_t I, void* workspace, float* out,
-                       const float* shared, const float* shared_gate, Stream stream, int tile_rows = 0,
-                       bool producer = false);
+                       const float* shared, const float* shared_gate, Stream stream, const MoeWgmmaForm& form = {});
 
 }  // namespace kiln::cuda::ops

@@ -60,4 +60,26 @@ KILN_WG_HD constexpr int gate_up_feature(int fb, int m) {
   return (L / kKBlock) * kKBlock + phys_k(L % kKBlock);
 }
 
+// The accumulators of a wgmma m64nNk16 (fp32 D) in a lane (g = lane / 4, q = lane % 4) of warp w of its warpgroup:
+// register i holds weight row 16 w + g + 8 ((i % 4) / 2) (of the warpgroup's 64) and column 8 (i / 4) + 2 q + i % 2.
+KILN_WG_HD constexpr int acc_row(int warp, int g, int i) { return 16 * warp + g + 8 * ((i & 3) >> 1); }
+KILN_WG_HD constexpr int acc_col(int q, int i) { return 8 * (i >> 2) + 2 * q + (i & 1); }
+
+// The walking down GEMM's stores (moe_prefill_wgmma.cu, store_down_block): register pair (i, i + 1), i even, holds
+// columns n, n + 1 of one row m; the lane of g ^ 1 (lane ^ 4) holds row m ^ 1 of the same columns. Each lane stores
+// two adjacent rows of one column: the even-g lane (n; m, m + 1) with its register i low and the other lane's register
+// i high, the odd-g lane (n + 1; m - 1, m) with the other lane's register i + 1 low and its register i + 1 high. So a
+// lane hands over register i + 1 (even g) or i (odd g).
+struct PairStore {
+  int col, row;  // the column, the lower of the two rows
+  int own_reg;   // this lane's register in the pair; the other lane's same-numbered register is the other half
+  bool own_low;  // whether this lane's value is the lower row (the low bf16)
+  int sent_reg;  // the register this lane hands to lane ^ 4
+};
+KILN_WG_HD constexpr PairStore down_pair_store(int warp, int g, int q, int i) {
+  const bool odd = g & 1;
+  const int m = acc_row(warp, g, i), n = acc_col(q, i);
+  return odd ? PairStore{n + 1, m - 1, i + 1, false, i} : PairStore{n, m, i, true, i + 1};
+}
+
 }  // namespace kiln::cuda::ops::wgmma_layout

@@ -131,6 +131,56 @@ TEST(MoeWgmmaLayout, TileRowsAndWorkspace) {
     }
 }
 
+// The walking down GEMM's stores, emulated for a warpgroup: every lane's register i holds the value of (row, column)
+// (acc_row, acc_col); each lane stores its pair with its own register and the one lane ^ 4 hands it (that lane's
+// sent_reg). Every (row, column) of the 64 x N tile must be stored exactly once, with its own value, rows in
+// adjacent pairs (a 4-byte store at an even row).
+TEST(MoeWgmmaLayout, DownStoresCoverTheTileOnce) {
+  for (int nt : {64, 128}) {
+    std::vector<int> stored(static_cast<size_t>(64 * nt), 0);
+    auto id = [&](int row, int col) { return col * 64 + row; };
+    for (int warp = 0; warp < 4; ++warp)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int i = 0; i < nt / 2; i += 2) {
+          const int g = lane / 4, q = lane % 4, other_lane = lane ^ 4;
+          const wl::PairStore p = wl::down_pair_store(warp, g, q, i);
+          const wl::PairStore o = wl::down_pair_store(warp, other_lane / 4, other_lane % 4, i);
+          ASSERT_TRUE(p.own_reg == i || p.own_reg == i + 1);
+          ASSERT_TRUE(o.sent_reg == i || o.sent_reg == i + 1);
+          ASSERT_EQ(p.row % 2, 0);
+          // What the two halves of this lane's store hold, by the registers' own (row, column).
+          const int own = id(wl::acc_row(warp, g, p.own_reg), wl::acc_col(q, p.own_reg));
+          const int got = id(wl::acc_row(warp, other_lane / 4, o.sent_reg), wl::acc_col(other_lane % 4, o.sent_reg));
+          const int lo = p.own_low ? own : got, hi = p.own_low ? got : own;
+          EXPECT_EQ(lo, id(p.row, p.col)) << "nt " << nt << " warp " << warp << " lane " << lane << " i " << i;
+          EXPECT_EQ(hi, id(p.row + 1, p.col)) << "nt " << nt << " warp " << warp << " lane " << lane << " i " << i;
+          ++stored[static_cast<size_t>(id(p.row, p.col))];
+          ++stored[static_cast<size_t>(id(p.row + 1, p.col))];
+        }
+    for (int c : stored) EXPECT_EQ(c, 1) << "nt " << nt;
+  }
+}
+
+// Where the walking down GEMM is taken: its shared memory is the tile's activations (rows x I bf16) plus 5 weight
+// stages of 9 KiB plus 1 KiB of alignment; 64-row tiles must keep two blocks per multiprocessor (113 KiB each), 128-row
+// tiles fit one (227 KiB).
+TEST(MoeWgmmaLayout, DownWalkWhereItFits) {
+  auto smem = [](int rows, int64_t I) { return rows * I * 2 + 5 * 9216 + 1024; };
+  for (int rows : {64, 128})
+    for (int64_t I = 128; I <= 2048; I += 128) {
+      const int64_t limit = rows == 64 ? 113 * 1024 : 227 * 1024;
+      EXPECT_EQ(kops::moe_wgmma_down_walk_taken(4, rows, I), smem(rows, I) <= limit) << rows << " " << I;
+    }
+  EXPECT_TRUE(kops::moe_wgmma_down_walk_taken(4, 64, 128));    // the 397B TP-8 rank
+  EXPECT_TRUE(kops::moe_wgmma_down_walk_taken(2, 64, 512));    // the 35B-A3B, the 397B TP-2 rank
+  EXPECT_TRUE(kops::moe_wgmma_down_walk_taken(8, 128, 512));
+  EXPECT_FALSE(kops::moe_wgmma_down_walk_taken(4, 64, 1024));  // the 397B at TP 1: the one-block form
+  EXPECT_FALSE(kops::moe_wgmma_down_walk_taken(4, 128, 1024));
+  EXPECT_FALSE(kops::moe_wgmma_down_walk_taken(0, 64, 128));   // off
+  EXPECT_FALSE(kops::moe_wgmma_down_walk_taken(1, 64, 128));   // a walk of one is the plain form
+  EXPECT_FALSE(kops::moe_wgmma_down_walk_taken(4, 32, 128));   // no such tile
+}
+
 TEST(MoeWgmmaLayout, ServesNvfp4ExpertsOnSm90Only) {
   alignas(16) static uint8_t codes[64];
   std::vector<kops::WeightDesc> d(6);
@@ -170,6 +220,14 @@ int wgmma_rows(const std::vector<model::OpTime>& rows) {
   return n;
 }
 
+// Calls of the walking down GEMM.
+int walk_rows(const std::vector<model::OpTime>& rows) {
+  int n = 0;
+  for (const model::OpTime& r : rows)
+    if (r.nested && r.label.find("down wgmma walk") != std::string::npos) n += static_cast<int>(r.calls);
+  return n;
+}
+
 #define KILN_REQUIRE_SM90(ops)                                                                   \
   do {                                                                                           \
     if ((ops).device().major != 9 || (ops).device().minor != 0) GTEST_SKIP() << "needs an sm_90 GPU"; \
@@ -183,16 +241,20 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
   HostExperts host = make_experts(s, 31, 0, s.experts);
   // Gate and up of every third expert with different scale_2 (each warpgroup applies its own).
   for (int64_t e = 0; e < s.experts; e += 3) host.experts[static_cast<size_t>(e)].up.scale *= 1.5f;
-  CudaOptions producer_options = bf16_options(MoePrefill::wgmma);
+  CudaOptions producer_options = bf16_options(MoePrefill::wgmma), walk2_options = producer_options,
+              walk4_options = producer_options;
   producer_options.moe_wgmma_producer = true;
+  walk2_options.moe_wgmma_down_walk = 2;  // the small shape's 3 feature blocks: a walk of 2, then one of 1
+  walk4_options.moe_wgmma_down_walk = 4;
   CudaOps wg(bf16_options(MoePrefill::wgmma)), by_step(bf16_options(MoePrefill::by_step)),
-      mma(bf16_options(MoePrefill::mma)), producer(producer_options);
+      mma(bf16_options(MoePrefill::mma)), producer(producer_options), walk2(walk2_options), walk4(walk4_options);
   KILN_REQUIRE_SM90(wg);
   auto cpu = make_cpu_backend();
   const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
   const std::vector<ExpertWeights> wg_experts = place(wg, host.experts), step_experts = place(by_step, host.experts),
                                    mma_experts = place(mma, host.experts),
-                                   producer_experts = place(producer, host.experts);
+                                   producer_experts = place(producer, host.experts),
+                                   walk2_experts = place(walk2, host.experts), walk4_experts = place(walk4, host.experts);
   const bool small = s.hidden < 1024;
   for (int64_t T : small ? std::vector<int64_t>{3, 256, 1024} : std::vector<int64_t>{256, 1024, 4096}) {
     for (bool with_shared : {true, false}) {
@@ -218,6 +280,12 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
       EXPECT_EQ(again.out, w.out);
       // The producer form: the same MMAs in the same order, so the same bits.
       EXPECT_EQ(run(producer, producer_experts, s, in, with_shared).out, w.out) << "--enable-wgmma-producer";
+      // The walking down GEMM: the same MMAs per feature block, its outputs stored from the accumulators: the same
+      // bits. Every shape here fits it (I <= 512), so its kernel is the one that ran (the profile's label says so).
+      ASSERT_TRUE(walk4.profile_begin());
+      EXPECT_EQ(run(walk4, walk4_experts, s, in, with_shared).out, w.out) << "--moe-wgmma-down-walk 4";
+      EXPECT_EQ(walk_rows(walk4.profile_end()), 1);
+      EXPECT_EQ(run(walk2, walk2_experts, s, in, with_shared).out, w.out) << "--moe-wgmma-down-walk 2";
       if (with_shared) {
         // auto: this path (bitwise) from kMoePrefillWgmmaMinTokens, the mma kernels (bitwise kiln-mma) below.
         const Outputs a = run(by_step, step_experts, s, in, with_shared);

@@ -70,7 +70,7 @@ int64_t parse_tokens(const std::string& text, const char* flag) {
 }  // namespace
 
 PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, const std::string& max_pass_tokens,
-                                   const std::string& device, double gpu_bytes) {
+                                   const std::string& device, double gpu_bytes, const std::string& while_decoding) {
   PrefillSizes p;
   const double GiB = 1024.0 * 1024.0 * 1024.0;
   if (chunked_prefill_size == "auto") {
@@ -89,6 +89,18 @@ PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, cons
     p.reason += "; passes: auto, one per step";
   } else {
     p.pass_tokens = resolve_pass_tokens(parse_tokens(max_pass_tokens, "--max-pass-tokens"), p.step_tokens);
+  }
+  if (while_decoding == "auto") {
+    if (device == "cuda" && p.step_tokens > kAutoStepTokensWhileDecoding) {
+      p.step_tokens_while_decoding = kAutoStepTokensWhileDecoding;
+      p.reason += fmt::format("; steps with decodes: {} tokens at most (auto)", kAutoStepTokensWhileDecoding);
+    }
+  } else {
+    const int64_t v = parse_tokens(while_decoding, "--chunked-prefill-size-while-decoding");
+    if (v > 0 && (p.step_tokens <= 0 || v < p.step_tokens)) {
+      p.step_tokens_while_decoding = v;
+      p.reason += fmt::format("; steps with decodes: {} tokens at most (--chunked-prefill-size-while-decoding)", v);
+    }
   }
   return p;
 }

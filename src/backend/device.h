@@ -36,11 +36,17 @@ DeviceChoice resolve_device(const std::string& requested);
 //     runner's prefill_chunk. The memory plan reserves activation scratch for a pass of this many tokens. auto: the
 //     step budget (one step, one pass: passes of >= model::kLayerScratchReleaseMinTokens tokens hold about one layer's
 //     activations, and larger passes give the experts fuller tiles), kAutoPassTokensNoBudget without one.
+//   step_tokens_while_decoding: the budget of steps that carry decodes where smaller than step_tokens (0: the same):
+//     --chunked-prefill-size-while-decoding. auto: kAutoStepTokensWhileDecoding on CUDA where the step budget is
+//     larger, so the ITL of running streams stays bounded while long prompts arrive; a prompt that arrives while
+//     nothing decodes still gets one large step.
 struct PrefillSizes {
   int64_t step_tokens = 0;
   int64_t pass_tokens = 0;
-  std::string reason;  // how both were chosen, for the startup summary
+  int64_t step_tokens_while_decoding = 0;
+  std::string reason;  // how they were chosen, for the startup summary
 };
+constexpr int64_t kAutoStepTokensWhileDecoding = 2048;
 constexpr int64_t kDefaultMaxPassTokens = 512;  // kiln generate and bench-engine (no engine steps)
 constexpr int64_t kAutoPassTokensNoBudget = 8192;
 // The per-step budget --chunked-prefill-size auto gives: 8192 on a GPU of 80 GB (decimal) or more, 2048 on a smaller
@@ -49,8 +55,10 @@ int64_t default_chunked_prefill_size(const std::string& device, double gpu_bytes
 // chunked_prefill_size: "auto" or a number of tokens (<= 0: no per-step budget). max_pass_tokens: "auto" or a number
 // of tokens, at least 1; the pass is never larger than a positive step budget. device: "cpu" or "cuda" (gpu_bytes
 // its memory). Throws kiln::Error for a value that is neither.
+// while_decoding: "auto" or a number of tokens (<= 0: the step budget).
 PrefillSizes resolve_prefill_sizes(const std::string& chunked_prefill_size, const std::string& max_pass_tokens,
-                                   const std::string& device, double gpu_bytes);
+                                   const std::string& device, double gpu_bytes,
+                                   const std::string& while_decoding = "auto");
 // The pass size alone (what resolve_prefill_sizes gives as pass_tokens): max_pass_tokens (at least 1), at most a
 // positive step_tokens. kiln generate and bench-engine, which run the runner without engine steps, pass 0.
 int64_t resolve_pass_tokens(int64_t max_pass_tokens, int64_t step_tokens);

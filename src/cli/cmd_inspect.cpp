@@ -39,6 +39,7 @@ struct InspectOptions {
   int64_t context_length = 0;
   std::string chunked_prefill_size = "auto";  // resolved as kiln serve does (backend::resolve_prefill_sizes)
   std::string max_pass_tokens = "auto";  // resolved as kiln serve does
+  std::string chunked_prefill_size_while_decoding = "auto";  // resolved as kiln serve does
 };
 
 // Decimal units, scaled to the size (a tiny test model shows MB/KB, not 0.00 GB).
@@ -119,7 +120,8 @@ std::vector<std::string> inspect_notes(const Inspection& in) {
 void plan_serve(Inspection& in) {
   const InspectOptions& o = in.o;
   const double gpu_bytes = o.gpu_mem_gib * 1024.0 * 1024.0 * 1024.0;
-  in.prefill = backend::resolve_prefill_sizes(o.chunked_prefill_size, o.max_pass_tokens, "cuda", gpu_bytes);
+  in.prefill = backend::resolve_prefill_sizes(o.chunked_prefill_size, o.max_pass_tokens, "cuda", gpu_bytes,
+                                              o.chunked_prefill_size_while_decoding);
   if (o.gpu_mem_gib <= 0) return;
   backend::LoadOptions lo;
   lo.parallel.tp_size = o.tp;
@@ -200,7 +202,8 @@ void print_json(const Inspection& in) {
                                {"activation_bytes", sp.activation_bytes}, {"context", sp.context},
                                {"ranks_per_gpu", sp.ranks_per_gpu},
                                {"chunked_prefill_size", in.prefill.step_tokens},
-                               {"max_pass_tokens", in.prefill.pass_tokens}};
+                               {"max_pass_tokens", in.prefill.pass_tokens},
+                               {"chunked_prefill_size_while_decoding", in.prefill.step_tokens_while_decoding}};
   } else if (in.o.gpu_mem_gib > 0) {
     j["serve_plan_per_gpu"] = {{"error", in.serve_error}};
   } else {
@@ -403,6 +406,10 @@ kiln::cli::Registrar reg{"inspect", "Describe a model and plan GPU memory (weigh
   app.add_option("--max-pass-tokens", o->max_pass_tokens,
                  "For kiln serve's own plan: most tokens in one forward pass (activation memory is planned for one); "
                  "auto: the step budget")
+      ->capture_default_str();
+  app.add_option("--chunked-prefill-size-while-decoding", o->chunked_prefill_size_while_decoding,
+                 "For kiln serve's own plan: tokens per engine step while any request decodes (auto: 2048 where "
+                 "the step budget is larger)")
       ->capture_default_str();
   return [o]() -> int { return run_inspect(*o); };
 }};

@@ -167,7 +167,8 @@ Startup prepare(const ServeArgs& a, const backend::DeviceChoice& device, DType k
   s.ctx.model_path = a.model_path.empty() ? std::string(format::ModelDir::embedded_name()) : a.model_path;
   // The per-step token budget and the forward-pass size, from the device (the plan reserves the pass's activations).
   s.ctx.prefill =
-      backend::resolve_prefill_sizes(a.chunked_prefill_size, a.max_pass_tokens, device.device, device.gpu_bytes);
+      backend::resolve_prefill_sizes(a.chunked_prefill_size, a.max_pass_tokens, device.device, device.gpu_bytes,
+                                     a.chunked_prefill_size_while_decoding);
   // State slots per running request: its own; with the prefix cache also its two pending page-boundary snapshots
   // (engine/scheduler.h); slots that running requests do not hold keep cached snapshots.
   s.ctx.slots_per_request = engine::state_slots_per_request(!a.disable_radix_cache);
@@ -453,6 +454,13 @@ kiln::cli::Registrar reg{"serve", "Serve a model over an OpenAI-compatible HTTP 
                  "prompt chunks up to the rest, so long prompts are prefilled over several steps while streams keep "
                  "flowing. auto: 8192 on a GPU of 80 GB or more, 2048 on a smaller GPU, 512 on the CPU; <= 0: whole "
                  "prompts in one step")
+      ->capture_default_str();
+  app.add_option("--chunked-prefill-size-while-decoding", a->chunked_prefill_size_while_decoding,
+                 "Tokens per engine step while any running request is decoding, where smaller than "
+                 "--chunked-prefill-size: the decodes of such a step wait for fewer prompt tokens, so the inter-token "
+                 "latency of running streams stays bounded while long prompts arrive (a prompt that arrives while "
+                 "nothing decodes still gets the whole budget). auto: 2048 on CUDA where the step budget is larger, "
+                 "else the step budget; <= 0: the step budget")
       ->capture_default_str();
   app.add_option("--max-pass-tokens", a->max_pass_tokens,
                  "Most tokens in one forward pass (a larger step runs as several passes); cuda: the memory plan "

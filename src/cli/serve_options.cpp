@@ -113,7 +113,8 @@ nlohmann::json serve_args_json(const ServeArgs& a, const ServeContext& c, const 
           {"max_queued_requests", a.max_queued_requests},
           {"chunked_prefill_size_flag", a.chunked_prefill_size},
           {"chunked_prefill_size", c.prefill.step_tokens},
-          {"max_pass_tokens", c.prefill.pass_tokens}};
+          {"max_pass_tokens", c.prefill.pass_tokens},
+          {"chunked_prefill_size_while_decoding", c.prefill.step_tokens_while_decoding}};
 }
 
 std::vector<int32_t> collect_eos_ids(const std::vector<int64_t>& config_ids,
@@ -136,6 +137,7 @@ engine::EngineOptions build_engine_options(const ServeArgs& a, const ServeContex
   eo.max_running_requests = a.max_running_requests;  // 0: the runner's state slots decide (cmd_serve)
   eo.max_queued_requests = a.max_queued_requests;
   eo.chunked_prefill_size = c.prefill.step_tokens;
+  eo.step_budget_while_decoding = c.prefill.step_tokens_while_decoding;
   eo.context_length = a.context_length;
   eo.enable_prefix_cache = !a.disable_radix_cache;
   eo.chunk_snapshots = !a.disable_chunk_snapshots;

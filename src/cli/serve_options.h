@@ -54,6 +54,7 @@ struct ServeArgs {
   int max_queued_requests = 256;
   std::string chunked_prefill_size = "auto";  // backend::resolve_prefill_sizes
   std::string max_pass_tokens = "auto";        // backend::resolve_prefill_sizes
+  std::string chunked_prefill_size_while_decoding = "auto";  // backend::resolve_prefill_sizes
   int64_t max_total_tokens = 0;
   bool disable_radix_cache = false;
   bool disable_chunk_snapshots = false;

@@ -76,6 +76,7 @@ SchedulerOptions scheduler_options(const EngineOptions& o, const model::RunnerCa
   s.max_running_requests = o.max_running_requests;
   s.max_queued_requests = o.max_queued_requests;
   s.chunked_prefill_size = o.chunked_prefill_size;
+  s.step_budget_while_decoding = o.step_budget_while_decoding;
   s.context_length = o.context_length;
   s.kv_pages = cap.kv_pages;
   s.page_size = cap.page_size;

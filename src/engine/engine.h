@@ -36,6 +36,7 @@ struct EngineOptions {
   int max_running_requests = 64;
   int max_queued_requests = 256;
   int64_t chunked_prefill_size = kDefaultChunkedPrefillSize;  // tokens per step, decodes included (scheduler.h)
+  int64_t step_budget_while_decoding = 0;  // the budget of steps with decodes when smaller (scheduler.h); <= 0: none
   int64_t context_length = 0;          // 0: the runner's max_context; never more than it
   std::vector<int32_t> eos_token_ids;  // end a sequence unless ignore_eos
   // Threads (a pool made once, the engine thread included) that sample a step's rows on the host when the step has

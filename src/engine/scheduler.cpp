@@ -289,10 +289,14 @@ void Scheduler::plan_chunks(StepPlan& plan) {
   }
   // Prefill chunks, oldest first, within what the decodes leave of the step's budget (at least a page: prompts
   // are never starved by a full batch of decodes) and the pages there are (they do not preempt).
+  int64_t step_budget = opts_.chunked_prefill_size;
+  if (plan.num_decodes > 0 && opts_.step_budget_while_decoding > 0)
+    step_budget = step_budget > 0 ? std::min(step_budget, opts_.step_budget_while_decoding)
+                                  : opts_.step_budget_while_decoding;
   int64_t budget = INT64_MAX;
-  if (opts_.chunked_prefill_size > 0)
-    budget = std::max<int64_t>(opts_.chunked_prefill_size - plan.num_decodes * (1 + opts_.decode_lookahead),
-                               std::min<int64_t>(P, opts_.chunked_prefill_size));
+  if (step_budget > 0)
+    budget = std::max<int64_t>(step_budget - plan.num_decodes * (1 + opts_.decode_lookahead),
+                               std::min<int64_t>(P, step_budget));
   for (auto& sp : running_) {
     if (budget <= 0) break;
     Sequence& s = *sp;

@@ -21,7 +21,9 @@
 //    budget. Every decode is in every step: when the decodes alone leave less than one page of the budget, the
 //    step still takes one page (page_size tokens) of prompt so that prompts are never starved; only then does a
 //    step exceed the budget (decodes + page_size tokens at most). chunked_prefill_size <= 0: no budget (whole
-//    prompts in one step).
+//    prompts in one step). While any running sequence is decoding, the budget is step_budget_while_decoding when that
+//    is smaller (> 0): a step's decodes then wait for fewer prompt tokens (the ITL of running streams stays bounded
+//    while long prompts arrive), and a prompt that arrives alone still gets the whole budget.
 //  - Prefix cache (engine/prefix_cache.h, when on): at admission a sequence takes the longest cached
 //    prefix that ends at a state snapshot: its page table starts with the cached pages (shared, locked),
 //    the snapshot is copied into its own slot (StepPlan::restores) and only the rest is prefilled. Its
@@ -76,6 +78,8 @@ struct SchedulerOptions {
   int max_queued_requests = 256;
   // Tokens per step, decodes + prompt chunks (the policy above); <= 0: whole prompts in one step.
   int64_t chunked_prefill_size = kDefaultChunkedPrefillSize;
+  // The budget of steps that carry decodes, when smaller (the policy above); <= 0: chunked_prefill_size's.
+  int64_t step_budget_while_decoding = 0;
   int64_t context_length = 4096;        // longest sequence (prompt + output), tokens
   int64_t kv_pages = 0;
   int page_size = 16;

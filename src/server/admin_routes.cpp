@@ -137,6 +137,7 @@ struct AdminRoutes {
       info["max_running_requests"] = eng.options().max_running_requests;
       info["max_queued_requests"] = eng.options().max_queued_requests;
       info["chunked_prefill_size"] = eng.options().chunked_prefill_size;
+      info["chunked_prefill_size_while_decoding"] = eng.options().step_budget_while_decoding;
       info["backend"] = eng.describe();
       // One entry per GPU rank of this node (empty on the CPU backend).
       json gpus = json::array();

@@ -302,6 +302,29 @@ TEST(PrefillSizes, AutoByDeviceAndTheSetValues) {
   EXPECT_EQ(resolve_prefill_sizes("0", "auto", "cuda", 139.8 * GiB).pass_tokens, kAutoPassTokensNoBudget);
 }
 
+TEST(PrefillSizes, StepsWithDecodes) {
+  // auto: 2048 on CUDA where the step budget is larger, else none (0: the step budget serves those steps too).
+  PrefillSizes h200 = resolve_prefill_sizes("auto", "auto", "cuda", 139.8 * GiB);
+  EXPECT_EQ(h200.step_tokens_while_decoding, 2048);
+  EXPECT_EQ(h200.pass_tokens, 8192);  // the pass (and its activation plan) stays the large step's
+  EXPECT_NE(h200.reason.find("steps with decodes: 2048"), std::string::npos) << h200.reason;
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cuda", 48e9).step_tokens_while_decoding, 0);  // 2048 already
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cpu", 0).step_tokens_while_decoding, 0);
+  EXPECT_EQ(resolve_prefill_sizes("16384", "auto", "cuda", 139.8 * GiB).step_tokens_while_decoding, 2048);
+  EXPECT_EQ(resolve_prefill_sizes("0", "auto", "cuda", 139.8 * GiB).step_tokens_while_decoding, 0);  // no budget
+  // A set value where smaller than the step budget (any value without one); <= 0 or larger: none.
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cuda", 139.8 * GiB, "1024").step_tokens_while_decoding, 1024);
+  EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cpu", 0, "128").step_tokens_while_decoding, 128);
+  EXPECT_EQ(resolve_prefill_sizes("0", "auto", "cuda", 139.8 * GiB, "4096").step_tokens_while_decoding, 4096);
+  for (const char* none : {"0", "-1", "8192", "20000"})
+    EXPECT_EQ(resolve_prefill_sizes("auto", "auto", "cuda", 139.8 * GiB, none).step_tokens_while_decoding, 0) << none;
+  for (const char* bad : {"", "half", "2k"})
+    EXPECT_NE(error_of([&] { resolve_prefill_sizes("auto", "auto", "cuda", 139.8 * GiB, bad); })
+                  .find("--chunked-prefill-size-while-decoding"),
+              std::string::npos)
+        << bad;
+}
+
 // The plan reserves activations for one forward pass (--max-pass-tokens), not for the step budget: serve's auto
 // 8192-token steps on an H200 plan the same activations as 512-token steps, and a pass of 8192 tokens would take
 // most of the GPU for the 35B shape (scratch is held over all 40 layers of a pass).

@@ -177,6 +177,56 @@ void sixteen_decodes_and_a_long_prompt(bool prefix_cache) {
 TEST(Scheduler, StepBudgetCountsDecodesWithALongPromptArriving) { sixteen_decodes_and_a_long_prompt(false); }
 TEST(Scheduler, StepBudgetCountsDecodesWithThePrefixCacheOn) { sixteen_decodes_and_a_long_prompt(true); }
 
+// --chunked-prefill-size-while-decoding: a long prompt that arrives while nothing decodes gets the whole budget per
+// step; one that arrives beside 16 decoding streams gets the smaller budget of steps with decodes, so each of those
+// steps (what the streams wait for between tokens) carries at most 2,048 tokens.
+TEST(Scheduler, StepsWithDecodesTakeTheSmallerBudget) {
+  SchedulerOptions o;
+  o.max_running_requests = 32;
+  o.max_queued_requests = 32;
+  o.chunked_prefill_size = 8192;
+  o.step_budget_while_decoding = 2048;
+  o.context_length = 32768;
+  o.page_size = 16;
+  o.kv_pages = 8192;
+  o.state_slots = 64;
+  Scheduler s(o);
+  constexpr int64_t kLong = 20000;
+  // Alone: 8,192 + 8,192 + 3,616 (no step has a decode until the prompt's last chunk has run).
+  s.enqueue(make_seq(1, kLong, 4));
+  std::vector<int64_t> alone;
+  for (int step = 0; step < 3; ++step) {
+    StepPlan q = s.plan_step();
+    EXPECT_EQ(q.num_decodes, 0);
+    alone.push_back(q.num_prefill_tokens);
+    s.commit_step(q);
+    fake_sample(q);
+  }
+  EXPECT_EQ(alone, (std::vector<int64_t>{8192, 8192, 3616}));
+  // 16 short prompts join (one step), then decode beside sequence 1; a second long prompt arrives.
+  for (uint64_t i = 10; i < 26; ++i) s.enqueue(make_seq(i, 8, 1000));
+  StepPlan p = s.plan_step();
+  ASSERT_EQ(p.num_decodes, 1);  // sequence 1
+  s.commit_step(p);
+  fake_sample(p);
+  s.enqueue(make_seq(2, kLong, 4));
+  int64_t prefilled = 0;
+  int steps = 0;
+  while (prefilled < kLong) {
+    ASSERT_LT(steps, 64) << "the long prompt never finished";
+    StepPlan q = s.plan_step();
+    EXPECT_GE(q.num_decodes, 16) << "step " << steps;
+    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, 2048) << "step " << steps;
+    EXPECT_GT(q.num_prefill_tokens, 0) << "step " << steps;
+    prefilled += q.num_prefill_tokens;
+    s.commit_step(q);
+    fake_sample(q);
+    ++steps;
+  }
+  EXPECT_EQ(prefilled, kLong);
+  EXPECT_GE(steps, 10);  // 20,000 tokens at most 2,048 - 17 a step
+}
+
 // Decodes that fill the whole budget still leave one page per step to the prompts (no starvation).
 TEST(Scheduler, FullBatchOfDecodesStillPrefillsAPagePerStep) {
   SchedulerOptions o = small_options();

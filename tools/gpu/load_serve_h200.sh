@@ -3,6 +3,9 @@
 # to local disk, `kiln serve` on it timed from start to ready (the load rate), then `kiln bench` through the
 # server. CARRY as in compare_h200.sh (new/kiln is used).
 #   OUT=... bash tools/gpu/load_serve_h200.sh CARRY [CONFIG_DIR] [extra serve flags...]
+# Variables: CK (the checkpoint folder; reused when there), CONC (bench concurrencies, default 1,16,64; none: skip),
+# NPROMPTS, LONG_TTFT (also time one prompt of this many tokens, alone), MIXED (also run concurrency 16 with every 8th
+# prompt this long: the short streams' ITL), TAG (suffix of the output files, for a second run in the same call).
 set -uo pipefail
 CARRY=${1:-gpu-carry}
 CFG=${2:-configs/qwen3.5-35b-a3b-nvfp4}
@@ -33,9 +36,23 @@ done
 T1=$(date +%s.%N)
 echo "ready=$ready after $(python3 -c "print(f'{$T1-$T0:.1f}')") s" | tee "$OUT/load_time.txt"
 grep -vE "^\s*$" "$OUT/serve_ck.log" | head -30
-if [ $ready = 1 ]; then
+TAG=${TAG:-}
+if [ $ready = 1 ] && [ -n "${LONG_TTFT:-}" ]; then
+  # One long prompt at a time (nothing else running): its time to the first token.
+  echo "== kiln bench $LONG_TTFT in / 1 out, concurrency 1 (TTFT of a long prompt)"
+  "$K" bench --url http://127.0.0.1:30000 --input-len "$LONG_TTFT" --output-len 1 --max-concurrency 1 --num-prompts 3 \
+    --tokenizer "$CK" --no-progress 2>&1 | grep -E "TTFT|E2E|Total input" | tee "$OUT/bench_ttft$TAG.txt"
+fi
+if [ $ready = 1 ] && [ -n "${MIXED:-}" ]; then
+  # Short streams with every 8th request a long prompt: ITL of the short ones (--chunked-prefill-size-while-decoding).
+  echo "== kiln bench 512 / 128 at concurrency 16, every 8th prompt $MIXED tokens"
+  "$K" bench --url http://127.0.0.1:30000 --input-len 512 --output-len 128 --max-concurrency 16 --num-prompts 64 \
+    --long-input-len "$MIXED" --long-every 8 --tokenizer "$CK" --no-progress 2>&1 | grep -E "TTFT|ITL|Output token" \
+    | tee "$OUT/bench_mixed$TAG.txt"
+fi
+if [ $ready = 1 ] && [ "${CONC:-1,16,64}" != none ]; then
   echo "== kiln bench 512 in / 128 out"
   "$K" bench --url http://127.0.0.1:30000 --input-len 512 --output-len 128 --max-concurrency ${CONC:-1,16,64} \
-    ${NPROMPTS:+--num-prompts $NPROMPTS} --tokenizer "$CK" --no-progress --json "$OUT/bench_serve.json" 2>&1 | tail -30 | tee "$OUT/bench_serve.txt"
+    ${NPROMPTS:+--num-prompts $NPROMPTS} --tokenizer "$CK" --no-progress --json "$OUT/bench_serve$TAG.json" 2>&1 | tail -30 | tee "$OUT/bench_serve$TAG.txt"
 fi
 kill -TERM $SERVER 2>/dev/null; wait $SERVER; echo "serve exit status: $?"

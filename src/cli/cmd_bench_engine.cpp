@@ -277,22 +277,22 @@ void print_projection(const GroupProjection& p, int B, double median_ms) {
               static_cast<long long>(B * p.hidden), p.tp, total_ms, 1e3 / total_ms, B * 1e3 / total_ms);
 }
 
-// One more step, op by op (eager, ops queued behind a busy-wait so that they run back to back). False when the
-// backend does not time ops.
-bool profile_step(kiln::model::Runner& mr, BenchBatch& batch, const char* what) {
+// One more call of `run`, op by op (eager, ops queued behind a busy-wait so that they run back to back). False when
+// the backend does not time ops.
+bool profile_call(kiln::model::Runner& mr, int B, const char* what, const std::function<void()>& run) {
   if (!mr.ops().profile_begin()) {
     std::printf("  --profile: the %s backend does not time ops\n", mr.ops().name().c_str());
     return false;
   }
   mr.set_graphs_enabled(false);
-  batch.step();
+  run();
   mr.set_graphs_enabled(true);
   std::vector<kiln::model::OpTime> times = mr.ops().profile_end();
   double total = 0;
   for (const auto& t : times)
     if (!t.nested) total += t.total_us;
   std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.total_us > b.total_us; });
-  std::printf("  per-op time of one %s (batch %d, eager, back to back): %.1f us in ops\n", what, batch.B, total);
+  std::printf("  per-op time of one %s (batch %d, eager, back to back): %.1f us in ops\n", what, B, total);
   std::printf("  %-44s %6s %10s %8s %6s\n", "op", "calls", "total us", "us/call", "share");
   // Ops first, then the stages timed inside them (rows starting with " . ", not added to the total).
   for (bool nested : {false, true})
@@ -303,13 +303,18 @@ bool profile_step(kiln::model::Runner& mr, BenchBatch& batch, const char* what) 
   std::fflush(stdout);
   return true;
 }
+bool profile_step(kiln::model::Runner& mr, BenchBatch& batch, const char* what) {
+  return profile_call(mr, batch.B, what, [&] { batch.step(); });
+}
 
 // --spec-sweep: speculative decoding's step costs at each K from the sequences' position `pos` (the passes write the
 // same positions again and again; with dummy weights acceptance means nothing, so the tok/s is projected from the
 // published acceptance lengths). plain_ms: the measured plain decode step (the head loaded: every pass runs it).
-// graphs: CUDA graphs on (a single runner then replays the whole draft chain as one graph).
+// graphs: CUDA graphs on (a single runner then replays the whole draft chain as one graph). profile (--profile, one
+// runner): at the largest K, the verify pass the engine runs (position checkpoints, carried first draft, where the
+// runner has them) and the draft chain, op by op, beside the decode step's profile.
 void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner, BenchBatch& batch, int64_t pos,
-                double plain_ms, bool graphs) {
+                double plain_ms, bool graphs, bool profile) {
   using namespace kiln;
   const int B = batch.B;
   auto median_ms = [&](const std::function<void()>& fn) {
@@ -370,6 +375,24 @@ void spec_sweep(const std::vector<int>& sweep, kiln::model::ModelRunner& runner,
       runner.forward(rchunks, {});
     });
     const double best = draft_ms + verify_ms, worst = best + replay_ms;
+    // --profile: the draft chain of the largest K and its verify pass as the engine runs it, op by op (eager).
+    auto* profiled = profile && K == *std::max_element(sweep.begin(), sweep.end())
+                         ? dynamic_cast<model::Runner*>(&runner)
+                         : nullptr;
+    if (profiled) {
+      const std::string chain = fmt::format("draft chain of K = {}", K);
+      profile_call(*profiled, B, chain.c_str(), [&] { runner.draft(seqs, K, drafted, {}); });
+      const bool ckpt = runner.position_checkpoints() >= B * K, carry = ckpt && runner.can_carry_drafts();
+      std::vector<model::SeqChunk> pchunks = vchunks;
+      for (auto& c : pchunks) c.checkpoint_positions = ckpt;
+      std::vector<int32_t> next(ids.size());
+      const std::string what = fmt::format("verify pass of K = {} ({} tokens a sequence{}{})", K, K + 1,
+                                           ckpt ? ", position checkpoints" : "", carry ? ", carrying the next draft" : "");
+      profile_call(*profiled, B, what.c_str(), [&] {
+        if (carry) runner.forward_argmax_carry(pchunks, ids, next);
+        else runner.forward_argmax(pchunks, ids);
+      });
+    }
     std::printf("  spec K=%d batch %d: draft %.3f ms (%s), verify (%d tokens/seq) %.3f ms, replay (%lld tokens/seq) "
                 "%.3f ms | PROJECTION at the published accept length %.2f: %.1f-%.1f tok/s (replay every step .. "
                 "never), %.2f-%.2fx the plain decode step (%.3f ms, MTP head loaded)\n",
@@ -474,7 +497,7 @@ void bench_batch(const BenchEngineOptions& o, const kiln::format::ModelDir& dir,
   if (B == 1) print_bandwidth(dir, lo, median);
   print_projection(projection, B, median);
   std::fflush(stdout);
-  if (!sweep.empty()) spec_sweep(sweep, runner, batch, pos, median, graphs);
+  if (!sweep.empty()) spec_sweep(sweep, runner, batch, pos, median, graphs, o.profile);
   auto* mr = dynamic_cast<kiln::model::Runner*>(&runner);
   if (!o.profile || !mr) return;
   // A decode step, and at batch 1 the prefill of the prompt again (from position 0: the sequence starts over).

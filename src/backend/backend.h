@@ -70,6 +70,8 @@ struct GpuLoadOptions {
   bool moe_wgmma_producer = false;
   // Feature blocks per block of the wgmma down GEMM (cuda::CudaOptions::moe_wgmma_down_walk; --moe-wgmma-down-walk).
   int moe_wgmma_down_walk = 0;
+  // MMAs as wide as each tile's rows (cuda::CudaOptions::moe_wgmma_narrow; --enable-wgmma-narrow-tiles).
+  bool moe_wgmma_narrow = false;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

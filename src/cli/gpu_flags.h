@@ -113,6 +113,10 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                  "walks this many 128-feature blocks, keeping its row tile's activations in shared memory (where they "
                  "fit: expert intermediate <= 512 at 64-row tiles, <= 640 at 128); 0 (default): one feature block each")
       ->check(CLI::IsMember({0, 2, 4, 8}));
+  app.add_flag("--enable-wgmma-narrow-tiles", f.gpu.moe_wgmma_narrow,
+               "cuda, sm_90, experimental (not yet run on a GPU): the wgmma expert GEMMs multiply each row tile as "
+               "wide as its rows rounded up to 32 (m64n32 / n64 / n96 / n128), not the whole tile height, so the "
+               "partial last tile of each expert costs fewer MMAs");
   app.add_flag("--enable-wgmma-producer", f.gpu.moe_wgmma_producer,
                "cuda, sm_90, experimental (not yet run on a GPU): the wgmma expert GEMMs with a producer warp streaming "
                "their shared-memory stages and mbarriers instead of a block barrier per k block");

@@ -105,6 +105,10 @@ struct CudaOptions {
   // shared memory (moe_prefill_wgmma.h, moe_wgmma_down_walk_taken); --moe-wgmma-down-walk, experimental (built
   // without a GPU at hand: not yet run). 0: one feature block per block.
   int moe_wgmma_down_walk = 0;
+  // The wgmma GEMMs' MMAs cover each tile's rows rounded up to 32 (m64n32 / n64 / n96 / n128) instead of the whole
+  // tile height, so a tile's tail rows cost no MMAs (moe_prefill_wgmma.h); --enable-wgmma-narrow-tiles, experimental
+  // (built without a GPU at hand: not yet run).
+  bool moe_wgmma_narrow = false;
   // --moe-runner-backend kiln-mma / kiln-blas / kiln-wgmma (else by_step): the path of the NVFP4 routed experts of
   // large steps (moe_prefill_path above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

@@ -116,7 +116,9 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 
 // D[64 x N] += A[64 x 16] (registers: the mma.m16n8k16 A fragment per warp, warp w rows 16w..16w+15)
 // . B[16 x N] (shared memory, K-major). D per warp: d[4j + c] = row g + 8 (c >= 2), column 8j + 2q + (c & 1).
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+template <int kN>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(kN >= 32);
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -130,7 +132,9 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+template <int kN>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(kN >= 64);
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -150,10 +154,66 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
+// Narrower shapes for the narrow-tile form (the first N / 2 accumulators: the same register layout as a prefix).
+template <int kN>
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(kN >= 16);
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <int kN>
+__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(kN >= 48);
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+      "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
 template <int kNT>
 __device__ __forceinline__ void wgmma_tile(float (&d)[kNT / 2], const uint32_t (&a)[4], uint64_t desc) {
   if constexpr (kNT == 64) wgmma_m64n64k16(d, a, desc);
   else wgmma_m64n128k16(d, a, desc);
+}
+// The 8 k-steps of one 128-k block whose activations start at shared-memory address `base`. kNarrow (the narrow-tile
+// form, --enable-wgmma-narrow-tiles): over the tile's first `cols` columns rounded up to 32 (cols uniform over the
+// block); the columns left out keep their zero accumulators, and the epilogues never store them (rows past the
+// tile's end). The branches make ptxas fence the accumulators around them (info C7519), hence a form of its own.
+template <int kNT, bool kNarrow>
+__device__ __forceinline__ void mma_kblock(float (&acc)[kNT / 2], const uint32_t (&A)[8][4], uint32_t base, int cols) {
+#define KILN_WG_KSTEPS(MMA)                                                                  \
+  _Pragma("unroll") for (int kk = 0; kk < 8; ++kk) MMA(acc, A[kk], smem_desc(base + wl::kstep_offset(kk, kNT)))
+  if constexpr (!kNarrow) {
+    KILN_WG_KSTEPS(wgmma_tile<kNT>);
+  } else if (cols <= 32) {
+    KILN_WG_KSTEPS(wgmma_m64n32k16);
+  } else if (kNT == 64 || cols <= 64) {
+    KILN_WG_KSTEPS(wgmma_m64n64k16);
+  } else if constexpr (kNT == 128) {
+    if (cols <= 96) {
+      KILN_WG_KSTEPS(wgmma_m64n96k16);
+    } else {
+      KILN_WG_KSTEPS(wgmma_m64n128k16);
+    }
+  }
+#undef KILN_WG_KSTEPS
 }
 
 // Keeps registers live (and in place) up to this point: a wgmma in flight still reads them, which the compiler does
@@ -187,7 +247,7 @@ __device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_
 
 // One row tile x one feature block (moe_prefill_wgmma.h). kGateUp: features are 64 logical positions of I, warpgroup
 // 0 the gate rows, 1 the up rows; else 128 output features, 64 per warpgroup.
-template <int kNT, bool kGateUp, bool kProducer>
+template <int kNT, bool kGateUp, bool kProducer, bool kNarrow>
 __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, kProducer))
     moe_wgmma_kernel(const WgArgs a) {
   dev::pdl_enter();  // first statement: see launch.cuh
@@ -323,8 +383,7 @@ __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, k
     const uint32_t base = smem0 + (s % kStages) * kStageBytes;
     hold(acc);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) wgmma_tile<kNT>(acc, A[kk], smem_desc(base + wl::kstep_offset(kk, kNT)));
+    mma_kblock<kNT, kNarrow>(acc, A, base, r1 - r0);
     wgmma_commit();
     hold(acc);
   };
@@ -470,7 +529,7 @@ __device__ __forceinline__ void store_down_block(const float (&acc)[kNT / 2], fl
 }
 #endif  // KILN_HAVE_WGMMA
 
-template <int kNT>
+template <int kNT, bool kNarrow>
 __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT, false))
     moe_wgmma_down_walk_kernel(const WgArgs a, int walk) {
   dev::pdl_enter();  // first statement: see launch.cuh
@@ -566,8 +625,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT, false))
     const uint32_t xb = smem0 + static_cast<uint32_t>(j % steps) * kXBytes;
     hold(acc);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) wgmma_tile<kNT>(acc, A[kk], smem_desc(xb + wl::kstep_offset(kk, kNT)));
+    mma_kblock<kNT, kNarrow>(acc, A, xb, r1 - r0);
     wgmma_commit();
     hold(acc);
     ptx::cp_async_wait<kS - 3>();  // this thread's copies of item j + 1 have landed
@@ -662,9 +720,9 @@ Carve carve(void* base, int64_t T, int top_k, int64_t E, int64_t H, int64_t I, i
 }
 
 // Sets the kernel's dynamic shared memory limit (once per device), then launches it.
-template <int kNT, bool kGateUp, bool kProducer>
+template <int kNT, bool kGateUp, bool kProducer, bool kNarrow>
 void launch_wgmma(const WgArgs& a, unsigned feature_blocks, int64_t max_tiles, Stream stream) {
-  auto kernel = moe_wgmma_kernel<kNT, kGateUp, kProducer>;
+  auto kernel = moe_wgmma_kernel<kNT, kGateUp, kProducer, kNarrow>;
   constexpr size_t bytes = smem_bytes(kNT, kProducer);
   static std::atomic<uint64_t> configured{0};
   set_dynamic_smem_once(kernel, bytes, configured);
@@ -673,9 +731,9 @@ void launch_wgmma(const WgArgs& a, unsigned feature_blocks, int64_t max_tiles, S
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-template <int kNT>
+template <int kNT, bool kNarrow>
 void launch_down_walk(const WgArgs& a, int walk, int64_t max_tiles, Stream stream) {
-  auto kernel = moe_wgmma_down_walk_kernel<kNT>;
+  auto kernel = moe_wgmma_down_walk_kernel<kNT, kNarrow>;
   static std::atomic<uint64_t> configured{0};
   set_dynamic_smem_once(kernel, walk_smem_limit(kNT), configured);
   const unsigned groups = static_cast<unsigned>((a.N / 128 + walk - 1) / walk);
@@ -684,21 +742,27 @@ void launch_down_walk(const WgArgs& a, int walk, int64_t max_tiles, Stream strea
   KILN_CUDA_CHECK_LAUNCH();
 }
 
-template <int kNT, bool kProducer>
+template <int kNT, bool kProducer, bool kNarrow>
 void run_gemms(const WeightDesc* experts, const int4* tiles, int64_t max_tiles, int64_t H, int64_t I,
                const uint16_t* xs, const int32_t* row_token, uint16_t* act, uint16_t* y, int down_walk,
                Stream stream) {
   WgArgs gu{experts, tiles, xs, row_token, act, static_cast<int>(H), static_cast<int>(I)};
-  launch_wgmma<kNT, true, kProducer>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
+  launch_wgmma<kNT, true, kProducer, kNarrow>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
   profile_mark("gate_up wgmma");
   WgArgs down{experts, tiles, act, nullptr, y, static_cast<int>(I), static_cast<int>(H)};
   if (moe_wgmma_down_walk_taken(down_walk, kNT, I)) {
-    launch_down_walk<kNT>(down, down_walk, max_tiles, stream);
+    launch_down_walk<kNT, kNarrow>(down, down_walk, max_tiles, stream);
     profile_mark("down wgmma walk");
   } else {
-    launch_wgmma<kNT, false, kProducer>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
+    launch_wgmma<kNT, false, kProducer, kNarrow>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
     profile_mark("down wgmma");
   }
+}
+
+template <int kNT>
+auto pick_gemms(bool producer, bool narrow) {
+  return producer ? (narrow ? run_gemms<kNT, true, true> : run_gemms<kNT, true, false>)
+                  : (narrow ? run_gemms<kNT, false, true> : run_gemms<kNT, false, false>);
 }
 
 }  // namespace
@@ -752,8 +816,7 @@ void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids,
   launch_kernel(permute_rows_bf16_kernel, capped_grid(chunks), 256, 0, stream, x, H, T, c.xs);
   KILN_CUDA_CHECK_LAUNCH();
   profile_mark("x to bf16");
-  auto gemms = nt == 128 ? (producer ? run_gemms<128, true> : run_gemms<128, false>)
-                         : (producer ? run_gemms<64, true> : run_gemms<64, false>);
+  auto gemms = nt == 128 ? pick_gemms<128>(producer, form.narrow) : pick_gemms<64>(producer, form.narrow);
   gemms(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, form.down_walk, stream);
   moe_combine_bf16(c.y, ids, weights, g.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
   profile_mark("combine");

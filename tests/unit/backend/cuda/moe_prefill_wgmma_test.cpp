@@ -246,15 +246,20 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
   producer_options.moe_wgmma_producer = true;
   walk2_options.moe_wgmma_down_walk = 2;  // the small shape's 3 feature blocks: a walk of 2, then one of 1
   walk4_options.moe_wgmma_down_walk = 4;
+  walk4_options.moe_wgmma_narrow = true;  // with narrow MMAs on both GEMMs
+  CudaOptions narrow_options = bf16_options(MoePrefill::wgmma);
+  narrow_options.moe_wgmma_narrow = true;
   CudaOps wg(bf16_options(MoePrefill::wgmma)), by_step(bf16_options(MoePrefill::by_step)),
-      mma(bf16_options(MoePrefill::mma)), producer(producer_options), walk2(walk2_options), walk4(walk4_options);
+      mma(bf16_options(MoePrefill::mma)), producer(producer_options), walk2(walk2_options), walk4(walk4_options),
+      narrow(narrow_options);
   KILN_REQUIRE_SM90(wg);
   auto cpu = make_cpu_backend();
   const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
   const std::vector<ExpertWeights> wg_experts = place(wg, host.experts), step_experts = place(by_step, host.experts),
                                    mma_experts = place(mma, host.experts),
                                    producer_experts = place(producer, host.experts),
-                                   walk2_experts = place(walk2, host.experts), walk4_experts = place(walk4, host.experts);
+                                   walk2_experts = place(walk2, host.experts), walk4_experts = place(walk4, host.experts),
+                                   narrow_experts = place(narrow, host.experts);
   const bool small = s.hidden < 1024;
   for (int64_t T : small ? std::vector<int64_t>{3, 256, 1024} : std::vector<int64_t>{256, 1024, 4096}) {
     for (bool with_shared : {true, false}) {
@@ -280,10 +285,18 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
       EXPECT_EQ(again.out, w.out);
       // The producer form: the same MMAs in the same order, so the same bits.
       EXPECT_EQ(run(producer, producer_experts, s, in, with_shared).out, w.out) << "--enable-wgmma-producer";
+      // Narrow tiles: each column's sums are the same k-steps over the same inputs, only fewer columns per MMA; the
+      // same bits are expected (a difference would mean the hardware's summation depends on N: then only the bound
+      // against the CPU above holds, and this line says so).
+      const Outputs nw = run(narrow, narrow_experts, s, in, with_shared);
+      EXPECT_LE(rel_err(nw.out, ref.out), kBf16InputTol) << "--enable-wgmma-narrow-tiles";
+      EXPECT_EQ(nw.out, w.out) << "--enable-wgmma-narrow-tiles: not bitwise the full-width MMAs' (rel-L2 "
+                               << rel_err(nw.out, w.out) << ")";
       // The walking down GEMM: the same MMAs per feature block, its outputs stored from the accumulators: the same
       // bits. Every shape here fits it (I <= 512), so its kernel is the one that ran (the profile's label says so).
+      // The walk of 4 also takes narrow MMAs.
       ASSERT_TRUE(walk4.profile_begin());
-      EXPECT_EQ(run(walk4, walk4_experts, s, in, with_shared).out, w.out) << "--moe-wgmma-down-walk 4";
+      EXPECT_EQ(run(walk4, walk4_experts, s, in, with_shared).out, nw.out) << "--moe-wgmma-down-walk 4";
       EXPECT_EQ(walk_rows(walk4.profile_end()), 1);
       EXPECT_EQ(run(walk2, walk2_experts, s, in, with_shared).out, w.out) << "--moe-wgmma-down-walk 2";
       if (with_shared) {

@@ -106,8 +106,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "projection row, the next phase's rows while the current one runs)");
   app.add_option("--moe-wgmma-tile-rows", f.gpu.moe_wgmma_tile_rows,
                  "cuda, sm_90: row-tile height of the wgmma expert GEMMs of large passes: 0 (default) picks by the rows "
-                 "per expert (128 from 128 on average, else 64), 64 or 128 pins one (A/B timing)")
-      ->check(CLI::IsMember({0, 64, 128}));
+                 "per expert (128 from 128 on average, else 64), 64 or 128 pins one (A/B timing); 256: experimental, "
+                 "not yet run on a GPU (each decoded weight serves twice the rows; no producer form, no down walk)")
+      ->check(CLI::IsMember({0, 64, 128, 256}));
   app.add_option("--moe-wgmma-down-walk", f.gpu.moe_wgmma_down_walk,
                  "cuda, sm_90, experimental (not yet run on a GPU): each block of the wgmma down GEMM of large passes "
                  "walks this many 128-feature blocks, keeping its row tile's activations in shared memory (where they "

@@ -95,7 +95,7 @@ struct CudaOptions {
   // rows of the following phase while the current one runs); --enable-persistent-prefetch, experimental.
   bool persistent_prefetch = false;
   // Row-tile height of the wgmma expert GEMMs (moe_prefill_wgmma.h): 0 picks by the rows per expert (128 from 128 on
-  // average, else 64), 64 or 128 pins one (--moe-wgmma-tile-rows, A/B timing).
+  // average, else 64), 64 or 128 pins one (--moe-wgmma-tile-rows, A/B timing); 256 (experimental, not yet run).
   int moe_wgmma_tile_rows = 0;
   // The wgmma expert GEMMs' producer form (moe_prefill_wgmma.h): one more warp per block streams the shared-memory
   // stages and the two warpgroups wait on mbarriers instead of meeting at a block barrier every k block.

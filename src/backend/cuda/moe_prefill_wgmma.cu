@@ -57,8 +57,9 @@ constexpr size_t stage_bytes(int nt) { return size_t(nt) * 256 + 128 * 64 + 128 
 // 64-row tiles (two blocks per multiprocessor: one block's MMAs run while the other waits at its barrier or decodes),
 // 5 x 41 KiB for 128 (one block).
 // The producer form (one more warp streams the stages; mbarriers instead of block barriers) runs one block per
-// multiprocessor: 6 stages for 64-row tiles.
-constexpr int stages(int nt, bool producer) { return nt == 64 ? (producer ? 6 : 4) : 5; }
+// multiprocessor: 6 stages for 64-row tiles. 256-row tiles (--moe-wgmma-tile-rows 256, experimental: each decoded
+// weight serves twice the rows) fit 3 x 73 KiB; no producer form.
+constexpr int stages(int nt, bool producer) { return nt == 64 ? (producer ? 6 : 4) : nt == 128 ? 5 : 3; }
 constexpr int blocks_per_sm(int nt, bool producer) { return nt == 64 && !producer ? 2 : 1; }
 constexpr int block_threads(bool producer) { return producer ? kThreads + 32 : kThreads; }
 constexpr size_t smem_bytes(int nt, bool producer) {
@@ -67,6 +68,7 @@ constexpr size_t smem_bytes(int nt, bool producer) {
 static_assert(stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0);
 static_assert(smem_bytes(128, true) <= 227 * 1024 && smem_bytes(64, true) <= 227 * 1024);
 static_assert(2 * (smem_bytes(64, false) + 1024) <= 228 * 1024);
+static_assert(stage_bytes(256) % 1024 == 0 && smem_bytes(256, false) + 256 * 8 <= 227 * 1024);
 
 #ifdef KILN_HAVE_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -187,14 +189,77 @@ __device__ __forceinline__ void wgmma_m64n96k16(float (&d)[kN], const uint32_t (
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
+template <int kN>
+__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(kN >= 96);
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
+      "}, {%96,%97,%98,%99}, %100, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <int kN>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(kN >= 128);
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
 template <int kNT>
 __device__ __forceinline__ void wgmma_tile(float (&d)[kNT / 2], const uint32_t (&a)[4], uint64_t desc) {
   if constexpr (kNT == 64) wgmma_m64n64k16(d, a, desc);
-  else wgmma_m64n128k16(d, a, desc);
+  else if constexpr (kNT == 128) wgmma_m64n128k16(d, a, desc);
+  else wgmma_m64n256k16(d, a, desc);
 }
 // The 8 k-steps of one 128-k block whose activations start at shared-memory address `base`. kNarrow (the narrow-tile
 // form, --enable-wgmma-narrow-tiles): over the tile's first `cols` columns rounded up to 32 (cols uniform over the
-// block); the columns left out keep their zero accumulators, and the epilogues never store them (rows past the
+// block; 256-row tiles also take n192); the columns left out keep their zero accumulators, and the epilogues never store them (rows past the
 // tile's end). The branches make ptxas fence the accumulators around them (info C7519), hence a form of its own.
 template <int kNT, bool kNarrow>
 __device__ __forceinline__ void mma_kblock(float (&acc)[kNT / 2], const uint32_t (&A)[8][4], uint32_t base, int cols) {
@@ -206,11 +271,17 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[kNT / 2], const uint32_t
     KILN_WG_KSTEPS(wgmma_m64n32k16);
   } else if (kNT == 64 || cols <= 64) {
     KILN_WG_KSTEPS(wgmma_m64n64k16);
-  } else if constexpr (kNT == 128) {
+  } else if constexpr (kNT >= 128) {
     if (cols <= 96) {
       KILN_WG_KSTEPS(wgmma_m64n96k16);
-    } else {
+    } else if (kNT == 128 || cols <= 128) {
       KILN_WG_KSTEPS(wgmma_m64n128k16);
+    } else if constexpr (kNT == 256) {
+      if (cols <= 192) {
+        KILN_WG_KSTEPS(wgmma_m64n192k16);
+      } else {
+        KILN_WG_KSTEPS(wgmma_m64n256k16);
+      }
     }
   }
 #undef KILN_WG_KSTEPS
@@ -750,10 +821,15 @@ void run_gemms(const WeightDesc* experts, const int4* tiles, int64_t max_tiles, 
   launch_wgmma<kNT, true, kProducer, kNarrow>(gu, static_cast<unsigned>(I / 64), max_tiles, stream);
   profile_mark("gate_up wgmma");
   WgArgs down{experts, tiles, act, nullptr, y, static_cast<int>(I), static_cast<int>(H)};
-  if (moe_wgmma_down_walk_taken(down_walk, kNT, I)) {
-    launch_down_walk<kNT, kNarrow>(down, down_walk, max_tiles, stream);
-    profile_mark("down wgmma walk");
-  } else {
+  bool walked = false;
+  if constexpr (kNT != 256) {  // a 256-row tile's activations never fit (moe_wgmma_down_walk_taken)
+    if (moe_wgmma_down_walk_taken(down_walk, kNT, I)) {
+      launch_down_walk<kNT, kNarrow>(down, down_walk, max_tiles, stream);
+      profile_mark("down wgmma walk");
+      walked = true;
+    }
+  }
+  if (!walked) {
     launch_wgmma<kNT, false, kProducer, kNarrow>(down, static_cast<unsigned>(H / 128), max_tiles, stream);
     profile_mark("down wgmma");
   }
@@ -761,8 +837,12 @@ void run_gemms(const WeightDesc* experts, const int4* tiles, int64_t max_tiles, 
 
 template <int kNT>
 auto pick_gemms(bool producer, bool narrow) {
-  return producer ? (narrow ? run_gemms<kNT, true, true> : run_gemms<kNT, true, false>)
-                  : (narrow ? run_gemms<kNT, false, true> : run_gemms<kNT, false, false>);
+  if constexpr (kNT == 256) {  // no producer form at 256 rows
+    return narrow ? run_gemms<kNT, false, true> : run_gemms<kNT, false, false>;
+  } else {
+    return producer ? (narrow ? run_gemms<kNT, true, true> : run_gemms<kNT, true, false>)
+                    : (narrow ? run_gemms<kNT, false, true> : run_gemms<kNT, false, false>);
+  }
 }
 
 }  // namespace
@@ -788,7 +868,7 @@ bool moe_wgmma_down_walk_taken(int down_walk, int tile_rows, int64_t I) {
 }
 
 int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows) {
-  if (tile_rows == 64 || tile_rows == 128) return tile_rows;
+  if (tile_rows == 64 || tile_rows == 128 || tile_rows == 256) return tile_rows;
   return E > 0 && T * top_k >= 128 * E ? 128 : 64;
 }
 
@@ -816,7 +896,9 @@ void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids,
   launch_kernel(permute_rows_bf16_kernel, capped_grid(chunks), 256, 0, stream, x, H, T, c.xs);
   KILN_CUDA_CHECK_LAUNCH();
   profile_mark("x to bf16");
-  auto gemms = nt == 128 ? pick_gemms<128>(producer, form.narrow) : pick_gemms<64>(producer, form.narrow);
+  auto gemms = nt == 256   ? pick_gemms<256>(producer, form.narrow)
+               : nt == 128 ? pick_gemms<128>(producer, form.narrow)
+                           : pick_gemms<64>(producer, form.narrow);
   gemms(experts, c.tiles, max_tiles, H, I, c.xs, g.row_token, c.act, c.y, form.down_walk, stream);
   moe_combine_bf16(c.y, ids, weights, g.pair_pos, top_k, T, H, out, shared, shared_gate, stream);
   profile_mark("combine");

@@ -29,7 +29,8 @@ bool moe_prefill_wgmma_supported(int compute_major, int compute_minor, int64_t H
 // no more than moe_workspace_bytes() of the same shape (checked by a test).
 size_t moe_prefill_wgmma_workspace_bytes(int64_t T, int top_k, int64_t E, int64_t H, int64_t I, int tile_rows = 0);
 // Rows per row tile the path takes for a step: 128 when the experts receive >= 128 rows on average, else 64.
-// tile_rows 64 or 128 pins one (CudaOptions::moe_wgmma_tile_rows).
+// tile_rows 64, 128 or 256 pins one (CudaOptions::moe_wgmma_tile_rows; 256: experimental, each decoded weight serves
+// twice the rows of a 128-row tile; no producer form, no down walk).
 int moe_prefill_wgmma_tile_rows(int64_t T, int top_k, int64_t E, int tile_rows = 0);
 
 // The kernels' forms (CudaOptions' moe_wgmma_*: flags for A/B timing). All give the same bits.

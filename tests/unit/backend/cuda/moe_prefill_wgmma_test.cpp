@@ -117,6 +117,9 @@ TEST(MoeWgmmaLayout, TileRowsAndWorkspace) {
   // --moe-wgmma-tile-rows pins one; 0 (or anything else) picks.
   EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 8, 256, 64), 64);
   EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(16, 8, 256, 128), 128);
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(8192, 8, 256, 256), 256);  // experimental, pinned only
+  EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(8192, 8, 256, 0), 128);
+  EXPECT_FALSE(kops::moe_wgmma_down_walk_taken(4, 256, 128));  // a 256-row tile's activations: never
   EXPECT_EQ(kops::moe_prefill_wgmma_tile_rows(4096, 8, 256, 0), 128);
   EXPECT_GT(kops::moe_prefill_wgmma_workspace_bytes(8192, 8, 256, 2048, 512, 64),
             kops::moe_prefill_wgmma_workspace_bytes(8192, 8, 256, 2048, 512, 128));  // a longer tile list
@@ -247,11 +250,13 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
   walk2_options.moe_wgmma_down_walk = 2;  // the small shape's 3 feature blocks: a walk of 2, then one of 1
   walk4_options.moe_wgmma_down_walk = 4;
   walk4_options.moe_wgmma_narrow = true;  // with narrow MMAs on both GEMMs
-  CudaOptions narrow_options = bf16_options(MoePrefill::wgmma);
+  CudaOptions narrow_options = bf16_options(MoePrefill::wgmma), tall_options = narrow_options;
   narrow_options.moe_wgmma_narrow = true;
+  tall_options.moe_wgmma_tile_rows = 256;  // experimental 256-row tiles, with narrow MMAs
+  tall_options.moe_wgmma_narrow = true;
   CudaOps wg(bf16_options(MoePrefill::wgmma)), by_step(bf16_options(MoePrefill::by_step)),
       mma(bf16_options(MoePrefill::mma)), producer(producer_options), walk2(walk2_options), walk4(walk4_options),
-      narrow(narrow_options);
+      narrow(narrow_options), tall(tall_options);
   KILN_REQUIRE_SM90(wg);
   auto cpu = make_cpu_backend();
   const std::vector<ExpertWeights> cpu_experts = place(*cpu, host.experts);
@@ -259,7 +264,7 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
                                    mma_experts = place(mma, host.experts),
                                    producer_experts = place(producer, host.experts),
                                    walk2_experts = place(walk2, host.experts), walk4_experts = place(walk4, host.experts),
-                                   narrow_experts = place(narrow, host.experts);
+                                   narrow_experts = place(narrow, host.experts), tall_experts = place(tall, host.experts);
   const bool small = s.hidden < 1024;
   for (int64_t T : small ? std::vector<int64_t>{3, 256, 1024} : std::vector<int64_t>{256, 1024, 4096}) {
     for (bool with_shared : {true, false}) {
@@ -292,6 +297,8 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
       EXPECT_LE(rel_err(nw.out, ref.out), kBf16InputTol) << "--enable-wgmma-narrow-tiles";
       EXPECT_EQ(nw.out, w.out) << "--enable-wgmma-narrow-tiles: not bitwise the full-width MMAs' (rel-L2 "
                                << rel_err(nw.out, w.out) << ")";
+      // 256-row tiles: each column's sums as in the shorter tiles.
+      EXPECT_EQ(run(tall, tall_experts, s, in, with_shared).out, nw.out) << "--moe-wgmma-tile-rows 256";
       // The walking down GEMM: the same MMAs per feature block, its outputs stored from the accumulators: the same
       // bits. Every shape here fits it (I <= 512), so its kernel is the one that ran (the profile's label says so).
       // The walk of 4 also takes narrow MMAs.

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.cuh"
@@ -29,10 +30,8 @@
 #include "backend/cuda/moe_prefill_wgmma.h"
 #include "backend/cuda/moe_wgmma_layout.h"
 #include "backend/cuda/ptx.cuh"
+#include "backend/cuda/wgmma.cuh"
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define KILN_HAVE_WGMMA 1
-#endif
 
 namespace kiln::cuda::ops {
 namespace {
@@ -71,220 +70,51 @@ static_assert(2 * (smem_bytes(64, false) + 1024) <= 228 * 1024);
 static_assert(stage_bytes(256) % 1024 == 0 && smem_bytes(256, false) + 256 * 8 <= 227 * 1024);
 
 #ifdef KILN_HAVE_WGMMA
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// cp.async writes are generic-proxy writes; the MMAs read shared memory through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+using namespace wgmma;
 
-// mbarriers (the producer form): init with an arrival count; arrive; wait until the phase of the given parity has
-// completed; and the arrival a thread's earlier cp.async copies make when they land (not counted in advance: the
-// barrier's count includes it).
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// A wait that never ends is a bug in the stage protocol: trap (a launch error the caller reports) rather than hang
-// the GPU. 2^26 polls is seconds; a stage is normally ready within microseconds.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  for (uint32_t i = 0; !mbar_try_wait(bar, parity); ++i)
-    if (i == (1u << 26)) __trap();
-}
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// The consumers' barrier (named barrier 1, the two warpgroups) where a producer warp does not take part.
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
-
-// Shared-memory matrix descriptor: start address, leading offset (unused by K-major swizzled layouts), 8-row groups
-// 1024 bytes apart, 128-byte swizzle (layout type 1).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3ffff) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-// D[64 x N] += A[64 x 16] (registers: the mma.m16n8k16 A fragment per warp, warp w rows 16w..16w+15)
-// . B[16 x N] (shared memory, K-major). D per warp: d[4j + c] = row g + 8 (c >= 2), column 8j + 2q + (c & 1).
-template <int kN>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(kN >= 32);
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-template <int kN>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(kN >= 64);
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-// Narrower shapes for the narrow-tile form (the first N / 2 accumulators: the same register layout as a prefix).
-template <int kN>
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(kN >= 16);
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-template <int kN>
-__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(kN >= 48);
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
-      "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-template <int kN>
-__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(kN >= 96);
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
-      "}, {%96,%97,%98,%99}, %100, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-template <int kN>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[kN], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(kN >= 128);
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-template <int kNT>
-__device__ __forceinline__ void wgmma_tile(float (&d)[kNT / 2], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (kNT == 64) wgmma_m64n64k16(d, a, desc);
-  else if constexpr (kNT == 128) wgmma_m64n128k16(d, a, desc);
-  else wgmma_m64n256k16(d, a, desc);
-}
-// The 8 k-steps of one 128-k block whose activations start at shared-memory address `base`. kNarrow (the narrow-tile
-// form, --enable-wgmma-narrow-tiles): over the tile's first `cols` columns rounded up to 32 (cols uniform over the
-// block; 256-row tiles also take n192); the columns left out keep their zero accumulators, and the epilogues never store them (rows past the
-// tile's end). The branches make ptxas fence the accumulators around them (info C7519), hence a form of its own.
-template <int kNT, bool kNarrow>
-__device__ __forceinline__ void mma_kblock(float (&acc)[kNT / 2], const uint32_t (&A)[8][4], uint32_t base, int cols) {
-#define KILN_WG_KSTEPS(MMA)                                                                  \
-  _Pragma("unroll") for (int kk = 0; kk < 8; ++kk) MMA(acc, A[kk], smem_desc(base + wl::kstep_offset(kk, kNT)))
-  if constexpr (!kNarrow) {
-    KILN_WG_KSTEPS(wgmma_tile<kNT>);
-  } else if (cols <= 32) {
-    KILN_WG_KSTEPS(wgmma_m64n32k16);
-  } else if (kNT == 64 || cols <= 64) {
-    KILN_WG_KSTEPS(wgmma_m64n64k16);
-  } else if constexpr (kNT >= 128) {
-    if (cols <= 96) {
-      KILN_WG_KSTEPS(wgmma_m64n96k16);
-    } else if (kNT == 128 || cols <= 128) {
-      KILN_WG_KSTEPS(wgmma_m64n128k16);
-    } else if constexpr (kNT == 256) {
-      if (cols <= 192) {
-        KILN_WG_KSTEPS(wgmma_m64n192k16);
-      } else {
-        KILN_WG_KSTEPS(wgmma_m64n256k16);
-      }
-    }
+// The 8 k-steps of one 128-k block whose activations start at shared-memory address `base`, over the tile's first
+// kCols columns (kNT: all of them; the narrow-tile form takes fewer, see with_mma_cols).
+template <int kNT, int kCols>
+__device__ __forceinline__ void mma_kblock(float (&acc)[kNT / 2], const uint32_t (&A)[8][4], uint32_t base) {
+  static_assert(kCols <= kNT);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint64_t desc = smem_desc(base + wl::kstep_offset(kk, kNT));
+    if constexpr (kCols == 32) wgmma_m64n32k16(acc, A[kk], desc);
+    else if constexpr (kCols == 64) wgmma_m64n64k16(acc, A[kk], desc);
+    else if constexpr (kCols == 96) wgmma_m64n96k16(acc, A[kk], desc);
+    else if constexpr (kCols == 128) wgmma_m64n128k16(acc, A[kk], desc);
+    else if constexpr (kCols == 192) wgmma_m64n192k16(acc, A[kk], desc);
+    else wgmma_m64n256k16(acc, A[kk], desc);
   }
-#undef KILN_WG_KSTEPS
+}
+// Runs body(std::integral_constant<int, kCols>) with the MMA width of the tile: kNT, or with kNarrow (the narrow-tile
+// form, --enable-wgmma-narrow-tiles) the tile's rows rounded up to 32 (64-row tiles: 32 or 64; 128: up to 96 / 128;
+// 256: up to 192 / 256). The columns left out keep their zero accumulators, and the epilogues never store them (rows
+// past the tile's end). The choice is made once per block around the whole main loop: with the width chosen per k
+// block inside it, ptxas fences the accumulators at every merge (info C7519).
+template <int kNT, bool kNarrow, typename Body>
+__device__ __forceinline__ void with_mma_cols(int rows, Body&& body) {
+  using std::integral_constant;
+  if constexpr (!kNarrow) {
+    body(integral_constant<int, kNT>{});
+  } else if (rows <= 32) {
+    body(integral_constant<int, 32>{});
+  } else if constexpr (kNT == 64) {
+    body(integral_constant<int, 64>{});
+  } else if (rows <= 64) {
+    body(integral_constant<int, 64>{});
+  } else if (rows <= 96) {
+    body(integral_constant<int, 96>{});
+  } else if constexpr (kNT == 128) {
+    body(integral_constant<int, 128>{});
+  } else if (rows <= 128) {
+    body(integral_constant<int, 128>{});
+  } else if (rows <= 192) {
+    body(integral_constant<int, 192>{});
+  } else {
+    body(integral_constant<int, 256>{});
+  }
 }
 
 // Keeps registers live (and in place) up to this point: a wgmma in flight still reads them, which the compiler does
@@ -446,119 +276,122 @@ __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, k
     decode_block(wv, sc, A);
   };
 
-  float acc[kAcc];
+  // The main loop and the epilogue, with the MMA width of the tile (with_mma_cols).
+  with_mma_cols<kNT, kNarrow>(r1 - r0, [&](auto cols) {
+    float acc[kAcc];
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-  uint32_t A0[8][4], A1[8][4];
-  auto mma_step = [&](int s, uint32_t(&A)[8][4]) {
-    const uint32_t base = smem0 + (s % kStages) * kStageBytes;
-    hold(acc);
-    wgmma_fence();
-    mma_kblock<kNT, kNarrow>(acc, A, base, r1 - r0);
-    wgmma_commit();
-    hold(acc);
-  };
-  if constexpr (kProducer) {
-    // Consumers: wait for stage s + 1's copies (its full barrier) while step s's MMAs run, decode it, wait for the
-    // MMAs, release stage s (its empty barrier). No block barrier: the two warpgroups run apart.
-    auto wait_full = [&](int s) {
-      mbar_wait(ptx::smem_addr(&full_bar[s % kStages]), (s / kStages) & 1);
-      fence_proxy_async();
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    uint32_t A0[8][4], A1[8][4];
+    auto mma_step = [&](int s, uint32_t(&A)[8][4]) {
+      const uint32_t base = smem0 + (s % kStages) * kStageBytes;
+      hold(acc);
+      wgmma_fence();
+      mma_kblock<kNT, decltype(cols)::value>(acc, A, base);
+      wgmma_commit();
+      hold(acc);
     };
-    auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
-      mma_step(s, A);
-      if (s + 1 < steps) {
-        wait_full(s + 1);
-        decode_stage(s + 1, A_next);
+    if constexpr (kProducer) {
+      // Consumers: wait for stage s + 1's copies (its full barrier) while step s's MMAs run, decode it, wait for the
+      // MMAs, release stage s (its empty barrier). No block barrier: the two warpgroups run apart.
+      auto wait_full = [&](int s) {
+        mbar_wait(ptx::smem_addr(&full_bar[s % kStages]), (s / kStages) & 1);
+        fence_proxy_async();
+      };
+      auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+        mma_step(s, A);
+        if (s + 1 < steps) {
+          wait_full(s + 1);
+          decode_stage(s + 1, A_next);
+        }
+        wgmma_wait<0>();
+        hold(A);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ptx::smem_addr(&empty_bar[s % kStages]));
+      };
+      wait_full(0);
+      decode_stage(0, A0);
+      for (int s = 0; s < steps; s += 2) {
+        step(s, A0, A1);
+        if (s + 1 < steps) step(s + 1, A1, A0);
       }
-      wgmma_wait<0>();
-      hold(A);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(ptx::smem_addr(&empty_bar[s % kStages]));
-    };
-    wait_full(0);
-    decode_stage(0, A0);
-    for (int s = 0; s < steps; s += 2) {
-      step(s, A0, A1);
-      if (s + 1 < steps) step(s + 1, A1, A0);
-    }
-    hold(acc);
-    consumers_sync();  // both warpgroups' MMAs are done: the stages become the epilogue's buffers
-  } else {
-    // Stages 0 .. kStages - 2 in flight; step s copies stage s + kStages - 1 into the buffer step s - 1 used.
+      hold(acc);
+      consumers_sync();  // both warpgroups' MMAs are done: the stages become the epilogue's buffers
+    } else {
+      // Stages 0 .. kStages - 2 in flight; step s copies stage s + kStages - 1 into the buffer step s - 1 used.
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < steps) copy_stage(s);
-      ptx::cp_async_commit();
-    }
-    ptx::cp_async_wait<kStages - 2>();  // stage 0
-    fence_proxy_async();
-    __syncthreads();
-    decode_stage(0, A0);
-    // A holds step s's fragments; A_next gets step s + 1's (from shared memory) while step s's MMAs run.
-    auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
-      mma_step(s, A);
-      ptx::cp_async_wait<kStages - 3>();  // this thread's copies of stage s + 1 have landed
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < steps) copy_stage(s);
+        ptx::cp_async_commit();
+      }
+      ptx::cp_async_wait<kStages - 2>();  // stage 0
       fence_proxy_async();
-      __syncthreads();  // everyone's copies of stage s + 1; every warpgroup is done with step s - 1
-      if (s + kStages - 1 < steps) copy_stage(s + kStages - 1);
-      ptx::cp_async_commit();
-      if (s + 1 < steps) decode_stage(s + 1, A_next);
-      wgmma_wait<0>();
-      hold(A);
-    };
-    for (int s = 0; s < steps; s += 2) {
-      step(s, A0, A1);
-      if (s + 1 < steps) step(s + 1, A1, A0);
+      __syncthreads();
+      decode_stage(0, A0);
+      // A holds step s's fragments; A_next gets step s + 1's (from shared memory) while step s's MMAs run.
+      auto step = [&](int s, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+        mma_step(s, A);
+        ptx::cp_async_wait<kStages - 3>();  // this thread's copies of stage s + 1 have landed
+        fence_proxy_async();
+        __syncthreads();  // everyone's copies of stage s + 1; every warpgroup is done with step s - 1
+        if (s + kStages - 1 < steps) copy_stage(s + kStages - 1);
+        ptx::cp_async_commit();
+        if (s + 1 < steps) decode_stage(s + 1, A_next);
+        wgmma_wait<0>();
+        hold(A);
+      };
+      for (int s = 0; s < steps; s += 2) {
+        step(s, A0, A1);
+        if (s + 1 < steps) step(s + 1, A1, A0);
+      }
+      hold(acc);
+      ptx::cp_async_wait_all();
+      __syncthreads();  // every warpgroup's MMAs are done: the stages become the epilogue's buffers
     }
-    hold(acc);
-    ptx::cp_async_wait_all();
-    __syncthreads();  // every warpgroup's MMAs are done: the stages become the epilogue's buffers
-  }
 
-  auto sync = [] {
-    if constexpr (kProducer) consumers_sync();
-    else __syncthreads();
-  };
-  const int rows = r1 - r0;
-  if constexpr (kGateUp) {
-    float* up = reinterpret_cast<float*>(smem);  // [kAcc][128]: warpgroup 1's values, by register and lane
-    constexpr int kLd = 64 + 8;                    // act rows (bf16), padded
-    uint16_t* act = reinterpret_cast<uint16_t*>(smem + kAcc * 128 * 4);  // [kNT][kLd]
-    if (wg == 1) {
+    auto sync = [] {
+      if constexpr (kProducer) consumers_sync();
+      else __syncthreads();
+    };
+    const int rows = r1 - r0;
+    if constexpr (kGateUp) {
+      float* up = reinterpret_cast<float*>(smem);  // [kAcc][128]: warpgroup 1's values, by register and lane
+      constexpr int kLd = 64 + 8;                    // act rows (bf16), padded
+      uint16_t* act = reinterpret_cast<uint16_t*>(smem + kAcc * 128 * 4);  // [kNT][kLd]
+      if (wg == 1) {
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) up[i * 128 + wtid] = acc[i] * gscale;
-    }
-    sync();
-    if (wg == 0) {
+        for (int i = 0; i < kAcc; ++i) up[i * 128 + wtid] = acc[i] * gscale;
+      }
+      sync();
+      if (wg == 0) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+          const int m = m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
+          const float v = dev::silu(acc[i] * gscale) * up[i * 128 + wtid];
+          act[n * kLd + m] = dev::f32_to_bf16(v);
+        }
+      }
+      sync();
+      for (int i = tid; i < rows * 8; i += kThreads) {
+        const int n = i >> 3, c = i & 7;
+        *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 64 * fb + 8 * c) =
+            *reinterpret_cast<const uint4*>(act + n * kLd + 8 * c);
+      }
+    } else {
+      constexpr int kLd = 128 + 8;
+      uint16_t* y = reinterpret_cast<uint16_t*>(smem);  // [kNT][kLd]
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
-        const int m = m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
-        const float v = dev::silu(acc[i] * gscale) * up[i * 128 + wtid];
-        act[n * kLd + m] = dev::f32_to_bf16(v);
+        const int m = 64 * wg + m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
+        y[n * kLd + m] = dev::f32_to_bf16(acc[i] * gscale);
+      }
+      sync();
+      for (int i = tid; i < rows * 16; i += kThreads) {
+        const int n = i >> 4, c = i & 15;
+        *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 128 * fb + 8 * c) =
+            *reinterpret_cast<const uint4*>(y + n * kLd + 8 * c);
       }
     }
-    sync();
-    for (int i = tid; i < rows * 8; i += kThreads) {
-      const int n = i >> 3, c = i & 7;
-      *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 64 * fb + 8 * c) =
-          *reinterpret_cast<const uint4*>(act + n * kLd + 8 * c);
-    }
-  } else {
-    constexpr int kLd = 128 + 8;
-    uint16_t* y = reinterpret_cast<uint16_t*>(smem);  // [kNT][kLd]
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) {
-      const int m = 64 * wg + m0 + 8 * ((i & 3) >> 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
-      y[n * kLd + m] = dev::f32_to_bf16(acc[i] * gscale);
-    }
-    sync();
-    for (int i = tid; i < rows * 16; i += kThreads) {
-      const int n = i >> 4, c = i & 15;
-      *reinterpret_cast<uint4*>(a.out + int64_t(r0 + n) * a.N + 128 * fb + 8 * c) =
-          *reinterpret_cast<const uint4*>(y + n * kLd + 8 * c);
-    }
-  }
+  });
 #endif  // KILN_HAVE_WGMMA
 }
 
@@ -684,39 +517,41 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT, false))
   fence_proxy_async();           // the activations are read by the MMAs (async proxy) from here on
   __syncthreads();
 
-  float acc[kAcc];
+  with_mma_cols<kNT, kNarrow>(r1 - r0, [&](auto cols) {
+    float acc[kAcc];
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-  uint32_t A0[8][4], A1[8][4];
-  decode_item(0, A0);
-  // Item j: its MMAs on k block j % steps; meanwhile item j + 1's stage is awaited and decoded and item j + kS - 1's
-  // copies start (into the buffer item j - 1 used, decoded before item j's MMAs); at the last k block of a feature
-  // block, its outputs are stored.
-  auto step = [&](int j, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
-    const uint32_t xb = smem0 + static_cast<uint32_t>(j % steps) * kXBytes;
-    hold(acc);
-    wgmma_fence();
-    mma_kblock<kNT, kNarrow>(acc, A, xb, r1 - r0);
-    wgmma_commit();
-    hold(acc);
-    ptx::cp_async_wait<kS - 3>();  // this thread's copies of item j + 1 have landed
-    __syncthreads();               // everyone's; item j - 1's buffer was decoded by every warp a step ago
-    if (j + kS - 1 < items) copy_weights(j + kS - 1);
-    ptx::cp_async_commit();
-    if (j + 1 < items) decode_item(j + 1, A_next);
-    wgmma_wait<0>();
-    hold(A);
-    if ((j + 1) % steps == 0) {
-      store_down_block<kNT>(acc, gscale, wg, warp, g, q, r1 - r0,
-                            a.out + int64_t(r0) * a.N + 128 * (fb0 + j / steps), a.N);
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    uint32_t A0[8][4], A1[8][4];
+    decode_item(0, A0);
+    // Item j: its MMAs on k block j % steps; meanwhile item j + 1's stage is awaited and decoded and item j + kS - 1's
+    // copies start (into the buffer item j - 1 used, decoded before item j's MMAs); at the last k block of a feature
+    // block, its outputs are stored.
+    auto step = [&](int j, uint32_t(&A)[8][4], uint32_t(&A_next)[8][4]) {
+      const uint32_t xb = smem0 + static_cast<uint32_t>(j % steps) * kXBytes;
+      hold(acc);
+      wgmma_fence();
+      mma_kblock<kNT, decltype(cols)::value>(acc, A, xb);
+      wgmma_commit();
+      hold(acc);
+      ptx::cp_async_wait<kS - 3>();  // this thread's copies of item j + 1 have landed
+      __syncthreads();               // everyone's; item j - 1's buffer was decoded by every warp a step ago
+      if (j + kS - 1 < items) copy_weights(j + kS - 1);
+      ptx::cp_async_commit();
+      if (j + 1 < items) decode_item(j + 1, A_next);
+      wgmma_wait<0>();
+      hold(A);
+      if ((j + 1) % steps == 0) {
+        store_down_block<kNT>(acc, gscale, wg, warp, g, q, r1 - r0,
+                              a.out + int64_t(r0) * a.N + 128 * (fb0 + j / steps), a.N);
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+      }
+    };
+    for (int j = 0; j < items; j += 2) {
+      step(j, A0, A1);
+      if (j + 1 < items) step(j + 1, A1, A0);
     }
-  };
-  for (int j = 0; j < items; j += 2) {
-    step(j, A0, A1);
-    if (j + 1 < items) step(j + 1, A1, A0);
-  }
+  });
   ptx::cp_async_wait_all();
 #endif  // KILN_HAVE_WGMMA
 }

@@ -1,7 +1,8 @@
 // The NVFP4 routed experts of prefill-sized steps on Hopper's warpgroup MMA (moe_prefill_wgmma.h).
 //
 // Block: 256 threads, two warpgroups. out^T[features, rows] = W[features, k] . x^T[k, rows]: the MMA's M is 64 weight
-// rows per warpgroup, its N the row tile (kNT = 64 or 128 tokens), K walked 128 at a time.
+// rows per warpgroup, its N the row tile (kNT = 64 or 128 tokens; 256 pinned by --moe-wgmma-tile-rows 256,
+// experimental), K walked 128 at a time.
 // - Pipeline: per 128-k block a shared-memory stage holds the tile's activation rows (bf16, stored in the permuted k
 //   order of moe_wgmma_layout.h, 128-byte swizzled: read by the MMAs through shared-memory descriptors) and the
 //   block's 128 weight rows' NVFP4 codes and block scales, copied by cp.async; 4 stages for 64-row tiles (two blocks
@@ -18,6 +19,9 @@
 // - Epilogue: gate/up (warpgroup 0 the gate rows, 1 the up rows of the same 64 features) meets in shared memory,
 //   silu(gate) * up is rounded to bf16 and written as 128-byte rows at the features' logical positions; down writes
 //   128 features of each row as bf16.
+// - Experimental forms, flags for A/B timing, built without a GPU at hand: the narrow-tile form (kNarrow: MMAs as wide
+//   as the tile's rows rounded up to 32, with_mma_cols) and the down GEMM walking several feature blocks with the
+//   tile's activations resident (moe_wgmma_down_walk_kernel). All forms give the same bits as the default.
 #include <cuda_bf16.h>
 
 #include <algorithm>

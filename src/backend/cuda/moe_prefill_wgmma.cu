@@ -21,7 +21,8 @@
 //   128 features of each row as bf16.
 // - Experimental forms, flags for A/B timing, built without a GPU at hand: the narrow-tile form (kNarrow: MMAs as wide
 //   as the tile's rows rounded up to 32, with_mma_cols) and the down GEMM walking several feature blocks with the
-//   tile's activations resident (moe_wgmma_down_walk_kernel). All forms give the same bits as the default.
+//   tile's activations resident (moe_wgmma_down_walk_kernel). All forms should give the default's bits (the tests
+//   check it).
 #include <cuda_bf16.h>
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // The NVFP4 routed experts of prefill-sized steps on Hopper's warpgroup MMA (moe_prefill_wgmma.cu through
 // CudaOps::moe_experts(_shared), --moe-runner-backend kiln-wgmma) against the CPU backend, at the real layer shapes:
-// Qwen3.5-35B-A3B (H 2048, 256 experts, top-8, I 512), one rank of Qwen3.5-397B-A17B at TP 8 (H 4096, 512 experts,
-// top-10, I 128) and a small shape whose K walks an odd number of 128-k blocks (H 384) and whose steps take both row
+// Qwen3.5-35B-A3B (H 2048, 256 experts, top-8, I 512), Qwen3.5-397B-A17B whole and one rank of it at TP 2 and TP 8
+// (H 4096, 512 experts, top-10, I 1024 / 512 / 128) and a small shape whose K walks an odd number of 128-k blocks (H 384) and whose steps take both row
 // tiles (64 and 128); an expert-parallel rank; a captured step. And, host-only, the index maps of
 // moe_wgmma_layout.h that the kernel uses: emulated here the way the hardware reads them.
 // The GPU tests skip without an sm_90 GPU.
@@ -265,8 +265,10 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
                                    producer_experts = place(producer, host.experts),
                                    walk2_experts = place(walk2, host.experts), walk4_experts = place(walk4, host.experts),
                                    narrow_experts = place(narrow, host.experts), tall_experts = place(tall, host.experts);
-  const bool small = s.hidden < 1024;
-  for (int64_t T : small ? std::vector<int64_t>{3, 256, 1024} : std::vector<int64_t>{256, 1024, 4096}) {
+  const bool small = s.hidden < 1024, large = s.hidden * s.inter >= int64_t(4096) * 512;
+  for (int64_t T : small   ? std::vector<int64_t>{3, 256, 1024}
+                   : large ? std::vector<int64_t>{256, 1024}  // the CPU reference's time
+                           : std::vector<int64_t>{256, 1024, 4096}) {
     for (bool with_shared : {true, false}) {
       if (!with_shared && T != 256) continue;
       const int nt = kops::moe_prefill_wgmma_tile_rows(T, s.top_k, s.experts);
@@ -300,11 +302,12 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
       // 256-row tiles: each column's sums as in the shorter tiles.
       EXPECT_EQ(run(tall, tall_experts, s, in, with_shared).out, nw.out) << "--moe-wgmma-tile-rows 256";
       // The walking down GEMM: the same MMAs per feature block, its outputs stored from the accumulators: the same
-      // bits. Every shape here fits it (I <= 512), so its kernel is the one that ran (the profile's label says so).
-      // The walk of 4 also takes narrow MMAs.
+      // bits. Where the activations fit (I <= 512 here) its kernel is the one that ran, else the plain form (the
+      // profile's label says which). The walk of 4 also takes narrow MMAs.
       ASSERT_TRUE(walk4.profile_begin());
       EXPECT_EQ(run(walk4, walk4_experts, s, in, with_shared).out, nw.out) << "--moe-wgmma-down-walk 4";
-      EXPECT_EQ(walk_rows(walk4.profile_end()), 1);
+      EXPECT_EQ(walk_rows(walk4.profile_end()), kops::moe_wgmma_down_walk_taken(4, nt, s.inter) ? 1 : 0);
+      EXPECT_EQ(kops::moe_wgmma_down_walk_taken(4, nt, s.inter), s.inter <= 512);
       EXPECT_EQ(run(walk2, walk2_experts, s, in, with_shared).out, w.out) << "--moe-wgmma-down-walk 2";
       if (with_shared) {
         // auto: this path (bitwise) from kMoePrefillWgmmaMinTokens, the mma kernels (bitwise kiln-mma) below.
@@ -318,6 +321,8 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(Layers, MoePrefillWgmma,
                          ::testing::Values(LayerShape{"Qwen35B_A3B", 2048, 256, 512, 8},
                                            LayerShape{"Qwen397B_A17B_Tp8Rank", 4096, 512, 128, 10},
+                                           LayerShape{"Qwen397B_A17B_Tp2Rank", 4096, 512, 512, 10},
+                                           LayerShape{"Qwen397B_A17B_Tp1", 4096, 512, 1024, 10},  // no down walk
                                            LayerShape{"Small_OddK", 384, 16, 256, 4}),
                          [](const ::testing::TestParamInfo<LayerShape>& info) { return std::string(info.param.name); });
 

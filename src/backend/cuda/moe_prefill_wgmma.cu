@@ -415,8 +415,11 @@ static_assert(kWalkStageBytes % 1024 == 0);
 constexpr size_t walk_smem_bytes(int nt, int64_t K) {
   return static_cast<size_t>(K / wl::kKBlock) * nt * 256 + kWalkStages * kWalkStageBytes + 1024;
 }
-// 64-row tiles keep two blocks per multiprocessor (228 KiB, 1 KiB of it reserved per block).
-constexpr size_t walk_smem_limit(int nt) { return nt == 64 ? 113 * 1024 : 227 * 1024; }
+// 64-row tiles keep two blocks per multiprocessor (228 KiB, 1 KiB of it reserved per block); a block's dynamic plus
+// static shared memory (src_row: 8 bytes a row) stays within the 227 KiB a block may have.
+constexpr size_t walk_smem_limit(int nt) { return nt == 64 ? 115200 : 224 * 1024; }
+static_assert(walk_smem_limit(64) + 64 * 8 <= 227 * 1024 && 2 * (walk_smem_limit(64) + 64 * 8 + 1024) <= 228 * 1024);
+static_assert(walk_smem_limit(128) + 128 * 8 <= 227 * 1024);
 
 #ifdef KILN_HAVE_WGMMA
 // Feature block `fb`'s outputs: out[row n][128 fb + feature m] = bf16(acc * gscale), rows < `rows`. Register pair

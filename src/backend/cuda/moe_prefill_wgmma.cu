@@ -140,10 +140,12 @@ __device__ __forceinline__ void hold(float (&r)[kN]) {
 // The A fragments of the 8 k-steps of one 128-k block from a lane's codes (rows g, g + 8) and block-scale bytes:
 // k-step 2j + h is half h of word j (dev::decode_fragment).
 __device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_t (&sc)[2], uint32_t (&A)[8][4]) {
+  // The 4 block scales of the lane's two rows (two 16-code blocks each), converted once.
+  const uint32_t s[2][2] = {{dev::nvfp4_scale_bf16x2(sc[0] & 0xffu), dev::nvfp4_scale_bf16x2((sc[0] >> 8) & 0xffu)},
+                            {dev::nvfp4_scale_bf16x2(sc[1] & 0xffu), dev::nvfp4_scale_bf16x2((sc[1] >> 8) & 0xffu)}};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t s0 = dev::nvfp4_scale_bf16x2((sc[0] >> (8 * (j >> 1))) & 0xffu);
-    const uint32_t s1 = dev::nvfp4_scale_bf16x2((sc[1] >> (8 * (j >> 1))) & 0xffu);
+    const uint32_t s0 = s[0][j >> 1], s1 = s[1][j >> 1];
     const uint32_t w0 = dev::word_of(wv[0], j), w1 = dev::word_of(wv[1], j);
     dev::decode_fragment<0>(w0, w1, s0, s1, A[2 * j]);
     dev::decode_fragment<1>(w0, w1, s0, s1, A[2 * j + 1]);

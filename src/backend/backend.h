@@ -72,6 +72,8 @@ struct GpuLoadOptions {
   int moe_wgmma_down_walk = 0;
   // MMAs as wide as each tile's rows (cuda::CudaOptions::moe_wgmma_narrow; --enable-wgmma-narrow-tiles).
   bool moe_wgmma_narrow = false;
+  // The wgmma path's grouping over many blocks (cuda::CudaOptions::moe_group_wide; --enable-wide-moe-grouping).
+  bool moe_group_wide = false;
   // The chunked delta rule's matrix products on tensor cores (cuda::CudaOptions::delta_rule_tensor_cores;
   // --disable-delta-rule-tensor-cores).
   bool delta_rule_tensor_cores = true;

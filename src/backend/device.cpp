@@ -216,6 +216,7 @@ cuda::CudaOptions cuda_options(const KernelChoice& k, const LoadOptions& o, int 
   c.moe_wgmma_producer = o.gpu.moe_wgmma_producer;
   c.moe_wgmma_down_walk = o.gpu.moe_wgmma_down_walk;
   c.moe_wgmma_narrow = o.gpu.moe_wgmma_narrow;
+  c.moe_group_wide = o.gpu.moe_group_wide;
   c.delta_rule_tensor_cores = o.gpu.delta_rule_tensor_cores;
   c.delta_rule_split = o.gpu.delta_rule_split;
   c.weight_prefetch = o.gpu.weight_prefetch;

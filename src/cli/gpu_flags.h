@@ -118,6 +118,9 @@ inline void add_gpu_flags(CLI::App& app, GpuFlags& f) {
                "cuda, sm_90, experimental (not yet run on a GPU): the wgmma expert GEMMs multiply each row tile as "
                "wide as its rows rounded up to 32 (m64n32 / n64 / n96 / n128), not the whole tile height, so the "
                "partial last tile of each expert costs fewer MMAs");
+  app.add_flag("--enable-wide-moe-grouping", f.gpu.moe_group_wide,
+               "cuda, sm_90, experimental (not yet run on a GPU): the wgmma path groups a large pass's (token, "
+               "expert) pairs by expert over many blocks (count, scan, place) instead of one block");
   app.add_flag("--enable-wgmma-producer", f.gpu.moe_wgmma_producer,
                "cuda, sm_90, experimental (not yet run on a GPU): the wgmma expert GEMMs with a producer warp streaming "
                "their shared-memory stages and mbarriers instead of a block barrier per k block");

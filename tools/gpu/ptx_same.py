@@ -13,7 +13,7 @@ def bodies(path):
     text = open(path).read()
     out = {}
     for m in re.finditer(r'\.entry (\S+)\(.*?\n\}\n', text, re.S):
-        body = re.sub(r'_ZN?Z?N4kiln\w*', 'SYM', m.group(0))
+        body = re.sub(r'_Z\w*kiln\w*', 'SYM', m.group(0))
         body = re.sub(r'\$L__\w+', 'L', body)
         out[m.group(1)] = body
     return out

@@ -282,6 +282,7 @@ std::string CudaOps::describe() const {
   if (o.moe_wgmma_tile_rows) wg_form += fmt::format(", {}-row tiles [--moe-wgmma-tile-rows]", o.moe_wgmma_tile_rows);
   if (o.moe_wgmma_producer) wg_form += ", a producer warp per block [--enable-wgmma-producer]";
   if (o.moe_wgmma_narrow) wg_form += ", MMAs as wide as each tile's rows [--enable-wgmma-narrow-tiles]";
+  if (o.moe_group_wide) wg_form += ", pairs grouped over many blocks [--enable-wide-moe-grouping]";
   if (o.moe_wgmma_down_walk >= 2)
     wg_form += fmt::format(", down blocks walking {} feature blocks where they fit [--moe-wgmma-down-walk]",
                            o.moe_wgmma_down_walk);
@@ -1633,7 +1634,7 @@ void CudaOps::run_moe_experts(const TensorView& x, const TensorView& expert_ids,
     kops::moe_prefill_wgmma(f32(x), T, H, ids, f32(weights), static_cast<int>(k), tab.table.as<kops::WeightDesc>(), E,
                             tab.inter, ws, f32_mut(out), shared, shared_gate, impl_->rt.stream(),
                             kops::MoeWgmmaForm{o.moe_wgmma_tile_rows, o.moe_wgmma_producer, o.moe_wgmma_down_walk,
-                                               o.moe_wgmma_narrow});
+                                               o.moe_wgmma_narrow, o.moe_group_wide});
     return;
   }
   if (path == MoePrefillPath::blas && tab.blas_ok) {

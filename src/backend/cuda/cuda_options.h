@@ -109,6 +109,10 @@ struct CudaOptions {
   // tile height, so a tile's tail rows cost no MMAs (moe_prefill_wgmma.h); --enable-wgmma-narrow-tiles, experimental
   // (built without a GPU at hand: not yet run).
   bool moe_wgmma_narrow = false;
+  // The wgmma path's grouping of the (token, slot) pairs by expert over many blocks instead of one (kernels.h,
+  // moe_group_rows' wide): ~96 us a layer on one multiprocessor for an 8192-token pass of the 35B-A3B.
+  // --enable-wide-moe-grouping, experimental (built without a GPU at hand: not yet run).
+  bool moe_group_wide = false;
   // --moe-runner-backend kiln-mma / kiln-blas / kiln-wgmma (else by_step): the path of the NVFP4 routed experts of
   // large steps (moe_prefill_path above), only with moe_tensor_cores.
   MoePrefill moe_prefill = MoePrefill::by_step;

@@ -301,8 +301,11 @@ struct MoeRowGroups {
   int32_t* row_token = nullptr;     // [P] token of each sorted row
   int32_t* pair_pos = nullptr;      // [P] sorted row of each pair, -1 when skipped
 };
+// wide (large steps; experimental, --enable-wide-moe-grouping): count, scan and place over ceil(P / 2048) blocks
+// instead of one; the same groups, rows within an expert in another order (nothing depends on it).
 size_t moe_row_groups_bytes(int64_t T, int top_k, int64_t E);
-MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E, void* workspace, Stream stream);
+MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E, void* workspace, Stream stream,
+                            bool wide = false);
 // out[t] = sum over the token's slots in ascending (expert id, slot) order of weights[t, j] * y[pair_pos[t, j]]
 // (+ shared[t] * sigmoid(shared_gate[t]) when given): moe_experts' combine. y [P, H] fp32, or bf16 (moe_combine_bf16).
 void moe_combine(const float* y, const int32_t* ids, const float* weights, const int32_t* pair_pos, int top_k,

@@ -732,7 +732,7 @@ void moe_prefill_wgmma(const float* x, int64_t T, int64_t H, const int32_t* ids,
   const int64_t max_tiles = max_tiles_of(T, top_k, E, nt);
   if (max_tiles > 65535) cuda_fail("moe_prefill_wgmma: {} row tiles exceed the grid's 65535", {max_tiles});
   const Carve c = carve(workspace, T, top_k, E, H, I, tile_rows);
-  const MoeRowGroups g = moe_group_rows(ids, T, top_k, E, c.groups, stream);
+  const MoeRowGroups g = moe_group_rows(ids, T, top_k, E, c.groups, stream, form.wide_group);
   launch_kernel(build_tiles_kernel, 1, 32, 0, stream, g.group_offset, static_cast<int>(E), nt, c.tiles,
                 static_cast<int>(max_tiles));
   KILN_CUDA_CHECK_LAUNCH();

@@ -42,6 +42,7 @@ struct MoeWgmmaForm {
                           // in shared memory (where moe_wgmma_down_walk_taken; experimental)
   bool narrow = false;    // the MMAs of a tile cover its rows rounded up to 32 (m64n32 / n64 / n96 / n128), not the
                           // whole tile height: a tile's tail rows cost no MMAs (experimental)
+  bool wide_group = false;  // the grouping over many blocks (moe_group_rows' wide; experimental)
 };
 // Whether the down GEMM walks: down_walk >= 2 and the tile's activations (tile_rows x I, bf16) plus the weight stages
 // fit the shared memory of a block (64-row tiles: still two blocks per multiprocessor): I <= 512 at 64 rows, <= 640 at

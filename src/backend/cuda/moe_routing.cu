@@ -155,25 +155,13 @@ struct MoeLayout {
   int32_t* pair_pos;      // [P]  sorted row of each pair (-1: invalid expert id)
 };
 
-// One block (a multiple of 32 threads, at most 1024): counts each expert's pairs in shared memory, scans rows and
-// row tiles over the experts (thread i owns the contiguous chunk of ceil(E / blockDim) experts from i * chunk: local
-// sums, a two-level warp-shuffle block scan, then the chunk's offsets and tiles), then places every pair through a
-// shared-memory cursor per expert (the order of rows within an expert follows the atomics).
-__global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E,
-                                                         int tile_rows_m, MoeLayout lay) {
-  dev::pdl_enter();  // first statement: see launch.cuh
-  extern __shared__ int32_t cursor[];  // [E] pairs of each expert, then its next free sorted row
+// The scan over the experts of one block (a multiple of 32 threads, at most 1024): from each expert's pair count in
+// cursor[e], its first sorted row and first row tile (lay.group_offset, tile_offset, tile_group, tile_info where
+// given); cursor[e] becomes the expert's first sorted row. Thread i owns the contiguous chunk of ceil(E / blockDim)
+// experts from i * chunk: local sums, a two-level warp-shuffle block scan, then the chunk's offsets and tiles.
+__device__ __forceinline__ void scan_groups(int32_t* cursor, int E, int tile_rows_m, const MoeLayout& lay) {
   __shared__ int warp_rows[32], warp_tiles[32];
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
-  // The expert of this thread's first pair, loaded before the counters are cleared (its latency overlaps that).
-  const int first_e = tid < P ? ids[tid] : -1;
-  for (int e = tid; e < E; e += nt) cursor[e] = 0;
-  __syncthreads();
-  for (int p = tid; p < P; p += nt) {
-    const int e = p == tid ? first_e : ids[p];
-    if (e >= 0 && e < E) atomicAdd(&cursor[e], 1);
-  }
-  __syncthreads();
   const int chunk = (E + nt - 1) / nt, e_begin = min(E, tid * chunk), e_end = min(E, e_begin + chunk);
   int rows = 0, tiles = 0;
   for (int e = e_begin; e < e_end; ++e) {
@@ -215,9 +203,98 @@ __global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restri
   }
   if (lay.tile_info)
     for (int i = total_tiles + tid; i < lay.max_tiles; i += nt) lay.tile_info[i] = make_int4(-1, 0, 0, 0);
+}
+
+// One block (a multiple of 32 threads, at most 1024): counts each expert's pairs in shared memory, scans rows and
+// row tiles over the experts (thread i owns the contiguous chunk of ceil(E / blockDim) experts from i * chunk: local
+// sums, a two-level warp-shuffle block scan, then the chunk's offsets and tiles), then places every pair through a
+// shared-memory cursor per expert (the order of rows within an expert follows the atomics).
+__global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restrict__ ids, int P, int top_k, int E,
+                                                         int tile_rows_m, MoeLayout lay) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  extern __shared__ int32_t cursor[];  // [E] pairs of each expert, then its next free sorted row
+  const int tid = threadIdx.x, nt = blockDim.x;
+  // The expert of this thread's first pair, loaded before the counters are cleared (its latency overlaps that).
+  const int first_e = tid < P ? ids[tid] : -1;
+  for (int e = tid; e < E; e += nt) cursor[e] = 0;
   __syncthreads();
   for (int p = tid; p < P; p += nt) {
     const int e = p == tid ? first_e : ids[p];
+    if (e >= 0 && e < E) atomicAdd(&cursor[e], 1);
+  }
+  __syncthreads();
+  scan_groups(cursor, E, tile_rows_m, lay);
+  __syncthreads();
+  for (int p = tid; p < P; p += nt) {
+    const int e = p == tid ? first_e : ids[p];
+    if (e >= 0 && e < E) {
+      const int pos = atomicAdd(&cursor[e], 1);
+      lay.row_token[pos] = p / top_k;
+      lay.pair_pos[p] = pos;
+    } else {
+      lay.pair_pos[p] = -1;
+    }
+  }
+}
+
+// ---- The grouping of large steps over many blocks (moe_group_rows with wide: one block is one multiprocessor, and
+// for the 65,536 pairs of an 8192-token pass of the 35B-A3B it took ~96 us). Block b of the count and place kernels
+// takes pairs [b * kGroupPairsPerBlock, (b + 1) * kGroupPairsPerBlock); hist[b][e] holds block b's pairs of expert e,
+// then (after the scan) block b's first sorted row within expert e. Rows within an expert: blocks in order, within
+// a block the order of the shared-memory atomics (as the one-block kernel; no result depends on it).
+constexpr int kGroupPairsPerBlock = 2048;
+constexpr int kGroupThreads = 1024;
+int64_t group_blocks(int64_t P) { return (P + kGroupPairsPerBlock - 1) / kGroupPairsPerBlock; }
+
+__global__ void __launch_bounds__(kGroupThreads) moe_group_count_kernel(const int32_t* __restrict__ ids, int P, int E,
+                                                                       int32_t* __restrict__ hist) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  extern __shared__ int32_t count[];  // [E]
+  const int tid = threadIdx.x, p0 = blockIdx.x * kGroupPairsPerBlock, p1 = min(P, p0 + kGroupPairsPerBlock);
+  for (int e = tid; e < E; e += kGroupThreads) count[e] = 0;
+  __syncthreads();
+  for (int p = p0 + tid; p < p1; p += kGroupThreads) {
+    const int e = ids[p];
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kGroupThreads) hist[int64_t(blockIdx.x) * E + e] = count[e];
+}
+
+// One block: each expert's pairs summed over the count blocks, the scan of scan_groups, then each count block's first
+// row within each expert (hist rewritten in place, expert by expert).
+__global__ void __launch_bounds__(kGroupThreads) moe_group_scan_kernel(int E, int blocks, int tile_rows_m,
+                                                                      int32_t* hist, MoeLayout lay) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  extern __shared__ int32_t cursor[];  // [E]
+  for (int e = threadIdx.x; e < E; e += kGroupThreads) {
+    int c = 0;
+    for (int b = 0; b < blocks; ++b) c += hist[int64_t(b) * E + e];
+    cursor[e] = c;
+  }
+  __syncthreads();
+  scan_groups(cursor, E, tile_rows_m, lay);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kGroupThreads) {
+    int row = cursor[e];
+    for (int b = 0; b < blocks; ++b) {
+      const int c = hist[int64_t(b) * E + e];
+      hist[int64_t(b) * E + e] = row;
+      row += c;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kGroupThreads) moe_group_place_kernel(const int32_t* __restrict__ ids, int P,
+                                                                       int top_k, int E, const int32_t* hist,
+                                                                       MoeLayout lay) {
+  dev::pdl_enter();  // first statement: see launch.cuh
+  extern __shared__ int32_t cursor[];  // [E] this block's next sorted row of each expert
+  const int tid = threadIdx.x, p0 = blockIdx.x * kGroupPairsPerBlock, p1 = min(P, p0 + kGroupPairsPerBlock);
+  for (int e = tid; e < E; e += kGroupThreads) cursor[e] = hist[int64_t(blockIdx.x) * E + e];
+  __syncthreads();
+  for (int p = p0 + tid; p < p1; p += kGroupThreads) {
+    const int e = ids[p];
     if (e >= 0 && e < E) {
       const int pos = atomicAdd(&cursor[e], 1);
       lay.row_token[pos] = p / top_k;
@@ -410,7 +487,8 @@ void moe_route(const float* logits, int64_t T, int64_t E, int top_k, bool renorm
 // The grouping alone (moe_prefill_blas.cu): group_offset, tile_offset, tile_group (row tiles of kRowGroupTile rows,
 // unused by the caller but written by the kernel), row_token, pair_pos.
 constexpr int kRowGroupTile = 64;
-static MoeRowGroups carve_row_groups(void* base, int64_t P, int64_t E, size_t* bytes) {
+// The grouping's buffers, and the wide grouping's per-block counts (hist) after them.
+static MoeRowGroups carve_row_groups(void* base, int64_t P, int64_t E, size_t* bytes, int32_t** hist = nullptr) {
   WorkspaceCarve w(base);
   auto take = [&](size_t n) { return static_cast<int32_t*>(w.take(n)); };
   MoeRowGroups g;
@@ -419,6 +497,8 @@ static MoeRowGroups carve_row_groups(void* base, int64_t P, int64_t E, size_t* b
   g.tile_group = take((P / kRowGroupTile + E + 1) * 4);
   g.row_token = take(P * 4);
   g.pair_pos = take(P * 4);
+  int32_t* h = take(static_cast<size_t>(group_blocks(P) * E) * 4);
+  if (hist) *hist = h;
   if (bytes) *bytes = w.bytes;
   return g;
 }
@@ -429,11 +509,13 @@ size_t moe_row_groups_bytes(int64_t T, int top_k, int64_t E) {
   return bytes;
 }
 
-MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E, void* workspace, Stream stream) {
+MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E, void* workspace, Stream stream,
+                            bool wide) {
   if (top_k < 1 || top_k > 64) cuda_fail("moe_group_rows: top_k {} is not supported (1 to 64)", {top_k});
   if (E * 4 > 48 * 1024) cuda_fail("moe_group_rows: {} experts is too many (at most 12288)", {E});
   const int64_t P = T * top_k;
-  MoeRowGroups g = carve_row_groups(workspace, P, E, nullptr);
+  int32_t* hist = nullptr;
+  MoeRowGroups g = carve_row_groups(workspace, P, E, nullptr, &hist);
   if (T == 0) return g;
   MoeLayout lay{};
   lay.group_offset = g.group_offset;
@@ -443,8 +525,22 @@ MoeRowGroups moe_group_rows(const int32_t* ids, int64_t T, int top_k, int64_t E,
   lay.max_tiles = 0;
   lay.row_token = g.row_token;
   lay.pair_pos = g.pair_pos;
+  const size_t smem = static_cast<size_t>(E) * 4;
+  const int64_t blocks = group_blocks(P);
+  if (wide && blocks > 1) {
+    launch_kernel(moe_group_count_kernel, static_cast<unsigned>(blocks), kGroupThreads, smem, stream, ids,
+                  static_cast<int>(P), static_cast<int>(E), hist);
+    KILN_CUDA_CHECK_LAUNCH();
+    launch_kernel(moe_group_scan_kernel, 1, kGroupThreads, smem, stream, static_cast<int>(E), static_cast<int>(blocks),
+                  kRowGroupTile, hist, lay);
+    KILN_CUDA_CHECK_LAUNCH();
+    launch_kernel(moe_group_place_kernel, static_cast<unsigned>(blocks), kGroupThreads, smem, stream, ids,
+                  static_cast<int>(P), top_k, static_cast<int>(E), static_cast<const int32_t*>(hist), lay);
+    KILN_CUDA_CHECK_LAUNCH();
+    return g;
+  }
   const int group_threads = E <= 1024 && P <= 4096 ? 256 : 1024;
-  launch_kernel(moe_group_kernel, 1, group_threads, static_cast<size_t>(E) * 4, stream, ids, static_cast<int>(P), top_k,
+  launch_kernel(moe_group_kernel, 1, group_threads, smem, stream, ids, static_cast<int>(P), top_k,
                 static_cast<int>(E), kRowGroupTile, lay);
   KILN_CUDA_CHECK_LAUNCH();
   return g;

@@ -250,6 +250,8 @@ TEST_P(MoePrefillWgmma, MatchesCpu) {
   walk2_options.moe_wgmma_down_walk = 2;  // the small shape's 3 feature blocks: a walk of 2, then one of 1
   walk4_options.moe_wgmma_down_walk = 4;
   walk4_options.moe_wgmma_narrow = true;  // with narrow MMAs on both GEMMs
+  walk4_options.moe_group_wide = true;    // and the grouping over many blocks (rows within an expert reordered: the
+                                          // outputs per row do not depend on it)
   CudaOptions narrow_options = bf16_options(MoePrefill::wgmma), tall_options = narrow_options;
   narrow_options.moe_wgmma_narrow = true;
   tall_options.moe_wgmma_tile_rows = 256;  // experimental 256-row tiles, with narrow MMAs

@@ -662,6 +662,7 @@ void check_moe(Harness& h) {
     }
     std::vector<int64_t> rows = c.linear_rows;
     rows.push_back(17 * E / k + 1);
+    if (c.large_step_rows > 0) rows.push_back(c.large_step_rows);
     for (int64_t T : rows) {
       h.reset();
       TensorView hids = h.host(DType::I32, Shape{T, k});
@@ -881,13 +882,19 @@ OpCheckConfig use_bf16_input_budgets(OpCheckConfig config) {
   return config;
 }
 
-void startup_op_check(Ops& test, Ops& reference, bool bf16_inputs) {
-  const auto start = std::chrono::steady_clock::now();
+OpCheckConfig startup_op_check_config(bool bf16_inputs) {
   OpCheckConfig config;  // the defaults: small, every op and variant
   config.seed = 20261130;
   config.hidden = 128;         // H and I multiples of 128: the tensor-core expert kernels run too
   config.expert_inter = 128;
+  config.large_step_rows = 1024;  // and the large-step expert path (wgmma on sm_90 under bf16)
   if (bf16_inputs) config = use_bf16_input_budgets(config);
+  return config;
+}
+
+void startup_op_check(Ops& test, Ops& reference, bool bf16_inputs) {
+  const auto start = std::chrono::steady_clock::now();
+  const OpCheckConfig config = startup_op_check_config(bf16_inputs);
   const std::vector<OpCheck> results = compare_ops(test, reference, config);
   double worst = 0;
   for (const OpCheck& r : results) worst = std::max(worst, r.rel_err / std::max(r.tol, 1e-30));

@@ -46,6 +46,9 @@ struct OpCheckConfig {
   int rotary_dim = 16;
   int64_t k_heads = 2, v_heads = 4, k_dim = 16, v_dim = 32, conv_kernel = 4;
   int64_t experts = 8, top_k = 2, expert_inter = 32;
+  // > 0: the routed experts also at a step of this many tokens, where a GPU backend takes its large-step expert path
+  // (CUDA on sm_90 with --dtype bfloat16: the wgmma grouped GEMMs from 1024 tokens). The startup check sets 1024.
+  int64_t large_step_rows = 0;
   int64_t vocab = 300;
   int page_size = 4;
   // The vision encoder's ops (layer_norm, gelu, rope_cos_sin, attention_segments, weighted_embedding) run at the
@@ -93,5 +96,7 @@ std::string op_check_failures(const std::vector<OpCheck>& results);
 // test backend runs --dtype bfloat16 (the tensor-core ops get use_bf16_input_budgets' tolerances; every other op
 // keeps 1e-5).
 void startup_op_check(model::Ops& test, model::Ops& reference, bool bf16_inputs = false);
+// The configuration startup_op_check runs.
+OpCheckConfig startup_op_check_config(bool bf16_inputs);
 
 }  // namespace kiln::backend

@@ -41,6 +41,23 @@ TEST(OpCompare, CpuAgainstCpuIsExact) {
   }
 }
 
+// The startup check covers the routed experts of a prefill-sized step too (where a GPU backend takes its large-step
+// path: the wgmma GEMMs on sm_90 from 1024 tokens), CPU against CPU exact.
+TEST(OpCompare, StartupCheckCoversALargeExpertStep) {
+  auto a = make_cpu_backend(), b = make_cpu_backend();
+  for (bool bf16 : {false, true}) {
+    const OpCheckConfig c = startup_op_check_config(bf16);
+    EXPECT_EQ(c.large_step_rows, 1024);
+    const std::vector<OpCheck> results = compare_ops(*a, *b, c);
+    int large = 0;
+    for (const OpCheck& r : results) {
+      EXPECT_TRUE(r.passed()) << r.str();
+      large += r.op.rfind("moe_experts ", 0) == 0 && r.op.find(" T=1024 ") != std::string::npos;
+    }
+    EXPECT_EQ(large, 2) << "nvfp4 and bf16 experts at T=1024";
+  }
+}
+
 // The CPU backend with silu_mul's output scaled by (1 + 1e-3): a small error, 100x the fp32 tolerance, that only a
 // working harness notices.
 class PerturbedSiluMul final : public kiln::model::ForwardingOps {

@@ -205,6 +205,18 @@ __device__ __forceinline__ void scan_groups(int32_t* cursor, int E, int tile_row
     for (int i = total_tiles + tid; i < lay.max_tiles; i += nt) lay.tile_info[i] = make_int4(-1, 0, 0, 0);
 }
 
+// Pair p (expert e) takes the next free sorted row of its expert (cursor: shared memory); an expert id outside [0, E)
+// is skipped (pair_pos -1).
+__device__ __forceinline__ void place_pair(int p, int e, int E, int top_k, int32_t* cursor, const MoeLayout& lay) {
+  if (e >= 0 && e < E) {
+    const int pos = atomicAdd(&cursor[e], 1);
+    lay.row_token[pos] = p / top_k;
+    lay.pair_pos[p] = pos;
+  } else {
+    lay.pair_pos[p] = -1;
+  }
+}
+
 // One block (a multiple of 32 threads, at most 1024): counts each expert's pairs in shared memory, scans rows and
 // row tiles over the experts (thread i owns the contiguous chunk of ceil(E / blockDim) experts from i * chunk: local
 // sums, a two-level warp-shuffle block scan, then the chunk's offsets and tiles), then places every pair through a
@@ -225,16 +237,7 @@ __global__ void __launch_bounds__(1024) moe_group_kernel(const int32_t* __restri
   __syncthreads();
   scan_groups(cursor, E, tile_rows_m, lay);
   __syncthreads();
-  for (int p = tid; p < P; p += nt) {
-    const int e = p == tid ? first_e : ids[p];
-    if (e >= 0 && e < E) {
-      const int pos = atomicAdd(&cursor[e], 1);
-      lay.row_token[pos] = p / top_k;
-      lay.pair_pos[p] = pos;
-    } else {
-      lay.pair_pos[p] = -1;
-    }
-  }
+  for (int p = tid; p < P; p += nt) place_pair(p, p == tid ? first_e : ids[p], E, top_k, cursor, lay);
 }
 
 // ---- The grouping of large steps over many blocks (moe_group_rows with wide: one block is one multiprocessor, and
@@ -293,16 +296,7 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_place_kernel(const in
   const int tid = threadIdx.x, p0 = blockIdx.x * kGroupPairsPerBlock, p1 = min(P, p0 + kGroupPairsPerBlock);
   for (int e = tid; e < E; e += kGroupThreads) cursor[e] = hist[int64_t(blockIdx.x) * E + e];
   __syncthreads();
-  for (int p = p0 + tid; p < p1; p += kGroupThreads) {
-    const int e = ids[p];
-    if (e >= 0 && e < E) {
-      const int pos = atomicAdd(&cursor[e], 1);
-      lay.row_token[pos] = p / top_k;
-      lay.pair_pos[p] = pos;
-    } else {
-      lay.pair_pos[p] = -1;
-    }
-  }
+  for (int p = p0 + tid; p < p1; p += kGroupThreads) place_pair(p, ids[p], E, top_k, cursor, lay);
 }
 
 constexpr int kCombineThreads = 128;

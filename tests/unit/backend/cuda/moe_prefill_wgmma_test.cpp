@@ -8,9 +8,13 @@
 //
 // Tolerance: --dtype bfloat16's expert budget (op_check.h, kBf16InputTol = 1e-2), and above 2e-4 (the bf16 rounding
 // of x, silu(gate) * up and the expert outputs happened): ~3e-3 expected, as the cuBLAS path.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -327,6 +331,80 @@ INSTANTIATE_TEST_SUITE_P(Layers, MoePrefillWgmma,
                                            LayerShape{"Qwen397B_A17B_Tp1", 4096, 512, 1024, 10},  // no down walk
                                            LayerShape{"Small_OddK", 384, 16, 256, 4}),
                          [](const ::testing::TestParamInfo<LayerShape>& info) { return std::string(info.param.name); });
+
+// The wide grouping (--enable-wide-moe-grouping: count, scan and place over many blocks) against a host oracle and
+// the one-block kernel: the same group and tile offsets (from the host's counts), every valid pair at a row of its own
+// inside its expert's group with its token recorded there, invalid ids skipped. Rows within an expert may come in
+// another order (nothing depends on it).
+TEST(MoeGroupRows, WideGroupingEqualsTheOneBlockKernel) {
+  KILN_REQUIRE_CUDA_DEVICE();
+  struct Case {
+    int64_t T;
+    int k;
+    int64_t E;
+  };
+  for (const Case c : {Case{8192, 8, 256}, Case{4096, 10, 512}, Case{3001, 4, 16}}) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " k=" + std::to_string(c.k) + " E=" + std::to_string(c.E));
+    const int64_t P = c.T * c.k;
+    std::mt19937_64 rng(77 + c.T);
+    std::vector<int32_t> ids(static_cast<size_t>(P));
+    for (int64_t t = 0; t < c.T; ++t) {
+      std::vector<int32_t> all(static_cast<size_t>(c.E));
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      for (int j = 0; j < c.k; ++j) ids[static_cast<size_t>(t * c.k + j)] = all[static_cast<size_t>(j)];
+    }
+    if (c.E == 16)  // a few ids outside [0, E): skipped
+      for (int64_t p = 5; p < P; p += 97) ids[static_cast<size_t>(p)] = p % 2 ? -1 : static_cast<int32_t>(c.E);
+    // The host oracle: counts, first rows, 64-row tiles.
+    std::vector<int32_t> offset(static_cast<size_t>(c.E + 1), 0), tiles(static_cast<size_t>(c.E + 1), 0);
+    for (int32_t e : ids)
+      if (e >= 0 && e < c.E) ++offset[static_cast<size_t>(e) + 1];
+    for (int64_t e = 0; e < c.E; ++e) {
+      const int32_t n = offset[static_cast<size_t>(e) + 1];
+      tiles[static_cast<size_t>(e) + 1] = tiles[static_cast<size_t>(e)] + (n + 63) / 64;
+      offset[static_cast<size_t>(e) + 1] += offset[static_cast<size_t>(e)];
+    }
+    int32_t* d_ids = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_ids, ids.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    const size_t bytes = kops::moe_row_groups_bytes(c.T, c.k, c.E);
+    for (bool wide : {false, true}) {
+      SCOPED_TRACE(wide ? "wide" : "one block");
+      void* ws = nullptr;
+      ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess);
+      const kops::MoeRowGroups g = kops::moe_group_rows(d_ids, c.T, c.k, c.E, ws, nullptr, wide);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto down = [](const int32_t* d, int64_t n) {
+        std::vector<int32_t> h(static_cast<size_t>(n));
+        EXPECT_EQ(cudaMemcpy(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        return h;
+      };
+      EXPECT_EQ(down(g.group_offset, c.E + 1), offset);
+      EXPECT_EQ(down(g.tile_offset, c.E + 1), tiles);
+      const std::vector<int32_t> tile_group = down(g.tile_group, tiles.back());
+      for (int64_t e = 0; e < c.E; ++e)
+        for (int32_t i = tiles[static_cast<size_t>(e)]; i < tiles[static_cast<size_t>(e) + 1]; ++i)
+          ASSERT_EQ(tile_group[static_cast<size_t>(i)], e);
+      const std::vector<int32_t> pos = down(g.pair_pos, P), tok = down(g.row_token, offset.back());
+      std::vector<int> hits(static_cast<size_t>(offset.back()), 0);
+      for (int64_t p = 0; p < P; ++p) {
+        const int32_t e = ids[static_cast<size_t>(p)], r = pos[static_cast<size_t>(p)];
+        if (e < 0 || e >= c.E) {
+          EXPECT_EQ(r, -1) << "pair " << p;
+          continue;
+        }
+        ASSERT_GE(r, offset[static_cast<size_t>(e)]) << "pair " << p;
+        ASSERT_LT(r, offset[static_cast<size_t>(e) + 1]) << "pair " << p;
+        EXPECT_EQ(tok[static_cast<size_t>(r)], p / c.k) << "pair " << p;
+        ++hits[static_cast<size_t>(r)];
+      }
+      for (int h : hits) ASSERT_EQ(h, 1);
+      cudaFree(ws);
+    }
+    cudaFree(d_ids);
+  }
+}
 
 // An expert-parallel rank (experts [64, 128) of 256): pairs of the other experts contribute nothing, as on the CPU.
 TEST(MoePrefillWgmmaExpertParallel, SkipsExpertsOfOtherRanks) {

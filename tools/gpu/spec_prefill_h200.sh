@@ -116,6 +116,8 @@ if has lines && [ -f "${LINES:-}" ]; then
     echo "rc=$?" | tee -a "$OUT/lines.txt"
     tail -n 40 "$OUT/lines.txt" | grep -E "^batch|spec K|plan|error|Error" | tail -12
   done < "$LINES"
+  echo "== the runs so far as a table (tools/gpu/lines_table.py)"
+  python3 "$(dirname "$0")/lines_table.py" "$OUT/lines.txt" | tee "$OUT/lines_table.md"
 fi
 if has images; then
   echo "== serve_images.sh on cpu and cuda"

@@ -294,11 +294,19 @@ void ResponsesJob::keep(const json& response) {
 json ResponsesJob::final_response() {
   const Accum& a = acc.at(0);
   json output = json::array();
+  // The last item of a response that did not complete (max_output_tokens, a shutdown) is incomplete; items before
+  // it ended on their own.
+  const bool completed = response_object(json::array())["status"] == "completed";
   if (!a.reasoning.empty()) output.push_back(reasoning_item("rs_" + random_hex(24), a.reasoning));
   if (a.content.find_first_not_of(" \t\r\n") != std::string::npos)
-    output.push_back(message_item("msg_" + random_hex(24), a.content, "completed"));
-  for (const auto& call : a.calls)
-    output.push_back(call_item("fc_" + random_hex(24), call.id, call.name, call.arguments, "completed"));
+    output.push_back(message_item("msg_" + random_hex(24), a.content, completed || !a.calls.empty() ? "completed"
+                                                                                                    : "incomplete"));
+  for (size_t k = 0; k < a.calls.size(); ++k) {
+    const auto& call = a.calls[k];
+    const bool last = k + 1 == a.calls.size();
+    output.push_back(call_item("fc_" + random_hex(24), call.id, call.name, call.arguments,
+                               completed || !last ? "completed" : "incomplete"));
+  }
   json r = response_object(std::move(output));
   keep(r);
   return r;
@@ -346,12 +354,12 @@ std::string ResponsesJob::block_event(const BlockEvent& e) {
   std::string out;
   if (e.kind == BlockKind::tool_call) {
     item["arguments"] = texts_[i];
-    item["status"] = "completed";
+    item["status"] = closing_status_;
     out += event("response.function_call_arguments.done",
                  {{"item_id", item_id}, {"output_index", e.index}, {"name", item["name"]}, {"arguments", texts_[i]}});
   } else {
     item["content"][0]["text"] = texts_[i];
-    if (e.kind == BlockKind::text) item["status"] = "completed";
+    if (e.kind == BlockKind::text) item["status"] = closing_status_;
     const char* done = e.kind == BlockKind::text ? "response.output_text.done" : "response.reasoning_text.done";
     out += event(done, {{"item_id", item_id}, {"output_index", e.index}, {"content_index", 0}, {"text", texts_[i]}});
     out += event("response.content_part.done", {{"item_id", item_id}, {"output_index", e.index}, {"content_index", 0},
@@ -362,6 +370,8 @@ std::string ResponsesJob::block_event(const BlockEvent& e) {
 
 std::string ResponsesJob::finish_events() {
   std::string out;
+  // The blocks still open end with the response: complete only if it is.
+  if (response_object(json::array())["status"] != "completed") closing_status_ = "incomplete";
   for (const auto& e : blocks_.finish()) out += block_event(e);
   json r = response_object(json(items_));
   const std::string status = r["status"];

@@ -66,6 +66,9 @@ struct ResponsesJob : GenerationJob {
   OutputBlocks blocks_;
   std::vector<nlohmann::json> items_;  // streamed: the output items as they stand
   std::vector<std::string> texts_;     // streamed: each item's text (reasoning, output_text, arguments)
+  // The status a message or function call item gets when its block closes: "completed", or, for the blocks the
+  // response's end closes when the response itself did not complete (max_output_tokens, a shutdown), "incomplete".
+  std::string closing_status_ = "completed";
   int64_t sequence_ = 0;
 };
 

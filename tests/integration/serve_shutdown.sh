@@ -72,7 +72,7 @@ for route in messages responses; do
   if [ $route = messages ]; then
     ended='event: message_stop'; cut='"type":"overloaded_error"'
   else
-    ended='"status":"completed"'; cut='"code":"server_shutting_down"'
+    ended='event: response.completed'; cut='"code":"server_shutting_down"'
   fi
   if grep -q "$ended" "$SERVE_WORK/$route.txt"; then
     # The generation may have finished (eos) before the signal: then it must not have been cut.

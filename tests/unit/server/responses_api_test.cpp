@@ -140,6 +140,35 @@ TEST(ResponsesApi, ReasoningAndMessageItemsWithUsage) {
   Reply m = post(s, "/v1/responses", responses_body("word", {{"max_output_tokens", 2}}));
   EXPECT_EQ(m.j["status"], "incomplete");
   EXPECT_EQ(m.j["incomplete_details"]["reason"], "max_output_tokens");
+  // A message cut by max_output_tokens is an incomplete item, not a completed one (as the completed response's
+  // message above is).
+  Reply cut = post(s, "/v1/responses", responses_body("</think>\n\nSunny and warm all day.", {{"max_output_tokens", 14}}));
+  EXPECT_EQ(cut.j["status"], "incomplete");
+  const json& items = cut.j["output"];
+  ASSERT_FALSE(items.empty()) << cut.body;
+  EXPECT_EQ(items.back()["type"], "message") << cut.body;
+  EXPECT_EQ(items.back()["status"], "incomplete") << cut.body;
+  EXPECT_EQ(out[1]["status"], "completed");
+}
+
+// Streamed, the same: the cut message's output_item.done says incomplete, and so does the final response's item.
+TEST(ResponsesApi, StreamedIncompleteMessageIsAnIncompleteItem) {
+  TestServer& s = shared_server();
+  Reply r = post(s, "/v1/responses",
+                 responses_body("</think>\n\nSunny and warm all day.", {{"stream", true}, {"max_output_tokens", 14}}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto events = named_sse_events(r.body);
+  ASSERT_FALSE(events.empty());
+  json message_done;
+  for (const auto& [name, data] : events)
+    if (name == "response.output_item.done" && data["item"]["type"] == "message") message_done = data["item"];
+  ASSERT_FALSE(message_done.is_null()) << r.body;
+  EXPECT_EQ(message_done["status"], "incomplete") << r.body;
+  EXPECT_EQ(events.back().first, "response.incomplete");
+  const json& done = events.back().second["response"];
+  ASSERT_FALSE(done["output"].empty()) << r.body;
+  EXPECT_EQ(done["output"].back()["type"], "message");
+  EXPECT_EQ(done["output"].back()["status"], "incomplete");
 }
 
 TEST(ResponsesApi, FunctionCallRoundTripByPreviousResponseId) {

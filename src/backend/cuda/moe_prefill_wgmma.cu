@@ -151,6 +151,15 @@ __device__ __forceinline__ void decode_block(const uint4 (&wv)[2], const uint32_
     dev::decode_fragment<1>(w0, w1, s0, s1, A[2 * j + 1]);
   }
 }
+// The A fragments of one 128-k block from a weight stage in shared memory (128 rows' codes, 64 bytes each, then
+// their block scales, 8 bytes each): this lane's 16 bytes of rows `row` and row + 8 and their 2 scale bytes.
+__device__ __forceinline__ void decode_stage_rows(const uint8_t* w, int row, int q, uint32_t (&A)[8][4]) {
+  const uint8_t* codes = w + row * 64 + 16 * q;
+  const uint8_t* scales = w + 128 * 64 + row * 8 + 2 * q;
+  const uint4 wv[2] = {*reinterpret_cast<const uint4*>(codes), *reinterpret_cast<const uint4*>(codes + 8 * 64)};
+  const uint32_t sc[2] = {*reinterpret_cast<const uint16_t*>(scales), *reinterpret_cast<const uint16_t*>(scales + 64)};
+  decode_block(wv, sc, A);
+}
 #endif  // KILN_HAVE_WGMMA
 
 // One row tile x one feature block (moe_prefill_wgmma.h). kGateUp: features are 64 logical positions of I, warpgroup
@@ -269,18 +278,9 @@ __global__ void __launch_bounds__(block_threads(kProducer), blocks_per_sm(kNT, k
       return;
     }
   }
-  // The A fragments of stage s from shared memory: this lane's 16 bytes of rows m0, m0 + 8 and their 2 scale bytes.
+  // The A fragments of stage s: this lane's rows m0, m0 + 8 of its warpgroup's 64.
   auto decode_stage = [&](int s, uint32_t(&A)[8][4]) {
-    const uint8_t* st = smem + (s % kStages) * kStageBytes + kXBytes;
-    const int row = 64 * wg + m0;
-    uint4 wv[2];
-    uint32_t sc[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      wv[r] = *reinterpret_cast<const uint4*>(st + (row + 8 * r) * 64 + 16 * q);
-      sc[r] = *reinterpret_cast<const uint16_t*>(st + kCodeBytes + (row + 8 * r) * 8 + 2 * q);
-    }
-    decode_block(wv, sc, A);
+    decode_stage_rows(smem + (s % kStages) * kStageBytes + kXBytes, 64 * wg + m0, q, A);
   };
 
   // The main loop and the epilogue, with the MMA width of the tile (with_mma_cols).
@@ -495,18 +495,9 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kNT, false))
       else if (i < 640) ptx::cp_async_8(base + kCodeBytes + (i - 512) * 8, sc + (i - 512) * row_scales);
     }
   };
-  // The A fragments of item j from its stage: this lane's 16 bytes of rows m0, m0 + 8 and their 2 scale bytes.
+  // The A fragments of item j from its stage.
   auto decode_item = [&](int j, uint32_t(&A)[8][4]) {
-    const uint8_t* st = w_smem + (j % kS) * kWalkStageBytes;
-    const int row = 64 * wg + m0;
-    uint4 wv[2];
-    uint32_t sc[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      wv[r] = *reinterpret_cast<const uint4*>(st + (row + 8 * r) * 64 + 16 * q);
-      sc[r] = *reinterpret_cast<const uint16_t*>(st + kCodeBytes + (row + 8 * r) * 8 + 2 * q);
-    }
-    decode_block(wv, sc, A);
+    decode_stage_rows(w_smem + (j % kS) * kWalkStageBytes, 64 * wg + m0, q, A);
   };
 
   // Commit group 0: every k block of the activations and the first weight stage; groups 1 .. kS - 2: the next stages.

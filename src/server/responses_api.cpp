@@ -1,5 +1,7 @@
 #include "server/responses_api.h"
 
+#include <string_view>
+
 #include "engine/engine.h"
 #include "server/api_error.h"
 #include "server/body_fields.h"
@@ -244,6 +246,17 @@ json ResponsesJob::responses_usage() const {
           {"total_tokens", prompt_tokens + out}};
 }
 
+const char* ResponsesJob::status_word() const {
+  const ChoiceOutput& c = choices.at(0);
+  if (!c.finished()) return "in_progress";
+  switch (c.engine_reason()) {
+    case engine::FinishReason::error:
+    case engine::FinishReason::abort: return "failed";  // abort: a shutdown that timed out, never "completed"
+    case engine::FinishReason::length: return "incomplete";
+    default: return "completed";
+  }
+}
+
 json ResponsesJob::response_object(json output) const {
   const ChoiceOutput& c = choices.at(0);
   json r = echo;
@@ -257,21 +270,16 @@ json ResponsesJob::response_object(json output) const {
   r["error"] = nullptr;
   r["incomplete_details"] = nullptr;
   r["usage"] = nullptr;
-  if (!c.finished()) {
-    r["status"] = "in_progress";
-  } else if (c.engine_reason() == engine::FinishReason::error) {
-    r["status"] = "failed";
-    r["error"] = {{"code", "server_error"}, {"message", "generation failed: " + c.error()}};
-  } else if (c.engine_reason() == engine::FinishReason::abort) {  // a shutdown that timed out: never "completed"
-    r["status"] = "failed";
-    r["error"] = {{"code", "server_shutting_down"}, {"message", shutdown_abort_error().what()}};
-  } else if (c.engine_reason() == engine::FinishReason::length) {
-    r["status"] = "incomplete";
-    r["incomplete_details"] = {{"reason", "max_output_tokens"}};
-  } else {
-    r["status"] = "completed";
+  r["status"] = status_word();
+  if (c.finished()) {
+    if (c.engine_reason() == engine::FinishReason::error)
+      r["error"] = {{"code", "server_error"}, {"message", "generation failed: " + c.error()}};
+    else if (c.engine_reason() == engine::FinishReason::abort)
+      r["error"] = {{"code", "server_shutting_down"}, {"message", shutdown_abort_error().what()}};
+    else if (c.engine_reason() == engine::FinishReason::length)
+      r["incomplete_details"] = {{"reason", "max_output_tokens"}};
+    r["usage"] = responses_usage();
   }
-  if (c.finished()) r["usage"] = responses_usage();
   return r;
 }
 
@@ -296,7 +304,7 @@ json ResponsesJob::final_response() {
   json output = json::array();
   // The last item of a response that did not complete (max_output_tokens, a shutdown) is incomplete; items before
   // it ended on their own.
-  const bool completed = response_object(json::array())["status"] == "completed";
+  const bool completed = std::string_view(status_word()) == "completed";
   if (!a.reasoning.empty()) output.push_back(reasoning_item("rs_" + random_hex(24), a.reasoning));
   if (a.content.find_first_not_of(" \t\r\n") != std::string::npos)
     output.push_back(message_item("msg_" + random_hex(24), a.content, completed || !a.calls.empty() ? "completed"
@@ -371,7 +379,7 @@ std::string ResponsesJob::block_event(const BlockEvent& e) {
 std::string ResponsesJob::finish_events() {
   std::string out;
   // The blocks still open end with the response: complete only if it is.
-  if (response_object(json::array())["status"] != "completed") closing_status_ = "incomplete";
+  if (std::string_view(status_word()) != "completed") closing_status_ = "incomplete";
   for (const auto& e : blocks_.finish()) out += block_event(e);
   json r = response_object(json(items_));
   const std::string status = r["status"];

@@ -55,6 +55,8 @@ struct ResponsesJob : GenerationJob {
 
   // The response object: status "in_progress" until the choice finished.
   nlohmann::json response_object(nlohmann::json output) const;
+  // The response's status: in_progress, completed, incomplete (max_output_tokens) or failed (an error, a shutdown).
+  const char* status_word() const;
   nlohmann::json responses_usage() const;
 
  private:

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <numeric>
 
 namespace kiln::engine {
@@ -122,6 +123,28 @@ TEST(Scheduler, DecodesKeepFlowingWhileALongPromptPrefills) {
   EXPECT_EQ(q.num_prefill_tokens, 0);
 }
 
+// Steps until `len` prompt tokens have been prefilled (a prompt just enqueued; at most 64 steps), each checked by
+// `check(plan, step)` before it is committed and sampled. Returns the number of steps.
+int prefill_prompt(Scheduler& s, int64_t len, const std::function<void(const StepPlan&, int)>& check) {
+  int64_t prefilled = 0;
+  int steps = 0;
+  while (prefilled < len) {
+    if (steps == 64) {
+      ADD_FAILURE() << "the prompt never finished";
+      break;
+    }
+    StepPlan q = s.plan_step();
+    check(q, steps);
+    EXPECT_GT(q.num_prefill_tokens, 0) << "step " << steps;
+    prefilled += q.num_prefill_tokens;
+    s.commit_step(q);
+    fake_sample(q);
+    ++steps;
+  }
+  EXPECT_EQ(prefilled, len);
+  return steps;
+}
+
 // The step budget counts decodes: 16 sequences decoding and a 20k-token prompt arriving. Every step carries all
 // 16 decodes (first), the prompt goes in chunks of what they leave of the budget, and no step exceeds it. With the
 // prefix cache on the chunks also stop at the prompt's snapshot boundaries; the bounds are the same.
@@ -145,27 +168,17 @@ void sixteen_decodes_and_a_long_prompt(bool prefix_cache) {
   ASSERT_EQ(s.num_running(), 16);
   constexpr int64_t kLong = 20000;
   s.enqueue(make_seq(100, kLong, 8));
-  int64_t prefilled = 0;
-  int steps = 0;
-  while (prefilled < kLong) {
-    ASSERT_LT(steps, 64) << "the long prompt never finished";
-    StepPlan q = s.plan_step();
-    EXPECT_EQ(q.num_decodes, 16) << "step " << steps;
+  const int steps = prefill_prompt(s, kLong, [&](const StepPlan& q, int step) {
+    EXPECT_EQ(q.num_decodes, 16) << "step " << step;
     for (int i = 0; i < 16; ++i) {
       EXPECT_EQ(q.chunks[static_cast<size_t>(i)].num_tokens, 1);
       EXPECT_NE(q.chunks[static_cast<size_t>(i)].seq->uid, 100u);
     }
-    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, o.chunked_prefill_size) << "step " << steps;
-    EXPECT_GT(q.num_prefill_tokens, 0) << "step " << steps;
+    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, o.chunked_prefill_size) << "step " << step;
     int64_t tokens = 0;
     for (const auto& c : q.chunks) tokens += c.num_tokens;
     EXPECT_EQ(tokens, q.num_decodes + q.num_prefill_tokens);
-    prefilled += q.num_prefill_tokens;
-    s.commit_step(q);
-    fake_sample(q);
-    ++steps;
-  }
-  EXPECT_EQ(prefilled, kLong);
+  });
   // 20,000 tokens in chunks of at most 8,192 - 16 = 8,176: 8,176 + 8,176 + 3,648. With the cache the third stops
   // at the prompt's second-to-last page boundary (19,968) and the last 32 tokens take a fourth step.
   EXPECT_EQ(steps, prefix_cache ? 4 : 3);
@@ -210,20 +223,10 @@ TEST(Scheduler, StepsWithDecodesTakeTheSmallerBudget) {
   s.commit_step(p);
   fake_sample(p);
   s.enqueue(make_seq(2, kLong, 4));
-  int64_t prefilled = 0;
-  int steps = 0;
-  while (prefilled < kLong) {
-    ASSERT_LT(steps, 64) << "the long prompt never finished";
-    StepPlan q = s.plan_step();
-    EXPECT_GE(q.num_decodes, 16) << "step " << steps;
-    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, 2048) << "step " << steps;
-    EXPECT_GT(q.num_prefill_tokens, 0) << "step " << steps;
-    prefilled += q.num_prefill_tokens;
-    s.commit_step(q);
-    fake_sample(q);
-    ++steps;
-  }
-  EXPECT_EQ(prefilled, kLong);
+  const int steps = prefill_prompt(s, kLong, [](const StepPlan& q, int step) {
+    EXPECT_GE(q.num_decodes, 16) << "step " << step;
+    EXPECT_LE(q.num_decodes + q.num_prefill_tokens, 2048) << "step " << step;
+  });
   EXPECT_GE(steps, 10);  // 20,000 tokens at most 2,048 - 17 a step
 }
 
